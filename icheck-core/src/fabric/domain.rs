@@ -1,0 +1,354 @@
+//! Provider selection and the opened fabric + domain.
+
+use std::ffi::{CStr, CString};
+use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use libfabric_sys as sys;
+use serde::{Deserialize, Serialize};
+
+use super::{FabricError, Result};
+
+/// Which provider and domain to open. Parsed from the `[fabric]` table of the
+/// icheck configuration; every field is optional.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FabricConfig {
+    /// libfabric provider name: `tcp`, `shm`, `sockets`, `verbs;ofi_rxm`,
+    /// `psm2`, `opx`, `cxi`, `efa`, ... `None` or `"auto"` takes libfabric's
+    /// first match. The `FI_PROVIDER` environment variable, when set, wins over
+    /// this value, so a job script can switch provider without editing files.
+    pub provider: Option<String>,
+    /// Domain (for socket providers: the interface, e.g. `lo`, `eth0`).
+    /// `None` takes the first domain the provider lists.
+    pub domain: Option<String>,
+}
+
+impl FabricConfig {
+    /// A configuration for one named provider on any domain.
+    pub fn provider(name: &str) -> Self {
+        FabricConfig {
+            provider: Some(name.to_string()),
+            domain: None,
+        }
+    }
+
+    /// The provider actually requested, after `FI_PROVIDER` and `auto`.
+    fn effective_provider(&self) -> Option<String> {
+        if std::env::var_os("FI_PROVIDER").is_some() {
+            // libfabric applies FI_PROVIDER as a filter itself; asking for a
+            // different name as well would match nothing.
+            return None;
+        }
+        self.provider
+            .clone()
+            .filter(|p| !p.is_empty() && p != "auto")
+    }
+
+    fn describe_provider(&self) -> String {
+        match std::env::var("FI_PROVIDER") {
+            Ok(env) => format!("{env} (from FI_PROVIDER)"),
+            Err(_) => self
+                .effective_provider()
+                .unwrap_or_else(|| "auto".to_string()),
+        }
+    }
+}
+
+/// The memory-registration rules a provider imposes (`fi_domain_attr::mr_mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MrMode {
+    /// Local buffers passed to data-transfer calls need a registration descriptor.
+    pub local: bool,
+    /// Remote addresses are virtual addresses; otherwise they are offsets into the region.
+    pub virt_addr: bool,
+    /// Registered memory must be backed by allocated pages.
+    pub allocated: bool,
+    /// The provider chooses keys; otherwise the application picks unique ones.
+    pub prov_key: bool,
+    /// Regions are bound to an endpoint and enabled before use.
+    pub endpoint: bool,
+}
+
+impl MrMode {
+    const OFFERED: u32 = sys::FI_MR_LOCAL
+        | sys::FI_MR_VIRT_ADDR
+        | sys::FI_MR_ALLOCATED
+        | sys::FI_MR_PROV_KEY
+        | sys::FI_MR_ENDPOINT;
+
+    fn from_bits(bits: i32) -> Self {
+        let bits = bits as u32;
+        MrMode {
+            local: bits & sys::FI_MR_LOCAL != 0,
+            virt_addr: bits & sys::FI_MR_VIRT_ADDR != 0,
+            allocated: bits & sys::FI_MR_ALLOCATED != 0,
+            prov_key: bits & sys::FI_MR_PROV_KEY != 0,
+            endpoint: bits & sys::FI_MR_ENDPOINT != 0,
+        }
+    }
+}
+
+/// What `fi_getinfo` returned for one candidate, in printable form.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProviderInfo {
+    /// Provider name, e.g. `tcp;ofi_rxm`.
+    pub provider: String,
+    /// Fabric name, e.g. `127.0.0.1/32`.
+    pub fabric: String,
+    /// Domain name, e.g. `lo`.
+    pub domain: String,
+    /// Registration rules.
+    pub mr_mode: MrMode,
+    /// Largest single message or RMA the endpoint accepts.
+    pub max_msg_size: u64,
+    /// Transmit queue depth.
+    pub tx_size: usize,
+}
+
+/// Returns libfabric's text for a positive error number.
+pub(crate) fn strerror(code: i32) -> String {
+    // SAFETY: fi_strerror accepts any integer and returns a pointer to a static
+    // NUL-terminated string (or NULL, which is checked).
+    let text = unsafe { sys::fi_strerror(code) };
+    if text.is_null() {
+        return format!("error {code}");
+    }
+    // SAFETY: non-null, NUL-terminated and static (see above).
+    unsafe { CStr::from_ptr(text) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Reads a possibly-NULL C string owned by libfabric.
+///
+/// # Safety
+/// `ptr` must be NULL or point to a NUL-terminated string that outlives the call.
+unsafe fn c_string(ptr: *const std::os::raw::c_char) -> String {
+    if ptr.is_null() {
+        return String::new();
+    }
+    // SAFETY: guaranteed by the caller.
+    unsafe { CStr::from_ptr(ptr) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// An owned `fi_info` list, freed on drop.
+struct InfoList(*mut sys::fi_info);
+
+impl Drop for InfoList {
+    fn drop(&mut self) {
+        if !self.0.is_null() {
+            // SAFETY: the list came from fi_getinfo/fi_dupinfo and is freed once.
+            unsafe { sys::fi_freeinfo(self.0) };
+        }
+    }
+}
+
+/// Runs `fi_getinfo` with icheck's hints: RDM endpoints with RMA in both
+/// directions, every mr_mode bit offered, thread-safe domains.
+fn get_info(config: &FabricConfig) -> Result<InfoList> {
+    // SAFETY: fi_dupinfo(NULL) is fi_allocinfo(): a zeroed fi_info with all
+    // attribute structs allocated, or NULL on allocation failure.
+    let hints = InfoList(unsafe { sys::fi_dupinfo(ptr::null()) });
+    if hints.0.is_null() {
+        return Err(FabricError::Config(
+            "fi_allocinfo returned NULL (out of memory)".into(),
+        ));
+    }
+    let provider = config.effective_provider();
+    let to_c = |what: &str, value: &str| {
+        CString::new(value)
+            .map_err(|_| FabricError::Config(format!("{what} {value:?} contains a NUL byte")))
+    };
+    // SAFETY: `hints` and its attribute structs were allocated by fi_allocinfo
+    // and are exclusively ours. Strings are strdup'ed because fi_freeinfo
+    // frees them with free().
+    unsafe {
+        let h = &mut *hints.0;
+        h.caps = (sys::FI_RMA
+            | sys::FI_READ
+            | sys::FI_WRITE
+            | sys::FI_REMOTE_READ
+            | sys::FI_REMOTE_WRITE) as u64;
+        h.mode = (sys::FI_CONTEXT | sys::FI_CONTEXT2) as u64;
+        (*h.ep_attr).type_ = sys::fi_ep_type_FI_EP_RDM;
+        (*h.domain_attr).mr_mode = MrMode::OFFERED as i32;
+        (*h.domain_attr).threading = sys::fi_threading_FI_THREAD_SAFE;
+        if let Some(name) = &provider {
+            let c = to_c("provider", name)?;
+            (*h.fabric_attr).prov_name = sys::icheck_strdup(c.as_ptr());
+        }
+        if let Some(name) = &config.domain {
+            let c = to_c("domain", name)?;
+            (*h.domain_attr).name = sys::icheck_strdup(c.as_ptr());
+        }
+    }
+    let mut info: *mut sys::fi_info = ptr::null_mut();
+    // SAFETY: hints is a valid fi_info; `info` receives a list we own and free
+    // through InfoList.
+    let ret = unsafe {
+        sys::fi_getinfo(
+            sys::icheck_fi_header_version(),
+            ptr::null(),
+            ptr::null(),
+            0,
+            hints.0,
+            &mut info,
+        )
+    };
+    if ret != 0 || info.is_null() {
+        return Err(FabricError::NoProvider {
+            requested: config.describe_provider(),
+            domain: config.domain.clone().unwrap_or_else(|| "any".into()),
+            detail: strerror(ret.unsigned_abs() as i32),
+        });
+    }
+    Ok(InfoList(info))
+}
+
+/// Describes one `fi_info` entry.
+///
+/// # Safety
+/// `info` must point to a valid fi_info with its attribute structs.
+unsafe fn describe(info: *const sys::fi_info) -> ProviderInfo {
+    // SAFETY: guaranteed by the caller; strings are NUL-terminated or NULL.
+    unsafe {
+        let i = &*info;
+        ProviderInfo {
+            provider: c_string((*i.fabric_attr).prov_name),
+            fabric: c_string((*i.fabric_attr).name),
+            domain: c_string((*i.domain_attr).name),
+            mr_mode: MrMode::from_bits((*i.domain_attr).mr_mode),
+            max_msg_size: (*i.ep_attr).max_msg_size as u64,
+            tx_size: (*i.tx_attr).size,
+        }
+    }
+}
+
+/// Lists every provider/domain pair that satisfies icheck's needs under `config`.
+pub fn list_providers(config: &FabricConfig) -> Result<Vec<ProviderInfo>> {
+    let list = get_info(config)?;
+    let mut out = Vec::new();
+    let mut cur = list.0;
+    while !cur.is_null() {
+        // SAFETY: `cur` walks the list returned by fi_getinfo, which stays
+        // alive until `list` drops at the end of this function.
+        unsafe {
+            out.push(describe(cur));
+            cur = (*cur).next;
+        }
+    }
+    Ok(out)
+}
+
+pub(crate) struct DomainInner {
+    /// The chosen fi_info (a single entry duplicated from the getinfo list).
+    pub(crate) info: *mut sys::fi_info,
+    fabric: *mut sys::fid_fabric,
+    pub(crate) domain: *mut sys::fid_domain,
+    pub(crate) mr_mode: MrMode,
+    pub(crate) description: ProviderInfo,
+    next_key: AtomicU64,
+}
+
+// SAFETY: the domain is opened with FI_THREAD_SAFE, so libfabric allows its
+// objects to be used from any thread; the raw pointers are only freed in Drop,
+// which runs once, after every Arc holder is gone.
+unsafe impl Send for DomainInner {}
+// SAFETY: see Send; shared use goes through libfabric's own locking.
+unsafe impl Sync for DomainInner {}
+
+impl DomainInner {
+    /// A key no other region of this domain uses (for providers without PROV_KEY).
+    pub(crate) fn unique_key(&self) -> u64 {
+        self.next_key.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+impl Drop for DomainInner {
+    fn drop(&mut self) {
+        // SAFETY: each object was opened in Domain::open and is closed exactly
+        // once, children before parents; endpoints and MRs hold an Arc to this
+        // struct, so they are already closed.
+        unsafe {
+            if !self.domain.is_null() {
+                sys::icheck_fi_close(&mut (*self.domain).fid);
+            }
+            if !self.fabric.is_null() {
+                sys::icheck_fi_close(&mut (*self.fabric).fid);
+            }
+            sys::fi_freeinfo(self.info);
+        }
+    }
+}
+
+/// An opened fabric and domain of one provider. Cheap to clone.
+#[derive(Clone)]
+pub struct Domain {
+    pub(crate) inner: Arc<DomainInner>,
+}
+
+impl std::fmt::Debug for Domain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Domain")
+            .field("provider", &self.inner.description)
+            .finish()
+    }
+}
+
+impl Domain {
+    /// Opens the first provider/domain that matches `config`.
+    pub fn open(config: &FabricConfig) -> Result<Domain> {
+        let list = get_info(config)?;
+        // SAFETY: list.0 is a valid, non-empty list; fi_dupinfo copies its
+        // first entry (and only that entry: `next` is not followed).
+        let info = unsafe { sys::fi_dupinfo(list.0) };
+        if info.is_null() {
+            return Err(FabricError::Config(
+                "fi_dupinfo returned NULL (out of memory)".into(),
+            ));
+        }
+        // SAFETY: `info` is a valid fi_info owned by us.
+        let description = unsafe { describe(info) };
+        let mut inner = DomainInner {
+            info,
+            fabric: ptr::null_mut(),
+            domain: ptr::null_mut(),
+            mr_mode: description.mr_mode,
+            description,
+            next_key: AtomicU64::new(1),
+        };
+        // SAFETY: fabric_attr is valid; `inner.fabric` receives the new object,
+        // which DomainInner::drop closes (also on the error path below).
+        let ret =
+            unsafe { sys::fi_fabric((*info).fabric_attr, &mut inner.fabric, ptr::null_mut()) };
+        if ret != 0 {
+            return Err(FabricError::call("fi_fabric", ret.into()));
+        }
+        // SAFETY: fabric and info are valid; the domain is closed in drop.
+        let ret = unsafe {
+            sys::icheck_fi_domain(inner.fabric, info, &mut inner.domain, ptr::null_mut())
+        };
+        if ret != 0 {
+            return Err(FabricError::call("fi_domain", ret.into()));
+        }
+        tracing::debug!(provider = %inner.description.provider, domain = %inner.description.domain,
+            mr_mode = ?inner.mr_mode, "opened fabric domain");
+        Ok(Domain {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// What was opened: provider, fabric, domain and registration rules.
+    pub fn info(&self) -> &ProviderInfo {
+        &self.inner.description
+    }
+
+    /// The registration rules in force.
+    pub fn mr_mode(&self) -> MrMode {
+        self.inner.mr_mode
+    }
+}

@@ -1,0 +1,837 @@
+//! Endpoints, peers and batched RMA.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::os::raw::c_void;
+use std::ptr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use libfabric_sys as sys;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::domain::{Domain, DomainInner};
+use super::mr::{
+    Access, LocalSource, LocalTarget, MemoryRegion, RegisteredBuffer, RemoteRegion, StableBuffer,
+};
+use super::{FabricError, Result};
+
+/// The raw address of an endpoint (`fi_getname`), printed and parsed as hex.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct FabricAddress(pub Vec<u8>);
+
+impl fmt::Display for FabricAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for byte in &self.0 {
+            write!(f, "{byte:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for FabricAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "FabricAddress({self})")
+    }
+}
+
+impl std::str::FromStr for FabricAddress {
+    type Err = FabricError;
+
+    fn from_str(text: &str) -> Result<Self> {
+        let invalid = |reason: &str| FabricError::InvalidAddress {
+            address: text.to_string(),
+            reason: reason.into(),
+        };
+        if text.is_empty() || text.len() % 2 != 0 {
+            return Err(invalid("expected a non-empty, even number of hex digits"));
+        }
+        (0..text.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(text.get(i..i + 2).unwrap_or("zz"), 16))
+            .collect::<std::result::Result<Vec<u8>, _>>()
+            .map(FabricAddress)
+            .map_err(|_| invalid("not a hex string"))
+    }
+}
+
+impl Serialize for FabricAddress {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for FabricAddress {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// A peer inserted into an endpoint's address vector.
+#[derive(Clone, Debug)]
+pub struct Peer {
+    fi_addr: sys::fi_addr_t,
+    name: Arc<str>,
+}
+
+impl Peer {
+    /// The peer's printable address (provider format, e.g. `fi_sockaddr_in://127.0.0.1:40211`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+/// The direction of an RMA operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RmaKind {
+    /// `fi_read`: remote memory into local memory.
+    Read,
+    /// `fi_write`: local memory into remote memory.
+    Write,
+}
+
+impl fmt::Display for RmaKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            RmaKind::Read => "fi_read",
+            RmaKind::Write => "fi_write",
+        })
+    }
+}
+
+/// One transfer of a batch: `len` bytes between `local_offset` of the local
+/// buffer and `remote_offset` of `remote`. Long operations are split into
+/// chunks of [`TransferOptions::chunk_size`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RmaOp {
+    /// Offset in the local buffer.
+    pub local_offset: usize,
+    /// The remote region.
+    pub remote: RemoteRegion,
+    /// Offset in the remote region.
+    pub remote_offset: u64,
+    /// Bytes to move.
+    pub len: usize,
+}
+
+/// How a batch is cut and paced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransferOptions {
+    /// Largest single RMA operation (clamped to the provider's maximum).
+    pub chunk_size: usize,
+    /// Operations kept in flight at once.
+    pub inflight: usize,
+    /// How long the batch may go without any completion before it gives up.
+    pub timeout: Duration,
+    /// Ask writes to complete only once the data is in target memory
+    /// (`FI_DELIVERY_COMPLETE`). Required for writes a version depends on.
+    pub delivery_complete: bool,
+}
+
+impl Default for TransferOptions {
+    fn default() -> Self {
+        TransferOptions {
+            chunk_size: 1 << 20,
+            inflight: 8,
+            timeout: Duration::from_secs(10),
+            delivery_complete: true,
+        }
+    }
+}
+
+/// What a batch moved.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransferStats {
+    /// Bytes transferred.
+    pub bytes: u64,
+    /// RMA operations posted (after chunking).
+    pub operations: u64,
+    /// Wall time of the batch.
+    pub elapsed: Duration,
+}
+
+impl TransferStats {
+    /// Throughput in GB/s (10^9 bytes per second).
+    pub fn gb_per_s(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-9) / 1e9
+    }
+}
+
+/// The libfabric objects of one endpoint, guarded by the endpoint lock.
+struct EpState {
+    ep: *mut sys::fid_ep,
+    cq: *mut sys::fid_cq,
+    av: *mut sys::fid_av,
+    closed: bool,
+    peers: HashMap<Vec<u8>, Peer>,
+}
+
+impl EpState {
+    /// Closes the endpoint, then its address vector and completion queue.
+    /// Afterwards no operation can complete into local memory.
+    fn close(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        // SAFETY: each object was opened in Endpoint::new and is closed exactly
+        // once (guarded by `closed`), the endpoint before what it is bound to.
+        unsafe {
+            if !self.ep.is_null() {
+                sys::icheck_fi_close(&mut (*self.ep).fid);
+            }
+            if !self.av.is_null() {
+                sys::icheck_fi_close(&mut (*self.av).fid);
+            }
+            if !self.cq.is_null() {
+                sys::icheck_fi_close(&mut (*self.cq).fid);
+            }
+        }
+    }
+}
+
+pub(crate) struct EndpointShared {
+    // Declared before `domain` so that it is closed first.
+    state: Mutex<EpState>,
+    domain: Arc<DomainInner>,
+    address: FabricAddress,
+}
+
+// SAFETY: all libfabric objects belong to an FI_THREAD_SAFE domain, and every
+// use of the endpoint objects goes through the `state` mutex.
+unsafe impl Send for EndpointShared {}
+// SAFETY: see Send.
+unsafe impl Sync for EndpointShared {}
+
+impl Drop for EndpointShared {
+    fn drop(&mut self) {
+        self.state
+            .get_mut()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .close();
+    }
+}
+
+impl EndpointShared {
+    fn lock(&self) -> MutexGuard<'_, EpState> {
+        // A panic while holding the lock leaves libfabric objects intact, so
+        // the state is still usable.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// A reliable-datagram endpoint with its completion queue and address vector.
+/// Clones share the endpoint.
+#[derive(Clone)]
+pub struct Endpoint {
+    shared: Arc<EndpointShared>,
+}
+
+impl fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Endpoint")
+            .field("address", &self.shared.address)
+            .finish()
+    }
+}
+
+/// Slot of one in-flight operation. `ctx` must be the first field: libfabric
+/// returns its address as the completion's `op_context`.
+#[repr(C)]
+#[derive(Default)]
+struct OpSlot {
+    ctx: sys::fi_context2,
+    len: usize,
+    remote_addr: u64,
+    key: u64,
+}
+
+fn eagain() -> isize {
+    // SAFETY: returns a constant.
+    -(unsafe { sys::icheck_fi_eagain() } as isize)
+}
+
+fn eavail() -> isize {
+    // SAFETY: returns a constant.
+    -(unsafe { sys::icheck_fi_eavail() } as isize)
+}
+
+impl Endpoint {
+    /// Opens an RDM endpoint on `domain`, binds a completion queue and an
+    /// address vector, and enables it.
+    pub fn new(domain: &Domain) -> Result<Endpoint> {
+        let dom = domain.inner.clone();
+        let mut state = EpState {
+            ep: ptr::null_mut(),
+            cq: ptr::null_mut(),
+            av: ptr::null_mut(),
+            closed: false,
+            peers: HashMap::new(),
+        };
+        let tx_size = dom.description.tx_size.max(64);
+        let mut cq_attr = sys::fi_cq_attr {
+            size: tx_size * 2,
+            format: sys::fi_cq_format_FI_CQ_FORMAT_CONTEXT,
+            wait_obj: sys::fi_wait_obj_FI_WAIT_NONE,
+            ..Default::default()
+        };
+        let mut av_attr = sys::fi_av_attr {
+            type_: sys::fi_av_type_FI_AV_TABLE,
+            ..Default::default()
+        };
+        if let Err(err) = open_endpoint(&dom, &mut state, &mut cq_attr, &mut av_attr) {
+            state.close();
+            return Err(err);
+        }
+        let address = match get_name(state.ep) {
+            Ok(address) => address,
+            Err(err) => {
+                state.close();
+                return Err(err);
+            }
+        };
+        Ok(Endpoint {
+            shared: Arc::new(EndpointShared {
+                state: Mutex::new(state),
+                domain: dom,
+                address,
+            }),
+        })
+    }
+
+    /// This endpoint's address, for peers to insert.
+    pub fn address(&self) -> &FabricAddress {
+        &self.shared.address
+    }
+
+    /// The provider this endpoint runs on.
+    pub fn provider(&self) -> &str {
+        &self.shared.domain.description.provider
+    }
+
+    /// Inserts a peer's address into the address vector (once; later calls
+    /// with the same address return the same peer).
+    pub fn insert_peer(&self, address: &FabricAddress) -> Result<Peer> {
+        let mut state = self.shared.lock();
+        if state.closed {
+            return Err(FabricError::Closed);
+        }
+        if let Some(peer) = state.peers.get(&address.0) {
+            return Ok(peer.clone());
+        }
+        let mut fi_addr: sys::fi_addr_t = 0;
+        // SAFETY: the AV is open (not closed, checked above, lock held); the
+        // address buffer is valid for its length, which the provider reads.
+        let inserted = unsafe {
+            sys::icheck_fi_av_insert(
+                state.av,
+                address.0.as_ptr().cast(),
+                1,
+                &mut fi_addr,
+                0,
+                ptr::null_mut(),
+            )
+        };
+        if inserted != 1 {
+            return Err(FabricError::InvalidAddress {
+                address: address.to_string(),
+                reason: format!(
+                    "fi_av_insert accepted {inserted} of 1 addresses on provider {} (is it an address of the same provider?)",
+                    self.provider()
+                ),
+            });
+        }
+        let mut buf = vec![0u8; 256];
+        let mut len = buf.len();
+        // SAFETY: the AV is open; buf is writable for `len` bytes and the
+        // address readable; the result is NUL-terminated within buf or truncated.
+        let name = unsafe {
+            sys::icheck_fi_av_straddr(
+                state.av,
+                address.0.as_ptr().cast(),
+                buf.as_mut_ptr().cast(),
+                &mut len,
+            );
+            std::ffi::CStr::from_bytes_until_nul(&buf)
+                .map(|c| c.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        };
+        let name = if name.is_empty() {
+            address.to_string()
+        } else {
+            name
+        };
+        let peer = Peer {
+            fi_addr,
+            name: name.into(),
+        };
+        state.peers.insert(address.0.clone(), peer.clone());
+        Ok(peer)
+    }
+
+    /// Registers raw memory for RMA.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes until the
+    /// returned region is dropped, and must not be freed or unmapped before.
+    pub unsafe fn register_raw(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<MemoryRegion> {
+        let dom = &self.shared.domain;
+        let mode = dom.mr_mode;
+        let requested_key = if mode.prov_key { 0 } else { dom.unique_key() };
+        let mut mr: *mut sys::fid_mr = ptr::null_mut();
+        // SAFETY: the caller guarantees the memory; the domain is open.
+        let ret = unsafe {
+            sys::icheck_fi_mr_reg(
+                dom.domain,
+                ptr as *const c_void,
+                len,
+                access.bits(),
+                0,
+                requested_key,
+                0,
+                &mut mr,
+                ptr::null_mut(),
+            )
+        };
+        if ret != 0 {
+            return Err(FabricError::call("fi_mr_reg", ret.into()));
+        }
+        let region = MemoryRegion {
+            mr,
+            ptr,
+            len,
+            desc: ptr::null_mut(),
+            remote: RemoteRegion {
+                addr: 0,
+                key: 0,
+                len: len as u64,
+            },
+            _endpoint: self.shared.clone(),
+        };
+        if mode.endpoint {
+            let state = self.shared.lock();
+            if state.closed {
+                return Err(FabricError::Closed);
+            }
+            // SAFETY: mr and ep are open; binding and enabling are required
+            // under FI_MR_ENDPOINT before the key is valid. `region` closes the
+            // MR if either call fails.
+            unsafe {
+                let ep = state.ep;
+                let ret = sys::icheck_fi_mr_bind(mr, std::ptr::addr_of_mut!((*ep).fid), 0);
+                if ret != 0 {
+                    return Err(FabricError::call("fi_mr_bind", ret.into()));
+                }
+                let ret = sys::icheck_fi_mr_enable(mr);
+                if ret != 0 {
+                    return Err(FabricError::call("fi_mr_enable", ret.into()));
+                }
+            }
+        }
+        let mut region = region;
+        // SAFETY: mr is open and enabled.
+        let (key, desc) = unsafe { (sys::icheck_fi_mr_key(mr), sys::icheck_fi_mr_desc(mr)) };
+        region.desc = desc;
+        region.remote = RemoteRegion {
+            addr: if mode.virt_addr { ptr as u64 } else { 0 },
+            key,
+            len: len as u64,
+        };
+        Ok(region)
+    }
+
+    /// Registers an owned buffer.
+    pub fn register<B: StableBuffer>(
+        &self,
+        mut buffer: B,
+        access: Access,
+    ) -> Result<RegisteredBuffer<B>> {
+        let ptr = buffer.as_mut_ptr();
+        let len = buffer.len();
+        // SAFETY: the StableBuffer contract keeps `ptr` valid and in place for
+        // as long as `buffer` lives, and RegisteredBuffer drops the region
+        // before the buffer.
+        let region = unsafe { self.register_raw(ptr, len, access)? };
+        Ok(RegisteredBuffer::from_parts(region, buffer))
+    }
+
+    /// Reads remote memory into `local` (at each op's local offset).
+    pub fn read(
+        &self,
+        peer: &Peer,
+        local: LocalTarget<'_>,
+        ops: &[RmaOp],
+        options: &TransferOptions,
+    ) -> Result<TransferStats> {
+        self.transfer(
+            RmaKind::Read,
+            peer,
+            local.ptr,
+            local.len,
+            local.desc,
+            ops,
+            options,
+        )
+    }
+
+    /// Writes `local` (at each op's local offset) into remote memory.
+    pub fn write(
+        &self,
+        peer: &Peer,
+        local: LocalSource<'_>,
+        ops: &[RmaOp],
+        options: &TransferOptions,
+    ) -> Result<TransferStats> {
+        self.transfer(
+            RmaKind::Write,
+            peer,
+            local.ptr,
+            local.len,
+            local.desc,
+            ops,
+            options,
+        )
+    }
+
+    /// Polls the completion queue once if no batch is running, which drives
+    /// the provider's progress for peers that access this endpoint's memory.
+    /// Returns false if the endpoint is busy or closed.
+    pub fn progress(&self) -> bool {
+        let Ok(mut state) = self.shared.state.try_lock() else {
+            return false;
+        };
+        if state.closed {
+            return false;
+        }
+        let mut entries = [sys::fi_cq_entry::default(); 8];
+        // SAFETY: the CQ is open (not closed, lock held) and `entries` has room for 8.
+        let ret =
+            unsafe { sys::icheck_fi_cq_read(state.cq, entries.as_mut_ptr().cast(), entries.len()) };
+        if ret > 0 {
+            tracing::warn!(
+                count = ret,
+                "progress found completions outside any batch; ignored"
+            );
+        } else if ret == eavail() {
+            let mut err = sys::fi_cq_err_entry::default();
+            // SAFETY: CQ open; err is a valid, zeroed error entry.
+            unsafe { sys::icheck_fi_cq_readerr(state.cq, &mut err, 0) };
+            tracing::warn!(
+                err = err.err,
+                "progress found an error completion outside any batch"
+            );
+        } else if ret != eagain() && ret < 0 {
+            tracing::error!(
+                code = ret,
+                "fi_cq_read failed during progress; closing endpoint"
+            );
+            state.close();
+        }
+        true
+    }
+
+    /// Closes the endpoint now; later operations fail with [`FabricError::Closed`].
+    pub fn close(&self) {
+        self.shared.lock().close();
+    }
+
+    /// Whether the endpoint has been closed.
+    pub fn is_closed(&self) -> bool {
+        self.shared.lock().closed
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn transfer(
+        &self,
+        kind: RmaKind,
+        peer: &Peer,
+        local_ptr: *mut u8,
+        local_len: usize,
+        desc: *mut c_void,
+        ops: &[RmaOp],
+        options: &TransferOptions,
+    ) -> Result<TransferStats> {
+        let started = Instant::now();
+        // Validate every op before posting anything.
+        for op in ops {
+            if op
+                .local_offset
+                .checked_add(op.len)
+                .map_or(true, |end| end > local_len)
+            {
+                return Err(FabricError::OutOfRange {
+                    side: "local",
+                    offset: op.local_offset as u64,
+                    len: op.len as u64,
+                    region_len: local_len as u64,
+                });
+            }
+            op.remote.address_of(op.remote_offset, op.len as u64)?;
+        }
+        if options.chunk_size == 0 {
+            return Err(FabricError::Config(
+                "chunk_size must be at least 1 byte".into(),
+            ));
+        }
+        let max_msg = usize::try_from(self.shared.domain.description.max_msg_size)
+            .unwrap_or(usize::MAX)
+            .max(1);
+        let chunk = options.chunk_size.min(max_msg);
+        let inflight = options.inflight.max(1);
+        let mut flags = sys::FI_COMPLETION as u64;
+        if kind == RmaKind::Write && options.delivery_complete {
+            flags |= sys::FI_DELIVERY_COMPLETE as u64;
+        }
+
+        let mut state = self.shared.lock();
+        if state.closed {
+            return Err(FabricError::Closed);
+        }
+        let mut slots: Box<[OpSlot]> = (0..inflight).map(|_| OpSlot::default()).collect();
+        let slot_base = slots.as_mut_ptr() as usize;
+        let mut free: Vec<usize> = (0..inflight).rev().collect();
+        let mut outstanding = 0usize;
+        let mut stats = TransferStats::default();
+        let mut first_error: Option<FabricError> = None;
+        // Cursor over (op, offset within op).
+        let (mut op_index, mut op_done) = (0usize, 0usize);
+        let mut last_progress = Instant::now();
+        let mut entries = [sys::fi_cq_entry::default(); 16];
+        let mut idle_polls = 0u32;
+
+        loop {
+            // Post as many chunks as slots allow.
+            while first_error.is_none() && op_index < ops.len() {
+                let op = &ops[op_index];
+                if op_done >= op.len {
+                    op_index += 1;
+                    op_done = 0;
+                    continue;
+                }
+                let Some(&slot_index) = free.last() else {
+                    break;
+                };
+                let len = chunk.min(op.len - op_done);
+                let remote_addr = op.remote.addr + op.remote_offset + op_done as u64;
+                let slot = &mut slots[slot_index];
+                slot.len = len;
+                slot.remote_addr = remote_addr;
+                slot.key = op.remote.key;
+                // SAFETY: local_ptr + local_offset + op_done .. + len lies in
+                // the local buffer (validated above), which the caller's
+                // LocalSource/LocalTarget borrow keeps alive until we return;
+                // we return only after this op completed or the endpoint was
+                // closed. The iov, desc and rma_iov structs only need to live
+                // for the duration of the call. The context points into
+                // `slots`, which outlives every outstanding op.
+                let ret = unsafe {
+                    let mut iov = sys::iovec {
+                        iov_base: local_ptr.add(op.local_offset + op_done).cast(),
+                        iov_len: len,
+                    };
+                    let mut descs = [desc];
+                    let mut rma_iov = sys::fi_rma_iov {
+                        addr: remote_addr,
+                        len,
+                        key: op.remote.key,
+                    };
+                    let msg = sys::fi_msg_rma {
+                        msg_iov: &mut iov,
+                        desc: descs.as_mut_ptr(),
+                        iov_count: 1,
+                        addr: peer.fi_addr,
+                        rma_iov: &mut rma_iov,
+                        rma_iov_count: 1,
+                        context: (&mut slot.ctx as *mut sys::fi_context2).cast(),
+                        data: 0,
+                    };
+                    match kind {
+                        RmaKind::Read => sys::icheck_fi_readmsg(state.ep, &msg, flags),
+                        RmaKind::Write => sys::icheck_fi_writemsg(state.ep, &msg, flags),
+                    }
+                };
+                if ret == 0 {
+                    free.pop();
+                    outstanding += 1;
+                    stats.operations += 1;
+                    op_done += len;
+                } else if ret == eagain() {
+                    break; // Queue full: reap completions, then retry.
+                } else {
+                    first_error = Some(FabricError::Post {
+                        op: kind,
+                        peer: peer.name.to_string(),
+                        len,
+                        code: ret.unsigned_abs() as i32,
+                        message: super::domain::strerror(ret.unsigned_abs() as i32),
+                    });
+                }
+            }
+            let all_posted = op_index >= ops.len() || first_error.is_some();
+            if outstanding == 0 && all_posted {
+                break;
+            }
+
+            // Reap completions (this also drives the provider's progress).
+            // SAFETY: the CQ is open (lock held, not closed) and `entries` has
+            // room for entries.len() context-format entries.
+            let ret = unsafe {
+                sys::icheck_fi_cq_read(state.cq, entries.as_mut_ptr().cast(), entries.len())
+            };
+            if ret > 0 {
+                for entry in &entries[..ret as usize] {
+                    let index =
+                        (entry.op_context as usize - slot_base) / std::mem::size_of::<OpSlot>();
+                    stats.bytes += slots[index].len as u64;
+                    free.push(index);
+                    outstanding -= 1;
+                }
+                last_progress = Instant::now();
+                idle_polls = 0;
+            } else if ret == eavail() {
+                let mut err = sys::fi_cq_err_entry::default();
+                // SAFETY: CQ open; `err` is a zeroed entry with err_data_size
+                // 0, so the provider points err_data at its own buffer.
+                let got = unsafe { sys::icheck_fi_cq_readerr(state.cq, &mut err, 0) };
+                if got == 1 && !err.op_context.is_null() {
+                    let index =
+                        (err.op_context as usize - slot_base) / std::mem::size_of::<OpSlot>();
+                    let slot = &slots[index];
+                    let mut text = vec![0u8; 256];
+                    // SAFETY: CQ open; err_data belongs to the provider and is
+                    // valid until the next CQ call; text has room for len bytes.
+                    let message = unsafe {
+                        let ptr = sys::icheck_fi_cq_strerror(
+                            state.cq,
+                            err.prov_errno,
+                            err.err_data,
+                            text.as_mut_ptr().cast(),
+                            text.len(),
+                        );
+                        if ptr.is_null() {
+                            super::domain::strerror(err.err)
+                        } else {
+                            std::ffi::CStr::from_ptr(ptr).to_string_lossy().into_owned()
+                        }
+                    };
+                    if first_error.is_none() {
+                        first_error = Some(FabricError::Completion {
+                            op: kind,
+                            peer: peer.name.to_string(),
+                            remote_addr: slot.remote_addr,
+                            key: slot.key,
+                            len: slot.len,
+                            code: err.err,
+                            prov_errno: err.prov_errno,
+                            message,
+                        });
+                    }
+                    free.push(index);
+                    outstanding -= 1;
+                    last_progress = Instant::now();
+                }
+            } else if ret != eagain() {
+                // The completion queue itself failed: nothing can be trusted.
+                state.close();
+                return Err(FabricError::call("fi_cq_read", ret as i64));
+            } else if last_progress.elapsed() > options.timeout {
+                tracing::warn!(op = %kind, peer = %peer.name, outstanding, "RMA batch timed out; closing endpoint");
+                state.close();
+                return Err(FabricError::Timeout {
+                    op: kind,
+                    peer: peer.name.to_string(),
+                    outstanding: outstanding.max(1),
+                    timeout: options.timeout,
+                });
+            } else {
+                idle_polls += 1;
+                if idle_polls > 64 {
+                    std::thread::yield_now();
+                }
+            }
+        }
+        drop(state);
+        stats.elapsed = started.elapsed();
+        match first_error {
+            Some(err) => Err(err),
+            None => Ok(stats),
+        }
+    }
+}
+
+/// Opens the completion queue, address vector and endpoint into `state`,
+/// binds them and enables the endpoint. On error, `state` holds whatever was
+/// opened so far, for the caller to close.
+fn open_endpoint(
+    dom: &DomainInner,
+    state: &mut EpState,
+    cq_attr: &mut sys::fi_cq_attr,
+    av_attr: &mut sys::fi_av_attr,
+) -> Result<()> {
+    // SAFETY: the domain and its info are open for the life of `dom`; each
+    // out-pointer receives a new object that the caller closes through
+    // `state` (EpState::close skips the ones still NULL).
+    unsafe {
+        let ret = sys::icheck_fi_cq_open(dom.domain, cq_attr, &mut state.cq, ptr::null_mut());
+        if ret != 0 {
+            state.cq = ptr::null_mut();
+            return Err(FabricError::call("fi_cq_open", ret.into()));
+        }
+        let ret = sys::icheck_fi_av_open(dom.domain, av_attr, &mut state.av, ptr::null_mut());
+        if ret != 0 {
+            state.av = ptr::null_mut();
+            return Err(FabricError::call("fi_av_open", ret.into()));
+        }
+        let ret = sys::icheck_fi_endpoint(dom.domain, dom.info, &mut state.ep, ptr::null_mut());
+        if ret != 0 {
+            state.ep = ptr::null_mut();
+            return Err(FabricError::call("fi_endpoint", ret.into()));
+        }
+        let ret = sys::icheck_fi_ep_bind(
+            state.ep,
+            &mut (*state.cq).fid,
+            (sys::FI_TRANSMIT | sys::FI_RECV) as u64,
+        );
+        if ret != 0 {
+            return Err(FabricError::call("fi_ep_bind(cq)", ret.into()));
+        }
+        let ret = sys::icheck_fi_ep_bind(state.ep, &mut (*state.av).fid, 0);
+        if ret != 0 {
+            return Err(FabricError::call("fi_ep_bind(av)", ret.into()));
+        }
+        let ret = sys::icheck_fi_enable(state.ep);
+        if ret != 0 {
+            return Err(FabricError::call("fi_enable", ret.into()));
+        }
+    }
+    Ok(())
+}
+
+/// Reads an enabled endpoint's address.
+fn get_name(ep: *mut sys::fid_ep) -> Result<FabricAddress> {
+    let mut buf = vec![0u8; 64];
+    loop {
+        let mut len = buf.len();
+        // SAFETY: ep is an enabled endpoint; buf is writable for `len` bytes;
+        // on -FI_ETOOSMALL the provider stores the needed size in `len`.
+        let ret =
+            unsafe { sys::icheck_fi_getname(&mut (*ep).fid, buf.as_mut_ptr().cast(), &mut len) };
+        if ret == 0 {
+            buf.truncate(len);
+            return Ok(FabricAddress(buf));
+        }
+        if ret == -(sys::FI_ETOOSMALL as i32) && len > buf.len() {
+            buf.resize(len, 0);
+            continue;
+        }
+        return Err(FabricError::call("fi_getname", ret.into()));
+    }
+}

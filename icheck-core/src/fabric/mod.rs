@@ -1,0 +1,53 @@
+//! The safe libfabric layer: the only code in icheck that calls into libfabric.
+//!
+//! # Types
+//! * [`Domain`]: an opened fabric plus domain for one provider, with the
+//!   memory-registration rules ([`MrMode`]) the provider asked for.
+//! * [`Endpoint`]: a reliable-datagram (`FI_EP_RDM`) endpoint with its own
+//!   completion queue and address vector. It registers memory and runs batched
+//!   RMA reads and writes against peers.
+//! * [`MemoryRegion`] / [`RegisteredBuffer`]: local memory the NIC may access.
+//! * [`RemoteRegion`]: what a peer needs to reach a registered region (base
+//!   address, key, length). It is plain data, serializable, so the control
+//!   plane carries it.
+//! * [`FabricAddress`] / [`Peer`]: an endpoint's raw address and a peer
+//!   inserted into the local address vector.
+//! * [`ProgressThread`]: polls an endpoint that is only a *target* of RMA.
+//!
+//! # Architecture invariants
+//! * No libfabric type, pointer or constant leaves this module: callers see
+//!   only the types above and [`FabricError`].
+//! * Every `unsafe` block carries a `// SAFETY:` comment.
+//! * **Who drives progress.** With `tcp`, `shm`, `net` and `rxd` an RMA
+//!   completes only while *both* sides poll their completion queues.
+//!   - The initiator of a batch drives progress itself: [`Endpoint::read`] and
+//!     [`Endpoint::write`] hold the endpoint lock and poll until every
+//!     operation of the batch has completed (or failed, or timed out).
+//!   - The target of RMA must run a [`ProgressThread`] (the application while
+//!     agents pull from it; the agent while the application pushes to it). The
+//!     thread only polls while no batch holds the endpoint, so it never steals
+//!     a batch's completions.
+//! * A batch never returns while one of its operations may still touch local
+//!   memory: it waits for every posted operation, and when a peer stops
+//!   answering it closes the endpoint before returning [`FabricError::Timeout`].
+//! * Writes a checkpoint version depends on use `FI_DELIVERY_COMPLETE`
+//!   ([`TransferOptions::delivery_complete`]), because the default completion
+//!   may be reported before the data reached target memory.
+
+mod domain;
+mod endpoint;
+mod error;
+mod mr;
+mod progress;
+
+pub use domain::{list_providers, Domain, FabricConfig, MrMode, ProviderInfo};
+pub use endpoint::{Endpoint, FabricAddress, Peer, RmaKind, RmaOp, TransferOptions, TransferStats};
+pub use error::FabricError;
+pub use mr::{
+    Access, AlignedBuffer, LocalSource, LocalTarget, MemoryRegion, RegisteredBuffer, RemoteRegion,
+    StableBuffer,
+};
+pub use progress::{ProgressMode, ProgressThread};
+
+/// Result type of the fabric layer.
+pub type Result<T, E = FabricError> = std::result::Result<T, E>;

@@ -1,0 +1,67 @@
+//! Progress for endpoints that are the target of RMA.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use super::Endpoint;
+
+/// How a [`ProgressThread`] waits between polls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProgressMode {
+    /// Poll continuously, yielding the CPU between polls: lowest latency and
+    /// full bandwidth, at the cost of one busy core while it runs.
+    Spin,
+    /// Sleep this long between polls: for idle endpoints.
+    Sleep(Duration),
+}
+
+/// A thread that polls an endpoint's completion queue so that peers' RMA
+/// against this endpoint's memory makes progress. Stops and joins on drop.
+pub struct ProgressThread {
+    stop: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl ProgressThread {
+    /// Starts polling `endpoint` (a clone of it is kept until the thread stops).
+    pub fn spawn(endpoint: &Endpoint, mode: ProgressMode) -> std::io::Result<ProgressThread> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let endpoint = endpoint.clone();
+        let handle = std::thread::Builder::new()
+            .name("icheck-fabric-progress".into())
+            .spawn(move || {
+                while !flag.load(Ordering::Relaxed) {
+                    endpoint.progress();
+                    match mode {
+                        ProgressMode::Spin => std::thread::yield_now(),
+                        ProgressMode::Sleep(pause) => std::thread::sleep(pause),
+                    }
+                }
+            })?;
+        Ok(ProgressThread {
+            stop,
+            handle: Some(handle),
+        })
+    }
+
+    /// Stops the thread and waits for it.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(handle) = self.handle.take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+impl Drop for ProgressThread {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,10 @@
+//! icheck-core: the checkpoint service and the layers it is built on.
+//!
+//! * [`fabric`] is the only safe door to libfabric: domains, endpoints,
+//!   memory regions and batched RMA. Every checkpoint byte moves through it.
+//! * [`units`] parses and prints byte sizes the way operators write them.
+//!
+//! See ARCHITECTURE.md at the repository root for the bird's-eye view.
+
+pub mod fabric;
+pub mod units;
