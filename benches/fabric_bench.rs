@@ -1,1 +1,190 @@
-fn main() {}
+//! Fabric benchmark: moves a buffer between two processes with fi_read and
+//! fi_write over each provider and chunk size, and prints GB/s next to a
+//! memcpy of the same bytes measured in the same run.
+//!
+//! ```text
+//! cargo run --release -p icheck-benches --bin fabric-bench -- --size 1GiB
+//! ```
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint, FabricConfig, RmaOp, TransferOptions};
+use icheck_core::selftest::{fill_pattern, verify_pattern, Target, TargetAnnouncement};
+use icheck_core::units::ByteSize;
+
+/// Benchmark RMA throughput of the fabric layer against memcpy.
+#[derive(Parser)]
+struct Cli {
+    /// Bytes moved per measurement.
+    #[arg(long, default_value = "1GiB")]
+    size: ByteSize,
+    /// Providers to measure, comma-separated.
+    #[arg(long, default_value = "shm,tcp", value_delimiter = ',')]
+    providers: Vec<String>,
+    /// Chunk sizes (one RMA operation each), comma-separated.
+    #[arg(long, default_value = "1MiB,4MiB,16MiB", value_delimiter = ',')]
+    chunks: Vec<ByteSize>,
+    /// Operations in flight.
+    #[arg(long, default_value_t = 8)]
+    inflight: usize,
+    /// Timed repetitions per cell; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Internal: serve as the target process for one provider.
+    #[arg(long, hide = true)]
+    serve_target: Option<String>,
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    values[values.len() / 2]
+}
+
+fn gbps(bytes: usize, elapsed: Duration) -> f64 {
+    bytes as f64 / elapsed.as_secs_f64() / 1e9
+}
+
+/// A target process with its command pipe; killed on drop.
+struct TargetProcess {
+    child: Child,
+    input: ChildStdin,
+    output: BufReader<std::process::ChildStdout>,
+    announcement: TargetAnnouncement,
+}
+
+impl TargetProcess {
+    fn start(provider: &str, size: usize, seed: u64) -> Result<TargetProcess> {
+        let mut child = Command::new(std::env::current_exe()?)
+            .args(["--serve-target", provider, "--size", &size.to_string()])
+            .env("ICHECK_BENCH_SEED", seed.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting the target process")?;
+        let input = child.stdin.take().context("target stdin")?;
+        let mut output = BufReader::new(child.stdout.take().context("target stdout")?);
+        let mut line = String::new();
+        output.read_line(&mut line)?;
+        let announcement = serde_json::from_str(line.trim())
+            .with_context(|| format!("target for {provider} did not announce its buffer: {line:?}"))?;
+        Ok(TargetProcess { child, input, output, announcement })
+    }
+
+    fn verify(&mut self, seed: u64) -> Result<()> {
+        writeln!(self.input, "verify {seed}")?;
+        self.input.flush()?;
+        let mut line = String::new();
+        self.output.read_line(&mut line)?;
+        if line.trim() != "ok" {
+            bail!("target found wrong data after fi_write: {}", line.trim());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TargetProcess {
+    fn drop(&mut self) {
+        let _ = writeln!(self.input, "quit");
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Row {
+    provider: String,
+    op: &'static str,
+    chunk: ByteSize,
+    gbps: f64,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let size = usize::try_from(cli.size.0)?;
+    if let Some(provider) = &cli.serve_target {
+        let seed = std::env::var("ICHECK_BENCH_SEED")?.parse()?;
+        let target = Target::start(&FabricConfig::provider(provider), size, seed)?;
+        target.serve(std::io::stdin().lock(), std::io::stdout().lock())?;
+        return Ok(());
+    }
+    let runs = cli.runs.max(1);
+
+    // Baseline: memcpy of the same bytes between two touched buffers.
+    let mut src = AlignedBuffer::zeroed(size);
+    fill_pattern(src.as_mut_slice(), 7);
+    let mut dst = AlignedBuffer::zeroed(size);
+    dst.as_mut_slice().fill(1);
+    let memcpy = median(
+        (0..runs)
+            .map(|_| {
+                let start = Instant::now();
+                dst.as_mut_slice().copy_from_slice(src.as_slice());
+                gbps(size, start.elapsed())
+            })
+            .collect(),
+    );
+    drop((src, dst));
+    eprintln!("memcpy: {memcpy:.2} GB/s");
+
+    let mut rows = Vec::new();
+    for provider in &cli.providers {
+        let read_seed = 11;
+        let mut target = TargetProcess::start(provider, size, read_seed)?;
+        let domain = Domain::open(&FabricConfig::provider(provider))?;
+        let endpoint = Endpoint::new(&domain)?;
+        let peer = endpoint.insert_peer(&target.announcement.address)?;
+        let mut local = endpoint.register(AlignedBuffer::zeroed(size), Access::LOCAL)?;
+        local.as_mut_slice().fill(0); // touch every page before timing
+        let whole = [RmaOp { local_offset: 0, remote: target.announcement.region, remote_offset: 0, len: size }];
+        for &chunk in &cli.chunks {
+            let options = TransferOptions {
+                chunk_size: usize::try_from(chunk.0)?,
+                inflight: cli.inflight,
+                timeout: Duration::from_secs(30),
+                delivery_complete: true,
+            };
+            // Read: warm up, verify, then time.
+            local.as_mut_slice().fill(0);
+            endpoint.read(&peer, local.target(), &whole, &options)?;
+            verify_pattern(local.as_slice(), read_seed)
+                .map_err(|reason| anyhow::anyhow!("{provider} fi_read delivered wrong data: {reason}"))?;
+            let read = median(
+                (0..runs)
+                    .map(|_| endpoint.read(&peer, local.target(), &whole, &options).map(|s| s.gb_per_s()))
+                    .collect::<Result<_, _>>()?,
+            );
+            // Write: a new pattern, verified by the target, then timed.
+            let write_seed = 100 + chunk.0;
+            fill_pattern(local.as_mut_slice(), write_seed);
+            endpoint.write(&peer, local.source(), &whole, &options)?;
+            target.verify(write_seed)?;
+            let write = median(
+                (0..runs)
+                    .map(|_| endpoint.write(&peer, local.source(), &whole, &options).map(|s| s.gb_per_s()))
+                    .collect::<Result<_, _>>()?,
+            );
+            // Restore the read pattern for the next chunk size.
+            fill_pattern(local.as_mut_slice(), read_seed);
+            endpoint.write(&peer, local.source(), &whole, &options)?;
+            eprintln!("{provider} chunk {chunk}: fi_read {read:.2} GB/s, fi_write {write:.2} GB/s");
+            rows.push(Row { provider: target.announcement.provider.clone(), op: "fi_read", chunk, gbps: read });
+            rows.push(Row { provider: target.announcement.provider.clone(), op: "fi_write", chunk, gbps: write });
+        }
+    }
+
+    println!(
+        "Fabric RMA between two processes: {} per transfer, {} in flight, median of {runs}",
+        cli.size, cli.inflight
+    );
+    println!();
+    println!("| provider | operation | chunk | GB/s | × memcpy |");
+    println!("|---|---|---|---:|---:|");
+    println!("| (baseline) | memcpy | - | {memcpy:.2} | 1.00 |");
+    for row in rows {
+        println!("| {} | {} | {} | {:.2} | {:.2} |", row.provider, row.op, row.chunk, row.gbps, row.gbps / memcpy);
+    }
+    Ok(())
+}

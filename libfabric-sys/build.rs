@@ -10,15 +10,12 @@ fn main() {
     println!("cargo:rerun-if-changed=shim.c");
     println!("cargo:rerun-if-env-changed=PKG_CONFIG_PATH");
 
-    let lib = pkg_config::Config::new()
-        .atleast_version("1.17")
-        .probe("libfabric")
-        .unwrap_or_else(|err| {
-            panic!(
-                "libfabric-sys: libfabric >= 1.17 was not found by pkg-config ({err}).\n\
+    let lib = pkg_config::Config::new().atleast_version("1.17").probe("libfabric").unwrap_or_else(|err| {
+        panic!(
+            "libfabric-sys: libfabric >= 1.17 was not found by pkg-config ({err}).\n\
                  On Debian/Ubuntu install it with: apt-get install -y libfabric-dev pkg-config"
-            )
-        });
+        )
+    });
 
     let mut shim = cc::Build::new();
     shim.file("shim.c").warnings(true);
@@ -40,11 +37,9 @@ fn main() {
     for path in &lib.include_paths {
         builder = builder.clang_arg(format!("-I{}", path.display()));
     }
-    let bindings = builder.generate().expect(
-        "libfabric-sys: bindgen could not parse the libfabric headers (is libclang-dev installed?)",
-    );
+    let bindings = builder
+        .generate()
+        .expect("libfabric-sys: bindgen could not parse the libfabric headers (is libclang-dev installed?)");
     let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR is set by cargo"));
-    bindings
-        .write_to_file(out.join("bindings.rs"))
-        .expect("libfabric-sys: could not write bindings.rs");
+    bindings.write_to_file(out.join("bindings.rs")).expect("libfabric-sys: could not write bindings.rs");
 }

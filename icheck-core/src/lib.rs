@@ -2,9 +2,11 @@
 //!
 //! * [`fabric`] is the only safe door to libfabric: domains, endpoints,
 //!   memory regions and batched RMA. Every checkpoint byte moves through it.
+//! * [`selftest`] is the two-process RMA check behind `icheck fabric selftest`.
 //! * [`units`] parses and prints byte sizes the way operators write them.
 //!
 //! See ARCHITECTURE.md at the repository root for the bird's-eye view.
 
 pub mod fabric;
+pub mod selftest;
 pub mod units;

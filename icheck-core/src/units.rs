@@ -17,13 +17,9 @@ impl std::str::FromStr for ByteSize {
     type Err = ByteSizeError;
 
     fn from_str(input: &str) -> Result<Self, Self::Err> {
-        let err = || ByteSizeError {
-            input: input.to_string(),
-        };
+        let err = || ByteSizeError { input: input.to_string() };
         let trimmed = input.trim();
-        let split = trimmed
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(trimmed.len());
+        let split = trimmed.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(trimmed.len());
         let (number, unit) = trimmed.split_at(split);
         let multiplier: u64 = match unit.trim().to_ascii_lowercase().as_str() {
             "" | "b" => 1,
@@ -54,14 +50,9 @@ impl std::str::FromStr for ByteSize {
 
 impl fmt::Display for ByteSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const UNITS: [(&str, u64); 4] = [
-            ("TiB", 1 << 40),
-            ("GiB", 1 << 30),
-            ("MiB", 1 << 20),
-            ("KiB", 1 << 10),
-        ];
+        const UNITS: [(&str, u64); 4] = [("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)];
         for (name, size) in UNITS {
-            if self.0 >= size && self.0 % size == 0 {
+            if self.0 >= size && self.0.is_multiple_of(size) {
                 return write!(f, "{}{}", self.0 / size, name);
             }
         }
@@ -97,10 +88,7 @@ mod tests {
     #[test]
     fn rejects_garbage_and_overflow() {
         for text in ["", "MiB", "12XB", "-1", "99999999999TiB", "1e3"] {
-            assert!(
-                text.parse::<ByteSize>().is_err(),
-                "{text} should be rejected"
-            );
+            assert!(text.parse::<ByteSize>().is_err(), "{text} should be rejected");
         }
     }
 

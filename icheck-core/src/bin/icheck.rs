@@ -1,1 +1,281 @@
-fn main() {}
+//! `icheck`: the command administrators and users run.
+//!
+//! Today it carries the fabric tools; the service daemons join it as they land.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use icheck_core::fabric::{list_providers, FabricConfig, TransferOptions};
+use icheck_core::selftest::{self, Target, TargetAnnouncement};
+use icheck_core::units::ByteSize;
+
+/// icheck: an RDMA checkpoint service for MPI applications.
+#[derive(Parser)]
+#[command(name = "icheck", version, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command_,
+}
+
+#[derive(Subcommand)]
+enum Command_ {
+    /// Inspect and test the RDMA fabric (libfabric) on this machine.
+    #[command(subcommand)]
+    Fabric(FabricCommand),
+}
+
+#[derive(Subcommand)]
+enum FabricCommand {
+    /// List the providers and domains that offer what icheck needs
+    /// (reliable-datagram endpoints with RMA read and write).
+    ///
+    /// Example: icheck fabric info --provider tcp
+    Info {
+        #[command(flatten)]
+        fabric: FabricArgs,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Move a buffer between two processes with RMA and verify it word by word.
+    ///
+    /// Starts a second `icheck` process that registers a patterned buffer; this
+    /// process reads it in chunks, verifies every word, and writes a new
+    /// pattern back, which the other process verifies.
+    ///
+    /// Example: icheck fabric selftest --provider shm --size 256MiB --chunk 4MiB
+    Selftest {
+        #[command(flatten)]
+        fabric: FabricArgs,
+        #[command(flatten)]
+        transfer: TransferArgs,
+        /// Bytes to move (any size; need not be a multiple of the chunk).
+        #[arg(long, default_value = "64MiB")]
+        size: ByteSize,
+    },
+    /// The exposing half of the self-test: print where the buffer is as one
+    /// JSON line, then answer `verify SEED` lines on stdin until `quit`/EOF.
+    #[command(hide = true)]
+    Target {
+        #[command(flatten)]
+        fabric: FabricArgs,
+        /// Bytes to expose.
+        #[arg(long)]
+        size: ByteSize,
+        /// Pattern the buffer is filled with.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// The initiating half of the self-test: read the target named by the
+    /// JSON line in `--peer`, verify it against `--read-seed`, write
+    /// `--write-seed` back, and print the transfer rates as JSON.
+    #[command(hide = true)]
+    Initiator {
+        #[command(flatten)]
+        fabric: FabricArgs,
+        #[command(flatten)]
+        transfer: TransferArgs,
+        /// The target's announcement (JSON).
+        #[arg(long)]
+        peer: String,
+        /// Pattern expected in the target's buffer.
+        #[arg(long, default_value_t = 1)]
+        read_seed: u64,
+        /// Pattern written back.
+        #[arg(long, default_value_t = 2)]
+        write_seed: u64,
+    },
+}
+
+#[derive(Args, Clone)]
+struct FabricArgs {
+    /// libfabric provider: tcp, shm, sockets, verbs;ofi_rxm, psm2, cxi, efa, ...
+    /// or auto. FI_PROVIDER in the environment takes precedence.
+    #[arg(long, default_value = "auto")]
+    provider: String,
+    /// Domain to use (for tcp and sockets: the interface, e.g. lo).
+    #[arg(long)]
+    domain: Option<String>,
+}
+
+impl FabricArgs {
+    fn config(&self) -> FabricConfig {
+        FabricConfig { provider: Some(self.provider.clone()), domain: self.domain.clone() }
+    }
+
+    fn to_args(&self) -> Vec<String> {
+        let mut args = vec!["--provider".to_string(), self.provider.clone()];
+        if let Some(domain) = &self.domain {
+            args.extend(["--domain".to_string(), domain.clone()]);
+        }
+        args
+    }
+}
+
+#[derive(Args, Clone)]
+struct TransferArgs {
+    /// Largest single RMA operation.
+    #[arg(long, default_value = "1MiB")]
+    chunk: ByteSize,
+    /// RMA operations kept in flight.
+    #[arg(long, default_value_t = 8)]
+    inflight: usize,
+    /// Seconds without any completion before a transfer is abandoned.
+    #[arg(long, default_value_t = 10)]
+    timeout: u64,
+}
+
+impl TransferArgs {
+    fn options(&self) -> Result<TransferOptions> {
+        let chunk_size = usize::try_from(self.chunk.0).context("--chunk does not fit this machine")?;
+        Ok(TransferOptions {
+            chunk_size,
+            inflight: self.inflight,
+            timeout: Duration::from_secs(self.timeout),
+            delivery_complete: true,
+        })
+    }
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("ICHECK_LOG").unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(err) = run(Cli::parse()) {
+        eprintln!("icheck: error: {err:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command_::Fabric(command) => run_fabric(command),
+    }
+}
+
+fn run_fabric(command: FabricCommand) -> Result<()> {
+    match command {
+        FabricCommand::Info { fabric, json } => {
+            let providers = list_providers(&fabric.config())?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&providers)?);
+                return Ok(());
+            }
+            println!("{:<16} {:<16} {:<8} {:<40} {:>8}", "PROVIDER", "FABRIC", "DOMAIN", "MR_MODE", "TX_SIZE");
+            for p in providers {
+                let m = p.mr_mode;
+                let bits: Vec<&str> = [
+                    (m.local, "LOCAL"),
+                    (m.virt_addr, "VIRT_ADDR"),
+                    (m.allocated, "ALLOCATED"),
+                    (m.prov_key, "PROV_KEY"),
+                    (m.endpoint, "ENDPOINT"),
+                ]
+                .into_iter()
+                .filter_map(|(on, name)| on.then_some(name))
+                .collect();
+                let bits = if bits.is_empty() { "-".to_string() } else { bits.join(",") };
+                println!("{:<16} {:<16} {:<8} {:<40} {:>8}", p.provider, p.fabric, p.domain, bits, p.tx_size);
+            }
+            Ok(())
+        }
+        FabricCommand::Target { fabric, size, seed } => {
+            let size = usize::try_from(size.0).context("--size does not fit this machine")?;
+            let target = Target::start(&fabric.config(), size, seed)?;
+            target.serve(std::io::stdin().lock(), std::io::stdout().lock())?;
+            Ok(())
+        }
+        FabricCommand::Initiator { fabric, transfer, peer, read_seed, write_seed } => {
+            let announcement: TargetAnnouncement =
+                serde_json::from_str(&peer).context("--peer is not a target announcement (JSON)")?;
+            let report =
+                selftest::run_initiator(&fabric.config(), &announcement, &transfer.options()?, read_seed, write_seed)?;
+            println!(
+                "{}",
+                serde_json::json!({
+                    "bytes": report.read.bytes,
+                    "read_gbps": report.read.gb_per_s(),
+                    "write_gbps": report.write.gb_per_s(),
+                    "read_ops": report.read.operations,
+                    "write_ops": report.write.operations,
+                })
+            );
+            Ok(())
+        }
+        FabricCommand::Selftest { fabric, transfer, size } => selftest_command(&fabric, &transfer, size),
+    }
+}
+
+/// Kills and reaps a child process on drop, so that no target outlives us.
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn selftest_command(fabric: &FabricArgs, transfer: &TransferArgs, size: ByteSize) -> Result<()> {
+    let (read_seed, write_seed) = (0x001c_4ec4, 0x00c4_ec1c);
+    println!(
+        "icheck fabric selftest: {size} between two processes, chunk {}, {} in flight",
+        transfer.chunk, transfer.inflight
+    );
+    let exe = std::env::current_exe().context("cannot find the icheck executable")?;
+    let mut child = ChildGuard(
+        Command::new(exe)
+            .args(["fabric", "target", "--size", &size.0.to_string(), "--seed", &read_seed.to_string()])
+            .args(fabric.to_args())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("cannot start the target process")?,
+    );
+    let pid = child.0.id();
+    let mut child_in = child.0.stdin.take().context("target stdin")?;
+    let mut child_out = BufReader::new(child.0.stdout.take().context("target stdout")?);
+    let mut line = String::new();
+    child_out.read_line(&mut line).context("reading the target's announcement")?;
+    if line.trim().is_empty() {
+        let status = child.0.wait()?;
+        bail!("the target process (pid {pid}) exited ({status}) before announcing its buffer; see its error above");
+    }
+    let announcement: TargetAnnouncement = serde_json::from_str(line.trim())
+        .with_context(|| format!("the target printed something other than its announcement: {line:?}"))?;
+    println!(
+        "  target  pid {pid}: provider {}, {} bytes registered (key {:#x})",
+        announcement.provider, announcement.region.len, announcement.region.key
+    );
+    let report = selftest::run_initiator(&fabric.config(), &announcement, &transfer.options()?, read_seed, write_seed)?;
+    println!(
+        "  fi_read : {:>8.3} GB/s, {} operations, every word verified",
+        report.read.gb_per_s(),
+        report.read.operations
+    );
+    println!(
+        "  fi_write: {:>8.3} GB/s, {} operations (delivery complete)",
+        report.write.gb_per_s(),
+        report.write.operations
+    );
+    writeln!(child_in, "verify {write_seed}")?;
+    child_in.flush()?;
+    line.clear();
+    child_out.read_line(&mut line)?;
+    if line.trim() != "ok" {
+        bail!("the target found wrong data after the write: {}", line.trim());
+    }
+    println!("  target verified the written data word by word: ok");
+    writeln!(child_in, "quit")?;
+    drop(child_in);
+    let status = child.0.wait()?;
+    if !status.success() {
+        bail!("the target process exited with {status}");
+    }
+    println!("selftest passed");
+    Ok(())
+}

@@ -28,10 +28,7 @@ pub struct FabricConfig {
 impl FabricConfig {
     /// A configuration for one named provider on any domain.
     pub fn provider(name: &str) -> Self {
-        FabricConfig {
-            provider: Some(name.to_string()),
-            domain: None,
-        }
+        FabricConfig { provider: Some(name.to_string()), domain: None }
     }
 
     /// The provider actually requested, after `FI_PROVIDER` and `auto`.
@@ -41,17 +38,13 @@ impl FabricConfig {
             // different name as well would match nothing.
             return None;
         }
-        self.provider
-            .clone()
-            .filter(|p| !p.is_empty() && p != "auto")
+        self.provider.clone().filter(|p| !p.is_empty() && p != "auto")
     }
 
     fn describe_provider(&self) -> String {
         match std::env::var("FI_PROVIDER") {
             Ok(env) => format!("{env} (from FI_PROVIDER)"),
-            Err(_) => self
-                .effective_provider()
-                .unwrap_or_else(|| "auto".to_string()),
+            Err(_) => self.effective_provider().unwrap_or_else(|| "auto".to_string()),
         }
     }
 }
@@ -72,11 +65,8 @@ pub struct MrMode {
 }
 
 impl MrMode {
-    const OFFERED: u32 = sys::FI_MR_LOCAL
-        | sys::FI_MR_VIRT_ADDR
-        | sys::FI_MR_ALLOCATED
-        | sys::FI_MR_PROV_KEY
-        | sys::FI_MR_ENDPOINT;
+    const OFFERED: u32 =
+        sys::FI_MR_LOCAL | sys::FI_MR_VIRT_ADDR | sys::FI_MR_ALLOCATED | sys::FI_MR_PROV_KEY | sys::FI_MR_ENDPOINT;
 
     fn from_bits(bits: i32) -> Self {
         let bits = bits as u32;
@@ -116,9 +106,7 @@ pub(crate) fn strerror(code: i32) -> String {
         return format!("error {code}");
     }
     // SAFETY: non-null, NUL-terminated and static (see above).
-    unsafe { CStr::from_ptr(text) }
-        .to_string_lossy()
-        .into_owned()
+    unsafe { CStr::from_ptr(text) }.to_string_lossy().into_owned()
 }
 
 /// Reads a possibly-NULL C string owned by libfabric.
@@ -130,9 +118,7 @@ unsafe fn c_string(ptr: *const std::os::raw::c_char) -> String {
         return String::new();
     }
     // SAFETY: guaranteed by the caller.
-    unsafe { CStr::from_ptr(ptr) }
-        .to_string_lossy()
-        .into_owned()
+    unsafe { CStr::from_ptr(ptr) }.to_string_lossy().into_owned()
 }
 
 /// An owned `fi_info` list, freed on drop.
@@ -154,25 +140,18 @@ fn get_info(config: &FabricConfig) -> Result<InfoList> {
     // attribute structs allocated, or NULL on allocation failure.
     let hints = InfoList(unsafe { sys::fi_dupinfo(ptr::null()) });
     if hints.0.is_null() {
-        return Err(FabricError::Config(
-            "fi_allocinfo returned NULL (out of memory)".into(),
-        ));
+        return Err(FabricError::Config("fi_allocinfo returned NULL (out of memory)".into()));
     }
     let provider = config.effective_provider();
     let to_c = |what: &str, value: &str| {
-        CString::new(value)
-            .map_err(|_| FabricError::Config(format!("{what} {value:?} contains a NUL byte")))
+        CString::new(value).map_err(|_| FabricError::Config(format!("{what} {value:?} contains a NUL byte")))
     };
     // SAFETY: `hints` and its attribute structs were allocated by fi_allocinfo
     // and are exclusively ours. Strings are strdup'ed because fi_freeinfo
     // frees them with free().
     unsafe {
         let h = &mut *hints.0;
-        h.caps = (sys::FI_RMA
-            | sys::FI_READ
-            | sys::FI_WRITE
-            | sys::FI_REMOTE_READ
-            | sys::FI_REMOTE_WRITE) as u64;
+        h.caps = (sys::FI_RMA | sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE) as u64;
         h.mode = (sys::FI_CONTEXT | sys::FI_CONTEXT2) as u64;
         (*h.ep_attr).type_ = sys::fi_ep_type_FI_EP_RDM;
         (*h.domain_attr).mr_mode = MrMode::OFFERED as i32;
@@ -189,16 +168,8 @@ fn get_info(config: &FabricConfig) -> Result<InfoList> {
     let mut info: *mut sys::fi_info = ptr::null_mut();
     // SAFETY: hints is a valid fi_info; `info` receives a list we own and free
     // through InfoList.
-    let ret = unsafe {
-        sys::fi_getinfo(
-            sys::icheck_fi_header_version(),
-            ptr::null(),
-            ptr::null(),
-            0,
-            hints.0,
-            &mut info,
-        )
-    };
+    let ret =
+        unsafe { sys::fi_getinfo(sys::icheck_fi_header_version(), ptr::null(), ptr::null(), 0, hints.0, &mut info) };
     if ret != 0 || info.is_null() {
         return Err(FabricError::NoProvider {
             requested: config.describe_provider(),
@@ -293,9 +264,7 @@ pub struct Domain {
 
 impl std::fmt::Debug for Domain {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Domain")
-            .field("provider", &self.inner.description)
-            .finish()
+        f.debug_struct("Domain").field("provider", &self.inner.description).finish()
     }
 }
 
@@ -307,9 +276,7 @@ impl Domain {
         // first entry (and only that entry: `next` is not followed).
         let info = unsafe { sys::fi_dupinfo(list.0) };
         if info.is_null() {
-            return Err(FabricError::Config(
-                "fi_dupinfo returned NULL (out of memory)".into(),
-            ));
+            return Err(FabricError::Config("fi_dupinfo returned NULL (out of memory)".into()));
         }
         // SAFETY: `info` is a valid fi_info owned by us.
         let description = unsafe { describe(info) };
@@ -323,23 +290,18 @@ impl Domain {
         };
         // SAFETY: fabric_attr is valid; `inner.fabric` receives the new object,
         // which DomainInner::drop closes (also on the error path below).
-        let ret =
-            unsafe { sys::fi_fabric((*info).fabric_attr, &mut inner.fabric, ptr::null_mut()) };
+        let ret = unsafe { sys::fi_fabric((*info).fabric_attr, &mut inner.fabric, ptr::null_mut()) };
         if ret != 0 {
             return Err(FabricError::call("fi_fabric", ret.into()));
         }
         // SAFETY: fabric and info are valid; the domain is closed in drop.
-        let ret = unsafe {
-            sys::icheck_fi_domain(inner.fabric, info, &mut inner.domain, ptr::null_mut())
-        };
+        let ret = unsafe { sys::icheck_fi_domain(inner.fabric, info, &mut inner.domain, ptr::null_mut()) };
         if ret != 0 {
             return Err(FabricError::call("fi_domain", ret.into()));
         }
         tracing::debug!(provider = %inner.description.provider, domain = %inner.description.domain,
             mr_mode = ?inner.mr_mode, "opened fabric domain");
-        Ok(Domain {
-            inner: Arc::new(inner),
-        })
+        Ok(Domain { inner: Arc::new(inner) })
     }
 
     /// What was opened: provider, fabric, domain and registration rules.

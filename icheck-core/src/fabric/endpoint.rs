@@ -11,9 +11,7 @@ use libfabric_sys as sys;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::domain::{Domain, DomainInner};
-use super::mr::{
-    Access, LocalSource, LocalTarget, MemoryRegion, RegisteredBuffer, RemoteRegion, StableBuffer,
-};
+use super::mr::{Access, LocalSource, LocalTarget, MemoryRegion, RegisteredBuffer, RemoteRegion, StableBuffer};
 use super::{FabricError, Result};
 
 /// The raw address of an endpoint (`fi_getname`), printed and parsed as hex.
@@ -39,11 +37,8 @@ impl std::str::FromStr for FabricAddress {
     type Err = FabricError;
 
     fn from_str(text: &str) -> Result<Self> {
-        let invalid = |reason: &str| FabricError::InvalidAddress {
-            address: text.to_string(),
-            reason: reason.into(),
-        };
-        if text.is_empty() || text.len() % 2 != 0 {
+        let invalid = |reason: &str| FabricError::InvalidAddress { address: text.to_string(), reason: reason.into() };
+        if text.is_empty() || !text.len().is_multiple_of(2) {
             return Err(invalid("expected a non-empty, even number of hex digits"));
         }
         (0..text.len())
@@ -131,12 +126,7 @@ pub struct TransferOptions {
 
 impl Default for TransferOptions {
     fn default() -> Self {
-        TransferOptions {
-            chunk_size: 1 << 20,
-            inflight: 8,
-            timeout: Duration::from_secs(10),
-            delivery_complete: true,
-        }
+        TransferOptions { chunk_size: 1 << 20, inflight: 8, timeout: Duration::from_secs(10), delivery_complete: true }
     }
 }
 
@@ -206,10 +196,7 @@ unsafe impl Sync for EndpointShared {}
 
 impl Drop for EndpointShared {
     fn drop(&mut self) {
-        self.state
-            .get_mut()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .close();
+        self.state.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()).close();
     }
 }
 
@@ -217,9 +204,7 @@ impl EndpointShared {
     fn lock(&self) -> MutexGuard<'_, EpState> {
         // A panic while holding the lock leaves libfabric objects intact, so
         // the state is still usable.
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -232,9 +217,7 @@ pub struct Endpoint {
 
 impl fmt::Debug for Endpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Endpoint")
-            .field("address", &self.shared.address)
-            .finish()
+        f.debug_struct("Endpoint").field("address", &self.shared.address).finish()
     }
 }
 
@@ -278,10 +261,7 @@ impl Endpoint {
             wait_obj: sys::fi_wait_obj_FI_WAIT_NONE,
             ..Default::default()
         };
-        let mut av_attr = sys::fi_av_attr {
-            type_: sys::fi_av_type_FI_AV_TABLE,
-            ..Default::default()
-        };
+        let mut av_attr = sys::fi_av_attr { type_: sys::fi_av_type_FI_AV_TABLE, ..Default::default() };
         if let Err(err) = open_endpoint(&dom, &mut state, &mut cq_attr, &mut av_attr) {
             state.close();
             return Err(err);
@@ -293,13 +273,7 @@ impl Endpoint {
                 return Err(err);
             }
         };
-        Ok(Endpoint {
-            shared: Arc::new(EndpointShared {
-                state: Mutex::new(state),
-                domain: dom,
-                address,
-            }),
-        })
+        Ok(Endpoint { shared: Arc::new(EndpointShared { state: Mutex::new(state), domain: dom, address }) })
     }
 
     /// This endpoint's address, for peers to insert.
@@ -326,14 +300,7 @@ impl Endpoint {
         // SAFETY: the AV is open (not closed, checked above, lock held); the
         // address buffer is valid for its length, which the provider reads.
         let inserted = unsafe {
-            sys::icheck_fi_av_insert(
-                state.av,
-                address.0.as_ptr().cast(),
-                1,
-                &mut fi_addr,
-                0,
-                ptr::null_mut(),
-            )
+            sys::icheck_fi_av_insert(state.av, address.0.as_ptr().cast(), 1, &mut fi_addr, 0, ptr::null_mut())
         };
         if inserted != 1 {
             return Err(FabricError::InvalidAddress {
@@ -349,25 +316,11 @@ impl Endpoint {
         // SAFETY: the AV is open; buf is writable for `len` bytes and the
         // address readable; the result is NUL-terminated within buf or truncated.
         let name = unsafe {
-            sys::icheck_fi_av_straddr(
-                state.av,
-                address.0.as_ptr().cast(),
-                buf.as_mut_ptr().cast(),
-                &mut len,
-            );
-            std::ffi::CStr::from_bytes_until_nul(&buf)
-                .map(|c| c.to_string_lossy().into_owned())
-                .unwrap_or_default()
+            sys::icheck_fi_av_straddr(state.av, address.0.as_ptr().cast(), buf.as_mut_ptr().cast(), &mut len);
+            std::ffi::CStr::from_bytes_until_nul(&buf).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default()
         };
-        let name = if name.is_empty() {
-            address.to_string()
-        } else {
-            name
-        };
-        let peer = Peer {
-            fi_addr,
-            name: name.into(),
-        };
+        let name = if name.is_empty() { address.to_string() } else { name };
+        let peer = Peer { fi_addr, name: name.into() };
         state.peers.insert(address.0.clone(), peer.clone());
         Ok(peer)
     }
@@ -377,12 +330,7 @@ impl Endpoint {
     /// # Safety
     /// `ptr` must be valid for reads and writes of `len` bytes until the
     /// returned region is dropped, and must not be freed or unmapped before.
-    pub unsafe fn register_raw(
-        &self,
-        ptr: *mut u8,
-        len: usize,
-        access: Access,
-    ) -> Result<MemoryRegion> {
+    pub unsafe fn register_raw(&self, ptr: *mut u8, len: usize, access: Access) -> Result<MemoryRegion> {
         let dom = &self.shared.domain;
         let mode = dom.mr_mode;
         let requested_key = if mode.prov_key { 0 } else { dom.unique_key() };
@@ -409,11 +357,7 @@ impl Endpoint {
             ptr,
             len,
             desc: ptr::null_mut(),
-            remote: RemoteRegion {
-                addr: 0,
-                key: 0,
-                len: len as u64,
-            },
+            remote: RemoteRegion { addr: 0, key: 0, len: len as u64 },
             _endpoint: self.shared.clone(),
         };
         if mode.endpoint {
@@ -440,20 +384,12 @@ impl Endpoint {
         // SAFETY: mr is open and enabled.
         let (key, desc) = unsafe { (sys::icheck_fi_mr_key(mr), sys::icheck_fi_mr_desc(mr)) };
         region.desc = desc;
-        region.remote = RemoteRegion {
-            addr: if mode.virt_addr { ptr as u64 } else { 0 },
-            key,
-            len: len as u64,
-        };
+        region.remote = RemoteRegion { addr: if mode.virt_addr { ptr as u64 } else { 0 }, key, len: len as u64 };
         Ok(region)
     }
 
     /// Registers an owned buffer.
-    pub fn register<B: StableBuffer>(
-        &self,
-        mut buffer: B,
-        access: Access,
-    ) -> Result<RegisteredBuffer<B>> {
+    pub fn register<B: StableBuffer>(&self, mut buffer: B, access: Access) -> Result<RegisteredBuffer<B>> {
         let ptr = buffer.as_mut_ptr();
         let len = buffer.len();
         // SAFETY: the StableBuffer contract keeps `ptr` valid and in place for
@@ -471,15 +407,7 @@ impl Endpoint {
         ops: &[RmaOp],
         options: &TransferOptions,
     ) -> Result<TransferStats> {
-        self.transfer(
-            RmaKind::Read,
-            peer,
-            local.ptr,
-            local.len,
-            local.desc,
-            ops,
-            options,
-        )
+        self.transfer(RmaKind::Read, peer, local.ptr, local.len, local.desc, ops, options)
     }
 
     /// Writes `local` (at each op's local offset) into remote memory.
@@ -490,15 +418,7 @@ impl Endpoint {
         ops: &[RmaOp],
         options: &TransferOptions,
     ) -> Result<TransferStats> {
-        self.transfer(
-            RmaKind::Write,
-            peer,
-            local.ptr,
-            local.len,
-            local.desc,
-            ops,
-            options,
-        )
+        self.transfer(RmaKind::Write, peer, local.ptr, local.len, local.desc, ops, options)
     }
 
     /// Polls the completion queue once if no batch is running, which drives
@@ -513,26 +433,16 @@ impl Endpoint {
         }
         let mut entries = [sys::fi_cq_entry::default(); 8];
         // SAFETY: the CQ is open (not closed, lock held) and `entries` has room for 8.
-        let ret =
-            unsafe { sys::icheck_fi_cq_read(state.cq, entries.as_mut_ptr().cast(), entries.len()) };
+        let ret = unsafe { sys::icheck_fi_cq_read(state.cq, entries.as_mut_ptr().cast(), entries.len()) };
         if ret > 0 {
-            tracing::warn!(
-                count = ret,
-                "progress found completions outside any batch; ignored"
-            );
+            tracing::warn!(count = ret, "progress found completions outside any batch; ignored");
         } else if ret == eavail() {
             let mut err = sys::fi_cq_err_entry::default();
             // SAFETY: CQ open; err is a valid, zeroed error entry.
             unsafe { sys::icheck_fi_cq_readerr(state.cq, &mut err, 0) };
-            tracing::warn!(
-                err = err.err,
-                "progress found an error completion outside any batch"
-            );
+            tracing::warn!(err = err.err, "progress found an error completion outside any batch");
         } else if ret != eagain() && ret < 0 {
-            tracing::error!(
-                code = ret,
-                "fi_cq_read failed during progress; closing endpoint"
-            );
+            tracing::error!(code = ret, "fi_cq_read failed during progress; closing endpoint");
             state.close();
         }
         true
@@ -562,11 +472,7 @@ impl Endpoint {
         let started = Instant::now();
         // Validate every op before posting anything.
         for op in ops {
-            if op
-                .local_offset
-                .checked_add(op.len)
-                .map_or(true, |end| end > local_len)
-            {
+            if op.local_offset.checked_add(op.len).is_none_or(|end| end > local_len) {
                 return Err(FabricError::OutOfRange {
                     side: "local",
                     offset: op.local_offset as u64,
@@ -577,13 +483,9 @@ impl Endpoint {
             op.remote.address_of(op.remote_offset, op.len as u64)?;
         }
         if options.chunk_size == 0 {
-            return Err(FabricError::Config(
-                "chunk_size must be at least 1 byte".into(),
-            ));
+            return Err(FabricError::Config("chunk_size must be at least 1 byte".into()));
         }
-        let max_msg = usize::try_from(self.shared.domain.description.max_msg_size)
-            .unwrap_or(usize::MAX)
-            .max(1);
+        let max_msg = usize::try_from(self.shared.domain.description.max_msg_size).unwrap_or(usize::MAX).max(1);
         let chunk = options.chunk_size.min(max_msg);
         let inflight = options.inflight.max(1);
         let mut flags = sys::FI_COMPLETION as u64;
@@ -633,16 +535,10 @@ impl Endpoint {
                 // for the duration of the call. The context points into
                 // `slots`, which outlives every outstanding op.
                 let ret = unsafe {
-                    let mut iov = sys::iovec {
-                        iov_base: local_ptr.add(op.local_offset + op_done).cast(),
-                        iov_len: len,
-                    };
+                    let mut iov =
+                        sys::iovec { iov_base: local_ptr.add(op.local_offset + op_done).cast(), iov_len: len };
                     let mut descs = [desc];
-                    let mut rma_iov = sys::fi_rma_iov {
-                        addr: remote_addr,
-                        len,
-                        key: op.remote.key,
-                    };
+                    let mut rma_iov = sys::fi_rma_iov { addr: remote_addr, len, key: op.remote.key };
                     let msg = sys::fi_msg_rma {
                         msg_iov: &mut iov,
                         desc: descs.as_mut_ptr(),
@@ -683,13 +579,10 @@ impl Endpoint {
             // Reap completions (this also drives the provider's progress).
             // SAFETY: the CQ is open (lock held, not closed) and `entries` has
             // room for entries.len() context-format entries.
-            let ret = unsafe {
-                sys::icheck_fi_cq_read(state.cq, entries.as_mut_ptr().cast(), entries.len())
-            };
+            let ret = unsafe { sys::icheck_fi_cq_read(state.cq, entries.as_mut_ptr().cast(), entries.len()) };
             if ret > 0 {
                 for entry in &entries[..ret as usize] {
-                    let index =
-                        (entry.op_context as usize - slot_base) / std::mem::size_of::<OpSlot>();
+                    let index = (entry.op_context as usize - slot_base) / std::mem::size_of::<OpSlot>();
                     stats.bytes += slots[index].len as u64;
                     free.push(index);
                     outstanding -= 1;
@@ -702,8 +595,7 @@ impl Endpoint {
                 // 0, so the provider points err_data at its own buffer.
                 let got = unsafe { sys::icheck_fi_cq_readerr(state.cq, &mut err, 0) };
                 if got == 1 && !err.op_context.is_null() {
-                    let index =
-                        (err.op_context as usize - slot_base) / std::mem::size_of::<OpSlot>();
+                    let index = (err.op_context as usize - slot_base) / std::mem::size_of::<OpSlot>();
                     let slot = &slots[index];
                     let mut text = vec![0u8; 256];
                     // SAFETY: CQ open; err_data belongs to the provider and is
@@ -753,7 +645,7 @@ impl Endpoint {
                 });
             } else {
                 idle_polls += 1;
-                if idle_polls > 64 {
+                if idle_polls > 4 {
                     std::thread::yield_now();
                 }
             }
@@ -795,11 +687,7 @@ fn open_endpoint(
             state.ep = ptr::null_mut();
             return Err(FabricError::call("fi_endpoint", ret.into()));
         }
-        let ret = sys::icheck_fi_ep_bind(
-            state.ep,
-            &mut (*state.cq).fid,
-            (sys::FI_TRANSMIT | sys::FI_RECV) as u64,
-        );
+        let ret = sys::icheck_fi_ep_bind(state.ep, &mut (*state.cq).fid, (sys::FI_TRANSMIT | sys::FI_RECV) as u64);
         if ret != 0 {
             return Err(FabricError::call("fi_ep_bind(cq)", ret.into()));
         }
@@ -822,8 +710,7 @@ fn get_name(ep: *mut sys::fid_ep) -> Result<FabricAddress> {
         let mut len = buf.len();
         // SAFETY: ep is an enabled endpoint; buf is writable for `len` bytes;
         // on -FI_ETOOSMALL the provider stores the needed size in `len`.
-        let ret =
-            unsafe { sys::icheck_fi_getname(&mut (*ep).fid, buf.as_mut_ptr().cast(), &mut len) };
+        let ret = unsafe { sys::icheck_fi_getname(&mut (*ep).fid, buf.as_mut_ptr().cast(), &mut len) };
         if ret == 0 {
             buf.truncate(len);
             return Ok(FabricAddress(buf));

@@ -49,9 +49,7 @@ pub enum FabricError {
         message: String,
     },
     /// Posting an RMA operation was refused by the provider.
-    #[error(
-        "posting {op} of {len} bytes to peer {peer} failed: {message} (libfabric error {code})"
-    )]
+    #[error("posting {op} of {len} bytes to peer {peer} failed: {message} (libfabric error {code})")]
     Post {
         /// Read or write.
         op: RmaKind,
@@ -78,9 +76,7 @@ pub enum FabricError {
         timeout: Duration,
     },
     /// A requested range does not fit the region it refers to.
-    #[error(
-        "{side} range [{offset}, {offset}+{len}) lies outside the region of {region_len} bytes"
-    )]
+    #[error("{side} range [{offset}, {offset}+{len}) lies outside the region of {region_len} bytes")]
     OutOfRange {
         /// `local` or `remote`.
         side: &'static str,
@@ -111,10 +107,6 @@ impl FabricError {
     /// Builds a [`FabricError::Call`] from a negative libfabric return code.
     pub(crate) fn call(call: &'static str, ret: i64) -> Self {
         let code = ret.unsigned_abs() as i32;
-        FabricError::Call {
-            call,
-            code,
-            message: super::domain::strerror(code),
-        }
+        FabricError::Call { call, code, message: super::domain::strerror(code) }
     }
 }

@@ -25,25 +25,13 @@ pub struct Access {
 
 impl Access {
     /// Only local use.
-    pub const LOCAL: Access = Access {
-        remote_read: false,
-        remote_write: false,
-    };
+    pub const LOCAL: Access = Access { remote_read: false, remote_write: false };
     /// Peers may read.
-    pub const REMOTE_READ: Access = Access {
-        remote_read: true,
-        remote_write: false,
-    };
+    pub const REMOTE_READ: Access = Access { remote_read: true, remote_write: false };
     /// Peers may write.
-    pub const REMOTE_WRITE: Access = Access {
-        remote_read: false,
-        remote_write: true,
-    };
+    pub const REMOTE_WRITE: Access = Access { remote_read: false, remote_write: true };
     /// Peers may read and write.
-    pub const REMOTE_READ_WRITE: Access = Access {
-        remote_read: true,
-        remote_write: true,
-    };
+    pub const REMOTE_READ_WRITE: Access = Access { remote_read: true, remote_write: true };
 
     pub(crate) fn bits(self) -> u64 {
         let mut bits = (sys::FI_READ | sys::FI_WRITE) as u64;
@@ -76,12 +64,7 @@ impl RemoteRegion {
     pub fn address_of(&self, offset: u64, len: u64) -> Result<u64> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(self.addr + offset),
-            _ => Err(FabricError::OutOfRange {
-                side: "remote",
-                offset,
-                len,
-                region_len: self.len,
-            }),
+            _ => Err(FabricError::OutOfRange { side: "remote", offset, len, region_len: self.len }),
         }
     }
 }
@@ -203,10 +186,7 @@ unsafe impl Sync for MemoryRegion {}
 
 impl std::fmt::Debug for MemoryRegion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MemoryRegion")
-            .field("len", &self.len)
-            .field("remote", &self.remote)
-            .finish()
+        f.debug_struct("MemoryRegion").field("len", &self.len).field("remote", &self.remote).finish()
     }
 }
 
@@ -228,12 +208,7 @@ impl MemoryRegion {
 
     /// This region as the source of local writes.
     pub fn source(&self) -> LocalSource<'_> {
-        LocalSource {
-            ptr: self.ptr,
-            len: self.len,
-            desc: self.desc,
-            _borrow: PhantomData,
-        }
+        LocalSource { ptr: self.ptr, len: self.len, desc: self.desc, _borrow: PhantomData }
     }
 
     /// This region as the destination of local reads.
@@ -242,12 +217,7 @@ impl MemoryRegion {
     /// Nothing else may read or write the memory while the returned value is
     /// in use by a transfer (the registration contract only covers validity).
     pub unsafe fn target_unchecked(&self) -> LocalTarget<'_> {
-        LocalTarget {
-            ptr: self.ptr,
-            len: self.len,
-            desc: self.desc,
-            _borrow: PhantomData,
-        }
+        LocalTarget { ptr: self.ptr, len: self.len, desc: self.desc, _borrow: PhantomData }
     }
 }
 

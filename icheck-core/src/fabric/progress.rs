@@ -30,21 +30,16 @@ impl ProgressThread {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let endpoint = endpoint.clone();
-        let handle = std::thread::Builder::new()
-            .name("icheck-fabric-progress".into())
-            .spawn(move || {
-                while !flag.load(Ordering::Relaxed) {
-                    endpoint.progress();
-                    match mode {
-                        ProgressMode::Spin => std::thread::yield_now(),
-                        ProgressMode::Sleep(pause) => std::thread::sleep(pause),
-                    }
+        let handle = std::thread::Builder::new().name("icheck-fabric-progress".into()).spawn(move || {
+            while !flag.load(Ordering::Relaxed) {
+                endpoint.progress();
+                match mode {
+                    ProgressMode::Spin => std::thread::yield_now(),
+                    ProgressMode::Sleep(pause) => std::thread::sleep(pause),
                 }
-            })?;
-        Ok(ProgressThread {
-            stop,
-            handle: Some(handle),
-        })
+            }
+        })?;
+        Ok(ProgressThread { stop, handle: Some(handle) })
     }
 
     /// Stops the thread and waits for it.

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs whatever this project needs and is missing on a Debian 12 machine.
+# Idempotent: when everything is present it only checks, in well under a second.
+set -euo pipefail
+
+PACKAGES=(
+  build-essential pkg-config libclang-dev clang   # bindgen and the libfabric shim
+  libfabric-dev libfabric-bin                     # the RDMA fabric (tcp, shm, sockets, ...)
+  openmpi-bin libopenmpi-dev gfortran             # MPI applications, C and Fortran
+  iproute2 procps                                 # network namespaces, process tools in tests
+)
+
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  echo "icheck setup: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  for dir in "$HOME/.cargo/bin" /usr/local/cargo/bin; do
+    [ -x "$dir/cargo" ] && export PATH="$dir:$PATH"
+  done
+fi
+command -v cargo >/dev/null 2>&1 || {
+  echo "icheck setup: cargo not found; install a Rust toolchain (https://rustup.rs) and re-run" >&2
+  exit 1
+}

@@ -1,0 +1,233 @@
+//! Two real processes move data with libfabric RMA: the `icheck fabric
+//! target` process registers a patterned buffer, and either a second
+//! `icheck fabric initiator` process or this test process reads and writes it.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, RmaOp, TransferOptions};
+use icheck_core::selftest::{verify_pattern, TargetAnnouncement};
+
+const ICHECK: &str = env!("CARGO_BIN_EXE_icheck");
+
+/// A target process, killed (by its own PID) and reaped on drop.
+struct TargetProcess {
+    child: Child,
+    input: ChildStdin,
+    output: BufReader<ChildStdout>,
+    announcement: TargetAnnouncement,
+    line: String,
+}
+
+impl TargetProcess {
+    fn start(provider: &str, size: usize, seed: u64) -> TargetProcess {
+        let mut child = Command::new(ICHECK)
+            .args([
+                "fabric",
+                "target",
+                "--provider",
+                provider,
+                "--size",
+                &size.to_string(),
+                "--seed",
+                &seed.to_string(),
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start icheck fabric target");
+        let input = child.stdin.take().unwrap();
+        let mut output = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        output.read_line(&mut line).unwrap();
+        let announcement =
+            serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("bad announcement {line:?}: {e}"));
+        TargetProcess { child, input, output, announcement, line }
+    }
+
+    fn command(&mut self, command: &str) -> String {
+        writeln!(self.input, "{command}").unwrap();
+        self.input.flush().unwrap();
+        let mut answer = String::new();
+        self.output.read_line(&mut answer).unwrap();
+        answer.trim().to_string()
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for TargetProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn run_initiator(provider: &str, target: &TargetProcess, chunk: usize, inflight: usize) -> serde_json::Value {
+    let out = Command::new(ICHECK)
+        .args(["fabric", "initiator", "--provider", provider, "--peer", target.line.trim()])
+        .args(["--chunk", &chunk.to_string(), "--inflight", &inflight.to_string()])
+        .args(["--read-seed", "1", "--write-seed", "2", "--timeout", "20"])
+        .output()
+        .expect("run icheck fabric initiator");
+    assert!(out.status.success(), "initiator failed on {provider}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("initiator prints JSON")
+}
+
+/// Read, verify, write back, verify at the target, over one provider.
+fn round_trip(provider: &str, size: usize, chunk: usize, inflight: usize) {
+    let mut target = TargetProcess::start(provider, size, 1);
+    let report = run_initiator(provider, &target, chunk, inflight);
+    assert_eq!(report["bytes"].as_u64(), Some(size as u64), "{provider}: {report}");
+    let expected_ops = size.div_ceil(chunk) as u64;
+    assert_eq!(report["read_ops"].as_u64(), Some(expected_ops), "{provider}: {report}");
+    assert_eq!(target.command("verify 2"), "ok", "{provider}: target saw wrong data after fi_write");
+    // The original pattern is gone, so the check is not vacuous.
+    assert!(target.command("verify 1").starts_with("mismatch"), "{provider}");
+}
+
+// 10 MiB + 12345 bytes: not a multiple of the chunk, nor of the 8-byte word.
+const ODD_SIZE: usize = (10 << 20) + 12_345;
+
+#[test]
+fn shm_round_trip_with_partial_last_chunk() {
+    round_trip("shm", ODD_SIZE, 1 << 20, 8);
+}
+
+#[test]
+fn tcp_round_trip_with_partial_last_chunk() {
+    round_trip("tcp", ODD_SIZE, 1 << 20, 8);
+}
+
+#[test]
+fn sockets_round_trip_with_partial_last_chunk() {
+    round_trip("sockets", ODD_SIZE, 1 << 20, 8);
+}
+
+#[test]
+fn shm_more_operations_than_the_queue_holds() {
+    // 4 KiB chunks with 4096 in flight: far beyond shm's 1024-entry queue.
+    round_trip("shm", (16 << 20) + 100, 4096, 4096);
+}
+
+#[test]
+fn tcp_more_operations_than_the_queue_holds() {
+    // tcp;ofi_rxm queues 2048 operations; ask for 4096 in flight.
+    round_trip("tcp", (16 << 20) + 100, 4096, 4096);
+}
+
+/// This process as the initiator against a target process.
+struct Initiator {
+    endpoint: Endpoint,
+    peer: icheck_core::fabric::Peer,
+    local: icheck_core::fabric::RegisteredBuffer,
+}
+
+impl Initiator {
+    fn connect(provider: &str, target: &TargetProcess) -> Initiator {
+        let domain = Domain::open(&FabricConfig::provider(provider)).unwrap();
+        let endpoint = Endpoint::new(&domain).unwrap();
+        let peer = endpoint.insert_peer(&target.announcement.address).unwrap();
+        let local =
+            endpoint.register(AlignedBuffer::zeroed(target.announcement.region.len as usize), Access::LOCAL).unwrap();
+        Initiator { endpoint, peer, local }
+    }
+
+    fn read(&mut self, op: RmaOp, timeout: Duration) -> Result<(), FabricError> {
+        let options = TransferOptions { chunk_size: 1 << 20, inflight: 8, timeout, delivery_complete: true };
+        self.endpoint.read(&self.peer, self.local.target(), &[op], &options).map(|_| ())
+    }
+}
+
+fn whole(target: &TargetProcess) -> RmaOp {
+    let region = target.announcement.region;
+    RmaOp { local_offset: 0, remote: region, remote_offset: 0, len: region.len as usize }
+}
+
+/// A read through a corrupted remote descriptor fails with an error naming
+/// the operation, in bounded time, and the target survives.
+fn corrupted_descriptor_is_an_error(provider: &str, corrupt: impl Fn(&mut RmaOp)) {
+    let mut target = TargetProcess::start(provider, 1 << 20, 1);
+    let mut initiator = Initiator::connect(provider, &target);
+    let mut op = whole(&target);
+    corrupt(&mut op);
+    let started = Instant::now();
+    let err = initiator.read(op, Duration::from_secs(3)).expect_err("a read with a wrong key must fail");
+    assert!(started.elapsed() < Duration::from_secs(20), "{provider}: took {:?}", started.elapsed());
+    let text = err.to_string();
+    eprintln!("{provider} corrupted descriptor: {text}");
+    assert!(
+        matches!(err, FabricError::Completion { .. } | FabricError::Post { .. } | FabricError::Timeout { .. }),
+        "{text}"
+    );
+    assert!(text.contains("fi_read"), "error names the operation: {text}");
+    // The target survived and still holds its data.
+    assert_eq!(target.command("verify 1"), "ok");
+}
+
+#[test]
+fn tcp_wrong_key_is_an_error() {
+    corrupted_descriptor_is_an_error("tcp", |op| op.remote.key ^= 0x5a5a);
+}
+
+#[test]
+fn sockets_wrong_key_is_an_error() {
+    corrupted_descriptor_is_an_error("sockets", |op| op.remote.key ^= 0x5a5a);
+}
+
+/// shm does not check keys (it copies by virtual address with
+/// process_vm_readv), so the bad descriptor that matters there is an address
+/// outside the target's registered memory.
+#[test]
+fn shm_wrong_address_is_an_error() {
+    corrupted_descriptor_is_an_error("shm", |op| op.remote.addr = 4096);
+}
+
+#[test]
+fn out_of_range_offset_is_refused_before_posting() {
+    let target = TargetProcess::start("shm", 1 << 20, 1);
+    let mut initiator = Initiator::connect("shm", &target);
+    let mut op = whole(&target);
+    op.remote_offset = 4096; // 4096 + 1 MiB runs past the end
+    let err = initiator.read(op, Duration::from_secs(3)).expect_err("out of range");
+    assert!(matches!(err, FabricError::OutOfRange { side: "remote", offset: 4096, .. }), "{err}");
+    op.remote_offset = 0;
+    op.local_offset = 1;
+    let err = initiator.read(op, Duration::from_secs(3)).expect_err("local out of range");
+    assert!(matches!(err, FabricError::OutOfRange { side: "local", .. }), "{err}");
+    // The endpoint is still usable after refused requests.
+    initiator.read(whole(&target), Duration::from_secs(10)).unwrap();
+    verify_pattern(initiator.local.as_slice(), 1).unwrap();
+}
+
+fn peer_gone_is_an_error(provider: &str) {
+    let mut target = TargetProcess::start(provider, 4 << 20, 1);
+    let mut initiator = Initiator::connect(provider, &target);
+    initiator.read(whole(&target), Duration::from_secs(10)).unwrap();
+    target.kill();
+    let started = Instant::now();
+    let err = initiator.read(whole(&target), Duration::from_secs(3)).expect_err("the peer is dead");
+    eprintln!("{provider} peer gone: {err}");
+    assert!(started.elapsed() < Duration::from_secs(20), "{provider}: took {:?}", started.elapsed());
+    assert!(err.to_string().contains("fi_read"), "{err}");
+}
+
+#[test]
+fn shm_peer_gone_is_an_error() {
+    peer_gone_is_an_error("shm");
+}
+
+#[test]
+fn tcp_peer_gone_is_an_error() {
+    peer_gone_is_an_error("tcp");
+}
+
+#[test]
+fn unknown_provider_names_itself() {
+    let err = Domain::open(&FabricConfig::provider("no-such-provider")).expect_err("must fail");
+    let text = err.to_string();
+    assert!(text.contains("no-such-provider") && text.contains("fi_info"), "{text}");
+}
