@@ -95,7 +95,8 @@ mod tests {
     #[test]
     fn displays_round_units() {
         assert_eq!(ByteSize(1 << 30).to_string(), "1GiB");
-        assert_eq!(ByteSize(3 << 19).to_string(), "1.50MiB");
+        assert_eq!(ByteSize(3 << 19).to_string(), "1536KiB");
+        assert_eq!(ByteSize((3 << 19) + 1).to_string(), "1.50MiB");
         assert_eq!(ByteSize(100).to_string(), "100B");
     }
 }
