@@ -7,6 +7,8 @@
 //!
 //! See ARCHITECTURE.md at the repository root for the bird's-eye view.
 
+pub mod config;
 pub mod fabric;
+pub mod protocol;
 pub mod selftest;
 pub mod units;

@@ -1,0 +1,412 @@
+//! Configuration files (thesis §6.3.6): a static file read once (Listing 6.3)
+//! and a dynamic file re-read every `readInterval` seconds (Listing 6.2).
+//! Both are TOML and keep the thesis's key names.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::fabric::FabricConfig;
+
+/// Environment variable that overrides the `Token` key.
+pub const TOKEN_ENV: &str = "ICHECK_TOKEN";
+
+/// Why a configuration file was rejected. Every variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read configuration file {file}: {source}")]
+    Read {
+        /// The file.
+        file: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this schema (the message names the key
+    /// and the line).
+    #[error("configuration file {file}: {message}")]
+    Parse {
+        /// The file.
+        file: PathBuf,
+        /// toml's description, with key, line and what was expected.
+        message: String,
+    },
+    /// A key has a value outside its allowed range.
+    #[error("configuration file {file}: key `{key}`: {expected}")]
+    Invalid {
+        /// The file.
+        file: PathBuf,
+        /// The offending key.
+        key: &'static str,
+        /// What was expected.
+        expected: String,
+    },
+}
+
+fn read(file: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(file).map_err(|source| ConfigError::Read { file: file.to_path_buf(), source })
+}
+
+fn parse<T: serde::de::DeserializeOwned>(file: &Path, text: &str) -> Result<T, ConfigError> {
+    toml::from_str(text).map_err(|err| ConfigError::Parse { file: file.to_path_buf(), message: err.to_string() })
+}
+
+/// The static configuration (Listing 6.3), read once at start.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StaticConfig {
+    /// Host or IP the controller listens on and clients connect to.
+    #[serde(rename = "ControllerAddress", default = "default_address")]
+    pub controller_address: String,
+    /// Controller TCP port; 0 lets the controller pick a free one and write it
+    /// to `controller.addr` in its state directory.
+    #[serde(rename = "ControllerPort", default = "default_port")]
+    pub controller_port: u16,
+    /// Checkpoint nodes expected to run a manager (informational for now:
+    /// managers announce themselves).
+    #[serde(rename = "iCheckManagerNode", default)]
+    pub manager_nodes: Vec<String>,
+    /// Seconds between manager heartbeats.
+    #[serde(rename = "HeartBeatInterval", default = "default_heartbeat")]
+    pub heartbeat_interval: f64,
+    /// Seconds between manager status messages.
+    #[serde(rename = "StatusMessageInterval", default = "default_status")]
+    pub status_interval: f64,
+    /// Heartbeats a manager may miss before the controller marks it down.
+    #[serde(rename = "MissedHeartbeats", default = "default_missed")]
+    pub missed_heartbeats: u32,
+    /// Resource manager host (horizontal scaling; unused until that lands).
+    #[serde(rename = "iRMNodeName", default)]
+    pub rm_node: Option<String>,
+    /// Resource manager port.
+    #[serde(rename = "iRMiCheckPort", default)]
+    pub rm_port: Option<u16>,
+    /// Shared secret every peer presents in the handshake. `ICHECK_TOKEN`
+    /// in the environment overrides it.
+    #[serde(rename = "Token", default)]
+    pub token: Option<String>,
+    /// Path of the dynamic configuration file (relative to this file).
+    #[serde(rename = "DynamicConfig", default)]
+    pub dynamic_config: Option<PathBuf>,
+    /// Fabric provider and domain for agents and clients.
+    #[serde(default)]
+    pub fabric: FabricConfig,
+}
+
+fn default_address() -> String {
+    "127.0.0.1".into()
+}
+fn default_port() -> u16 {
+    7777
+}
+fn default_heartbeat() -> f64 {
+    1.0
+}
+fn default_status() -> f64 {
+    2.0
+}
+fn default_missed() -> u32 {
+    3
+}
+
+impl Default for StaticConfig {
+    fn default() -> Self {
+        parse(Path::new("<defaults>"), "").expect("an empty static configuration is valid")
+    }
+}
+
+impl StaticConfig {
+    /// Reads and validates `file`.
+    pub fn load(file: &Path) -> Result<StaticConfig, ConfigError> {
+        let mut config: StaticConfig = parse(file, &read(file)?)?;
+        config.validate(file)?;
+        if let Some(dynamic) = &config.dynamic_config {
+            if dynamic.is_relative() {
+                let base = file.parent().unwrap_or(Path::new("."));
+                config.dynamic_config = Some(base.join(dynamic));
+            }
+        }
+        Ok(config)
+    }
+
+    fn validate(&self, file: &Path) -> Result<(), ConfigError> {
+        let invalid = |key, expected: &str| ConfigError::Invalid { file: file.into(), key, expected: expected.into() };
+        if !(self.heartbeat_interval.is_finite() && self.heartbeat_interval > 0.0) {
+            return Err(invalid("HeartBeatInterval", "a number of seconds greater than 0"));
+        }
+        if !(self.status_interval.is_finite() && self.status_interval > 0.0) {
+            return Err(invalid("StatusMessageInterval", "a number of seconds greater than 0"));
+        }
+        if self.missed_heartbeats == 0 {
+            return Err(invalid("MissedHeartbeats", "at least 1"));
+        }
+        if self.controller_address.trim().is_empty() {
+            return Err(invalid("ControllerAddress", "a host name or IP address"));
+        }
+        Ok(())
+    }
+
+    /// The token in force: `ICHECK_TOKEN`, else the file's `Token`, else empty.
+    pub fn effective_token(&self) -> String {
+        std::env::var(TOKEN_ENV).ok().or_else(|| self.token.clone()).unwrap_or_default()
+    }
+
+    /// `host:port` of the controller.
+    pub fn controller_endpoint(&self) -> String {
+        format!("{}:{}", self.controller_address, self.controller_port)
+    }
+
+    /// Heartbeat interval as a Duration.
+    pub fn heartbeat(&self) -> Duration {
+        Duration::from_secs_f64(self.heartbeat_interval)
+    }
+
+    /// Status interval as a Duration.
+    pub fn status(&self) -> Duration {
+        Duration::from_secs_f64(self.status_interval)
+    }
+}
+
+/// `init_agent_count`: a number, or `"num_nodes"` (one agent per application node).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum InitAgentCount {
+    /// A fixed count.
+    Fixed(u32),
+    /// The thesis default: as many agents as application nodes.
+    Named(AgentCountRule),
+}
+
+/// Named rules for `init_agent_count`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AgentCountRule {
+    /// One agent per application node.
+    NumNodes,
+}
+
+/// `agent_selection`: which nodes are preferred (Algorithm 6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AgentSelection {
+    /// Most available bandwidth.
+    #[serde(rename = "BW")]
+    Bandwidth,
+    /// Lowest checkpoint frequency.
+    #[serde(rename = "CP")]
+    CheckpointFrequency,
+    /// Most available memory.
+    #[serde(rename = "MEM")]
+    Memory,
+    /// Lowest power draw.
+    #[serde(rename = "POWER")]
+    Power,
+}
+
+/// `node_selection`: how agents are spread over the chosen nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeSelection {
+    /// Round-robin.
+    #[serde(rename = "RR")]
+    RoundRobin,
+    /// Equal share per node.
+    #[serde(rename = "EQ")]
+    Equal,
+    /// Blocks of agents per node.
+    #[serde(rename = "BLK")]
+    Block,
+}
+
+/// The dynamic configuration (Listing 6.2), re-read while running.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DynamicConfig {
+    /// Seconds between re-reads of this file.
+    #[serde(rename = "readInterval", default = "default_read_interval")]
+    pub read_interval: f64,
+    /// Most agents one checkpoint node runs.
+    #[serde(default = "default_max_agents")]
+    pub max_agents_node: u32,
+    /// Most agents one application gets.
+    #[serde(default = "default_max_agents")]
+    pub max_agents_app: u32,
+    /// Most checkpoint memory per node, in GB.
+    #[serde(default = "default_max_mem")]
+    pub max_mem_node: f64,
+    /// Agents an application gets when it first registers.
+    #[serde(default = "default_init_agents")]
+    pub init_agent_count: InitAgentCount,
+    /// Candidate nodes considered for placement.
+    #[serde(default = "default_candidates")]
+    pub candidate_count: u32,
+    /// Checkpoint nodes wanted (horizontal scaling).
+    #[serde(default = "default_candidates")]
+    pub manager_count: u32,
+    /// Node preference.
+    #[serde(default = "default_agent_selection")]
+    pub agent_selection: AgentSelection,
+    /// Agent distribution.
+    #[serde(default = "default_node_selection")]
+    pub node_selection: NodeSelection,
+    /// Agent scaling on probe allowed.
+    #[serde(default = "default_true")]
+    pub is_dynamic_as: bool,
+    /// Horizontal scaling of checkpoint nodes allowed.
+    #[serde(default)]
+    pub is_dynamic_hs: bool,
+    /// PFS level enabled.
+    #[serde(default = "default_true")]
+    pub enable_multi_level: bool,
+    /// Apply this configuration over application hints.
+    #[serde(default)]
+    pub force_config: bool,
+    /// Scaling factor of Algorithm 5.
+    #[serde(default = "default_factor")]
+    pub factor: u32,
+}
+
+fn default_read_interval() -> f64 {
+    30.0
+}
+fn default_max_agents() -> u32 {
+    80
+}
+fn default_max_mem() -> f64 {
+    90.0
+}
+fn default_init_agents() -> InitAgentCount {
+    InitAgentCount::Named(AgentCountRule::NumNodes)
+}
+fn default_candidates() -> u32 {
+    5
+}
+fn default_agent_selection() -> AgentSelection {
+    AgentSelection::Bandwidth
+}
+fn default_node_selection() -> NodeSelection {
+    NodeSelection::RoundRobin
+}
+fn default_true() -> bool {
+    true
+}
+fn default_factor() -> u32 {
+    2
+}
+
+impl Default for DynamicConfig {
+    fn default() -> Self {
+        parse(Path::new("<defaults>"), "").expect("an empty dynamic configuration is valid")
+    }
+}
+
+impl DynamicConfig {
+    /// Parses and validates dynamic configuration text; `file` names it in errors.
+    pub fn parse(file: &Path, text: &str) -> Result<DynamicConfig, ConfigError> {
+        let config: DynamicConfig = parse(file, text)?;
+        let invalid = |key, expected: &str| ConfigError::Invalid { file: file.into(), key, expected: expected.into() };
+        if !(config.read_interval.is_finite() && config.read_interval > 0.0) {
+            return Err(invalid("readInterval", "a number of seconds greater than 0"));
+        }
+        if config.max_agents_node == 0 {
+            return Err(invalid("max_agents_node", "at least 1"));
+        }
+        if config.max_agents_app == 0 {
+            return Err(invalid("max_agents_app", "at least 1"));
+        }
+        if !(config.max_mem_node.is_finite() && config.max_mem_node > 0.0) {
+            return Err(invalid("max_mem_node", "a number of GB greater than 0"));
+        }
+        if config.init_agent_count == InitAgentCount::Fixed(0) {
+            return Err(invalid("init_agent_count", "at least 1, or \"num_nodes\""));
+        }
+        if config.candidate_count == 0 {
+            return Err(invalid("candidate_count", "at least 1"));
+        }
+        if config.factor < 2 {
+            return Err(invalid("factor", "at least 2"));
+        }
+        Ok(config)
+    }
+
+    /// Reads and validates `file`.
+    pub fn load(file: &Path) -> Result<DynamicConfig, ConfigError> {
+        DynamicConfig::parse(file, &read(file)?)
+    }
+
+    /// Re-read interval as a Duration.
+    pub fn read_every(&self) -> Duration {
+        Duration::from_secs_f64(self.read_interval)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file() -> &'static Path {
+        Path::new("dynamic.toml")
+    }
+
+    #[test]
+    fn thesis_listing_6_2_parses() {
+        let text = r#"
+            readInterval = 30
+            max_agents_node = 80
+            max_agents_app = 80
+            max_mem_node = 90
+            init_agent_count = "num_nodes"
+            candidate_count = 5
+            manager_count = 10
+            agent_selection = "BW"
+            node_selection = "RR"
+            is_dynamic_as = true
+            is_dynamic_hs = true
+            enable_multi_level = true
+            force_config = false
+        "#;
+        let config = DynamicConfig::parse(file(), text).unwrap();
+        assert_eq!(config.init_agent_count, InitAgentCount::Named(AgentCountRule::NumNodes));
+        assert_eq!(config.agent_selection, AgentSelection::Bandwidth);
+        assert_eq!(
+            DynamicConfig::parse(file(), "init_agent_count = 3").unwrap().init_agent_count,
+            InitAgentCount::Fixed(3)
+        );
+    }
+
+    #[test]
+    fn errors_name_file_and_key() {
+        let cases = [
+            ("max_agents_node = 0", "max_agents_node"),
+            ("init_agent_count = 0", "init_agent_count"),
+            ("readInterval = -1", "readInterval"),
+            ("agent_selection = \"FAST\"", "agent_selection"),
+            ("max_agnets_node = 3", "max_agnets_node"),
+            ("max_agents_node = \"many\"", "max_agents_node"),
+        ];
+        for (text, key) in cases {
+            let err = DynamicConfig::parse(file(), text).unwrap_err().to_string();
+            assert!(err.contains("dynamic.toml") && err.contains(key), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn static_listing_6_3_parses_and_validates() {
+        let dir = std::env::temp_dir().join(format!("icheck-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("icheck.toml");
+        std::fs::write(
+            &path,
+            "ControllerAddress = \"host1\"\niCheckManagerNode = [\"host1\", \"host2\"]\nHeartBeatInterval = 5\n\
+             StatusMessageInterval = 5\niRMNodeName = \"host5\"\niRMiCheckPort = 9999\nControllerPort = 7777\n\
+             DynamicConfig = \"dynamic.toml\"\n",
+        )
+        .unwrap();
+        let config = StaticConfig::load(&path).unwrap();
+        assert_eq!(config.controller_endpoint(), "host1:7777");
+        assert_eq!(config.dynamic_config, Some(dir.join("dynamic.toml")));
+        std::fs::write(&path, "HeartBeatInterval = 0\n").unwrap();
+        let err = StaticConfig::load(&path).unwrap_err().to_string();
+        assert!(err.contains("icheck.toml") && err.contains("HeartBeatInterval"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,413 @@
+//! The control-plane protocol: messages, frames and the handshake.
+//!
+//! A frame is a 4-byte little-endian length followed by that many bytes of a
+//! bincode-encoded message. Frames larger than [`MAX_FRAME`] are refused
+//! before anything is allocated, and decoding is bounded by the same limit,
+//! so untrusted bytes can neither panic a daemon nor exhaust its memory.
+//!
+//! Every connection starts with a [`Hello`] (magic, protocol version, shared
+//! token, role) answered by [`HelloReply`]. Bulk checkpoint data never travels
+//! here: this is only the control plane.
+
+use std::time::Duration;
+
+use bincode::Options;
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::fabric::{FabricAddress, RemoteRegion};
+
+/// Version of this protocol; peers with another version are refused.
+pub const PROTOCOL_VERSION: u32 = 1;
+/// First bytes of every Hello.
+pub const MAGIC: [u8; 4] = *b"ICHK";
+/// Largest frame accepted, in bytes.
+pub const MAX_FRAME: usize = 1 << 20;
+/// Default time a request may take before the caller gives up.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a frame could not be sent or received.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    /// Socket error.
+    #[error("connection error: {0}")]
+    Io(#[from] std::io::Error),
+    /// The peer announced a frame above the limit.
+    #[error("frame of {0} bytes exceeds the limit of {MAX_FRAME} bytes")]
+    FrameTooLarge(usize),
+    /// The frame's bytes are not a valid message.
+    #[error("malformed message: {0}")]
+    Malformed(String),
+    /// The peer closed the connection.
+    #[error("connection closed by peer")]
+    Closed,
+    /// No answer in time.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// The handshake was refused.
+    #[error("refused by {peer}: {reason}")]
+    Refused {
+        /// Who refused.
+        peer: String,
+        /// Their reason.
+        reason: String,
+    },
+    /// The peer answered something unexpected.
+    #[error("unexpected answer from {peer}: {what}")]
+    Unexpected {
+        /// Who answered.
+        peer: String,
+        /// What came.
+        what: String,
+    },
+}
+
+fn options() -> impl Options {
+    bincode::DefaultOptions::new().with_limit(MAX_FRAME as u64).reject_trailing_bytes()
+}
+
+/// Encodes a message into a frame payload.
+pub fn encode<T: Serialize>(message: &T) -> Result<Vec<u8>, ProtocolError> {
+    let bytes = options().serialize(message).map_err(|e| ProtocolError::Malformed(e.to_string()))?;
+    if bytes.len() > MAX_FRAME {
+        return Err(ProtocolError::FrameTooLarge(bytes.len()));
+    }
+    Ok(bytes)
+}
+
+/// Decodes a frame payload; never panics on arbitrary input.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ProtocolError> {
+    options().deserialize(bytes).map_err(|e| ProtocolError::Malformed(e.to_string()))
+}
+
+/// Writes one message as a frame.
+pub async fn send<W: AsyncWriteExt + Unpin, T: Serialize>(writer: &mut W, message: &T) -> Result<(), ProtocolError> {
+    let payload = encode(message)?;
+    let mut frame = Vec::with_capacity(4 + payload.len());
+    frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&payload);
+    writer.write_all(&frame).await?;
+    writer.flush().await?;
+    Ok(())
+}
+
+/// Reads one frame and decodes it.
+pub async fn recv<R: AsyncReadExt + Unpin, T: DeserializeOwned>(reader: &mut R) -> Result<T, ProtocolError> {
+    let mut len = [0u8; 4];
+    match reader.read_exact(&mut len).await {
+        Ok(_) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::UnexpectedEof => return Err(ProtocolError::Closed),
+        Err(err) => return Err(err.into()),
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(ProtocolError::FrameTooLarge(len));
+    }
+    let mut payload = vec![0u8; len];
+    reader.read_exact(&mut payload).await?;
+    decode(&payload)
+}
+
+/// [`recv`] with a deadline.
+pub async fn recv_timeout<R: AsyncReadExt + Unpin, T: DeserializeOwned>(
+    reader: &mut R,
+    timeout: Duration,
+) -> Result<T, ProtocolError> {
+    tokio::time::timeout(timeout, recv(reader)).await.map_err(|_| ProtocolError::Timeout(timeout))?
+}
+
+/// Who is connecting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Role {
+    /// A manager daemon of a checkpoint node.
+    Manager,
+    /// An application (client library) or an operator's command.
+    Client,
+}
+
+/// First message of every connection.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Must be [`MAGIC`].
+    pub magic: [u8; 4],
+    /// Must be [`PROTOCOL_VERSION`].
+    pub version: u32,
+    /// The shared secret.
+    pub token: String,
+    /// Who is connecting.
+    pub role: Role,
+}
+
+impl Hello {
+    /// A Hello for this protocol version.
+    pub fn new(token: &str, role: Role) -> Hello {
+        Hello { magic: MAGIC, version: PROTOCOL_VERSION, token: token.to_string(), role }
+    }
+}
+
+/// Answer to a Hello.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum HelloReply {
+    /// Accepted.
+    Welcome,
+    /// Refused, with the reason.
+    Refused(String),
+}
+
+/// Checks a Hello against the expected token; returns the refusal reason.
+pub fn check_hello(hello: &Hello, token: &str) -> Result<(), String> {
+    if hello.magic != MAGIC {
+        return Err("not an icheck peer (bad magic)".into());
+    }
+    if hello.version != PROTOCOL_VERSION {
+        return Err(format!(
+            "protocol version {} is not supported (this daemon speaks {PROTOCOL_VERSION})",
+            hello.version
+        ));
+    }
+    // Compare without an early exit, so timing does not reveal a prefix.
+    let (a, b) = (hello.token.as_bytes(), token.as_bytes());
+    let mut diff = a.len() ^ b.len();
+    for (i, byte) in b.iter().enumerate() {
+        diff |= usize::from(a.get(i).copied().unwrap_or(0) ^ byte);
+    }
+    if diff != 0 {
+        return Err("wrong token (set Token in the configuration file or ICHECK_TOKEN)".into());
+    }
+    Ok(())
+}
+
+/// How the application moves data (thesis §6.2.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TransferMode {
+    /// Every process registers its memory (P:M).
+    Mr,
+    /// One shared-memory segment per node (N:M).
+    Shmr,
+}
+
+/// An application's registration (§6.1.2 step 1).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AppRegistration {
+    /// Application name; a restart uses the same name.
+    pub name: String,
+    /// MPI processes.
+    pub ranks: u32,
+    /// Compute nodes.
+    pub nodes: u32,
+    /// Processes per node.
+    pub ranks_per_node: u32,
+    /// MR or SHMR.
+    pub mode: TransferMode,
+}
+
+/// An agent as the application sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AgentInfo {
+    /// Controller-wide agent id.
+    pub id: u64,
+    /// Node (manager) it runs on.
+    pub node: String,
+    /// Its fabric address.
+    pub address: FabricAddress,
+    /// Provider it runs on.
+    pub provider: String,
+    /// A small region holding a known pattern, for reachability checks.
+    pub probe: RemoteRegion,
+}
+
+/// What a manager measured (§6.3), sent every status interval.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    /// Available memory in bytes (from /proc/meminfo).
+    pub mem_available: u64,
+    /// Total memory in bytes.
+    pub mem_total: u64,
+    /// Agents running.
+    pub agents: u32,
+    /// Checkpoint bytes held by its agents.
+    pub bytes_held: u64,
+    /// Checkpoint operations served since start.
+    pub checkpoint_ops: u64,
+    /// Aggregate bandwidth of the last interval, bytes/s.
+    pub bandwidth: f64,
+}
+
+/// Messages a manager sends to the controller.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum ManagerToController {
+    /// First message after the Hello.
+    Register {
+        /// Node name.
+        node: String,
+        /// Manager process id (for operators).
+        pid: u32,
+        /// Initial measurements.
+        status: NodeStatus,
+    },
+    /// Liveness.
+    Heartbeat,
+    /// Measurements.
+    Status(NodeStatus),
+    /// An agent started and is reachable.
+    AgentReady(AgentInfo),
+    /// An agent could not start.
+    AgentFailed {
+        /// Agent id.
+        id: u64,
+        /// Why.
+        reason: String,
+    },
+    /// An agent thread died.
+    AgentLost {
+        /// Agent id.
+        id: u64,
+    },
+}
+
+/// Messages the controller sends to a manager.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ControllerToManager {
+    /// Registration accepted.
+    Registered,
+    /// Registration refused (e.g. the node name is taken by a live manager).
+    Rejected(String),
+    /// Start an agent for an application.
+    StartAgent {
+        /// Agent id.
+        id: u64,
+        /// Application it serves.
+        app: String,
+    },
+    /// Stop an agent.
+    StopAgent {
+        /// Agent id.
+        id: u64,
+    },
+}
+
+/// Requests of clients (applications and operators).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ClientRequest {
+    /// Register an application and get its agents.
+    RegisterApp(AppRegistration),
+    /// The application is done; its agents stop.
+    FinishApp {
+        /// Application name.
+        name: String,
+    },
+    /// The whole status.
+    Status,
+}
+
+/// Answers to clients.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum ClientReply {
+    /// The application's agents.
+    Agents(Vec<AgentInfo>),
+    /// Done.
+    Ok,
+    /// The status.
+    Status(StatusReport),
+    /// The request failed.
+    Error(String),
+}
+
+/// A node as `icheck status` shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeReport {
+    /// Node name.
+    pub node: String,
+    /// Manager pid.
+    pub pid: u32,
+    /// Whether heartbeats arrive.
+    pub alive: bool,
+    /// Seconds since the last heartbeat.
+    pub last_heartbeat_secs: f64,
+    /// Latest measurements.
+    pub status: NodeStatus,
+}
+
+/// An application as `icheck status` shows it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AppReport {
+    /// The registration.
+    pub registration: AppRegistration,
+    /// Its agents.
+    pub agents: Vec<AgentInfo>,
+    /// Latest complete checkpoint version, if any.
+    pub latest_version: Option<u64>,
+}
+
+/// Everything the controller knows, for `icheck status`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StatusReport {
+    /// Checkpoint nodes.
+    pub nodes: Vec<NodeReport>,
+    /// Applications.
+    pub apps: Vec<AppReport>,
+    /// The dynamic configuration in force.
+    pub init_agent_count: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_trailing_bytes() {
+        let msg = ClientRequest::RegisterApp(AppRegistration {
+            name: "heat2d".into(),
+            ranks: 4,
+            nodes: 2,
+            ranks_per_node: 2,
+            mode: TransferMode::Mr,
+        });
+        let mut bytes = encode(&msg).unwrap();
+        assert_eq!(decode::<ClientRequest>(&bytes).unwrap(), msg);
+        bytes.push(0);
+        assert!(decode::<ClientRequest>(&bytes).is_err());
+    }
+
+    #[test]
+    fn random_bytes_never_panic() {
+        // Fixed-seed xorshift; every length up to 64 and some larger.
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        for round in 0..20_000 {
+            let len = if round % 10 == 0 { 1000 } else { round % 64 };
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    state as u8
+                })
+                .collect();
+            let _ = decode::<ClientRequest>(&bytes);
+            let _ = decode::<ManagerToController>(&bytes);
+            let _ = decode::<ControllerToManager>(&bytes);
+            let _ = decode::<Hello>(&bytes);
+        }
+    }
+
+    #[test]
+    fn huge_length_prefix_inside_a_frame_is_bounded() {
+        // A string claiming 2^60 bytes must fail, not allocate.
+        let mut bytes = vec![0u8]; // variant 0: RegisterApp
+        bytes.push(0xff); // varint marker for u64
+        bytes.extend_from_slice(&(1u64 << 60).to_le_bytes());
+        assert!(decode::<ClientRequest>(&bytes).is_err());
+    }
+
+    #[test]
+    fn hello_checks_magic_version_and_token() {
+        assert!(check_hello(&Hello::new("s3cret", Role::Client), "s3cret").is_ok());
+        assert!(check_hello(&Hello::new("wrong", Role::Client), "s3cret").unwrap_err().contains("wrong token"));
+        assert!(check_hello(&Hello::new("s3cret1", Role::Client), "s3cret").is_err());
+        let mut old = Hello::new("s3cret", Role::Client);
+        old.version = 0;
+        assert!(check_hello(&old, "s3cret").unwrap_err().contains("version 0"));
+        old.magic = *b"HTTP";
+        assert!(check_hello(&old, "s3cret").unwrap_err().contains("magic"));
+    }
+}
