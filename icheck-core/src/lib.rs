@@ -8,7 +8,9 @@
 //! See ARCHITECTURE.md at the repository root for the bird's-eye view.
 
 pub mod config;
+pub mod decide;
 pub mod fabric;
 pub mod protocol;
 pub mod selftest;
+pub mod service;
 pub mod units;

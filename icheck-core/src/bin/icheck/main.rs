@@ -1,6 +1,9 @@
 //! `icheck`: the command administrators and users run.
 //!
-//! Today it carries the fabric tools; the service daemons join it as they land.
+//! Daemons (`controller`, `manager`), the local service (`up`, `down`),
+//! `status`, and the fabric tools.
+
+mod local;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
@@ -11,6 +14,7 @@ use clap::{Args, Parser, Subcommand};
 use icheck_core::fabric::{list_providers, FabricConfig, TransferOptions};
 use icheck_core::selftest::{self, Target, TargetAnnouncement};
 use icheck_core::units::ByteSize;
+use std::path::PathBuf;
 
 /// icheck: an RDMA checkpoint service for MPI applications.
 #[derive(Parser)]
@@ -22,9 +26,103 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command_ {
+    /// Start a local service: a controller and N managers on loopback.
+    ///
+    /// Writes configuration, logs, pids and a ready client configuration
+    /// into the state directory and prints the client configuration's path.
+    /// Ports are picked free, so several services can run side by side.
+    ///
+    /// Example: icheck up --managers 2 --state-dir /tmp/ick --detach
+    Up {
+        /// Managers (checkpoint nodes) to start.
+        #[arg(long, default_value_t = 2)]
+        managers: u32,
+        /// Directory for configuration, logs and pids.
+        #[arg(long, default_value = "icheck-state")]
+        state_dir: PathBuf,
+        /// Fabric provider the agents use.
+        #[arg(long, default_value = "tcp")]
+        provider: String,
+        /// Seconds between manager heartbeats.
+        #[arg(long, default_value_t = 1.0)]
+        heartbeat: f64,
+        /// Return once every manager is ready instead of staying in the
+        /// foreground until Ctrl-C.
+        #[arg(long)]
+        detach: bool,
+    },
+    /// Stop the service that `icheck up` started in a state directory.
+    ///
+    /// Example: icheck down --state-dir /tmp/ick
+    Down {
+        /// The state directory given to `icheck up`.
+        #[arg(long, default_value = "icheck-state")]
+        state_dir: PathBuf,
+    },
+    /// Show checkpoint nodes, applications and agents.
+    ///
+    /// Example: icheck status --state-dir /tmp/ick
+    ///          icheck status --config /etc/icheck/icheck.toml --json
+    Status {
+        #[command(flatten)]
+        target: ConfigArgs,
+        /// Print JSON for scripts.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run the controller daemon in the foreground (logs to stderr; ICHECK_LOG sets the level).
+    ///
+    /// Example: icheck controller --config config/icheck.toml
+    Controller {
+        /// Static configuration file.
+        #[arg(long)]
+        config: PathBuf,
+        /// Where to write controller.addr (the address actually listened on).
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+    },
+    /// Run a manager daemon for one checkpoint node in the foreground.
+    ///
+    /// Example: icheck manager --config config/icheck.toml --node cpnode1
+    Manager {
+        /// Static configuration file.
+        #[arg(long)]
+        config: PathBuf,
+        /// This checkpoint node's name (default: the host name).
+        #[arg(long)]
+        node: Option<String>,
+    },
     /// Inspect and test the RDMA fabric (libfabric) on this machine.
     #[command(subcommand)]
     Fabric(FabricCommand),
+}
+
+#[derive(Args)]
+struct ConfigArgs {
+    /// Static/client configuration file (default: ICHECK_CONFIG).
+    #[arg(long, conflicts_with = "state_dir")]
+    config: Option<PathBuf>,
+    /// State directory of `icheck up` (uses its icheck.toml).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+}
+
+impl ConfigArgs {
+    fn load(&self) -> Result<icheck_core::config::StaticConfig> {
+        let path = match (&self.config, &self.state_dir) {
+            (Some(path), _) => path.clone(),
+            (None, Some(dir)) => dir.join(local::CLIENT_CONFIG),
+            (None, None) => match std::env::var_os("ICHECK_CONFIG") {
+                Some(path) => PathBuf::from(path),
+                None => PathBuf::from("icheck-state").join(local::CLIENT_CONFIG),
+            },
+        };
+        Ok(icheck_core::config::StaticConfig::load(&path)?)
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?)
 }
 
 #[derive(Subcommand)]
@@ -152,8 +250,54 @@ fn main() {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    use icheck_core::protocol::{ClientReply, ClientRequest};
     match cli.command {
         Command_::Fabric(command) => run_fabric(command),
+        Command_::Controller { config, state_dir } => {
+            let config = icheck_core::config::StaticConfig::load(&config)?;
+            runtime()?.block_on(icheck_core::service::controller::run(config, state_dir))?;
+            Ok(())
+        }
+        Command_::Manager { config, node } => {
+            let config = icheck_core::config::StaticConfig::load(&config)?;
+            let node = node.unwrap_or_else(|| {
+                std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "node".into())
+            });
+            let span = tracing::info_span!("manager", %node);
+            let _guard = span.enter();
+            runtime()?.block_on(icheck_core::service::manager::run(config, node))?;
+            Ok(())
+        }
+        Command_::Up { managers, state_dir, provider, heartbeat, detach } => {
+            let options = local::UpOptions { state_dir: state_dir.clone(), managers, provider, heartbeat };
+            let config_path = local::up(&options)?;
+            let config = icheck_core::config::StaticConfig::load(&config_path)?;
+            if let ClientReply::Status(report) =
+                icheck_core::service::client::request_blocking(&config, &ClientRequest::Status)?
+            {
+                local::print_status(&report);
+            }
+            if detach {
+                println!(
+                    "icheck up: running in the background; stop with `icheck down --state-dir {}`",
+                    state_dir.display()
+                );
+                return Ok(());
+            }
+            println!("icheck up: press Ctrl-C to stop");
+            runtime()?.block_on(tokio::signal::ctrl_c())?;
+            local::down(&state_dir)
+        }
+        Command_::Down { state_dir } => local::down(&state_dir),
+        Command_::Status { target, json } => {
+            let config = target.load()?;
+            match icheck_core::service::client::request_blocking(&config, &ClientRequest::Status)? {
+                ClientReply::Status(report) if json => println!("{}", serde_json::to_string_pretty(&report)?),
+                ClientReply::Status(report) => local::print_status(&report),
+                other => bail!("unexpected answer from the controller: {other:?}"),
+            }
+            Ok(())
+        }
     }
 }
 

@@ -1,0 +1,240 @@
+//! `icheck up` / `icheck down`: a controller and N managers as local
+//! processes on loopback, with a state directory holding the configuration,
+//! logs, pids and the controller's address.
+
+use std::fs;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use icheck_core::config::StaticConfig;
+use icheck_core::protocol::{ClientReply, ClientRequest, StatusReport};
+use icheck_core::service::client::request_blocking;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+/// Name of the client configuration file inside a state directory.
+pub const CLIENT_CONFIG: &str = "icheck.toml";
+const PIDS: &str = "pids";
+
+/// Options of `icheck up`.
+pub struct UpOptions {
+    pub state_dir: PathBuf,
+    pub managers: u32,
+    pub provider: String,
+    pub heartbeat: f64,
+}
+
+fn random_token() -> Result<String> {
+    let mut bytes = [0u8; 16];
+    fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn write_static(dir: &Path, port: u16, token: &str, options: &UpOptions) -> Result<PathBuf> {
+    let path = dir.join(CLIENT_CONFIG);
+    let text = format!(
+        "# Written by `icheck up`; also the client configuration (ICHECK_CONFIG={path}).\n\
+         ControllerAddress = \"127.0.0.1\"\nControllerPort = {port}\nToken = \"{token}\"\n\
+         HeartBeatInterval = {hb}\nStatusMessageInterval = {hb}\nDynamicConfig = \"dynamic.toml\"\n\n\
+         [fabric]\nprovider = \"{provider}\"\n",
+        path = path.display(),
+        hb = options.heartbeat,
+        provider = options.provider,
+    );
+    let tmp = dir.join(format!("{CLIENT_CONFIG}.tmp"));
+    fs::write(&tmp, text)
+        .and_then(|_| fs::rename(&tmp, &path))
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(path)
+}
+
+/// Whether `pid` is a live process whose command line mentions icheck (so a
+/// recycled PID is never signalled).
+fn is_icheck_process(pid: u32) -> bool {
+    fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmd| String::from_utf8_lossy(&cmd).contains("icheck"))
+        && fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|stat| !stat.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
+}
+
+fn read_pids(dir: &Path) -> Vec<(String, u32)> {
+    fs::read_to_string(dir.join(PIDS))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| {
+            let (name, pid) = line.rsplit_once(' ')?;
+            Some((name.to_string(), pid.parse().ok()?))
+        })
+        .collect()
+}
+
+fn spawn_daemon(dir: &Path, log_name: &str, args: &[&str]) -> Result<std::process::Child> {
+    let log_path = dir.join("logs").join(log_name);
+    let log = fs::File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+    let exe = std::env::current_exe().context("cannot find the icheck executable")?;
+    use std::os::unix::process::CommandExt;
+    let child = Command::new(exe)
+        .args(args)
+        .env("ICHECK_LOG", std::env::var("ICHECK_LOG").unwrap_or_else(|_| "info".into()))
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0) // not killed by the terminal's Ctrl-C meant for `up`
+        .spawn()
+        .with_context(|| format!("starting {log_name}"))?;
+    Ok(child)
+}
+
+fn log_tail(dir: &Path, log_name: &str) -> String {
+    let text = fs::read_to_string(dir.join("logs").join(log_name)).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(10)..].join("\n")
+}
+
+/// Starts the local service and waits until every manager is registered.
+pub fn up(options: &UpOptions) -> Result<PathBuf> {
+    let dir = &options.state_dir;
+    fs::create_dir_all(dir.join("logs")).with_context(|| format!("creating state directory {}", dir.display()))?;
+    let dir = &dir.canonicalize()?;
+    if let Some((name, pid)) = read_pids(dir).into_iter().find(|(_, pid)| is_icheck_process(*pid)) {
+        bail!(
+            "a service already runs from {} ({name} is pid {pid}); stop it with `icheck down --state-dir {}`",
+            dir.display(),
+            dir.display()
+        );
+    }
+    let dynamic = dir.join("dynamic.toml");
+    if !dynamic.exists() {
+        fs::write(&dynamic, include_str!("../../../../config/dynamic.toml")).context("writing dynamic.toml")?;
+    }
+    let _ = fs::remove_file(dir.join("controller.addr"));
+    let token = random_token()?;
+    let config_path = write_static(dir, 0, &token, options)?;
+    let config_arg = config_path.to_string_lossy().into_owned();
+    let dir_arg = dir.to_string_lossy().into_owned();
+    let mut controller_process =
+        spawn_daemon(dir, "controller.log", &["controller", "--config", &config_arg, "--state-dir", &dir_arg])?;
+    let controller = controller_process.id();
+    fs::write(dir.join(PIDS), format!("controller {controller}\n"))?;
+    println!("icheck up: controller started (pid {controller}), waiting for it to listen ...");
+    let started = Instant::now();
+    let addr = loop {
+        if let Ok(addr) = fs::read_to_string(dir.join("controller.addr")) {
+            break addr;
+        }
+        // Our own child: ask its handle (its /proc entry can read empty mid-exec).
+        let exited = controller_process.try_wait()?.is_some();
+        if exited || started.elapsed() > Duration::from_secs(15) {
+            bail!(
+                "the controller did not start; its log ({}/logs/controller.log) ends with:\n{}",
+                dir.display(),
+                log_tail(dir, "controller.log")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let port: u16 =
+        addr.trim().rsplit(':').next().and_then(|p| p.parse().ok()).context("controller.addr is malformed")?;
+    let config_path = write_static(dir, port, &token, options)?;
+    let mut pids = format!("controller {controller}\n");
+    for index in 1..=options.managers {
+        let node = format!("local-{index}");
+        let pid =
+            spawn_daemon(dir, &format!("manager-{node}.log"), &["manager", "--config", &config_arg, "--node", &node])?
+                .id();
+        pids.push_str(&format!("manager-{node} {pid}\n"));
+        println!("icheck up: manager {node} started (pid {pid})");
+    }
+    fs::write(dir.join(PIDS), pids)?;
+    let config = StaticConfig::load(&config_path)?;
+    let started = Instant::now();
+    loop {
+        if let Ok(ClientReply::Status(report)) = request_blocking(&config, &ClientRequest::Status) {
+            let alive = report.nodes.iter().filter(|n| n.alive).count() as u32;
+            if alive >= options.managers {
+                break;
+            }
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            bail!("managers did not all register within 20 s; see the logs in {}/logs", dir.display());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!("icheck up: controller at {}, {} manager(s) ready", addr.trim(), options.managers);
+    println!("icheck up: client config: {}", config_path.display());
+    println!("           (export ICHECK_CONFIG={})", config_path.display());
+    Ok(config_path)
+}
+
+/// Stops what `up` started in `dir`: SIGTERM, then SIGKILL after 5 s.
+pub fn down(dir: &Path) -> Result<()> {
+    let pids = read_pids(dir);
+    if pids.is_empty() {
+        bail!("no service recorded in {} (no pids file); nothing to stop", dir.display());
+    }
+    for (name, pid) in &pids {
+        if is_icheck_process(*pid) {
+            let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGTERM);
+            println!("icheck down: stopping {name} (pid {pid})");
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for (name, pid) in &pids {
+        while is_icheck_process(*pid) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if is_icheck_process(*pid) {
+            println!("icheck down: {name} (pid {pid}) ignored SIGTERM; sending SIGKILL");
+            let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
+        }
+    }
+    let _ = fs::remove_file(dir.join(PIDS));
+    let _ = fs::remove_file(dir.join("controller.addr"));
+    println!("icheck down: stopped");
+    Ok(())
+}
+
+fn human_bytes(bytes: u64) -> String {
+    icheck_core::units::ByteSize(bytes / (1 << 20) * (1 << 20)).to_string()
+}
+
+/// Prints the status report as tables.
+pub fn print_status(report: &StatusReport) {
+    println!("NODES");
+    println!(
+        "  {:<12} {:>8} {:<6} {:>10} {:>12} {:>7} {:>12}",
+        "NODE", "PID", "STATE", "HEARTBEAT", "MEM_AVAIL", "AGENTS", "BANDWIDTH"
+    );
+    for n in &report.nodes {
+        println!(
+            "  {:<12} {:>8} {:<6} {:>9.1}s {:>12} {:>7} {:>9.2}GB/s",
+            n.node,
+            n.pid,
+            if n.alive { "up" } else { "DOWN" },
+            n.last_heartbeat_secs,
+            human_bytes(n.status.mem_available),
+            n.status.agents,
+            n.status.bandwidth / 1e9
+        );
+    }
+    println!("APPLICATIONS");
+    if report.apps.is_empty() {
+        println!("  (none)");
+    }
+    for a in &report.apps {
+        let r = &a.registration;
+        let agents: Vec<String> = a.agents.iter().map(|g| format!("{}@{}", g.id, g.node)).collect();
+        let version = a.latest_version.map_or("none".to_string(), |v| v.to_string());
+        println!(
+            "  {:<16} ranks {:<4} nodes {:<3} mode {:?}  agents [{}]  latest complete version: {version}",
+            r.name,
+            r.ranks,
+            r.nodes,
+            r.mode,
+            agents.join(", ")
+        );
+    }
+    println!("init_agent_count in force: {}", report.init_agent_count);
+}

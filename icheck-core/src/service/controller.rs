@@ -1,0 +1,406 @@
+//! The controller: registry of checkpoint nodes, agents and applications;
+//! answers registrations with agent lists; tracks heartbeats; serves status.
+//!
+//! Owned state (all behind one mutex, never held across an await):
+//! nodes (manager connection, last heartbeat, measurements), applications
+//! (registration, agents), and pending agent starts.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument;
+
+use super::ServiceError;
+use crate::config::{DynamicConfig, StaticConfig};
+use crate::decide::{self, NodeSnapshot};
+use crate::protocol::{
+    self, AgentInfo, AppReport, ClientReply, ClientRequest, ControllerToManager, Hello, HelloReply,
+    ManagerToController, NodeReport, NodeStatus, ProtocolError, Role, StatusReport,
+};
+
+/// Time a peer has to send its Hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time managers have to start the agents of one registration.
+const AGENT_START_TIMEOUT: Duration = Duration::from_secs(15);
+
+struct NodeEntry {
+    pid: u32,
+    last_heartbeat: Instant,
+    reported_down: bool,
+    status: NodeStatus,
+    connection: u64,
+    to_manager: mpsc::UnboundedSender<ControllerToManager>,
+}
+
+struct AppEntry {
+    registration: protocol::AppRegistration,
+    agents: Vec<AgentInfo>,
+}
+
+#[derive(Default)]
+struct State {
+    nodes: BTreeMap<String, NodeEntry>,
+    apps: BTreeMap<String, AppEntry>,
+    pending: HashMap<u64, oneshot::Sender<Result<AgentInfo, String>>>,
+    next_agent: u64,
+    next_connection: u64,
+}
+
+struct Shared {
+    token: String,
+    heartbeat: Duration,
+    missed: u32,
+    state: Mutex<State>,
+    dynamic: RwLock<DynamicConfig>,
+}
+
+impl Shared {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn dynamic(&self) -> DynamicConfig {
+        self.dynamic.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn alive(&self, node: &NodeEntry, now: Instant) -> bool {
+        decide::is_alive(now - node.last_heartbeat, self.heartbeat, self.missed)
+    }
+}
+
+/// Runs the controller until the process ends. With `state_dir`, the
+/// listening address is written to `state_dir/controller.addr`.
+pub async fn run(config: StaticConfig, state_dir: Option<PathBuf>) -> Result<(), ServiceError> {
+    let dynamic = match &config.dynamic_config {
+        Some(path) => DynamicConfig::load(path)?,
+        None => DynamicConfig::default(),
+    };
+    let listener = TcpListener::bind(config.controller_endpoint()).await.map_err(|source| ServiceError::Io {
+        what: format!("cannot listen on {}", config.controller_endpoint()),
+        source,
+    })?;
+    let local = listener.local_addr().map_err(|source| ServiceError::Io { what: "local_addr".into(), source })?;
+    tracing::info!(address = %local, "controller listening");
+    if let Some(dir) = &state_dir {
+        let tmp = dir.join("controller.addr.tmp");
+        let write =
+            std::fs::write(&tmp, local.to_string()).and_then(|_| std::fs::rename(&tmp, dir.join("controller.addr")));
+        write.map_err(|source| ServiceError::Io {
+            what: format!("cannot write {}/controller.addr", dir.display()),
+            source,
+        })?;
+    }
+    let shared = Arc::new(Shared {
+        token: config.effective_token(),
+        heartbeat: config.heartbeat(),
+        missed: config.missed_heartbeats,
+        state: Mutex::new(State { next_agent: 1, ..State::default() }),
+        dynamic: RwLock::new(dynamic),
+    });
+    if let Some(path) = config.dynamic_config.clone() {
+        tokio::spawn(reload_dynamic(shared.clone(), path));
+    }
+    tokio::spawn(watch_liveness(shared.clone()));
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
+            Err(err) => {
+                tracing::warn!(%err, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        stream.set_nodelay(true).ok();
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            if let Err(err) = serve_connection(shared, stream).await {
+                match err {
+                    ProtocolError::Closed => tracing::debug!(%peer, "connection closed"),
+                    err => tracing::warn!(%peer, %err, "connection dropped"),
+                }
+            }
+        });
+    }
+}
+
+/// Re-reads the dynamic configuration every `readInterval`; a broken file is
+/// rejected with a logged reason and the previous settings stay.
+async fn reload_dynamic(shared: Arc<Shared>, path: PathBuf) {
+    let mut last_error = String::new();
+    loop {
+        let every = shared.dynamic().read_every();
+        tokio::time::sleep(every).await;
+        match DynamicConfig::load(&path) {
+            Ok(new) => {
+                last_error.clear();
+                let mut current = shared.dynamic.write().unwrap_or_else(|p| p.into_inner());
+                if *current != new {
+                    tracing::info!(file = %path.display(), "dynamic configuration changed; applying it");
+                    *current = new;
+                }
+            }
+            Err(err) => {
+                let text = err.to_string();
+                if text != last_error {
+                    tracing::error!("rejected dynamic configuration, keeping the previous settings: {text}");
+                    last_error = text;
+                }
+            }
+        }
+    }
+}
+
+/// Logs managers that stop sending heartbeats (once per outage).
+async fn watch_liveness(shared: Arc<Shared>) {
+    loop {
+        tokio::time::sleep(shared.heartbeat).await;
+        let now = Instant::now();
+        let mut state = shared.state();
+        let dead: Vec<String> = state
+            .nodes
+            .iter()
+            .filter(|(_, n)| !n.reported_down && !shared.alive(n, now))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in dead {
+            tracing::warn!(node = %name, "manager missed {} heartbeats; marked down", shared.missed);
+            if let Some(node) = state.nodes.get_mut(&name) {
+                node.reported_down = true;
+            }
+        }
+    }
+}
+
+async fn serve_connection(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), ProtocolError> {
+    let hello: Hello = protocol::recv_timeout(&mut stream, HELLO_TIMEOUT).await?;
+    if let Err(reason) = protocol::check_hello(&hello, &shared.token) {
+        tracing::warn!(%reason, "refused a peer");
+        protocol::send(&mut stream, &HelloReply::Refused(reason)).await?;
+        return Ok(());
+    }
+    protocol::send(&mut stream, &HelloReply::Welcome).await?;
+    match hello.role {
+        Role::Manager => serve_manager(shared, stream).await,
+        Role::Client => serve_client(shared, stream).await,
+    }
+}
+
+async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), ProtocolError> {
+    let (mut reader, mut writer) = stream.into_split();
+    let (node, pid, status) = match protocol::recv_timeout(&mut reader, HELLO_TIMEOUT).await? {
+        ManagerToController::Register { node, pid, status } => (node, pid, status),
+        other => {
+            let reason = format!("expected Register, got {other:?}");
+            protocol::send(&mut writer, &ControllerToManager::Rejected(reason.clone())).await?;
+            return Err(ProtocolError::Unexpected { peer: "manager".into(), what: reason });
+        }
+    };
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let admitted = {
+        let mut state = shared.state();
+        let now = Instant::now();
+        match state.nodes.get(&node) {
+            Some(existing) if shared.alive(existing, now) && !existing.to_manager.is_closed() => {
+                Err(format!("node name {node:?} is already registered by a live manager (pid {})", existing.pid))
+            }
+            _ => {
+                state.next_connection += 1;
+                let connection = state.next_connection;
+                let entry =
+                    NodeEntry { pid, last_heartbeat: now, reported_down: false, status, connection, to_manager: tx };
+                state.nodes.insert(node.clone(), entry);
+                Ok(connection)
+            }
+        }
+    };
+    let connection = match admitted {
+        Ok(connection) => connection,
+        Err(reason) => {
+            protocol::send(&mut writer, &ControllerToManager::Rejected(reason.clone())).await?;
+            return Err(ProtocolError::Refused { peer: node, reason });
+        }
+    };
+    tracing::info!(%node, pid, "manager registered");
+    protocol::send(&mut writer, &ControllerToManager::Registered).await?;
+    let writer_task = tokio::spawn(async move {
+        while let Some(message) = rx.recv().await {
+            if protocol::send(&mut writer, &message).await.is_err() {
+                break;
+            }
+        }
+    });
+    let result = loop {
+        let message: ManagerToController = match protocol::recv(&mut reader).await {
+            Ok(message) => message,
+            Err(err) => break Err(err),
+        };
+        let mut state = shared.state();
+        match message {
+            ManagerToController::Heartbeat => {
+                if let Some(entry) = state.nodes.get_mut(&node).filter(|e| e.connection == connection) {
+                    entry.last_heartbeat = Instant::now();
+                    if entry.reported_down {
+                        tracing::info!(%node, "manager is back");
+                        entry.reported_down = false;
+                    }
+                }
+            }
+            ManagerToController::Status(status) => {
+                if let Some(entry) = state.nodes.get_mut(&node).filter(|e| e.connection == connection) {
+                    entry.status = status;
+                    entry.last_heartbeat = Instant::now();
+                }
+            }
+            ManagerToController::AgentReady(info) => {
+                if let Some(waiter) = state.pending.remove(&info.id) {
+                    let _ = waiter.send(Ok(info));
+                }
+            }
+            ManagerToController::AgentFailed { id, reason } => {
+                if let Some(waiter) = state.pending.remove(&id) {
+                    let _ = waiter.send(Err(format!("node {node}: {reason}")));
+                }
+            }
+            ManagerToController::AgentLost { id } => {
+                tracing::warn!(%node, agent = id, "agent thread died");
+                for app in state.apps.values_mut() {
+                    app.agents.retain(|a| a.id != id);
+                }
+            }
+            ManagerToController::Register { .. } => {
+                tracing::warn!(%node, "manager registered twice on one connection; ignored");
+            }
+        }
+    };
+    writer_task.abort();
+    tracing::warn!(%node, "manager connection closed");
+    result
+}
+
+async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), ProtocolError> {
+    loop {
+        let request: ClientRequest = protocol::recv(&mut stream).await?;
+        let reply = match request {
+            ClientRequest::Status => ClientReply::Status(status_report(&shared)),
+            ClientRequest::RegisterApp(registration) => {
+                let span = tracing::info_span!("register", app = %registration.name);
+                match register_app(&shared, registration).instrument(span).await {
+                    Ok(agents) => ClientReply::Agents(agents),
+                    Err(reason) => ClientReply::Error(reason),
+                }
+            }
+            ClientRequest::FinishApp { name } => finish_app(&shared, &name),
+        };
+        protocol::send(&mut stream, &reply).await?;
+    }
+}
+
+fn status_report(shared: &Shared) -> StatusReport {
+    let state = shared.state();
+    let now = Instant::now();
+    StatusReport {
+        nodes: state
+            .nodes
+            .iter()
+            .map(|(name, n)| NodeReport {
+                node: name.clone(),
+                pid: n.pid,
+                alive: shared.alive(n, now),
+                last_heartbeat_secs: (now - n.last_heartbeat).as_secs_f64(),
+                status: n.status.clone(),
+            })
+            .collect(),
+        apps: state
+            .apps
+            .values()
+            .map(|a| AppReport { registration: a.registration.clone(), agents: a.agents.clone(), latest_version: None })
+            .collect(),
+        init_agent_count: format!("{:?}", shared.dynamic().init_agent_count),
+    }
+}
+
+/// §6.1.2: pick the agent count and nodes, have managers start the agents,
+/// and return them. A restarting application whose agents all live gets
+/// them back.
+async fn register_app(shared: &Shared, registration: protocol::AppRegistration) -> Result<Vec<AgentInfo>, String> {
+    if registration.name.is_empty() || registration.name.len() > 256 {
+        return Err("application name must be 1 to 256 bytes".into());
+    }
+    let config = shared.dynamic();
+    let mut waiters = Vec::new();
+    {
+        let mut state = shared.state();
+        let now = Instant::now();
+        if let Some(app) = state.apps.get(&registration.name) {
+            let all_alive = !app.agents.is_empty()
+                && app.agents.iter().all(|a| state.nodes.get(&a.node).is_some_and(|n| shared.alive(n, now)));
+            if all_alive {
+                tracing::info!(agents = app.agents.len(), "application re-registered; returning its agents");
+                return Ok(app.agents.clone());
+            }
+        }
+        let count = decide::initial_agent_count(&registration, &config);
+        let snapshot: Vec<NodeSnapshot> = state
+            .nodes
+            .iter()
+            .map(|(name, n)| NodeSnapshot {
+                node: name.clone(),
+                alive: shared.alive(n, now),
+                agents: n.status.agents,
+                mem_available: n.status.mem_available,
+            })
+            .collect();
+        let nodes = decide::choose_nodes(&snapshot, count, &config).map_err(|e| e.to_string())?;
+        for node in nodes {
+            let id = state.next_agent;
+            state.next_agent += 1;
+            let (tx, rx) = oneshot::channel();
+            state.pending.insert(id, tx);
+            let entry = state.nodes.get_mut(&node).expect("chosen from the snapshot");
+            entry.status.agents += 1; // count it now, so parallel registrations spread out
+            let _ = entry.to_manager.send(ControllerToManager::StartAgent { id, app: registration.name.clone() });
+            waiters.push((id, node, rx));
+        }
+    }
+    let mut agents = Vec::new();
+    let mut failure = None;
+    for (id, node, rx) in waiters {
+        match tokio::time::timeout(AGENT_START_TIMEOUT, rx).await {
+            Ok(Ok(Ok(info))) => agents.push(info),
+            Ok(Ok(Err(reason))) => failure = Some(reason),
+            Ok(Err(_)) | Err(_) => {
+                shared.state().pending.remove(&id);
+                failure = Some(format!("manager on {node} did not start agent {id} within {AGENT_START_TIMEOUT:?}"));
+            }
+        }
+    }
+    let mut state = shared.state();
+    if let Some(reason) = failure {
+        for agent in &agents {
+            if let Some(node) = state.nodes.get(&agent.node) {
+                let _ = node.to_manager.send(ControllerToManager::StopAgent { id: agent.id });
+            }
+        }
+        return Err(format!("could not start the agents of {}: {reason}", registration.name));
+    }
+    tracing::info!(agents = agents.len(), "application registered");
+    state.apps.insert(registration.name.clone(), AppEntry { registration, agents: agents.clone() });
+    Ok(agents)
+}
+
+fn finish_app(shared: &Shared, name: &str) -> ClientReply {
+    let mut state = shared.state();
+    let Some(app) = state.apps.remove(name) else {
+        return ClientReply::Error(format!("no application named {name:?} is registered"));
+    };
+    for agent in app.agents {
+        if let Some(node) = state.nodes.get(&agent.node) {
+            let _ = node.to_manager.send(ControllerToManager::StopAgent { id: agent.id });
+        }
+    }
+    ClientReply::Ok
+}

@@ -1,0 +1,141 @@
+//! The manager daemon of a checkpoint node: registers with the controller,
+//! sends heartbeats and status, and starts and stops agent threads.
+//!
+//! Owned state: its agents (id → thread). The controller connection is
+//! re-established if it drops; agents keep running meanwhile.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+use super::agent::Agent;
+use super::{read_meminfo, ServiceError};
+use crate::config::StaticConfig;
+use crate::protocol::{
+    self, ControllerToManager, Hello, HelloReply, ManagerToController, NodeStatus, ProtocolError, Role,
+};
+
+type Agents = Arc<Mutex<BTreeMap<u64, Agent>>>;
+
+fn measure(agents: &Agents) -> NodeStatus {
+    let (mem_available, mem_total) = read_meminfo();
+    let agents = agents.lock().unwrap_or_else(|p| p.into_inner());
+    NodeStatus { mem_available, mem_total, agents: agents.len() as u32, ..NodeStatus::default() }
+}
+
+/// Runs the manager for `node` until the process ends or the controller
+/// rejects it.
+pub async fn run(config: StaticConfig, node: String) -> Result<(), ServiceError> {
+    let agents: Agents = Arc::default();
+    let mut delay = Duration::from_millis(100);
+    loop {
+        match session(&config, &node, &agents).await {
+            Err(ServiceError::Protocol(ProtocolError::Refused { peer, reason })) => {
+                return Err(ProtocolError::Refused { peer, reason }.into());
+            }
+            Err(err) => tracing::warn!(%err, "controller connection lost; reconnecting"),
+            Ok(()) => tracing::warn!("controller closed the connection; reconnecting"),
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(2));
+    }
+}
+
+async fn session(config: &StaticConfig, node: &str, agents: &Agents) -> Result<(), ServiceError> {
+    let peer = config.controller_endpoint();
+    let mut stream = TcpStream::connect(&peer)
+        .await
+        .map_err(|source| ServiceError::Io { what: format!("cannot connect to the controller at {peer}"), source })?;
+    stream.set_nodelay(true).ok();
+    protocol::send(&mut stream, &Hello::new(&config.effective_token(), Role::Manager)).await?;
+    if let HelloReply::Refused(reason) = protocol::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {
+        return Err(ProtocolError::Refused { peer, reason }.into());
+    }
+    let register =
+        ManagerToController::Register { node: node.to_string(), pid: std::process::id(), status: measure(agents) };
+    protocol::send(&mut stream, &register).await?;
+    match protocol::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {
+        ControllerToManager::Registered => tracing::info!(%peer, "registered with the controller"),
+        ControllerToManager::Rejected(reason) => return Err(ProtocolError::Refused { peer, reason }.into()),
+        other => return Err(ProtocolError::Unexpected { peer, what: format!("{other:?}") }.into()),
+    }
+    let (mut reader, mut writer) = stream.into_split();
+    let (tx, mut rx) = mpsc::unbounded_channel::<ManagerToController>();
+    let writer_task = tokio::spawn(async move {
+        while let Some(message) = rx.recv().await {
+            if protocol::send(&mut writer, &message).await.is_err() {
+                break;
+            }
+        }
+    });
+    // Heartbeats, status and the agent watchdog.
+    let timers = {
+        let (tx, agents) = (tx.clone(), agents.clone());
+        let (heartbeat, status_every) = (config.heartbeat(), config.status());
+        tokio::spawn(async move {
+            let mut beat = tokio::time::interval(heartbeat);
+            let mut status = tokio::time::interval(status_every);
+            loop {
+                tokio::select! {
+                    _ = beat.tick() => {
+                        let lost: Vec<u64> = {
+                            let mut map = agents.lock().unwrap_or_else(|p| p.into_inner());
+                            let dead: Vec<u64> = map.iter().filter(|(_, a)| !a.is_alive()).map(|(id, _)| *id).collect();
+                            for id in &dead { map.remove(id); }
+                            dead
+                        };
+                        for id in lost {
+                            let _ = tx.send(ManagerToController::AgentLost { id });
+                        }
+                        if tx.send(ManagerToController::Heartbeat).is_err() { break; }
+                    }
+                    _ = status.tick() => {
+                        if tx.send(ManagerToController::Status(measure(&agents))).is_err() { break; }
+                    }
+                }
+            }
+        })
+    };
+    let result = loop {
+        let message: ControllerToManager = match protocol::recv(&mut reader).await {
+            Ok(message) => message,
+            Err(ProtocolError::Closed) => break Ok(()),
+            Err(err) => break Err(err.into()),
+        };
+        match message {
+            ControllerToManager::StartAgent { id, app } => {
+                let (tx, agents, fabric, node) = (tx.clone(), agents.clone(), config.fabric.clone(), node.to_string());
+                tokio::task::spawn_blocking(move || {
+                    let reply = match Agent::start(&fabric, &node, id, &app) {
+                        Ok(agent) => {
+                            let info = agent.info().clone();
+                            agents.lock().unwrap_or_else(|p| p.into_inner()).insert(id, agent);
+                            tracing::info!(agent = id, %app, "agent started");
+                            ManagerToController::AgentReady(info)
+                        }
+                        Err(err) => {
+                            tracing::error!(agent = id, %app, %err, "agent failed to start");
+                            ManagerToController::AgentFailed { id, reason: err.to_string() }
+                        }
+                    };
+                    let _ = tx.send(reply);
+                });
+            }
+            ControllerToManager::StopAgent { id } => {
+                let agent = agents.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                if agent.is_some() {
+                    tracing::info!(agent = id, "agent stopped");
+                }
+                // Joining the thread happens in drop, off the async threads.
+                tokio::task::spawn_blocking(move || drop(agent));
+            }
+            other => tracing::warn!(?other, "unexpected message from the controller; ignored"),
+        }
+    };
+    timers.abort();
+    writer_task.abort();
+    result
+}

@@ -1,0 +1,242 @@
+//! The service as separate processes: `icheck up` starts a controller and
+//! managers; tests talk to them over TCP and the fabric, kill them by PID,
+//! and send them garbage.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use icheck_core::config::StaticConfig;
+use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint, RmaOp, TransferOptions};
+use icheck_core::protocol::{
+    self, AppRegistration, ClientReply, ClientRequest, HelloReply, StatusReport, TransferMode,
+};
+use icheck_core::selftest::verify_pattern;
+use icheck_core::service::agent::probe_seed;
+use icheck_core::service::client::request_blocking;
+
+const ICHECK: &str = env!("CARGO_BIN_EXE_icheck");
+
+/// A local service in its own state directory; stopped (by PID) on drop.
+struct Service {
+    dir: PathBuf,
+    config: StaticConfig,
+}
+
+impl Service {
+    fn up(name: &str, managers: u32) -> Service {
+        let dir = std::env::temp_dir().join(format!("icheck-test-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = Command::new(ICHECK)
+            .args(["up", "--detach", "--managers", &managers.to_string(), "--heartbeat", "0.5"])
+            .arg("--state-dir")
+            .arg(&dir)
+            .output()
+            .expect("run icheck up");
+        let mut service = Service { config: StaticConfig::default(), dir };
+        assert!(
+            out.status.success(),
+            "icheck up failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        service.config = StaticConfig::load(&service.dir.join("icheck.toml")).unwrap();
+        service
+    }
+
+    fn status(&self) -> StatusReport {
+        let out = Command::new(ICHECK).args(["status", "--json", "--state-dir"]).arg(&self.dir).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).expect("status --json prints a StatusReport")
+    }
+
+    fn pid_of(&self, name: &str) -> u32 {
+        let pids = std::fs::read_to_string(self.dir.join("pids")).unwrap();
+        pids.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).unwrap().trim().parse().unwrap()
+    }
+
+    fn register(&self, name: &str, ranks: u32, nodes: u32) -> Result<Vec<protocol::AgentInfo>, String> {
+        let app =
+            AppRegistration { name: name.into(), ranks, nodes, ranks_per_node: ranks / nodes, mode: TransferMode::Mr };
+        match request_blocking(&self.config, &ClientRequest::RegisterApp(app)) {
+            Ok(ClientReply::Agents(agents)) => Ok(agents),
+            Ok(other) => Err(format!("unexpected {other:?}")),
+            Err(err) => Err(err.to_string()),
+        }
+    }
+
+    fn log(&self, name: &str) -> String {
+        std::fs::read_to_string(self.dir.join("logs").join(name)).unwrap_or_default()
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        let _ = Command::new(ICHECK).args(["down", "--state-dir"]).arg(&self.dir).output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Reads every agent's probe region over the fabric and checks its pattern.
+fn assert_agents_reachable(agents: &[protocol::AgentInfo], provider_config: &StaticConfig) {
+    let domain = Domain::open(&provider_config.fabric).unwrap();
+    let endpoint = Endpoint::new(&domain).unwrap();
+    for agent in agents {
+        let peer = endpoint.insert_peer(&agent.address).unwrap();
+        let len = agent.probe.len as usize;
+        let mut local = endpoint.register(AlignedBuffer::zeroed(len), Access::LOCAL).unwrap();
+        let op = RmaOp { local_offset: 0, remote: agent.probe, remote_offset: 0, len };
+        endpoint.read(&peer, local.target(), &[op], &TransferOptions::default()).unwrap();
+        verify_pattern(local.as_slice(), probe_seed(agent.id))
+            .unwrap_or_else(|e| panic!("agent {} on {} returned wrong probe data: {e}", agent.id, agent.node));
+    }
+}
+
+#[test]
+fn up_status_register_and_reach_agents() {
+    let service = Service::up("register", 2);
+    let status = service.status();
+    assert_eq!(status.nodes.len(), 2, "{status:?}");
+    assert!(status.nodes.iter().all(|n| n.alive && n.status.mem_total > 0), "{status:?}");
+
+    // Default init_agent_count = num_nodes: 2 application nodes -> 2 agents,
+    // spread round-robin over the two managers.
+    let agents = service.register("heat2d", 4, 2).unwrap();
+    assert_eq!(agents.len(), 2);
+    let mut nodes: Vec<&str> = agents.iter().map(|a| a.node.as_str()).collect();
+    nodes.sort();
+    assert_eq!(nodes, ["local-1", "local-2"]);
+    assert_agents_reachable(&agents, &service.config);
+
+    // A restart with the same name gets the same, still running agents back.
+    let again = service.register("heat2d", 4, 2).unwrap();
+    assert_eq!(again, agents);
+    let status = service.status();
+    assert_eq!(status.apps.len(), 1);
+    assert_eq!(status.apps[0].agents.len(), 2);
+    wait_for("managers to report their agents", Duration::from_secs(10), || {
+        service.status().nodes.iter().map(|n| n.status.agents).sum::<u32>() == 2
+    });
+
+    // The readable table names the nodes and the application.
+    let out = Command::new(ICHECK).args(["status", "--state-dir"]).arg(&service.dir).output().unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("local-1") && table.contains("heat2d") && table.contains("up"), "{table}");
+}
+
+#[test]
+fn killed_manager_is_marked_down() {
+    let service = Service::up("kill", 2);
+    let pid = service.pid_of("manager-local-1");
+    // SIGKILL the manager this test's service started, by its PID.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    wait_for("local-1 to be marked down", Duration::from_secs(5), || {
+        service.status().nodes.iter().any(|n| n.node == "local-1" && !n.alive)
+    });
+    let status = service.status();
+    assert!(status.nodes.iter().any(|n| n.node == "local-2" && n.alive), "{status:?}");
+    // New registrations avoid the dead node.
+    let agents = service.register("after-kill", 2, 2).unwrap();
+    assert!(agents.iter().all(|a| a.node == "local-2"), "{agents:?}");
+    assert!(service.log("controller.log").contains("marked down"));
+}
+
+fn raw_send(addr: &str, bytes: &[u8]) {
+    if let Ok(mut stream) = TcpStream::connect(addr) {
+        stream.set_read_timeout(Some(Duration::from_millis(200))).ok();
+        let _ = stream.write_all(bytes);
+        let mut sink = [0u8; 256];
+        let _ = stream.read(&mut sink);
+    }
+}
+
+#[test]
+fn wrong_token_and_garbage_are_refused_and_the_daemon_survives() {
+    let service = Service::up("garbage", 1);
+    let addr = service.config.controller_endpoint();
+
+    // Wrong token: refused with a reason.
+    let mut bad = service.config.clone();
+    bad.token = Some("not-the-token".into());
+    std::env::remove_var(icheck_core::config::TOKEN_ENV);
+    let err = request_blocking(&bad, &ClientRequest::Status).unwrap_err().to_string();
+    assert!(err.contains("wrong token"), "{err}");
+
+    // A Hello of another protocol version, by hand.
+    let mut stream = TcpStream::connect(&addr).unwrap();
+    let mut hello = protocol::Hello::new(&service.config.effective_token(), protocol::Role::Client);
+    hello.version = 99;
+    let payload = protocol::encode(&hello).unwrap();
+    stream.write_all(&(payload.len() as u32).to_le_bytes()).unwrap();
+    stream.write_all(&payload).unwrap();
+    let mut len = [0u8; 4];
+    stream.read_exact(&mut len).unwrap();
+    let mut reply = vec![0u8; u32::from_le_bytes(len) as usize];
+    stream.read_exact(&mut reply).unwrap();
+    match protocol::decode::<HelloReply>(&reply).unwrap() {
+        HelloReply::Refused(reason) => assert!(reason.contains("version 99"), "{reason}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+
+    // Random frames, truncated frames, oversized length prefixes: fixed seed, bounded count.
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for round in 0..60 {
+        let bytes: Vec<u8> = match round % 4 {
+            0 => (0..(next() % 300) as usize).map(|_| next() as u8).collect(),
+            1 => [&(1000u32).to_le_bytes()[..], &[1, 2, 3]].concat(), // truncated
+            2 => u32::MAX.to_le_bytes().to_vec(),                     // oversized
+            _ => {
+                // A valid frame length around random payload bytes.
+                let body: Vec<u8> = (0..(next() % 64) as usize).map(|_| next() as u8).collect();
+                [&(body.len() as u32).to_le_bytes()[..], &body].concat()
+            }
+        };
+        raw_send(&addr, &bytes);
+    }
+    // Still serving, manager still alive.
+    let status = service.status();
+    assert!(status.nodes.iter().all(|n| n.alive), "{status:?}");
+    assert!(service.register("still-works", 1, 1).is_ok());
+}
+
+fn set_dynamic(dir: &Path, text: &str) {
+    let path = dir.join("dynamic.toml");
+    std::fs::write(dir.join("dynamic.toml.tmp"), text).unwrap();
+    std::fs::rename(dir.join("dynamic.toml.tmp"), path).unwrap();
+}
+
+#[test]
+fn dynamic_config_applies_without_restart_and_broken_files_are_rejected() {
+    let service = Service::up("dynamic", 2);
+    assert_eq!(service.register("one-node", 4, 1).unwrap().len(), 1);
+
+    set_dynamic(&service.dir, "readInterval = 0.5\ninit_agent_count = 2\n");
+    wait_for("init_agent_count = 2 to apply", Duration::from_secs(10), || {
+        service.status().init_agent_count == "Fixed(2)"
+    });
+    assert_eq!(service.register("now-two", 4, 1).unwrap().len(), 2);
+
+    set_dynamic(&service.dir, "readInterval = 0.5\ninit_agent_count = 0\n");
+    wait_for("the broken file to be rejected", Duration::from_secs(10), || {
+        service.log("controller.log").contains("rejected dynamic configuration")
+    });
+    assert!(service.log("controller.log").contains("init_agent_count"));
+    assert_eq!(service.status().init_agent_count, "Fixed(2)", "the previous settings stay");
+    assert_eq!(service.register("still-two", 4, 1).unwrap().len(), 2);
+}
