@@ -16,12 +16,12 @@ pub const TOKEN_ENV: &str = "ICHECK_TOKEN";
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file could not be read.
-    #[error("cannot read configuration file {file}: {source}")]
+    #[error("cannot read configuration file {file}: {error}")]
     Read {
         /// The file.
         file: PathBuf,
         /// The I/O error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// The file is not valid TOML for this schema (the message names the key
     /// and the line).
@@ -45,7 +45,7 @@ pub enum ConfigError {
 }
 
 fn read(file: &Path) -> Result<String, ConfigError> {
-    std::fs::read_to_string(file).map_err(|source| ConfigError::Read { file: file.to_path_buf(), source })
+    std::fs::read_to_string(file).map_err(|error| ConfigError::Read { file: file.to_path_buf(), error })
 }
 
 fn parse<T: serde::de::DeserializeOwned>(file: &Path, text: &str) -> Result<T, ConfigError> {

@@ -24,10 +24,7 @@ impl ControllerClient {
             .await
             .map_err(|_| ProtocolError::Timeout(timeout))
             .map_err(ServiceError::from)?
-            .map_err(|source| ServiceError::Io {
-                what: format!("cannot connect to the controller at {peer}"),
-                source,
-            })?;
+            .map_err(|error| ServiceError::Io { what: format!("cannot connect to the controller at {peer}"), error })?;
         stream.set_nodelay(true).ok();
         let mut client = ControllerClient { stream, peer, timeout };
         protocol::send(&mut client.stream, &Hello::new(&config.effective_token(), Role::Client)).await?;
@@ -53,7 +50,7 @@ pub fn request_blocking(config: &StaticConfig, request: &ClientRequest) -> Resul
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|source| ServiceError::Io { what: "cannot start a tokio runtime".into(), source })?;
+        .map_err(|error| ServiceError::Io { what: "cannot start a tokio runtime".into(), error })?;
     runtime.block_on(async {
         let mut client = ControllerClient::connect(config, protocol::REQUEST_TIMEOUT).await?;
         client.request(request).await

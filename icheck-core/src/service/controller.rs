@@ -79,19 +79,19 @@ pub async fn run(config: StaticConfig, state_dir: Option<PathBuf>) -> Result<(),
         Some(path) => DynamicConfig::load(path)?,
         None => DynamicConfig::default(),
     };
-    let listener = TcpListener::bind(config.controller_endpoint()).await.map_err(|source| ServiceError::Io {
+    let listener = TcpListener::bind(config.controller_endpoint()).await.map_err(|error| ServiceError::Io {
         what: format!("cannot listen on {}", config.controller_endpoint()),
-        source,
+        error,
     })?;
-    let local = listener.local_addr().map_err(|source| ServiceError::Io { what: "local_addr".into(), source })?;
+    let local = listener.local_addr().map_err(|error| ServiceError::Io { what: "local_addr".into(), error })?;
     tracing::info!(address = %local, "controller listening");
     if let Some(dir) = &state_dir {
         let tmp = dir.join("controller.addr.tmp");
         let write =
             std::fs::write(&tmp, local.to_string()).and_then(|_| std::fs::rename(&tmp, dir.join("controller.addr")));
-        write.map_err(|source| ServiceError::Io {
+        write.map_err(|error| ServiceError::Io {
             what: format!("cannot write {}/controller.addr", dir.display()),
-            source,
+            error,
         })?;
     }
     let shared = Arc::new(Shared {

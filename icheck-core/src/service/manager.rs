@@ -48,7 +48,7 @@ async fn session(config: &StaticConfig, node: &str, agents: &Agents) -> Result<(
     let peer = config.controller_endpoint();
     let mut stream = TcpStream::connect(&peer)
         .await
-        .map_err(|source| ServiceError::Io { what: format!("cannot connect to the controller at {peer}"), source })?;
+        .map_err(|error| ServiceError::Io { what: format!("cannot connect to the controller at {peer}"), error })?;
     stream.set_nodelay(true).ok();
     protocol::send(&mut stream, &Hello::new(&config.effective_token(), Role::Manager)).await?;
     if let HelloReply::Refused(reason) = protocol::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {

@@ -23,12 +23,12 @@ pub enum ServiceError {
     #[error(transparent)]
     Fabric(#[from] crate::fabric::FabricError),
     /// Socket or file problem, with what was being done.
-    #[error("{what}: {source}")]
+    #[error("{what}: {error}")]
     Io {
         /// What failed.
         what: String,
         /// The error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// The controller answered with an error.
     #[error("controller: {0}")]
