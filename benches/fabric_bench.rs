@@ -6,14 +6,13 @@
 //! cargo run --release -p icheck-benches --bin fabric-bench -- --size 1GiB
 //! ```
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Parser;
 use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint, FabricConfig, RmaOp, TransferOptions};
-use icheck_core::selftest::{fill_pattern, verify_pattern, Target, TargetAnnouncement};
+use icheck_core::selftest::{fill_pattern, verify_pattern, Target, TargetProcess};
 use icheck_core::units::ByteSize;
 
 /// Benchmark RMA throughput of the fabric layer against memcpy.
@@ -48,50 +47,11 @@ fn gbps(bytes: usize, elapsed: Duration) -> f64 {
     bytes as f64 / elapsed.as_secs_f64() / 1e9
 }
 
-/// A target process with its command pipe; killed on drop.
-struct TargetProcess {
-    child: Child,
-    input: ChildStdin,
-    output: BufReader<std::process::ChildStdout>,
-    announcement: TargetAnnouncement,
-}
-
-impl TargetProcess {
-    fn start(provider: &str, size: usize, seed: u64) -> Result<TargetProcess> {
-        let mut child = Command::new(std::env::current_exe()?)
-            .args(["--serve-target", provider, "--size", &size.to_string()])
-            .env("ICHECK_BENCH_SEED", seed.to_string())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("starting the target process")?;
-        let input = child.stdin.take().context("target stdin")?;
-        let mut output = BufReader::new(child.stdout.take().context("target stdout")?);
-        let mut line = String::new();
-        output.read_line(&mut line)?;
-        let announcement = serde_json::from_str(line.trim())
-            .with_context(|| format!("target for {provider} did not announce its buffer: {line:?}"))?;
-        Ok(TargetProcess { child, input, output, announcement })
-    }
-
-    fn verify(&mut self, seed: u64) -> Result<()> {
-        writeln!(self.input, "verify {seed}")?;
-        self.input.flush()?;
-        let mut line = String::new();
-        self.output.read_line(&mut line)?;
-        if line.trim() != "ok" {
-            bail!("target found wrong data after fi_write: {}", line.trim());
-        }
-        Ok(())
-    }
-}
-
-impl Drop for TargetProcess {
-    fn drop(&mut self) {
-        let _ = writeln!(self.input, "quit");
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Starts this binary as the target process for `provider`.
+fn start_target(provider: &str, size: usize, seed: u64) -> Result<TargetProcess> {
+    let mut command = Command::new(std::env::current_exe()?);
+    command.args(["--serve-target", provider, "--size", &size.to_string()]).env("ICHECK_BENCH_SEED", seed.to_string());
+    TargetProcess::spawn(command).with_context(|| format!("starting the {provider} target"))
 }
 
 struct Row {
@@ -132,13 +92,13 @@ fn main() -> Result<()> {
     let mut rows = Vec::new();
     for provider in &cli.providers {
         let read_seed = 11;
-        let mut target = TargetProcess::start(provider, size, read_seed)?;
+        let mut target = start_target(provider, size, read_seed)?;
         let domain = Domain::open(&FabricConfig::provider(provider))?;
         let endpoint = Endpoint::new(&domain)?;
-        let peer = endpoint.insert_peer(&target.announcement.address)?;
+        let peer = endpoint.insert_peer(&target.announcement().address)?;
         let mut local = endpoint.register(AlignedBuffer::zeroed(size), Access::LOCAL)?;
         local.as_mut_slice().fill(0); // touch every page before timing
-        let whole = [RmaOp { local_offset: 0, remote: target.announcement.region, remote_offset: 0, len: size }];
+        let whole = [RmaOp { local_offset: 0, remote: target.announcement().region, remote_offset: 0, len: size }];
         for &chunk in &cli.chunks {
             let options = TransferOptions {
                 chunk_size: usize::try_from(chunk.0)?,
@@ -160,7 +120,7 @@ fn main() -> Result<()> {
             let write_seed = 100 + chunk.0;
             fill_pattern(local.as_mut_slice(), write_seed);
             endpoint.write(&peer, local.source(), &whole, &options)?;
-            target.verify(write_seed)?;
+            target.verify(write_seed).with_context(|| format!("{provider} fi_write delivered wrong data"))?;
             let write = median(
                 (0..runs)
                     .map(|_| endpoint.write(&peer, local.source(), &whole, &options).map(|s| s.gb_per_s()))
@@ -170,8 +130,8 @@ fn main() -> Result<()> {
             fill_pattern(local.as_mut_slice(), read_seed);
             endpoint.write(&peer, local.source(), &whole, &options)?;
             eprintln!("{provider} chunk {chunk}: fi_read {read:.2} GB/s, fi_write {write:.2} GB/s");
-            rows.push(Row { provider: target.announcement.provider.clone(), op: "fi_read", chunk, gbps: read });
-            rows.push(Row { provider: target.announcement.provider.clone(), op: "fi_write", chunk, gbps: write });
+            rows.push(Row { provider: target.announcement().provider.clone(), op: "fi_read", chunk, gbps: read });
+            rows.push(Row { provider: target.announcement().provider.clone(), op: "fi_write", chunk, gbps: write });
         }
     }
 

@@ -3,8 +3,8 @@
 //! first process verifies. `icheck fabric selftest` runs it as a demo; the
 //! integration tests and the benchmark run its halves as separate processes.
 
-use std::io::{BufRead, Write};
-use std::time::Duration;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
 
 use serde::{Deserialize, Serialize};
 
@@ -144,6 +144,9 @@ pub enum SelftestError {
         /// The first difference.
         reason: String,
     },
+    /// Starting or talking to a target process failed.
+    #[error("{0}")]
+    Process(String),
     /// The region does not fit this process's address space.
     #[error("the target region of {0} bytes does not fit this address space")]
     TooLarge(u64),
@@ -181,5 +184,111 @@ pub fn run_initiator(
     Ok(InitiatorReport { read, write })
 }
 
-/// Default progress timeout of the self-test.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+/// The client side of [`Target::serve`]: a target running in a child
+/// process. It reads the announcement, sends commands, and kills and reaps
+/// the child (by its own handle) on drop, so no target outlives its user.
+pub struct TargetProcess {
+    child: Child,
+    input: ChildStdin,
+    output: BufReader<ChildStdout>,
+    announcement: TargetAnnouncement,
+    announcement_json: String,
+}
+
+impl TargetProcess {
+    /// Starts `command` (which must run [`Target::serve`]) with piped stdio
+    /// and waits for its announcement line.
+    pub fn spawn(mut command: Command) -> Result<TargetProcess, SelftestError> {
+        let process = |what: &str, err: &dyn std::fmt::Display| SelftestError::Process(format!("{what}: {err}"));
+        let mut child = command
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| process("cannot start the target process", &e))?;
+        let pid = child.id();
+        let (Some(input), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(SelftestError::Process("the target process has no piped stdio".into()));
+        };
+        // From here on, Drop kills and reaps the child on every error path.
+        let mut target = TargetProcess {
+            child,
+            input,
+            output: BufReader::new(stdout),
+            announcement: TargetAnnouncement {
+                provider: String::new(),
+                address: FabricAddress(Vec::new()),
+                region: RemoteRegion { addr: 0, key: 0, len: 0 },
+            },
+            announcement_json: String::new(),
+        };
+        let mut line = String::new();
+        target.output.read_line(&mut line).map_err(|e| process("reading the target's announcement", &e))?;
+        if line.trim().is_empty() {
+            let status = target.child.wait().map_err(|e| process("waiting for the target", &e))?;
+            return Err(SelftestError::Process(format!(
+                "the target process (pid {pid}) exited ({status}) before announcing its buffer; see its error output"
+            )));
+        }
+        target.announcement = serde_json::from_str(line.trim()).map_err(|e| {
+            SelftestError::Process(format!("the target printed something other than its announcement ({e}): {line:?}"))
+        })?;
+        target.announcement_json = line.trim().to_string();
+        Ok(target)
+    }
+
+    /// Where the target's buffer is.
+    pub fn announcement(&self) -> &TargetAnnouncement {
+        &self.announcement
+    }
+
+    /// The announcement exactly as the target printed it (JSON).
+    pub fn announcement_json(&self) -> &str {
+        &self.announcement_json
+    }
+
+    /// The target's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Sends one command line and returns the answer line, trimmed.
+    pub fn command(&mut self, command: &str) -> std::io::Result<String> {
+        writeln!(self.input, "{command}")?;
+        self.input.flush()?;
+        let mut answer = String::new();
+        self.output.read_line(&mut answer)?;
+        Ok(answer.trim().to_string())
+    }
+
+    /// Asks the target to verify its buffer against the pattern of `seed`.
+    pub fn verify(&mut self, seed: u64) -> Result<(), SelftestError> {
+        let answer = self
+            .command(&format!("verify {seed}"))
+            .map_err(|e| SelftestError::Process(format!("talking to the target: {e}")))?;
+        if answer != "ok" {
+            return Err(SelftestError::Process(format!("the target found wrong data: {answer}")));
+        }
+        Ok(())
+    }
+
+    /// Asks the target to quit and waits for it to exit.
+    pub fn quit(mut self) -> Result<ExitStatus, SelftestError> {
+        // A target that already exited has closed its stdin: not an error here.
+        let _ = writeln!(self.input, "quit").and_then(|_| self.input.flush());
+        self.child.wait().map_err(|e| SelftestError::Process(format!("waiting for the target: {e}")))
+    }
+
+    /// Kills the target now (SIGKILL to this child) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for TargetProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

@@ -2,73 +2,34 @@
 //! target` process registers a patterned buffer, and either a second
 //! `icheck fabric initiator` process or this test process reads and writes it.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, RmaOp, TransferOptions};
-use icheck_core::selftest::{verify_pattern, TargetAnnouncement};
+use icheck_core::selftest::{verify_pattern, TargetProcess};
 
 const ICHECK: &str = env!("CARGO_BIN_EXE_icheck");
 
-/// A target process, killed (by its own PID) and reaped on drop.
-struct TargetProcess {
-    child: Child,
-    input: ChildStdin,
-    output: BufReader<ChildStdout>,
-    announcement: TargetAnnouncement,
-    line: String,
-}
-
-impl TargetProcess {
-    fn start(provider: &str, size: usize, seed: u64) -> TargetProcess {
-        let mut child = Command::new(ICHECK)
-            .args([
-                "fabric",
-                "target",
-                "--provider",
-                provider,
-                "--size",
-                &size.to_string(),
-                "--seed",
-                &seed.to_string(),
-            ])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start icheck fabric target");
-        let input = child.stdin.take().unwrap();
-        let mut output = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        output.read_line(&mut line).unwrap();
-        let announcement =
-            serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("bad announcement {line:?}: {e}"));
-        TargetProcess { child, input, output, announcement, line }
-    }
-
-    fn command(&mut self, command: &str) -> String {
-        writeln!(self.input, "{command}").unwrap();
-        self.input.flush().unwrap();
-        let mut answer = String::new();
-        self.output.read_line(&mut answer).unwrap();
-        answer.trim().to_string()
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for TargetProcess {
-    fn drop(&mut self) {
-        self.kill();
-    }
+/// Starts `icheck fabric target` as a separate process; it is killed and
+/// reaped when the returned value drops.
+fn start_target(provider: &str, size: usize, seed: u64) -> TargetProcess {
+    let mut command = Command::new(ICHECK);
+    command.args([
+        "fabric",
+        "target",
+        "--provider",
+        provider,
+        "--size",
+        &size.to_string(),
+        "--seed",
+        &seed.to_string(),
+    ]);
+    TargetProcess::spawn(command).unwrap_or_else(|e| panic!("target on {provider}: {e}"))
 }
 
 fn run_initiator(provider: &str, target: &TargetProcess, chunk: usize, inflight: usize) -> serde_json::Value {
     let out = Command::new(ICHECK)
-        .args(["fabric", "initiator", "--provider", provider, "--peer", target.line.trim()])
+        .args(["fabric", "initiator", "--provider", provider, "--peer", target.announcement_json()])
         .args(["--chunk", &chunk.to_string(), "--inflight", &inflight.to_string()])
         .args(["--read-seed", "1", "--write-seed", "2", "--timeout", "20"])
         .output()
@@ -79,14 +40,14 @@ fn run_initiator(provider: &str, target: &TargetProcess, chunk: usize, inflight:
 
 /// Read, verify, write back, verify at the target, over one provider.
 fn round_trip(provider: &str, size: usize, chunk: usize, inflight: usize) {
-    let mut target = TargetProcess::start(provider, size, 1);
+    let mut target = start_target(provider, size, 1);
     let report = run_initiator(provider, &target, chunk, inflight);
     assert_eq!(report["bytes"].as_u64(), Some(size as u64), "{provider}: {report}");
     let expected_ops = size.div_ceil(chunk) as u64;
     assert_eq!(report["read_ops"].as_u64(), Some(expected_ops), "{provider}: {report}");
-    assert_eq!(target.command("verify 2"), "ok", "{provider}: target saw wrong data after fi_write");
+    assert_eq!(target.command("verify 2").unwrap(), "ok", "{provider}: target saw wrong data after fi_write");
     // The original pattern is gone, so the check is not vacuous.
-    assert!(target.command("verify 1").starts_with("mismatch"), "{provider}");
+    assert!(target.command("verify 1").unwrap().starts_with("mismatch"), "{provider}");
 }
 
 // 10 MiB + 12345 bytes: not a multiple of the chunk, nor of the 8-byte word.
@@ -130,9 +91,9 @@ impl Initiator {
     fn connect(provider: &str, target: &TargetProcess) -> Initiator {
         let domain = Domain::open(&FabricConfig::provider(provider)).unwrap();
         let endpoint = Endpoint::new(&domain).unwrap();
-        let peer = endpoint.insert_peer(&target.announcement.address).unwrap();
+        let peer = endpoint.insert_peer(&target.announcement().address).unwrap();
         let local =
-            endpoint.register(AlignedBuffer::zeroed(target.announcement.region.len as usize), Access::LOCAL).unwrap();
+            endpoint.register(AlignedBuffer::zeroed(target.announcement().region.len as usize), Access::LOCAL).unwrap();
         Initiator { endpoint, peer, local }
     }
 
@@ -143,14 +104,14 @@ impl Initiator {
 }
 
 fn whole(target: &TargetProcess) -> RmaOp {
-    let region = target.announcement.region;
+    let region = target.announcement().region;
     RmaOp { local_offset: 0, remote: region, remote_offset: 0, len: region.len as usize }
 }
 
 /// A read through a corrupted remote descriptor fails with an error naming
 /// the operation, in bounded time, and the target survives.
 fn corrupted_descriptor_is_an_error(provider: &str, corrupt: impl Fn(&mut RmaOp)) {
-    let mut target = TargetProcess::start(provider, 1 << 20, 1);
+    let mut target = start_target(provider, 1 << 20, 1);
     let mut initiator = Initiator::connect(provider, &target);
     let mut op = whole(&target);
     corrupt(&mut op);
@@ -165,7 +126,7 @@ fn corrupted_descriptor_is_an_error(provider: &str, corrupt: impl Fn(&mut RmaOp)
     );
     assert!(text.contains("fi_read"), "error names the operation: {text}");
     // The target survived and still holds its data.
-    assert_eq!(target.command("verify 1"), "ok");
+    assert_eq!(target.command("verify 1").unwrap(), "ok");
 }
 
 #[test]
@@ -188,7 +149,7 @@ fn shm_wrong_address_is_an_error() {
 
 #[test]
 fn out_of_range_offset_is_refused_before_posting() {
-    let target = TargetProcess::start("shm", 1 << 20, 1);
+    let target = start_target("shm", 1 << 20, 1);
     let mut initiator = Initiator::connect("shm", &target);
     let mut op = whole(&target);
     op.remote_offset = 4096; // 4096 + 1 MiB runs past the end
@@ -204,7 +165,7 @@ fn out_of_range_offset_is_refused_before_posting() {
 }
 
 fn peer_gone_is_an_error(provider: &str) {
-    let mut target = TargetProcess::start(provider, 4 << 20, 1);
+    let mut target = start_target(provider, 4 << 20, 1);
     let mut initiator = Initiator::connect(provider, &target);
     initiator.read(whole(&target), Duration::from_secs(10)).unwrap();
     target.kill();

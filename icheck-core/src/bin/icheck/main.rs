@@ -5,14 +5,13 @@
 
 mod local;
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use icheck_core::fabric::{list_providers, FabricConfig, TransferOptions};
-use icheck_core::selftest::{self, Target, TargetAnnouncement};
+use icheck_core::selftest::{self, Target, TargetAnnouncement, TargetProcess};
 use icheck_core::units::ByteSize;
 use std::path::PathBuf;
 
@@ -354,16 +353,6 @@ fn run_fabric(command: FabricCommand) -> Result<()> {
     }
 }
 
-/// Kills and reaps a child process on drop, so that no target outlives us.
-struct ChildGuard(Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 fn selftest_command(fabric: &FabricArgs, transfer: &TransferArgs, size: ByteSize) -> Result<()> {
     let (read_seed, write_seed) = (0x001c_4ec4, 0x00c4_ec1c);
     println!(
@@ -371,29 +360,18 @@ fn selftest_command(fabric: &FabricArgs, transfer: &TransferArgs, size: ByteSize
         transfer.chunk, transfer.inflight
     );
     let exe = std::env::current_exe().context("cannot find the icheck executable")?;
-    let mut child = ChildGuard(
-        Command::new(exe)
-            .args(["fabric", "target", "--size", &size.0.to_string(), "--seed", &read_seed.to_string()])
-            .args(fabric.to_args())
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("cannot start the target process")?,
-    );
-    let pid = child.0.id();
-    let mut child_in = child.0.stdin.take().context("target stdin")?;
-    let mut child_out = BufReader::new(child.0.stdout.take().context("target stdout")?);
-    let mut line = String::new();
-    child_out.read_line(&mut line).context("reading the target's announcement")?;
-    if line.trim().is_empty() {
-        let status = child.0.wait()?;
-        bail!("the target process (pid {pid}) exited ({status}) before announcing its buffer; see its error above");
-    }
-    let announcement: TargetAnnouncement = serde_json::from_str(line.trim())
-        .with_context(|| format!("the target printed something other than its announcement: {line:?}"))?;
+    let mut command = Command::new(exe);
+    command
+        .args(["fabric", "target", "--size", &size.0.to_string(), "--seed", &read_seed.to_string()])
+        .args(fabric.to_args());
+    let mut target = TargetProcess::spawn(command)?;
+    let announcement = target.announcement().clone();
     println!(
-        "  target  pid {pid}: provider {}, {} bytes registered (key {:#x})",
-        announcement.provider, announcement.region.len, announcement.region.key
+        "  target  pid {}: provider {}, {} bytes registered (key {:#x})",
+        target.pid(),
+        announcement.provider,
+        announcement.region.len,
+        announcement.region.key
     );
     let report = selftest::run_initiator(&fabric.config(), &announcement, &transfer.options()?, read_seed, write_seed)?;
     println!(
@@ -406,17 +384,9 @@ fn selftest_command(fabric: &FabricArgs, transfer: &TransferArgs, size: ByteSize
         report.write.gb_per_s(),
         report.write.operations
     );
-    writeln!(child_in, "verify {write_seed}")?;
-    child_in.flush()?;
-    line.clear();
-    child_out.read_line(&mut line)?;
-    if line.trim() != "ok" {
-        bail!("the target found wrong data after the write: {}", line.trim());
-    }
+    target.verify(write_seed).context("after the write")?;
     println!("  target verified the written data word by word: ok");
-    writeln!(child_in, "quit")?;
-    drop(child_in);
-    let status = child.0.wait()?;
+    let status = target.quit()?;
     if !status.success() {
         bail!("the target process exited with {status}");
     }
