@@ -89,9 +89,66 @@ pub struct StaticConfig {
     /// Path of the dynamic configuration file (relative to this file).
     #[serde(rename = "DynamicConfig", default)]
     pub dynamic_config: Option<PathBuf>,
+    /// Directory under which agents keep checkpoint memory, one
+    /// subdirectory per node. A tmpfs (the default, /dev/shm/icheck) keeps
+    /// it in RAM yet outside the manager, so a restarted manager finds it.
+    #[serde(rename = "AgentStoreDir", default = "default_store")]
+    pub agent_store_dir: PathBuf,
+    /// Host agents bind their command channel to and advertise to ranks.
+    #[serde(rename = "AgentAddress", default = "default_address")]
+    pub agent_address: String,
     /// Fabric provider and domain for agents and clients.
     #[serde(default)]
     pub fabric: FabricConfig,
+    /// How applications move their data (the client library's settings).
+    #[serde(default)]
+    pub client: ClientConfig,
+}
+
+/// `[client]`: the client library's settings (thesis §6.2.1).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClientConfig {
+    /// `pull` (agents fi_read the application's memory) or `push` (the
+    /// library fi_writes into agent memory). `ICHECK_TRANSFER` overrides it.
+    pub transfer: TransferDirection,
+    /// `mr` (each process registers its memory) or `shmr` (one shared
+    /// segment per node). `ICHECK_MODE` overrides it.
+    pub mode: crate::protocol::TransferMode,
+    /// Bytes of the staging buffer used when data is copied before
+    /// transfer; used double-buffered (e.g. "64MiB").
+    pub staging_buffer: crate::units::ByteSize,
+    /// Register the application's own regions (no staging copy) for
+    /// blocking MR commits.
+    pub zero_copy: bool,
+    /// Seconds to wait for the controller at init before giving up.
+    pub connect_timeout: f64,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            transfer: TransferDirection::Pull,
+            mode: crate::protocol::TransferMode::Mr,
+            staging_buffer: crate::units::ByteSize(64 << 20),
+            zero_copy: true,
+            connect_timeout: 5.0,
+        }
+    }
+}
+
+/// Direction of checkpoint data between application and agents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransferDirection {
+    /// Agents read the application's registered memory.
+    Pull,
+    /// The application writes into agent memory.
+    Push,
+}
+
+fn default_store() -> PathBuf {
+    PathBuf::from("/dev/shm/icheck")
 }
 
 fn default_address() -> String {

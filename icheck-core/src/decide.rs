@@ -84,6 +84,22 @@ pub fn is_alive(since_last: Duration, heartbeat: Duration, missed_allowed: u32) 
     since_last <= heartbeat * missed_allowed
 }
 
+/// Which of `agents` agents serves `rank` of `ranks` (§7.2.1): contiguous
+/// blocks of ranks per agent, the first `ranks mod agents` agents taking one
+/// rank more. With `ranks` nodes instead of processes this is the SHMR (N:M)
+/// mapping.
+pub fn agent_for_rank(rank: u32, ranks: u32, agents: u32) -> u32 {
+    assert!(agents > 0 && rank < ranks, "agent_for_rank({rank}, {ranks}, {agents})");
+    let (base, extra) = (ranks / agents, ranks % agents);
+    // The first `extra` agents serve base+1 ranks each.
+    let big = extra * (base + 1);
+    if rank < big {
+        rank / (base + 1)
+    } else {
+        extra + (rank - big) / base.max(1)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -94,6 +110,24 @@ mod tests {
 
     fn node(name: &str, agents: u32, mem: u64) -> NodeSnapshot {
         NodeSnapshot { node: name.into(), alive: true, agents, mem_available: mem }
+    }
+
+    #[test]
+    fn ranks_spread_over_agents_in_blocks() {
+        let map = |ranks, agents| (0..ranks).map(|r| agent_for_rank(r, ranks, agents)).collect::<Vec<_>>();
+        assert_eq!(map(4, 2), vec![0, 0, 1, 1]);
+        assert_eq!(map(5, 2), vec![0, 0, 0, 1, 1]);
+        assert_eq!(map(7, 3), vec![0, 0, 0, 1, 1, 2, 2]);
+        assert_eq!(map(2, 4), vec![0, 1]);
+        assert_eq!(map(1, 1), vec![0]);
+        for ranks in 1..40 {
+            for agents in 1..10 {
+                let m = map(ranks, agents);
+                assert!(m.windows(2).all(|w| w[0] <= w[1] && w[1] - w[0] <= 1), "{ranks}:{agents} {m:?}");
+                let used = agents.min(ranks);
+                assert_eq!(*m.last().unwrap(), used - 1, "{ranks}:{agents}");
+            }
+        }
     }
 
     #[test]

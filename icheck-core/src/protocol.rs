@@ -108,6 +108,40 @@ pub async fn recv<R: AsyncReadExt + Unpin, T: DeserializeOwned>(reader: &mut R) 
     decode(&payload)
 }
 
+/// Writes one message as a frame on a blocking stream (client library and
+/// agent sessions, which do not run an async runtime).
+pub fn send_blocking<W: std::io::Write, T: Serialize>(writer: &mut W, message: &T) -> Result<(), ProtocolError> {
+    let payload = encode(message)?;
+    let mut frame = Vec::with_capacity(4 + payload.len());
+    frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&payload);
+    writer.write_all(&frame)?;
+    writer.flush()?;
+    Ok(())
+}
+
+/// Reads one frame from a blocking stream and decodes it. A read timeout set
+/// on the socket surfaces as [`ProtocolError::Timeout`] with `timeout`.
+pub fn recv_blocking<R: std::io::Read, T: DeserializeOwned>(
+    reader: &mut R,
+    timeout: Duration,
+) -> Result<T, ProtocolError> {
+    let map = |err: std::io::Error| match err.kind() {
+        std::io::ErrorKind::UnexpectedEof => ProtocolError::Closed,
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => ProtocolError::Timeout(timeout),
+        _ => ProtocolError::Io(err),
+    };
+    let mut len = [0u8; 4];
+    reader.read_exact(&mut len).map_err(map)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(ProtocolError::FrameTooLarge(len));
+    }
+    let mut payload = vec![0u8; len];
+    reader.read_exact(&mut payload).map_err(map)?;
+    decode(&payload)
+}
+
 /// [`recv`] with a deadline.
 pub async fn recv_timeout<R: AsyncReadExt + Unpin, T: DeserializeOwned>(
     reader: &mut R,
@@ -179,6 +213,7 @@ pub fn check_hello(hello: &Hello, token: &str) -> Result<(), String> {
 
 /// How the application moves data (thesis §6.2.1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum TransferMode {
     /// Every process registers its memory (P:M).
     Mr,
@@ -214,6 +249,9 @@ pub struct AgentInfo {
     pub provider: String,
     /// A small region holding a known pattern, for reachability checks.
     pub probe: RemoteRegion,
+    /// TCP address ("host:port") of the agent's command channel, where
+    /// application ranks open sessions ([`AgentRequest`]).
+    pub control: String,
 }
 
 /// What a manager measured (§6.3), sent every status interval.
@@ -283,18 +321,42 @@ pub enum ControllerToManager {
     StopAgent {
         /// Agent id.
         id: u64,
+        /// Also delete the application's checkpoints from the node's store.
+        discard: bool,
     },
 }
 
 /// Requests of clients (applications and operators).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum ClientRequest {
     /// Register an application and get its agents.
     RegisterApp(AppRegistration),
-    /// The application is done; its agents stop.
+    /// Every rank of `name` has stored `version` at its agents: record it as
+    /// the newest complete version.
+    VersionComplete {
+        /// Application name.
+        name: String,
+        /// The version.
+        version: u64,
+        /// Bytes of the version over all ranks.
+        bytes: u64,
+        /// Seconds the commit took, as the application measured it.
+        commit_secs: f64,
+    },
+    /// Have the application's agents changed? (§6.4.2)
+    Probe {
+        /// Application name.
+        name: String,
+        /// Ids of the agents the application uses now.
+        agents: Vec<u64>,
+    },
+    /// The application is done. Without `persist` its agents stop and
+    /// delete its checkpoints; with it (IC_PERSIST) both stay for the next run.
     FinishApp {
         /// Application name.
         name: String,
+        /// Keep checkpoints in agent memory.
+        persist: bool,
     },
     /// The whole status.
     Status,
@@ -303,8 +365,17 @@ pub enum ClientRequest {
 /// Answers to clients.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum ClientReply {
-    /// The application's agents.
+    /// The application's agents, in rank-mapping order.
     Agents(Vec<AgentInfo>),
+    /// Answer to a registration: the agents and the newest complete version.
+    Registered {
+        /// The agents, in rank-mapping order.
+        agents: Vec<AgentInfo>,
+        /// Newest complete version, if a checkpoint exists.
+        latest: Option<VersionRecord>,
+    },
+    /// Answer to a probe when nothing changed.
+    Unchanged,
     /// Done.
     Ok,
     /// The status.
@@ -336,7 +407,170 @@ pub struct AppReport {
     /// Its agents.
     pub agents: Vec<AgentInfo>,
     /// Latest complete checkpoint version, if any.
-    pub latest_version: Option<u64>,
+    pub latest: Option<VersionRecord>,
+    /// Whether the application finished with IC_PERSIST (checkpoints kept).
+    pub persisted: bool,
+}
+
+/// A complete version as the controller records it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct VersionRecord {
+    /// Version number (1, 2, ...).
+    pub version: u64,
+    /// Process count it was written with.
+    pub ranks: u32,
+    /// Bytes over all ranks.
+    pub bytes: u64,
+    /// Seconds the commit took.
+    pub commit_secs: f64,
+    /// When it completed, in milliseconds since the Unix epoch.
+    pub completed_unix_ms: u64,
+}
+
+/// Element type of a label (the C API's ICHECK_CHAR ... ICHECK_BINARY).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DataKind {
+    /// `char` / u8.
+    Char,
+    /// 32-bit integer.
+    Int,
+    /// 64-bit integer.
+    Long,
+    /// 32-bit float.
+    Float,
+    /// 64-bit float.
+    Double,
+    /// Raw bytes.
+    Binary,
+}
+
+impl DataKind {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DataKind::Char | DataKind::Binary => 1,
+            DataKind::Int | DataKind::Float => 4,
+            DataKind::Long | DataKind::Double => 8,
+        }
+    }
+}
+
+/// Where one label lies in a rank's checkpoint file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LabelLayout {
+    /// The label.
+    pub label: String,
+    /// Element type.
+    pub kind: DataKind,
+    /// Byte offset in the rank's data.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// Everything known about one rank's data of one version; written by the
+/// agent next to the data (last, atomically) and returned on fetch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Application name.
+    pub app: String,
+    /// Rank.
+    pub rank: u32,
+    /// Process count of the application when written.
+    pub ranks: u32,
+    /// Version number.
+    pub version: u64,
+    /// Labels, in file order.
+    pub labels: Vec<LabelLayout>,
+    /// Total bytes of data.
+    pub total_len: u64,
+    /// Bytes per checksum chunk.
+    pub chunk_size: u64,
+    /// crc32c of each chunk, in order.
+    pub crcs: Vec<u32>,
+    /// When sealed, in milliseconds since the Unix epoch.
+    pub sealed_unix_ms: u64,
+}
+
+/// One piece an agent must read from an application in pull mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullSegment {
+    /// Registered application memory.
+    pub source: RemoteRegion,
+    /// Offset inside `source`.
+    pub source_offset: u64,
+    /// Where it goes in the rank's data.
+    pub file_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Requests of an application rank on an agent session (after the Hello).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AgentRequest {
+    /// Binds the session to one rank of one application.
+    Open {
+        /// Application name.
+        app: String,
+        /// Rank.
+        rank: u32,
+        /// Fabric address of the rank's endpoint.
+        address: FabricAddress,
+    },
+    /// Starts writing `version`; replies [`AgentReply::Target`].
+    Begin {
+        /// Version number.
+        version: u64,
+        /// Process count.
+        ranks: u32,
+        /// Label layout; lengths sum to the total.
+        labels: Vec<LabelLayout>,
+        /// Whether the rank will fi_write (push) rather than the agent fi_read (pull).
+        push: bool,
+    },
+    /// Pull mode: read these segments from the rank; replies [`AgentReply::Pulled`].
+    Pull(Vec<PullSegment>),
+    /// All data of the open version is in place: checksum it and write the
+    /// manifest; replies [`AgentReply::Sealed`].
+    Seal,
+    /// `version` is complete at the controller: older versions of this rank
+    /// may go.
+    Complete {
+        /// The complete version.
+        version: u64,
+    },
+    /// Restart: expose `version` for reading; replies [`AgentReply::Fetch`].
+    Fetch {
+        /// Version number.
+        version: u64,
+    },
+    /// The rank has read what Fetch exposed.
+    FetchDone,
+}
+
+/// Answers of an agent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AgentReply {
+    /// Done.
+    Ok,
+    /// The registered memory the version goes into.
+    Target(RemoteRegion),
+    /// Pull finished.
+    Pulled {
+        /// Bytes read.
+        bytes: u64,
+    },
+    /// The version is stored; its manifest.
+    Sealed(Manifest),
+    /// The version's manifest and the registered memory holding its data.
+    Fetch {
+        /// The manifest.
+        manifest: Manifest,
+        /// The data, readable by the rank.
+        region: RemoteRegion,
+    },
+    /// The request failed.
+    Error(String),
 }
 
 /// Everything the controller knows, for `icheck status`.

@@ -238,6 +238,12 @@ pub struct LocalSource<'a> {
     _borrow: PhantomData<&'a [u8]>,
 }
 
+// SAFETY: a LocalSource stands for a shared borrow of registered memory,
+// which may be read from any thread like a `&[u8]`.
+unsafe impl Send for LocalSource<'_> {}
+// SAFETY: see Send.
+unsafe impl Sync for LocalSource<'_> {}
+
 /// Local memory a read writes into.
 pub struct LocalTarget<'a> {
     pub(crate) ptr: *mut u8,

@@ -1,64 +1,128 @@
-//! Agent threads: each serves one application, owns a fabric endpoint and
-//! its registered memory, and drives its endpoint's progress.
+//! Agent threads: each serves one application. An agent owns a fabric
+//! endpoint, a TCP command channel where the application's ranks open
+//! sessions, and the rank files of its [`Store`].
+//!
+//! Threads per agent: one accept/idle-progress loop, plus one thread per
+//! open rank session. A session moves the rank's bytes itself (pull: the
+//! session's `fi_read`s; push: a spinning progress thread while the rank
+//! writes), so the control plane (manager tasks, controller) never sits on
+//! the data path.
+//!
+//! Architecture invariant: a session acknowledges `Seal` only after the data
+//! is checksummed and the manifest is on the store; a session that ends
+//! before sealing leaves no manifest, so its partial version is never served.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::io::ErrorKind;
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::fabric::{Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError};
-use crate::protocol::AgentInfo;
+use super::store::{chunk_crcs, MappedFile, Store, CHUNK_SIZE};
+use crate::fabric::{
+    Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, Peer, ProgressMode, ProgressThread,
+    RegisteredBuffer, RmaOp, TransferOptions,
+};
+use crate::protocol::{
+    self, AgentInfo, AgentReply, AgentRequest, Hello, HelloReply, LabelLayout, Manifest, ProtocolError, PullSegment,
+};
 use crate::selftest::fill_pattern;
 
 /// Bytes of the probe region every agent exposes for reachability checks.
 pub const PROBE_LEN: usize = 4096;
+/// How long a session waits for the rank's next request before giving up on it.
+const SESSION_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+/// Most labels one rank may register.
+const MAX_LABELS: usize = 65_536;
 
 /// The pattern seed of an agent's probe region: its id.
 pub fn probe_seed(agent_id: u64) -> u64 {
     agent_id
 }
 
-/// A running agent thread.
+/// What an agent needs from its manager.
+#[derive(Clone, Debug)]
+pub struct AgentSettings {
+    /// Fabric provider and domain.
+    pub fabric: FabricConfig,
+    /// Token ranks present on the command channel.
+    pub token: String,
+    /// Host the command channel binds and advertises.
+    pub host: String,
+    /// The node's checkpoint store.
+    pub store: Store,
+}
+
+/// Counters an agent keeps for the manager's status reports.
+#[derive(Debug, Default)]
+pub struct AgentCounters {
+    /// Versions sealed.
+    pub versions_sealed: AtomicU64,
+    /// Bytes received by commits.
+    pub bytes_in: AtomicU64,
+    /// Nanoseconds spent moving bytes in.
+    pub transfer_nanos: AtomicU64,
+}
+
+struct Shared {
+    id: u64,
+    app: String,
+    endpoint: Endpoint,
+    settings: AgentSettings,
+    stop: AtomicBool,
+    sessions: Mutex<Vec<TcpStream>>,
+    counters: AgentCounters,
+}
+
+/// A running agent.
 pub struct Agent {
     info: AgentInfo,
-    stop: Arc<AtomicBool>,
+    shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Agent {
-    /// Opens an endpoint, registers the probe region and starts the thread.
-    pub fn start(fabric: &FabricConfig, node: &str, id: u64, app: &str) -> Result<Agent, FabricError> {
-        let domain = Domain::open(fabric)?;
+    /// Opens an endpoint, registers the probe region, binds the command
+    /// channel and starts the agent's threads.
+    pub fn start(settings: &AgentSettings, node: &str, id: u64, app: &str) -> Result<Agent, FabricError> {
+        let domain = Domain::open(&settings.fabric)?;
         let endpoint = Endpoint::new(&domain)?;
         let mut probe = AlignedBuffer::zeroed(PROBE_LEN);
         fill_pattern(probe.as_mut_slice(), probe_seed(id));
         let probe = endpoint.register(probe, Access::REMOTE_READ)?;
+        let listener = TcpListener::bind((settings.host.as_str(), 0))
+            .and_then(|l| l.set_nonblocking(true).map(|_| l))
+            .map_err(|err| FabricError::Config(format!("agent {id}: cannot listen on {}: {err}", settings.host)))?;
+        let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
         let info = AgentInfo {
             id,
             node: node.to_string(),
             address: endpoint.address().clone(),
             provider: endpoint.provider().to_string(),
             probe: probe.remote(),
+            control: format!("{}:{port}", settings.host),
         };
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
-        let app_name = app.to_string();
+        let shared = Arc::new(Shared {
+            id,
+            app: app.to_string(),
+            endpoint,
+            settings: settings.clone(),
+            stop: AtomicBool::new(false),
+            sessions: Mutex::default(),
+            counters: AgentCounters::default(),
+        });
+        let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
             .name(format!("icheck-agent-{id}"))
             .spawn(move || {
-                let _span = tracing::info_span!("agent", id, app = %app_name).entered();
-                tracing::info!("agent running");
-                // The agent owns its endpoint and memory; it polls so that
-                // peers' RMA against its memory progresses.
-                let _memory = probe;
-                while !flag.load(Ordering::Relaxed) {
-                    endpoint.progress();
-                    std::thread::sleep(Duration::from_micros(200));
-                }
+                let _span = tracing::info_span!("agent", id, app = %thread_shared.app).entered();
+                tracing::info!(control = port, "agent running");
+                accept_loop(&thread_shared, &listener, probe);
                 tracing::info!("agent stopped");
             })
             .map_err(|err| FabricError::Config(format!("cannot start agent thread: {err}")))?;
-        Ok(Agent { info, stop, thread: Some(thread) })
+        Ok(Agent { info, shared, thread: Some(thread) })
     }
 
     /// What the application needs to reach this agent.
@@ -66,17 +130,296 @@ impl Agent {
         &self.info
     }
 
+    /// The agent's counters.
+    pub fn counters(&self) -> &AgentCounters {
+        &self.shared.counters
+    }
+
     /// Whether the thread is still running.
     pub fn is_alive(&self) -> bool {
         self.thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    /// Stops the agent; with `discard`, deletes the application's checkpoints
+    /// from the store too.
+    pub fn stop(mut self, discard: bool) {
+        self.shutdown();
+        if discard {
+            if let Err(err) = self.shared.settings.store.remove_app(&self.shared.app) {
+                tracing::warn!(agent = self.shared.id, %err, "cannot delete checkpoints");
+            }
+        }
+    }
+
+    fn shutdown(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        for session in self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            let _ = session.shutdown(Shutdown::Both);
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
     }
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+        self.shutdown();
+    }
+}
+
+/// Accepts rank sessions and, while idle, polls the endpoint so peers' RMA
+/// against the probe region progresses.
+fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener, _probe: RegisteredBuffer) {
+    let mut sessions: Vec<JoinHandle<()>> = Vec::new();
+    while !shared.stop.load(Ordering::Relaxed) {
+        match listener.accept() {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nonblocking(false);
+                let _ = stream.set_nodelay(true);
+                if let Ok(clone) = stream.try_clone() {
+                    shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).push(clone);
+                }
+                let shared = shared.clone();
+                let spawned = std::thread::Builder::new().name(format!("icheck-agent-{}-session", shared.id)).spawn(
+                    move || {
+                        let _span = tracing::info_span!("session", agent = shared.id, %peer).entered();
+                        match serve_session(&shared, stream) {
+                            Ok(()) | Err(SessionEnd::Closed) => tracing::debug!("session ended"),
+                            Err(SessionEnd::Failed(err)) => tracing::warn!(%err, "session dropped"),
+                        }
+                    },
+                );
+                match spawned {
+                    Ok(handle) => sessions.push(handle),
+                    Err(err) => tracing::error!(%err, "cannot start a session thread"),
+                }
+                sessions.retain(|h| !h.is_finished());
+            }
+            Err(err) if err.kind() == ErrorKind::WouldBlock => {
+                shared.endpoint.progress();
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            Err(err) => {
+                tracing::warn!(%err, "accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
         }
+    }
+    for handle in sessions {
+        let _ = handle.join();
+    }
+}
+
+enum SessionEnd {
+    Closed,
+    Failed(String),
+}
+
+impl From<ProtocolError> for SessionEnd {
+    fn from(err: ProtocolError) -> Self {
+        match err {
+            ProtocolError::Closed => SessionEnd::Closed,
+            err => SessionEnd::Failed(err.to_string()),
+        }
+    }
+}
+
+/// A version being written by one rank.
+struct Writing {
+    version: u64,
+    ranks: u32,
+    labels: Vec<LabelLayout>,
+    total_len: u64,
+    file: RegisteredBuffer<MappedFile>,
+    started: Instant,
+    /// Spins while the rank pushes into `file`.
+    _progress: Option<ProgressThread>,
+}
+
+/// A version exposed for the rank to read back.
+struct Fetching {
+    _file: RegisteredBuffer<MappedFile>,
+    _progress: ProgressThread,
+}
+
+struct Session {
+    app: String,
+    rank: u32,
+    peer: Peer,
+    writing: Option<Writing>,
+    fetching: Option<Fetching>,
+}
+
+fn serve_session(shared: &Shared, mut stream: TcpStream) -> Result<(), SessionEnd> {
+    let _ = stream.set_read_timeout(Some(SESSION_IDLE_TIMEOUT));
+    let hello: Hello = protocol::recv_blocking(&mut stream, SESSION_IDLE_TIMEOUT)?;
+    if let Err(reason) = protocol::check_hello(&hello, &shared.settings.token) {
+        protocol::send_blocking(&mut stream, &HelloReply::Refused(reason.clone()))?;
+        return Err(SessionEnd::Failed(format!("refused: {reason}")));
+    }
+    protocol::send_blocking(&mut stream, &HelloReply::Welcome)?;
+    let mut session: Option<Session> = None;
+    loop {
+        let request: AgentRequest = protocol::recv_blocking(&mut stream, SESSION_IDLE_TIMEOUT)?;
+        let reply = match handle(shared, &mut session, request) {
+            Ok(reply) => reply,
+            Err(message) => {
+                tracing::warn!(%message, "request failed");
+                AgentReply::Error(message)
+            }
+        };
+        protocol::send_blocking(&mut stream, &reply)?;
+    }
+}
+
+fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest) -> Result<AgentReply, String> {
+    if let AgentRequest::Open { app, rank, address } = request {
+        if app != shared.app {
+            return Err(format!("agent {} serves {:?}, not {app:?}", shared.id, shared.app));
+        }
+        let peer = shared.endpoint.insert_peer(&address).map_err(|e| e.to_string())?;
+        *session = Some(Session { app, rank, peer, writing: None, fetching: None });
+        return Ok(AgentReply::Ok);
+    }
+    let Some(session) = session.as_mut() else {
+        return Err("open a session (Open) first".into());
+    };
+    let store = &shared.settings.store;
+    match request {
+        AgentRequest::Open { .. } => unreachable!("handled above"),
+        AgentRequest::Begin { version, ranks, labels, push } => {
+            session.writing = None;
+            let total_len = check_layout(&labels)?;
+            if version == 0 || ranks == 0 || session.rank >= ranks {
+                return Err(format!("bad version {version} or rank {} of {ranks}", session.rank));
+            }
+            let file = store.create(&session.app, session.rank, version, total_len).map_err(|e| e.to_string())?;
+            let access = if push { Access::REMOTE_WRITE } else { Access::LOCAL };
+            let file = shared.endpoint.register(file, access).map_err(|e| e.to_string())?;
+            let remote = file.remote();
+            let progress = if push {
+                Some(ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin).map_err(|e| e.to_string())?)
+            } else {
+                None
+            };
+            tracing::debug!(version, rank = session.rank, bytes = total_len, push, "version begun");
+            session.writing =
+                Some(Writing { version, ranks, labels, total_len, file, started: Instant::now(), _progress: progress });
+            Ok(AgentReply::Target(remote))
+        }
+        AgentRequest::Pull(segments) => {
+            let writing = session.writing.as_mut().ok_or("Pull without Begin")?;
+            let bytes = pull(&shared.endpoint, &session.peer, writing, &segments)?;
+            Ok(AgentReply::Pulled { bytes })
+        }
+        AgentRequest::Seal => {
+            let writing = session.writing.take().ok_or("Seal without Begin")?;
+            drop(writing._progress);
+            let data = &writing.file.as_slice()[..writing.total_len as usize];
+            let manifest = Manifest {
+                app: session.app.clone(),
+                rank: session.rank,
+                ranks: writing.ranks,
+                version: writing.version,
+                labels: writing.labels,
+                total_len: writing.total_len,
+                chunk_size: CHUNK_SIZE,
+                crcs: chunk_crcs(data),
+                sealed_unix_ms: unix_ms(),
+            };
+            store.seal(&manifest).map_err(|e| e.to_string())?;
+            let counters = &shared.counters;
+            counters.versions_sealed.fetch_add(1, Ordering::Relaxed);
+            counters.bytes_in.fetch_add(writing.total_len, Ordering::Relaxed);
+            counters.transfer_nanos.fetch_add(writing.started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            tracing::info!(version = manifest.version, rank = session.rank, bytes = manifest.total_len, "version sealed");
+            Ok(AgentReply::Sealed(manifest))
+        }
+        AgentRequest::Complete { version } => {
+            let removed = store.prune(&session.app, session.rank, version).map_err(|e| e.to_string())?;
+            tracing::debug!(version, rank = session.rank, removed, "older versions pruned");
+            Ok(AgentReply::Ok)
+        }
+        AgentRequest::Fetch { version } => {
+            session.fetching = None;
+            let (manifest, file) = store.open(&session.app, session.rank, version).map_err(|e| e.to_string())?;
+            let file = shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
+            let mut region = file.remote();
+            region.len = manifest.total_len.min(region.len);
+            let progress = ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin).map_err(|e| e.to_string())?;
+            session.fetching = Some(Fetching { _file: file, _progress: progress });
+            Ok(AgentReply::Fetch { manifest, region })
+        }
+        AgentRequest::FetchDone => {
+            session.fetching = None;
+            Ok(AgentReply::Ok)
+        }
+    }
+}
+
+/// Checks that labels are unique and lie back to back from offset 0;
+/// returns the total length.
+fn check_layout(labels: &[LabelLayout]) -> Result<u64, String> {
+    if labels.len() > MAX_LABELS {
+        return Err(format!("{} labels exceed the limit of {MAX_LABELS}", labels.len()));
+    }
+    let mut end = 0u64;
+    let mut seen = std::collections::HashSet::new();
+    for label in labels {
+        if !seen.insert(label.label.as_str()) {
+            return Err(format!("label {:?} appears twice", label.label));
+        }
+        if label.offset != end {
+            return Err(format!("label {:?} starts at {} instead of {end}", label.label, label.offset));
+        }
+        end = end.checked_add(label.len).ok_or("label lengths overflow")?;
+    }
+    Ok(end)
+}
+
+/// Reads the rank's segments into the version file.
+fn pull(endpoint: &Endpoint, peer: &Peer, writing: &mut Writing, segments: &[PullSegment]) -> Result<u64, String> {
+    let ops: Vec<RmaOp> = segments
+        .iter()
+        .map(|s| {
+            let end = s.file_offset.checked_add(s.len).filter(|end| *end <= writing.total_len);
+            match (end, usize::try_from(s.file_offset), usize::try_from(s.len)) {
+                (Some(_), Ok(local_offset), Ok(len)) => {
+                    Ok(RmaOp { local_offset, remote: s.source, remote_offset: s.source_offset, len })
+                }
+                _ => Err(format!(
+                    "segment at file offset {} of {} bytes lies outside the version ({} bytes)",
+                    s.file_offset, s.len, writing.total_len
+                )),
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    let stats = endpoint
+        .read(peer, writing.file.target(), &ops, &TransferOptions::default())
+        .map_err(|e| format!("pulling from rank: {e}"))?;
+    Ok(stats.bytes)
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::DataKind;
+
+    fn label(name: &str, offset: u64, len: u64) -> LabelLayout {
+        LabelLayout { label: name.into(), kind: DataKind::Double, offset, len }
+    }
+
+    #[test]
+    fn layouts_must_be_contiguous_and_unique() {
+        assert_eq!(check_layout(&[label("a", 0, 8), label("b", 8, 16)]), Ok(24));
+        assert_eq!(check_layout(&[]), Ok(0));
+        assert!(check_layout(&[label("a", 0, 8), label("a", 8, 8)]).unwrap_err().contains("twice"));
+        assert!(check_layout(&[label("a", 0, 8), label("b", 9, 8)]).unwrap_err().contains("instead of 8"));
+        assert!(check_layout(&[label("a", 0, u64::MAX), label("b", u64::MAX, 8)]).is_err());
     }
 }

@@ -19,7 +19,7 @@ use crate::config::{DynamicConfig, StaticConfig};
 use crate::decide::{self, NodeSnapshot};
 use crate::protocol::{
     self, AgentInfo, AppReport, ClientReply, ClientRequest, ControllerToManager, Hello, HelloReply,
-    ManagerToController, NodeReport, NodeStatus, ProtocolError, Role, StatusReport,
+    ManagerToController, NodeReport, NodeStatus, ProtocolError, Role, StatusReport, VersionRecord,
 };
 
 /// Time a peer has to send its Hello.
@@ -39,6 +39,8 @@ struct NodeEntry {
 struct AppEntry {
     registration: protocol::AppRegistration,
     agents: Vec<AgentInfo>,
+    latest: Option<VersionRecord>,
+    persisted: bool,
 }
 
 #[derive(Default)]
@@ -289,11 +291,15 @@ async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), 
             ClientRequest::RegisterApp(registration) => {
                 let span = tracing::info_span!("register", app = %registration.name);
                 match register_app(&shared, registration).instrument(span).await {
-                    Ok(agents) => ClientReply::Agents(agents),
+                    Ok((agents, latest)) => ClientReply::Registered { agents, latest },
                     Err(reason) => ClientReply::Error(reason),
                 }
             }
-            ClientRequest::FinishApp { name } => finish_app(&shared, &name),
+            ClientRequest::VersionComplete { name, version, bytes, commit_secs } => {
+                record_version(&shared, &name, version, bytes, commit_secs)
+            }
+            ClientRequest::Probe { name, agents } => probe(&shared, &name, &agents),
+            ClientRequest::FinishApp { name, persist } => finish_app(&shared, &name, persist),
         };
         protocol::send(&mut stream, &reply).await?;
     }
@@ -317,7 +323,12 @@ fn status_report(shared: &Shared) -> StatusReport {
         apps: state
             .apps
             .values()
-            .map(|a| AppReport { registration: a.registration.clone(), agents: a.agents.clone(), latest_version: None })
+            .map(|a| AppReport {
+                registration: a.registration.clone(),
+                agents: a.agents.clone(),
+                latest: a.latest.clone(),
+                persisted: a.persisted,
+            })
             .collect(),
         init_agent_count: format!("{:?}", shared.dynamic().init_agent_count),
     }
@@ -326,21 +337,31 @@ fn status_report(shared: &Shared) -> StatusReport {
 /// §6.1.2: pick the agent count and nodes, have managers start the agents,
 /// and return them. A restarting application whose agents all live gets
 /// them back.
-async fn register_app(shared: &Shared, registration: protocol::AppRegistration) -> Result<Vec<AgentInfo>, String> {
-    if registration.name.is_empty() || registration.name.len() > 256 {
-        return Err("application name must be 1 to 256 bytes".into());
+async fn register_app(
+    shared: &Shared,
+    registration: protocol::AppRegistration,
+) -> Result<(Vec<AgentInfo>, Option<VersionRecord>), String> {
+    crate::service::store::check_app_name(&registration.name).map_err(|e| e.to_string())?;
+    if registration.ranks == 0 || registration.nodes == 0 {
+        return Err(format!("application {:?} registered with 0 ranks or 0 nodes", registration.name));
     }
     let config = shared.dynamic();
     let mut waiters = Vec::new();
+    let latest;
     {
         let mut state = shared.state();
         let now = Instant::now();
-        if let Some(app) = state.apps.get(&registration.name) {
+        latest = state.apps.get(&registration.name).and_then(|a| a.latest.clone());
+        let state = &mut *state;
+        if let Some(app) = state.apps.get_mut(&registration.name) {
+            let nodes = &state.nodes;
             let all_alive = !app.agents.is_empty()
-                && app.agents.iter().all(|a| state.nodes.get(&a.node).is_some_and(|n| shared.alive(n, now)));
+                && app.agents.iter().all(|a| nodes.get(&a.node).is_some_and(|n| shared.alive(n, now)));
             if all_alive {
-                tracing::info!(agents = app.agents.len(), "application re-registered; returning its agents");
-                return Ok(app.agents.clone());
+                tracing::info!(agents = app.agents.len(), ?latest, "application re-registered; returning its agents");
+                app.persisted = false;
+                app.registration = registration;
+                return Ok((app.agents.clone(), latest));
             }
         }
         let count = decide::initial_agent_count(&registration, &config);
@@ -354,7 +375,21 @@ async fn register_app(shared: &Shared, registration: protocol::AppRegistration) 
                 mem_available: n.status.mem_available,
             })
             .collect();
-        let nodes = decide::choose_nodes(&snapshot, count, &config).map_err(|e| e.to_string())?;
+        // Agents of a returning application go back to the nodes that hold
+        // its checkpoint files, where those are alive.
+        let previous: Vec<String> = state
+            .apps
+            .get(&registration.name)
+            .map(|a| a.agents.iter().map(|a| a.node.clone()).collect())
+            .unwrap_or_default();
+        let nodes = if !previous.is_empty()
+            && previous.len() == count as usize
+            && previous.iter().all(|n| snapshot.iter().any(|s| &s.node == n && s.alive))
+        {
+            previous
+        } else {
+            decide::choose_nodes(&snapshot, count, &config).map_err(|e| e.to_string())?
+        };
         for node in nodes {
             let id = state.next_agent;
             state.next_agent += 1;
@@ -382,24 +417,69 @@ async fn register_app(shared: &Shared, registration: protocol::AppRegistration) 
     if let Some(reason) = failure {
         for agent in &agents {
             if let Some(node) = state.nodes.get(&agent.node) {
-                let _ = node.to_manager.send(ControllerToManager::StopAgent { id: agent.id });
+                let _ = node.to_manager.send(ControllerToManager::StopAgent { id: agent.id, discard: false });
             }
         }
         return Err(format!("could not start the agents of {}: {reason}", registration.name));
     }
     tracing::info!(agents = agents.len(), "application registered");
-    state.apps.insert(registration.name.clone(), AppEntry { registration, agents: agents.clone() });
-    Ok(agents)
+    let entry = AppEntry { registration, agents: agents.clone(), latest: latest.clone(), persisted: false };
+    state.apps.insert(entry.registration.name.clone(), entry);
+    Ok((agents, latest))
 }
 
-fn finish_app(shared: &Shared, name: &str) -> ClientReply {
+/// Records a complete version (all-or-nothing is the library's job: it
+/// reports only after every rank stored its data).
+fn record_version(shared: &Shared, name: &str, version: u64, bytes: u64, commit_secs: f64) -> ClientReply {
     let mut state = shared.state();
+    let Some(app) = state.apps.get_mut(name) else {
+        return ClientReply::Error(format!("no application named {name:?} is registered"));
+    };
+    if app.latest.as_ref().is_some_and(|l| l.version >= version) {
+        return ClientReply::Error(format!(
+            "version {version} of {name:?} is not newer than the recorded version {}",
+            app.latest.as_ref().map_or(0, |l| l.version)
+        ));
+    }
+    let completed_unix_ms =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    tracing::info!(app = name, version, bytes, commit_secs, "version complete");
+    app.latest = Some(VersionRecord { version, ranks: app.registration.ranks, bytes, commit_secs, completed_unix_ms });
+    ClientReply::Ok
+}
+
+/// §6.4.2: the application's current agents if they differ from what it uses.
+fn probe(shared: &Shared, name: &str, known: &[u64]) -> ClientReply {
+    let state = shared.state();
+    let Some(app) = state.apps.get(name) else {
+        return ClientReply::Error(format!("no application named {name:?} is registered"));
+    };
+    if app.agents.iter().map(|a| a.id).eq(known.iter().copied()) {
+        ClientReply::Unchanged
+    } else {
+        ClientReply::Agents(app.agents.clone())
+    }
+}
+
+fn finish_app(shared: &Shared, name: &str, persist: bool) -> ClientReply {
+    let mut state = shared.state();
+    if persist {
+        return match state.apps.get_mut(name) {
+            Some(app) => {
+                tracing::info!(app = name, "application finished; checkpoints persist in agent memory");
+                app.persisted = true;
+                ClientReply::Ok
+            }
+            None => ClientReply::Error(format!("no application named {name:?} is registered")),
+        };
+    }
     let Some(app) = state.apps.remove(name) else {
         return ClientReply::Error(format!("no application named {name:?} is registered"));
     };
+    tracing::info!(app = name, "application finished; stopping its agents and deleting its checkpoints");
     for agent in app.agents {
         if let Some(node) = state.nodes.get(&agent.node) {
-            let _ = node.to_manager.send(ControllerToManager::StopAgent { id: agent.id });
+            let _ = node.to_manager.send(ControllerToManager::StopAgent { id: agent.id, discard: true });
         }
     }
     ClientReply::Ok

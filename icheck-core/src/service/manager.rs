@@ -11,7 +11,8 @@ use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
-use super::agent::Agent;
+use super::agent::{Agent, AgentSettings};
+use super::store::Store;
 use super::{read_meminfo, ServiceError};
 use crate::config::StaticConfig;
 use crate::protocol::{
@@ -20,19 +21,40 @@ use crate::protocol::{
 
 type Agents = Arc<Mutex<BTreeMap<u64, Agent>>>;
 
-fn measure(agents: &Agents) -> NodeStatus {
+fn measure(agents: &Agents, store: &Store) -> NodeStatus {
     let (mem_available, mem_total) = read_meminfo();
     let agents = agents.lock().unwrap_or_else(|p| p.into_inner());
-    NodeStatus { mem_available, mem_total, agents: agents.len() as u32, ..NodeStatus::default() }
+    let checkpoint_ops =
+        agents.values().map(|a| a.counters().versions_sealed.load(std::sync::atomic::Ordering::Relaxed)).sum();
+    NodeStatus {
+        mem_available,
+        mem_total,
+        agents: agents.len() as u32,
+        bytes_held: store.bytes_held(),
+        checkpoint_ops,
+        ..NodeStatus::default()
+    }
+}
+
+/// The settings this node's agents run with.
+pub fn agent_settings(config: &StaticConfig, node: &str) -> AgentSettings {
+    AgentSettings {
+        fabric: config.fabric.clone(),
+        token: config.effective_token(),
+        host: config.agent_address.clone(),
+        store: Store::new(config.agent_store_dir.join(node)),
+    }
 }
 
 /// Runs the manager for `node` until the process ends or the controller
 /// rejects it.
 pub async fn run(config: StaticConfig, node: String) -> Result<(), ServiceError> {
     let agents: Agents = Arc::default();
+    let settings = agent_settings(&config, &node);
+    tracing::info!(store = %settings.store.root().display(), "checkpoint store");
     let mut delay = Duration::from_millis(100);
     loop {
-        match session(&config, &node, &agents).await {
+        match session(&config, &settings, &node, &agents).await {
             Err(ServiceError::Protocol(ProtocolError::Refused { peer, reason })) => {
                 return Err(ProtocolError::Refused { peer, reason }.into());
             }
@@ -44,7 +66,12 @@ pub async fn run(config: StaticConfig, node: String) -> Result<(), ServiceError>
     }
 }
 
-async fn session(config: &StaticConfig, node: &str, agents: &Agents) -> Result<(), ServiceError> {
+async fn session(
+    config: &StaticConfig,
+    settings: &AgentSettings,
+    node: &str,
+    agents: &Agents,
+) -> Result<(), ServiceError> {
     let peer = config.controller_endpoint();
     let mut stream = TcpStream::connect(&peer)
         .await
@@ -55,7 +82,7 @@ async fn session(config: &StaticConfig, node: &str, agents: &Agents) -> Result<(
         return Err(ProtocolError::Refused { peer, reason }.into());
     }
     let register =
-        ManagerToController::Register { node: node.to_string(), pid: std::process::id(), status: measure(agents) };
+        ManagerToController::Register { node: node.to_string(), pid: std::process::id(), status: measure(agents, &settings.store) };
     protocol::send(&mut stream, &register).await?;
     match protocol::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {
         ControllerToManager::Registered => tracing::info!(%peer, "registered with the controller"),
@@ -73,7 +100,7 @@ async fn session(config: &StaticConfig, node: &str, agents: &Agents) -> Result<(
     });
     // Heartbeats, status and the agent watchdog.
     let timers = {
-        let (tx, agents) = (tx.clone(), agents.clone());
+        let (tx, agents, store) = (tx.clone(), agents.clone(), settings.store.clone());
         let (heartbeat, status_every) = (config.heartbeat(), config.status());
         tokio::spawn(async move {
             let mut beat = tokio::time::interval(heartbeat);
@@ -93,7 +120,7 @@ async fn session(config: &StaticConfig, node: &str, agents: &Agents) -> Result<(
                         if tx.send(ManagerToController::Heartbeat).is_err() { break; }
                     }
                     _ = status.tick() => {
-                        if tx.send(ManagerToController::Status(measure(&agents))).is_err() { break; }
+                        if tx.send(ManagerToController::Status(measure(&agents, &store))).is_err() { break; }
                     }
                 }
             }
@@ -107,9 +134,9 @@ async fn session(config: &StaticConfig, node: &str, agents: &Agents) -> Result<(
         };
         match message {
             ControllerToManager::StartAgent { id, app } => {
-                let (tx, agents, fabric, node) = (tx.clone(), agents.clone(), config.fabric.clone(), node.to_string());
+                let (tx, agents, settings, node) = (tx.clone(), agents.clone(), settings.clone(), node.to_string());
                 tokio::task::spawn_blocking(move || {
-                    let reply = match Agent::start(&fabric, &node, id, &app) {
+                    let reply = match Agent::start(&settings, &node, id, &app) {
                         Ok(agent) => {
                             let info = agent.info().clone();
                             agents.lock().unwrap_or_else(|p| p.into_inner()).insert(id, agent);
@@ -124,13 +151,13 @@ async fn session(config: &StaticConfig, node: &str, agents: &Agents) -> Result<(
                     let _ = tx.send(reply);
                 });
             }
-            ControllerToManager::StopAgent { id } => {
+            ControllerToManager::StopAgent { id, discard } => {
                 let agent = agents.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-                if agent.is_some() {
-                    tracing::info!(agent = id, "agent stopped");
+                if let Some(agent) = agent {
+                    tracing::info!(agent = id, discard, "stopping agent");
+                    // Joining the threads happens off the async threads.
+                    tokio::task::spawn_blocking(move || agent.stop(discard));
                 }
-                // Joining the thread happens in drop, off the async threads.
-                tokio::task::spawn_blocking(move || drop(agent));
             }
             other => tracing::warn!(?other, "unexpected message from the controller; ignored"),
         }

@@ -9,6 +9,7 @@ pub mod agent;
 pub mod client;
 pub mod controller;
 pub mod manager;
+pub mod store;
 
 /// Errors of the service processes.
 #[derive(Debug, thiserror::Error)]

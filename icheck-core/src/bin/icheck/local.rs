@@ -33,16 +33,31 @@ fn random_token() -> Result<String> {
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// The agents' checkpoint store of the service in `dir`: on tmpfs, named
+/// after the state directory so two local services never share one.
+pub fn store_dir(dir: &Path) -> PathBuf {
+    // FNV-1a: a stable, dependency-free name for the path.
+    let hash = dir.as_os_str().as_encoded_bytes().iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    PathBuf::from(format!("/dev/shm/icheck-{hash:016x}"))
+}
+
 fn write_static(dir: &Path, port: u16, token: &str, options: &UpOptions) -> Result<PathBuf> {
     let path = dir.join(CLIENT_CONFIG);
     let text = format!(
         "# Written by `icheck up`; also the client configuration (ICHECK_CONFIG={path}).\n\
          ControllerAddress = \"127.0.0.1\"\nControllerPort = {port}\nToken = \"{token}\"\n\
-         HeartBeatInterval = {hb}\nStatusMessageInterval = {hb}\nDynamicConfig = \"dynamic.toml\"\n\n\
-         [fabric]\nprovider = \"{provider}\"\n",
+         HeartBeatInterval = {hb}\nStatusMessageInterval = {hb}\nDynamicConfig = \"dynamic.toml\"\n\
+         AgentStoreDir = \"{store}\"\n\n\
+         [fabric]\nprovider = \"{provider}\"\n\n\
+         # How applications move data; ICHECK_TRANSFER and ICHECK_MODE override.\n\
+         [client]\ntransfer = \"pull\"   # or \"push\"\nmode = \"mr\"         # or \"shmr\"\n\
+         staging_buffer = \"64MiB\"\nzero_copy = true\n",
         path = path.display(),
         hb = options.heartbeat,
         provider = options.provider,
+        store = store_dir(dir).display(),
     );
     let tmp = dir.join(format!("{CLIENT_CONFIG}.tmp"));
     fs::write(&tmp, text)
@@ -192,6 +207,12 @@ pub fn down(dir: &Path) -> Result<()> {
     }
     let _ = fs::remove_file(dir.join(PIDS));
     let _ = fs::remove_file(dir.join("controller.addr"));
+    // Checkpoints in agent memory die with the service.
+    let store = StaticConfig::load(&dir.join(CLIENT_CONFIG)).map_or_else(|_| store_dir(dir), |c| c.agent_store_dir);
+    if store.exists() {
+        fs::remove_dir_all(&store).with_context(|| format!("removing the checkpoint store {}", store.display()))?;
+        println!("icheck down: removed the checkpoint store {}", store.display());
+    }
     println!("icheck down: stopped");
     Ok(())
 }
@@ -204,19 +225,20 @@ fn human_bytes(bytes: u64) -> String {
 pub fn print_status(report: &StatusReport) {
     println!("NODES");
     println!(
-        "  {:<12} {:>8} {:<6} {:>10} {:>12} {:>7} {:>12}",
-        "NODE", "PID", "STATE", "HEARTBEAT", "MEM_AVAIL", "AGENTS", "BANDWIDTH"
+        "  {:<12} {:>8} {:<6} {:>10} {:>12} {:>7} {:>12} {:>8}",
+        "NODE", "PID", "STATE", "HEARTBEAT", "MEM_AVAIL", "AGENTS", "HELD", "SEALED"
     );
     for n in &report.nodes {
         println!(
-            "  {:<12} {:>8} {:<6} {:>9.1}s {:>12} {:>7} {:>9.2}GB/s",
+            "  {:<12} {:>8} {:<6} {:>9.1}s {:>12} {:>7} {:>12} {:>8}",
             n.node,
             n.pid,
             if n.alive { "up" } else { "DOWN" },
             n.last_heartbeat_secs,
             human_bytes(n.status.mem_available),
             n.status.agents,
-            n.status.bandwidth / 1e9
+            human_bytes(n.status.bytes_held),
+            n.status.checkpoint_ops,
         );
     }
     println!("APPLICATIONS");
@@ -226,9 +248,12 @@ pub fn print_status(report: &StatusReport) {
     for a in &report.apps {
         let r = &a.registration;
         let agents: Vec<String> = a.agents.iter().map(|g| format!("{}@{}", g.id, g.node)).collect();
-        let version = a.latest_version.map_or("none".to_string(), |v| v.to_string());
+        let version = a.latest.as_ref().map_or("none".to_string(), |v| {
+            format!("{} ({}, committed in {:.3}s)", v.version, human_bytes(v.bytes), v.commit_secs)
+        });
+        let persisted = if a.persisted { "  [finished, persisted]" } else { "" };
         println!(
-            "  {:<16} ranks {:<4} nodes {:<3} mode {:?}  agents [{}]  latest complete version: {version}",
+            "  {:<16} ranks {:<4} nodes {:<3} mode {:?}  agents [{}]  latest complete version: {version}{persisted}",
             r.name,
             r.ranks,
             r.nodes,

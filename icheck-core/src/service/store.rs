@@ -1,0 +1,333 @@
+//! Agent checkpoint memory: one memory-mapped file per rank and version,
+//! outside the manager's heap (by default under /dev/shm), so a restarted
+//! manager finds the data again.
+//!
+//! Layout under the node's store root:
+//!
+//! ```text
+//! <root>/<app>/rank<R>/v<V>.data   the rank's bytes, labels back to back
+//! <root>/<app>/rank<R>/v<V>.meta   its Manifest (bincode), written last via rename
+//! ```
+//!
+//! Architecture invariant: a version counts as stored only when its `.meta`
+//! exists; the `.meta` is written after the data is complete and checksummed,
+//! through a temporary file and an atomic rename. Whether a stored version is
+//! *complete* (every rank stored) is the controller's record, not the store's.
+
+use std::fs::{self, File, OpenOptions};
+use std::path::{Path, PathBuf};
+
+use memmap2::MmapMut;
+
+use crate::fabric::StableBuffer;
+use crate::protocol::{self, Manifest};
+
+/// Bytes per checksum chunk.
+pub const CHUNK_SIZE: u64 = 4 << 20;
+
+/// Why the store refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A file operation failed.
+    #[error("{what} {path}: {error}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        error: std::io::Error,
+    },
+    /// The application name cannot be a directory name.
+    #[error("application name {0:?} is not allowed (use 1-128 of A-Z a-z 0-9 . _ -, not starting with '.')")]
+    BadName(String),
+    /// The version is not stored here.
+    #[error("version {version} of rank {rank} of {app:?} is not stored at this agent")]
+    Missing {
+        /// Application.
+        app: String,
+        /// Rank.
+        rank: u32,
+        /// Version.
+        version: u64,
+    },
+    /// The manifest file is damaged.
+    #[error("manifest {path} is damaged: {reason}")]
+    BadManifest {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+}
+
+type Result<T> = std::result::Result<T, StoreError>;
+
+fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StoreError + 'a {
+    move |error| StoreError::Io { what, path: path.to_path_buf(), error }
+}
+
+/// Checks that `app` is safe as a single path component.
+pub fn check_app_name(app: &str) -> Result<()> {
+    let ok = !app.is_empty()
+        && app.len() <= 128
+        && !app.starts_with('.')
+        && app.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(StoreError::BadName(app.to_string()))
+    }
+}
+
+/// crc32c of each [`CHUNK_SIZE`] chunk of `data`.
+pub fn chunk_crcs(data: &[u8]) -> Vec<u32> {
+    data.chunks(CHUNK_SIZE as usize).map(crc32c::crc32c).collect()
+}
+
+/// The first chunk of `data` whose crc32c differs from `crcs`, if any.
+pub fn first_bad_chunk(data: &[u8], crcs: &[u32]) -> Option<usize> {
+    let expected_chunks = data.len().div_ceil(CHUNK_SIZE as usize);
+    if crcs.len() != expected_chunks {
+        return Some(crcs.len().min(expected_chunks));
+    }
+    data.chunks(CHUNK_SIZE as usize).zip(crcs).position(|(chunk, crc)| crc32c::crc32c(chunk) != *crc)
+}
+
+/// A version's data file, mapped read-write. Its mapping never moves, so it
+/// can be registered for RMA.
+pub struct MappedFile {
+    map: MmapMut,
+    len: usize,
+}
+
+impl MappedFile {
+    /// The data (the logical length, without the padding page of empty files).
+    pub fn as_slice(&self) -> &[u8] {
+        &self.map[..self.len]
+    }
+}
+
+// SAFETY: the mapping stays at one address until the MmapMut is dropped, and
+// MappedFile never remaps it.
+unsafe impl StableBuffer for MappedFile {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
+/// One node's checkpoint store.
+#[derive(Clone, Debug)]
+pub struct Store {
+    root: PathBuf,
+}
+
+impl Store {
+    /// A store rooted at `root` (created on first write).
+    pub fn new(root: impl Into<PathBuf>) -> Store {
+        Store { root: root.into() }
+    }
+
+    /// The root directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    fn rank_dir(&self, app: &str, rank: u32) -> Result<PathBuf> {
+        check_app_name(app)?;
+        Ok(self.root.join(app).join(format!("rank{rank}")))
+    }
+
+    fn paths(&self, app: &str, rank: u32, version: u64) -> Result<(PathBuf, PathBuf)> {
+        let dir = self.rank_dir(app, rank)?;
+        Ok((dir.join(format!("v{version}.data")), dir.join(format!("v{version}.meta"))))
+    }
+
+    /// Creates (or truncates) the data file of a version being written and maps it.
+    pub fn create(&self, app: &str, rank: u32, version: u64, len: u64) -> Result<MappedFile> {
+        let dir = self.rank_dir(app, rank)?;
+        fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
+        let (data, meta) = self.paths(app, rank, version)?;
+        // An old manifest of the same number belongs to an interrupted run.
+        let _ = fs::remove_file(&meta);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&data)
+            .map_err(io("cannot create", &data))?;
+        // An empty mapping is not allowed; give empty versions one page.
+        file.set_len(len.max(4096)).map_err(io("cannot size", &data))?;
+        map(&file, &data, len)
+    }
+
+    /// Writes the manifest of a version whose data is complete (atomically).
+    pub fn seal(&self, manifest: &Manifest) -> Result<()> {
+        let (data, meta) = self.paths(&manifest.app, manifest.rank, manifest.version)?;
+        File::open(&data).and_then(|f| f.sync_data()).map_err(io("cannot flush", &data))?;
+        let bytes = protocol::encode(manifest)
+            .map_err(|e| StoreError::BadManifest { path: meta.clone(), reason: e.to_string() })?;
+        let tmp = meta.with_extension("meta.tmp");
+        fs::write(&tmp, bytes).map_err(io("cannot write", &tmp))?;
+        fs::rename(&tmp, &meta).map_err(io("cannot rename into", &meta))
+    }
+
+    /// Opens a stored version: its manifest and its mapped data.
+    pub fn open(&self, app: &str, rank: u32, version: u64) -> Result<(Manifest, MappedFile)> {
+        let (data, meta) = self.paths(app, rank, version)?;
+        let missing = || StoreError::Missing { app: app.to_string(), rank, version };
+        let bytes = fs::read(&meta).map_err(|_| missing())?;
+        let manifest: Manifest = protocol::decode(&bytes)
+            .map_err(|e| StoreError::BadManifest { path: meta.clone(), reason: e.to_string() })?;
+        if manifest.app != app || manifest.rank != rank || manifest.version != version {
+            return Err(StoreError::BadManifest { path: meta, reason: "it describes another version".into() });
+        }
+        let file = OpenOptions::new().read(true).write(true).open(&data).map_err(|_| missing())?;
+        let on_disk = file.metadata().map_err(io("cannot stat", &data))?.len();
+        if on_disk < manifest.total_len {
+            return Err(StoreError::BadManifest {
+                path: meta,
+                reason: format!("data file holds {on_disk} bytes, manifest says {}", manifest.total_len),
+            });
+        }
+        let mapped = map(&file, &data, manifest.total_len)?;
+        Ok((manifest, mapped))
+    }
+
+    /// Versions of a rank that have a manifest, ascending.
+    pub fn sealed_versions(&self, app: &str, rank: u32) -> Result<Vec<u64>> {
+        let dir = self.rank_dir(app, rank)?;
+        let mut versions: Vec<u64> = match fs::read_dir(&dir) {
+            Ok(entries) => entries
+                .filter_map(|e| e.ok())
+                .filter_map(|e| {
+                    let name = e.file_name().into_string().ok()?;
+                    name.strip_prefix('v')?.strip_suffix(".meta")?.parse().ok()
+                })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        versions.sort_unstable();
+        Ok(versions)
+    }
+
+    /// Deletes every file of versions older than `keep_from` (retention: the
+    /// newest complete version and anything newer stay).
+    pub fn prune(&self, app: &str, rank: u32, keep_from: u64) -> Result<usize> {
+        let dir = self.rank_dir(app, rank)?;
+        let mut removed = 0;
+        let Ok(entries) = fs::read_dir(&dir) else { return Ok(0) };
+        for entry in entries.filter_map(|e| e.ok()) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let version = name
+                .strip_prefix('v')
+                .and_then(|rest| rest.split('.').next())
+                .and_then(|number| number.parse::<u64>().ok());
+            if version.is_some_and(|v| v < keep_from) {
+                fs::remove_file(entry.path()).map_err(io("cannot remove", &entry.path()))?;
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Deletes all checkpoints of an application.
+    pub fn remove_app(&self, app: &str) -> Result<()> {
+        check_app_name(app)?;
+        let dir = self.root.join(app);
+        match fs::remove_dir_all(&dir) {
+            Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                Err(StoreError::Io { what: "cannot remove", path: dir, error })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Bytes of data files under the root.
+    pub fn bytes_held(&self) -> u64 {
+        fn walk(dir: &Path) -> u64 {
+            fs::read_dir(dir).map_or(0, |entries| {
+                entries
+                    .filter_map(|e| e.ok())
+                    .map(|e| match e.file_type() {
+                        Ok(t) if t.is_dir() => walk(&e.path()),
+                        _ => e.metadata().map_or(0, |m| m.len()),
+                    })
+                    .sum()
+            })
+        }
+        walk(&self.root)
+    }
+}
+
+fn map(file: &File, path: &Path, len: u64) -> Result<MappedFile> {
+    // SAFETY: the file is private to this store (created under the agent's
+    // root); nobody truncates it while mapped, which is memmap2's contract.
+    let map = unsafe { MmapMut::map_mut(file) }.map_err(io("cannot map", path))?;
+    let len = usize::try_from(len).unwrap_or(usize::MAX).min(map.len());
+    Ok(MappedFile { map, len })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{DataKind, LabelLayout};
+
+    fn manifest(app: &str, rank: u32, version: u64, data: &[u8]) -> Manifest {
+        Manifest {
+            app: app.into(),
+            rank,
+            ranks: 1,
+            version,
+            labels: vec![LabelLayout { label: "x".into(), kind: DataKind::Binary, offset: 0, len: data.len() as u64 }],
+            total_len: data.len() as u64,
+            chunk_size: CHUNK_SIZE,
+            crcs: chunk_crcs(data),
+            sealed_unix_ms: 0,
+        }
+    }
+
+    #[test]
+    fn version_is_stored_only_after_seal_and_prune_keeps_newer() {
+        let dir = std::env::temp_dir().join(format!("icheck-store-test-{}", std::process::id()));
+        let store = Store::new(&dir);
+        for version in 1..=3u64 {
+            let mut file = store.create("app", 0, version, 10).unwrap();
+            // SAFETY: test-only write through the stable pointer; nothing else maps it.
+            unsafe { std::ptr::write_bytes(file.as_mut_ptr(), version as u8, 10) };
+            assert!(store.open("app", 0, version).is_err(), "unsealed version must not open");
+            store.seal(&manifest("app", 0, version, file.as_slice())).unwrap();
+        }
+        assert_eq!(store.sealed_versions("app", 0).unwrap(), vec![1, 2, 3]);
+        assert_eq!(store.prune("app", 0, 3).unwrap(), 4);
+        let (m, data) = store.open("app", 0, 3).unwrap();
+        assert_eq!(data.as_slice(), &[3u8; 10]);
+        assert_eq!(first_bad_chunk(data.as_slice(), &m.crcs), None);
+        assert!(matches!(store.open("app", 0, 2), Err(StoreError::Missing { version: 2, .. })));
+        store.remove_app("app").unwrap();
+        assert!(store.sealed_versions("app", 0).unwrap().is_empty());
+        let _ = fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn names_that_escape_the_root_are_refused() {
+        for bad in ["", "..", "../x", "a/b", ".hidden", "x\0y"] {
+            assert!(check_app_name(bad).is_err(), "{bad:?}");
+        }
+        assert!(check_app_name("heat2d_v1.2-test").is_ok());
+    }
+
+    #[test]
+    fn checksums_find_the_damaged_chunk() {
+        let mut data = vec![7u8; (CHUNK_SIZE as usize) * 2 + 5];
+        let crcs = chunk_crcs(&data);
+        assert_eq!(crcs.len(), 3);
+        data[CHUNK_SIZE as usize + 1] ^= 1;
+        assert_eq!(first_bad_chunk(&data, &crcs), Some(1));
+        assert_eq!(first_bad_chunk(&data[..10], &crcs), Some(1));
+    }
+}

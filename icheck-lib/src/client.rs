@@ -1,0 +1,934 @@
+//! The client: registration with the controller, sessions with agents, and
+//! the commit and restart data paths.
+//!
+//! Data paths of one rank (its agent is `decide::agent_for_rank`):
+//! * zero-copy (blocking, `zero_copy = true`): each label's memory is
+//!   registered for the duration of the commit; the agent `fi_read`s it
+//!   (pull) or the library `fi_write`s it into the agent's file (push);
+//! * pipelined (blocking, `zero_copy = false`): labels stream through a
+//!   bounded staging buffer used as two halves, copying into one half while
+//!   the other is transferred;
+//! * asynchronous: labels are copied into a full-size staging buffer, the
+//!   commit returns, and a background thread transfers and seals; `wait()`
+//!   completes the version.
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use icheck_core::config::{ConfigError, StaticConfig, TransferDirection};
+use icheck_core::decide::agent_for_rank;
+use icheck_core::fabric::{
+    Access, AlignedBuffer, Domain, Endpoint, FabricError, MemoryRegion, Peer, ProgressMode, ProgressThread,
+    RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
+};
+use icheck_core::protocol::{
+    self, AgentInfo, AgentReply, AgentRequest, AppRegistration, ClientReply, ClientRequest, DataKind, LabelLayout,
+    Manifest, PullSegment, TransferMode, VersionRecord,
+};
+use icheck_core::service::client::BlockingConnection;
+use icheck_core::service::store::first_bad_chunk;
+use icheck_core::service::ServiceError;
+
+use crate::comm::Communicator;
+use crate::region::{as_bytes_mut, Element, RawSource, Region, Source};
+
+/// Environment variable naming the configuration file when `init` gets none.
+pub const CONFIG_ENV: &str = "ICHECK_CONFIG";
+/// Configuration file used when neither `init` nor the environment names one.
+pub const DEFAULT_CONFIG: &str = "/etc/icheck/icheck.toml";
+/// How long a data-path request may take (large transfers on slow fabrics).
+const TRANSFER_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// Everything a library call can report.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The configuration file is missing or wrong.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The controller could not be reached or refused.
+    #[error("controller at {peer}: {error}")]
+    Controller {
+        /// Its address.
+        peer: String,
+        /// What happened.
+        error: ServiceError,
+    },
+    /// An agent could not be reached or failed a request.
+    #[error("agent {agent} on node {node} ({peer}): {message}")]
+    Agent {
+        /// Agent id.
+        agent: u64,
+        /// Its node.
+        node: String,
+        /// Its command channel.
+        peer: String,
+        /// What happened.
+        message: String,
+    },
+    /// Fabric failure on this process's side.
+    #[error(transparent)]
+    Fabric(#[from] FabricError),
+    /// The label was never added (or is not in the checkpoint).
+    #[error("unknown label {label:?}: {detail}")]
+    UnknownLabel {
+        /// The label.
+        label: String,
+        /// Where it is missing.
+        detail: &'static str,
+    },
+    /// A label name is unusable.
+    #[error("invalid label {0:?}: labels are 1 to 255 bytes")]
+    BadLabel(String),
+    /// The checkpointed data and the caller's memory differ in size.
+    #[error("label {label:?}: the checkpoint holds {stored} bytes, the region given has {given} bytes")]
+    SizeMismatch {
+        /// The label.
+        label: String,
+        /// Bytes in the checkpoint.
+        stored: u64,
+        /// Bytes in the caller's region.
+        given: u64,
+    },
+    /// The checkpointed data has another element type.
+    #[error("label {label:?}: the checkpoint holds {stored:?} elements, the region holds {given:?}")]
+    KindMismatch {
+        /// The label.
+        label: String,
+        /// Kind in the checkpoint.
+        stored: DataKind,
+        /// Kind of the caller's region.
+        given: DataKind,
+    },
+    /// A call came in the wrong order.
+    #[error("{0}")]
+    Order(&'static str),
+    /// No complete checkpoint exists.
+    #[error("no complete checkpoint of {0:?} exists")]
+    NoCheckpoint(String),
+    /// Restored bytes fail their checksum.
+    #[error("version {version} of rank {rank}: bytes {start}..{end} (label {label:?}) fail their crc32c checksum")]
+    Corrupt {
+        /// Version.
+        version: u64,
+        /// Rank.
+        rank: u32,
+        /// First byte of the bad chunk.
+        start: u64,
+        /// End of the bad chunk.
+        end: u64,
+        /// Label the chunk starts in.
+        label: String,
+    },
+    /// Another rank failed its part; the version was not recorded.
+    #[error("version {version} is incomplete: {detail}; {previous} stays the newest complete version")]
+    Incomplete {
+        /// The version.
+        version: u64,
+        /// What failed where.
+        detail: String,
+        /// What a restart would get.
+        previous: String,
+    },
+    /// The checkpoint was written with another process count.
+    #[error("version {version} was written by {written} processes, this run has {now} (restart with a different process count needs the redistribution API)")]
+    RankCount {
+        /// Version.
+        version: u64,
+        /// Processes when written.
+        written: u32,
+        /// Processes now.
+        now: u32,
+    },
+    /// A configuration value is not supported (yet).
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+type Result<T> = std::result::Result<T, Error>;
+
+/// What `init` found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InitStatus {
+    /// No complete checkpoint exists: start from the beginning.
+    Fresh,
+    /// A complete checkpoint exists; `restart()` fetches it.
+    Restart {
+        /// Its version.
+        version: u64,
+    },
+}
+
+/// Hints for `probe_agents` (thesis §6.4.1).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ProbeHints {
+    /// Commits the application still expects to make (0 = unknown).
+    pub remaining_commits: u32,
+}
+
+/// What a probe changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeOutcome {
+    /// Same agents.
+    Unchanged,
+    /// The application now uses other agents; the next commit goes there.
+    Reconnected {
+        /// The new agent count.
+        agents: usize,
+    },
+}
+
+struct Label {
+    name: String,
+    source: Box<dyn Source>,
+}
+
+/// This rank's session with its agent.
+struct AgentLink {
+    info: AgentInfo,
+    peer: Peer,
+    conn: BlockingConnection,
+}
+
+impl AgentLink {
+    fn open(endpoint: &Endpoint, info: &AgentInfo, token: &str, app: &str, rank: u32, timeout: Duration) -> Result<Self> {
+        let fail = |message: String| Error::Agent {
+            agent: info.id,
+            node: info.node.clone(),
+            peer: info.control.clone(),
+            message,
+        };
+        let mut conn = BlockingConnection::connect(&info.control, token, timeout).map_err(|e| fail(e.to_string()))?;
+        conn.set_timeout(TRANSFER_TIMEOUT);
+        let peer = endpoint.insert_peer(&info.address)?;
+        let mut link = AgentLink { info: info.clone(), peer, conn };
+        link.call(&AgentRequest::Open { app: app.to_string(), rank, address: endpoint.address().clone() })?;
+        Ok(link)
+    }
+
+    fn error(&self, message: String) -> Error {
+        Error::Agent { agent: self.info.id, node: self.info.node.clone(), peer: self.info.control.clone(), message }
+    }
+
+    fn call(&mut self, request: &AgentRequest) -> Result<AgentReply> {
+        match self.conn.call::<_, AgentReply>(request) {
+            Ok(AgentReply::Error(message)) => Err(self.error(message)),
+            Ok(reply) => Ok(reply),
+            Err(err) => Err(self.error(err.to_string())),
+        }
+    }
+
+    fn begin(&mut self, version: u64, ranks: u32, labels: Vec<LabelLayout>, push: bool) -> Result<RemoteRegion> {
+        match self.call(&AgentRequest::Begin { version, ranks, labels, push })? {
+            AgentReply::Target(region) => Ok(region),
+            other => Err(self.error(format!("unexpected answer to Begin: {other:?}"))),
+        }
+    }
+
+    /// Pull mode: the agent reads `segments` while this process drives its
+    /// endpoint's progress.
+    fn pull(&mut self, endpoint: &Endpoint, segments: Vec<PullSegment>) -> Result<u64> {
+        let progress = ProgressThread::spawn(endpoint, ProgressMode::Spin)
+            .map_err(|e| self.error(format!("cannot start a progress thread: {e}")))?;
+        let reply = self.call(&AgentRequest::Pull(segments));
+        progress.stop();
+        match reply? {
+            AgentReply::Pulled { bytes } => Ok(bytes),
+            other => Err(self.error(format!("unexpected answer to Pull: {other:?}"))),
+        }
+    }
+
+    fn seal(&mut self) -> Result<Manifest> {
+        match self.call(&AgentRequest::Seal)? {
+            AgentReply::Sealed(manifest) => Ok(manifest),
+            other => Err(self.error(format!("unexpected answer to Seal: {other:?}"))),
+        }
+    }
+}
+
+/// A background commit.
+struct InFlight {
+    version: u64,
+    started: Instant,
+    bytes: u64,
+    handle: JoinHandle<(AgentLink, RegisteredBuffer, Result<()>)>,
+}
+
+/// Data fetched by `restart`.
+struct Restored {
+    manifest: Manifest,
+    data: RegisteredBuffer,
+}
+
+/// A checkpointing application process.
+pub struct Icheck {
+    app: String,
+    token: String,
+    comm: Box<dyn Communicator>,
+    endpoint: Endpoint,
+    controller: Option<BlockingConnection>,
+    controller_peer: String,
+    agents: Vec<AgentInfo>,
+    link: Option<AgentLink>,
+    labels: Vec<Label>,
+    latest: Option<VersionRecord>,
+    next_version: u64,
+    direction: TransferDirection,
+    zero_copy: bool,
+    staging_size: usize,
+    staging: Option<RegisteredBuffer>,
+    asynchronous: bool,
+    in_flight: Option<InFlight>,
+    restored: Option<Restored>,
+    finalized: bool,
+    connect_timeout: Duration,
+}
+
+fn config_path(config: Option<&Path>) -> PathBuf {
+    match config {
+        Some(path) => path.to_path_buf(),
+        None => std::env::var_os(CONFIG_ENV).map_or_else(|| PathBuf::from(DEFAULT_CONFIG), PathBuf::from),
+    }
+}
+
+fn layouts(labels: &[Label], lens: &[usize]) -> Vec<LabelLayout> {
+    let mut offset = 0u64;
+    labels
+        .iter()
+        .zip(lens)
+        .map(|(label, len)| {
+            let layout =
+                LabelLayout { label: label.name.clone(), kind: label.source.kind(), offset, len: *len as u64 };
+            offset += *len as u64;
+            layout
+        })
+        .collect()
+}
+
+impl Icheck {
+    /// Registers the application with the service and opens this rank's
+    /// session with its agent (*collective*). `config` defaults to
+    /// `$ICHECK_CONFIG`, then `/etc/icheck/icheck.toml`.
+    pub fn init<C: Communicator + 'static>(config: Option<&Path>, app_name: &str, comm: C) -> Result<(Icheck, InitStatus)> {
+        let comm: Box<dyn Communicator> = Box::new(comm);
+        let path = config_path(config);
+        let config = StaticConfig::load(&path)?;
+        let client = config.client.clone();
+        let direction = match std::env::var("ICHECK_TRANSFER").ok().as_deref() {
+            Some("push") => TransferDirection::Push,
+            Some("pull") => TransferDirection::Pull,
+            _ => client.transfer,
+        };
+        let mode = match std::env::var("ICHECK_MODE").ok().as_deref() {
+            Some("shmr") => TransferMode::Shmr,
+            Some("mr") => TransferMode::Mr,
+            _ => client.mode,
+        };
+        if mode == TransferMode::Shmr {
+            return Err(Error::Unsupported(format!(
+                "{}: [client] mode = \"shmr\" is not implemented yet; use \"mr\"",
+                path.display()
+            )));
+        }
+        let token = config.effective_token();
+        let connect_timeout = Duration::from_secs_f64(client.connect_timeout.max(0.1));
+        let (rank, size) = (comm.rank(), comm.size());
+        let span = tracing::info_span!("icheck", app = app_name, rank);
+        let _entered = span.enter();
+        let domain = Domain::open(&config.fabric)?;
+        let endpoint = Endpoint::new(&domain)?;
+
+        // Rank 0 registers; everyone learns the outcome (or the error).
+        let controller_peer = config.controller_endpoint();
+        let mut controller = None;
+        let mut answer = Vec::new();
+        if rank == 0 {
+            let (nodes, per_node) = comm.node_counts();
+            let registration = AppRegistration {
+                name: app_name.to_string(),
+                ranks: size,
+                nodes,
+                ranks_per_node: per_node,
+                mode,
+            };
+            let outcome = BlockingConnection::connect(&controller_peer, &token, connect_timeout).and_then(|mut c| {
+                let reply = c.request(&ClientRequest::RegisterApp(registration))?;
+                Ok((c, reply))
+            });
+            let result: std::result::Result<ClientReply, String> = match outcome {
+                Ok((connection, reply)) => {
+                    controller = Some(connection);
+                    Ok(reply)
+                }
+                Err(err) => Err(err.to_string()),
+            };
+            answer = protocol::encode(&result).unwrap_or_default();
+        }
+        let answer = comm.broadcast_from_root(answer);
+        let result: std::result::Result<ClientReply, String> =
+            protocol::decode(&answer).unwrap_or_else(|e| Err(format!("undecodable registration answer: {e}")));
+        let (agents, latest) = match result {
+            Ok(ClientReply::Registered { agents, latest }) if !agents.is_empty() => (agents, latest),
+            Ok(other) => {
+                return Err(Error::Controller {
+                    peer: controller_peer,
+                    error: ServiceError::Remote(format!("unexpected answer to RegisterApp: {other:?}")),
+                })
+            }
+            Err(message) => {
+                return Err(Error::Controller { peer: controller_peer, error: ServiceError::Remote(message) })
+            }
+        };
+        let mine = &agents[agent_for_rank(rank, size, agents.len() as u32) as usize];
+        let link = AgentLink::open(&endpoint, mine, &token, app_name, rank, connect_timeout);
+        let all_ok = comm.all_true(link.is_ok());
+        let link = link?;
+        if !all_ok {
+            return Err(Error::Incomplete {
+                version: 0,
+                detail: "another rank could not reach its agent during init".into(),
+                previous: "nothing".into(),
+            });
+        }
+        let status = match &latest {
+            Some(record) => InitStatus::Restart { version: record.version },
+            None => InitStatus::Fresh,
+        };
+        tracing::info!(?status, agent = mine.id, node = %mine.node, ?direction, "initialised");
+        drop(_entered);
+        let next_version = latest.as_ref().map_or(1, |l| l.version + 1);
+        let icheck = Icheck {
+            app: app_name.to_string(),
+            token,
+            comm,
+            endpoint,
+            controller,
+            controller_peer,
+            agents,
+            link: Some(link),
+            labels: Vec::new(),
+            latest,
+            next_version,
+            direction,
+            zero_copy: client.zero_copy,
+            staging_size: (client.staging_buffer.0 as usize).max(8192),
+            staging: None,
+            asynchronous: false,
+            in_flight: None,
+            restored: None,
+            finalized: false,
+            connect_timeout,
+        };
+        Ok((icheck, status))
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.finalized {
+            return Err(Error::Order("the library was finalized; call init again"));
+        }
+        Ok(())
+    }
+
+    fn add_source(&mut self, label: &str, source: Box<dyn Source>) -> Result<()> {
+        self.check_open()?;
+        if label.is_empty() || label.len() > 255 {
+            return Err(Error::BadLabel(label.to_string()));
+        }
+        match self.labels.iter_mut().find(|l| l.name == label) {
+            Some(existing) => existing.source = source,
+            None => self.labels.push(Label { name: label.to_string(), source }),
+        }
+        Ok(())
+    }
+
+    /// Adds (or replaces) a labelled region. Labels are unique per rank;
+    /// adding a label again replaces its region, and the next commit uses it.
+    pub fn add<T: Element>(&mut self, label: &str, region: &Region<T>) -> Result<()> {
+        self.add_source(label, Box::new(region.clone()))
+    }
+
+    /// Adds raw memory under `label`.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes until the
+    /// label is replaced or the library finalized, and the memory must not be
+    /// written by anyone else while a library call runs.
+    pub unsafe fn add_raw(&mut self, label: &str, ptr: *mut u8, len: usize, kind: DataKind) -> Result<()> {
+        self.add_source(label, Box::new(RawSource { ptr, len, kind }))
+    }
+
+    /// Chooses asynchronous commits: `commit` returns once the data is
+    /// staged, and `wait` completes the version.
+    pub fn set_async(&mut self, asynchronous: bool) {
+        self.asynchronous = asynchronous;
+    }
+
+    /// Newest complete version known to this process.
+    pub fn latest_version(&self) -> Option<u64> {
+        self.latest.as_ref().map(|l| l.version)
+    }
+
+    /// This process's rank in the communicator.
+    pub fn rank(&self) -> u32 {
+        self.comm.rank()
+    }
+
+    fn link(&mut self) -> Result<&mut AgentLink> {
+        self.link.as_mut().ok_or(Error::Order("no agent session (an earlier failure closed it)"))
+    }
+
+    /// Checkpoints every added label as the next version (*collective*).
+    /// Blocking mode returns when the version is complete; asynchronous mode
+    /// returns once the data is staged. A commit while another is in flight
+    /// waits for it first. Returns the version number.
+    pub fn commit(&mut self) -> Result<u64> {
+        self.check_open()?;
+        self.wait()?;
+        let version = self.next_version;
+        self.next_version += 1;
+        let span = tracing::info_span!("commit", app = %self.app, rank = self.comm.rank(), version);
+        let _entered = span.enter();
+        let started = Instant::now();
+        if self.asynchronous {
+            let staged = self.stage_async(version, started);
+            let ok = self.comm.all_true(staged.is_ok());
+            return match (staged, ok) {
+                (Ok(()), true) => Ok(version),
+                (Err(err), _) => Err(err),
+                (Ok(()), false) => {
+                    // Others failed: finish ours, then report.
+                    let _ = self.finish_in_flight();
+                    Err(self.incomplete(version, "another rank failed to stage its data".into()))
+                }
+            };
+        }
+        let stored = if self.zero_copy { self.store_zero_copy(version) } else { self.store_pipelined(version) };
+        let bytes = *stored.as_ref().unwrap_or(&0);
+        self.complete(version, stored.map(|_| ()), bytes, started)?;
+        Ok(version)
+    }
+
+    fn controller_error(&self, message: String) -> Error {
+        Error::Controller { peer: self.controller_peer.clone(), error: ServiceError::Remote(message) }
+    }
+
+    fn incomplete(&self, version: u64, detail: String) -> Error {
+        let previous = self.latest.as_ref().map_or("no version".to_string(), |l| format!("version {}", l.version));
+        Error::Incomplete { version, detail, previous }
+    }
+
+    /// Agrees with all ranks, records the version at the controller and
+    /// lets agents drop older versions.
+    fn complete(&mut self, version: u64, local: Result<()>, bytes: u64, started: Instant) -> Result<()> {
+        let local_ok = local.is_ok();
+        let all_ok = self.comm.all_true(local_ok);
+        local?;
+        if !all_ok {
+            return Err(self.incomplete(version, "another rank failed to store its data".into()));
+        }
+        let total = self.comm.sum(bytes);
+        let secs = started.elapsed().as_secs_f64();
+        let mut recorded = Ok(());
+        if let Some(controller) = self.controller.as_mut() {
+            let request = ClientRequest::VersionComplete { name: self.app.clone(), version, bytes: total, commit_secs: secs };
+            recorded = controller
+                .request(&request)
+                .map(|_| ())
+                .map_err(|error| Error::Controller { peer: self.controller_peer.clone(), error });
+        }
+        let all_recorded = self.comm.all_true(recorded.is_ok());
+        recorded?;
+        if !all_recorded {
+            return Err(self.incomplete(version, "rank 0 could not record it at the controller".into()));
+        }
+        let ranks = self.comm.size();
+        self.latest = Some(VersionRecord { version, ranks, bytes: total, commit_secs: secs, completed_unix_ms: 0 });
+        if let Err(err) = self.link()?.call(&AgentRequest::Complete { version }) {
+            tracing::warn!(%err, "agent could not drop older versions");
+        }
+        tracing::info!(bytes, total, secs, "version complete");
+        Ok(())
+    }
+
+    /// Registers each label's own memory and moves it without copies.
+    fn store_zero_copy(&mut self, version: u64) -> Result<u64> {
+        let guards: Vec<_> = self.labels.iter().map(|l| l.source.bytes()).collect();
+        let lens: Vec<usize> = guards.iter().map(|g| g.len()).collect();
+        let layout = layouts(&self.labels, &lens);
+        let push = self.direction == TransferDirection::Push;
+        let access = if push { Access::LOCAL } else { Access::REMOTE_READ };
+        let mut regions: Vec<(usize, MemoryRegion)> = Vec::new();
+        for (index, guard) in guards.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
+            // SAFETY: the read guard keeps the memory alive and unmodified
+            // until after `regions` (declared later, dropped first) is gone.
+            // The provider only reads it: pull registers it for remote reads,
+            // push uses it as the source of writes.
+            let region = unsafe { self.endpoint.register_raw(guard.as_ptr().cast_mut(), guard.len(), access)? };
+            regions.push((index, region));
+        }
+        let endpoint = self.endpoint.clone();
+        let ranks = self.comm.size();
+        let link = self.link.as_mut().ok_or(Error::Order("no agent session"))?;
+        let target = link.begin(version, ranks, layout.clone(), push)?;
+        let mut moved = 0u64;
+        if push {
+            let options = TransferOptions::default();
+            for (index, region) in &regions {
+                let op = RmaOp { local_offset: 0, remote: target, remote_offset: layout[*index].offset, len: region.len() };
+                moved += endpoint.write(&link.peer, region.source(), &[op], &options)?.bytes;
+            }
+        } else {
+            let segments = regions
+                .iter()
+                .map(|(index, region)| PullSegment {
+                    source: region.remote(),
+                    source_offset: 0,
+                    file_offset: layout[*index].offset,
+                    len: region.len() as u64,
+                })
+                .collect();
+            moved = link.pull(&endpoint, segments)?;
+        }
+        link.seal()?;
+        drop(regions);
+        drop(guards);
+        Ok(moved)
+    }
+
+    /// A registered staging buffer of at least `len` bytes.
+    fn staging(&mut self, len: usize) -> Result<RegisteredBuffer> {
+        match self.staging.take() {
+            Some(buffer) if buffer.len() >= len => Ok(buffer),
+            _ => Ok(self.endpoint.register(AlignedBuffer::zeroed(len.max(4096)), Access::REMOTE_READ)?),
+        }
+    }
+
+    /// Streams the labels through the two halves of the bounded staging
+    /// buffer: one half is filled while the other is transferred.
+    fn store_pipelined(&mut self, version: u64) -> Result<u64> {
+        let mut staging = self.staging(self.staging_size)?;
+        let result = self.pipeline(version, &mut staging);
+        self.staging = Some(staging);
+        result
+    }
+
+    fn pipeline(&mut self, version: u64, staging: &mut RegisteredBuffer) -> Result<u64> {
+        let guards: Vec<_> = self.labels.iter().map(|l| l.source.bytes()).collect();
+        let lens: Vec<usize> = guards.iter().map(|g| g.len()).collect();
+        let layout = layouts(&self.labels, &lens);
+        let total: usize = lens.iter().sum();
+        let push = self.direction == TransferDirection::Push;
+        let endpoint = self.endpoint.clone();
+        let ranks = self.comm.size();
+        let link = self.link.as_mut().ok_or(Error::Order("no agent session"))?;
+        let target = link.begin(version, ranks, layout, push)?;
+        let half = staging.len() / 2;
+        let base = staging.as_mut_slice().as_mut_ptr() as usize;
+        let (remote, source) = (staging.remote(), staging.source());
+        // Halves go to the transfer thread as (half, file offset, len) and
+        // come back free.
+        let (to_transfer, transfers) = mpsc::sync_channel::<(usize, u64, usize)>(2);
+        let (to_fill, free_halves) = mpsc::sync_channel::<usize>(2);
+        to_fill.send(0).and_then(|_| to_fill.send(1)).expect("channel has room for both halves");
+        std::thread::scope(|scope| {
+            let transfer = scope.spawn(move || -> Result<u64> {
+                let mut moved = 0;
+                for (which, file_offset, len) in transfers {
+                    let local_offset = which * half;
+                    moved += if push {
+                        let op = RmaOp { local_offset, remote: target, remote_offset: file_offset, len };
+                        endpoint.write(&link.peer, source, &[op], &TransferOptions::default())?.bytes
+                    } else {
+                        let segment =
+                            PullSegment { source: remote, source_offset: local_offset as u64, file_offset, len: len as u64 };
+                        link.pull(&endpoint, vec![segment])?
+                    };
+                    if to_fill.send(which).is_err() {
+                        break;
+                    }
+                }
+                link.seal()?;
+                Ok(moved)
+            });
+            // Fill halves in order from the labels' bytes.
+            let mut file_offset = 0usize;
+            let mut pieces = guards.iter().flat_map(|g| g.chunks(half.max(1))).peekable();
+            let mut pending: Option<&[u8]> = None;
+            'fill: while file_offset < total {
+                let Ok(which) = free_halves.recv() else { break };
+                let mut filled = 0usize;
+                while filled < half {
+                    let piece = match pending.take().or_else(|| pieces.next()) {
+                        Some(piece) => piece,
+                        None => break,
+                    };
+                    let take = piece.len().min(half - filled);
+                    // SAFETY: the destination lies inside half `which` of the
+                    // staging buffer (filled + take <= half), which the
+                    // transfer thread does not touch until it receives it below.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(piece.as_ptr(), (base + which * half + filled) as *mut u8, take);
+                    }
+                    filled += take;
+                    if take < piece.len() {
+                        pending = Some(&piece[take..]);
+                    }
+                }
+                if filled == 0 || to_transfer.send((which, file_offset as u64, filled)).is_err() {
+                    break 'fill;
+                }
+                file_offset += filled;
+            }
+            drop(to_transfer);
+            transfer.join().unwrap_or_else(|_| Err(Error::Order("the transfer thread panicked")))
+        })
+    }
+
+    /// Async mode: copy everything into the staging buffer and let a thread
+    /// transfer and seal it.
+    fn stage_async(&mut self, version: u64, started: Instant) -> Result<()> {
+        let lens: Vec<usize> = self.labels.iter().map(|l| l.source.bytes().len()).collect();
+        let total: usize = lens.iter().sum();
+        let mut staging = self.staging(total)?;
+        {
+            let out = staging.as_mut_slice();
+            let mut offset = 0;
+            for label in &self.labels {
+                let bytes = label.source.bytes();
+                out[offset..offset + bytes.len()].copy_from_slice(&bytes);
+                offset += bytes.len();
+            }
+        }
+        let layout = layouts(&self.labels, &lens);
+        let mut link = self.link.take().ok_or(Error::Order("no agent session"))?;
+        let push = self.direction == TransferDirection::Push;
+        let (endpoint, ranks) = (self.endpoint.clone(), self.comm.size());
+        let span = tracing::Span::current();
+        let handle = std::thread::Builder::new()
+            .name("icheck-async-commit".into())
+            .spawn(move || {
+                let _entered = span.enter();
+                let result = (|| -> Result<()> {
+                    let target = link.begin(version, ranks, layout, push)?;
+                    if total > 0 {
+                        if push {
+                            let op = RmaOp { local_offset: 0, remote: target, remote_offset: 0, len: total };
+                            endpoint.write(&link.peer, staging.source(), &[op], &TransferOptions::default())?;
+                        } else {
+                            let segment =
+                                PullSegment { source: staging.remote(), source_offset: 0, file_offset: 0, len: total as u64 };
+                            link.pull(&endpoint, vec![segment])?;
+                        }
+                    }
+                    link.seal()?;
+                    Ok(())
+                })();
+                (link, staging, result)
+            })
+            .map_err(|e| Error::Unsupported(format!("cannot start the async commit thread: {e}")))?;
+        self.in_flight = Some(InFlight { version, started, bytes: total as u64, handle });
+        Ok(())
+    }
+
+    /// Joins the background commit: (version, start, bytes, its result).
+    fn finish_in_flight(&mut self) -> Option<(u64, Instant, u64, Result<()>)> {
+        let InFlight { version, started, bytes, handle } = self.in_flight.take()?;
+        let result = match handle.join() {
+            Ok((link, staging, result)) => {
+                self.link = Some(link);
+                self.staging = Some(staging);
+                result
+            }
+            Err(_) => Err(Error::Order("the async commit thread panicked")),
+        };
+        Some((version, started, bytes, result))
+    }
+
+    /// Whether the background commit has finished its transfer (this rank
+    /// only; `wait` completes the version for all ranks).
+    pub fn test(&self) -> bool {
+        self.in_flight.as_ref().is_none_or(|f| f.handle.is_finished())
+    }
+
+    /// Waits for a background commit and completes its version (*collective*).
+    pub fn wait(&mut self) -> Result<()> {
+        let Some((version, started, bytes, result)) = self.finish_in_flight() else { return Ok(()) };
+        self.complete(version, result, bytes, started)
+    }
+
+    /// Fetches the newest complete version from this rank's agent and checks
+    /// its checksums (*collective*). Returns the version.
+    pub fn restart(&mut self) -> Result<u64> {
+        self.check_open()?;
+        self.wait()?;
+        let result = self.fetch();
+        let all_ok = self.comm.all_true(result.is_ok());
+        let version = result?;
+        if !all_ok {
+            return Err(self.incomplete(version, "another rank could not fetch its data".into()));
+        }
+        Ok(version)
+    }
+
+    fn fetch(&mut self) -> Result<u64> {
+        let record = self.latest.clone().ok_or_else(|| Error::NoCheckpoint(self.app.clone()))?;
+        let (rank, size) = (self.comm.rank(), self.comm.size());
+        let span = tracing::info_span!("restart", app = %self.app, rank, version = record.version);
+        let _entered = span.enter();
+        if record.ranks != size {
+            return Err(Error::RankCount { version: record.version, written: record.ranks, now: size });
+        }
+        let endpoint = self.endpoint.clone();
+        let link = self.link()?;
+        let (manifest, region) = match link.call(&AgentRequest::Fetch { version: record.version })? {
+            AgentReply::Fetch { manifest, region } => (manifest, region),
+            other => return Err(link.error(format!("unexpected answer to Fetch: {other:?}"))),
+        };
+        let total = manifest.total_len as usize;
+        let mut data = endpoint.register(AlignedBuffer::zeroed(total.max(1)), Access::LOCAL)?;
+        let read = if total > 0 {
+            let op = RmaOp { local_offset: 0, remote: region, remote_offset: 0, len: total };
+            endpoint.read(&link.peer, data.target(), &[op], &TransferOptions::default()).map(|_| ())
+        } else {
+            Ok(())
+        };
+        let done = link.call(&AgentRequest::FetchDone);
+        read?;
+        done?;
+        if let Some(chunk) = first_bad_chunk(&data.as_slice()[..total], &manifest.crcs) {
+            let start = chunk as u64 * manifest.chunk_size;
+            let label = manifest
+                .labels
+                .iter()
+                .find(|l| l.offset <= start && start < l.offset + l.len.max(1))
+                .map_or_else(String::new, |l| l.label.clone());
+            return Err(Error::Corrupt {
+                version: record.version,
+                rank,
+                start,
+                end: (start + manifest.chunk_size).min(manifest.total_len),
+                label,
+            });
+        }
+        tracing::info!(bytes = total, "restart data fetched and verified");
+        let version = manifest.version;
+        self.restored = Some(Restored { manifest, data });
+        Ok(version)
+    }
+
+    fn restored_label(&self, label: &str) -> Result<(&Restored, &LabelLayout)> {
+        let restored = self.restored.as_ref().ok_or(Error::Order("restore needs a successful restart() first"))?;
+        let layout = restored.manifest.labels.iter().find(|l| l.label == label).ok_or_else(|| Error::UnknownLabel {
+            label: label.to_string(),
+            detail: "not in the restarted checkpoint",
+        })?;
+        Ok((restored, layout))
+    }
+
+    fn restore_bytes(&self, label: &str, kind: DataKind, out: &mut [u8]) -> Result<()> {
+        let (restored, layout) = self.restored_label(label)?;
+        if layout.len != out.len() as u64 {
+            return Err(Error::SizeMismatch { label: label.to_string(), stored: layout.len, given: out.len() as u64 });
+        }
+        if layout.kind != kind {
+            return Err(Error::KindMismatch { label: label.to_string(), stored: layout.kind, given: kind });
+        }
+        let start = layout.offset as usize;
+        out.copy_from_slice(&restored.data.as_slice()[start..start + out.len()]);
+        Ok(())
+    }
+
+    /// Bytes label `label` holds in the restarted checkpoint, so callers can
+    /// size their memory before `restore`.
+    pub fn restored_len(&self, label: &str) -> Result<u64> {
+        Ok(self.restored_label(label)?.1.len)
+    }
+
+    /// Copies label `label` of the restarted version into `region`, whose
+    /// length must match the checkpoint's exactly.
+    pub fn restore<T: Element>(&self, label: &str, region: &Region<T>) -> Result<()> {
+        self.restore_bytes(label, T::KIND, as_bytes_mut(&mut region.write()))
+    }
+
+    /// Copies label `label` into a plain slice.
+    pub fn restore_into<T: Element>(&self, label: &str, out: &mut [T]) -> Result<()> {
+        self.restore_bytes(label, T::KIND, as_bytes_mut(out))
+    }
+
+    /// Copies label `label` into raw memory of `len` bytes.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for writes of `len` bytes.
+    pub unsafe fn restore_raw(&self, label: &str, ptr: *mut u8, len: usize, kind: DataKind) -> Result<()> {
+        // SAFETY: the caller guarantees ptr/len.
+        let out = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+        self.restore_bytes(label, kind, out)
+    }
+
+    /// Restores every added label into its region.
+    pub fn restore_all(&self) -> Result<()> {
+        for label in &self.labels {
+            let mut bytes = label.source.bytes_mut();
+            self.restore_bytes(&label.name, label.source.kind(), &mut bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Asks the controller whether this application's agents changed, and
+    /// moves to the new ones if so (*collective*); the next commit goes there.
+    pub fn probe_agents(&mut self, _hints: ProbeHints) -> Result<ProbeOutcome> {
+        self.check_open()?;
+        self.wait()?;
+        let mut answer = Vec::new();
+        if let Some(controller) = self.controller.as_mut() {
+            let request = ClientRequest::Probe { name: self.app.clone(), agents: self.agents.iter().map(|a| a.id).collect() };
+            let result = controller.request(&request).map_err(|e| e.to_string());
+            answer = protocol::encode(&result).unwrap_or_default();
+        }
+        let answer = self.comm.broadcast_from_root(answer);
+        let result: std::result::Result<ClientReply, String> =
+            protocol::decode(&answer).unwrap_or_else(|e| Err(format!("undecodable probe answer: {e}")));
+        let agents = match result {
+            Ok(ClientReply::Unchanged) => return Ok(ProbeOutcome::Unchanged),
+            Ok(ClientReply::Agents(agents)) if !agents.is_empty() => agents,
+            Ok(other) => return Err(self.controller_error(format!("unexpected answer to Probe: {other:?}"))),
+            Err(message) => return Err(self.controller_error(message)),
+        };
+        let (rank, size) = (self.comm.rank(), self.comm.size());
+        let mine = &agents[agent_for_rank(rank, size, agents.len() as u32) as usize];
+        let link = AgentLink::open(&self.endpoint, mine, &self.token, &self.app, rank, self.connect_timeout);
+        let all_ok = self.comm.all_true(link.is_ok());
+        let link = link?;
+        if !all_ok {
+            return Err(Error::Order("another rank could not reach its new agent"));
+        }
+        tracing::info!(agent = mine.id, node = %mine.node, "moved to a new agent");
+        self.link = Some(link);
+        self.agents = agents;
+        Ok(ProbeOutcome::Reconnected { agents: self.agents.len() })
+    }
+
+    /// Ends the application's use of the service (*collective*). With
+    /// `persist` (IC_PERSIST) the checkpoints stay in agent memory for the
+    /// next run; otherwise the agents stop and delete them.
+    pub fn finalize(&mut self, persist: bool) -> Result<()> {
+        if self.finalized {
+            return Err(Error::Order("finalize was already called"));
+        }
+        let waited = self.wait();
+        self.comm.barrier();
+        self.finalized = true;
+        self.link = None;
+        let mut result = Ok(());
+        if let Some(mut controller) = self.controller.take() {
+            result = controller
+                .request(&ClientRequest::FinishApp { name: self.app.clone(), persist })
+                .map(|_| ())
+                .map_err(|error| Error::Controller { peer: self.controller_peer.clone(), error });
+        }
+        waited?;
+        result
+    }
+}
+
