@@ -10,7 +10,10 @@
 pub mod config;
 pub mod decide;
 pub mod fabric;
+pub mod failpoint;
 pub mod protocol;
 pub mod selftest;
 pub mod service;
+#[doc(hidden)]
+pub mod testkit;
 pub mod units;

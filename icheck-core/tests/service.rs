@@ -4,86 +4,42 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use icheck_core::config::StaticConfig;
 use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint, RmaOp, TransferOptions};
-use icheck_core::protocol::{
-    self, AppRegistration, ClientReply, ClientRequest, HelloReply, StatusReport, TransferMode,
-};
+use icheck_core::protocol::{self, AppRegistration, ClientReply, ClientRequest, HelloReply, TransferMode};
 use icheck_core::selftest::verify_pattern;
 use icheck_core::service::agent::probe_seed;
 use icheck_core::service::client::request_blocking;
+use icheck_core::testkit::{wait_for, LocalService};
 
 const ICHECK: &str = env!("CARGO_BIN_EXE_icheck");
 
-/// A local service in its own state directory; stopped (by PID) on drop.
-struct Service {
-    dir: PathBuf,
-    config: StaticConfig,
+struct Service(LocalService);
+
+impl std::ops::Deref for Service {
+    type Target = LocalService;
+    fn deref(&self) -> &LocalService {
+        &self.0
+    }
 }
 
 impl Service {
     fn up(name: &str, managers: u32) -> Service {
-        let dir = std::env::temp_dir().join(format!("icheck-test-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let out = Command::new(ICHECK)
-            .args(["up", "--detach", "--managers", &managers.to_string(), "--heartbeat", "0.5"])
-            .arg("--state-dir")
-            .arg(&dir)
-            .output()
-            .expect("run icheck up");
-        let mut service = Service { config: StaticConfig::default(), dir };
-        assert!(
-            out.status.success(),
-            "icheck up failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        service.config = StaticConfig::load(&service.dir.join("icheck.toml")).unwrap();
-        service
-    }
-
-    fn status(&self) -> StatusReport {
-        let out = Command::new(ICHECK).args(["status", "--json", "--state-dir"]).arg(&self.dir).output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        serde_json::from_slice(&out.stdout).expect("status --json prints a StatusReport")
-    }
-
-    fn pid_of(&self, name: &str) -> u32 {
-        let pids = std::fs::read_to_string(self.dir.join("pids")).unwrap();
-        pids.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).unwrap().trim().parse().unwrap()
+        Service(LocalService::up(Path::new(ICHECK), name, managers, &[]))
     }
 
     fn register(&self, name: &str, ranks: u32, nodes: u32) -> Result<Vec<protocol::AgentInfo>, String> {
         let app =
             AppRegistration { name: name.into(), ranks, nodes, ranks_per_node: ranks / nodes, mode: TransferMode::Mr };
         match request_blocking(&self.config, &ClientRequest::RegisterApp(app)) {
-            Ok(ClientReply::Agents(agents)) => Ok(agents),
+            Ok(ClientReply::Registered { agents, .. }) => Ok(agents),
             Ok(other) => Err(format!("unexpected {other:?}")),
             Err(err) => Err(err.to_string()),
         }
-    }
-
-    fn log(&self, name: &str) -> String {
-        std::fs::read_to_string(self.dir.join("logs").join(name)).unwrap_or_default()
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = Command::new(ICHECK).args(["down", "--state-dir"]).arg(&self.dir).output();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
     }
 }
 

@@ -192,7 +192,14 @@ struct AgentLink {
 }
 
 impl AgentLink {
-    fn open(endpoint: &Endpoint, info: &AgentInfo, token: &str, app: &str, rank: u32, timeout: Duration) -> Result<Self> {
+    fn open(
+        endpoint: &Endpoint,
+        info: &AgentInfo,
+        token: &str,
+        app: &str,
+        rank: u32,
+        timeout: Duration,
+    ) -> Result<Self> {
         let fail = |message: String| Error::Agent {
             agent: info.id,
             node: info.node.clone(),
@@ -240,6 +247,7 @@ impl AgentLink {
     }
 
     fn seal(&mut self) -> Result<Manifest> {
+        icheck_core::failpoint::hit("client.before_seal");
         match self.call(&AgentRequest::Seal)? {
             AgentReply::Sealed(manifest) => Ok(manifest),
             other => Err(self.error(format!("unexpected answer to Seal: {other:?}"))),
@@ -298,8 +306,7 @@ fn layouts(labels: &[Label], lens: &[usize]) -> Vec<LabelLayout> {
         .iter()
         .zip(lens)
         .map(|(label, len)| {
-            let layout =
-                LabelLayout { label: label.name.clone(), kind: label.source.kind(), offset, len: *len as u64 };
+            let layout = LabelLayout { label: label.name.clone(), kind: label.source.kind(), offset, len: *len as u64 };
             offset += *len as u64;
             layout
         })
@@ -310,7 +317,11 @@ impl Icheck {
     /// Registers the application with the service and opens this rank's
     /// session with its agent (*collective*). `config` defaults to
     /// `$ICHECK_CONFIG`, then `/etc/icheck/icheck.toml`.
-    pub fn init<C: Communicator + 'static>(config: Option<&Path>, app_name: &str, comm: C) -> Result<(Icheck, InitStatus)> {
+    pub fn init<C: Communicator + 'static>(
+        config: Option<&Path>,
+        app_name: &str,
+        comm: C,
+    ) -> Result<(Icheck, InitStatus)> {
         let comm: Box<dyn Communicator> = Box::new(comm);
         let path = config_path(config);
         let config = StaticConfig::load(&path)?;
@@ -324,6 +335,17 @@ impl Icheck {
             Some("shmr") => TransferMode::Shmr,
             Some("mr") => TransferMode::Mr,
             _ => client.mode,
+        };
+        let zero_copy = match std::env::var("ICHECK_ZERO_COPY").ok().as_deref() {
+            Some("0") | Some("false") => false,
+            Some("1") | Some("true") => true,
+            _ => client.zero_copy,
+        };
+        let staging_size = match std::env::var("ICHECK_STAGING_BUFFER") {
+            Ok(text) => text
+                .parse::<icheck_core::units::ByteSize>()
+                .map_err(|e| Error::Unsupported(format!("environment variable ICHECK_STAGING_BUFFER: {e}")))?,
+            Err(_) => client.staging_buffer,
         };
         if mode == TransferMode::Shmr {
             return Err(Error::Unsupported(format!(
@@ -345,13 +367,8 @@ impl Icheck {
         let mut answer = Vec::new();
         if rank == 0 {
             let (nodes, per_node) = comm.node_counts();
-            let registration = AppRegistration {
-                name: app_name.to_string(),
-                ranks: size,
-                nodes,
-                ranks_per_node: per_node,
-                mode,
-            };
+            let registration =
+                AppRegistration { name: app_name.to_string(), ranks: size, nodes, ranks_per_node: per_node, mode };
             let outcome = BlockingConnection::connect(&controller_peer, &token, connect_timeout).and_then(|mut c| {
                 let reply = c.request(&ClientRequest::RegisterApp(registration))?;
                 Ok((c, reply))
@@ -395,7 +412,7 @@ impl Icheck {
             Some(record) => InitStatus::Restart { version: record.version },
             None => InitStatus::Fresh,
         };
-        tracing::info!(?status, agent = mine.id, node = %mine.node, ?direction, "initialised");
+        tracing::info!(?status, agent = mine.id, node = %mine.node, ?direction, zero_copy, "initialised");
         drop(_entered);
         let next_version = latest.as_ref().map_or(1, |l| l.version + 1);
         let icheck = Icheck {
@@ -411,8 +428,8 @@ impl Icheck {
             latest,
             next_version,
             direction,
-            zero_copy: client.zero_copy,
-            staging_size: (client.staging_buffer.0 as usize).max(8192),
+            zero_copy,
+            staging_size: (staging_size.0 as usize).max(8192),
             staging: None,
             asynchronous: false,
             in_flight: None,
@@ -531,7 +548,8 @@ impl Icheck {
         let secs = started.elapsed().as_secs_f64();
         let mut recorded = Ok(());
         if let Some(controller) = self.controller.as_mut() {
-            let request = ClientRequest::VersionComplete { name: self.app.clone(), version, bytes: total, commit_secs: secs };
+            let request =
+                ClientRequest::VersionComplete { name: self.app.clone(), version, bytes: total, commit_secs: secs };
             recorded = controller
                 .request(&request)
                 .map(|_| ())
@@ -575,7 +593,8 @@ impl Icheck {
         if push {
             let options = TransferOptions::default();
             for (index, region) in &regions {
-                let op = RmaOp { local_offset: 0, remote: target, remote_offset: layout[*index].offset, len: region.len() };
+                let op =
+                    RmaOp { local_offset: 0, remote: target, remote_offset: layout[*index].offset, len: region.len() };
                 moved += endpoint.write(&link.peer, region.source(), &[op], &options)?.bytes;
             }
         } else {
@@ -640,8 +659,12 @@ impl Icheck {
                         let op = RmaOp { local_offset, remote: target, remote_offset: file_offset, len };
                         endpoint.write(&link.peer, source, &[op], &TransferOptions::default())?.bytes
                     } else {
-                        let segment =
-                            PullSegment { source: remote, source_offset: local_offset as u64, file_offset, len: len as u64 };
+                        let segment = PullSegment {
+                            source: remote,
+                            source_offset: local_offset as u64,
+                            file_offset,
+                            len: len as u64,
+                        };
                         link.pull(&endpoint, vec![segment])?
                     };
                     if to_fill.send(which).is_err() {
@@ -681,7 +704,7 @@ impl Icheck {
                 file_offset += filled;
             }
             drop(to_transfer);
-            transfer.join().unwrap_or_else(|_| Err(Error::Order("the transfer thread panicked")))
+            transfer.join().unwrap_or(Err(Error::Order("the transfer thread panicked")))
         })
     }
 
@@ -716,8 +739,12 @@ impl Icheck {
                             let op = RmaOp { local_offset: 0, remote: target, remote_offset: 0, len: total };
                             endpoint.write(&link.peer, staging.source(), &[op], &TransferOptions::default())?;
                         } else {
-                            let segment =
-                                PullSegment { source: staging.remote(), source_offset: 0, file_offset: 0, len: total as u64 };
+                            let segment = PullSegment {
+                                source: staging.remote(),
+                                source_offset: 0,
+                                file_offset: 0,
+                                len: total as u64,
+                            };
                             link.pull(&endpoint, vec![segment])?;
                         }
                     }
@@ -882,7 +909,8 @@ impl Icheck {
         self.wait()?;
         let mut answer = Vec::new();
         if let Some(controller) = self.controller.as_mut() {
-            let request = ClientRequest::Probe { name: self.app.clone(), agents: self.agents.iter().map(|a| a.id).collect() };
+            let request =
+                ClientRequest::Probe { name: self.app.clone(), agents: self.agents.iter().map(|a| a.id).collect() };
             let result = controller.request(&request).map_err(|e| e.to_string());
             answer = protocol::encode(&result).unwrap_or_default();
         }
@@ -931,4 +959,3 @@ impl Icheck {
         result
     }
 }
-

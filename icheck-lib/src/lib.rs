@@ -8,7 +8,7 @@
 //! same order (as with MPI collectives).
 //!
 //! ```no_run
-//! use icheck::{Icheck, InitStatus, Region, SingleProcess};
+//! use icheck_lib::{Icheck, InitStatus, Region, SingleProcess};
 //! let temperature = Region::<f64>::zeroed(1 << 20);
 //! let (mut ic, status) = Icheck::init(None, "heat2d", SingleProcess).unwrap();
 //! ic.add("temperature", &temperature).unwrap();
@@ -34,9 +34,9 @@ mod comm;
 mod region;
 
 pub use client::{Error, Icheck, InitStatus, ProbeHints, ProbeOutcome};
-pub use comm::{Communicator, SingleProcess};
 #[cfg(feature = "mpi")]
 pub use comm::MpiComm;
+pub use comm::{Communicator, SingleProcess};
 pub use icheck_core::protocol::DataKind;
 pub use region::{Element, Region};
 

@@ -181,15 +181,14 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener, _probe: RegisteredB
                     shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).push(clone);
                 }
                 let shared = shared.clone();
-                let spawned = std::thread::Builder::new().name(format!("icheck-agent-{}-session", shared.id)).spawn(
-                    move || {
+                let spawned =
+                    std::thread::Builder::new().name(format!("icheck-agent-{}-session", shared.id)).spawn(move || {
                         let _span = tracing::info_span!("session", agent = shared.id, %peer).entered();
                         match serve_session(&shared, stream) {
                             Ok(()) | Err(SessionEnd::Closed) => tracing::debug!("session ended"),
                             Err(SessionEnd::Failed(err)) => tracing::warn!(%err, "session dropped"),
                         }
-                    },
-                );
+                    });
                 match spawned {
                     Ok(handle) => sessions.push(handle),
                     Err(err) => tracing::error!(%err, "cannot start a session thread"),
@@ -333,7 +332,12 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             counters.versions_sealed.fetch_add(1, Ordering::Relaxed);
             counters.bytes_in.fetch_add(writing.total_len, Ordering::Relaxed);
             counters.transfer_nanos.fetch_add(writing.started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            tracing::info!(version = manifest.version, rank = session.rank, bytes = manifest.total_len, "version sealed");
+            tracing::info!(
+                version = manifest.version,
+                rank = session.rank,
+                bytes = manifest.total_len,
+                "version sealed"
+            );
             Ok(AgentReply::Sealed(manifest))
         }
         AgentRequest::Complete { version } => {

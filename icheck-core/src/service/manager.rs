@@ -81,8 +81,11 @@ async fn session(
     if let HelloReply::Refused(reason) = protocol::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {
         return Err(ProtocolError::Refused { peer, reason }.into());
     }
-    let register =
-        ManagerToController::Register { node: node.to_string(), pid: std::process::id(), status: measure(agents, &settings.store) };
+    let register = ManagerToController::Register {
+        node: node.to_string(),
+        pid: std::process::id(),
+        status: measure(agents, &settings.store),
+    };
     protocol::send(&mut stream, &register).await?;
     match protocol::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {
         ControllerToManager::Registered => tracing::info!(%peer, "registered with the controller"),

@@ -37,9 +37,11 @@ fn random_token() -> Result<String> {
 /// after the state directory so two local services never share one.
 pub fn store_dir(dir: &Path) -> PathBuf {
     // FNV-1a: a stable, dependency-free name for the path.
-    let hash = dir.as_os_str().as_encoded_bytes().iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    });
+    let hash = dir
+        .as_os_str()
+        .as_encoded_bytes()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3));
     PathBuf::from(format!("/dev/shm/icheck-{hash:016x}"))
 }
 

@@ -1,0 +1,202 @@
+//! Real MPI jobs (`mpirun`) checkpointing through a real local service
+//! (`icheck up`): commit, SIGKILL, restart, and bit-exact verification done
+//! by the application itself on every restored byte.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use icheck_core::testkit::{icheck_in_target, LocalService};
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+
+const EXAMPLE: &str = env!("CARGO_BIN_EXE_mpi_checkpoint");
+
+/// An `mpirun` job in its own process group; killed (the whole group) on drop.
+struct Job {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Job {
+    fn start(np: u32, config: &PathBuf, args: &[&str], env: &[(&str, &str)]) -> Job {
+        use std::os::unix::process::CommandExt;
+        let mut command = Command::new("mpirun");
+        command
+            .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()])
+            .arg(EXAMPLE)
+            .args(args)
+            .env("ICHECK_CONFIG", config)
+            .env("OMPI_MCA_btl", "self,vader")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let mut child = command.spawn().expect("mpirun starts (is openmpi-bin installed?)");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let (out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let sink = stderr.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let mut text = sink.lock().unwrap();
+                text.push_str(&line);
+                text.push('\n');
+            }
+        });
+        Job { child, lines, stderr }
+    }
+
+    fn output(&self) -> String {
+        format!("stdout:\n{}\nstderr:\n{}", self.lines.lock().unwrap().join("\n"), self.stderr.lock().unwrap())
+    }
+
+    /// Waits for a stdout line starting with `prefix`.
+    fn wait_line(&mut self, prefix: &str, timeout: Duration) -> String {
+        let start = Instant::now();
+        loop {
+            if let Some(line) = self.lines.lock().unwrap().iter().find(|l| l.starts_with(prefix)) {
+                return line.clone();
+            }
+            let exited = self.child.try_wait().unwrap().is_some();
+            assert!(
+                !exited || start.elapsed() < Duration::from_millis(200) || self.has(prefix),
+                "job exited before printing {prefix:?}\n{}",
+                self.output()
+            );
+            assert!(start.elapsed() < timeout, "no {prefix:?} within {timeout:?}\n{}", self.output());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn has(&self, prefix: &str) -> bool {
+        self.lines.lock().unwrap().iter().any(|l| l.starts_with(prefix))
+    }
+
+    /// Waits for the job to finish successfully.
+    fn finish(mut self, timeout: Duration) -> Vec<String> {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                std::thread::sleep(Duration::from_millis(100)); // let the readers drain
+                assert!(status.success(), "job failed with {status}\n{}", self.output());
+                return self.lines.lock().unwrap().clone();
+            }
+            assert!(start.elapsed() < timeout, "job still running after {timeout:?}\n{}", self.output());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGKILL to the job's whole process group (mpirun and its ranks).
+    fn kill(&mut self) {
+        let _ = killpg(Pid::from_raw(self.child.id() as i32), Signal::SIGKILL);
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            self.kill();
+        }
+    }
+}
+
+fn service(name: &str, managers: u32, provider: &str) -> LocalService {
+    LocalService::up(&icheck_in_target(), name, managers, &["--provider", provider])
+}
+
+#[test]
+fn four_ranks_commit_are_killed_and_restart_bit_exact() {
+    let service = service("mpi-kill", 2, "tcp");
+    let config = service.config_path();
+    // "big" is 80 MiB per rank: larger than the 64 MiB staging buffer.
+    let mut job = Job::start(
+        4,
+        &config,
+        &["--app", "kill4", "--steps", "20", "--every", "2", "--mib", "80", "--hang-after", "3"],
+        &[],
+    );
+    job.wait_line("HANG", Duration::from_secs(120));
+    assert!(job.has("COMMITTED version=3 step=4"), "{}", job.output());
+    job.kill();
+
+    let status = service.status();
+    let app = status.apps.iter().find(|a| a.registration.name == "kill4").expect("app stays registered after a kill");
+    assert_eq!(app.latest.as_ref().map(|l| l.version), Some(3));
+
+    let job = Job::start(4, &config, &["--app", "kill4", "--steps", "8", "--every", "2", "--mib", "80"], &[]);
+    let lines = job.finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=5 step=8")), "{lines:?}");
+}
+
+#[test]
+fn kill_during_a_commit_restarts_from_the_previous_version() {
+    let service = service("mpi-midcommit", 1, "tcp");
+    let config = service.config_path();
+    // Every rank stalls before sealing its third version: its data is at
+    // the agents, but the version can never complete.
+    let stall = [("ICHECK_FAILPOINTS", "client.before_seal=2*sleep(600000)")];
+    let mut job = Job::start(2, &config, &["--app", "mid", "--steps", "20", "--every", "2", "--mib", "32"], &stall);
+    job.wait_line("COMMIT_START version=3", Duration::from_secs(120));
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(!job.has("COMMITTED version=3"), "{}", job.output());
+    job.kill();
+
+    let job = Job::start(2, &config, &["--app", "mid", "--steps", "6", "--every", "2", "--mib", "32"], &[]);
+    let lines = job.finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=2 step=2 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+}
+
+/// Every direction and mode combination on one provider: commit twice,
+/// finish with IC_PERSIST, restart in a new job and verify.
+fn matrix(provider: &str) {
+    let service = service(&format!("mpi-matrix-{provider}"), 2, provider);
+    let config = service.config_path();
+    let cases: &[(&str, &str, bool)] = &[
+        ("pull", "1", false),
+        ("push", "1", false),
+        ("pull", "0", false),
+        ("push", "0", false),
+        ("pull", "1", true),
+        ("push", "1", true),
+    ];
+    for (transfer, zero_copy, asynchronous) in cases {
+        let app = format!("m-{provider}-{transfer}-{zero_copy}-{asynchronous}");
+        // A 1 MiB staging buffer, so the 3 MiB label streams through it.
+        let env = [("ICHECK_TRANSFER", *transfer), ("ICHECK_ZERO_COPY", *zero_copy), ("ICHECK_STAGING_BUFFER", "1MiB")];
+        let mut args = vec!["--app", app.as_str(), "--steps", "4", "--every", "2", "--mib", "3", "--persist"];
+        if *asynchronous {
+            args.push("--async");
+        }
+        let lines = Job::start(2, &config, &args, &env).finish(Duration::from_secs(120));
+        assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{app}: {lines:?}");
+        args[3] = "6";
+        let lines = Job::start(2, &config, &args, &env).finish(Duration::from_secs(120));
+        assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{app}: {lines:?}");
+        assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{app}: {lines:?}");
+    }
+}
+
+#[test]
+fn matrix_on_tcp() {
+    matrix("tcp");
+}
+
+#[test]
+fn matrix_on_shm() {
+    matrix("shm");
+}

@@ -1,0 +1,97 @@
+//! Failpoints for fault injection in multi-process tests (after TiKV's
+//! fail-rs, reduced to what icheck's tests need).
+//!
+//! `ICHECK_FAILPOINTS="name=[N*]action;name2=..."` arms failpoints in a
+//! process: the first N hits pass, later hits run the action:
+//! `sleep(MS)`, `exit(CODE)` or `abort`. Unset, a failpoint costs one
+//! atomic load.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// Environment variable holding the failpoint specification.
+pub const FAILPOINTS_ENV: &str = "ICHECK_FAILPOINTS";
+
+#[derive(Debug, PartialEq)]
+enum Action {
+    Sleep(Duration),
+    Exit(i32),
+    Abort,
+}
+
+#[derive(Debug)]
+struct Point {
+    skip: u64,
+    action: Action,
+    hits: AtomicU64,
+}
+
+fn parse(spec: &str) -> Result<HashMap<String, Point>, String> {
+    let mut points = HashMap::new();
+    for item in spec.split(';').map(str::trim).filter(|s| !s.is_empty()) {
+        let (name, rest) = item.split_once('=').ok_or_else(|| format!("{item:?}: expected name=action"))?;
+        let (skip, action) = match rest.split_once('*') {
+            Some((n, action)) => (n.trim().parse().map_err(|_| format!("{item:?}: bad count {n:?}"))?, action),
+            None => (0, rest),
+        };
+        let arg = |prefix: &str| action.strip_prefix(prefix).and_then(|a| a.strip_suffix(')'));
+        let action = if let Some(ms) = arg("sleep(") {
+            Action::Sleep(Duration::from_millis(ms.parse().map_err(|_| format!("{item:?}: bad sleep"))?))
+        } else if let Some(code) = arg("exit(") {
+            Action::Exit(code.parse().map_err(|_| format!("{item:?}: bad exit code"))?)
+        } else if action == "abort" {
+            Action::Abort
+        } else {
+            return Err(format!("{item:?}: unknown action (sleep(MS), exit(CODE), abort)"));
+        };
+        points.insert(name.trim().to_string(), Point { skip, action, hits: AtomicU64::new(0) });
+    }
+    Ok(points)
+}
+
+fn points() -> &'static HashMap<String, Point> {
+    static POINTS: OnceLock<HashMap<String, Point>> = OnceLock::new();
+    POINTS.get_or_init(|| match std::env::var(FAILPOINTS_ENV) {
+        Ok(spec) => parse(&spec).unwrap_or_else(|err| {
+            eprintln!("icheck: ignoring {FAILPOINTS_ENV}: {err}");
+            HashMap::new()
+        }),
+        Err(_) => HashMap::new(),
+    })
+}
+
+/// Passes failpoint `name`, running its action if it is armed and due.
+pub fn hit(name: &str) {
+    let points = points();
+    if points.is_empty() {
+        return;
+    }
+    let Some(point) = points.get(name) else { return };
+    if point.hits.fetch_add(1, Ordering::Relaxed) < point.skip {
+        return;
+    }
+    tracing::warn!(failpoint = name, action = ?point.action, "failpoint triggered");
+    match point.action {
+        Action::Sleep(pause) => std::thread::sleep(pause),
+        Action::Exit(code) => std::process::exit(code),
+        Action::Abort => std::process::abort(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_or_name_the_bad_item() {
+        let points = parse("a=sleep(5); b=2*exit(3);c=abort").unwrap();
+        assert_eq!(points["a"].action, Action::Sleep(Duration::from_millis(5)));
+        assert_eq!((points["b"].skip, &points["b"].action), (2, &Action::Exit(3)));
+        assert_eq!(points["c"].action, Action::Abort);
+        assert!(parse("x=explode").unwrap_err().contains("\"x=explode\""));
+        assert!(parse("x").is_err());
+        assert!(parse("x=z*sleep(1)").is_err());
+    }
+}
