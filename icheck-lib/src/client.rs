@@ -108,7 +108,7 @@ pub enum Error {
     #[error("no complete checkpoint of {0:?} exists")]
     NoCheckpoint(String),
     /// Restored bytes fail their checksum.
-    #[error("version {version} of rank {rank}: bytes {start}..{end} (label {label:?}) fail their crc32c checksum")]
+    #[error("version {version} of rank {rank}: bytes {start}..{end} (labels {labels}) fail their crc32c checksum")]
     Corrupt {
         /// Version.
         version: u64,
@@ -118,8 +118,8 @@ pub enum Error {
         start: u64,
         /// End of the bad chunk.
         end: u64,
-        /// Label the chunk starts in.
-        label: String,
+        /// Labels overlapping the damaged chunk.
+        labels: String,
     },
     /// Another rank failed its part; the version was not recorded.
     #[error("version {version} is incomplete: {detail}; {previous} stays the newest complete version")]
@@ -825,18 +825,14 @@ impl Icheck {
         done?;
         if let Some(chunk) = first_bad_chunk(&data.as_slice()[..total], &manifest.crcs) {
             let start = chunk as u64 * manifest.chunk_size;
-            let label = manifest
+            let end = (start + manifest.chunk_size).min(manifest.total_len);
+            let labels: Vec<String> = manifest
                 .labels
                 .iter()
-                .find(|l| l.offset <= start && start < l.offset + l.len.max(1))
-                .map_or_else(String::new, |l| l.label.clone());
-            return Err(Error::Corrupt {
-                version: record.version,
-                rank,
-                start,
-                end: (start + manifest.chunk_size).min(manifest.total_len),
-                label,
-            });
+                .filter(|l| l.offset < end && start < l.offset + l.len)
+                .map(|l| format!("{:?}", l.label))
+                .collect();
+            return Err(Error::Corrupt { version: record.version, rank, start, end, labels: labels.join(", ") });
         }
         tracing::info!(bytes = total, "restart data fetched and verified");
         let version = manifest.version;

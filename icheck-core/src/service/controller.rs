@@ -38,7 +38,11 @@ struct NodeEntry {
 
 struct AppEntry {
     registration: protocol::AppRegistration,
+    /// Live agents; an agent whose thread or manager died is removed.
     agents: Vec<AgentInfo>,
+    /// Node of each agent slot at registration (rank-mapping order): where
+    /// the application's checkpoint files are.
+    homes: Vec<String>,
     latest: Option<VersionRecord>,
     persisted: bool,
 }
@@ -279,7 +283,13 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
         }
     };
     writer_task.abort();
-    tracing::warn!(%node, "manager connection closed");
+    tracing::warn!(%node, "manager connection closed; its agents are gone");
+    let mut state = shared.state();
+    if state.nodes.get(&node).is_some_and(|entry| entry.connection == connection) {
+        for app in state.apps.values_mut() {
+            app.agents.retain(|agent| agent.node != node);
+        }
+    }
     result
 }
 
@@ -356,6 +366,7 @@ async fn register_app(
         if let Some(app) = state.apps.get_mut(&registration.name) {
             let nodes = &state.nodes;
             let all_alive = !app.agents.is_empty()
+                && app.agents.len() == app.homes.len()
                 && app.agents.iter().all(|a| nodes.get(&a.node).is_some_and(|n| shared.alive(n, now)));
             if all_alive {
                 tracing::info!(agents = app.agents.len(), ?latest, "application re-registered; returning its agents");
@@ -377,11 +388,15 @@ async fn register_app(
             .collect();
         // Agents of a returning application go back to the nodes that hold
         // its checkpoint files, where those are alive.
-        let previous: Vec<String> = state
-            .apps
-            .get(&registration.name)
-            .map(|a| a.agents.iter().map(|a| a.node.clone()).collect())
-            .unwrap_or_default();
+        let previous: Vec<String> = state.apps.get(&registration.name).map(|a| a.homes.clone()).unwrap_or_default();
+        // Survivors of the old placement stop; their files stay for the new agents.
+        let survivors: Vec<AgentInfo> =
+            state.apps.get(&registration.name).map(|a| a.agents.clone()).unwrap_or_default();
+        for agent in survivors {
+            if let Some(node) = state.nodes.get(&agent.node) {
+                let _ = node.to_manager.send(ControllerToManager::StopAgent { id: agent.id, discard: false });
+            }
+        }
         let nodes = if !previous.is_empty()
             && previous.len() == count as usize
             && previous.iter().all(|n| snapshot.iter().any(|s| &s.node == n && s.alive))
@@ -423,7 +438,8 @@ async fn register_app(
         return Err(format!("could not start the agents of {}: {reason}", registration.name));
     }
     tracing::info!(agents = agents.len(), "application registered");
-    let entry = AppEntry { registration, agents: agents.clone(), latest: latest.clone(), persisted: false };
+    let homes = agents.iter().map(|a| a.node.clone()).collect();
+    let entry = AppEntry { registration, agents: agents.clone(), homes, latest: latest.clone(), persisted: false };
     state.apps.insert(entry.registration.name.clone(), entry);
     Ok((agents, latest))
 }

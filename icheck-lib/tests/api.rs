@@ -1,0 +1,143 @@
+//! The Rust API against a real local service, as a single (non-MPI)
+//! process: wrong calls get clear errors and never damage a checkpoint;
+//! corruption is detected; a restarted manager finds its checkpoints.
+
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use icheck_core::testkit::{icheck_in_target, wait_for, LocalService};
+use icheck_lib::{Error, Icheck, InitStatus, ProbeHints, ProbeOutcome, Region, SingleProcess};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+fn service(name: &str) -> LocalService {
+    LocalService::up(&icheck_in_target(), name, 1, &["--provider", "tcp"])
+}
+
+fn init(service: &LocalService, app: &str) -> (Icheck, InitStatus) {
+    Icheck::init(Some(&service.config_path()), app, SingleProcess).expect("init")
+}
+
+#[test]
+fn wrong_calls_get_clear_errors_and_leave_the_checkpoint_intact() {
+    let service = service("api-errors");
+    let (mut ic, status) = init(&service, "errors");
+    assert_eq!(status, InitStatus::Fresh);
+    let values = Region::from_vec((0..1000).map(|i| i as f64).collect::<Vec<f64>>());
+    let ids = Region::from_vec(vec![7i32; 10]);
+
+    assert!(matches!(ic.restart(), Err(Error::NoCheckpoint(_))));
+    let err = ic.restore("values", &values).unwrap_err();
+    assert!(matches!(err, Error::Order(_)), "{err}");
+    assert!(matches!(ic.add("", &values), Err(Error::BadLabel(_))));
+
+    ic.add("values", &values).unwrap();
+    ic.add("ids", &ids).unwrap();
+    assert_eq!(ic.commit().unwrap(), 1);
+    // Re-adding a label with a new size is allowed; the next commit uses it.
+    ic.add("ids", &Region::from_vec(vec![9i32; 20])).unwrap();
+    assert_eq!(ic.commit().unwrap(), 2);
+    ic.finalize(true).unwrap();
+    assert!(matches!(ic.finalize(true), Err(Error::Order(_))), "double finalize is an error");
+    assert!(matches!(ic.commit(), Err(Error::Order(_))), "commit after finalize is an error");
+
+    let (mut ic, status) = init(&service, "errors");
+    assert_eq!(status, InitStatus::Restart { version: 2 });
+    assert_eq!(ic.restart().unwrap(), 2);
+    let err = ic.restore("nope", &values).unwrap_err();
+    assert!(matches!(&err, Error::UnknownLabel { label, .. } if label == "nope"), "{err}");
+    let err = ic.restore("ids", &ids).unwrap_err().to_string();
+    assert!(err.contains("\"ids\"") && err.contains("80 bytes") && err.contains("40 bytes"), "{err}");
+    let err = ic.restore("values", &Region::<i64>::zeroed(1000)).unwrap_err();
+    assert!(matches!(err, Error::KindMismatch { .. }), "{err}");
+    // The failed calls changed nothing: the real restore is still exact.
+    let restored = Region::<i32>::zeroed(20);
+    ic.restore("ids", &restored).unwrap();
+    assert_eq!(*restored.read(), vec![9; 20]);
+    let values_back = Region::<f64>::zeroed(1000);
+    ic.restore("values", &values_back).unwrap();
+    assert_eq!(*values_back.read(), *values.read());
+    assert_eq!(ic.probe_agents(ProbeHints::default()).unwrap(), ProbeOutcome::Unchanged);
+    ic.finalize(false).unwrap();
+
+    // Without IC_PERSIST the checkpoints are gone for the next run.
+    let (mut ic, status) = init(&service, "errors");
+    assert_eq!(status, InitStatus::Fresh);
+    ic.finalize(false).unwrap();
+}
+
+#[test]
+fn unreachable_controller_fails_within_the_connect_timeout() {
+    let dir = std::env::temp_dir().join(format!("icheck-api-unreachable-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // A port nobody listens on: bind one, then close it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let config = dir.join("icheck.toml");
+    let text = format!("ControllerPort = {port}\n[fabric]\nprovider = \"tcp\"\n[client]\nconnect_timeout = 2.0\n");
+    std::fs::write(&config, text).unwrap();
+    let started = Instant::now();
+    let err = Icheck::init(Some(&config), "lonely", SingleProcess).err().expect("init must fail");
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}", started.elapsed());
+    assert!(err.to_string().contains(&format!("127.0.0.1:{port}")), "{err}");
+    let err = Icheck::init(Some(Path::new("/nonexistent/icheck.toml")), "x", SingleProcess).err().unwrap();
+    assert!(err.to_string().contains("/nonexistent/icheck.toml"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn corrupted_agent_memory_is_detected_on_restart() {
+    let service = service("api-corrupt");
+    let (mut ic, _) = init(&service, "corrupt");
+    let data = Region::from_vec((0..(3u32 << 20)).map(|i| i as u8).collect::<Vec<u8>>());
+    ic.add("first", &Region::from_vec(vec![1i64; 4])).unwrap();
+    ic.add("data", &data).unwrap();
+    ic.commit().unwrap();
+    ic.finalize(true).unwrap();
+
+    let file = service.config.agent_store_dir.join("local-1/corrupt/rank0/v1.data");
+    let mut bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    bytes[32 + 2_000_000] ^= 0x40;
+    std::fs::write(&file, bytes).unwrap();
+
+    let (mut ic, _) = init(&service, "corrupt");
+    let err = ic.restart().unwrap_err();
+    assert!(matches!(&err, Error::Corrupt { version: 1, labels, .. } if labels.contains("\"data\"")), "{err}");
+    ic.finalize(false).unwrap();
+}
+
+fn start_manager(service: &LocalService, node: &str) -> Child {
+    Command::new(&service.icheck)
+        .args(["manager", "--node", node, "--config"])
+        .arg(service.config_path())
+        .spawn()
+        .expect("start manager")
+}
+
+#[test]
+fn a_restarted_manager_finds_its_checkpoints() {
+    let service = service("api-manager-restart");
+    let (mut ic, _) = init(&service, "survivor");
+    let data = Region::from_vec((0..100_000).map(|i| (i * 3) as i64).collect::<Vec<i64>>());
+    ic.add("data", &data).unwrap();
+    ic.commit().unwrap();
+    drop(ic); // the application dies without finalize
+
+    let old = service.pid_of("manager-local-1");
+    kill(Pid::from_raw(old as i32), Signal::SIGKILL).unwrap();
+    wait_for("the controller to notice", Duration::from_secs(10), || {
+        service.status().apps.iter().all(|a| a.agents.is_empty())
+    });
+    let mut manager = start_manager(&service, "local-1");
+    wait_for("the new manager", Duration::from_secs(10), || service.status().nodes.iter().any(|n| n.alive));
+
+    let (mut ic, status) = init(&service, "survivor");
+    assert_eq!(status, InitStatus::Restart { version: 1 });
+    ic.restart().unwrap();
+    let back = Region::<i64>::zeroed(100_000);
+    ic.restore("data", &back).unwrap();
+    assert_eq!(*back.read(), *data.read());
+    ic.finalize(false).unwrap();
+    let _ = manager.kill();
+    let _ = manager.wait();
+}
