@@ -530,9 +530,13 @@ pub enum AgentRequest {
     },
     /// Pull mode: read these segments from the rank; replies [`AgentReply::Pulled`].
     Pull(Vec<PullSegment>),
-    /// All data of the open version is in place: checksum it and write the
-    /// manifest; replies [`AgentReply::Sealed`].
-    Seal,
+    /// All data of the open version is in place: write its manifest with
+    /// these checksums; replies [`AgentReply::Sealed`].
+    Seal {
+        /// crc32c of each `store::CHUNK_SIZE` chunk of the rank's data, as
+        /// the rank computed it from its own memory (end-to-end check).
+        crcs: Vec<u32>,
+    },
     /// `version` is complete at the controller: older versions of this rank
     /// may go.
     Complete {

@@ -23,8 +23,23 @@ impl LocalService {
     /// Runs `icheck up --detach` with `managers` managers and `extra` flags
     /// in a fresh directory named after `name` and this process.
     pub fn up(icheck: &Path, name: &str, managers: u32, extra: &[&str]) -> LocalService {
+        LocalService::up_with_dynamic(icheck, name, managers, extra, None)
+    }
+
+    /// [`up`](Self::up), with `dynamic` as the dynamic configuration file.
+    pub fn up_with_dynamic(
+        icheck: &Path,
+        name: &str,
+        managers: u32,
+        extra: &[&str],
+        dynamic: Option<&str>,
+    ) -> LocalService {
         let dir = std::env::temp_dir().join(format!("icheck-test-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
+        if let Some(text) = dynamic {
+            std::fs::create_dir_all(&dir).expect("create the state directory");
+            std::fs::write(dir.join("dynamic.toml"), text).expect("write dynamic.toml");
+        }
         let out = Command::new(icheck)
             .args(["up", "--detach", "--managers", &managers.to_string(), "--heartbeat", "0.5"])
             .args(extra)

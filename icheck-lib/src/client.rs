@@ -28,7 +28,7 @@ use icheck_core::protocol::{
     Manifest, PullSegment, TransferMode, VersionRecord,
 };
 use icheck_core::service::client::BlockingConnection;
-use icheck_core::service::store::first_bad_chunk;
+use icheck_core::service::store::{first_bad_chunk, stream_crcs};
 use icheck_core::service::ServiceError;
 
 use crate::comm::Communicator;
@@ -246,9 +246,9 @@ impl AgentLink {
         }
     }
 
-    fn seal(&mut self) -> Result<Manifest> {
+    fn seal(&mut self, crcs: Vec<u32>) -> Result<Manifest> {
         icheck_core::failpoint::hit("client.before_seal");
-        match self.call(&AgentRequest::Seal)? {
+        match self.call(&AgentRequest::Seal { crcs })? {
             AgentReply::Sealed(manifest) => Ok(manifest),
             other => Err(self.error(format!("unexpected answer to Seal: {other:?}"))),
         }
@@ -589,27 +589,38 @@ impl Icheck {
         let ranks = self.comm.size();
         let link = self.link.as_mut().ok_or(Error::Order("no agent session"))?;
         let target = link.begin(version, ranks, layout.clone(), push)?;
-        let mut moved = 0u64;
-        if push {
-            let options = TransferOptions::default();
-            for (index, region) in &regions {
-                let op =
-                    RmaOp { local_offset: 0, remote: target, remote_offset: layout[*index].offset, len: region.len() };
-                moved += endpoint.write(&link.peer, region.source(), &[op], &options)?.bytes;
+        let slices: Vec<&[u8]> = guards.iter().map(|g| &***g).collect();
+        // Checksums are computed from this process's memory while the bytes
+        // move, on another core: end to end, and off the transfer's path.
+        let (moved, crcs) = std::thread::scope(|scope| -> Result<(u64, Vec<u32>)> {
+            let checksums = scope.spawn(|| stream_crcs(&slices));
+            let mut moved = 0u64;
+            if push {
+                let options = TransferOptions::default();
+                for (index, region) in &regions {
+                    let op = RmaOp {
+                        local_offset: 0,
+                        remote: target,
+                        remote_offset: layout[*index].offset,
+                        len: region.len(),
+                    };
+                    moved += endpoint.write(&link.peer, region.source(), &[op], &options)?.bytes;
+                }
+            } else {
+                let segments = regions
+                    .iter()
+                    .map(|(index, region)| PullSegment {
+                        source: region.remote(),
+                        source_offset: 0,
+                        file_offset: layout[*index].offset,
+                        len: region.len() as u64,
+                    })
+                    .collect();
+                moved = link.pull(&endpoint, segments)?;
             }
-        } else {
-            let segments = regions
-                .iter()
-                .map(|(index, region)| PullSegment {
-                    source: region.remote(),
-                    source_offset: 0,
-                    file_offset: layout[*index].offset,
-                    len: region.len() as u64,
-                })
-                .collect();
-            moved = link.pull(&endpoint, segments)?;
-        }
-        link.seal()?;
+            Ok((moved, checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))?))
+        })?;
+        link.seal(crcs)?;
         drop(regions);
         drop(guards);
         Ok(moved)
@@ -650,7 +661,11 @@ impl Icheck {
         let (to_transfer, transfers) = mpsc::sync_channel::<(usize, u64, usize)>(2);
         let (to_fill, free_halves) = mpsc::sync_channel::<usize>(2);
         to_fill.send(0).and_then(|_| to_fill.send(1)).expect("channel has room for both halves");
-        std::thread::scope(|scope| {
+        let slices: Vec<&[u8]> = guards.iter().map(|g| &***g).collect();
+        let transfer_link = &mut *link;
+        let (moved, crcs) = std::thread::scope(|scope| -> Result<(u64, Vec<u32>)> {
+            let checksums = scope.spawn(|| stream_crcs(&slices));
+            let link = transfer_link;
             let transfer = scope.spawn(move || -> Result<u64> {
                 let mut moved = 0;
                 for (which, file_offset, len) in transfers {
@@ -671,7 +686,6 @@ impl Icheck {
                         break;
                     }
                 }
-                link.seal()?;
                 Ok(moved)
             });
             // Fill halves in order from the labels' bytes.
@@ -704,8 +718,11 @@ impl Icheck {
                 file_offset += filled;
             }
             drop(to_transfer);
-            transfer.join().unwrap_or(Err(Error::Order("the transfer thread panicked")))
-        })
+            let moved = transfer.join().unwrap_or(Err(Error::Order("the transfer thread panicked")))?;
+            Ok((moved, checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))?))
+        })?;
+        link.seal(crcs)?;
+        Ok(moved)
     }
 
     /// Async mode: copy everything into the staging buffer and let a thread
@@ -734,11 +751,12 @@ impl Icheck {
                 let _entered = span.enter();
                 let result = (|| -> Result<()> {
                     let target = link.begin(version, ranks, layout, push)?;
-                    if total > 0 {
-                        if push {
+                    let crcs = std::thread::scope(|scope| -> Result<Vec<u32>> {
+                        let checksums = scope.spawn(|| stream_crcs(&[&staging.as_slice()[..total]]));
+                        if total > 0 && push {
                             let op = RmaOp { local_offset: 0, remote: target, remote_offset: 0, len: total };
                             endpoint.write(&link.peer, staging.source(), &[op], &TransferOptions::default())?;
-                        } else {
+                        } else if total > 0 {
                             let segment = PullSegment {
                                 source: staging.remote(),
                                 source_offset: 0,
@@ -747,8 +765,9 @@ impl Icheck {
                             };
                             link.pull(&endpoint, vec![segment])?;
                         }
-                    }
-                    link.seal()?;
+                        checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))
+                    })?;
+                    link.seal(crcs)?;
                     Ok(())
                 })();
                 (link, staging, result)

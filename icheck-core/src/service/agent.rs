@@ -8,8 +8,8 @@
 //! writes), so the control plane (manager tasks, controller) never sits on
 //! the data path.
 //!
-//! Architecture invariant: a session acknowledges `Seal` only after the data
-//! is checksummed and the manifest is on the store; a session that ends
+//! Architecture invariant: a session acknowledges `Seal` only after the
+//! manifest (with the rank's own checksums of its data) is on the store; a session that ends
 //! before sealing leaves no manifest, so its partial version is never served.
 
 use std::io::ErrorKind;
@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::store::{chunk_crcs, MappedFile, Store, CHUNK_SIZE};
+use super::store::{MappedFile, Store, CHUNK_SIZE};
 use crate::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, Peer, ProgressMode, ProgressThread,
     RegisteredBuffer, RmaOp, TransferOptions,
@@ -248,6 +248,12 @@ struct Session {
     peer: Peer,
     writing: Option<Writing>,
     fetching: Option<Fetching>,
+    /// Mappings of versions this session sealed, oldest first; kept so a
+    /// pruned version's memory can take the next version without being
+    /// mapped and registered again.
+    sealed: Vec<(u64, RegisteredBuffer<MappedFile>)>,
+    /// The mapping of the rank's spare file, ready for the next version.
+    spare: Option<RegisteredBuffer<MappedFile>>,
 }
 
 fn serve_session(shared: &Shared, mut stream: TcpStream) -> Result<(), SessionEnd> {
@@ -278,7 +284,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             return Err(format!("agent {} serves {:?}, not {app:?}", shared.id, shared.app));
         }
         let peer = shared.endpoint.insert_peer(&address).map_err(|e| e.to_string())?;
-        *session = Some(Session { app, rank, peer, writing: None, fetching: None });
+        *session = Some(Session { app, rank, peer, writing: None, fetching: None, sealed: Vec::new(), spare: None });
         return Ok(AgentReply::Ok);
     }
     let Some(session) = session.as_mut() else {
@@ -288,21 +294,30 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
     match request {
         AgentRequest::Open { .. } => unreachable!("handled above"),
         AgentRequest::Begin { version, ranks, labels, push } => {
+            let begun = Instant::now();
             session.writing = None;
             let total_len = check_layout(&labels)?;
             if version == 0 || ranks == 0 || session.rank >= ranks {
                 return Err(format!("bad version {version} or rank {} of {ranks}", session.rank));
             }
-            let file = store.create(&session.app, session.rank, version, total_len).map_err(|e| e.to_string())?;
-            let access = if push { Access::REMOTE_WRITE } else { Access::LOCAL };
-            let file = shared.endpoint.register(file, access).map_err(|e| e.to_string())?;
+            let reusable = session.spare.take().filter(|spare| spare.len() as u64 == total_len.max(4096));
+            let file = match reusable {
+                Some(spare) if store.reuse_spare(&session.app, session.rank, version, total_len).map_err(|e| e.to_string())? => spare,
+                _ => {
+                    let file = store.create(&session.app, session.rank, version, total_len).map_err(|e| e.to_string())?;
+                    // Registered for both directions so the mapping can be
+                    // reused whichever way the next version arrives.
+                    shared.endpoint.register(file, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string())?
+                }
+            };
             let remote = file.remote();
             let progress = if push {
                 Some(ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin).map_err(|e| e.to_string())?)
             } else {
                 None
             };
-            tracing::debug!(version, rank = session.rank, bytes = total_len, push, "version begun");
+            let prepare_ms = begun.elapsed().as_secs_f64() * 1e3;
+            tracing::debug!(version, rank = session.rank, bytes = total_len, push, prepare_ms, "version begun");
             session.writing =
                 Some(Writing { version, ranks, labels, total_len, file, started: Instant::now(), _progress: progress });
             Ok(AgentReply::Target(remote))
@@ -312,37 +327,48 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             let bytes = pull(&shared.endpoint, &session.peer, writing, &segments)?;
             Ok(AgentReply::Pulled { bytes })
         }
-        AgentRequest::Seal => {
-            let writing = session.writing.take().ok_or("Seal without Begin")?;
-            drop(writing._progress);
-            let data = &writing.file.as_slice()[..writing.total_len as usize];
+        AgentRequest::Seal { crcs } => {
+            let Writing { version, ranks, labels, total_len, file, started, _progress: progress } =
+                session.writing.take().ok_or("Seal without Begin")?;
+            // The rank has finished writing: stop spinning for it.
+            drop(progress);
+            let chunks = total_len.div_ceil(CHUNK_SIZE) as usize;
+            if crcs.len() != chunks {
+                return Err(format!("Seal carries {} checksums; {total_len} bytes need {chunks}", crcs.len()));
+            }
+            let transfer_ms = started.elapsed().as_secs_f64() * 1e3;
+            let sealing = Instant::now();
             let manifest = Manifest {
                 app: session.app.clone(),
                 rank: session.rank,
-                ranks: writing.ranks,
-                version: writing.version,
-                labels: writing.labels,
-                total_len: writing.total_len,
+                ranks,
+                version,
+                labels,
+                total_len,
                 chunk_size: CHUNK_SIZE,
-                crcs: chunk_crcs(data),
+                crcs,
                 sealed_unix_ms: unix_ms(),
             };
             store.seal(&manifest).map_err(|e| e.to_string())?;
+            session.sealed.push((version, file));
             let counters = &shared.counters;
             counters.versions_sealed.fetch_add(1, Ordering::Relaxed);
-            counters.bytes_in.fetch_add(writing.total_len, Ordering::Relaxed);
-            counters.transfer_nanos.fetch_add(writing.started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            tracing::info!(
-                version = manifest.version,
-                rank = session.rank,
-                bytes = manifest.total_len,
-                "version sealed"
-            );
+            counters.bytes_in.fetch_add(total_len, Ordering::Relaxed);
+            counters.transfer_nanos.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            let seal_ms = sealing.elapsed().as_secs_f64() * 1e3;
+            tracing::info!(version, rank = session.rank, bytes = total_len, transfer_ms, seal_ms, "version sealed");
             Ok(AgentReply::Sealed(manifest))
         }
         AgentRequest::Complete { version } => {
+            let pruning = Instant::now();
             let removed = store.prune(&session.app, session.rank, version).map_err(|e| e.to_string())?;
-            tracing::debug!(version, rank = session.rank, removed, "older versions pruned");
+            // The newest pruned version's file became the spare (see
+            // Store::prune); its mapping goes with it.
+            let (old, kept): (Vec<_>, Vec<_>) = session.sealed.drain(..).partition(|(v, _)| *v < version);
+            session.sealed = kept;
+            session.spare = old.into_iter().next_back().map(|(_, file)| file);
+            let prune_ms = pruning.elapsed().as_secs_f64() * 1e3;
+            tracing::debug!(version, rank = session.rank, removed, prune_ms, "older versions pruned");
             Ok(AgentReply::Ok)
         }
         AgentRequest::Fetch { version } => {

@@ -22,6 +22,9 @@ use memmap2::MmapMut;
 use crate::fabric::StableBuffer;
 use crate::protocol::{self, Manifest};
 
+/// Name of a rank's reusable data file.
+const SPARE: &str = "spare.data";
+
 /// Bytes per checksum chunk.
 pub const CHUNK_SIZE: u64 = 4 << 20;
 
@@ -82,7 +85,32 @@ pub fn check_app_name(app: &str) -> Result<()> {
 
 /// crc32c of each [`CHUNK_SIZE`] chunk of `data`.
 pub fn chunk_crcs(data: &[u8]) -> Vec<u32> {
-    data.chunks(CHUNK_SIZE as usize).map(crc32c::crc32c).collect()
+    stream_crcs(&[data])
+}
+
+/// crc32c of each [`CHUNK_SIZE`] chunk of the concatenation of `parts`
+/// (a rank's labels, back to back), without concatenating them.
+pub fn stream_crcs(parts: &[&[u8]]) -> Vec<u32> {
+    let chunk = CHUNK_SIZE as usize;
+    let mut crcs = Vec::new();
+    let (mut crc, mut filled) = (0u32, 0usize);
+    for part in parts {
+        let mut rest = *part;
+        while !rest.is_empty() {
+            let take = rest.len().min(chunk - filled);
+            crc = crc32c::crc32c_append(crc, &rest[..take]);
+            filled += take;
+            rest = &rest[take..];
+            if filled == chunk {
+                crcs.push(crc);
+                (crc, filled) = (0, 0);
+            }
+        }
+    }
+    if filled > 0 {
+        crcs.push(crc);
+    }
+    crcs
 }
 
 /// The first chunk of `data` whose crc32c differs from `crcs`, if any.
@@ -146,23 +174,46 @@ impl Store {
         Ok((dir.join(format!("v{version}.data")), dir.join(format!("v{version}.meta"))))
     }
 
-    /// Creates (or truncates) the data file of a version being written and maps it.
+    /// Creates the data file of a version being written and maps it. The
+    /// rank's spare file (a pruned version's memory) is reused when there is
+    /// one: its pages are already allocated, so writing into it costs no
+    /// page allocation on the transfer path.
     pub fn create(&self, app: &str, rank: u32, version: u64, len: u64) -> Result<MappedFile> {
         let dir = self.rank_dir(app, rank)?;
         fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
         let (data, meta) = self.paths(app, rank, version)?;
         // An old manifest of the same number belongs to an interrupted run.
         let _ = fs::remove_file(&meta);
+        let spare = dir.join(SPARE);
+        if spare.exists() {
+            fs::rename(&spare, &data).map_err(io("cannot reuse", &spare))?;
+        }
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
-            .truncate(true)
+            .truncate(false)
             .open(&data)
             .map_err(io("cannot create", &data))?;
         // An empty mapping is not allowed; give empty versions one page.
         file.set_len(len.max(4096)).map_err(io("cannot size", &data))?;
         map(&file, &data, len)
+    }
+
+    /// Makes the rank's spare file the data file of `version` without
+    /// mapping it, for a caller that still holds the spare's mapping (the
+    /// mapping follows the file through the rename). False if there is no spare.
+    pub fn reuse_spare(&self, app: &str, rank: u32, version: u64, len: u64) -> Result<bool> {
+        let dir = self.rank_dir(app, rank)?;
+        let spare = dir.join(SPARE);
+        let on_disk = fs::metadata(&spare).map(|m| m.len()).ok();
+        if on_disk != Some(len.max(4096)) {
+            return Ok(false);
+        }
+        let (data, meta) = self.paths(app, rank, version)?;
+        let _ = fs::remove_file(&meta);
+        fs::rename(&spare, &data).map_err(io("cannot reuse", &spare))?;
+        Ok(true)
     }
 
     /// Writes the manifest of a version whose data is complete (atomically).
@@ -215,22 +266,33 @@ impl Store {
         Ok(versions)
     }
 
-    /// Deletes every file of versions older than `keep_from` (retention: the
-    /// newest complete version and anything newer stay).
+    /// Drops every version older than `keep_from` (retention: the newest
+    /// complete version and anything newer stay). Manifests go first, so a
+    /// dropped version can never be opened; the newest dropped data file
+    /// becomes the rank's spare for the next version, the rest are deleted.
     pub fn prune(&self, app: &str, rank: u32, keep_from: u64) -> Result<usize> {
         let dir = self.rank_dir(app, rank)?;
-        let mut removed = 0;
         let Ok(entries) = fs::read_dir(&dir) else { return Ok(0) };
+        let mut data_files = Vec::new();
+        let mut removed = 0;
         for entry in entries.filter_map(|e| e.ok()) {
             let name = entry.file_name().to_string_lossy().into_owned();
-            let version = name
-                .strip_prefix('v')
-                .and_then(|rest| rest.split('.').next())
-                .and_then(|number| number.parse::<u64>().ok());
-            if version.is_some_and(|v| v < keep_from) {
+            let Some((number, kind)) = name.strip_prefix('v').and_then(|rest| rest.split_once('.')) else { continue };
+            let Some(version) = number.parse::<u64>().ok().filter(|v| *v < keep_from) else { continue };
+            if kind == "data" {
+                data_files.push((version, entry.path()));
+            } else {
                 fs::remove_file(entry.path()).map_err(io("cannot remove", &entry.path()))?;
-                removed += 1;
             }
+            removed += 1;
+        }
+        data_files.sort();
+        if let Some((_, newest)) = data_files.pop() {
+            let spare = dir.join(SPARE);
+            fs::rename(&newest, &spare).map_err(io("cannot keep as spare", &newest))?;
+        }
+        for (_, path) in data_files {
+            fs::remove_file(&path).map_err(io("cannot remove", &path))?;
         }
         Ok(removed)
     }
@@ -267,7 +329,9 @@ impl Store {
 fn map(file: &File, path: &Path, len: u64) -> Result<MappedFile> {
     // SAFETY: the file is private to this store (created under the agent's
     // root); nobody truncates it while mapped, which is memmap2's contract.
-    let map = unsafe { MmapMut::map_mut(file) }.map_err(io("cannot map", path))?;
+    // Populating maps the file's existing pages now instead of faulting them
+    // in one by one during the transfer.
+    let map = unsafe { memmap2::MmapOptions::new().populate().map_mut(file) }.map_err(io("cannot map", path))?;
     let len = usize::try_from(len).unwrap_or(usize::MAX).min(map.len());
     Ok(MappedFile { map, len })
 }
@@ -304,6 +368,10 @@ mod tests {
         }
         assert_eq!(store.sealed_versions("app", 0).unwrap(), vec![1, 2, 3]);
         assert_eq!(store.prune("app", 0, 3).unwrap(), 4);
+        assert!(dir.join("app/rank0").join(SPARE).exists(), "the newest pruned data file is kept as spare");
+        let reused = store.create("app", 0, 4, 3).unwrap();
+        assert_eq!(reused.as_slice().len(), 3);
+        assert!(!dir.join("app/rank0").join(SPARE).exists());
         let (m, data) = store.open("app", 0, 3).unwrap();
         assert_eq!(data.as_slice(), &[3u8; 10]);
         assert_eq!(first_bad_chunk(data.as_slice(), &m.crcs), None);
@@ -319,6 +387,16 @@ mod tests {
             assert!(check_app_name(bad).is_err(), "{bad:?}");
         }
         assert!(check_app_name("heat2d_v1.2-test").is_ok());
+    }
+
+    #[test]
+    fn stream_checksums_ignore_part_boundaries() {
+        let data: Vec<u8> = (0..(CHUNK_SIZE as usize * 2 + 999)).map(|i| (i * 7) as u8).collect();
+        let whole = chunk_crcs(&data);
+        let (a, rest) = data.split_at(100);
+        let (b, c) = rest.split_at(CHUNK_SIZE as usize + 5);
+        assert_eq!(stream_crcs(&[a, b, &[], c]), whole);
+        assert!(stream_crcs(&[]).is_empty());
     }
 
     #[test]
