@@ -269,6 +269,67 @@ struct Restored {
     data: RegisteredBuffer,
 }
 
+/// Bytes read per step of a restart; each step's checksums are verified
+/// on another thread while the next step is read.
+const RESTART_STEP: usize = 16 * icheck_core::service::store::CHUNK_SIZE as usize;
+
+/// Reads a version's data into `data` in steps, verifying each step's
+/// checksums while the next one is in flight. Returns the read's outcome and
+/// the first chunk that fails its checksum.
+fn read_and_verify(
+    endpoint: &Endpoint,
+    peer: &Peer,
+    data: &mut RegisteredBuffer,
+    region: RemoteRegion,
+    manifest: &Manifest,
+) -> (Result<()>, Option<usize>) {
+    let total = manifest.total_len as usize;
+    let chunk = manifest.chunk_size as usize;
+    if chunk == 0 || !RESTART_STEP.is_multiple_of(chunk) {
+        return (Err(Error::Order("the manifest's chunk size does not divide the restart step")), None);
+    }
+    let expected = total.div_ceil(chunk);
+    if manifest.crcs.len() != expected {
+        return (Ok(()), Some(manifest.crcs.len().min(expected)));
+    }
+    let base = data.as_mut_slice().as_mut_ptr() as usize;
+    let (to_verify, steps) = mpsc::channel::<usize>();
+    std::thread::scope(|scope| {
+        let verifier = scope.spawn(move || {
+            for start in steps {
+                let end = (start + RESTART_STEP).min(total);
+                // SAFETY: bytes start..end were completely read before this
+                // step was sent, and no later read touches them.
+                let bytes = unsafe { std::slice::from_raw_parts((base + start) as *const u8, end - start) };
+                let first = start / chunk;
+                if let Some(bad) = first_bad_chunk(bytes, &manifest.crcs[first..first + bytes.len().div_ceil(chunk)]) {
+                    return Some(first + bad);
+                }
+            }
+            None
+        });
+        let mut read = Ok(());
+        let options = TransferOptions::default();
+        for start in (0..total).step_by(RESTART_STEP) {
+            let len = RESTART_STEP.min(total - start);
+            let op = RmaOp { local_offset: start, remote: region, remote_offset: start as u64, len };
+            // SAFETY: the verifier only reads steps already sent, which lie
+            // before `start`; this read writes start..start+len only.
+            let target = unsafe { data.region().target_unchecked() };
+            if let Err(err) = endpoint.read(peer, target, &[op], &options) {
+                read = Err(err.into());
+                break;
+            }
+            if to_verify.send(start).is_err() {
+                break;
+            }
+        }
+        drop(to_verify);
+        let bad = verifier.join().unwrap_or(Some(0));
+        (read, bad)
+    })
+}
+
 /// A checkpointing application process.
 pub struct Icheck {
     app: String,
@@ -827,22 +888,21 @@ impl Icheck {
         }
         let endpoint = self.endpoint.clone();
         let link = self.link()?;
+        let asked = Instant::now();
         let (manifest, region) = match link.call(&AgentRequest::Fetch { version: record.version })? {
             AgentReply::Fetch { manifest, region } => (manifest, region),
             other => return Err(link.error(format!("unexpected answer to Fetch: {other:?}"))),
         };
+        let exposed_ms = asked.elapsed().as_secs_f64() * 1e3;
         let total = manifest.total_len as usize;
+        let reading = Instant::now();
         let mut data = endpoint.register(AlignedBuffer::zeroed(total.max(1)), Access::LOCAL)?;
-        let read = if total > 0 {
-            let op = RmaOp { local_offset: 0, remote: region, remote_offset: 0, len: total };
-            endpoint.read(&link.peer, data.target(), &[op], &TransferOptions::default()).map(|_| ())
-        } else {
-            Ok(())
-        };
+        let (read, bad) = read_and_verify(&endpoint, &link.peer, &mut data, region, &manifest);
         let done = link.call(&AgentRequest::FetchDone);
         read?;
         done?;
-        if let Some(chunk) = first_bad_chunk(&data.as_slice()[..total], &manifest.crcs) {
+        tracing::debug!(exposed_ms, read_ms = reading.elapsed().as_secs_f64() * 1e3, "fetched");
+        if let Some(chunk) = bad {
             let start = chunk as u64 * manifest.chunk_size;
             let end = (start + manifest.chunk_size).min(manifest.total_len);
             let labels: Vec<String> = manifest

@@ -254,6 +254,9 @@ struct Session {
     sealed: Vec<(u64, RegisteredBuffer<MappedFile>)>,
     /// The mapping of the rank's spare file, ready for the next version.
     spare: Option<RegisteredBuffer<MappedFile>>,
+    /// Fetches the rank is done with, released after the reply is sent
+    /// (unmapping takes time the rank need not wait for).
+    retired: Vec<Fetching>,
 }
 
 fn serve_session(shared: &Shared, mut stream: TcpStream) -> Result<(), SessionEnd> {
@@ -275,6 +278,9 @@ fn serve_session(shared: &Shared, mut stream: TcpStream) -> Result<(), SessionEn
             }
         };
         protocol::send_blocking(&mut stream, &reply)?;
+        if let Some(session) = session.as_mut() {
+            session.retired.clear();
+        }
     }
 }
 
@@ -284,7 +290,16 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             return Err(format!("agent {} serves {:?}, not {app:?}", shared.id, shared.app));
         }
         let peer = shared.endpoint.insert_peer(&address).map_err(|e| e.to_string())?;
-        *session = Some(Session { app, rank, peer, writing: None, fetching: None, sealed: Vec::new(), spare: None });
+        *session = Some(Session {
+            app,
+            rank,
+            peer,
+            writing: None,
+            fetching: None,
+            sealed: Vec::new(),
+            spare: None,
+            retired: Vec::new(),
+        });
         return Ok(AgentReply::Ok);
     }
     let Some(session) = session.as_mut() else {
@@ -302,9 +317,16 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             }
             let reusable = session.spare.take().filter(|spare| spare.len() as u64 == total_len.max(4096));
             let file = match reusable {
-                Some(spare) if store.reuse_spare(&session.app, session.rank, version, total_len).map_err(|e| e.to_string())? => spare,
+                Some(spare)
+                    if store
+                        .reuse_spare(&session.app, session.rank, version, total_len)
+                        .map_err(|e| e.to_string())? =>
+                {
+                    spare
+                }
                 _ => {
-                    let file = store.create(&session.app, session.rank, version, total_len).map_err(|e| e.to_string())?;
+                    let file =
+                        store.create(&session.app, session.rank, version, total_len).map_err(|e| e.to_string())?;
                     // Registered for both directions so the mapping can be
                     // reused whichever way the next version arrives.
                     shared.endpoint.register(file, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string())?
@@ -382,7 +404,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             Ok(AgentReply::Fetch { manifest, region })
         }
         AgentRequest::FetchDone => {
-            session.fetching = None;
+            session.retired.extend(session.fetching.take());
             Ok(AgentReply::Ok)
         }
     }
