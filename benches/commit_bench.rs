@@ -114,8 +114,10 @@ fn measure<C: Communicator + 'static>(
         if !matches!(status, InitStatus::Restart { .. }) {
             bail!("no checkpoint to restart from");
         }
+        ic.add("data", data)?;
         let start = Instant::now();
         ic.restart()?;
+        ic.restore_all()?;
         restarts.push(start.elapsed().as_secs_f64());
         ic.finalize(true)?;
     }
@@ -130,7 +132,10 @@ fn measure<C: Communicator + 'static>(
     })
 }
 
-fn raw_fabric(provider: &str, size: usize, runs: usize) -> Result<(f64, f64)> {
+/// Raw fabric rates: fi_read and fi_write into/from touched memory, and
+/// fi_read into freshly allocated memory (what a restart must do: its
+/// destination has never been touched, so every page faults once).
+fn raw_fabric(provider: &str, size: usize, runs: usize) -> Result<(f64, f64, f64)> {
     let mut command = Command::new(std::env::current_exe()?);
     command.args(["--serve-target", provider, "--size", &size.to_string()]);
     let target = TargetProcess::spawn(command).context("starting the raw-fabric target")?;
@@ -153,8 +158,18 @@ fn raw_fabric(provider: &str, size: usize, runs: usize) -> Result<(f64, f64)> {
             .map(|_| endpoint.write(&peer, local.source(), &whole, &options).map(|s| s.gb_per_s()))
             .collect::<Result<_, _>>()?,
     );
+    let fresh = median(
+        (0..runs)
+            .map(|_| -> Result<f64> {
+                let mut fresh = endpoint.register(AlignedBuffer::zeroed(size), Access::LOCAL)?;
+                let start = Instant::now();
+                endpoint.read(&peer, fresh.target(), &whole, &options)?;
+                Ok(size as f64 / start.elapsed().as_secs_f64() / 1e9)
+            })
+            .collect::<Result<_, _>>()?,
+    );
     target.quit()?;
-    Ok((read, write))
+    Ok((read, write, fresh))
 }
 
 fn memcpy_secs(size: usize, runs: usize) -> f64 {
@@ -202,7 +217,7 @@ fn rows_for(
     bytes: f64,
     pull: &ModeTimes,
     push: &ModeTimes,
-    raw: (f64, f64),
+    raw: (f64, f64, f64),
     memcpy: f64,
 ) -> Vec<Line> {
     let gb = |secs: f64| bytes / secs / 1e9;
@@ -228,10 +243,16 @@ fn rows_for(
             gb(push.commit) / raw.1,
         ),
         line(
-            "restart (pull data)",
+            "restart + restore",
             format!("{:.2} GB/s", gb(pull.restart)),
             format!("fi_read {:.2} GB/s", raw.0),
             gb(pull.restart) / raw.0,
+        ),
+        line(
+            "restart + restore vs fi_read into fresh memory",
+            format!("{:.2} GB/s", gb(pull.restart)),
+            format!("fi_read {:.2} GB/s", raw.2),
+            gb(pull.restart) / raw.2,
         ),
         line(
             "commit, pull, async: blocked",
@@ -291,7 +312,10 @@ fn main() -> Result<()> {
     let mut lines = Vec::new();
     for provider in &cli.providers {
         let raw = raw_fabric(provider, size, runs)?;
-        eprintln!("{provider}: raw fi_read {:.2} GB/s, fi_write {:.2} GB/s", raw.0, raw.1);
+        eprintln!(
+            "{provider}: raw fi_read {:.2} GB/s, fi_write {:.2} GB/s, fi_read into fresh memory {:.2} GB/s",
+            raw.0, raw.1, raw.2
+        );
         let svc = service(&format!("bench-{provider}"), provider, 1, 1)?;
         let data = Region::<u8>::zeroed(size);
         fill_pattern(&mut data.write(), 5);

@@ -486,8 +486,9 @@ pub struct Manifest {
     pub total_len: u64,
     /// Bytes per checksum chunk.
     pub chunk_size: u64,
-    /// crc32c of each chunk, in order.
-    pub crcs: Vec<u32>,
+    /// Per label (in `labels` order): crc32c of each `chunk_size` chunk
+    /// of the label's bytes, as the rank computed them from its own memory.
+    pub crcs: Vec<Vec<u32>>,
     /// When sealed, in milliseconds since the Unix epoch.
     pub sealed_unix_ms: u64,
 }
@@ -533,9 +534,9 @@ pub enum AgentRequest {
     /// All data of the open version is in place: write its manifest with
     /// these checksums; replies [`AgentReply::Sealed`].
     Seal {
-        /// crc32c of each `store::CHUNK_SIZE` chunk of the rank's data, as
-        /// the rank computed it from its own memory (end-to-end check).
-        crcs: Vec<u32>,
+        /// Per label: crc32c of each `store::CHUNK_SIZE` chunk, as the rank
+        /// computed them from its own memory (an end-to-end check).
+        crcs: Vec<Vec<u32>>,
     },
     /// `version` is complete at the controller: older versions of this rank
     /// may go.

@@ -28,7 +28,7 @@ use icheck_core::protocol::{
     Manifest, PullSegment, TransferMode, VersionRecord,
 };
 use icheck_core::service::client::BlockingConnection;
-use icheck_core::service::store::{first_bad_chunk, stream_crcs};
+use icheck_core::service::store::{first_bad_chunk, label_crcs};
 use icheck_core::service::ServiceError;
 
 use crate::comm::Communicator;
@@ -246,7 +246,7 @@ impl AgentLink {
         }
     }
 
-    fn seal(&mut self, crcs: Vec<u32>) -> Result<Manifest> {
+    fn seal(&mut self, crcs: Vec<Vec<u32>>) -> Result<Manifest> {
         icheck_core::failpoint::hit("client.before_seal");
         match self.call(&AgentRequest::Seal { crcs })? {
             AgentReply::Sealed(manifest) => Ok(manifest),
@@ -263,46 +263,50 @@ struct InFlight {
     handle: JoinHandle<(AgentLink, RegisteredBuffer, Result<()>)>,
 }
 
-/// Data fetched by `restart`.
+/// A version `restart` exposed at the agent; `restore` reads labels from it
+/// straight into the caller's memory.
 struct Restored {
     manifest: Manifest,
-    data: RegisteredBuffer,
+    region: RemoteRegion,
 }
 
-/// Bytes read per step of a restart; each step's checksums are verified
-/// on another thread while the next step is read.
-const RESTART_STEP: usize = 16 * icheck_core::service::store::CHUNK_SIZE as usize;
+/// Bytes read per step of a restore; each step's checksums are verified on
+/// another thread while the next step is read.
+const RESTORE_STEP: usize = 16 * icheck_core::service::store::CHUNK_SIZE as usize;
 
-/// Reads a version's data into `data` in steps, verifying each step's
-/// checksums while the next one is in flight. Returns the read's outcome and
-/// the first chunk that fails its checksum.
+/// Reads `out.len()` bytes at `remote_offset` of `region` into `out` in
+/// steps, verifying each step against `crcs` (one per `chunk` bytes of
+/// `out`) while the next step is in flight. Returns the first bad chunk.
 fn read_and_verify(
     endpoint: &Endpoint,
     peer: &Peer,
-    data: &mut RegisteredBuffer,
     region: RemoteRegion,
-    manifest: &Manifest,
-) -> (Result<()>, Option<usize>) {
-    let total = manifest.total_len as usize;
-    let chunk = manifest.chunk_size as usize;
-    if chunk == 0 || !RESTART_STEP.is_multiple_of(chunk) {
-        return (Err(Error::Order("the manifest's chunk size does not divide the restart step")), None);
+    remote_offset: u64,
+    out: &mut [u8],
+    chunk: usize,
+    crcs: &[u32],
+) -> Result<Option<usize>> {
+    let total = out.len();
+    if chunk == 0 || !RESTORE_STEP.is_multiple_of(chunk) || crcs.len() != total.div_ceil(chunk) {
+        return Ok(Some(0));
     }
-    let expected = total.div_ceil(chunk);
-    if manifest.crcs.len() != expected {
-        return (Ok(()), Some(manifest.crcs.len().min(expected)));
+    if total == 0 {
+        return Ok(None);
     }
-    let base = data.as_mut_slice().as_mut_ptr() as usize;
+    // SAFETY: `out` stays borrowed, alive and unmoved until the registration
+    // is dropped at the end of this function.
+    let local = unsafe { endpoint.register_raw(out.as_mut_ptr(), total, Access::LOCAL)? };
+    let base = out.as_mut_ptr() as usize;
     let (to_verify, steps) = mpsc::channel::<usize>();
     std::thread::scope(|scope| {
         let verifier = scope.spawn(move || {
             for start in steps {
-                let end = (start + RESTART_STEP).min(total);
+                let end = (start + RESTORE_STEP).min(total);
                 // SAFETY: bytes start..end were completely read before this
                 // step was sent, and no later read touches them.
                 let bytes = unsafe { std::slice::from_raw_parts((base + start) as *const u8, end - start) };
                 let first = start / chunk;
-                if let Some(bad) = first_bad_chunk(bytes, &manifest.crcs[first..first + bytes.len().div_ceil(chunk)]) {
+                if let Some(bad) = first_bad_chunk(bytes, &crcs[first..first + bytes.len().div_ceil(chunk)]) {
                     return Some(first + bad);
                 }
             }
@@ -310,12 +314,12 @@ fn read_and_verify(
         });
         let mut read = Ok(());
         let options = TransferOptions::default();
-        for start in (0..total).step_by(RESTART_STEP) {
-            let len = RESTART_STEP.min(total - start);
-            let op = RmaOp { local_offset: start, remote: region, remote_offset: start as u64, len };
+        for start in (0..total).step_by(RESTORE_STEP) {
+            let len = RESTORE_STEP.min(total - start);
+            let op = RmaOp { local_offset: start, remote: region, remote_offset: remote_offset + start as u64, len };
             // SAFETY: the verifier only reads steps already sent, which lie
             // before `start`; this read writes start..start+len only.
-            let target = unsafe { data.region().target_unchecked() };
+            let target = unsafe { local.target_unchecked() };
             if let Err(err) = endpoint.read(peer, target, &[op], &options) {
                 read = Err(err.into());
                 break;
@@ -326,7 +330,7 @@ fn read_and_verify(
         }
         drop(to_verify);
         let bad = verifier.join().unwrap_or(Some(0));
-        (read, bad)
+        read.map(|_| bad)
     })
 }
 
@@ -563,6 +567,7 @@ impl Icheck {
     pub fn commit(&mut self) -> Result<u64> {
         self.check_open()?;
         self.wait()?;
+        self.release_restart();
         let version = self.next_version;
         self.next_version += 1;
         let span = tracing::info_span!("commit", app = %self.app, rank = self.comm.rank(), version);
@@ -653,8 +658,8 @@ impl Icheck {
         let slices: Vec<&[u8]> = guards.iter().map(|g| &***g).collect();
         // Checksums are computed from this process's memory while the bytes
         // move, on another core: end to end, and off the transfer's path.
-        let (moved, crcs) = std::thread::scope(|scope| -> Result<(u64, Vec<u32>)> {
-            let checksums = scope.spawn(|| stream_crcs(&slices));
+        let (moved, crcs) = std::thread::scope(|scope| -> Result<(u64, Vec<Vec<u32>>)> {
+            let checksums = scope.spawn(|| label_crcs(&slices));
             let mut moved = 0u64;
             if push {
                 let options = TransferOptions::default();
@@ -724,8 +729,8 @@ impl Icheck {
         to_fill.send(0).and_then(|_| to_fill.send(1)).expect("channel has room for both halves");
         let slices: Vec<&[u8]> = guards.iter().map(|g| &***g).collect();
         let transfer_link = &mut *link;
-        let (moved, crcs) = std::thread::scope(|scope| -> Result<(u64, Vec<u32>)> {
-            let checksums = scope.spawn(|| stream_crcs(&slices));
+        let (moved, crcs) = std::thread::scope(|scope| -> Result<(u64, Vec<Vec<u32>>)> {
+            let checksums = scope.spawn(|| label_crcs(&slices));
             let link = transfer_link;
             let transfer = scope.spawn(move || -> Result<u64> {
                 let mut moved = 0;
@@ -811,9 +816,12 @@ impl Icheck {
             .spawn(move || {
                 let _entered = span.enter();
                 let result = (|| -> Result<()> {
-                    let target = link.begin(version, ranks, layout, push)?;
-                    let crcs = std::thread::scope(|scope| -> Result<Vec<u32>> {
-                        let checksums = scope.spawn(|| stream_crcs(&[&staging.as_slice()[..total]]));
+                    let target = link.begin(version, ranks, layout.clone(), push)?;
+                    let crcs = std::thread::scope(|scope| -> Result<Vec<Vec<u32>>> {
+                        let staged = staging.as_slice();
+                        let slices: Vec<&[u8]> =
+                            layout.iter().map(|l| &staged[l.offset as usize..(l.offset + l.len) as usize]).collect();
+                        let checksums = scope.spawn(move || label_crcs(&slices));
                         if total > 0 && push {
                             let op = RmaOp { local_offset: 0, remote: target, remote_offset: 0, len: total };
                             endpoint.write(&link.peer, staging.source(), &[op], &TransferOptions::default())?;
@@ -864,11 +872,14 @@ impl Icheck {
         self.complete(version, result, bytes, started)
     }
 
-    /// Fetches the newest complete version from this rank's agent and checks
-    /// its checksums (*collective*). Returns the version.
+    /// Prepares a restart from the newest complete version (*collective*):
+    /// this rank's agent exposes its data, and `restore` / `restore_all`
+    /// then read each label straight into the caller's memory, verifying its
+    /// checksums. Returns the version.
     pub fn restart(&mut self) -> Result<u64> {
         self.check_open()?;
         self.wait()?;
+        self.release_restart();
         let result = self.fetch();
         let all_ok = self.comm.all_true(result.is_ok());
         let version = result?;
@@ -880,85 +891,106 @@ impl Icheck {
 
     fn fetch(&mut self) -> Result<u64> {
         let record = self.latest.clone().ok_or_else(|| Error::NoCheckpoint(self.app.clone()))?;
-        let (rank, size) = (self.comm.rank(), self.comm.size());
-        let span = tracing::info_span!("restart", app = %self.app, rank, version = record.version);
-        let _entered = span.enter();
+        let size = self.comm.size();
         if record.ranks != size {
             return Err(Error::RankCount { version: record.version, written: record.ranks, now: size });
         }
-        let endpoint = self.endpoint.clone();
         let link = self.link()?;
-        let asked = Instant::now();
         let (manifest, region) = match link.call(&AgentRequest::Fetch { version: record.version })? {
             AgentReply::Fetch { manifest, region } => (manifest, region),
             other => return Err(link.error(format!("unexpected answer to Fetch: {other:?}"))),
         };
-        let exposed_ms = asked.elapsed().as_secs_f64() * 1e3;
-        let total = manifest.total_len as usize;
-        let reading = Instant::now();
-        let mut data = endpoint.register(AlignedBuffer::zeroed(total.max(1)), Access::LOCAL)?;
-        let (read, bad) = read_and_verify(&endpoint, &link.peer, &mut data, region, &manifest);
-        let done = link.call(&AgentRequest::FetchDone);
-        read?;
-        done?;
-        tracing::debug!(exposed_ms, read_ms = reading.elapsed().as_secs_f64() * 1e3, "fetched");
-        if let Some(chunk) = bad {
-            let start = chunk as u64 * manifest.chunk_size;
-            let end = (start + manifest.chunk_size).min(manifest.total_len);
-            let labels: Vec<String> = manifest
-                .labels
-                .iter()
-                .filter(|l| l.offset < end && start < l.offset + l.len)
-                .map(|l| format!("{:?}", l.label))
-                .collect();
-            return Err(Error::Corrupt { version: record.version, rank, start, end, labels: labels.join(", ") });
+        if manifest.crcs.len() != manifest.labels.len() {
+            return Err(link.error(format!("manifest of version {} has no checksums for some labels", record.version)));
         }
-        tracing::info!(bytes = total, "restart data fetched and verified");
         let version = manifest.version;
-        self.restored = Some(Restored { manifest, data });
+        self.restored = Some(Restored { manifest, region });
         Ok(version)
     }
 
-    fn restored_label(&self, label: &str) -> Result<(&Restored, &LabelLayout)> {
+    /// Tells the agent the restart data is no longer needed.
+    fn release_restart(&mut self) {
+        if self.restored.take().is_some() {
+            if let Some(link) = self.link.as_mut() {
+                if let Err(err) = link.call(&AgentRequest::FetchDone) {
+                    tracing::warn!(%err, "agent did not acknowledge the end of a restart");
+                }
+            }
+        }
+    }
+
+    fn restored_label(&self, label: &str) -> Result<(&Restored, usize)> {
         let restored = self.restored.as_ref().ok_or(Error::Order("restore needs a successful restart() first"))?;
-        let layout = restored.manifest.labels.iter().find(|l| l.label == label).ok_or_else(|| Error::UnknownLabel {
-            label: label.to_string(),
-            detail: "not in the restarted checkpoint",
+        let index = restored.manifest.labels.iter().position(|l| l.label == label).ok_or_else(|| {
+            Error::UnknownLabel { label: label.to_string(), detail: "not in the restarted checkpoint" }
         })?;
-        Ok((restored, layout))
+        Ok((restored, index))
     }
 
     fn restore_bytes(&self, label: &str, kind: DataKind, out: &mut [u8]) -> Result<()> {
-        let (restored, layout) = self.restored_label(label)?;
+        let (restored, index) = self.restored_label(label)?;
+        let layout = &restored.manifest.labels[index];
         if layout.len != out.len() as u64 {
             return Err(Error::SizeMismatch { label: label.to_string(), stored: layout.len, given: out.len() as u64 });
         }
         if layout.kind != kind {
             return Err(Error::KindMismatch { label: label.to_string(), stored: layout.kind, given: kind });
         }
-        let start = layout.offset as usize;
-        out.copy_from_slice(&restored.data.as_slice()[start..start + out.len()]);
+        let link = self.link.as_ref().ok_or(Error::Order("no agent session"))?;
+        let manifest = &restored.manifest;
+        let span =
+            tracing::debug_span!("restore", app = %self.app, rank = manifest.rank, version = manifest.version, label);
+        let _entered = span.enter();
+        let started = Instant::now();
+        let chunk = manifest.chunk_size as usize;
+        let bad = read_and_verify(
+            &self.endpoint,
+            &link.peer,
+            restored.region,
+            layout.offset,
+            out,
+            chunk,
+            &manifest.crcs[index],
+        )
+        .map_err(|err| match err {
+            Error::Fabric(err) => link.error(format!("reading label {label:?}: {err}")),
+            other => other,
+        })?;
+        if let Some(bad) = bad {
+            let start = (bad * chunk) as u64;
+            return Err(Error::Corrupt {
+                version: manifest.version,
+                rank: manifest.rank,
+                start,
+                end: (start + chunk as u64).min(layout.len),
+                labels: format!("{label:?}"),
+            });
+        }
+        tracing::debug!(bytes = out.len(), ms = started.elapsed().as_secs_f64() * 1e3, "restored");
         Ok(())
     }
 
     /// Bytes label `label` holds in the restarted checkpoint, so callers can
     /// size their memory before `restore`.
     pub fn restored_len(&self, label: &str) -> Result<u64> {
-        Ok(self.restored_label(label)?.1.len)
+        let (restored, index) = self.restored_label(label)?;
+        Ok(restored.manifest.labels[index].len)
     }
 
-    /// Copies label `label` of the restarted version into `region`, whose
-    /// length must match the checkpoint's exactly.
+    /// Reads label `label` of the restarted version into `region`, whose
+    /// length and element type must match the checkpoint's. The bytes are
+    /// checked against the checksums the committing rank computed; on a
+    /// mismatch the error names the label and byte range.
     pub fn restore<T: Element>(&self, label: &str, region: &Region<T>) -> Result<()> {
         self.restore_bytes(label, T::KIND, as_bytes_mut(&mut region.write()))
     }
 
-    /// Copies label `label` into a plain slice.
+    /// Reads label `label` into a plain slice.
     pub fn restore_into<T: Element>(&self, label: &str, out: &mut [T]) -> Result<()> {
         self.restore_bytes(label, T::KIND, as_bytes_mut(out))
     }
 
-    /// Copies label `label` into raw memory of `len` bytes.
+    /// Reads label `label` into raw memory of `len` bytes.
     ///
     /// # Safety
     /// `ptr` must be valid for writes of `len` bytes.
@@ -982,6 +1014,7 @@ impl Icheck {
     pub fn probe_agents(&mut self, _hints: ProbeHints) -> Result<ProbeOutcome> {
         self.check_open()?;
         self.wait()?;
+        self.release_restart();
         let mut answer = Vec::new();
         if let Some(controller) = self.controller.as_mut() {
             let request =
@@ -1020,6 +1053,7 @@ impl Icheck {
             return Err(Error::Order("finalize was already called"));
         }
         let waited = self.wait();
+        self.release_restart();
         self.comm.barrier();
         self.finalized = true;
         self.link = None;

@@ -101,8 +101,15 @@ fn corrupted_agent_memory_is_detected_on_restart() {
     std::fs::write(&file, bytes).unwrap();
 
     let (mut ic, _) = init(&service, "corrupt");
-    let err = ic.restart().unwrap_err();
+    ic.restart().unwrap();
+    // The damaged label is refused, naming itself and the damaged range...
+    let back = Region::<u8>::zeroed(3 << 20);
+    let err = ic.restore("data", &back).unwrap_err();
     assert!(matches!(&err, Error::Corrupt { version: 1, labels, .. } if labels.contains("\"data\"")), "{err}");
+    // ...while an intact label still restores.
+    let first = Region::<i64>::zeroed(4);
+    ic.restore("first", &first).unwrap();
+    assert_eq!(*first.read(), vec![1; 4]);
     ic.finalize(false).unwrap();
 }
 

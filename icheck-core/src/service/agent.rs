@@ -354,9 +354,18 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                 session.writing.take().ok_or("Seal without Begin")?;
             // The rank has finished writing: stop spinning for it.
             drop(progress);
-            let chunks = total_len.div_ceil(CHUNK_SIZE) as usize;
-            if crcs.len() != chunks {
-                return Err(format!("Seal carries {} checksums; {total_len} bytes need {chunks}", crcs.len()));
+            if crcs.len() != labels.len() {
+                return Err(format!(
+                    "Seal carries checksums for {} labels, the version has {}",
+                    crcs.len(),
+                    labels.len()
+                ));
+            }
+            for (label, sums) in labels.iter().zip(&crcs) {
+                let chunks = label.len.div_ceil(CHUNK_SIZE) as usize;
+                if sums.len() != chunks {
+                    return Err(format!("label {:?}: {} checksums for {} chunks", label.label, sums.len(), chunks));
+                }
             }
             let transfer_ms = started.elapsed().as_secs_f64() * 1e3;
             let sealing = Instant::now();

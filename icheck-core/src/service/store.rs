@@ -85,32 +85,13 @@ pub fn check_app_name(app: &str) -> Result<()> {
 
 /// crc32c of each [`CHUNK_SIZE`] chunk of `data`.
 pub fn chunk_crcs(data: &[u8]) -> Vec<u32> {
-    stream_crcs(&[data])
+    data.chunks(CHUNK_SIZE as usize).map(crc32c::crc32c).collect()
 }
 
-/// crc32c of each [`CHUNK_SIZE`] chunk of the concatenation of `parts`
-/// (a rank's labels, back to back), without concatenating them.
-pub fn stream_crcs(parts: &[&[u8]]) -> Vec<u32> {
-    let chunk = CHUNK_SIZE as usize;
-    let mut crcs = Vec::new();
-    let (mut crc, mut filled) = (0u32, 0usize);
-    for part in parts {
-        let mut rest = *part;
-        while !rest.is_empty() {
-            let take = rest.len().min(chunk - filled);
-            crc = crc32c::crc32c_append(crc, &rest[..take]);
-            filled += take;
-            rest = &rest[take..];
-            if filled == chunk {
-                crcs.push(crc);
-                (crc, filled) = (0, 0);
-            }
-        }
-    }
-    if filled > 0 {
-        crcs.push(crc);
-    }
-    crcs
+/// Per-label checksums: [`chunk_crcs`] of each label's bytes. Chunks start
+/// at each label's first byte, so any one label can be verified alone.
+pub fn label_crcs(labels: &[&[u8]]) -> Vec<Vec<u32>> {
+    labels.iter().map(|bytes| chunk_crcs(bytes)).collect()
 }
 
 /// The first chunk of `data` whose crc32c differs from `crcs`, if any.
@@ -350,7 +331,7 @@ mod tests {
             labels: vec![LabelLayout { label: "x".into(), kind: DataKind::Binary, offset: 0, len: data.len() as u64 }],
             total_len: data.len() as u64,
             chunk_size: CHUNK_SIZE,
-            crcs: chunk_crcs(data),
+            crcs: vec![chunk_crcs(data)],
             sealed_unix_ms: 0,
         }
     }
@@ -374,7 +355,7 @@ mod tests {
         assert!(!dir.join("app/rank0").join(SPARE).exists());
         let (m, data) = store.open("app", 0, 3).unwrap();
         assert_eq!(data.as_slice(), &[3u8; 10]);
-        assert_eq!(first_bad_chunk(data.as_slice(), &m.crcs), None);
+        assert_eq!(first_bad_chunk(data.as_slice(), &m.crcs[0]), None);
         assert!(matches!(store.open("app", 0, 2), Err(StoreError::Missing { version: 2, .. })));
         store.remove_app("app").unwrap();
         assert!(store.sealed_versions("app", 0).unwrap().is_empty());
@@ -387,16 +368,6 @@ mod tests {
             assert!(check_app_name(bad).is_err(), "{bad:?}");
         }
         assert!(check_app_name("heat2d_v1.2-test").is_ok());
-    }
-
-    #[test]
-    fn stream_checksums_ignore_part_boundaries() {
-        let data: Vec<u8> = (0..(CHUNK_SIZE as usize * 2 + 999)).map(|i| (i * 7) as u8).collect();
-        let whole = chunk_crcs(&data);
-        let (a, rest) = data.split_at(100);
-        let (b, c) = rest.split_at(CHUNK_SIZE as usize + 5);
-        assert_eq!(stream_crcs(&[a, b, &[], c]), whole);
-        assert!(stream_crcs(&[]).is_empty());
     }
 
     #[test]
