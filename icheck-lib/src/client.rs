@@ -33,6 +33,7 @@ use icheck_core::service::ServiceError;
 
 use crate::comm::Communicator;
 use crate::region::{as_bytes_mut, Element, RawSource, Region, Source};
+use crate::segment::NodeSegment;
 
 /// Environment variable naming the configuration file when `init` gets none.
 pub const CONFIG_ENV: &str = "ICHECK_CONFIG";
@@ -268,6 +269,9 @@ struct InFlight {
 struct Restored {
     manifest: Manifest,
     region: RemoteRegion,
+    /// SHMR: the node leader already read and verified the node's data into
+    /// the node segment; labels are named `<rank>/<label>` there.
+    in_segment: bool,
 }
 
 /// Bytes read per step of a restore; each step's checksums are verified on
@@ -343,7 +347,15 @@ pub struct Icheck {
     controller: Option<BlockingConnection>,
     controller_peer: String,
     agents: Vec<AgentInfo>,
+    /// This process's agent session: every rank in MR mode, node leaders
+    /// only in SHMR mode.
     link: Option<AgentLink>,
+    mode: TransferMode,
+    /// SHMR, node leader: the segment's registration (renewed when it
+    /// grows). Declared before `segment` so it is dropped first.
+    segment_region: Option<MemoryRegion>,
+    /// SHMR: this node's shared segment (mapped by every node process).
+    segment: Option<NodeSegment>,
     labels: Vec<Label>,
     latest: Option<VersionRecord>,
     next_version: u64,
@@ -356,6 +368,28 @@ pub struct Icheck {
     restored: Option<Restored>,
     finalized: bool,
     connect_timeout: Duration,
+}
+
+/// Opens this process's session with its agent: in MR mode every rank's
+/// (agent by rank), in SHMR mode only the node leader's (agent by node, and
+/// the node index stands in for the rank).
+fn open_link(
+    comm: &dyn Communicator,
+    mode: TransferMode,
+    endpoint: &Endpoint,
+    agents: &[AgentInfo],
+    token: &str,
+    app: &str,
+    timeout: Duration,
+) -> Result<Option<AgentLink>> {
+    let count = agents.len() as u32;
+    let (who, of) = match mode {
+        TransferMode::Mr => (comm.rank(), comm.size()),
+        TransferMode::Shmr if comm.node_rank() == 0 => (comm.node_index(), comm.node_counts().0),
+        TransferMode::Shmr => return Ok(None),
+    };
+    let mine = &agents[agent_for_rank(who, of, count) as usize];
+    AgentLink::open(endpoint, mine, token, app, who, timeout).map(Some)
 }
 
 fn config_path(config: Option<&Path>) -> PathBuf {
@@ -412,12 +446,6 @@ impl Icheck {
                 .map_err(|e| Error::Unsupported(format!("environment variable ICHECK_STAGING_BUFFER: {e}")))?,
             Err(_) => client.staging_buffer,
         };
-        if mode == TransferMode::Shmr {
-            return Err(Error::Unsupported(format!(
-                "{}: [client] mode = \"shmr\" is not implemented yet; use \"mr\"",
-                path.display()
-            )));
-        }
         let token = config.effective_token();
         let connect_timeout = Duration::from_secs_f64(client.connect_timeout.max(0.1));
         let (rank, size) = (comm.rank(), comm.size());
@@ -462,8 +490,7 @@ impl Icheck {
                 return Err(Error::Controller { peer: controller_peer, error: ServiceError::Remote(message) })
             }
         };
-        let mine = &agents[agent_for_rank(rank, size, agents.len() as u32) as usize];
-        let link = AgentLink::open(&endpoint, mine, &token, app_name, rank, connect_timeout);
+        let link = open_link(comm.as_ref(), mode, &endpoint, &agents, &token, app_name, connect_timeout);
         let all_ok = comm.all_true(link.is_ok());
         let link = link?;
         if !all_ok {
@@ -477,7 +504,8 @@ impl Icheck {
             Some(record) => InitStatus::Restart { version: record.version },
             None => InitStatus::Fresh,
         };
-        tracing::info!(?status, agent = mine.id, node = %mine.node, ?direction, zero_copy, "initialised");
+        let agent = link.as_ref().map(|l| l.info.id);
+        tracing::info!(?status, ?agent, ?direction, ?mode, zero_copy, "initialised");
         drop(_entered);
         let next_version = latest.as_ref().map_or(1, |l| l.version + 1);
         let icheck = Icheck {
@@ -488,7 +516,10 @@ impl Icheck {
             controller,
             controller_peer,
             agents,
-            link: Some(link),
+            link,
+            mode,
+            segment: None,
+            segment_region: None,
             labels: Vec::new(),
             latest,
             next_version,
@@ -573,6 +604,15 @@ impl Icheck {
         let span = tracing::info_span!("commit", app = %self.app, rank = self.comm.rank(), version);
         let _entered = span.enter();
         let started = Instant::now();
+        if self.mode == TransferMode::Shmr {
+            if self.asynchronous {
+                tracing::warn!("asynchronous commits are not implemented in SHMR mode; this commit blocks");
+            }
+            let stored = self.store_shmr(version);
+            let bytes = *stored.as_ref().unwrap_or(&0);
+            self.complete(version, stored.map(|_| ()), bytes, started)?;
+            return Ok(version);
+        }
         if self.asynchronous {
             let staged = self.stage_async(version, started);
             let ok = self.comm.all_true(staged.is_ok());
@@ -628,8 +668,10 @@ impl Icheck {
         }
         let ranks = self.comm.size();
         self.latest = Some(VersionRecord { version, ranks, bytes: total, commit_secs: secs, completed_unix_ms: 0 });
-        if let Err(err) = self.link()?.call(&AgentRequest::Complete { version }) {
-            tracing::warn!(%err, "agent could not drop older versions");
+        if let Some(link) = self.link.as_mut() {
+            if let Err(err) = link.call(&AgentRequest::Complete { version }) {
+                tracing::warn!(%err, "agent could not drop older versions");
+            }
         }
         tracing::info!(bytes, total, secs, "version complete");
         Ok(())
@@ -690,6 +732,198 @@ impl Icheck {
         drop(regions);
         drop(guards);
         Ok(moved)
+    }
+
+    /// SHMR: makes every process of this node map a segment of at least
+    /// `len` bytes (collective on the node; `len` is the same on all).
+    fn ensure_segment(&mut self, len: usize) -> Result<()> {
+        let leader = self.comm.node_rank() == 0;
+        let shmr_error = |what: &str, err: std::io::Error| Error::Unsupported(format!("SHMR segment: {what}: {err}"));
+        if self.segment.is_none() {
+            let path = NodeSegment::path_for(&self.app, self.comm.node_index());
+            let created = if leader { Some(NodeSegment::create(&path)) } else { None };
+            let name = match &created {
+                Some(Ok(_)) => path.to_string_lossy().into_owned().into_bytes(),
+                _ => Vec::new(),
+            };
+            let name = self.comm.node_broadcast(name);
+            let opened = match created {
+                Some(result) => result.map_err(|e| shmr_error(&format!("cannot create {}", path.display()), e)),
+                None if name.is_empty() => {
+                    Err(Error::Unsupported("SHMR segment: the node leader could not create it".into()))
+                }
+                None => {
+                    let name = String::from_utf8_lossy(&name).into_owned();
+                    NodeSegment::open(Path::new(&name)).map_err(|e| shmr_error(&format!("cannot open {name}"), e))
+                }
+            };
+            let statuses = self.comm.node_all_gather(vec![u8::from(opened.is_ok())]);
+            if leader && !name.is_empty() {
+                // Everyone has it open: drop the name so nothing outlives the job.
+                let _ = std::fs::remove_file(&path);
+            }
+            let segment = opened?;
+            if statuses.iter().any(|s| s.as_slice() != [1]) {
+                return Err(Error::Unsupported("SHMR segment: a process of this node could not open it".into()));
+            }
+            self.segment = Some(segment);
+        }
+        let segment = self.segment.as_mut().expect("set above");
+        if segment.len() >= len {
+            return Ok(());
+        }
+        self.segment_region = None;
+        let grown = if leader { segment.grow_file(len) } else { Ok(()) };
+        let all_grown = self.comm.node_broadcast(vec![u8::from(grown.is_ok())]) == [1];
+        grown.map_err(|e| shmr_error("cannot grow", e))?;
+        if !all_grown {
+            return Err(Error::Unsupported("SHMR segment: the node leader could not grow it".into()));
+        }
+        segment.remap().map_err(|e| shmr_error("cannot map", e))?;
+        if leader && segment.len() > 0 {
+            // SAFETY: the mapping stays in place until `segment_region`
+            // is dropped (before any remap, and before `segment` itself).
+            let region =
+                unsafe { self.endpoint.register_raw(segment.as_mut_ptr(), segment.len(), Access::REMOTE_READ_WRITE)? };
+            self.segment_region = Some(region);
+        }
+        Ok(())
+    }
+
+    /// SHMR commit: every node process copies its labels into the node
+    /// segment; the node leader moves the segment to the node's agent.
+    fn store_shmr(&mut self, version: u64) -> Result<u64> {
+        let rank = self.comm.rank();
+        let mine: Vec<(String, DataKind, u64)> =
+            self.labels.iter().map(|l| (l.name.clone(), l.source.kind(), l.source.bytes().len() as u64)).collect();
+        let encoded = protocol::encode(&(rank, &mine)).map_err(|e| Error::Unsupported(e.to_string()))?;
+        let mut layout = Vec::new();
+        let mut my_offsets = Vec::new();
+        let mut total = 0u64;
+        for bytes in self.comm.node_all_gather(encoded) {
+            let (who, labels): (u32, Vec<(String, DataKind, u64)>) =
+                protocol::decode(&bytes).map_err(|e| Error::Unsupported(format!("SHMR layout: {e}")))?;
+            for (name, kind, len) in labels {
+                if who == rank {
+                    my_offsets.push(total as usize);
+                }
+                layout.push(LabelLayout { label: format!("{who}/{name}"), kind, offset: total, len });
+                total += len;
+            }
+        }
+        self.ensure_segment(total as usize)?;
+        let guards: Vec<_> = self.labels.iter().map(|l| l.source.bytes()).collect();
+        // Another thread of the application may have resized a region since
+        // the layout was agreed; its range in the segment is fixed now.
+        if let Some(((name, _, len), guard)) = mine.iter().zip(&guards).find(|((_, _, len), g)| g.len() as u64 != *len)
+        {
+            return Err(Error::SizeMismatch { label: name.clone(), stored: *len, given: guard.len() as u64 });
+        }
+        {
+            let segment = self.segment.as_mut().expect("ensured");
+            let base = segment.as_mut_ptr();
+            for (guard, offset) in guards.iter().zip(&my_offsets) {
+                // SAFETY: offset..offset+len is this rank's own part of the
+                // segment (offsets come from the node-wide layout, which
+                // gives every label of every rank a disjoint range inside
+                // `total` <= the mapped length); no other process writes it.
+                unsafe { std::ptr::copy_nonoverlapping(guard.as_ptr(), base.add(*offset), guard.len()) };
+            }
+        }
+        drop(guards);
+        self.comm.node_barrier();
+        let Some(link) = self.link.as_mut() else { return Ok(0) };
+        let push = self.direction == TransferDirection::Push;
+        let nodes = self.comm.node_counts().0;
+        let target = link.begin(version, nodes, layout.clone(), push)?;
+        let segment = self.segment.as_ref().expect("ensured");
+        let bytes = segment.as_slice();
+        let slices: Vec<&[u8]> =
+            layout.iter().map(|l| &bytes[l.offset as usize..(l.offset + l.len) as usize]).collect();
+        let endpoint = &self.endpoint;
+        let region = self.segment_region.as_ref();
+        let crcs = std::thread::scope(|scope| -> Result<Vec<Vec<u32>>> {
+            let checksums = scope.spawn(|| label_crcs(&slices));
+            if let (Some(region), true) = (region, total > 0) {
+                if push {
+                    let op = RmaOp { local_offset: 0, remote: target, remote_offset: 0, len: total as usize };
+                    endpoint.write(&link.peer, region.source(), &[op], &TransferOptions::default())?;
+                } else {
+                    let segment = PullSegment { source: region.remote(), source_offset: 0, file_offset: 0, len: total };
+                    link.pull(endpoint, vec![segment])?;
+                }
+            }
+            checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))
+        })?;
+        link.seal(crcs)?;
+        Ok(total)
+    }
+
+    /// SHMR restart: the node leader reads and verifies the node's data into
+    /// the segment; every node process then restores from there.
+    fn fetch_shmr(&mut self) -> Result<u64> {
+        let record = self.latest.clone().ok_or_else(|| Error::NoCheckpoint(self.app.clone()))?;
+        let size = self.comm.size();
+        if record.ranks != size {
+            return Err(Error::RankCount { version: record.version, written: record.ranks, now: size });
+        }
+        let fetched: std::result::Result<(Manifest, RemoteRegion), String> = match self.link.as_mut() {
+            Some(link) => match link.call(&AgentRequest::Fetch { version: record.version }) {
+                Ok(AgentReply::Fetch { manifest, region }) => Ok((manifest, region)),
+                Ok(other) => Err(format!("unexpected answer to Fetch: {other:?}")),
+                Err(err) => Err(err.to_string()),
+            },
+            None => Err(String::new()),
+        };
+        let shared = self.comm.node_broadcast(protocol::encode(&fetched).unwrap_or_default());
+        let (manifest, region) = protocol::decode::<std::result::Result<(Manifest, RemoteRegion), String>>(&shared)
+            .map_err(|e| e.to_string())
+            .and_then(|r| r)
+            .map_err(|message| Error::Unsupported(format!("SHMR restart, node leader: {message}")))?;
+        self.ensure_segment(manifest.total_len as usize)?;
+        let mut verified: std::result::Result<(), String> = Ok(());
+        if let Some(link) = self.link.as_mut() {
+            let segment = self.segment.as_mut().expect("ensured");
+            let base = segment.as_mut_ptr();
+            for (index, label) in manifest.labels.iter().enumerate() {
+                // SAFETY: the label's range lies inside the segment, sized
+                // to the manifest's total; only the leader writes it now.
+                let out =
+                    unsafe { std::slice::from_raw_parts_mut(base.add(label.offset as usize), label.len as usize) };
+                let chunk = manifest.chunk_size as usize;
+                match read_and_verify(
+                    &self.endpoint,
+                    &link.peer,
+                    region,
+                    label.offset,
+                    out,
+                    chunk,
+                    &manifest.crcs[index],
+                ) {
+                    Ok(None) => {}
+                    Ok(Some(bad)) => {
+                        verified =
+                            Err(format!("label {:?} fails its checksum at bytes {}..", label.label, bad * chunk));
+                        break;
+                    }
+                    Err(err) => {
+                        verified = Err(err.to_string());
+                        break;
+                    }
+                }
+            }
+            if let Err(err) = link.call(&AgentRequest::FetchDone) {
+                tracing::warn!(%err, "agent did not acknowledge the end of a restart");
+            }
+        }
+        let shared = self.comm.node_broadcast(protocol::encode(&verified).unwrap_or_default());
+        protocol::decode::<std::result::Result<(), String>>(&shared)
+            .map_err(|e| e.to_string())
+            .and_then(|r| r)
+            .map_err(|message| Error::Unsupported(format!("SHMR restart, node leader: {message}")))?;
+        let version = manifest.version;
+        self.restored = Some(Restored { manifest, region, in_segment: true });
+        Ok(version)
     }
 
     /// A registered staging buffer of at least `len` bytes.
@@ -880,7 +1114,10 @@ impl Icheck {
         self.check_open()?;
         self.wait()?;
         self.release_restart();
-        let result = self.fetch();
+        let result = match self.mode {
+            TransferMode::Mr => self.fetch(),
+            TransferMode::Shmr => self.fetch_shmr(),
+        };
         let all_ok = self.comm.all_true(result.is_ok());
         let version = result?;
         if !all_ok {
@@ -904,13 +1141,13 @@ impl Icheck {
             return Err(link.error(format!("manifest of version {} has no checksums for some labels", record.version)));
         }
         let version = manifest.version;
-        self.restored = Some(Restored { manifest, region });
+        self.restored = Some(Restored { manifest, region, in_segment: false });
         Ok(version)
     }
 
     /// Tells the agent the restart data is no longer needed.
     fn release_restart(&mut self) {
-        if self.restored.take().is_some() {
+        if self.restored.take().is_some_and(|r| !r.in_segment) {
             if let Some(link) = self.link.as_mut() {
                 if let Err(err) = link.call(&AgentRequest::FetchDone) {
                     tracing::warn!(%err, "agent did not acknowledge the end of a restart");
@@ -921,7 +1158,8 @@ impl Icheck {
 
     fn restored_label(&self, label: &str) -> Result<(&Restored, usize)> {
         let restored = self.restored.as_ref().ok_or(Error::Order("restore needs a successful restart() first"))?;
-        let index = restored.manifest.labels.iter().position(|l| l.label == label).ok_or_else(|| {
+        let key = if restored.in_segment { format!("{}/{label}", self.comm.rank()) } else { label.to_string() };
+        let index = restored.manifest.labels.iter().position(|l| l.label == key).ok_or_else(|| {
             Error::UnknownLabel { label: label.to_string(), detail: "not in the restarted checkpoint" }
         })?;
         Ok((restored, index))
@@ -935,6 +1173,13 @@ impl Icheck {
         }
         if layout.kind != kind {
             return Err(Error::KindMismatch { label: label.to_string(), stored: layout.kind, given: kind });
+        }
+        if restored.in_segment {
+            // Already verified by the node leader when it filled the segment.
+            let segment = self.segment.as_ref().ok_or(Error::Order("the SHMR segment is gone"))?;
+            let start = layout.offset as usize;
+            out.copy_from_slice(&segment.as_slice()[start..start + out.len()]);
+            return Ok(());
         }
         let link = self.link.as_ref().ok_or(Error::Order("no agent session"))?;
         let manifest = &restored.manifest;
@@ -1031,16 +1276,22 @@ impl Icheck {
             Ok(other) => return Err(self.controller_error(format!("unexpected answer to Probe: {other:?}"))),
             Err(message) => return Err(self.controller_error(message)),
         };
-        let (rank, size) = (self.comm.rank(), self.comm.size());
-        let mine = &agents[agent_for_rank(rank, size, agents.len() as u32) as usize];
-        let link = AgentLink::open(&self.endpoint, mine, &self.token, &self.app, rank, self.connect_timeout);
+        let link = open_link(
+            self.comm.as_ref(),
+            self.mode,
+            &self.endpoint,
+            &agents,
+            &self.token,
+            &self.app,
+            self.connect_timeout,
+        );
         let all_ok = self.comm.all_true(link.is_ok());
         let link = link?;
         if !all_ok {
             return Err(Error::Order("another rank could not reach its new agent"));
         }
-        tracing::info!(agent = mine.id, node = %mine.node, "moved to a new agent");
-        self.link = Some(link);
+        tracing::info!(agent = ?link.as_ref().map(|l| l.info.id), "moved to new agents");
+        self.link = link;
         self.agents = agents;
         Ok(ProbeOutcome::Reconnected { agents: self.agents.len() })
     }

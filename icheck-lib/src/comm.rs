@@ -18,6 +18,19 @@ pub trait Communicator {
     fn broadcast_from_root(&self, bytes: Vec<u8>) -> Vec<u8>;
     /// Compute nodes the group spans, and processes on the busiest node.
     fn node_counts(&self) -> (u32, u32);
+    /// This process's rank among the processes of its node (0 = the node's
+    /// leader).
+    fn node_rank(&self) -> u32;
+    /// Index of this process's node, 0 to nodes-1 (the same on all of a
+    /// node's processes).
+    fn node_index(&self) -> u32;
+    /// Waits for the processes of this node (collective on the node).
+    fn node_barrier(&self);
+    /// Every node process's `bytes`, in node-rank order (collective on the node).
+    fn node_all_gather(&self, bytes: Vec<u8>) -> Vec<Vec<u8>>;
+    /// The node leader's `bytes` on every process of the node (collective
+    /// on the node).
+    fn node_broadcast(&self, bytes: Vec<u8>) -> Vec<u8>;
 }
 
 /// A non-MPI application: one process.
@@ -44,6 +57,19 @@ impl Communicator for SingleProcess {
     fn node_counts(&self) -> (u32, u32) {
         (1, 1)
     }
+    fn node_rank(&self) -> u32 {
+        0
+    }
+    fn node_index(&self) -> u32 {
+        0
+    }
+    fn node_barrier(&self) {}
+    fn node_all_gather(&self, bytes: Vec<u8>) -> Vec<Vec<u8>> {
+        vec![bytes]
+    }
+    fn node_broadcast(&self, bytes: Vec<u8>) -> Vec<u8> {
+        bytes
+    }
 }
 
 #[cfg(feature = "mpi")]
@@ -52,13 +78,17 @@ pub use self::mpi_comm::MpiComm;
 #[cfg(feature = "mpi")]
 mod mpi_comm {
     use mpi::collective::SystemOperation;
-    use mpi::topology::SimpleCommunicator;
+    use mpi::datatype::PartitionMut;
+    use mpi::topology::{Color, SimpleCommunicator};
     use mpi::traits::*;
 
     /// An MPI communicator (rsmpi). The library works on its own duplicate,
     /// so its collectives never match the application's messages.
     pub struct MpiComm {
         comm: SimpleCommunicator,
+        /// The processes sharing this process's node (MPI_COMM_TYPE_SHARED).
+        node: SimpleCommunicator,
+        node_index: u32,
         nodes: u32,
         max_per_node: u32,
     }
@@ -68,12 +98,22 @@ mod mpi_comm {
         pub fn new<C: Communicator>(comm: &C) -> MpiComm {
             let comm = comm.duplicate();
             let node = comm.split_shared(comm.rank());
-            let leader = i32::from(node.rank() == 0);
+            let is_leader = node.rank() == 0;
             let mut nodes = 0i32;
-            comm.all_reduce_into(&leader, &mut nodes, SystemOperation::sum());
+            comm.all_reduce_into(&i32::from(is_leader), &mut nodes, SystemOperation::sum());
             let mut max_per_node = 0i32;
             comm.all_reduce_into(&node.size(), &mut max_per_node, SystemOperation::max());
-            MpiComm { comm, nodes: nodes as u32, max_per_node: max_per_node as u32 }
+            // Leaders number the nodes by their rank among leaders.
+            let color = if is_leader { Color::with_value(0) } else { Color::undefined() };
+            let mut node_index = comm.split_by_color(color).map_or(0, |leaders| leaders.rank());
+            node.process_at_rank(0).broadcast_into(&mut node_index);
+            MpiComm {
+                comm,
+                node,
+                node_index: node_index as u32,
+                nodes: nodes as u32,
+                max_per_node: max_per_node as u32,
+            }
         }
     }
 
@@ -107,6 +147,35 @@ mod mpi_comm {
         }
         fn node_counts(&self) -> (u32, u32) {
             (self.nodes, self.max_per_node)
+        }
+        fn node_rank(&self) -> u32 {
+            self.node.rank() as u32
+        }
+        fn node_index(&self) -> u32 {
+            self.node_index
+        }
+        fn node_barrier(&self) {
+            self.node.barrier();
+        }
+        fn node_all_gather(&self, bytes: Vec<u8>) -> Vec<Vec<u8>> {
+            let size = self.node.size() as usize;
+            let mut counts = vec![0i32; size];
+            self.node.all_gather_into(&(bytes.len() as i32), &mut counts[..]);
+            let displs: Vec<i32> = counts.iter().scan(0, |at, n| Some(std::mem::replace(at, *at + n))).collect();
+            let mut all = vec![0u8; counts.iter().map(|n| *n as usize).sum()];
+            {
+                let mut partition = PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
+                self.node.all_gather_varcount_into(&bytes[..], &mut partition);
+            }
+            counts.iter().zip(&displs).map(|(n, at)| all[*at as usize..(*at + *n) as usize].to_vec()).collect()
+        }
+        fn node_broadcast(&self, mut bytes: Vec<u8>) -> Vec<u8> {
+            let root = self.node.process_at_rank(0);
+            let mut len = bytes.len() as u64;
+            root.broadcast_into(&mut len);
+            bytes.resize(len as usize, 0);
+            root.broadcast_into(&mut bytes[..]);
+            bytes
         }
     }
 }

@@ -32,6 +32,7 @@
 mod client;
 mod comm;
 mod region;
+mod segment;
 
 pub use client::{Error, Icheck, InitStatus, ProbeHints, ProbeOutcome};
 #[cfg(feature = "mpi")]

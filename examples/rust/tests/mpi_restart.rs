@@ -162,30 +162,39 @@ fn kill_during_a_commit_restarts_from_the_previous_version() {
 }
 
 /// Every direction and mode combination on one provider: commit twice,
-/// finish with IC_PERSIST, restart in a new job and verify.
+/// finish with IC_PERSIST, restart in a new job and verify. SHMR runs three
+/// ranks, so the node leader moves the data of two others too.
 fn matrix(provider: &str) {
     let service = service(&format!("mpi-matrix-{provider}"), 2, provider);
     let config = service.config_path();
-    let cases: &[(&str, &str, bool)] = &[
-        ("pull", "1", false),
-        ("push", "1", false),
-        ("pull", "0", false),
-        ("push", "0", false),
-        ("pull", "1", true),
-        ("push", "1", true),
+    let cases: &[(&str, &str, &str, bool)] = &[
+        ("mr", "pull", "1", false),
+        ("mr", "push", "1", false),
+        ("mr", "pull", "0", false),
+        ("mr", "push", "0", false),
+        ("mr", "pull", "1", true),
+        ("mr", "push", "1", true),
+        ("shmr", "pull", "1", false),
+        ("shmr", "push", "1", false),
     ];
-    for (transfer, zero_copy, asynchronous) in cases {
-        let app = format!("m-{provider}-{transfer}-{zero_copy}-{asynchronous}");
+    for (mode, transfer, zero_copy, asynchronous) in cases {
+        let app = format!("m-{provider}-{mode}-{transfer}-{zero_copy}-{asynchronous}");
+        let ranks = if *mode == "shmr" { 3 } else { 2 };
         // A 1 MiB staging buffer, so the 3 MiB label streams through it.
-        let env = [("ICHECK_TRANSFER", *transfer), ("ICHECK_ZERO_COPY", *zero_copy), ("ICHECK_STAGING_BUFFER", "1MiB")];
+        let env = [
+            ("ICHECK_MODE", *mode),
+            ("ICHECK_TRANSFER", *transfer),
+            ("ICHECK_ZERO_COPY", *zero_copy),
+            ("ICHECK_STAGING_BUFFER", "1MiB"),
+        ];
         let mut args = vec!["--app", app.as_str(), "--steps", "4", "--every", "2", "--mib", "3", "--persist"];
         if *asynchronous {
             args.push("--async");
         }
-        let lines = Job::start(2, &config, &args, &env).finish(Duration::from_secs(120));
+        let lines = Job::start(ranks, &config, &args, &env).finish(Duration::from_secs(120));
         assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{app}: {lines:?}");
         args[3] = "6";
-        let lines = Job::start(2, &config, &args, &env).finish(Duration::from_secs(120));
+        let lines = Job::start(ranks, &config, &args, &env).finish(Duration::from_secs(120));
         assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{app}: {lines:?}");
         assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{app}: {lines:?}");
     }
