@@ -39,6 +39,9 @@ use crate::segment::NodeSegment;
 pub const CONFIG_ENV: &str = "ICHECK_CONFIG";
 /// Configuration file used when neither `init` nor the environment names one.
 pub const DEFAULT_CONFIG: &str = "/etc/icheck/icheck.toml";
+/// How long a controller request may take (it may start agents: 15 s each
+/// at most on the controller's side).
+const CONTROLLER_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a data-path request may take (large transfers on slow fabrics).
 const TRANSFER_TIMEOUT: Duration = Duration::from_secs(3600);
 
@@ -463,6 +466,8 @@ impl Icheck {
             let registration =
                 AppRegistration { name: app_name.to_string(), ranks: size, nodes, ranks_per_node: per_node, mode };
             let outcome = BlockingConnection::connect(&controller_peer, &token, connect_timeout).and_then(|mut c| {
+                // Registrations and probes may wait for managers to start agents.
+                c.set_timeout(CONTROLLER_TIMEOUT);
                 let reply = c.request(&ClientRequest::RegisterApp(registration))?;
                 Ok((c, reply))
             });

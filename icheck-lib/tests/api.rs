@@ -148,3 +148,38 @@ fn a_restarted_manager_finds_its_checkpoints() {
     let _ = manager.kill();
     let _ = manager.wait();
 }
+
+#[test]
+fn probe_moves_to_new_agents_when_a_manager_dies() {
+    let service = LocalService::up(&icheck_in_target(), "api-probe", 2, &["--provider", "tcp"]);
+    let (mut ic, _) = init(&service, "mover");
+    let data = Region::from_vec((0..50_000).map(|i| i as f32).collect::<Vec<f32>>());
+    ic.add("data", &data).unwrap();
+    assert_eq!(ic.commit().unwrap(), 1);
+    let home = service.status().apps[0].agents[0].node.clone();
+
+    let pid = service.pid_of(&format!("manager-{home}"));
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
+    wait_for("the controller to drop the lost agent", Duration::from_secs(10), || {
+        service.status().apps.iter().all(|a| a.agents.is_empty())
+    });
+    let outcome = ic.probe_agents(ProbeHints::default());
+    assert!(
+        matches!(outcome, Ok(ProbeOutcome::Reconnected { agents: 1 })),
+        "{outcome:?}\ncontroller log:\n{}",
+        service.log("controller.log")
+    );
+    let status = service.status();
+    assert_ne!(status.apps[0].agents[0].node, home, "the new agent runs on the surviving node");
+    // The next commit goes to the new agent, and a new run restores it.
+    data.write()[7] = -1.0;
+    assert_eq!(ic.commit().unwrap(), 2);
+    ic.finalize(true).unwrap();
+    let (mut ic, status) = init(&service, "mover");
+    assert_eq!(status, InitStatus::Restart { version: 2 });
+    ic.restart().unwrap();
+    let back = Region::<f32>::zeroed(50_000);
+    ic.restore("data", &back).unwrap();
+    assert_eq!(*back.read(), *data.read());
+    ic.finalize(false).unwrap();
+}

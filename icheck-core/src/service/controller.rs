@@ -29,6 +29,8 @@ const AGENT_START_TIMEOUT: Duration = Duration::from_secs(15);
 
 struct NodeEntry {
     pid: u32,
+    /// False once the manager's connection closed (it may come back).
+    connected: bool,
     last_heartbeat: Instant,
     reported_down: bool,
     status: NodeStatus,
@@ -73,8 +75,10 @@ impl Shared {
         self.dynamic.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// A node is alive while its manager's connection is open and its
+    /// heartbeats arrive.
     fn alive(&self, node: &NodeEntry, now: Instant) -> bool {
-        decide::is_alive(now - node.last_heartbeat, self.heartbeat, self.missed)
+        node.connected && decide::is_alive(now - node.last_heartbeat, self.heartbeat, self.missed)
     }
 }
 
@@ -216,8 +220,15 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             _ => {
                 state.next_connection += 1;
                 let connection = state.next_connection;
-                let entry =
-                    NodeEntry { pid, last_heartbeat: now, reported_down: false, status, connection, to_manager: tx };
+                let entry = NodeEntry {
+                    pid,
+                    connected: true,
+                    last_heartbeat: now,
+                    reported_down: false,
+                    status,
+                    connection,
+                    to_manager: tx,
+                };
                 state.nodes.insert(node.clone(), entry);
                 Ok(connection)
             }
@@ -285,7 +296,8 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
     writer_task.abort();
     tracing::warn!(%node, "manager connection closed; its agents are gone");
     let mut state = shared.state();
-    if state.nodes.get(&node).is_some_and(|entry| entry.connection == connection) {
+    if let Some(entry) = state.nodes.get_mut(&node).filter(|entry| entry.connection == connection) {
+        entry.connected = false;
         for app in state.apps.values_mut() {
             app.agents.retain(|agent| agent.node != node);
         }
@@ -308,7 +320,10 @@ async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), 
             ClientRequest::VersionComplete { name, version, bytes, commit_secs } => {
                 record_version(&shared, &name, version, bytes, commit_secs)
             }
-            ClientRequest::Probe { name, agents } => probe(&shared, &name, &agents),
+            ClientRequest::Probe { name, agents } => {
+                let span = tracing::info_span!("probe", app = %name);
+                probe(&shared, &name, &agents).instrument(span).await
+            }
             ClientRequest::FinishApp { name, persist } => finish_app(&shared, &name, persist),
         };
         protocol::send(&mut stream, &reply).await?;
@@ -464,16 +479,29 @@ fn record_version(shared: &Shared, name: &str, version: u64, bytes: u64, commit_
     ClientReply::Ok
 }
 
-/// §6.4.2: the application's current agents if they differ from what it uses.
-fn probe(shared: &Shared, name: &str, known: &[u64]) -> ClientReply {
-    let state = shared.state();
-    let Some(app) = state.apps.get(name) else {
-        return ClientReply::Error(format!("no application named {name:?} is registered"));
+/// §6.4.2: the application's current agents if they differ from what it
+/// uses. Agents lost with their manager are replaced first (on the nodes
+/// holding the application's files when those are alive, else where the
+/// placement rules say).
+async fn probe(shared: &Shared, name: &str, known: &[u64]) -> ClientReply {
+    let registration = {
+        let state = shared.state();
+        let Some(app) = state.apps.get(name) else {
+            return ClientReply::Error(format!("no application named {name:?} is registered"));
+        };
+        if app.agents.len() == app.homes.len() {
+            return if app.agents.iter().map(|a| a.id).eq(known.iter().copied()) {
+                ClientReply::Unchanged
+            } else {
+                ClientReply::Agents(app.agents.clone())
+            };
+        }
+        tracing::warn!(lost = app.homes.len() - app.agents.len(), "agents were lost; placing new ones");
+        app.registration.clone()
     };
-    if app.agents.iter().map(|a| a.id).eq(known.iter().copied()) {
-        ClientReply::Unchanged
-    } else {
-        ClientReply::Agents(app.agents.clone())
+    match register_app(shared, registration).await {
+        Ok((agents, _)) => ClientReply::Agents(agents),
+        Err(reason) => ClientReply::Error(reason),
     }
 }
 
