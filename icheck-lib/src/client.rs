@@ -867,11 +867,7 @@ impl Icheck {
     /// SHMR restart: the node leader reads and verifies the node's data into
     /// the segment; every node process then restores from there.
     fn fetch_shmr(&mut self) -> Result<u64> {
-        let record = self.latest.clone().ok_or_else(|| Error::NoCheckpoint(self.app.clone()))?;
-        let size = self.comm.size();
-        if record.ranks != size {
-            return Err(Error::RankCount { version: record.version, written: record.ranks, now: size });
-        }
+        let record = self.restart_record()?;
         let fetched: std::result::Result<(Manifest, RemoteRegion), String> = match self.link.as_mut() {
             Some(link) => match link.call(&AgentRequest::Fetch { version: record.version }) {
                 Ok(AgentReply::Fetch { manifest, region }) => Ok((manifest, region)),
@@ -1131,12 +1127,18 @@ impl Icheck {
         Ok(version)
     }
 
-    fn fetch(&mut self) -> Result<u64> {
+    /// The version a restart fetches, if this run can restore it.
+    fn restart_record(&self) -> Result<VersionRecord> {
         let record = self.latest.clone().ok_or_else(|| Error::NoCheckpoint(self.app.clone()))?;
         let size = self.comm.size();
         if record.ranks != size {
             return Err(Error::RankCount { version: record.version, written: record.ranks, now: size });
         }
+        Ok(record)
+    }
+
+    fn fetch(&mut self) -> Result<u64> {
+        let record = self.restart_record()?;
         let link = self.link()?;
         let (manifest, region) = match link.call(&AgentRequest::Fetch { version: record.version })? {
             AgentReply::Fetch { manifest, region } => (manifest, region),
