@@ -76,6 +76,17 @@ impl LocalService {
         pids.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).unwrap().trim().parse().unwrap()
     }
 
+    /// Starts another manager for `node` (e.g. after killing the first);
+    /// it is killed when the returned guard drops.
+    pub fn start_manager(&self, node: &str) -> ChildGuard {
+        let child = Command::new(&self.icheck)
+            .args(["manager", "--node", node, "--config"])
+            .arg(self.config_path())
+            .spawn()
+            .expect("start a manager");
+        ChildGuard(child)
+    }
+
     /// A daemon's log.
     pub fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.join("logs").join(name)).unwrap_or_default()
@@ -86,6 +97,16 @@ impl Drop for LocalService {
     fn drop(&mut self) {
         let _ = Command::new(&self.icheck).args(["down", "--state-dir"]).arg(&self.dir).output();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A process a test started; killed (by its PID) and reaped on drop.
+pub struct ChildGuard(pub std::process::Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 

@@ -3,7 +3,6 @@
 //! corruption is detected; a restarted manager finds its checkpoints.
 
 use std::path::Path;
-use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use icheck_core::testkit::{icheck_in_target, wait_for, LocalService};
@@ -113,14 +112,6 @@ fn corrupted_agent_memory_is_detected_on_restart() {
     ic.finalize(false).unwrap();
 }
 
-fn start_manager(service: &LocalService, node: &str) -> Child {
-    Command::new(&service.icheck)
-        .args(["manager", "--node", node, "--config"])
-        .arg(service.config_path())
-        .spawn()
-        .expect("start manager")
-}
-
 #[test]
 fn a_restarted_manager_finds_its_checkpoints() {
     let service = service("api-manager-restart");
@@ -135,7 +126,7 @@ fn a_restarted_manager_finds_its_checkpoints() {
     wait_for("the controller to notice", Duration::from_secs(10), || {
         service.status().apps.iter().all(|a| a.agents.is_empty())
     });
-    let mut manager = start_manager(&service, "local-1");
+    let _manager = service.start_manager("local-1");
     wait_for("the new manager", Duration::from_secs(10), || service.status().nodes.iter().any(|n| n.alive));
 
     let (mut ic, status) = init(&service, "survivor");
@@ -145,8 +136,6 @@ fn a_restarted_manager_finds_its_checkpoints() {
     ic.restore("data", &back).unwrap();
     assert_eq!(*back.read(), *data.read());
     ic.finalize(false).unwrap();
-    let _ = manager.kill();
-    let _ = manager.wait();
 }
 
 #[test]

@@ -98,6 +98,18 @@ impl Job {
         }
     }
 
+    /// Waits for the job to end; returns whether it succeeded.
+    fn exit_status(mut self, timeout: Duration) -> bool {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.success();
+            }
+            assert!(start.elapsed() < timeout, "job still running after {timeout:?}\n{}", self.output());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// SIGKILL to the job's whole process group (mpirun and its ranks).
     fn kill(&mut self) {
         let _ = killpg(Pid::from_raw(self.child.id() as i32), Signal::SIGKILL);
@@ -159,6 +171,29 @@ fn kill_during_a_commit_restarts_from_the_previous_version() {
     let lines = job.finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=2 step=2 verified"), "{lines:?}");
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+}
+
+#[test]
+fn agent_lost_during_a_commit_keeps_the_previous_version() {
+    use nix::sys::signal::kill;
+    let service = service("mpi-agentloss", 1, "tcp");
+    let config = service.config_path();
+    // The second commit stalls 4 s before sealing; its agent dies meanwhile.
+    let stall = [("ICHECK_FAILPOINTS", "client.before_seal=1*sleep(4000)")];
+    let mut job = Job::start(1, &config, &["--app", "loss", "--steps", "20", "--every", "2", "--mib", "8"], &stall);
+    job.wait_line("COMMIT_START version=2", Duration::from_secs(60));
+    let manager = service.pid_of("manager-local-1");
+    kill(Pid::from_raw(manager as i32), Signal::SIGKILL).unwrap();
+    assert!(!job.exit_status(Duration::from_secs(60)), "the commit must fail when its agent is gone");
+
+    // A new manager for the node finds the files; version 1 is what remains.
+    let _manager = service.start_manager("local-1");
+    icheck_core::testkit::wait_for("the new manager", Duration::from_secs(10), || {
+        service.status().nodes.iter().any(|n| n.alive)
+    });
+    let job = Job::start(1, &config, &["--app", "loss", "--steps", "4", "--every", "2", "--mib", "8"], &[]);
+    let lines = job.finish(Duration::from_secs(60));
+    assert!(lines.iter().any(|l| l == "RESTORED version=1 step=0 verified"), "{lines:?}");
 }
 
 /// Every direction and mode combination on one provider: commit twice,
