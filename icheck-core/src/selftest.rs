@@ -280,15 +280,39 @@ impl TargetProcess {
         self.child.wait().map_err(|e| SelftestError::Process(format!("waiting for the target: {e}")))
     }
 
-    /// Kills the target now (SIGKILL to this child) and reaps it.
+    /// Kills the target now (SIGKILL to this child), reaps it, and removes
+    /// the shm provider's region files it could not close (named after its pid).
     pub fn kill(&mut self) {
         let _ = self.child.kill();
-        let _ = self.child.wait();
+        if self.child.wait().is_ok() {
+            remove_shm_regions_of(self.child.id());
+        }
+    }
+}
+
+/// Removes `/dev/shm/<pid>:*`, the shm provider's regions of a process that
+/// died without closing its endpoints. Call it only for a reaped child.
+pub fn remove_shm_regions_of(pid: u32) {
+    let prefix = format!("{pid}:");
+    let Ok(entries) = std::fs::read_dir("/dev/shm") else { return };
+    for entry in entries.filter_map(|e| e.ok()) {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_file(entry.path());
+        }
     }
 }
 
 impl Drop for TargetProcess {
     fn drop(&mut self) {
+        // Ask politely first, so the target closes its endpoint itself.
+        let _ = writeln!(self.input, "quit").and_then(|_| self.input.flush());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while std::time::Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         self.kill();
     }
 }

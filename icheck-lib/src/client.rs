@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 use icheck_core::config::{ConfigError, StaticConfig, TransferDirection};
 use icheck_core::decide::agent_for_rank;
 use icheck_core::fabric::{
-    Access, AlignedBuffer, Domain, Endpoint, FabricError, MemoryRegion, Peer, ProgressMode, ProgressThread,
-    RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
+    Access, AlignedBuffer, Domain, Endpoint, FabricError, LocalSource, MemoryRegion, Peer, ProgressMode,
+    ProgressThread, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
 };
 use icheck_core::protocol::{
     self, AgentInfo, AgentReply, AgentRequest, AppRegistration, ClientReply, ClientRequest, DataKind, LabelLayout,
@@ -259,12 +259,60 @@ impl AgentLink {
     }
 }
 
-/// A background commit.
+/// What a background commit thread hands back.
+struct Background {
+    link: AgentLink,
+    staging: Option<RegisteredBuffer>,
+    segment_region: Option<MemoryRegion>,
+    result: Result<()>,
+}
+
+/// Begins and seals a version without data (nothing registered to move).
+fn send_empty(link: &mut AgentLink, version: u64, ranks: u32, layout: Vec<LabelLayout>, push: bool) -> Result<()> {
+    let crcs = layout.iter().map(|_| Vec::new()).collect();
+    link.begin(version, ranks, layout, push)?;
+    link.seal(crcs).map(|_| ())
+}
+
+/// A background commit. Processes without a transfer of their own (SHMR
+/// non-leaders) have no thread but still complete the version in `wait`.
 struct InFlight {
     version: u64,
     started: Instant,
     bytes: u64,
-    handle: JoinHandle<(AgentLink, RegisteredBuffer, Result<()>)>,
+    handle: Option<JoinHandle<Background>>,
+}
+
+/// Begins `version` at the agent, moves `bytes` (registered as
+/// `source`/`remote`) to it, checksums each label of `layout` meanwhile on
+/// another thread, and seals.
+#[allow(clippy::too_many_arguments)]
+fn send_version(
+    link: &mut AgentLink,
+    endpoint: &Endpoint,
+    version: u64,
+    ranks: u32,
+    layout: Vec<LabelLayout>,
+    push: bool,
+    source: LocalSource<'_>,
+    remote: RemoteRegion,
+    bytes: &[u8],
+) -> Result<()> {
+    let total = bytes.len();
+    let target = link.begin(version, ranks, layout.clone(), push)?;
+    let slices: Vec<&[u8]> = layout.iter().map(|l| &bytes[l.offset as usize..(l.offset + l.len) as usize]).collect();
+    let crcs = std::thread::scope(|scope| -> Result<Vec<Vec<u32>>> {
+        let checksums = scope.spawn(|| label_crcs(&slices));
+        if total > 0 && push {
+            let op = RmaOp { local_offset: 0, remote: target, remote_offset: 0, len: total };
+            endpoint.write(&link.peer, source, &[op], &TransferOptions::default())?;
+        } else if total > 0 {
+            let segment = PullSegment { source: remote, source_offset: 0, file_offset: 0, len: total as u64 };
+            link.pull(endpoint, vec![segment])?;
+        }
+        checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))
+    })?;
+    link.seal(crcs).map(|_| ())
 }
 
 /// A version `restart` exposed at the agent; `restore` reads labels from it
@@ -610,10 +658,18 @@ impl Icheck {
         let _entered = span.enter();
         let started = Instant::now();
         if self.mode == TransferMode::Shmr {
+            let stored = self.store_shmr(version, started);
             if self.asynchronous {
-                tracing::warn!("asynchronous commits are not implemented in SHMR mode; this commit blocks");
+                let ok = self.comm.all_true(stored.is_ok());
+                return match (stored, ok) {
+                    (Ok(_), true) => Ok(version),
+                    (Err(err), _) => Err(err),
+                    (Ok(_), false) => {
+                        let _ = self.finish_in_flight();
+                        Err(self.incomplete(version, "another rank failed to stage its data".into()))
+                    }
+                };
             }
-            let stored = self.store_shmr(version);
             let bytes = *stored.as_ref().unwrap_or(&0);
             self.complete(version, stored.map(|_| ()), bytes, started)?;
             return Ok(version);
@@ -797,7 +853,7 @@ impl Icheck {
 
     /// SHMR commit: every node process copies its labels into the node
     /// segment; the node leader moves the segment to the node's agent.
-    fn store_shmr(&mut self, version: u64) -> Result<u64> {
+    fn store_shmr(&mut self, version: u64, started: Instant) -> Result<u64> {
         let rank = self.comm.rank();
         let mine: Vec<(String, DataKind, u64)> =
             self.labels.iter().map(|l| (l.name.clone(), l.source.kind(), l.source.bytes().len() as u64)).collect();
@@ -837,30 +893,47 @@ impl Icheck {
         }
         drop(guards);
         self.comm.node_barrier();
-        let Some(link) = self.link.as_mut() else { return Ok(0) };
         let push = self.direction == TransferDirection::Push;
         let nodes = self.comm.node_counts().0;
-        let target = link.begin(version, nodes, layout.clone(), push)?;
-        let segment = self.segment.as_ref().expect("ensured");
-        let bytes = segment.as_slice();
-        let slices: Vec<&[u8]> =
-            layout.iter().map(|l| &bytes[l.offset as usize..(l.offset + l.len) as usize]).collect();
-        let endpoint = &self.endpoint;
-        let region = self.segment_region.as_ref();
-        let crcs = std::thread::scope(|scope| -> Result<Vec<Vec<u32>>> {
-            let checksums = scope.spawn(|| label_crcs(&slices));
-            if let (Some(region), true) = (region, total > 0) {
-                if push {
-                    let op = RmaOp { local_offset: 0, remote: target, remote_offset: 0, len: total as usize };
-                    endpoint.write(&link.peer, region.source(), &[op], &TransferOptions::default())?;
-                } else {
-                    let segment = PullSegment { source: region.remote(), source_offset: 0, file_offset: 0, len: total };
-                    link.pull(endpoint, vec![segment])?;
-                }
+        let Some(mut link) = self.link.take() else {
+            // Not the node leader: nothing to move; async still completes in wait().
+            if self.asynchronous {
+                self.in_flight = Some(InFlight { version, started, bytes: 0, handle: None });
             }
-            checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))
-        })?;
-        link.seal(crcs)?;
+            return Ok(0);
+        };
+        let region = self.segment_region.take();
+        let segment = self.segment.as_ref().expect("ensured");
+        // The segment is neither remapped nor written until this version
+        // completes: every later call that could do so waits first.
+        let (base, len) = (segment.as_slice().as_ptr() as usize, total as usize);
+        let endpoint = self.endpoint.clone();
+        let send = move |link: &mut AgentLink, region: Option<&MemoryRegion>| -> Result<()> {
+            // SAFETY: see above; `len` <= the mapped length (ensure_segment).
+            let bytes = unsafe { std::slice::from_raw_parts(base as *const u8, len) };
+            let (source, remote) = match region {
+                Some(region) => (region.source(), region.remote()),
+                None if len == 0 => return send_empty(link, version, nodes, layout, push),
+                None => return Err(Error::Order("the SHMR segment is not registered")),
+            };
+            send_version(link, &endpoint, version, nodes, layout, push, source, remote, bytes)
+        };
+        if !self.asynchronous {
+            let result = send(&mut link, region.as_ref());
+            self.link = Some(link);
+            self.segment_region = region;
+            return result.map(|_| total);
+        }
+        let span = tracing::Span::current();
+        let handle = std::thread::Builder::new()
+            .name("icheck-async-commit".into())
+            .spawn(move || {
+                let _entered = span.enter();
+                let result = send(&mut link, region.as_ref());
+                Background { link, staging: None, segment_region: region, result }
+            })
+            .map_err(|e| Error::Unsupported(format!("cannot start the async commit thread: {e}")))?;
+        self.in_flight = Some(InFlight { version, started, bytes: total, handle: Some(handle) });
         Ok(total)
     }
 
@@ -1050,47 +1123,41 @@ impl Icheck {
             .name("icheck-async-commit".into())
             .spawn(move || {
                 let _entered = span.enter();
-                let result = (|| -> Result<()> {
-                    let target = link.begin(version, ranks, layout.clone(), push)?;
-                    let crcs = std::thread::scope(|scope| -> Result<Vec<Vec<u32>>> {
-                        let staged = staging.as_slice();
-                        let slices: Vec<&[u8]> =
-                            layout.iter().map(|l| &staged[l.offset as usize..(l.offset + l.len) as usize]).collect();
-                        let checksums = scope.spawn(move || label_crcs(&slices));
-                        if total > 0 && push {
-                            let op = RmaOp { local_offset: 0, remote: target, remote_offset: 0, len: total };
-                            endpoint.write(&link.peer, staging.source(), &[op], &TransferOptions::default())?;
-                        } else if total > 0 {
-                            let segment = PullSegment {
-                                source: staging.remote(),
-                                source_offset: 0,
-                                file_offset: 0,
-                                len: total as u64,
-                            };
-                            link.pull(&endpoint, vec![segment])?;
-                        }
-                        checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))
-                    })?;
-                    link.seal(crcs)?;
-                    Ok(())
-                })();
-                (link, staging, result)
+                let bytes = &staging.as_slice()[..total];
+                let result = send_version(
+                    &mut link,
+                    &endpoint,
+                    version,
+                    ranks,
+                    layout,
+                    push,
+                    staging.source(),
+                    staging.remote(),
+                    bytes,
+                );
+                Background { link, staging: Some(staging), segment_region: None, result }
             })
             .map_err(|e| Error::Unsupported(format!("cannot start the async commit thread: {e}")))?;
-        self.in_flight = Some(InFlight { version, started, bytes: total as u64, handle });
+        self.in_flight = Some(InFlight { version, started, bytes: total as u64, handle: Some(handle) });
         Ok(())
     }
 
     /// Joins the background commit: (version, start, bytes, its result).
     fn finish_in_flight(&mut self) -> Option<(u64, Instant, u64, Result<()>)> {
         let InFlight { version, started, bytes, handle } = self.in_flight.take()?;
-        let result = match handle.join() {
-            Ok((link, staging, result)) => {
-                self.link = Some(link);
-                self.staging = Some(staging);
-                result
+        let result = match handle.map(JoinHandle::join) {
+            None => Ok(()),
+            Some(Ok(background)) => {
+                self.link = Some(background.link);
+                if background.staging.is_some() {
+                    self.staging = background.staging;
+                }
+                if background.segment_region.is_some() {
+                    self.segment_region = background.segment_region;
+                }
+                background.result
             }
-            Err(_) => Err(Error::Order("the async commit thread panicked")),
+            Some(Err(_)) => Err(Error::Order("the async commit thread panicked")),
         };
         Some((version, started, bytes, result))
     }
@@ -1098,7 +1165,7 @@ impl Icheck {
     /// Whether the background commit has finished its transfer (this rank
     /// only; `wait` completes the version for all ranks).
     pub fn test(&self) -> bool {
-        self.in_flight.as_ref().is_none_or(|f| f.handle.is_finished())
+        self.in_flight.as_ref().and_then(|f| f.handle.as_ref()).is_none_or(|h| h.is_finished())
     }
 
     /// Waits for a background commit and completes its version (*collective*).

@@ -14,16 +14,23 @@ use nix::unistd::Pid;
 
 const EXAMPLE: &str = env!("CARGO_BIN_EXE_mpi_checkpoint");
 
-/// An `mpirun` job in its own process group; killed (the whole group) on drop.
+/// An `mpirun` job in its own process group; killed (the whole group) on
+/// drop. Open MPI's shared-memory files go to a directory of the job's own,
+/// removed on drop, so a killed job leaves nothing in /dev/shm.
 struct Job {
     child: Child,
     lines: Arc<Mutex<Vec<String>>>,
     stderr: Arc<Mutex<String>>,
+    shm_dir: PathBuf,
 }
 
 impl Job {
     fn start(np: u32, config: &PathBuf, args: &[&str], env: &[(&str, &str)]) -> Job {
         use std::os::unix::process::CommandExt;
+        static JOBS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let shm_dir = PathBuf::from(format!("/dev/shm/icheck-test-mpi-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&shm_dir).expect("create the job's shared-memory directory");
         let mut command = Command::new("mpirun");
         command
             .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()])
@@ -31,6 +38,7 @@ impl Job {
             .args(args)
             .env("ICHECK_CONFIG", config)
             .env("OMPI_MCA_btl", "self,vader")
+            .env("OMPI_MCA_btl_vader_backing_directory", &shm_dir)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0);
@@ -55,7 +63,7 @@ impl Job {
                 text.push('\n');
             }
         });
-        Job { child, lines, stderr }
+        Job { child, lines, stderr, shm_dir }
     }
 
     fn output(&self) -> String {
@@ -122,6 +130,7 @@ impl Drop for Job {
         if self.child.try_wait().ok().flatten().is_none() {
             self.kill();
         }
+        let _ = std::fs::remove_dir_all(&self.shm_dir);
     }
 }
 
@@ -211,6 +220,7 @@ fn matrix(provider: &str) {
         ("mr", "push", "1", true),
         ("shmr", "pull", "1", false),
         ("shmr", "push", "1", false),
+        ("shmr", "pull", "1", true),
     ];
     for (mode, transfer, zero_copy, asynchronous) in cases {
         let app = format!("m-{provider}-{mode}-{transfer}-{zero_copy}-{asynchronous}");

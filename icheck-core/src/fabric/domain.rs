@@ -268,6 +268,20 @@ impl std::fmt::Debug for Domain {
     }
 }
 
+/// The shm provider names an endpoint's shared-memory region after the
+/// process id (`/dev/shm/<pid>:<n>:<m>`) and refuses to enable an endpoint
+/// whose name exists (EBUSY). A process killed before closing its endpoints
+/// leaves its regions behind, so a later process that is given the same pid
+/// would fail. Regions named after this process's pid that exist before it
+/// opened its first shm domain can only be such leftovers: remove them, once.
+fn sweep_stale_shm_regions() {
+    static SWEPT: std::sync::Once = std::sync::Once::new();
+    SWEPT.call_once(|| {
+        // Nothing of this process exists yet, so these are a dead process's.
+        crate::selftest::remove_shm_regions_of(std::process::id());
+    });
+}
+
 impl Domain {
     /// Opens the first provider/domain that matches `config`.
     pub fn open(config: &FabricConfig) -> Result<Domain> {
@@ -301,6 +315,9 @@ impl Domain {
         }
         tracing::debug!(provider = %inner.description.provider, domain = %inner.description.domain,
             mr_mode = ?inner.mr_mode, "opened fabric domain");
+        if inner.description.provider.split(';').any(|p| p == "shm") {
+            sweep_stale_shm_regions();
+        }
         Ok(Domain { inner: Arc::new(inner) })
     }
 

@@ -46,10 +46,37 @@ pub fn agent_settings(config: &StaticConfig, node: &str) -> AgentSettings {
     }
 }
 
-/// Runs the manager for `node` until the process ends or the controller
-/// rejects it.
+/// Runs the manager for `node` until SIGTERM or SIGINT (then its agents
+/// close their endpoints and stop; checkpoint files stay in the store) or
+/// until the controller rejects it.
 pub async fn run(config: StaticConfig, node: String) -> Result<(), ServiceError> {
     let agents: Agents = Arc::default();
+    let result = tokio::select! {
+        result = serve(config, node, agents.clone()) => result,
+        _ = shutdown_signal() => {
+            tracing::info!("stopping: closing the agents' endpoints");
+            Ok(())
+        }
+    };
+    let stopping: Vec<Agent> =
+        std::mem::take(&mut *agents.lock().unwrap_or_else(|p| p.into_inner())).into_values().collect();
+    // Joining agent threads blocks; do it off the async threads.
+    let _ = tokio::task::spawn_blocking(move || stopping.into_iter().for_each(|agent| agent.stop(false))).await;
+    result
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+async fn serve(config: StaticConfig, node: String, agents: Agents) -> Result<(), ServiceError> {
     let settings = agent_settings(&config, &node);
     tracing::info!(store = %settings.store.root().display(), "checkpoint store");
     let mut delay = Duration::from_millis(100);
