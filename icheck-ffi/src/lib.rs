@@ -1,11 +1,431 @@
-//! C ABI of icheck (`libicheck.so`, `libicheck.a`): a thin translation over
-//! `icheck-lib`. The only crate in the workspace that exports `extern "C"`.
+//! C ABI of icheck (`libicheck.so`, `libicheck.a`): a thin translation of
+//! `include/icheck.h` onto `icheck-lib`. The only crate in the workspace that
+//! exports `extern "C"` functions.
 //!
-//! The entry points of `include/icheck.h` arrive with the client library; until
-//! then the ABI only reports its version.
+//! Architecture invariants:
+//! * Every entry point checks its pointers and the call order, returns
+//!   `ICHECK_SUCCESS` or a negative `ICHECK_ERR_*` code, and never unwinds:
+//!   a Rust panic becomes `ICHECK_ERR_INTERNAL`.
+//! * One library instance per process (the thesis API has no handle); a
+//!   mutex serialises the entry points. Calls come from the thread that
+//!   initialised MPI, as MPI itself requires at the default thread level.
+//! * The detail of the last error (label, sizes, peer) is logged through
+//!   `tracing` and kept for `icheck_last_error`.
+
+use std::ffi::{c_char, c_int, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::sync::Mutex;
+
+use icheck_lib::{DataKind, Error, Icheck, InitStatus, ProbeHints, SingleProcess};
+
+/// Success.
+pub const ICHECK_SUCCESS: c_int = 0;
+/// A required pointer argument was NULL.
+pub const ICHECK_ERR_NULL: c_int = -1;
+/// A call came in the wrong order (e.g. commit before init, restore before restart).
+pub const ICHECK_ERR_ORDER: c_int = -2;
+/// An argument is invalid (unknown type or mode, bad UTF-8, bad label).
+pub const ICHECK_ERR_ARG: c_int = -3;
+/// The configuration file is missing or wrong.
+pub const ICHECK_ERR_CONFIG: c_int = -4;
+/// The controller is unreachable or refused.
+pub const ICHECK_ERR_CONTROLLER: c_int = -5;
+/// An agent is unreachable or failed.
+pub const ICHECK_ERR_AGENT: c_int = -6;
+/// The fabric failed on this process's side.
+pub const ICHECK_ERR_FABRIC: c_int = -7;
+/// The label is unknown.
+pub const ICHECK_ERR_LABEL: c_int = -8;
+/// The checkpointed size differs from the caller's.
+pub const ICHECK_ERR_SIZE: c_int = -9;
+/// The checkpointed element type differs from the caller's.
+pub const ICHECK_ERR_TYPE: c_int = -10;
+/// No complete checkpoint exists.
+pub const ICHECK_ERR_NO_CHECKPOINT: c_int = -11;
+/// Restored data fails its checksum.
+pub const ICHECK_ERR_CORRUPT: c_int = -12;
+/// Another process failed its part; the version was not recorded.
+pub const ICHECK_ERR_INCOMPLETE: c_int = -13;
+/// The checkpoint was written by another process count.
+pub const ICHECK_ERR_RANKS: c_int = -14;
+/// Not supported by this build or configuration.
+pub const ICHECK_ERR_UNSUPPORTED: c_int = -15;
+/// An internal error (a bug): the call was abandoned without side effects.
+pub const ICHECK_ERR_INTERNAL: c_int = -16;
+
+/// Element types of `icheck_add` (`ICHECK_CHAR` ... `ICHECK_BINARY`).
+fn kind_of(code: c_int) -> Option<DataKind> {
+    Some(match code {
+        1 => DataKind::Char,
+        2 => DataKind::Int,
+        3 => DataKind::Long,
+        4 => DataKind::Float,
+        5 => DataKind::Double,
+        6 => DataKind::Binary,
+        _ => return None,
+    })
+}
+
+/// `icheck_init`'s status: no checkpoint exists.
+pub const ICHECK_FRESH: c_int = 0;
+/// `icheck_init`'s status: a complete checkpoint exists.
+pub const ICHECK_RESTART: c_int = 1;
+/// `icheck_finalize` mode: delete the checkpoints.
+pub const IC_CLEANUP: c_int = 0;
+/// `icheck_finalize` mode: keep the checkpoints in agent memory.
+pub const IC_PERSIST: c_int = 1;
+
+/// Hints for `icheck_probe_agents` (C layout of `icheck_hints`).
+#[repr(C)]
+pub struct IcheckHints {
+    /// Commits the application still expects to make (0 = unknown).
+    pub remaining_commits: c_int,
+}
+
+struct Instance(Option<Icheck>);
+
+// SAFETY: the instance is only used under the INSTANCE mutex, one call at a
+// time; the MPI communicator inside is used from whichever thread calls,
+// which the C API documents must be allowed by the MPI thread level (the
+// thread that initialised MPI, by default).
+unsafe impl Send for Instance {}
+
+static INSTANCE: Mutex<Instance> = Mutex::new(Instance(None));
+static LAST_ERROR: Mutex<Option<CString>> = Mutex::new(None);
+
+/// What went wrong, as a code and a message.
+struct Failure {
+    code: c_int,
+    message: String,
+}
+
+impl Failure {
+    fn new(code: c_int, message: impl Into<String>) -> Failure {
+        Failure { code, message: message.into() }
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(err: Error) -> Failure {
+        let code = match &err {
+            Error::Config(_) => ICHECK_ERR_CONFIG,
+            Error::Controller { .. } => ICHECK_ERR_CONTROLLER,
+            Error::Agent { .. } => ICHECK_ERR_AGENT,
+            Error::Fabric(_) => ICHECK_ERR_FABRIC,
+            Error::UnknownLabel { .. } => ICHECK_ERR_LABEL,
+            Error::BadLabel(_) => ICHECK_ERR_ARG,
+            Error::SizeMismatch { .. } => ICHECK_ERR_SIZE,
+            Error::KindMismatch { .. } => ICHECK_ERR_TYPE,
+            Error::Order(_) => ICHECK_ERR_ORDER,
+            Error::NoCheckpoint(_) => ICHECK_ERR_NO_CHECKPOINT,
+            Error::Corrupt { .. } => ICHECK_ERR_CORRUPT,
+            Error::Incomplete { .. } => ICHECK_ERR_INCOMPLETE,
+            Error::RankCount { .. } => ICHECK_ERR_RANKS,
+            Error::Unsupported(_) => ICHECK_ERR_UNSUPPORTED,
+        };
+        Failure { code, message: err.to_string() }
+    }
+}
+
+type Outcome = Result<c_int, Failure>;
+
+/// Runs an entry point: no unwinding across the ABI, errors become codes
+/// and the last error's detail is kept and logged.
+fn entry(name: &str, body: impl FnOnce(&mut Instance) -> Outcome) -> c_int {
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        let mut instance = INSTANCE.lock().unwrap_or_else(|p| p.into_inner());
+        body(&mut instance)
+    }));
+    let failure = match result {
+        Ok(Ok(code)) => return code,
+        Ok(Err(failure)) => failure,
+        Err(_) => Failure::new(ICHECK_ERR_INTERNAL, "internal error (a panic was caught); please report it"),
+    };
+    tracing::error!(call = name, code = failure.code, "{}", failure.message);
+    let text = CString::new(format!("{name}: {}", failure.message).replace('\0', " "))
+        .unwrap_or_else(|_| CString::new("error").expect("no NUL"));
+    *LAST_ERROR.lock().unwrap_or_else(|p| p.into_inner()) = Some(text);
+    failure.code
+}
+
+fn initialised(instance: &mut Instance) -> Result<&mut Icheck, Failure> {
+    instance.0.as_mut().ok_or_else(|| Failure::new(ICHECK_ERR_ORDER, "icheck_init was not called (or icheck_finalize was)"))
+}
+
+/// Reads a C string argument that must not be NULL.
+///
+/// # Safety
+/// `ptr` must be NULL or point to a NUL-terminated string.
+unsafe fn text<'a>(ptr: *const c_char, what: &str) -> Result<&'a str, Failure> {
+    if ptr.is_null() {
+        return Err(Failure::new(ICHECK_ERR_NULL, format!("{what} is NULL")));
+    }
+    // SAFETY: non-NULL and NUL-terminated per the caller's contract.
+    unsafe { CStr::from_ptr(ptr) }
+        .to_str()
+        .map_err(|_| Failure::new(ICHECK_ERR_ARG, format!("{what} is not valid UTF-8")))
+}
+
+/// # Safety
+/// `config` must be NULL or a NUL-terminated string.
+unsafe fn config_arg<'a>(config: *const c_char) -> Result<Option<&'a Path>, Failure> {
+    if config.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: forwarded contract.
+    Ok(Some(Path::new(unsafe { text(config, "config") }?)))
+}
+
+fn start(instance: &mut Instance, status: *mut c_int, init: impl FnOnce() -> Result<(Icheck, InitStatus), Error>) -> Outcome {
+    if status.is_null() {
+        return Err(Failure::new(ICHECK_ERR_NULL, "status is NULL"));
+    }
+    if instance.0.is_some() {
+        return Err(Failure::new(ICHECK_ERR_ORDER, "icheck_init was already called; call icheck_finalize first"));
+    }
+    let (icheck, found) = init()?;
+    let code = match found {
+        InitStatus::Fresh => ICHECK_FRESH,
+        InitStatus::Restart { .. } => ICHECK_RESTART,
+    };
+    // SAFETY: checked non-NULL above; the caller passes a writable int.
+    unsafe { *status = code };
+    instance.0 = Some(icheck);
+    Ok(ICHECK_SUCCESS)
+}
+
+fn init_logging() {
+    // Honour ICHECK_LOG like the Rust binaries; ignore a subscriber the
+    // application (a Rust one) installed already.
+    let filter = std::env::var("ICHECK_LOG").unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// Starts icheck in an MPI application (collective over `comm`).
+///
+/// # Safety
+/// `config` and `app_name` must be NULL or NUL-terminated strings, `status`
+/// NULL or writable, and `comm` a valid intra-communicator of an initialised MPI.
+#[no_mangle]
+pub unsafe extern "C" fn icheck_init(
+    config: *const c_char,
+    app_name: *const c_char,
+    comm: mpi::ffi::MPI_Comm,
+    status: *mut c_int,
+) -> c_int {
+    init_logging();
+    entry("icheck_init", |instance| {
+        // SAFETY: forwarded contracts.
+        let (config, app) = unsafe { (config_arg(config)?, text(app_name, "app_name")?) };
+        start(instance, status, || {
+            // SAFETY: the caller passes a valid communicator.
+            let comm = unsafe { icheck_lib::MpiComm::from_raw_handle(comm) }
+                .ok_or_else(|| Error::Unsupported("MPI_Comm_dup failed on the communicator given".into()))?;
+            Icheck::init(config, app, comm)
+        })
+    })
+}
+
+/// Fortran binding of `icheck_init`: the communicator is a Fortran handle.
+///
+/// # Safety
+/// As `icheck_init`; `fcomm` must be a valid Fortran communicator handle.
+#[no_mangle]
+pub unsafe extern "C" fn icheck_init_f(
+    config: *const c_char,
+    app_name: *const c_char,
+    fcomm: c_int,
+    status: *mut c_int,
+) -> c_int {
+    // SAFETY: MPI is initialised (the caller's contract); f2c only converts.
+    let comm = unsafe { mpi::ffi::MPI_Comm_f2c(fcomm) };
+    // SAFETY: forwarded contracts.
+    unsafe { icheck_init(config, app_name, comm, status) }
+}
+
+/// Starts icheck in a non-MPI application.
+///
+/// # Safety
+/// `config` and `app_name` must be NULL or NUL-terminated strings, `status`
+/// NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn icheck_init_serial(config: *const c_char, app_name: *const c_char, status: *mut c_int) -> c_int {
+    init_logging();
+    entry("icheck_init_serial", |instance| {
+        // SAFETY: forwarded contracts.
+        let (config, app) = unsafe { (config_arg(config)?, text(app_name, "app_name")?) };
+        start(instance, status, || Icheck::init(config, app, SingleProcess))
+    })
+}
+
+fn byte_len(count: usize, kind: DataKind, label: &str) -> Result<usize, Failure> {
+    count.checked_mul(kind.size()).ok_or_else(|| Failure::new(ICHECK_ERR_ARG, format!("label {label:?}: count {count} overflows")))
+}
+
+/// Adds (or replaces) a labelled region of `count` elements of `type`.
+///
+/// # Safety
+/// `label` must be NULL or a NUL-terminated string; `data` must stay valid
+/// for reads and writes of `count` elements until the label is replaced or
+/// icheck finalized.
+#[no_mangle]
+pub unsafe extern "C" fn icheck_add(label: *const c_char, data: *mut std::ffi::c_void, count: usize, r#type: c_int) -> c_int {
+    entry("icheck_add", |instance| {
+        // SAFETY: forwarded contract.
+        let label = unsafe { text(label, "label") }?;
+        let kind = kind_of(r#type).ok_or_else(|| Failure::new(ICHECK_ERR_ARG, format!("label {label:?}: unknown type {type}", type = r#type)))?;
+        let len = byte_len(count, kind, label)?;
+        if data.is_null() && len > 0 {
+            return Err(Failure::new(ICHECK_ERR_NULL, format!("label {label:?}: data is NULL")));
+        }
+        let icheck = initialised(instance)?;
+        // SAFETY: the caller keeps `data` valid for `len` bytes while added.
+        unsafe { icheck.add_raw(label, data.cast(), len, kind) }?;
+        Ok(ICHECK_SUCCESS)
+    })
+}
+
+/// Checkpoints every added label as the next version (collective).
+#[no_mangle]
+pub extern "C" fn icheck_commit() -> c_int {
+    entry("icheck_commit", |instance| {
+        initialised(instance)?.commit()?;
+        Ok(ICHECK_SUCCESS)
+    })
+}
+
+/// Non-zero: commits return once the data is staged (`icheck_wait` completes them).
+#[no_mangle]
+pub extern "C" fn icheck_enable_asynchronous(flag: c_int) -> c_int {
+    entry("icheck_enable_asynchronous", |instance| {
+        initialised(instance)?.set_async(flag != 0);
+        Ok(ICHECK_SUCCESS)
+    })
+}
+
+/// Waits for an asynchronous commit and completes its version (collective).
+#[no_mangle]
+pub extern "C" fn icheck_wait() -> c_int {
+    entry("icheck_wait", |instance| {
+        initialised(instance)?.wait()?;
+        Ok(ICHECK_SUCCESS)
+    })
+}
+
+/// Prepares the restart from the newest complete version (collective).
+#[no_mangle]
+pub extern "C" fn icheck_restart() -> c_int {
+    entry("icheck_restart", |instance| {
+        initialised(instance)?.restart()?;
+        Ok(ICHECK_SUCCESS)
+    })
+}
+
+/// Restores label `label` into `data` (`count` elements of the label's type).
+///
+/// # Safety
+/// `label` must be NULL or a NUL-terminated string; `data` must be valid for
+/// writes of `count` elements of the label's type.
+#[no_mangle]
+pub unsafe extern "C" fn icheck_restore(label: *const c_char, data: *mut std::ffi::c_void, count: usize) -> c_int {
+    entry("icheck_restore", |instance| {
+        // SAFETY: forwarded contract.
+        let label = unsafe { text(label, "label") }?;
+        let icheck = initialised(instance)?;
+        if !icheck.has_restarted() {
+            return Err(Failure::new(ICHECK_ERR_ORDER, "icheck_restore needs icheck_restart first"));
+        }
+        let kind = icheck.restored_kind(label)?;
+        let len = byte_len(count, kind, label)?;
+        if data.is_null() && len > 0 {
+            return Err(Failure::new(ICHECK_ERR_NULL, format!("label {label:?}: data is NULL")));
+        }
+        // SAFETY: the caller guarantees `data` for `len` bytes.
+        unsafe { icheck.restore_raw(label, data.cast(), len, kind) }?;
+        Ok(ICHECK_SUCCESS)
+    })
+}
+
+/// Restarts (if not done yet) and restores every added label (collective).
+#[no_mangle]
+pub extern "C" fn icheck_restart_all() -> c_int {
+    entry("icheck_restart_all", |instance| {
+        let icheck = initialised(instance)?;
+        if !icheck.has_restarted() {
+            icheck.restart()?;
+        }
+        icheck.restore_all()?;
+        Ok(ICHECK_SUCCESS)
+    })
+}
+
+/// Asks whether the agents changed and moves to new ones (collective).
+/// Returns 1 when the agents changed, 0 when not, or an error code.
+///
+/// # Safety
+/// `hints` must be NULL or point to an `icheck_hints`.
+#[no_mangle]
+pub unsafe extern "C" fn icheck_probe_agents(hints: *const IcheckHints) -> c_int {
+    entry("icheck_probe_agents", |instance| {
+        // SAFETY: NULL or a valid icheck_hints per the contract.
+        let remaining = unsafe { hints.as_ref() }.map_or(0, |h| h.remaining_commits.max(0) as u32);
+        let outcome = initialised(instance)?.probe_agents(ProbeHints { remaining_commits: remaining })?;
+        Ok(c_int::from(outcome != icheck_lib::ProbeOutcome::Unchanged))
+    })
+}
+
+/// Ends icheck in this process (collective): `IC_PERSIST` keeps the
+/// checkpoints in agent memory, `IC_CLEANUP` deletes them.
+#[no_mangle]
+pub extern "C" fn icheck_finalize(mode: c_int) -> c_int {
+    entry("icheck_finalize", |instance| {
+        let persist = match mode {
+            IC_PERSIST => true,
+            IC_CLEANUP => false,
+            other => return Err(Failure::new(ICHECK_ERR_ARG, format!("unknown finalize mode {other} (IC_PERSIST or IC_CLEANUP)"))),
+        };
+        let mut icheck = instance.0.take().ok_or_else(|| Failure::new(ICHECK_ERR_ORDER, "icheck_finalize without icheck_init (or called twice)"))?;
+        icheck.finalize(persist)?;
+        Ok(ICHECK_SUCCESS)
+    })
+}
+
+/// A static description of `code`.
+#[no_mangle]
+pub extern "C" fn icheck_strerror(code: c_int) -> *const c_char {
+    let text: &'static CStr = match code {
+        ICHECK_SUCCESS => c"success",
+        ICHECK_ERR_NULL => c"a required pointer argument is NULL",
+        ICHECK_ERR_ORDER => c"call out of order (init first; restart before restore; nothing after finalize)",
+        ICHECK_ERR_ARG => c"invalid argument (type, mode, label or text)",
+        ICHECK_ERR_CONFIG => c"configuration file missing or invalid",
+        ICHECK_ERR_CONTROLLER => c"controller unreachable or refused the request",
+        ICHECK_ERR_AGENT => c"agent unreachable or failed the request",
+        ICHECK_ERR_FABRIC => c"fabric (libfabric) failure",
+        ICHECK_ERR_LABEL => c"unknown label",
+        ICHECK_ERR_SIZE => c"size differs from the checkpointed size",
+        ICHECK_ERR_TYPE => c"element type differs from the checkpointed type",
+        ICHECK_ERR_NO_CHECKPOINT => c"no complete checkpoint exists",
+        ICHECK_ERR_CORRUPT => c"restored data fails its checksum",
+        ICHECK_ERR_INCOMPLETE => c"another process failed; the version is not complete",
+        ICHECK_ERR_RANKS => c"checkpoint written by a different number of processes",
+        ICHECK_ERR_UNSUPPORTED => c"not supported",
+        ICHECK_ERR_INTERNAL => c"internal error",
+        _ => c"unknown icheck error code",
+    };
+    text.as_ptr()
+}
+
+/// The detail of the last error in this process (NULL if none), valid until
+/// the next failing call.
+#[no_mangle]
+pub extern "C" fn icheck_last_error() -> *const c_char {
+    LAST_ERROR.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(std::ptr::null(), |text| text.as_ptr())
+}
 
 /// Version of the icheck C ABI, as `MAJOR * 10000 + MINOR * 100 + PATCH`.
 #[no_mangle]
-pub extern "C" fn icheck_abi_version() -> i32 {
+pub extern "C" fn icheck_abi_version() -> c_int {
     100
 }

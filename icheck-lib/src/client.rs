@@ -1296,6 +1296,17 @@ impl Icheck {
         Ok(restored.manifest.labels[index].len)
     }
 
+    /// Element type of label `label` in the restarted checkpoint.
+    pub fn restored_kind(&self, label: &str) -> Result<DataKind> {
+        let (restored, index) = self.restored_label(label)?;
+        Ok(restored.manifest.labels[index].kind)
+    }
+
+    /// Whether `restart` has fetched a version that `restore` can read.
+    pub fn has_restarted(&self) -> bool {
+        self.restored.is_some()
+    }
+
     /// Reads label `label` of the restarted version into `region`, whose
     /// length and element type must match the checkpoint's. The bytes are
     /// checked against the checksums the committing rank computed; on a

@@ -94,6 +94,27 @@ mod mpi_comm {
     }
 
     impl MpiComm {
+        /// Duplicates a raw communicator handle (from C, or from Fortran
+        /// through `MPI_Comm_f2c`) for the library's use (collective).
+        ///
+        /// # Safety
+        /// `raw` must be a valid intra-communicator of an initialised MPI.
+        pub unsafe fn from_raw_handle(raw: mpi::ffi::MPI_Comm) -> Option<MpiComm> {
+            use mpi::raw::FromRaw;
+            let mut dup = std::mem::MaybeUninit::<mpi::ffi::MPI_Comm>::uninit();
+            // SAFETY: the caller guarantees `raw`; `dup` receives a new handle.
+            let ret = unsafe { mpi::ffi::MPI_Comm_dup(raw, dup.as_mut_ptr()) };
+            if ret != 0 {
+                return None;
+            }
+            // SAFETY: MPI_Comm_dup succeeded, so it wrote the handle.
+            let dup = unsafe { dup.assume_init() };
+            // SAFETY: `dup` is a live intra-communicator that only we hold
+            // (not MPI_COMM_WORLD or MPI_COMM_SELF); it is freed on drop.
+            let ours = unsafe { SimpleCommunicator::from_raw(dup) };
+            Some(MpiComm::new(&ours))
+        }
+
         /// Duplicates `comm` for the library's use (collective).
         pub fn new<C: Communicator>(comm: &C) -> MpiComm {
             let comm = comm.duplicate();

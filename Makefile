@@ -1,0 +1,58 @@
+# Build and install icheck like an HPC library.
+#
+#   make                          build (cargo, release)
+#   make install PREFIX=/opt/icheck
+#       bin/icheck, lib/libicheck.{so,a}, lib/libicheck_f.a (Fortran module
+#       procedures), include/icheck.h, include/icheck.mod, lib/pkgconfig/icheck.pc
+#
+# Then: mpicc app.c $(pkg-config --cflags --libs icheck)
+#       mpifort app.f90 $(pkg-config --cflags --libs icheck)
+# (with PKG_CONFIG_PATH=$PREFIX/lib/pkgconfig for a prefix outside /usr/local)
+
+PREFIX ?= /usr/local
+CARGO ?= cargo
+FC ?= gfortran
+CARGO_TARGET_DIR ?= target
+# Where the built files are; `make install-files OUT=target/debug` installs a
+# debug build without building (the tests do this).
+OUT ?= $(CARGO_TARGET_DIR)/release
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
+
+.PHONY: all build install install-files uninstall
+
+all: build
+
+build:
+	$(CARGO) build --release -p icheck-ffi -p icheck-core --bin icheck --lib
+
+install: build install-files
+
+install-files:
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include
+	install -m 755 $(OUT)/icheck $(DESTDIR)$(PREFIX)/bin/icheck
+	install -m 755 $(OUT)/libicheck.so $(DESTDIR)$(PREFIX)/lib/libicheck.so
+	install -m 644 $(OUT)/libicheck.a $(DESTDIR)$(PREFIX)/lib/libicheck.a
+	install -m 644 include/icheck.h $(DESTDIR)$(PREFIX)/include/icheck.h
+	tmp=$$(mktemp -d) && \
+	  $(FC) -c include/icheck.f90 -J $$tmp -o $$tmp/icheck_f.o && \
+	  install -m 644 $$tmp/icheck.mod $(DESTDIR)$(PREFIX)/include/icheck.mod && \
+	  ar rcs $(DESTDIR)$(PREFIX)/lib/libicheck_f.a $$tmp/icheck_f.o && \
+	  rm -rf $$tmp
+	printf '%s\n' \
+	  'prefix=$(PREFIX)' \
+	  'libdir=$${prefix}/lib' \
+	  'includedir=$${prefix}/include' \
+	  '' \
+	  'Name: icheck' \
+	  'Description: client library of the icheck RDMA checkpoint service' \
+	  'Version: $(VERSION)' \
+	  'Cflags: -I$${includedir}' \
+	  'Libs: -L$${libdir} -Wl,-rpath,$${libdir} -licheck_f -licheck' \
+	  'Libs.private: -lfabric -lpthread -ldl -lm' \
+	  > $(DESTDIR)$(PREFIX)/lib/pkgconfig/icheck.pc
+	@echo "installed under $(PREFIX); use: pkg-config --cflags --libs icheck"
+
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/bin/icheck $(DESTDIR)$(PREFIX)/lib/libicheck.so $(DESTDIR)$(PREFIX)/lib/libicheck.a \
+	  $(DESTDIR)$(PREFIX)/lib/libicheck_f.a $(DESTDIR)$(PREFIX)/include/icheck.h \
+	  $(DESTDIR)$(PREFIX)/include/icheck.mod $(DESTDIR)$(PREFIX)/lib/pkgconfig/icheck.pc
