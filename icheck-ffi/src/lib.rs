@@ -150,7 +150,10 @@ fn entry(name: &str, body: impl FnOnce(&mut Instance) -> Outcome) -> c_int {
 }
 
 fn initialised(instance: &mut Instance) -> Result<&mut Icheck, Failure> {
-    instance.0.as_mut().ok_or_else(|| Failure::new(ICHECK_ERR_ORDER, "icheck_init was not called (or icheck_finalize was)"))
+    instance
+        .0
+        .as_mut()
+        .ok_or_else(|| Failure::new(ICHECK_ERR_ORDER, "icheck_init was not called (or icheck_finalize was)"))
 }
 
 /// Reads a C string argument that must not be NULL.
@@ -177,7 +180,11 @@ unsafe fn config_arg<'a>(config: *const c_char) -> Result<Option<&'a Path>, Fail
     Ok(Some(Path::new(unsafe { text(config, "config") }?)))
 }
 
-fn start(instance: &mut Instance, status: *mut c_int, init: impl FnOnce() -> Result<(Icheck, InitStatus), Error>) -> Outcome {
+fn start(
+    instance: &mut Instance,
+    status: *mut c_int,
+    init: impl FnOnce() -> Result<(Icheck, InitStatus), Error>,
+) -> Outcome {
     if status.is_null() {
         return Err(Failure::new(ICHECK_ERR_NULL, "status is NULL"));
     }
@@ -250,7 +257,11 @@ pub unsafe extern "C" fn icheck_init_f(
 /// `config` and `app_name` must be NULL or NUL-terminated strings, `status`
 /// NULL or writable.
 #[no_mangle]
-pub unsafe extern "C" fn icheck_init_serial(config: *const c_char, app_name: *const c_char, status: *mut c_int) -> c_int {
+pub unsafe extern "C" fn icheck_init_serial(
+    config: *const c_char,
+    app_name: *const c_char,
+    status: *mut c_int,
+) -> c_int {
     init_logging();
     entry("icheck_init_serial", |instance| {
         // SAFETY: forwarded contracts.
@@ -260,7 +271,9 @@ pub unsafe extern "C" fn icheck_init_serial(config: *const c_char, app_name: *co
 }
 
 fn byte_len(count: usize, kind: DataKind, label: &str) -> Result<usize, Failure> {
-    count.checked_mul(kind.size()).ok_or_else(|| Failure::new(ICHECK_ERR_ARG, format!("label {label:?}: count {count} overflows")))
+    count
+        .checked_mul(kind.size())
+        .ok_or_else(|| Failure::new(ICHECK_ERR_ARG, format!("label {label:?}: count {count} overflows")))
 }
 
 /// Adds (or replaces) a labelled region of `count` elements of `type`.
@@ -270,11 +283,18 @@ fn byte_len(count: usize, kind: DataKind, label: &str) -> Result<usize, Failure>
 /// for reads and writes of `count` elements until the label is replaced or
 /// icheck finalized.
 #[no_mangle]
-pub unsafe extern "C" fn icheck_add(label: *const c_char, data: *mut std::ffi::c_void, count: usize, r#type: c_int) -> c_int {
+pub unsafe extern "C" fn icheck_add(
+    label: *const c_char,
+    data: *mut std::ffi::c_void,
+    count: usize,
+    r#type: c_int,
+) -> c_int {
     entry("icheck_add", |instance| {
         // SAFETY: forwarded contract.
         let label = unsafe { text(label, "label") }?;
-        let kind = kind_of(r#type).ok_or_else(|| Failure::new(ICHECK_ERR_ARG, format!("label {label:?}: unknown type {type}", type = r#type)))?;
+        let kind = kind_of(r#type).ok_or_else(|| {
+            Failure::new(ICHECK_ERR_ARG, format!("label {label:?}: unknown type {type}", type = r#type))
+        })?;
         let len = byte_len(count, kind, label)?;
         if data.is_null() && len > 0 {
             return Err(Failure::new(ICHECK_ERR_NULL, format!("label {label:?}: data is NULL")));
@@ -383,9 +403,17 @@ pub extern "C" fn icheck_finalize(mode: c_int) -> c_int {
         let persist = match mode {
             IC_PERSIST => true,
             IC_CLEANUP => false,
-            other => return Err(Failure::new(ICHECK_ERR_ARG, format!("unknown finalize mode {other} (IC_PERSIST or IC_CLEANUP)"))),
+            other => {
+                return Err(Failure::new(
+                    ICHECK_ERR_ARG,
+                    format!("unknown finalize mode {other} (IC_PERSIST or IC_CLEANUP)"),
+                ))
+            }
         };
-        let mut icheck = instance.0.take().ok_or_else(|| Failure::new(ICHECK_ERR_ORDER, "icheck_finalize without icheck_init (or called twice)"))?;
+        let mut icheck = instance
+            .0
+            .take()
+            .ok_or_else(|| Failure::new(ICHECK_ERR_ORDER, "icheck_finalize without icheck_init (or called twice)"))?;
         icheck.finalize(persist)?;
         Ok(ICHECK_SUCCESS)
     })

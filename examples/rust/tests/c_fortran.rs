@@ -1,0 +1,189 @@
+//! The C and Fortran interfaces as users meet them: `make install-files`
+//! into a temporary prefix, examples compiled with mpicc/mpifort and
+//! `pkg-config --cflags --libs icheck`, run under `mpirun -np 4` against a
+//! real local service, killed and restarted.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use icheck_core::testkit::{icheck_in_target, LocalService};
+
+/// An installed icheck under a temporary prefix, with compiled examples.
+struct Installed {
+    prefix: PathBuf,
+}
+
+impl Drop for Installed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.prefix);
+    }
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
+}
+
+fn run(command: &mut Command) -> Output {
+    let out = command.output().unwrap_or_else(|e| panic!("{command:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{command:?} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// Installs the debug build (the one `cargo test` just built) under a
+/// fresh prefix with the Makefile's own install rule.
+fn install(name: &str) -> Installed {
+    let icheck = icheck_in_target();
+    let out_dir = icheck.parent().unwrap().to_path_buf();
+    assert!(out_dir.join("libicheck.so").exists(), "build the workspace first (cargo build --workspace)");
+    let prefix = std::env::temp_dir().join(format!("icheck-prefix-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&prefix);
+    run(Command::new("make")
+        .current_dir(repo())
+        .arg("install-files")
+        .arg(format!("PREFIX={}", prefix.display()))
+        .arg(format!("OUT={}", out_dir.display())));
+    Installed { prefix }
+}
+
+impl Installed {
+    /// Compiles `source` with `compiler` and the flags pkg-config gives.
+    fn compile(&self, compiler: &str, source: &str, extra: &[&str]) -> PathBuf {
+        let exe = self.prefix.join(Path::new(source).file_stem().unwrap());
+        let flags = run(Command::new("pkg-config")
+            .args(["--cflags", "--libs", "icheck"])
+            .env("PKG_CONFIG_PATH", self.prefix.join("lib/pkgconfig")));
+        let flags = String::from_utf8(flags.stdout).unwrap();
+        run(Command::new(compiler)
+            .args(extra)
+            .arg(repo().join(source))
+            .arg("-o")
+            .arg(&exe)
+            .args(flags.split_whitespace()));
+        exe
+    }
+}
+
+fn mpirun(config: &Path, shm_dir: &Path, exe: &Path, args: &[&str]) -> Output {
+    Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "4"])
+        .arg(exe)
+        .args(args)
+        .env("ICHECK_CONFIG", config)
+        .env("OMPI_MCA_btl_vader_backing_directory", shm_dir)
+        .output()
+        .expect("mpirun runs")
+}
+
+fn checksum(out: &Output) -> String {
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.strip_prefix("CHECKSUM "))
+        .unwrap_or_else(|| panic!("no checksum in:\n{text}\n{}", String::from_utf8_lossy(&out.stderr)))
+        .trim()
+        .to_string()
+}
+
+/// Fault-free run, a run killed by its fault injection, and the rerun that
+/// restarts: the rerun's checksum must equal the fault-free one.
+fn kill_and_restart(exe: &Path, service: &LocalService, fault_free: &[&str], faulty: &[&str], restart: &[&str]) {
+    let shm_dir = std::env::temp_dir().join(format!("icheck-cf-mpi-{}", std::process::id()));
+    let config = service.config_path();
+    let clean = mpirun(&config, &shm_dir, exe, fault_free);
+    assert!(clean.status.success(), "{}", String::from_utf8_lossy(&clean.stderr));
+    let expected = checksum(&clean);
+    let killed = mpirun(&config, &shm_dir, exe, faulty);
+    assert!(!killed.status.success(), "the fault must kill the job:\n{}", String::from_utf8_lossy(&killed.stdout));
+    assert!(String::from_utf8_lossy(&killed.stdout).contains("FAULT injected"));
+    let again = mpirun(&config, &shm_dir, exe, restart);
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+    assert!(String::from_utf8_lossy(&again.stdout).contains("RESTARTED at iteration"), "{again:?}");
+    assert_eq!(checksum(&again), expected, "restarted run differs from the fault-free one");
+    let _ = std::fs::remove_dir_all(shm_dir);
+}
+
+#[test]
+fn heat2d_in_c_restarts_to_the_fault_free_checksum() {
+    let installed = install("heat2d");
+    let exe = installed.compile("mpicc", "examples/heat2d/heat2d.c", &["-std=c99", "-Wall", "-Werror"]);
+    let service = LocalService::up(&icheck_in_target(), "c-heat2d", 2, &["--provider", "tcp"]);
+    let common = ["--n", "128", "--iters", "120", "--every", "20"];
+    let with = |extra: &[&'static str]| -> Vec<&str> { common.iter().copied().chain(extra.iter().copied()).collect() };
+    kill_and_restart(
+        &exe,
+        &service,
+        &with(&["--app", "clean"]),
+        &with(&["--app", "faulty", "--fail-at", "70"]),
+        &with(&["--app", "faulty"]),
+    );
+}
+
+#[test]
+fn heat1d_in_fortran_restarts_to_the_fault_free_checksum() {
+    let installed = install("heat1d");
+    let exe = installed.compile("mpifort", "examples/fortran/heat1d.f90", &["-Wall"]);
+    let service = LocalService::up(&icheck_in_target(), "f-heat1d", 2, &["--provider", "tcp"]);
+    // The application name is fixed ("heat1d"); the clean run cleans up.
+    kill_and_restart(&exe, &service, &["512", "120", "20"], &["512", "120", "20", "70"], &["512", "120", "20"]);
+}
+
+#[test]
+fn every_c_error_path_returns_its_code() {
+    let installed = install("errors");
+    let exe = installed.compile("cc", "examples/c-tests/errors.c", &["-std=c99", "-pedantic", "-Wall", "-Werror"]);
+    // The header also compiles as C++, with and without MPI.
+    let probe = installed.prefix.join("probe.cpp");
+    std::fs::write(&probe, "#include <icheck.h>\nint main() { int s; return icheck_init_serial(0, \"x\", &s); }\n")
+        .unwrap();
+    run(Command::new("g++")
+        .args(["-std=c++11", "-Wall", "-Werror", "-fsyntax-only", "-I"])
+        .arg(installed.prefix.join("include"))
+        .arg(&probe));
+    std::fs::write(&probe, "#include <mpi.h>\n#include <icheck.h>\nint main() { int s; return icheck_init(0, \"x\", MPI_COMM_WORLD, &s); }\n")
+        .unwrap();
+    run(Command::new("mpicxx")
+        .args(["-std=c++11", "-Wall", "-Werror", "-fsyntax-only", "-I"])
+        .arg(installed.prefix.join("include"))
+        .arg(&probe));
+
+    let service = LocalService::up(&icheck_in_target(), "c-errors", 1, &["--provider", "tcp"]);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let unreachable = installed.prefix.join("unreachable.toml");
+    std::fs::write(&unreachable, format!("ControllerPort = {port}\n[client]\nconnect_timeout = 2.0\n")).unwrap();
+    let out = Command::new(&exe).arg(&unreachable).env("ICHECK_CONFIG", service.config_path()).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.contains("ALL ERROR PATHS OK"), "{stdout}");
+}
+
+#[test]
+fn synthetic_benchmark_compares_with_mpiio_and_restarts_after_a_fault() {
+    let installed = install("synthetic");
+    let exe = installed.compile("mpicc", "examples/synthetic/synthetic.c", &["-std=c99", "-Wall", "-Werror"]);
+    let service = LocalService::up(&icheck_in_target(), "c-synthetic", 2, &["--provider", "tcp"]);
+    let shm_dir = installed.prefix.join("mpi-shm");
+    let config = |fault: &str| {
+        let path = installed.prefix.join(format!("synthetic-{fault}.conf"));
+        let text = format!(
+            "cp_size = 200000\ncp_type = double\ncp_interval = 0\ncp_count = 5\ncp_mpiio = true\n\
+             enable_ichk = true\nfault_inject = {fault}   # seconds\nprobe_interval = 0.001\nis_invasive = true\n\
+             pfs_dir = {}\napp = synthetic\n",
+            installed.prefix.display()
+        );
+        std::fs::write(&path, text).unwrap();
+        path.to_string_lossy().into_owned()
+    };
+    // The first step's commit lands, then rank 0 dies.
+    let killed = mpirun(&service.config_path(), &shm_dir, &exe, &[&config("0.000001")]);
+    let stdout = String::from_utf8_lossy(&killed.stdout);
+    assert!(!killed.status.success() && stdout.contains("COMMIT step 0") && stdout.contains("FAULT"), "{stdout}");
+    let again = mpirun(&service.config_path(), &shm_dir, &exe, &[&config("0")]);
+    let stdout = String::from_utf8_lossy(&again.stdout);
+    assert!(again.status.success(), "{stdout}{}", String::from_utf8_lossy(&again.stderr));
+    assert!(stdout.contains("RESTARTED at step 0"), "{stdout}");
+    let summary = stdout.lines().find(|l| l.starts_with("SUMMARY commits 4 ")).unwrap_or_else(|| panic!("{stdout}"));
+    assert!(summary.contains("mpiio/icheck"), "{summary}");
+}
