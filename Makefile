@@ -2,8 +2,10 @@
 #
 #   make                          build (cargo, release)
 #   make install PREFIX=/opt/icheck
-#       bin/icheck, lib/libicheck.{so,a}, lib/libicheck_f.a (Fortran module
-#       procedures), include/icheck.h, include/icheck.mod, lib/pkgconfig/icheck.pc
+#       bin/icheck, lib/libicheck.{so,a} (no MPI inside), lib/libicheck_mpi.a
+#       (icheck_init, compiled here with your mpicc: MPI=whatever mpicc is),
+#       lib/libicheck_f.a (Fortran module procedures), include/icheck.h,
+#       include/icheck.mod, lib/pkgconfig/icheck.pc
 #
 # Then: mpicc app.c $(pkg-config --cflags --libs icheck)
 #       mpifort app.f90 $(pkg-config --cflags --libs icheck)
@@ -12,6 +14,7 @@
 PREFIX ?= /usr/local
 CARGO ?= cargo
 FC ?= gfortran
+MPICC ?= mpicc
 CARGO_TARGET_DIR ?= target
 # Where the built files are; `make install-files OUT=target/debug` installs a
 # debug build without building (the tests do this).
@@ -37,6 +40,8 @@ install-files:
 	  $(FC) -c include/icheck.f90 -J $$tmp -o $$tmp/icheck_f.o && \
 	  install -m 644 $$tmp/icheck.mod $(DESTDIR)$(PREFIX)/include/icheck.mod && \
 	  ar rcs $(DESTDIR)$(PREFIX)/lib/libicheck_f.a $$tmp/icheck_f.o && \
+	  $(MPICC) -O2 -fPIC -Iinclude -c icheck-ffi/c/icheck_mpi.c -o $$tmp/icheck_mpi.o && \
+	  ar rcs $(DESTDIR)$(PREFIX)/lib/libicheck_mpi.a $$tmp/icheck_mpi.o && \
 	  rm -rf $$tmp
 	printf '%s\n' \
 	  'prefix=$(PREFIX)' \
@@ -47,12 +52,12 @@ install-files:
 	  'Description: client library of the icheck RDMA checkpoint service' \
 	  'Version: $(VERSION)' \
 	  'Cflags: -I$${includedir}' \
-	  'Libs: -L$${libdir} -Wl,-rpath,$${libdir} -licheck_f -licheck' \
+	  'Libs: -L$${libdir} -Wl,-rpath,$${libdir} -licheck_f -licheck_mpi -licheck' \
 	  'Libs.private: -lfabric -lpthread -ldl -lm' \
 	  > $(DESTDIR)$(PREFIX)/lib/pkgconfig/icheck.pc
 	@echo "installed under $(PREFIX); use: pkg-config --cflags --libs icheck"
 
 uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/bin/icheck $(DESTDIR)$(PREFIX)/lib/libicheck.so $(DESTDIR)$(PREFIX)/lib/libicheck.a \
-	  $(DESTDIR)$(PREFIX)/lib/libicheck_f.a $(DESTDIR)$(PREFIX)/include/icheck.h \
+	  $(DESTDIR)$(PREFIX)/lib/libicheck_f.a $(DESTDIR)$(PREFIX)/lib/libicheck_mpi.a $(DESTDIR)$(PREFIX)/include/icheck.h \
 	  $(DESTDIR)$(PREFIX)/include/icheck.mod $(DESTDIR)$(PREFIX)/lib/pkgconfig/icheck.pc

@@ -6,6 +6,9 @@
 //! * Every entry point checks its pointers and the call order, returns
 //!   `ICHECK_SUCCESS` or a negative `ICHECK_ERR_*` code, and never unwinds:
 //!   a Rust panic becomes `ICHECK_ERR_INTERNAL`.
+//! * No MPI here: `icheck_init` lives in `c/icheck_mpi.c`, compiled with the
+//!   application's `mpicc` into `libicheck_mpi.a` at install time, and
+//!   reaches this library through `icheck_init_with_ops`.
 //! * One library instance per process (the thesis API has no handle); a
 //!   mutex serialises the entry points. Calls come from the thread that
 //!   initialised MPI, as MPI itself requires at the default thread level.
@@ -18,6 +21,8 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use icheck_lib::{DataKind, Error, Icheck, InitStatus, ProbeHints, SingleProcess};
+
+mod comm;
 
 /// Success.
 pub const ICHECK_SUCCESS: c_int = 0;
@@ -209,46 +214,33 @@ fn init_logging() {
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 
-/// Starts icheck in an MPI application (collective over `comm`).
+/// Starts icheck in an MPI application: called by `icheck_init` in
+/// `icheck_mpi.c` (compiled with the application's `mpicc`), which passes the
+/// collectives as a table. Takes ownership of `ops->ctx` (destroyed through
+/// `ops->destroy`), also on failure.
 ///
 /// # Safety
 /// `config` and `app_name` must be NULL or NUL-terminated strings, `status`
-/// NULL or writable, and `comm` a valid intra-communicator of an initialised MPI.
+/// NULL or writable, `ops` NULL or a valid table whose functions stay
+/// callable until icheck_finalize.
 #[no_mangle]
-pub unsafe extern "C" fn icheck_init(
+pub unsafe extern "C" fn icheck_init_with_ops(
     config: *const c_char,
     app_name: *const c_char,
-    comm: mpi::ffi::MPI_Comm,
+    ops: *const comm::IcheckCommOps,
     status: *mut c_int,
 ) -> c_int {
     init_logging();
+    // SAFETY: NULL or valid per the contract; copied before anything can fail.
+    let ops = unsafe { ops.as_ref() }.copied();
     entry("icheck_init", |instance| {
+        let comm = ops.ok_or_else(|| Failure::new(ICHECK_ERR_NULL, "ops is NULL")).and_then(|ops| {
+            comm::CallbackComm::new(ops).ok_or_else(|| Failure::new(ICHECK_ERR_ARG, "incomplete MPI operations table"))
+        })?;
         // SAFETY: forwarded contracts.
         let (config, app) = unsafe { (config_arg(config)?, text(app_name, "app_name")?) };
-        start(instance, status, || {
-            // SAFETY: the caller passes a valid communicator.
-            let comm = unsafe { icheck_lib::MpiComm::from_raw_handle(comm) }
-                .ok_or_else(|| Error::Unsupported("MPI_Comm_dup failed on the communicator given".into()))?;
-            Icheck::init(config, app, comm)
-        })
+        start(instance, status, || Icheck::init(config, app, comm))
     })
-}
-
-/// Fortran binding of `icheck_init`: the communicator is a Fortran handle.
-///
-/// # Safety
-/// As `icheck_init`; `fcomm` must be a valid Fortran communicator handle.
-#[no_mangle]
-pub unsafe extern "C" fn icheck_init_f(
-    config: *const c_char,
-    app_name: *const c_char,
-    fcomm: c_int,
-    status: *mut c_int,
-) -> c_int {
-    // SAFETY: MPI is initialised (the caller's contract); f2c only converts.
-    let comm = unsafe { mpi::ffi::MPI_Comm_f2c(fcomm) };
-    // SAFETY: forwarded contracts.
-    unsafe { icheck_init(config, app_name, comm, status) }
 }
 
 /// Starts icheck in a non-MPI application.

@@ -69,12 +69,18 @@ impl Installed {
 }
 
 fn mpirun(config: &Path, shm_dir: &Path, exe: &Path, args: &[&str]) -> Output {
+    mpirun_with(config, shm_dir, exe, args, &[])
+}
+
+fn mpirun_with(config: &Path, shm_dir: &Path, exe: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let _ = std::fs::create_dir_all(shm_dir);
     Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "4"])
         .arg(exe)
         .args(args)
         .env("ICHECK_CONFIG", config)
         .env("OMPI_MCA_btl_vader_backing_directory", shm_dir)
+        .envs(env.iter().copied())
         .output()
         .expect("mpirun runs")
 }
@@ -90,9 +96,18 @@ fn checksum(out: &Output) -> String {
 
 /// Fault-free run, a run killed by its fault injection, and the rerun that
 /// restarts: the rerun's checksum must equal the fault-free one.
-fn kill_and_restart(exe: &Path, service: &LocalService, fault_free: &[&str], faulty: &[&str], restart: &[&str]) {
-    let shm_dir = std::env::temp_dir().join(format!("icheck-cf-mpi-{}", std::process::id()));
+fn kill_and_restart(
+    exe: &Path,
+    service: &LocalService,
+    fault_free: &[&str],
+    faulty: &[&str],
+    restart: &[&str],
+    env: &[(&str, &str)],
+) {
+    let shm_dir = service.dir.join("mpi-shm");
     let config = service.config_path();
+    let mpirun =
+        |config: &Path, shm_dir: &Path, exe: &Path, args: &[&str]| mpirun_with(config, shm_dir, exe, args, env);
     let clean = mpirun(&config, &shm_dir, exe, fault_free);
     assert!(clean.status.success(), "{}", String::from_utf8_lossy(&clean.stderr));
     let expected = checksum(&clean);
@@ -119,6 +134,16 @@ fn heat2d_in_c_restarts_to_the_fault_free_checksum() {
         &with(&["--app", "clean"]),
         &with(&["--app", "faulty", "--fail-at", "70"]),
         &with(&["--app", "faulty"]),
+        &[],
+    );
+    // SHMR through the C interface: the node's four ranks share one segment.
+    kill_and_restart(
+        &exe,
+        &service,
+        &with(&["--app", "clean-shmr"]),
+        &with(&["--app", "faulty-shmr", "--fail-at", "70"]),
+        &with(&["--app", "faulty-shmr"]),
+        &[("ICHECK_MODE", "shmr")],
     );
 }
 
@@ -128,7 +153,7 @@ fn heat1d_in_fortran_restarts_to_the_fault_free_checksum() {
     let exe = installed.compile("mpifort", "examples/fortran/heat1d.f90", &["-Wall"]);
     let service = LocalService::up(&icheck_in_target(), "f-heat1d", 2, &["--provider", "tcp"]);
     // The application name is fixed ("heat1d"); the clean run cleans up.
-    kill_and_restart(&exe, &service, &["512", "120", "20"], &["512", "120", "20", "70"], &["512", "120", "20"]);
+    kill_and_restart(&exe, &service, &["512", "120", "20"], &["512", "120", "20", "70"], &["512", "120", "20"], &[]);
 }
 
 #[test]
@@ -149,6 +174,11 @@ fn every_c_error_path_returns_its_code() {
         .args(["-std=c++11", "-Wall", "-Werror", "-fsyntax-only", "-I"])
         .arg(installed.prefix.join("include"))
         .arg(&probe));
+
+    // A program without MPI does not load an MPI library through libicheck.
+    let ldd = run(Command::new("ldd").arg(&exe));
+    let libraries = String::from_utf8_lossy(&ldd.stdout);
+    assert!(libraries.contains("libicheck.so") && !libraries.contains("libmpi"), "{libraries}");
 
     let service = LocalService::up(&icheck_in_target(), "c-errors", 1, &["--provider", "tcp"]);
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
