@@ -56,8 +56,8 @@ impl CallbackComm {
             Some(CallbackComm { ops })
         } else {
             // Still free what we were given.
-            // SAFETY: destroy (if any) takes the ctx it was given with.
             if let Some(destroy) = ops.destroy {
+                // SAFETY: destroy takes the ctx it was given with, once.
                 unsafe { destroy(ops.ctx) };
             }
             None
