@@ -85,8 +85,8 @@ int icheck_restart(void);
 int icheck_restore(const char *label, void *data, size_t count);
 /* Collective: restarts if needed and restores every added label. */
 int icheck_restart_all(void);
-/* Collective: 1 if the application moved to new agents, 0 if not, or an
- * error code. hints may be NULL. */
+/* Collective: moves to new agents if the controller placed new ones (the
+ * next commit goes there). hints may be NULL. */
 int icheck_probe_agents(const icheck_hints *hints);
 /* Collective: IC_PERSIST or IC_CLEANUP. */
 int icheck_finalize(int mode);

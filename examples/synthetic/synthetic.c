@@ -186,9 +186,7 @@ int main(int argc, char **argv)
         }
         if (c.enable_ichk && c.is_invasive && c.probe_interval > 0 && MPI_Wtime() - last_probe > c.probe_interval) {
             icheck_hints hints = {(int)(c.cp_count - step)};
-            int changed = icheck_probe_agents(&hints);
-            check(changed, "icheck_probe_agents", rank);
-            if (rank == 0 && changed) printf("PROBE moved to new agents at step %ld\n", step);
+            check(icheck_probe_agents(&hints), "icheck_probe_agents", rank);
             last_probe = MPI_Wtime();
         }
     }

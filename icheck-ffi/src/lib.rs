@@ -373,7 +373,7 @@ pub extern "C" fn icheck_restart_all() -> c_int {
 }
 
 /// Asks whether the agents changed and moves to new ones (collective).
-/// Returns 1 when the agents changed, 0 when not, or an error code.
+/// Returns ICHECK_SUCCESS either way (a move is logged), or an error code.
 ///
 /// # Safety
 /// `hints` must be NULL or point to an `icheck_hints`.
@@ -383,7 +383,10 @@ pub unsafe extern "C" fn icheck_probe_agents(hints: *const IcheckHints) -> c_int
         // SAFETY: NULL or a valid icheck_hints per the contract.
         let remaining = unsafe { hints.as_ref() }.map_or(0, |h| h.remaining_commits.max(0) as u32);
         let outcome = initialised(instance)?.probe_agents(ProbeHints { remaining_commits: remaining })?;
-        Ok(c_int::from(outcome != icheck_lib::ProbeOutcome::Unchanged))
+        if let icheck_lib::ProbeOutcome::Reconnected { agents } = outcome {
+            tracing::info!(agents, "icheck_probe_agents: moved to new agents");
+        }
+        Ok(ICHECK_SUCCESS)
     })
 }
 
