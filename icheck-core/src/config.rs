@@ -405,6 +405,15 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_example_files_parse() {
+        let static_path = Path::new("config/icheck.toml");
+        let config: StaticConfig = parse(static_path, include_str!("../../config/icheck.toml")).unwrap();
+        assert_eq!(config.client.transfer, TransferDirection::Pull);
+        assert_eq!(config.agent_store_dir, PathBuf::from("/dev/shm/icheck"));
+        DynamicConfig::parse(Path::new("config/dynamic.toml"), include_str!("../../config/dynamic.toml")).unwrap();
+    }
+
+    #[test]
     fn thesis_listing_6_2_parses() {
         let text = r#"
             readInterval = 30
