@@ -11,6 +11,7 @@ pub mod config;
 pub mod decide;
 pub mod fabric;
 pub mod failpoint;
+pub mod pfs;
 pub mod protocol;
 pub mod selftest;
 pub mod service;

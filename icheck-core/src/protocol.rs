@@ -80,6 +80,24 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ProtocolError> {
     options().deserialize(bytes).map_err(|e| ProtocolError::Malformed(e.to_string()))
 }
 
+/// Largest structure stored in a file (PFS manifests of many ranks).
+pub const MAX_STORED: u64 = 256 << 20;
+
+fn stored_options() -> impl Options {
+    bincode::DefaultOptions::new().with_limit(MAX_STORED).reject_trailing_bytes()
+}
+
+/// Encodes a structure stored in a file (not sent), up to [`MAX_STORED`] bytes.
+pub fn encode_large<T: Serialize>(value: &T) -> Result<Vec<u8>, ProtocolError> {
+    stored_options().serialize(value).map_err(|e| ProtocolError::Malformed(e.to_string()))
+}
+
+/// Decodes a structure read from a file; never panics, allocates at most
+/// [`MAX_STORED`] bytes.
+pub fn decode_large<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ProtocolError> {
+    stored_options().deserialize(bytes).map_err(|e| ProtocolError::Malformed(e.to_string()))
+}
+
 /// Writes one message as a frame.
 pub async fn send<W: AsyncWriteExt + Unpin, T: Serialize>(writer: &mut W, message: &T) -> Result<(), ProtocolError> {
     let payload = encode(message)?;

@@ -1,0 +1,411 @@
+//! The PFS level's on-disk format: one format for version copies written by
+//! agents and for versions the library writes directly when the service is
+//! unreachable (issue 6 builds the writers on it).
+//!
+//! ```text
+//! <pfs_dir>/<app>/v<V>.partial/       a version being written (never read)
+//! <pfs_dir>/<app>/v<V>/rank<R>.data   one process's (MR) or node's (SHMR) bytes, raw or zstd
+//! <pfs_dir>/<app>/v<V>/MANIFEST       PfsManifest (bincode), written last
+//! ```
+//!
+//! Architecture invariant: a version directory without the `.partial`
+//! suffix always holds its MANIFEST, because the MANIFEST is written (and
+//! synced) inside `v<V>.partial`, which is then renamed as a whole. Readers
+//! only look at renamed directories, so a half-written version is never
+//! taken for a complete one; every byte read back is checked against the
+//! stored checksums, and every error names the file.
+
+use std::fs::{self, File};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::protocol::{self, Manifest};
+use crate::service::store::{check_app_name, first_bad_chunk};
+
+/// Name of the file that makes a version directory complete.
+pub const MANIFEST: &str = "MANIFEST";
+
+/// How a rank's bytes are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Compression {
+    /// As they are.
+    None,
+    /// zstd at this level.
+    Zstd {
+        /// Compression level (1 fast ... 19 small).
+        level: i32,
+    },
+}
+
+/// One rank's (or node's) file in a version.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankEntry {
+    /// The rank's manifest: labels, types, sizes, per-label checksums.
+    pub manifest: Manifest,
+    /// File name inside the version directory.
+    pub file: String,
+    /// Bytes in the file (compressed size when compressed).
+    pub stored_len: u64,
+    /// How the bytes are stored.
+    pub compression: Compression,
+    /// crc32c of the file's bytes as stored.
+    pub file_crc: u32,
+}
+
+/// A complete version on the PFS.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PfsManifest {
+    /// Application name.
+    pub app: String,
+    /// Version number.
+    pub version: u64,
+    /// Process count the version was written with.
+    pub ranks: u32,
+    /// Who wrote it ("agents" or "library").
+    pub writer: String,
+    /// One entry per file.
+    pub entries: Vec<RankEntry>,
+}
+
+/// What writing one rank cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct WriteStats {
+    /// Bytes before compression.
+    pub raw: u64,
+    /// Bytes written.
+    pub stored: u64,
+    /// Time spent compressing.
+    pub compress: Duration,
+    /// Time spent writing and syncing.
+    pub write: Duration,
+}
+
+impl WriteStats {
+    /// raw / stored (1.0 when nothing was written).
+    pub fn ratio(&self) -> f64 {
+        if self.stored == 0 {
+            1.0
+        } else {
+            self.raw as f64 / self.stored as f64
+        }
+    }
+}
+
+/// Why the PFS level failed; every variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum PfsError {
+    /// A file operation failed.
+    #[error("{what} {path}: {error}")]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        error: std::io::Error,
+    },
+    /// A file's contents are not what its manifest says.
+    #[error("{path} is damaged: {reason}")]
+    Damaged {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The application name cannot be a directory name.
+    #[error(transparent)]
+    Name(#[from] crate::service::store::StoreError),
+    /// The version has no file for this rank.
+    #[error("version {version} in {dir} has no data for rank {rank}")]
+    MissingRank {
+        /// The version directory.
+        dir: PathBuf,
+        /// Version.
+        version: u64,
+        /// Rank.
+        rank: u32,
+    },
+}
+
+type Result<T> = std::result::Result<T, PfsError>;
+
+fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> PfsError + 'a {
+    move |error| PfsError::Io { what, path: path.to_path_buf(), error }
+}
+
+/// A PFS directory holding applications' versions.
+#[derive(Clone, Debug)]
+pub struct PfsStore {
+    root: PathBuf,
+}
+
+impl PfsStore {
+    /// The PFS level under `root` (created on first write).
+    pub fn new(root: impl Into<PathBuf>) -> PfsStore {
+        PfsStore { root: root.into() }
+    }
+
+    fn app_dir(&self, app: &str) -> Result<PathBuf> {
+        check_app_name(app)?;
+        Ok(self.root.join(app))
+    }
+
+    /// Directory of a complete version.
+    pub fn version_dir(&self, app: &str, version: u64) -> Result<PathBuf> {
+        Ok(self.app_dir(app)?.join(format!("v{version}")))
+    }
+
+    fn partial_dir(&self, app: &str, version: u64) -> Result<PathBuf> {
+        Ok(self.app_dir(app)?.join(format!("v{version}.partial")))
+    }
+
+    /// Writes one rank's bytes into the partial version (creating it);
+    /// `data` is the rank's whole data, `manifest` describes it.
+    pub fn write_rank(
+        &self,
+        manifest: &Manifest,
+        data: &[u8],
+        compression: Compression,
+    ) -> Result<(RankEntry, WriteStats)> {
+        let dir = self.partial_dir(&manifest.app, manifest.version)?;
+        fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
+        let file = format!("rank{}.data", manifest.rank);
+        let path = dir.join(&file);
+        let started = Instant::now();
+        let compressed;
+        let stored: &[u8] = match compression {
+            Compression::None => data,
+            Compression::Zstd { level } => {
+                compressed = zstd::bulk::compress(data, level).map_err(io("cannot compress for", &path))?;
+                &compressed
+            }
+        };
+        let compress = started.elapsed();
+        let started = Instant::now();
+        let tmp = dir.join(format!("{file}.tmp"));
+        let mut out = File::create(&tmp).map_err(io("cannot create", &tmp))?;
+        out.write_all(stored).and_then(|_| out.sync_all()).map_err(io("cannot write", &tmp))?;
+        fs::rename(&tmp, &path).map_err(io("cannot rename into", &path))?;
+        let stats =
+            WriteStats { raw: data.len() as u64, stored: stored.len() as u64, compress, write: started.elapsed() };
+        let entry = RankEntry {
+            manifest: manifest.clone(),
+            file,
+            stored_len: stored.len() as u64,
+            compression,
+            file_crc: crc32c::crc32c(stored),
+        };
+        Ok((entry, stats))
+    }
+
+    /// Completes a version whose ranks are all written: the MANIFEST goes
+    /// in last, then the directory is renamed into place, then older
+    /// complete versions are deleted (the new one replaces them only now).
+    pub fn complete(&self, app: &str, version: u64, ranks: u32, writer: &str, entries: Vec<RankEntry>) -> Result<()> {
+        let partial = self.partial_dir(app, version)?;
+        let manifest = PfsManifest { app: app.to_string(), version, ranks, writer: writer.to_string(), entries };
+        let bytes = bincode_encode(&manifest, &partial)?;
+        let tmp = partial.join(format!("{MANIFEST}.tmp"));
+        let mut out = File::create(&tmp).map_err(io("cannot create", &tmp))?;
+        out.write_all(&bytes).and_then(|_| out.sync_all()).map_err(io("cannot write", &tmp))?;
+        fs::rename(&tmp, partial.join(MANIFEST)).map_err(io("cannot rename into", &partial))?;
+        let done = self.version_dir(app, version)?;
+        let _ = fs::remove_dir_all(&done);
+        fs::rename(&partial, &done).map_err(io("cannot rename into place", &done))?;
+        if let Ok(dir) = File::open(self.app_dir(app)?) {
+            let _ = dir.sync_all();
+        }
+        for old in self.versions(app)?.into_iter().filter(|v| *v < version) {
+            let dir = self.version_dir(app, old)?;
+            fs::remove_dir_all(&dir).map_err(io("cannot remove", &dir))?;
+        }
+        Ok(())
+    }
+
+    /// Complete versions of `app`, ascending.
+    pub fn versions(&self, app: &str) -> Result<Vec<u64>> {
+        let dir = self.app_dir(app)?;
+        let mut versions: Vec<u64> = match fs::read_dir(&dir) {
+            Ok(entries) => entries
+                .filter_map(|e| e.ok())
+                .filter(|e| e.path().join(MANIFEST).is_file())
+                .filter_map(|e| e.file_name().to_str()?.strip_prefix('v')?.parse().ok())
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        versions.sort_unstable();
+        Ok(versions)
+    }
+
+    /// The newest complete version of `app`.
+    pub fn latest(&self, app: &str) -> Result<Option<u64>> {
+        Ok(self.versions(app)?.pop())
+    }
+
+    /// Reads a complete version's MANIFEST.
+    pub fn manifest(&self, app: &str, version: u64) -> Result<PfsManifest> {
+        let path = self.version_dir(app, version)?.join(MANIFEST);
+        let bytes = fs::read(&path).map_err(io("cannot read", &path))?;
+        let manifest: PfsManifest = protocol::decode_large(&bytes)
+            .map_err(|e| PfsError::Damaged { path: path.clone(), reason: e.to_string() })?;
+        if manifest.app != app || manifest.version != version {
+            return Err(PfsError::Damaged { path, reason: "it describes another version".into() });
+        }
+        Ok(manifest)
+    }
+
+    /// Reads and verifies one rank's data: the stored file's checksum, its
+    /// decompressed length, and every label's chunk checksums.
+    pub fn read_rank(&self, manifest: &PfsManifest, rank: u32) -> Result<(Manifest, Vec<u8>)> {
+        let dir = self.version_dir(&manifest.app, manifest.version)?;
+        let entry = manifest.entries.iter().find(|e| e.manifest.rank == rank).ok_or(PfsError::MissingRank {
+            dir: dir.clone(),
+            version: manifest.version,
+            rank,
+        })?;
+        let path = dir.join(&entry.file);
+        let damaged = |reason: String| PfsError::Damaged { path: path.clone(), reason };
+        let mut stored = Vec::with_capacity(entry.stored_len as usize);
+        File::open(&path).and_then(|mut f| f.read_to_end(&mut stored)).map_err(io("cannot read", &path))?;
+        if stored.len() as u64 != entry.stored_len {
+            return Err(damaged(format!("{} bytes, the manifest says {}", stored.len(), entry.stored_len)));
+        }
+        if crc32c::crc32c(&stored) != entry.file_crc {
+            return Err(damaged("its checksum does not match the manifest".into()));
+        }
+        let total = entry.manifest.total_len as usize;
+        let data = match entry.compression {
+            Compression::None => stored,
+            Compression::Zstd { .. } => {
+                zstd::bulk::decompress(&stored, total).map_err(|e| damaged(format!("cannot decompress: {e}")))?
+            }
+        };
+        if data.len() != total {
+            return Err(damaged(format!("{} bytes of data, the manifest says {total}", data.len())));
+        }
+        for (label, crcs) in entry.manifest.labels.iter().zip(&entry.manifest.crcs) {
+            let bytes = &data[label.offset as usize..(label.offset + label.len) as usize];
+            if let Some(chunk) = first_bad_chunk(bytes, crcs) {
+                return Err(damaged(format!("label {:?} fails its checksum in chunk {chunk}", label.label)));
+            }
+        }
+        Ok((entry.manifest.clone(), data))
+    }
+
+    /// Deletes every version of `app`.
+    pub fn remove_app(&self, app: &str) -> Result<()> {
+        let dir = self.app_dir(app)?;
+        match fs::remove_dir_all(&dir) {
+            Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                Err(PfsError::Io { what: "cannot remove", path: dir, error })
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+fn bincode_encode(manifest: &PfsManifest, dir: &Path) -> Result<Vec<u8>> {
+    protocol::encode_large(manifest)
+        .map_err(|e| PfsError::Damaged { path: dir.join(MANIFEST), reason: format!("cannot encode: {e}") })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{DataKind, LabelLayout};
+    use crate::service::store::label_crcs;
+
+    fn manifest(app: &str, version: u64, rank: u32, data: &[u8]) -> Manifest {
+        let half = data.len() / 2;
+        let labels = vec![
+            LabelLayout { label: "a".into(), kind: DataKind::Binary, offset: 0, len: half as u64 },
+            LabelLayout {
+                label: "b".into(),
+                kind: DataKind::Double,
+                offset: half as u64,
+                len: (data.len() - half) as u64,
+            },
+        ];
+        Manifest {
+            app: app.into(),
+            rank,
+            ranks: 2,
+            version,
+            crcs: label_crcs(&[&data[..half], &data[half..]]),
+            labels,
+            total_len: data.len() as u64,
+            chunk_size: crate::service::store::CHUNK_SIZE,
+            sealed_unix_ms: 0,
+        }
+    }
+
+    fn scratch(name: &str) -> PfsStore {
+        let root = std::env::temp_dir().join(format!("icheck-pfs-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        PfsStore::new(root)
+    }
+
+    fn write_version(pfs: &PfsStore, version: u64, data: &[&[u8]], compression: Compression) -> Vec<WriteStats> {
+        let mut entries = Vec::new();
+        let mut stats = Vec::new();
+        for (rank, bytes) in data.iter().enumerate() {
+            let (entry, s) = pfs.write_rank(&manifest("app", version, rank as u32, bytes), bytes, compression).unwrap();
+            entries.push(entry);
+            stats.push(s);
+        }
+        pfs.complete("app", version, data.len() as u32, "test", entries).unwrap();
+        stats
+    }
+
+    #[test]
+    fn round_trip_raw_and_compressed_and_only_the_newest_stays() {
+        let pfs = scratch("roundtrip");
+        let compressible = vec![7u8; 1 << 20];
+        let mut noise = vec![0u8; 1 << 20];
+        let mut x = 0x1234_5678_9abc_def0u64;
+        for byte in &mut noise {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *byte = x as u8;
+        }
+        write_version(&pfs, 1, &[&noise, &compressible], Compression::None);
+        let stats = write_version(&pfs, 2, &[&noise, &compressible], Compression::Zstd { level: 3 });
+        assert!(stats[1].ratio() > 100.0, "zeros-like data compresses: {}", stats[1].ratio());
+        assert!(stats[0].ratio() < 1.01, "noise does not: {}", stats[0].ratio());
+        assert_eq!(pfs.versions("app").unwrap(), vec![2], "the new version replaced the old one");
+        let manifest = pfs.manifest("app", 2).unwrap();
+        assert_eq!(pfs.read_rank(&manifest, 0).unwrap().1, noise);
+        assert_eq!(pfs.read_rank(&manifest, 1).unwrap().1, compressible);
+        assert!(matches!(pfs.read_rank(&manifest, 5), Err(PfsError::MissingRank { rank: 5, .. })));
+        pfs.remove_app("app").unwrap();
+        assert_eq!(pfs.latest("app").unwrap(), None);
+    }
+
+    #[test]
+    fn partial_versions_are_invisible_and_damage_names_the_file() {
+        let pfs = scratch("damage");
+        let data = vec![3u8; 10_000];
+        write_version(&pfs, 1, &[&data], Compression::None);
+        // A version whose manifest never got written is not a version.
+        pfs.write_rank(&manifest("app", 2, 0, &data), &data, Compression::None).unwrap();
+        assert_eq!(pfs.latest("app").unwrap(), Some(1));
+
+        let file = pfs.version_dir("app", 1).unwrap().join("rank0.data");
+        let manifest = pfs.manifest("app", 1).unwrap();
+        let mut bytes = fs::read(&file).unwrap();
+        bytes[5000] ^= 1;
+        fs::write(&file, &bytes).unwrap();
+        let err = pfs.read_rank(&manifest, 0).unwrap_err().to_string();
+        assert!(err.contains("rank0.data") && err.contains("checksum"), "{err}");
+        fs::write(&file, &bytes[..100]).unwrap();
+        let err = pfs.read_rank(&manifest, 0).unwrap_err().to_string();
+        assert!(err.contains("rank0.data") && err.contains("100 bytes"), "{err}");
+        fs::remove_file(pfs.version_dir("app", 1).unwrap().join(MANIFEST)).unwrap();
+        assert_eq!(pfs.latest("app").unwrap(), None, "a version without its manifest is not complete");
+        let _ = fs::remove_dir_all(&pfs.root);
+    }
+}
