@@ -94,6 +94,10 @@ pub struct StaticConfig {
     /// it in RAM yet outside the manager, so a restarted manager finds it.
     #[serde(rename = "AgentStoreDir", default = "default_store")]
     pub agent_store_dir: PathBuf,
+    /// The parallel file system directory for the PFS level (version copies
+    /// by agents); unset: no PFS level.
+    #[serde(rename = "PfsDir", default)]
+    pub pfs_dir: Option<PathBuf>,
     /// Host agents bind their command channel to and advertise to ranks.
     #[serde(rename = "AgentAddress", default = "default_address")]
     pub agent_address: String,
@@ -123,6 +127,30 @@ pub struct ClientConfig {
     pub zero_copy: bool,
     /// Seconds to wait for the controller at init before giving up.
     pub connect_timeout: f64,
+    /// Agents copy every this many versions to the PFS (0 = never).
+    /// `ICHECK_PFS_INTERVAL` overrides it.
+    pub pfs_interval: u32,
+    /// How PFS copies are stored: "none", "zstd" or "zstd:LEVEL".
+    pub compression: String,
+}
+
+impl ClientConfig {
+    /// The `compression` key as a [`Compression`](crate::pfs::Compression).
+    pub fn compression(&self) -> Result<crate::pfs::Compression, String> {
+        use crate::pfs::Compression;
+        match self.compression.as_str() {
+            "none" | "" => Ok(Compression::None),
+            "zstd" => Ok(Compression::Zstd { level: 3 }),
+            other => other
+                .strip_prefix("zstd:")
+                .and_then(|level| level.parse::<i32>().ok())
+                .filter(|level| (1..=22).contains(level))
+                .map(|level| Compression::Zstd { level })
+                .ok_or_else(|| {
+                    format!("compression {other:?}: expected \"none\", \"zstd\" or \"zstd:1\" to \"zstd:22\"")
+                }),
+        }
+    }
 }
 
 impl Default for ClientConfig {
@@ -133,6 +161,8 @@ impl Default for ClientConfig {
             staging_buffer: crate::units::ByteSize(64 << 20),
             zero_copy: true,
             connect_timeout: 5.0,
+            pfs_interval: 0,
+            compression: "none".into(),
         }
     }
 }

@@ -105,7 +105,15 @@ mod tests {
     use super::*;
 
     fn app(ranks: u32, nodes: u32, mode: TransferMode) -> AppRegistration {
-        AppRegistration { name: "a".into(), ranks, nodes, ranks_per_node: ranks / nodes.max(1), mode }
+        AppRegistration {
+            name: "a".into(),
+            ranks,
+            nodes,
+            ranks_per_node: ranks / nodes.max(1),
+            mode,
+            pfs_interval: 0,
+            compression: crate::pfs::Compression::None,
+        }
     }
 
     fn node(name: &str, agents: u32, mem: u64) -> NodeSnapshot {

@@ -252,6 +252,10 @@ pub struct AppRegistration {
     pub ranks_per_node: u32,
     /// MR or SHMR.
     pub mode: TransferMode,
+    /// Copy every this many versions to the PFS (0 = never).
+    pub pfs_interval: u32,
+    /// How the PFS copies are stored.
+    pub compression: crate::pfs::Compression,
 }
 
 /// An agent as the application sees it.
@@ -319,6 +323,15 @@ pub enum ManagerToController {
         /// Agent id.
         id: u64,
     },
+    /// An agent finished (or failed) its part of a PFS copy.
+    PfsCopied {
+        /// Agent id.
+        agent: u64,
+        /// Version.
+        version: u64,
+        /// The files it wrote, or why it could not.
+        result: Result<Vec<crate::pfs::RankEntry>, String>,
+    },
 }
 
 /// Messages the controller sends to a manager.
@@ -334,6 +347,15 @@ pub enum ControllerToManager {
         id: u64,
         /// Application it serves.
         app: String,
+    },
+    /// Copy the agent's ranks of a complete version to the PFS.
+    CopyToPfs {
+        /// Agent id.
+        agent: u64,
+        /// Version.
+        version: u64,
+        /// How to store it.
+        compression: crate::pfs::Compression,
     },
     /// Stop an agent.
     StopAgent {
@@ -428,6 +450,8 @@ pub struct AppReport {
     pub latest: Option<VersionRecord>,
     /// Whether the application finished with IC_PERSIST (checkpoints kept).
     pub persisted: bool,
+    /// Newest version copied to the PFS by this controller, if any.
+    pub pfs_version: Option<u64>,
 }
 
 /// A complete version as the controller records it.
@@ -619,6 +643,8 @@ mod tests {
             nodes: 2,
             ranks_per_node: 2,
             mode: TransferMode::Mr,
+            pfs_interval: 0,
+            compression: crate::pfs::Compression::None,
         });
         let mut bytes = encode(&msg).unwrap();
         assert_eq!(decode::<ClientRequest>(&bytes).unwrap(), msg);

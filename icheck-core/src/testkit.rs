@@ -13,6 +13,8 @@ use crate::protocol::StatusReport;
 pub struct LocalService {
     /// The `icheck` executable.
     pub icheck: PathBuf,
+    /// Arguments `icheck up` was given (before `--state-dir`).
+    up_args: Vec<String>,
     /// State directory (config, logs, pids).
     pub dir: PathBuf,
     /// The client configuration `icheck up` wrote.
@@ -40,22 +42,36 @@ impl LocalService {
             std::fs::create_dir_all(&dir).expect("create the state directory");
             std::fs::write(dir.join("dynamic.toml"), text).expect("write dynamic.toml");
         }
-        let out = Command::new(icheck)
-            .args(["up", "--detach", "--managers", &managers.to_string(), "--heartbeat", "0.5"])
-            .args(extra)
+        let mut up_args: Vec<String> =
+            ["up", "--detach", "--managers", &managers.to_string(), "--heartbeat", "0.5"].map(String::from).into();
+        up_args.extend(extra.iter().map(|s| s.to_string()));
+        let mut service = LocalService { icheck: icheck.to_path_buf(), up_args, config: StaticConfig::default(), dir };
+        service.start();
+        service
+    }
+
+    fn start(&mut self) {
+        let out = Command::new(&self.icheck)
+            .args(&self.up_args)
             .arg("--state-dir")
-            .arg(&dir)
+            .arg(&self.dir)
             .output()
             .expect("run icheck up");
-        let mut service = LocalService { icheck: icheck.to_path_buf(), config: StaticConfig::default(), dir };
         assert!(
             out.status.success(),
             "icheck up failed: {}{}",
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        service.config = StaticConfig::load(&service.config_path()).expect("icheck up wrote a valid config");
-        service
+        self.config = StaticConfig::load(&self.config_path()).expect("icheck up wrote a valid config");
+    }
+
+    /// `icheck down` then `icheck up` again in the same state directory: a
+    /// fresh service (new controller, managers and agent memory) that keeps
+    /// the directory's PFS level.
+    pub fn relaunch(&mut self) {
+        let _ = Command::new(&self.icheck).args(["down", "--state-dir"]).arg(&self.dir).output();
+        self.start();
     }
 
     /// Path of the client configuration.

@@ -33,8 +33,15 @@ impl Service {
     }
 
     fn register(&self, name: &str, ranks: u32, nodes: u32) -> Result<Vec<protocol::AgentInfo>, String> {
-        let app =
-            AppRegistration { name: name.into(), ranks, nodes, ranks_per_node: ranks / nodes, mode: TransferMode::Mr };
+        let app = AppRegistration {
+            name: name.into(),
+            ranks,
+            nodes,
+            ranks_per_node: ranks / nodes,
+            mode: TransferMode::Mr,
+            pfs_interval: 0,
+            compression: icheck_core::pfs::Compression::None,
+        };
         match request_blocking(&self.config, &ClientRequest::RegisterApp(app)) {
             Ok(ClientReply::Registered { agents, .. }) => Ok(agents),
             Ok(other) => Err(format!("unexpected {other:?}")),

@@ -497,6 +497,17 @@ impl Icheck {
                 .map_err(|e| Error::Unsupported(format!("environment variable ICHECK_STAGING_BUFFER: {e}")))?,
             Err(_) => client.staging_buffer,
         };
+        let pfs_interval = match std::env::var("ICHECK_PFS_INTERVAL") {
+            Ok(text) => text.parse::<u32>().map_err(|_| {
+                Error::Unsupported(format!("environment variable ICHECK_PFS_INTERVAL: {text:?} is not a number"))
+            })?,
+            Err(_) => client.pfs_interval,
+        };
+        let compression = client.compression().map_err(|expected| ConfigError::Invalid {
+            file: path.clone(),
+            key: "client.compression",
+            expected,
+        })?;
         let token = config.effective_token();
         let connect_timeout = Duration::from_secs_f64(client.connect_timeout.max(0.1));
         let (rank, size) = (comm.rank(), comm.size());
@@ -511,8 +522,15 @@ impl Icheck {
         let mut answer = Vec::new();
         if rank == 0 {
             let (nodes, per_node) = comm.node_counts();
-            let registration =
-                AppRegistration { name: app_name.to_string(), ranks: size, nodes, ranks_per_node: per_node, mode };
+            let registration = AppRegistration {
+                name: app_name.to_string(),
+                ranks: size,
+                nodes,
+                ranks_per_node: per_node,
+                mode,
+                pfs_interval,
+                compression,
+            };
             let outcome = BlockingConnection::connect(&controller_peer, &token, connect_timeout).and_then(|mut c| {
                 // Registrations and probes may wait for managers to start agents.
                 c.set_timeout(CONTROLLER_TIMEOUT);

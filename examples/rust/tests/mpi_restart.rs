@@ -205,6 +205,29 @@ fn agent_lost_during_a_commit_keeps_the_previous_version() {
     assert!(lines.iter().any(|l| l == "RESTORED version=1 step=0 verified"), "{lines:?}");
 }
 
+#[test]
+fn versions_survive_losing_every_daemon_through_the_pfs() {
+    use nix::sys::signal::kill;
+    let mut service = service("mpi-pfs", 2, "tcp");
+    let config = service.config_path();
+    let copies = [("ICHECK_PFS_INTERVAL", "1")];
+    let args = ["--app", "pfs", "--steps", "20", "--every", "2", "--mib", "4", "--hang-after", "3"];
+    let mut job = Job::start(4, &config, &args, &copies);
+    job.wait_line("HANG", Duration::from_secs(120));
+    let manifest = service.dir.join("pfs/pfs/v3/MANIFEST");
+    icheck_core::testkit::wait_for("the PFS copy of version 3", Duration::from_secs(30), || manifest.exists());
+    job.kill();
+    // Every daemon dies at once; the agents' memory goes with `icheck down`.
+    for daemon in ["controller", "manager-local-1", "manager-local-2"] {
+        kill(Pid::from_raw(service.pid_of(daemon) as i32), Signal::SIGKILL).unwrap();
+    }
+    service.relaunch();
+    let job =
+        Job::start(4, &service.config_path(), &["--app", "pfs", "--steps", "8", "--every", "2", "--mib", "4"], &[]);
+    let lines = job.finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+}
+
 /// Every direction and mode combination on one provider: commit twice,
 /// finish with IC_PERSIST, restart in a new job and verify. SHMR runs three
 /// ranks, so the node leader moves the data of two others too.

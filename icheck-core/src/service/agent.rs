@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::store::{MappedFile, Store, CHUNK_SIZE};
+use super::store::{MappedFile, Store, StoreError, CHUNK_SIZE};
 use crate::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, Peer, ProgressMode, ProgressThread,
     RegisteredBuffer, RmaOp, TransferOptions,
@@ -52,6 +52,9 @@ pub struct AgentSettings {
     pub host: String,
     /// The node's checkpoint store.
     pub store: Store,
+    /// The PFS level, if configured: copies go there, and versions missing
+    /// from the store are loaded from there.
+    pub pfs: Option<crate::pfs::PfsStore>,
 }
 
 /// Counters an agent keeps for the manager's status reports.
@@ -72,6 +75,9 @@ struct Shared {
     settings: AgentSettings,
     stop: AtomicBool,
     sessions: Mutex<Vec<TcpStream>>,
+    /// Ranks (MR) or node indices (SHMR) that opened sessions: what this
+    /// agent copies to the PFS.
+    ranks: Mutex<std::collections::BTreeSet<u32>>,
     counters: AgentCounters,
 }
 
@@ -110,6 +116,7 @@ impl Agent {
             settings: settings.clone(),
             stop: AtomicBool::new(false),
             sessions: Mutex::default(),
+            ranks: Mutex::default(),
             counters: AgentCounters::default(),
         });
         let thread_shared = shared.clone();
@@ -133,6 +140,39 @@ impl Agent {
     /// The agent's counters.
     pub fn counters(&self) -> &AgentCounters {
         &self.shared.counters
+    }
+
+    /// A job that copies this agent's ranks of `version` from the store to
+    /// the PFS, for a blocking thread (it reads whole versions).
+    pub fn pfs_copy_job(
+        &self,
+        version: u64,
+        compression: crate::pfs::Compression,
+    ) -> impl FnOnce() -> Result<Vec<crate::pfs::RankEntry>, String> + Send + 'static {
+        let shared = self.shared.clone();
+        move || {
+            let pfs = shared.settings.pfs.as_ref().ok_or("no PfsDir is configured")?;
+            let ranks: Vec<u32> = shared.ranks.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect();
+            let mut entries = Vec::new();
+            for rank in ranks {
+                let (manifest, file) =
+                    shared.settings.store.open(&shared.app, rank, version).map_err(|e| e.to_string())?;
+                let (entry, stats) =
+                    pfs.write_rank(&manifest, file.as_slice(), compression).map_err(|e| e.to_string())?;
+                tracing::info!(
+                    agent = shared.id,
+                    version,
+                    rank,
+                    bytes = stats.raw,
+                    ratio = stats.ratio(),
+                    compress_ms = stats.compress.as_secs_f64() * 1e3,
+                    write_ms = stats.write.as_secs_f64() * 1e3,
+                    "copied to the PFS"
+                );
+                entries.push(entry);
+            }
+            Ok(entries)
+        }
     }
 
     /// Whether the thread is still running.
@@ -290,6 +330,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             return Err(format!("agent {} serves {:?}, not {app:?}", shared.id, shared.app));
         }
         let peer = shared.endpoint.insert_peer(&address).map_err(|e| e.to_string())?;
+        shared.ranks.lock().unwrap_or_else(|p| p.into_inner()).insert(rank);
         *session = Some(Session {
             app,
             rank,
@@ -404,7 +445,14 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
         }
         AgentRequest::Fetch { version } => {
             session.fetching = None;
-            let (manifest, file) = store.open(&session.app, session.rank, version).map_err(|e| e.to_string())?;
+            let opened = match store.open(&session.app, session.rank, version) {
+                Err(StoreError::Missing { .. }) if shared.settings.pfs.is_some() => {
+                    load_from_pfs(shared, &session.app, session.rank, version)?;
+                    store.open(&session.app, session.rank, version)
+                }
+                other => other,
+            };
+            let (manifest, file) = opened.map_err(|e| e.to_string())?;
             let file = shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
             let mut region = file.remote();
             region.len = manifest.total_len.min(region.len);
@@ -417,6 +465,27 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             Ok(AgentReply::Ok)
         }
     }
+}
+
+/// Brings a version this node's store lacks (its agents were lost, or the
+/// store was wiped) back from the PFS copy, verified, into the store.
+fn load_from_pfs(shared: &Shared, app: &str, rank: u32, version: u64) -> Result<(), String> {
+    let pfs = shared.settings.pfs.as_ref().ok_or("no PfsDir is configured")?;
+    let started = Instant::now();
+    let manifest = pfs.manifest(app, version).map_err(|e| e.to_string())?;
+    let (rank_manifest, data) = pfs.read_rank(&manifest, rank).map_err(|e| e.to_string())?;
+    let store = &shared.settings.store;
+    let mut file = store.create(app, rank, version, rank_manifest.total_len).map_err(|e| e.to_string())?;
+    file.as_mut_slice().copy_from_slice(&data);
+    store.seal(&rank_manifest).map_err(|e| e.to_string())?;
+    tracing::info!(
+        version,
+        rank,
+        bytes = data.len(),
+        ms = started.elapsed().as_secs_f64() * 1e3,
+        "loaded from the PFS"
+    );
+    Ok(())
 }
 
 /// Checks that labels are unique and lie back to back from offset 0;

@@ -47,6 +47,10 @@ struct AppEntry {
     homes: Vec<String>,
     latest: Option<VersionRecord>,
     persisted: bool,
+    /// Newest version copied to the PFS.
+    pfs_version: Option<u64>,
+    /// PFS copies under way: version → (files reported, agents reported, agents asked).
+    pfs_pending: BTreeMap<u64, (Vec<crate::pfs::RankEntry>, usize, usize)>,
 }
 
 #[derive(Default)]
@@ -60,6 +64,7 @@ struct State {
 
 struct Shared {
     token: String,
+    pfs: Option<crate::pfs::PfsStore>,
     heartbeat: Duration,
     missed: u32,
     state: Mutex<State>,
@@ -106,6 +111,7 @@ pub async fn run(config: StaticConfig, state_dir: Option<PathBuf>) -> Result<(),
     }
     let shared = Arc::new(Shared {
         token: config.effective_token(),
+        pfs: config.pfs_dir.clone().map(crate::pfs::PfsStore::new),
         heartbeat: config.heartbeat(),
         missed: config.missed_heartbeats,
         state: Mutex::new(State { next_agent: 1, ..State::default() }),
@@ -291,6 +297,10 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             ManagerToController::Register { .. } => {
                 tracing::warn!(%node, "manager registered twice on one connection; ignored");
             }
+            ManagerToController::PfsCopied { agent, version, result } => {
+                drop(state);
+                pfs_copied(&shared, agent, version, result);
+            }
         }
     };
     writer_task.abort();
@@ -353,6 +363,7 @@ fn status_report(shared: &Shared) -> StatusReport {
                 agents: a.agents.clone(),
                 latest: a.latest.clone(),
                 persisted: a.persisted,
+                pfs_version: a.pfs_version,
             })
             .collect(),
         init_agent_count: format!("{:?}", shared.dynamic().init_agent_count),
@@ -376,7 +387,11 @@ async fn register_app(
     {
         let mut state = shared.state();
         let now = Instant::now();
-        latest = state.apps.get(&registration.name).and_then(|a| a.latest.clone());
+        latest = state
+            .apps
+            .get(&registration.name)
+            .and_then(|a| a.latest.clone())
+            .or_else(|| pfs_latest(shared, &registration.name));
         let state = &mut *state;
         if let Some(app) = state.apps.get_mut(&registration.name) {
             let nodes = &state.nodes;
@@ -454,7 +469,15 @@ async fn register_app(
     }
     tracing::info!(agents = agents.len(), "application registered");
     let homes = agents.iter().map(|a| a.node.clone()).collect();
-    let entry = AppEntry { registration, agents: agents.clone(), homes, latest: latest.clone(), persisted: false };
+    let entry = AppEntry {
+        registration,
+        agents: agents.clone(),
+        homes,
+        latest: latest.clone(),
+        persisted: false,
+        pfs_version: None,
+        pfs_pending: BTreeMap::new(),
+    };
     state.apps.insert(entry.registration.name.clone(), entry);
     Ok((agents, latest))
 }
@@ -463,6 +486,7 @@ async fn register_app(
 /// reports only after every rank stored its data).
 fn record_version(shared: &Shared, name: &str, version: u64, bytes: u64, commit_secs: f64) -> ClientReply {
     let mut state = shared.state();
+    let state = &mut *state;
     let Some(app) = state.apps.get_mut(name) else {
         return ClientReply::Error(format!("no application named {name:?} is registered"));
     };
@@ -476,7 +500,81 @@ fn record_version(shared: &Shared, name: &str, version: u64, bytes: u64, commit_
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     tracing::info!(app = name, version, bytes, commit_secs, "version complete");
     app.latest = Some(VersionRecord { version, ranks: app.registration.ranks, bytes, commit_secs, completed_unix_ms });
+    let interval = u64::from(app.registration.pfs_interval);
+    if shared.pfs.is_some() && interval > 0 && version % interval == 0 && !app.agents.is_empty() {
+        // §6.2.3.2: the copy of v starts once every agent holds v, which
+        // the library's VersionComplete says; each agent copies its ranks.
+        let compression = app.registration.compression;
+        let asked: Vec<(u64, String)> = app.agents.iter().map(|a| (a.id, a.node.clone())).collect();
+        app.pfs_pending.insert(version, (Vec::new(), 0, asked.len()));
+        for (agent, node) in asked {
+            if let Some(manager) = state.nodes.get(&node) {
+                let _ = manager.to_manager.send(ControllerToManager::CopyToPfs { agent, version, compression });
+            }
+        }
+    }
     ClientReply::Ok
+}
+
+/// The newest version of `name` on the PFS, as a record (a fresh controller
+/// knows nothing else about an application whose agents are all gone).
+fn pfs_latest(shared: &Shared, name: &str) -> Option<VersionRecord> {
+    let pfs = shared.pfs.as_ref()?;
+    let version = pfs.latest(name).ok()??;
+    match pfs.manifest(name, version) {
+        Ok(manifest) => {
+            tracing::info!(app = name, version, "newest complete version is on the PFS");
+            Some(VersionRecord {
+                version,
+                ranks: manifest.ranks,
+                bytes: manifest.entries.iter().map(|e| e.manifest.total_len).sum(),
+                commit_secs: 0.0,
+                completed_unix_ms: 0,
+            })
+        }
+        Err(err) => {
+            tracing::warn!(app = name, version, %err, "PFS version unusable");
+            None
+        }
+    }
+}
+
+/// Collects the agents' parts of a PFS copy; the last one completes it.
+fn pfs_copied(shared: &Arc<Shared>, agent: u64, version: u64, result: Result<Vec<crate::pfs::RankEntry>, String>) {
+    let mut state = shared.state();
+    let Some((name, app)) = state.apps.iter_mut().find(|(_, a)| a.agents.iter().any(|x| x.id == agent)) else {
+        return;
+    };
+    let name = name.clone();
+    let entries = match result {
+        Err(reason) => {
+            tracing::warn!(app = %name, version, agent, %reason, "PFS copy failed; the previous PFS version stays");
+            app.pfs_pending.remove(&version);
+            return;
+        }
+        Ok(entries) => entries,
+    };
+    let Some(pending) = app.pfs_pending.get_mut(&version) else { return };
+    pending.0.extend(entries);
+    pending.1 += 1;
+    if pending.1 < pending.2 {
+        return;
+    }
+    let (entries, _, _) = app.pfs_pending.remove(&version).expect("present");
+    let ranks = app.registration.ranks;
+    let (shared, pfs) = (shared.clone(), shared.pfs.clone());
+    tokio::task::spawn_blocking(move || {
+        let Some(pfs) = pfs else { return };
+        match pfs.complete(&name, version, ranks, "agents", entries) {
+            Ok(()) => {
+                tracing::info!(app = %name, version, "version copied to the PFS");
+                if let Some(app) = shared.state().apps.get_mut(&name) {
+                    app.pfs_version = app.pfs_version.max(Some(version));
+                }
+            }
+            Err(err) => tracing::warn!(app = %name, version, %err, "cannot complete the PFS copy"),
+        }
+    });
 }
 
 /// §6.4.2: the application's current agents if they differ from what it

@@ -43,6 +43,7 @@ pub fn agent_settings(config: &StaticConfig, node: &str) -> AgentSettings {
         token: config.effective_token(),
         host: config.agent_address.clone(),
         store: Store::new(config.agent_store_dir.join(node)),
+        pfs: config.pfs_dir.clone().map(crate::pfs::PfsStore::new),
     }
 }
 
@@ -179,6 +180,21 @@ async fn session(
                         }
                     };
                     let _ = tx.send(reply);
+                });
+            }
+            ControllerToManager::CopyToPfs { agent, version, compression } => {
+                let job = agents
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(&agent)
+                    .map(|a| a.pfs_copy_job(version, compression));
+                let tx = tx.clone();
+                tokio::task::spawn_blocking(move || {
+                    let result = match job {
+                        Some(job) => job(),
+                        None => Err(format!("agent {agent} is not running here")),
+                    };
+                    let _ = tx.send(ManagerToController::PfsCopied { agent, version, result });
                 });
             }
             ControllerToManager::StopAgent { id, discard } => {

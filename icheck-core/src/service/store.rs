@@ -115,6 +115,11 @@ impl MappedFile {
     pub fn as_slice(&self) -> &[u8] {
         &self.map[..self.len]
     }
+
+    /// The data, mutably (before the file is registered for RMA).
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.map[..self.len]
+    }
 }
 
 // SAFETY: the mapping stays at one address until the MmapMut is dropped, and

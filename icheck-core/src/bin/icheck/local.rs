@@ -51,15 +51,18 @@ fn write_static(dir: &Path, port: u16, token: &str, options: &UpOptions) -> Resu
         "# Written by `icheck up`; also the client configuration (ICHECK_CONFIG={path}).\n\
          ControllerAddress = \"127.0.0.1\"\nControllerPort = {port}\nToken = \"{token}\"\n\
          HeartBeatInterval = {hb}\nStatusMessageInterval = {hb}\nDynamicConfig = \"dynamic.toml\"\n\
-         AgentStoreDir = \"{store}\"\n\n\
+         AgentStoreDir = \"{store}\"\nPfsDir = \"{pfs}\"\n\n\
          [fabric]\nprovider = \"{provider}\"\n\n\
          # How applications move data; ICHECK_TRANSFER and ICHECK_MODE override.\n\
          [client]\ntransfer = \"pull\"   # or \"push\"\nmode = \"mr\"         # or \"shmr\"\n\
-         staging_buffer = \"64MiB\"\nzero_copy = true\n",
+         staging_buffer = \"64MiB\"\nzero_copy = true\n\
+         pfs_interval = 0          # agents copy every Nth version to PfsDir (0: never)\n\
+         compression = \"none\"    # or \"zstd\", \"zstd:LEVEL\"\n",
         path = path.display(),
         hb = options.heartbeat,
         provider = options.provider,
         store = store_dir(dir).display(),
+        pfs = dir.join("pfs").display(),
     );
     let tmp = dir.join(format!("{CLIENT_CONFIG}.tmp"));
     fs::write(&tmp, text)
