@@ -501,7 +501,7 @@ fn record_version(shared: &Shared, name: &str, version: u64, bytes: u64, commit_
     tracing::info!(app = name, version, bytes, commit_secs, "version complete");
     app.latest = Some(VersionRecord { version, ranks: app.registration.ranks, bytes, commit_secs, completed_unix_ms });
     let interval = u64::from(app.registration.pfs_interval);
-    if shared.pfs.is_some() && interval > 0 && version % interval == 0 && !app.agents.is_empty() {
+    if shared.pfs.is_some() && interval > 0 && version.is_multiple_of(interval) && !app.agents.is_empty() {
         // §6.2.3.2: the copy of v starts once every agent holds v, which
         // the library's VersionComplete says; each agent copies its ranks.
         let compression = app.registration.compression;
