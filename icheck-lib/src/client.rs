@@ -503,9 +503,13 @@ impl Icheck {
             })?,
             Err(_) => client.pfs_interval,
         };
+        let mut client = client;
+        if let Ok(text) = std::env::var("ICHECK_COMPRESSION") {
+            client.compression = text;
+        }
         let compression = client.compression().map_err(|expected| ConfigError::Invalid {
             file: path.clone(),
-            key: "client.compression",
+            key: "client.compression (or ICHECK_COMPRESSION)",
             expected,
         })?;
         let token = config.effective_token();

@@ -210,7 +210,7 @@ fn versions_survive_losing_every_daemon_through_the_pfs() {
     use nix::sys::signal::kill;
     let mut service = service("mpi-pfs", 2, "tcp");
     let config = service.config_path();
-    let copies = [("ICHECK_PFS_INTERVAL", "1")];
+    let copies = [("ICHECK_PFS_INTERVAL", "1"), ("ICHECK_COMPRESSION", "zstd:3")];
     let args = ["--app", "pfs", "--steps", "20", "--every", "2", "--mib", "4", "--hang-after", "3"];
     let mut job = Job::start(4, &config, &args, &copies);
     job.wait_line("HANG", Duration::from_secs(120));
