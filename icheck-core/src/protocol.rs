@@ -400,6 +400,12 @@ pub enum ClientRequest {
     },
     /// The whole status.
     Status,
+    /// Delete an application's checkpoints everywhere (agent memory and
+    /// PFS) and forget it (operators).
+    DeleteApp {
+        /// Application name.
+        name: String,
+    },
 }
 
 /// Answers to clients.

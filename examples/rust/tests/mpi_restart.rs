@@ -226,6 +226,20 @@ fn versions_survive_losing_every_daemon_through_the_pfs() {
         Job::start(4, &service.config_path(), &["--app", "pfs", "--steps", "8", "--every", "2", "--mib", "4"], &[]);
     let lines = job.finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+
+    // Operators see the PFS copy, and can delete it.
+    let icheck = |args: &[&str]| {
+        let out = Command::new(&service.icheck).args(args).arg("--state-dir").arg(&service.dir).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let listing = icheck(&["versions", "pfs"]);
+    assert!(listing.contains("version 3, 4 file(s)") && listing.contains("written by agents"), "{listing}");
+    assert!(icheck(&["delete", "pfs"]).contains("nothing deleted"));
+    assert!(manifest.exists(), "delete without --yes deletes nothing");
+    icheck(&["delete", "pfs", "--yes"]);
+    assert!(!manifest.exists());
+    assert!(icheck(&["versions", "pfs"]).contains("no complete version"));
 }
 
 /// Every direction and mode combination on one provider: commit twice,

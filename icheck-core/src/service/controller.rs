@@ -316,6 +316,7 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
 }
 
 async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), ProtocolError> {
+    let shared = &shared;
     loop {
         let request: ClientRequest = protocol::recv(&mut stream).await?;
         let reply = match request {
@@ -335,6 +336,7 @@ async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), 
                 probe(&shared, &name, &agents).instrument(span).await
             }
             ClientRequest::FinishApp { name, persist } => finish_app(&shared, &name, persist),
+            ClientRequest::DeleteApp { name } => delete_app(&shared, &name).await,
         };
         protocol::send(&mut stream, &reply).await?;
     }
@@ -601,6 +603,47 @@ async fn probe(shared: &Shared, name: &str, known: &[u64]) -> ClientReply {
         Ok((agents, _)) => ClientReply::Agents(agents),
         Err(reason) => ClientReply::Error(reason),
     }
+}
+
+/// Operators: stop the application's agents, delete its files from agent
+/// memory and the PFS, and forget it.
+async fn delete_app(shared: &Arc<Shared>, name: &str) -> ClientReply {
+    if let Err(err) = crate::service::store::check_app_name(name) {
+        return ClientReply::Error(err.to_string());
+    }
+    let known = {
+        let mut state = shared.state();
+        let app = state.apps.remove(name);
+        if let Some(app) = &app {
+            for agent in &app.agents {
+                if let Some(node) = state.nodes.get(&agent.node) {
+                    let _ = node.to_manager.send(ControllerToManager::StopAgent { id: agent.id, discard: true });
+                }
+            }
+        }
+        app.is_some()
+    };
+    let on_pfs = match &shared.pfs {
+        Some(pfs) => {
+            let (pfs, app) = (pfs.clone(), name.to_string());
+            let removed = tokio::task::spawn_blocking(move || {
+                let had = pfs.latest(&app).ok().flatten().is_some();
+                pfs.remove_app(&app).map(|_| had)
+            })
+            .await;
+            match removed {
+                Ok(Ok(had)) => had,
+                Ok(Err(err)) => return ClientReply::Error(err.to_string()),
+                Err(err) => return ClientReply::Error(format!("PFS removal failed: {err}")),
+            }
+        }
+        None => false,
+    };
+    if !known && !on_pfs {
+        return ClientReply::Error(format!("no checkpoints of {name:?} are known (in agent memory or on the PFS)"));
+    }
+    tracing::info!(app = name, "application deleted by an operator");
+    ClientReply::Ok
 }
 
 fn finish_app(shared: &Shared, name: &str, persist: bool) -> ClientReply {

@@ -268,3 +268,52 @@ pub fn print_status(report: &StatusReport) {
     }
     println!("init_agent_count in force: {}", report.init_agent_count);
 }
+
+/// `icheck versions APP`: what the controller holds in agent memory and what
+/// the PFS directory holds.
+pub fn print_versions(config: &StaticConfig, app: &str) -> Result<()> {
+    println!("{app}");
+    match request_blocking(config, &ClientRequest::Status) {
+        Ok(ClientReply::Status(report)) => match report.apps.iter().find(|a| a.registration.name == app) {
+            Some(a) => {
+                let agents: Vec<String> = a.agents.iter().map(|g| format!("{}@{}", g.id, g.node)).collect();
+                match &a.latest {
+                    Some(v) => println!(
+                        "  agent memory: version {} ({}, {} ranks) on agents [{}]",
+                        v.version,
+                        human_bytes(v.bytes),
+                        v.ranks,
+                        agents.join(", ")
+                    ),
+                    None => println!("  agent memory: no complete version (agents [{}])", agents.join(", ")),
+                }
+            }
+            None => println!("  agent memory: not registered with the controller"),
+        },
+        Ok(other) => bail!("unexpected answer from the controller: {other:?}"),
+        Err(err) => println!("  agent memory: controller unreachable ({err})"),
+    }
+    let Some(dir) = &config.pfs_dir else {
+        println!("  PFS: no PfsDir configured");
+        return Ok(());
+    };
+    let pfs = icheck_core::pfs::PfsStore::new(dir);
+    let versions = pfs.versions(app)?;
+    if versions.is_empty() {
+        println!("  PFS ({}): no complete version", dir.display());
+    }
+    for version in versions {
+        let manifest = pfs.manifest(app, version)?;
+        let raw: u64 = manifest.entries.iter().map(|e| e.manifest.total_len).sum();
+        let stored: u64 = manifest.entries.iter().map(|e| e.stored_len).sum();
+        println!(
+            "  PFS ({}): version {version}, {} file(s), {} raw, {} stored, written by {}",
+            dir.display(),
+            manifest.entries.len(),
+            human_bytes(raw),
+            human_bytes(stored),
+            manifest.writer
+        );
+    }
+    Ok(())
+}

@@ -69,6 +69,28 @@ enum Command_ {
         #[arg(long)]
         json: bool,
     },
+    /// List an application's checkpoint versions and where each lives
+    /// (agent memory, PFS).
+    ///
+    /// Example: icheck versions heat2d --state-dir /tmp/ick
+    Versions {
+        #[command(flatten)]
+        target: ConfigArgs,
+        /// Application name.
+        app: String,
+    },
+    /// Delete an application's checkpoints from agent memory and the PFS.
+    ///
+    /// Example: icheck delete heat2d --state-dir /tmp/ick --yes
+    Delete {
+        #[command(flatten)]
+        target: ConfigArgs,
+        /// Application name.
+        app: String,
+        /// Really delete (without it, only say what would go).
+        #[arg(long)]
+        yes: bool,
+    },
     /// Run the controller daemon in the foreground (logs to stderr; ICHECK_LOG sets the level).
     ///
     /// Example: icheck controller --config config/icheck.toml
@@ -288,6 +310,18 @@ fn run(cli: Cli) -> Result<()> {
             local::down(&state_dir)
         }
         Command_::Down { state_dir } => local::down(&state_dir),
+        Command_::Versions { target, app } => local::print_versions(&target.load()?, &app),
+        Command_::Delete { target, app, yes } => {
+            let config = target.load()?;
+            if !yes {
+                local::print_versions(&config, &app)?;
+                println!("(nothing deleted: add --yes to delete these checkpoints)");
+                return Ok(());
+            }
+            icheck_core::service::client::request_blocking(&config, &ClientRequest::DeleteApp { name: app.clone() })?;
+            println!("deleted every checkpoint of {app}");
+            Ok(())
+        }
         Command_::Status { target, json } => {
             let config = target.load()?;
             match icheck_core::service::client::request_blocking(&config, &ClientRequest::Status)? {
