@@ -316,7 +316,6 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
 }
 
 async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), ProtocolError> {
-    let shared = &shared;
     loop {
         let request: ClientRequest = protocol::recv(&mut stream).await?;
         let reply = match request {
