@@ -201,6 +201,62 @@ impl PfsStore {
         Ok((entry, stats))
     }
 
+    /// Writes one rank's labels (`parts`, back to back, uncompressed) into
+    /// the partial version without joining them in memory first, plus the
+    /// rank's entry file, so whoever completes the version can collect the
+    /// entries from the file system (the library's fallback writers).
+    pub fn write_rank_parts(&self, manifest: &Manifest, parts: &[&[u8]]) -> Result<(RankEntry, WriteStats)> {
+        let dir = self.partial_dir(&manifest.app, manifest.version)?;
+        fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
+        let file = format!("rank{}.data", manifest.rank);
+        let path = dir.join(&file);
+        let started = Instant::now();
+        let tmp = dir.join(format!("{file}.tmp"));
+        let mut out =
+            std::io::BufWriter::with_capacity(4 << 20, File::create(&tmp).map_err(io("cannot create", &tmp))?);
+        let (mut crc, mut len) = (0u32, 0u64);
+        for part in parts {
+            out.write_all(part).map_err(io("cannot write", &tmp))?;
+            crc = crc32c::crc32c_append(crc, part);
+            len += part.len() as u64;
+        }
+        let out = out.into_inner().map_err(|e| PfsError::Io {
+            what: "cannot write",
+            path: tmp.clone(),
+            error: e.into_error(),
+        })?;
+        out.sync_all().map_err(io("cannot sync", &tmp))?;
+        fs::rename(&tmp, &path).map_err(io("cannot rename into", &path))?;
+        let entry = RankEntry {
+            manifest: manifest.clone(),
+            file,
+            stored_len: len,
+            compression: Compression::None,
+            file_crc: crc,
+        };
+        let entry_path = dir.join(format!("rank{}.entry", manifest.rank));
+        let bytes = protocol::encode_large(&entry)
+            .map_err(|e| PfsError::Damaged { path: entry_path.clone(), reason: format!("cannot encode: {e}") })?;
+        fs::write(&entry_path, bytes).map_err(io("cannot write", &entry_path))?;
+        let stats = WriteStats { raw: len, stored: len, compress: Duration::ZERO, write: started.elapsed() };
+        Ok((entry, stats))
+    }
+
+    /// The entries `write_rank_parts` left for ranks `0..ranks` of a partial version.
+    pub fn partial_entries(&self, app: &str, version: u64, ranks: u32) -> Result<Vec<RankEntry>> {
+        let dir = self.partial_dir(app, version)?;
+        (0..ranks)
+            .map(|rank| {
+                let path = dir.join(format!("rank{rank}.entry"));
+                let bytes = fs::read(&path).map_err(io("cannot read", &path))?;
+                let entry: RankEntry = protocol::decode_large(&bytes)
+                    .map_err(|e| PfsError::Damaged { path: path.clone(), reason: e.to_string() })?;
+                let _ = fs::remove_file(&path);
+                Ok(entry)
+            })
+            .collect()
+    }
+
     /// Completes a version whose ranks are all written: the MANIFEST goes
     /// in last, then the directory is renamed into place, then older
     /// complete versions are deleted (the new one replaces them only now).
@@ -243,6 +299,20 @@ impl PfsStore {
     /// The newest complete version of `app`.
     pub fn latest(&self, app: &str) -> Result<Option<u64>> {
         Ok(self.versions(app)?.pop())
+    }
+
+    /// The newest complete version of `app` as a version record (what a
+    /// controller or a library without a controller restarts from).
+    pub fn latest_record(&self, app: &str) -> Result<Option<protocol::VersionRecord>> {
+        let Some(version) = self.latest(app)? else { return Ok(None) };
+        let manifest = self.manifest(app, version)?;
+        Ok(Some(protocol::VersionRecord {
+            version,
+            ranks: manifest.ranks,
+            bytes: manifest.entries.iter().map(|e| e.manifest.total_len).sum(),
+            commit_secs: 0.0,
+            completed_unix_ms: 0,
+        }))
     }
 
     /// Reads a complete version's MANIFEST.
@@ -383,6 +453,23 @@ mod tests {
         assert!(matches!(pfs.read_rank(&manifest, 5), Err(PfsError::MissingRank { rank: 5, .. })));
         pfs.remove_app("app").unwrap();
         assert_eq!(pfs.latest("app").unwrap(), None);
+    }
+
+    #[test]
+    fn parts_written_by_several_writers_complete_one_version() {
+        let pfs = scratch("parts");
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        for rank in 0..3 {
+            let (a, b) = data.split_at(data.len() / 2);
+            pfs.write_rank_parts(&manifest("app", 4, rank, &data), &[a, b]).unwrap();
+        }
+        let entries = pfs.partial_entries("app", 4, 3).unwrap();
+        pfs.complete("app", 4, 3, "library", entries).unwrap();
+        let manifest = pfs.manifest("app", 4).unwrap();
+        for rank in 0..3 {
+            assert_eq!(pfs.read_rank(&manifest, rank).unwrap().1, data);
+        }
+        let _ = fs::remove_dir_all(&pfs.root);
     }
 
     #[test]

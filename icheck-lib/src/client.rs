@@ -23,6 +23,7 @@ use icheck_core::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricError, LocalSource, MemoryRegion, Peer, ProgressMode,
     ProgressThread, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
 };
+use icheck_core::protocol::ProtocolError;
 use icheck_core::protocol::{
     self, AgentInfo, AgentReply, AgentRequest, AppRegistration, ClientReply, ClientRequest, DataKind, LabelLayout,
     Manifest, PullSegment, TransferMode, VersionRecord,
@@ -323,6 +324,8 @@ struct Restored {
     /// SHMR: the node leader already read and verified the node's data into
     /// the node segment; labels are named `<rank>/<label>` there.
     in_segment: bool,
+    /// Fallback: the rank's data, read and verified from the PFS.
+    local: Option<Vec<u8>>,
 }
 
 /// Bytes read per step of a restore; each step's checksums are verified on
@@ -402,6 +405,9 @@ pub struct Icheck {
     /// only in SHMR mode.
     link: Option<AgentLink>,
     mode: TransferMode,
+    /// Set while the service is unreachable: versions go straight to the
+    /// PFS in the same format the agents write.
+    fallback: Option<icheck_core::pfs::PfsStore>,
     /// SHMR, node leader: the segment's registration (renewed when it
     /// grows). Declared before `segment` so it is dropped first.
     segment_region: Option<MemoryRegion>,
@@ -546,6 +552,22 @@ impl Icheck {
                     controller = Some(connection);
                     Ok(reply)
                 }
+                // §6.5.1: no service, but a PFS: keep the application running
+                // by writing versions there directly (an empty agent list).
+                Err(err @ ServiceError::Io { .. }) | Err(err @ ServiceError::Protocol(ProtocolError::Timeout(_)))
+                    if config.pfs_dir.is_some() =>
+                {
+                    let pfs = icheck_core::pfs::PfsStore::new(config.pfs_dir.clone().expect("checked"));
+                    tracing::warn!(
+                        controller = %controller_peer,
+                        %err,
+                        pfs = %config.pfs_dir.as_ref().expect("checked").display(),
+                        "controller unreachable: checkpoints go directly to the PFS"
+                    );
+                    pfs.latest_record(app_name)
+                        .map(|latest| ClientReply::Registered { agents: Vec::new(), latest })
+                        .map_err(|e| e.to_string())
+                }
                 Err(err) => Err(err.to_string()),
             };
             answer = protocol::encode(&result).unwrap_or_default();
@@ -554,7 +576,9 @@ impl Icheck {
         let result: std::result::Result<ClientReply, String> =
             protocol::decode(&answer).unwrap_or_else(|e| Err(format!("undecodable registration answer: {e}")));
         let (agents, latest) = match result {
-            Ok(ClientReply::Registered { agents, latest }) if !agents.is_empty() => (agents, latest),
+            Ok(ClientReply::Registered { agents, latest }) if !agents.is_empty() || config.pfs_dir.is_some() => {
+                (agents, latest)
+            }
             Ok(other) => {
                 return Err(Error::Controller {
                     peer: controller_peer,
@@ -565,7 +589,13 @@ impl Icheck {
                 return Err(Error::Controller { peer: controller_peer, error: ServiceError::Remote(message) })
             }
         };
-        let link = open_link(comm.as_ref(), mode, &endpoint, &agents, &token, app_name, connect_timeout);
+        let fallback =
+            agents.is_empty().then(|| icheck_core::pfs::PfsStore::new(config.pfs_dir.clone().expect("checked")));
+        let link = if fallback.is_some() {
+            Ok(None)
+        } else {
+            open_link(comm.as_ref(), mode, &endpoint, &agents, &token, app_name, connect_timeout)
+        };
         let all_ok = comm.all_true(link.is_ok());
         let link = link?;
         if !all_ok {
@@ -593,6 +623,7 @@ impl Icheck {
             agents,
             link,
             mode,
+            fallback,
             segment: None,
             segment_region: None,
             labels: Vec::new(),
@@ -679,6 +710,10 @@ impl Icheck {
         let span = tracing::info_span!("commit", app = %self.app, rank = self.comm.rank(), version);
         let _entered = span.enter();
         let started = Instant::now();
+        if self.fallback.is_some() {
+            self.commit_fallback(version)?;
+            return Ok(version);
+        }
         if self.mode == TransferMode::Shmr {
             let stored = self.store_shmr(version, started);
             if self.asynchronous {
@@ -815,6 +850,63 @@ impl Icheck {
         drop(regions);
         drop(guards);
         Ok(moved)
+    }
+
+    /// Fallback commit (*collective*): every rank writes its labels to the
+    /// PFS partial version, then rank 0 completes it from the ranks' entries.
+    fn commit_fallback(&mut self, version: u64) -> Result<()> {
+        let pfs = self.fallback.clone().expect("fallback mode");
+        let (rank, ranks) = (self.comm.rank(), self.comm.size());
+        let fail = |e: icheck_core::pfs::PfsError| Error::Unsupported(format!("fallback write to the PFS: {e}"));
+        let written = (|| -> Result<()> {
+            let guards: Vec<_> = self.labels.iter().map(|l| l.source.bytes()).collect();
+            let parts: Vec<&[u8]> = guards.iter().map(|g| &***g).collect();
+            let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+            let labels = layouts(&self.labels, &lens);
+            let manifest = Manifest {
+                app: self.app.clone(),
+                rank,
+                ranks,
+                version,
+                total_len: lens.iter().sum::<usize>() as u64,
+                chunk_size: icheck_core::service::store::CHUNK_SIZE,
+                crcs: label_crcs(&parts),
+                labels,
+                sealed_unix_ms: 0,
+            };
+            pfs.write_rank_parts(&manifest, &parts).map_err(fail)?;
+            Ok(())
+        })();
+        if !self.comm.all_true(written.is_ok()) {
+            written?;
+            return Err(self.incomplete(version, "another rank could not write its data to the PFS".into()));
+        }
+        let completed = if rank == 0 {
+            pfs.partial_entries(&self.app, version, ranks)
+                .and_then(|entries| pfs.complete(&self.app, version, ranks, "library", entries))
+                .map_err(fail)
+        } else {
+            Ok(())
+        };
+        if !self.comm.all_true(completed.is_ok()) {
+            completed?;
+            return Err(self.incomplete(version, "rank 0 could not complete the version on the PFS".into()));
+        }
+        self.latest = Some(VersionRecord { version, ranks, bytes: 0, commit_secs: 0.0, completed_unix_ms: 0 });
+        tracing::info!(version, "version written directly to the PFS");
+        Ok(())
+    }
+
+    /// Fallback restart: this rank's data, verified, from the PFS.
+    fn fetch_fallback(&mut self) -> Result<u64> {
+        let record = self.restart_record()?;
+        let pfs = self.fallback.clone().expect("fallback mode");
+        let fail = |e: icheck_core::pfs::PfsError| Error::Unsupported(format!("restart from the PFS: {e}"));
+        let manifest = pfs.manifest(&self.app, record.version).map_err(fail)?;
+        let (rank_manifest, data) = pfs.read_rank(&manifest, self.comm.rank()).map_err(fail)?;
+        let region = RemoteRegion { addr: 0, key: 0, len: 0 };
+        self.restored = Some(Restored { manifest: rank_manifest, region, in_segment: false, local: Some(data) });
+        Ok(record.version)
     }
 
     /// SHMR: makes every process of this node map a segment of at least
@@ -1018,7 +1110,7 @@ impl Icheck {
             .and_then(|r| r)
             .map_err(|message| Error::Unsupported(format!("SHMR restart, node leader: {message}")))?;
         let version = manifest.version;
-        self.restored = Some(Restored { manifest, region, in_segment: true });
+        self.restored = Some(Restored { manifest, region, in_segment: true, local: None });
         Ok(version)
     }
 
@@ -1204,9 +1296,10 @@ impl Icheck {
         self.check_open()?;
         self.wait()?;
         self.release_restart();
-        let result = match self.mode {
-            TransferMode::Mr => self.fetch(),
-            TransferMode::Shmr => self.fetch_shmr(),
+        let result = match (&self.fallback, self.mode) {
+            (Some(_), _) => self.fetch_fallback(),
+            (None, TransferMode::Mr) => self.fetch(),
+            (None, TransferMode::Shmr) => self.fetch_shmr(),
         };
         let all_ok = self.comm.all_true(result.is_ok());
         let version = result?;
@@ -1237,13 +1330,13 @@ impl Icheck {
             return Err(link.error(format!("manifest of version {} has no checksums for some labels", record.version)));
         }
         let version = manifest.version;
-        self.restored = Some(Restored { manifest, region, in_segment: false });
+        self.restored = Some(Restored { manifest, region, in_segment: false, local: None });
         Ok(version)
     }
 
     /// Tells the agent the restart data is no longer needed.
     fn release_restart(&mut self) {
-        if self.restored.take().is_some_and(|r| !r.in_segment) {
+        if self.restored.take().is_some_and(|r| !r.in_segment && r.local.is_none()) {
             if let Some(link) = self.link.as_mut() {
                 if let Err(err) = link.call(&AgentRequest::FetchDone) {
                     tracing::warn!(%err, "agent did not acknowledge the end of a restart");
@@ -1269,6 +1362,12 @@ impl Icheck {
         }
         if layout.kind != kind {
             return Err(Error::KindMismatch { label: label.to_string(), stored: layout.kind, given: kind });
+        }
+        if let Some(local) = &restored.local {
+            // Verified when read from the PFS.
+            let start = layout.offset as usize;
+            out.copy_from_slice(&local[start..start + out.len()]);
+            return Ok(());
         }
         if restored.in_segment {
             // Already verified by the node leader when it filled the segment.

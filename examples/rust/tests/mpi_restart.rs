@@ -242,6 +242,38 @@ fn versions_survive_losing_every_daemon_through_the_pfs() {
     assert!(icheck(&["versions", "pfs"]).contains("no complete version"));
 }
 
+#[test]
+fn without_a_controller_versions_go_to_the_pfs_and_a_later_service_restores_them() {
+    let service = service("mpi-fallback", 1, "tcp");
+    // The service's PFS directory, but a controller address nobody listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let unreachable = service.dir.join("fallback.toml");
+    let pfs = service.dir.join("pfs");
+    std::fs::write(
+        &unreachable,
+        format!(
+            "ControllerPort = {port}\nPfsDir = \"{}\"\n[fabric]\nprovider = \"tcp\"\n[client]\nconnect_timeout = 1.0\n",
+            pfs.display()
+        ),
+    )
+    .unwrap();
+    let run = |config: &PathBuf, steps: &str| {
+        Job::start(2, config, &["--app", "fb", "--steps", steps, "--every", "2", "--mib", "2"], &[])
+            .finish(Duration::from_secs(120))
+    };
+    let lines = run(&unreachable, "4");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    assert!(pfs.join("fb/v3/MANIFEST").exists());
+    // Still no controller: the library restarts from its own PFS versions.
+    let lines = run(&unreachable, "6");
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
+    // The service is reachable again: its agents load the version from the PFS.
+    let lines = run(&service.config_path(), "8");
+    assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=5 step=8")), "{lines:?}");
+}
+
 /// Every direction and mode combination on one provider: commit twice,
 /// finish with IC_PERSIST, restart in a new job and verify. SHMR runs three
 /// ranks, so the node leader moves the data of two others too.

@@ -520,21 +520,15 @@ fn record_version(shared: &Shared, name: &str, version: u64, bytes: u64, commit_
 /// The newest version of `name` on the PFS, as a record (a fresh controller
 /// knows nothing else about an application whose agents are all gone).
 fn pfs_latest(shared: &Shared, name: &str) -> Option<VersionRecord> {
-    let pfs = shared.pfs.as_ref()?;
-    let version = pfs.latest(name).ok()??;
-    match pfs.manifest(name, version) {
-        Ok(manifest) => {
-            tracing::info!(app = name, version, "newest complete version is on the PFS");
-            Some(VersionRecord {
-                version,
-                ranks: manifest.ranks,
-                bytes: manifest.entries.iter().map(|e| e.manifest.total_len).sum(),
-                commit_secs: 0.0,
-                completed_unix_ms: 0,
-            })
+    match shared.pfs.as_ref()?.latest_record(name) {
+        Ok(record) => {
+            if let Some(record) = &record {
+                tracing::info!(app = name, version = record.version, "newest complete version is on the PFS");
+            }
+            record
         }
         Err(err) => {
-            tracing::warn!(app = name, version, %err, "PFS version unusable");
+            tracing::warn!(app = name, %err, "PFS version unusable");
             None
         }
     }
