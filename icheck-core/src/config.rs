@@ -132,6 +132,9 @@ pub struct ClientConfig {
     pub pfs_interval: u32,
     /// How PFS copies are stored: "none", "zstd" or "zstd:LEVEL".
     pub compression: String,
+    /// Seconds between attempts to reach the service again while writing
+    /// directly to the PFS (fallback). `ICHECK_T_WAIT` overrides it.
+    pub t_wait: f64,
 }
 
 impl ClientConfig {
@@ -163,6 +166,7 @@ impl Default for ClientConfig {
             connect_timeout: 5.0,
             pfs_interval: 0,
             compression: "none".into(),
+            t_wait: 30.0,
         }
     }
 }

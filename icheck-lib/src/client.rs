@@ -408,6 +408,12 @@ pub struct Icheck {
     /// Set while the service is unreachable: versions go straight to the
     /// PFS in the same format the agents write.
     fallback: Option<icheck_core::pfs::PfsStore>,
+    /// Fallback: when the service was last tried, and how often to try.
+    fallback_tried: Instant,
+    t_wait: Duration,
+    /// What registration needs, to try the service again.
+    registration: AppRegistration,
+    controller_timeout: Duration,
     /// SHMR, node leader: the segment's registration (renewed when it
     /// grows). Declared before `segment` so it is dropped first.
     segment_region: Option<MemoryRegion>,
@@ -518,6 +524,13 @@ impl Icheck {
             key: "client.compression (or ICHECK_COMPRESSION)",
             expected,
         })?;
+        let t_wait = match std::env::var("ICHECK_T_WAIT") {
+            Ok(text) => text.parse::<f64>().ok().filter(|t| *t >= 0.0).ok_or_else(|| {
+                Error::Unsupported(format!("environment variable ICHECK_T_WAIT: {text:?} is not a number of seconds"))
+            })?,
+            Err(_) => client.t_wait.max(0.0),
+        };
+        let t_wait = Duration::from_secs_f64(t_wait);
         let token = config.effective_token();
         let connect_timeout = Duration::from_secs_f64(client.connect_timeout.max(0.1));
         let (rank, size) = (comm.rank(), comm.size());
@@ -530,21 +543,21 @@ impl Icheck {
         let controller_peer = config.controller_endpoint();
         let mut controller = None;
         let mut answer = Vec::new();
+        let (nodes, per_node) = comm.node_counts();
+        let registration = AppRegistration {
+            name: app_name.to_string(),
+            ranks: size,
+            nodes,
+            ranks_per_node: per_node,
+            mode,
+            pfs_interval,
+            compression,
+        };
         if rank == 0 {
-            let (nodes, per_node) = comm.node_counts();
-            let registration = AppRegistration {
-                name: app_name.to_string(),
-                ranks: size,
-                nodes,
-                ranks_per_node: per_node,
-                mode,
-                pfs_interval,
-                compression,
-            };
             let outcome = BlockingConnection::connect(&controller_peer, &token, connect_timeout).and_then(|mut c| {
                 // Registrations and probes may wait for managers to start agents.
                 c.set_timeout(CONTROLLER_TIMEOUT);
-                let reply = c.request(&ClientRequest::RegisterApp(registration))?;
+                let reply = c.request(&ClientRequest::RegisterApp(registration.clone()))?;
                 Ok((c, reply))
             });
             let result: std::result::Result<ClientReply, String> = match outcome {
@@ -624,6 +637,10 @@ impl Icheck {
             link,
             mode,
             fallback,
+            fallback_tried: Instant::now(),
+            t_wait,
+            registration,
+            controller_timeout: connect_timeout,
             segment: None,
             segment_region: None,
             labels: Vec::new(),
@@ -710,6 +727,9 @@ impl Icheck {
         let span = tracing::info_span!("commit", app = %self.app, rank = self.comm.rank(), version);
         let _entered = span.enter();
         let started = Instant::now();
+        if self.fallback.is_some() && self.fallback_tried.elapsed() >= self.t_wait {
+            self.try_service_again();
+        }
         if self.fallback.is_some() {
             self.commit_fallback(version)?;
             return Ok(version);
@@ -895,6 +915,51 @@ impl Icheck {
         self.latest = Some(VersionRecord { version, ranks, bytes: 0, commit_secs: 0.0, completed_unix_ms: 0 });
         tracing::info!(version, "version written directly to the PFS");
         Ok(())
+    }
+
+    /// Fallback (*collective*): tries to register with the service again;
+    /// when it answers with agents, every rank opens its session and the
+    /// library is back on RDMA (the service restarts from the PFS versions
+    /// written meanwhile, which use the agents' format).
+    fn try_service_again(&mut self) {
+        self.fallback_tried = Instant::now();
+        let mut answer = Vec::new();
+        let mut connection = None;
+        if self.comm.rank() == 0 {
+            let result: std::result::Result<ClientReply, String> =
+                BlockingConnection::connect(&self.controller_peer, &self.token, self.controller_timeout)
+                    .and_then(|mut c| {
+                        c.set_timeout(CONTROLLER_TIMEOUT);
+                        let reply = c.request(&ClientRequest::RegisterApp(self.registration.clone()))?;
+                        connection = Some(c);
+                        Ok(reply)
+                    })
+                    .map_err(|e| e.to_string());
+            answer = protocol::encode(&result).unwrap_or_default();
+        }
+        let answer = self.comm.broadcast_from_root(answer);
+        let agents = match protocol::decode::<std::result::Result<ClientReply, String>>(&answer) {
+            Ok(Ok(ClientReply::Registered { agents, .. })) if !agents.is_empty() => agents,
+            _ => return, // still unreachable: keep writing to the PFS
+        };
+        let link = open_link(
+            self.comm.as_ref(),
+            self.mode,
+            &self.endpoint,
+            &agents,
+            &self.token,
+            &self.app,
+            self.controller_timeout,
+        );
+        if !self.comm.all_true(link.is_ok()) {
+            tracing::warn!("the service answered but not every rank reached its agent; staying on the PFS");
+            return;
+        }
+        tracing::warn!("the service is reachable again: checkpoints go to its agents");
+        self.link = link.ok().flatten();
+        self.agents = agents;
+        self.controller = connection;
+        self.fallback = None;
     }
 
     /// Fallback restart: this rank's data, verified, from the PFS.

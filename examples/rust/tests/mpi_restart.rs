@@ -274,6 +274,50 @@ fn without_a_controller_versions_go_to_the_pfs_and_a_later_service_restores_them
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=5 step=8")), "{lines:?}");
 }
 
+#[test]
+fn the_library_returns_to_the_agents_when_the_service_comes_back() {
+    let icheck = icheck_core::testkit::icheck_in_target();
+    let dir = std::env::temp_dir().join(format!("icheck-test-mpi-return-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let state = dir.join("service");
+    /// Stops the service (if it was started) and removes the directory.
+    struct Cleanup(PathBuf, PathBuf, PathBuf);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let _ = Command::new(&self.0).args(["down", "--state-dir"]).arg(&self.1).output();
+            let _ = std::fs::remove_dir_all(&self.2);
+        }
+    }
+    let _cleanup = Cleanup(icheck.clone(), state.clone(), dir.clone());
+    // The port and PFS directory the service will have, before it exists.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let token = "return-to-the-agents";
+    let app_config = dir.join("app.toml");
+    let text = format!(
+        "ControllerPort = {port}\nToken = \"{token}\"\nPfsDir = \"{}\"\n[fabric]\nprovider = \"tcp\"\n\
+         [client]\nconnect_timeout = 1.0\nt_wait = 0.5\n",
+        state.join("pfs").display()
+    );
+    std::fs::write(&app_config, text).unwrap();
+    let args = ["--app", "ret", "--steps", "40", "--every", "2", "--mib", "1", "--step-ms", "100", "--persist"];
+    let mut job = Job::start(2, &app_config, &args, &[]);
+    job.wait_line("COMMITTED version=2", Duration::from_secs(60));
+    let up = Command::new(&icheck)
+        .args(["up", "--detach", "--managers", "1", "--heartbeat", "0.5", "--port", &port.to_string(), "--state-dir"])
+        .arg(&state)
+        .env("ICHECK_TOKEN", token)
+        .output()
+        .unwrap();
+    assert!(up.status.success(), "{}", String::from_utf8_lossy(&up.stderr));
+    let lines = job.finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=21 step=40")), "{lines:?}");
+    // Versions after the return were recorded by the controller: they went to agents.
+    let out = Command::new(&icheck).args(["versions", "ret", "--config"]).arg(&app_config).output().unwrap();
+    let listing = String::from_utf8_lossy(&out.stdout);
+    assert!(listing.contains("agent memory: version 21"), "{listing}");
+}
+
 /// Every direction and mode combination on one provider: commit twice,
 /// finish with IC_PERSIST, restart in a new job and verify. SHMR runs three
 /// ranks, so the node leader moves the data of two others too.

@@ -45,6 +45,9 @@ struct Args {
     /// Keep the checkpoints in agent memory after finishing (IC_PERSIST).
     #[arg(long)]
     persist: bool,
+    /// Milliseconds of "computation" per step.
+    #[arg(long, default_value_t = 0)]
+    step_ms: u64,
 }
 
 /// The labels: different element types and sizes, different per rank.
@@ -158,6 +161,7 @@ fn main() {
     }
     let mut commits = 0;
     for step in first_step..=args.steps {
+        std::thread::sleep(std::time::Duration::from_millis(args.step_ms));
         state.fill(rank, step);
         if step % args.every == 0 {
             let next = ic.latest_version().map_or(1, |v| v + 1);

@@ -25,6 +25,8 @@ pub struct UpOptions {
     pub managers: u32,
     pub provider: String,
     pub heartbeat: f64,
+    /// Controller port; 0 picks a free one.
+    pub port: u16,
 }
 
 fn random_token() -> Result<String> {
@@ -131,7 +133,7 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     }
     let _ = fs::remove_file(dir.join("controller.addr"));
     let token = random_token()?;
-    let config_path = write_static(dir, 0, &token, options)?;
+    let config_path = write_static(dir, options.port, &token, options)?;
     let config_arg = config_path.to_string_lossy().into_owned();
     let dir_arg = dir.to_string_lossy().into_owned();
     let mut controller_process =

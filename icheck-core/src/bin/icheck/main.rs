@@ -45,6 +45,9 @@ enum Command_ {
         /// Seconds between manager heartbeats.
         #[arg(long, default_value_t = 1.0)]
         heartbeat: f64,
+        /// Controller port (0: a free one, written to the client configuration).
+        #[arg(long, default_value_t = 0)]
+        port: u16,
         /// Return once every manager is ready instead of staying in the
         /// foreground until Ctrl-C.
         #[arg(long)]
@@ -289,8 +292,8 @@ fn run(cli: Cli) -> Result<()> {
             runtime()?.block_on(icheck_core::service::manager::run(config, node))?;
             Ok(())
         }
-        Command_::Up { managers, state_dir, provider, heartbeat, detach } => {
-            let options = local::UpOptions { state_dir: state_dir.clone(), managers, provider, heartbeat };
+        Command_::Up { managers, state_dir, provider, heartbeat, port, detach } => {
+            let options = local::UpOptions { state_dir: state_dir.clone(), managers, provider, heartbeat, port };
             let config_path = local::up(&options)?;
             let config = icheck_core::config::StaticConfig::load(&config_path)?;
             if let ClientReply::Status(report) =
