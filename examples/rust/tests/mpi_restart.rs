@@ -243,6 +243,24 @@ fn versions_survive_losing_every_daemon_through_the_pfs() {
 }
 
 #[test]
+fn cleanup_flushes_the_newest_version_to_the_pfs() {
+    let mut service = service("mpi-flush", 1, "tcp");
+    // Copies every 3rd version; the run ends at version 5 with IC_CLEANUP.
+    let copies = [("ICHECK_PFS_INTERVAL", "3")];
+    let args = ["--app", "flush", "--steps", "8", "--every", "2", "--mib", "2"];
+    let lines = Job::start(2, &service.config_path(), &args, &copies).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=5 step=8")), "{lines:?}");
+    let flushed = service.dir.join("pfs/flush/v5/MANIFEST");
+    icheck_core::testkit::wait_for("the flush of version 5", Duration::from_secs(30), || flushed.exists());
+    icheck_core::testkit::wait_for("the agents to stop", Duration::from_secs(10), || service.status().apps.is_empty());
+    // Agent memory is gone with the service; the flushed version is not.
+    service.relaunch();
+    let args = ["--app", "flush", "--steps", "10", "--every", "2", "--mib", "2"];
+    let lines = Job::start(2, &service.config_path(), &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=5 step=8 verified"), "{lines:?}");
+}
+
+#[test]
 fn without_a_controller_versions_go_to_the_pfs_and_a_later_service_restores_them() {
     let service = service("mpi-fallback", 1, "tcp");
     // The service's PFS directory, but a controller address nobody listens on.

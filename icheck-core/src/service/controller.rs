@@ -51,6 +51,9 @@ struct AppEntry {
     pfs_version: Option<u64>,
     /// PFS copies under way: version → (files reported, agents reported, agents asked).
     pfs_pending: BTreeMap<u64, (Vec<crate::pfs::RankEntry>, usize, usize)>,
+    /// Finished with IC_CLEANUP: the newest version is being flushed to the
+    /// PFS; the agents stop (discarding memory) once it is there.
+    finishing: bool,
 }
 
 #[derive(Default)]
@@ -382,6 +385,15 @@ async fn register_app(
     if registration.ranks == 0 || registration.nodes == 0 {
         return Err(format!("application {:?} registered with 0 ranks or 0 nodes", registration.name));
     }
+    // A run that finished with IC_CLEANUP may still be flushing to the PFS:
+    // let it finish, so the new run starts from the flushed version.
+    let flushing_since = Instant::now();
+    while shared.state().apps.get(&registration.name).is_some_and(|a| a.finishing) {
+        if flushing_since.elapsed() > AGENT_START_TIMEOUT {
+            return Err(format!("application {:?} is still being flushed to the PFS; try again", registration.name));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let config = shared.dynamic();
     let mut waiters = Vec::new();
     let latest;
@@ -478,6 +490,7 @@ async fn register_app(
         persisted: false,
         pfs_version: None,
         pfs_pending: BTreeMap::new(),
+        finishing: false,
     };
     state.apps.insert(entry.registration.name.clone(), entry);
     Ok((agents, latest))
@@ -545,6 +558,9 @@ fn pfs_copied(shared: &Arc<Shared>, agent: u64, version: u64, result: Result<Vec
         Err(reason) => {
             tracing::warn!(app = %name, version, agent, %reason, "PFS copy failed; the previous PFS version stays");
             app.pfs_pending.remove(&version);
+            if app.finishing {
+                stop_and_forget(&mut state, &name);
+            }
             return;
         }
         Ok(entries) => entries,
@@ -561,13 +577,16 @@ fn pfs_copied(shared: &Arc<Shared>, agent: u64, version: u64, result: Result<Vec
     tokio::task::spawn_blocking(move || {
         let Some(pfs) = pfs else { return };
         match pfs.complete(&name, version, ranks, "agents", entries) {
-            Ok(()) => {
-                tracing::info!(app = %name, version, "version copied to the PFS");
-                if let Some(app) = shared.state().apps.get_mut(&name) {
-                    app.pfs_version = app.pfs_version.max(Some(version));
-                }
-            }
+            Ok(()) => tracing::info!(app = %name, version, "version copied to the PFS"),
             Err(err) => tracing::warn!(app = %name, version, %err, "cannot complete the PFS copy"),
+        }
+        let mut state = shared.state();
+        if let Some(app) = state.apps.get_mut(&name) {
+            app.pfs_version = app.pfs_version.max(Some(version));
+            if app.finishing {
+                tracing::info!(app = %name, "flushed; stopping its agents");
+                stop_and_forget(&mut state, &name);
+            }
         }
     });
 }
@@ -651,14 +670,43 @@ fn finish_app(shared: &Shared, name: &str, persist: bool) -> ClientReply {
             None => ClientReply::Error(format!("no application named {name:?} is registered")),
         };
     }
-    let Some(app) = state.apps.remove(name) else {
+    let state = &mut *state;
+    let Some(app) = state.apps.get_mut(name) else {
         return ClientReply::Error(format!("no application named {name:?} is registered"));
     };
+    // An application using the PFS level keeps its newest version there.
+    let unflushed = app.latest.as_ref().map(|l| l.version).filter(|v| Some(*v) > app.pfs_version);
+    if let (Some(version), true) = (unflushed, shared.pfs.is_some() && app.registration.pfs_interval > 0) {
+        if !app.agents.is_empty() {
+            tracing::info!(app = name, version, "application finished; flushing its newest version to the PFS");
+            app.finishing = true;
+            if !app.pfs_pending.contains_key(&version) {
+                let compression = app.registration.compression;
+                app.pfs_pending.insert(version, (Vec::new(), 0, app.agents.len()));
+                for agent in &app.agents {
+                    if let Some(node) = state.nodes.get(&agent.node) {
+                        let _ = node.to_manager.send(ControllerToManager::CopyToPfs {
+                            agent: agent.id,
+                            version,
+                            compression,
+                        });
+                    }
+                }
+            }
+            return ClientReply::Ok;
+        }
+    }
     tracing::info!(app = name, "application finished; stopping its agents and deleting its checkpoints");
+    stop_and_forget(state, name);
+    ClientReply::Ok
+}
+
+/// Stops an application's agents (deleting their memory) and forgets it.
+fn stop_and_forget(state: &mut State, name: &str) {
+    let Some(app) = state.apps.remove(name) else { return };
     for agent in app.agents {
         if let Some(node) = state.nodes.get(&agent.node) {
             let _ = node.to_manager.send(ControllerToManager::StopAgent { id: agent.id, discard: true });
         }
     }
-    ClientReply::Ok
 }
