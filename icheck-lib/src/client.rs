@@ -413,7 +413,6 @@ pub struct Icheck {
     t_wait: Duration,
     /// What registration needs, to try the service again.
     registration: AppRegistration,
-    controller_timeout: Duration,
     /// SHMR, node leader: the segment's registration (renewed when it
     /// grows). Declared before `segment` so it is dropped first.
     segment_region: Option<MemoryRegion>,
@@ -640,7 +639,6 @@ impl Icheck {
             fallback_tried: Instant::now(),
             t_wait,
             registration,
-            controller_timeout: connect_timeout,
             segment: None,
             segment_region: None,
             labels: Vec::new(),
@@ -917,6 +915,11 @@ impl Icheck {
         Ok(())
     }
 
+    /// Opens this process's session with its agent among `agents`.
+    fn open_own_link(&self, agents: &[AgentInfo]) -> Result<Option<AgentLink>> {
+        open_link(self.comm.as_ref(), self.mode, &self.endpoint, agents, &self.token, &self.app, self.connect_timeout)
+    }
+
     /// Fallback (*collective*): tries to register with the service again;
     /// when it answers with agents, every rank opens its session and the
     /// library is back on RDMA (the service restarts from the PFS versions
@@ -927,7 +930,7 @@ impl Icheck {
         let mut connection = None;
         if self.comm.rank() == 0 {
             let result: std::result::Result<ClientReply, String> =
-                BlockingConnection::connect(&self.controller_peer, &self.token, self.controller_timeout)
+                BlockingConnection::connect(&self.controller_peer, &self.token, self.connect_timeout)
                     .and_then(|mut c| {
                         c.set_timeout(CONTROLLER_TIMEOUT);
                         let reply = c.request(&ClientRequest::RegisterApp(self.registration.clone()))?;
@@ -942,15 +945,7 @@ impl Icheck {
             Ok(Ok(ClientReply::Registered { agents, .. })) if !agents.is_empty() => agents,
             _ => return, // still unreachable: keep writing to the PFS
         };
-        let link = open_link(
-            self.comm.as_ref(),
-            self.mode,
-            &self.endpoint,
-            &agents,
-            &self.token,
-            &self.app,
-            self.controller_timeout,
-        );
+        let link = self.open_own_link(&agents);
         if !self.comm.all_true(link.is_ok()) {
             tracing::warn!("the service answered but not every rank reached its agent; staying on the PFS");
             return;
@@ -1547,15 +1542,7 @@ impl Icheck {
             Ok(other) => return Err(self.controller_error(format!("unexpected answer to Probe: {other:?}"))),
             Err(message) => return Err(self.controller_error(message)),
         };
-        let link = open_link(
-            self.comm.as_ref(),
-            self.mode,
-            &self.endpoint,
-            &agents,
-            &self.token,
-            &self.app,
-            self.connect_timeout,
-        );
+        let link = self.open_own_link(&agents);
         let all_ok = self.comm.all_true(link.is_ok());
         let link = link?;
         if !all_ok {
