@@ -260,8 +260,14 @@ impl PfsStore {
     /// Completes a version whose ranks are all written: the MANIFEST goes
     /// in last, then the directory is renamed into place, then older
     /// complete versions are deleted (the new one replaces them only now).
+    /// A version older than the newest complete one is dropped instead.
     pub fn complete(&self, app: &str, version: u64, ranks: u32, writer: &str, entries: Vec<RankEntry>) -> Result<()> {
         let partial = self.partial_dir(app, version)?;
+        if self.latest(app)?.is_some_and(|newest| newest > version) {
+            // A newer version completed first: this one is already superseded.
+            let _ = fs::remove_dir_all(&partial);
+            return Ok(());
+        }
         let manifest = PfsManifest { app: app.to_string(), version, ranks, writer: writer.to_string(), entries };
         let bytes = bincode_encode(&manifest, &partial)?;
         let tmp = partial.join(format!("{MANIFEST}.tmp"));
@@ -453,6 +459,18 @@ mod tests {
         assert!(matches!(pfs.read_rank(&manifest, 5), Err(PfsError::MissingRank { rank: 5, .. })));
         pfs.remove_app("app").unwrap();
         assert_eq!(pfs.latest("app").unwrap(), None);
+    }
+
+    #[test]
+    fn a_version_completed_after_a_newer_one_is_dropped() {
+        let pfs = scratch("stale");
+        let data = vec![1u8; 1000];
+        let (old, _) = pfs.write_rank(&manifest("app", 1, 0, &data), &data, Compression::None).unwrap();
+        write_version(&pfs, 2, &[&data], Compression::None);
+        pfs.complete("app", 1, 1, "test", vec![old]).unwrap();
+        assert_eq!(pfs.versions("app").unwrap(), vec![2]);
+        assert!(!pfs.partial_dir("app", 1).unwrap().exists());
+        let _ = fs::remove_dir_all(&pfs.root);
     }
 
     #[test]

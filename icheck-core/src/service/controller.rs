@@ -558,7 +558,7 @@ fn pfs_copied(shared: &Arc<Shared>, agent: u64, version: u64, result: Result<Vec
         Err(reason) => {
             tracing::warn!(app = %name, version, agent, %reason, "PFS copy failed; the previous PFS version stays");
             app.pfs_pending.remove(&version);
-            if app.finishing {
+            if app.finishing && app.pfs_pending.is_empty() {
                 stop_and_forget(&mut state, &name);
             }
             return;
@@ -583,7 +583,9 @@ fn pfs_copied(shared: &Arc<Shared>, agent: u64, version: u64, result: Result<Vec
         let mut state = shared.state();
         if let Some(app) = state.apps.get_mut(&name) {
             app.pfs_version = app.pfs_version.max(Some(version));
-            if app.finishing {
+            // Stop only when no copy is still under way (an earlier
+            // interval copy may finish before the final flush).
+            if app.finishing && app.pfs_pending.is_empty() {
                 tracing::info!(app = %name, "flushed; stopping its agents");
                 stop_and_forget(&mut state, &name);
             }
