@@ -433,12 +433,8 @@ async fn register_app(
         // its checkpoint files, where those are alive.
         let previous: Vec<String> = state.apps.get(&registration.name).map(|a| a.homes.clone()).unwrap_or_default();
         // Survivors of the old placement stop; their files stay for the new agents.
-        let survivors: Vec<AgentInfo> =
-            state.apps.get(&registration.name).map(|a| a.agents.clone()).unwrap_or_default();
-        for agent in survivors {
-            if let Some(node) = state.nodes.get(&agent.node) {
-                let _ = node.to_manager.send(ControllerToManager::StopAgent { id: agent.id, discard: false });
-            }
+        if let Some(app) = state.apps.get(&registration.name) {
+            tell_agents(&state.nodes, &app.agents, |id| ControllerToManager::StopAgent { id, discard: false });
         }
         let nodes = if !previous.is_empty()
             && previous.len() == count as usize
@@ -473,11 +469,7 @@ async fn register_app(
     }
     let mut state = shared.state();
     if let Some(reason) = failure {
-        for agent in &agents {
-            if let Some(node) = state.nodes.get(&agent.node) {
-                let _ = node.to_manager.send(ControllerToManager::StopAgent { id: agent.id, discard: false });
-            }
-        }
+        tell_agents(&state.nodes, &agents, |id| ControllerToManager::StopAgent { id, discard: false });
         return Err(format!("could not start the agents of {}: {reason}", registration.name));
     }
     tracing::info!(agents = agents.len(), "application registered");
@@ -518,14 +510,7 @@ fn record_version(shared: &Shared, name: &str, version: u64, bytes: u64, commit_
     if shared.pfs.is_some() && interval > 0 && version.is_multiple_of(interval) && !app.agents.is_empty() {
         // §6.2.3.2: the copy of v starts once every agent holds v, which
         // the library's VersionComplete says; each agent copies its ranks.
-        let compression = app.registration.compression;
-        let asked: Vec<(u64, String)> = app.agents.iter().map(|a| (a.id, a.node.clone())).collect();
-        app.pfs_pending.insert(version, (Vec::new(), 0, asked.len()));
-        for (agent, node) in asked {
-            if let Some(manager) = state.nodes.get(&node) {
-                let _ = manager.to_manager.send(ControllerToManager::CopyToPfs { agent, version, compression });
-            }
-        }
+        request_pfs_copy(&state.nodes, app, version);
     }
     ClientReply::Ok
 }
@@ -625,18 +610,7 @@ async fn delete_app(shared: &Arc<Shared>, name: &str) -> ClientReply {
     if let Err(err) = crate::service::store::check_app_name(name) {
         return ClientReply::Error(err.to_string());
     }
-    let known = {
-        let mut state = shared.state();
-        let app = state.apps.remove(name);
-        if let Some(app) = &app {
-            for agent in &app.agents {
-                if let Some(node) = state.nodes.get(&agent.node) {
-                    let _ = node.to_manager.send(ControllerToManager::StopAgent { id: agent.id, discard: true });
-                }
-            }
-        }
-        app.is_some()
-    };
+    let known = stop_and_forget(&mut shared.state(), name);
     let on_pfs = match &shared.pfs {
         Some(pfs) => {
             let (pfs, app) = (pfs.clone(), name.to_string());
@@ -683,17 +657,7 @@ fn finish_app(shared: &Shared, name: &str, persist: bool) -> ClientReply {
             tracing::info!(app = name, version, "application finished; flushing its newest version to the PFS");
             app.finishing = true;
             if !app.pfs_pending.contains_key(&version) {
-                let compression = app.registration.compression;
-                app.pfs_pending.insert(version, (Vec::new(), 0, app.agents.len()));
-                for agent in &app.agents {
-                    if let Some(node) = state.nodes.get(&agent.node) {
-                        let _ = node.to_manager.send(ControllerToManager::CopyToPfs {
-                            agent: agent.id,
-                            version,
-                            compression,
-                        });
-                    }
-                }
+                request_pfs_copy(&state.nodes, app, version);
             }
             return ClientReply::Ok;
         }
@@ -703,12 +667,32 @@ fn finish_app(shared: &Shared, name: &str, persist: bool) -> ClientReply {
     ClientReply::Ok
 }
 
-/// Stops an application's agents (deleting their memory) and forgets it.
-fn stop_and_forget(state: &mut State, name: &str) {
-    let Some(app) = state.apps.remove(name) else { return };
-    for agent in app.agents {
-        if let Some(node) = state.nodes.get(&agent.node) {
-            let _ = node.to_manager.send(ControllerToManager::StopAgent { id: agent.id, discard: true });
+/// Stops an application's agents (deleting their memory) and forgets it;
+/// false if it was not registered.
+fn stop_and_forget(state: &mut State, name: &str) -> bool {
+    let Some(app) = state.apps.remove(name) else { return false };
+    tell_agents(&state.nodes, &app.agents, |id| ControllerToManager::StopAgent { id, discard: true });
+    true
+}
+
+/// Sends each agent's manager the message `message(agent id)`; agents whose
+/// manager is gone get nothing (they went with it).
+fn tell_agents(
+    nodes: &BTreeMap<String, NodeEntry>,
+    agents: &[AgentInfo],
+    message: impl Fn(u64) -> ControllerToManager,
+) {
+    for agent in agents {
+        if let Some(node) = nodes.get(&agent.node) {
+            let _ = node.to_manager.send(message(agent.id));
         }
     }
+}
+
+/// Starts the PFS copy of `version`: each of the application's agents
+/// copies its ranks, and `pfs_copied` collects their answers.
+fn request_pfs_copy(nodes: &BTreeMap<String, NodeEntry>, app: &mut AppEntry, version: u64) {
+    let compression = app.registration.compression;
+    app.pfs_pending.insert(version, (Vec::new(), 0, app.agents.len()));
+    tell_agents(nodes, &app.agents, |agent| ControllerToManager::CopyToPfs { agent, version, compression });
 }
