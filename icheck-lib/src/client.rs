@@ -268,13 +268,6 @@ struct Background {
     result: Result<()>,
 }
 
-/// Begins and seals a version without data (nothing registered to move).
-fn send_empty(link: &mut AgentLink, version: u64, ranks: u32, layout: Vec<LabelLayout>, push: bool) -> Result<()> {
-    let crcs = layout.iter().map(|_| Vec::new()).collect();
-    link.begin(version, ranks, layout, push)?;
-    link.seal(crcs).map(|_| ())
-}
-
 /// A background commit. Processes without a transfer of their own (SHMR
 /// non-leaders) have no thread but still complete the version in `wait`.
 struct InFlight {
@@ -284,9 +277,9 @@ struct InFlight {
     handle: Option<JoinHandle<Background>>,
 }
 
-/// Begins `version` at the agent, moves `bytes` (registered as
-/// `source`/`remote`) to it, checksums each label of `layout` meanwhile on
-/// another thread, and seals.
+/// Begins `version` at the agent, moves `bytes` (registered as `registered`:
+/// local source and remote view; `None` only when there are no bytes) to it,
+/// checksums each label of `layout` meanwhile on another thread, and seals.
 #[allow(clippy::too_many_arguments)]
 fn send_version(
     link: &mut AgentLink,
@@ -295,8 +288,7 @@ fn send_version(
     ranks: u32,
     layout: Vec<LabelLayout>,
     push: bool,
-    source: LocalSource<'_>,
-    remote: RemoteRegion,
+    registered: Option<(LocalSource<'_>, RemoteRegion)>,
     bytes: &[u8],
 ) -> Result<()> {
     let total = bytes.len();
@@ -304,12 +296,15 @@ fn send_version(
     let slices: Vec<&[u8]> = layout.iter().map(|l| &bytes[l.offset as usize..(l.offset + l.len) as usize]).collect();
     let crcs = std::thread::scope(|scope| -> Result<Vec<Vec<u32>>> {
         let checksums = scope.spawn(|| label_crcs(&slices));
-        if total > 0 && push {
-            let op = RmaOp { local_offset: 0, remote: target, remote_offset: 0, len: total };
-            endpoint.write(&link.peer, source, &[op], &TransferOptions::default())?;
-        } else if total > 0 {
-            let segment = PullSegment { source: remote, source_offset: 0, file_offset: 0, len: total as u64 };
-            link.pull(endpoint, vec![segment])?;
+        if total > 0 {
+            let (source, remote) = registered.ok_or(Error::Order("the bytes to send are not registered"))?;
+            if push {
+                let op = RmaOp { local_offset: 0, remote: target, remote_offset: 0, len: total };
+                endpoint.write(&link.peer, source, &[op], &TransferOptions::default())?;
+            } else {
+                let segment = PullSegment { source: remote, source_offset: 0, file_offset: 0, len: total as u64 };
+                link.pull(endpoint, vec![segment])?;
+            }
         }
         checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))
     })?;
@@ -320,12 +315,18 @@ fn send_version(
 /// straight into the caller's memory.
 struct Restored {
     manifest: Manifest,
-    region: RemoteRegion,
-    /// SHMR: the node leader already read and verified the node's data into
-    /// the node segment; labels are named `<rank>/<label>` there.
-    in_segment: bool,
-    /// Fallback: the rank's data, read and verified from the PFS.
-    local: Option<Vec<u8>>,
+    data: RestoredData,
+}
+
+/// Where the bytes of a restarted version are.
+enum RestoredData {
+    /// At this rank's agent, exposed for reading until `FetchDone`.
+    Agent(RemoteRegion),
+    /// SHMR: in the node segment, read and verified by the node leader;
+    /// labels are named `<rank>/<label>` there.
+    Segment,
+    /// Fallback: this rank's data, read and verified from the PFS.
+    Local(Vec<u8>),
 }
 
 /// Bytes read per step of a restore; each step's checksums are verified on
@@ -964,8 +965,7 @@ impl Icheck {
         let fail = |e: icheck_core::pfs::PfsError| Error::Unsupported(format!("restart from the PFS: {e}"));
         let manifest = pfs.manifest(&self.app, record.version).map_err(fail)?;
         let (rank_manifest, data) = pfs.read_rank(&manifest, self.comm.rank()).map_err(fail)?;
-        let region = RemoteRegion { addr: 0, key: 0, len: 0 };
-        self.restored = Some(Restored { manifest: rank_manifest, region, in_segment: false, local: Some(data) });
+        self.restored = Some(Restored { manifest: rank_manifest, data: RestoredData::Local(data) });
         Ok(record.version)
     }
 
@@ -1085,12 +1085,11 @@ impl Icheck {
         let send = move |link: &mut AgentLink, region: Option<&MemoryRegion>| -> Result<()> {
             // SAFETY: see above; `len` <= the mapped length (ensure_segment).
             let bytes = unsafe { std::slice::from_raw_parts(base as *const u8, len) };
-            let (source, remote) = match region {
-                Some(region) => (region.source(), region.remote()),
-                None if len == 0 => return send_empty(link, version, nodes, layout, push),
-                None => return Err(Error::Order("the SHMR segment is not registered")),
-            };
-            send_version(link, &endpoint, version, nodes, layout, push, source, remote, bytes)
+            if region.is_none() && len > 0 {
+                return Err(Error::Order("the SHMR segment is not registered"));
+            }
+            let registered = region.map(|r| (r.source(), r.remote()));
+            send_version(link, &endpoint, version, nodes, layout, push, registered, bytes)
         };
         if !self.asynchronous {
             let result = send(&mut link, region.as_ref());
@@ -1170,7 +1169,7 @@ impl Icheck {
             .and_then(|r| r)
             .map_err(|message| Error::Unsupported(format!("SHMR restart, node leader: {message}")))?;
         let version = manifest.version;
-        self.restored = Some(Restored { manifest, region, in_segment: true, local: None });
+        self.restored = Some(Restored { manifest, data: RestoredData::Segment });
         Ok(version)
     }
 
@@ -1305,8 +1304,7 @@ impl Icheck {
                     ranks,
                     layout,
                     push,
-                    staging.source(),
-                    staging.remote(),
+                    Some((staging.source(), staging.remote())),
                     bytes,
                 );
                 Background { link, staging: Some(staging), segment_region: None, result }
@@ -1390,13 +1388,13 @@ impl Icheck {
             return Err(link.error(format!("manifest of version {} has no checksums for some labels", record.version)));
         }
         let version = manifest.version;
-        self.restored = Some(Restored { manifest, region, in_segment: false, local: None });
+        self.restored = Some(Restored { manifest, data: RestoredData::Agent(region) });
         Ok(version)
     }
 
     /// Tells the agent the restart data is no longer needed.
     fn release_restart(&mut self) {
-        if self.restored.take().is_some_and(|r| !r.in_segment && r.local.is_none()) {
+        if self.restored.take().is_some_and(|r| matches!(r.data, RestoredData::Agent(_))) {
             if let Some(link) = self.link.as_mut() {
                 if let Err(err) = link.call(&AgentRequest::FetchDone) {
                     tracing::warn!(%err, "agent did not acknowledge the end of a restart");
@@ -1407,7 +1405,10 @@ impl Icheck {
 
     fn restored_label(&self, label: &str) -> Result<(&Restored, usize)> {
         let restored = self.restored.as_ref().ok_or(Error::Order("restore needs a successful restart() first"))?;
-        let key = if restored.in_segment { format!("{}/{label}", self.comm.rank()) } else { label.to_string() };
+        let key = match restored.data {
+            RestoredData::Segment => format!("{}/{label}", self.comm.rank()),
+            _ => label.to_string(),
+        };
         let index = restored.manifest.labels.iter().position(|l| l.label == key).ok_or_else(|| {
             Error::UnknownLabel { label: label.to_string(), detail: "not in the restarted checkpoint" }
         })?;
@@ -1423,19 +1424,21 @@ impl Icheck {
         if layout.kind != kind {
             return Err(Error::KindMismatch { label: label.to_string(), stored: layout.kind, given: kind });
         }
-        if let Some(local) = &restored.local {
+        let start = layout.offset as usize;
+        let region = match &restored.data {
+            RestoredData::Agent(region) => *region,
             // Verified when read from the PFS.
-            let start = layout.offset as usize;
-            out.copy_from_slice(&local[start..start + out.len()]);
-            return Ok(());
-        }
-        if restored.in_segment {
-            // Already verified by the node leader when it filled the segment.
-            let segment = self.segment.as_ref().ok_or(Error::Order("the SHMR segment is gone"))?;
-            let start = layout.offset as usize;
-            out.copy_from_slice(&segment.as_slice()[start..start + out.len()]);
-            return Ok(());
-        }
+            RestoredData::Local(bytes) => {
+                out.copy_from_slice(&bytes[start..start + out.len()]);
+                return Ok(());
+            }
+            // Verified by the node leader when it filled the segment.
+            RestoredData::Segment => {
+                let segment = self.segment.as_ref().ok_or(Error::Order("the SHMR segment is gone"))?;
+                out.copy_from_slice(&segment.as_slice()[start..start + out.len()]);
+                return Ok(());
+            }
+        };
         let link = self.link.as_ref().ok_or(Error::Order("no agent session"))?;
         let manifest = &restored.manifest;
         let span =
@@ -1443,19 +1446,11 @@ impl Icheck {
         let _entered = span.enter();
         let started = Instant::now();
         let chunk = manifest.chunk_size as usize;
-        let bad = read_and_verify(
-            &self.endpoint,
-            &link.peer,
-            restored.region,
-            layout.offset,
-            out,
-            chunk,
-            &manifest.crcs[index],
-        )
-        .map_err(|err| match err {
-            Error::Fabric(err) => link.error(format!("reading label {label:?}: {err}")),
-            other => other,
-        })?;
+        let bad = read_and_verify(&self.endpoint, &link.peer, region, layout.offset, out, chunk, &manifest.crcs[index])
+            .map_err(|err| match err {
+                Error::Fabric(err) => link.error(format!("reading label {label:?}: {err}")),
+                other => other,
+            })?;
         if let Some(bad) = bad {
             let start = (bad * chunk) as u64;
             return Err(Error::Corrupt {
