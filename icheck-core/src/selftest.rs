@@ -285,19 +285,7 @@ impl TargetProcess {
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         if self.child.wait().is_ok() {
-            remove_shm_regions_of(self.child.id());
-        }
-    }
-}
-
-/// Removes `/dev/shm/<pid>:*`, the shm provider's regions of a process that
-/// died without closing its endpoints. Call it only for a reaped child.
-pub fn remove_shm_regions_of(pid: u32) {
-    let prefix = format!("{pid}:");
-    let Ok(entries) = std::fs::read_dir("/dev/shm") else { return };
-    for entry in entries.filter_map(|e| e.ok()) {
-        if entry.file_name().to_string_lossy().starts_with(&prefix) {
-            let _ = std::fs::remove_file(entry.path());
+            crate::fabric::remove_shm_regions_of(self.child.id());
         }
     }
 }

@@ -278,8 +278,21 @@ fn sweep_stale_shm_regions() {
     static SWEPT: std::sync::Once = std::sync::Once::new();
     SWEPT.call_once(|| {
         // Nothing of this process exists yet, so these are a dead process's.
-        crate::selftest::remove_shm_regions_of(std::process::id());
+        remove_shm_regions_of(std::process::id());
     });
+}
+
+/// Removes `/dev/shm/<pid>:*`, the shm provider's regions of a process that
+/// died without closing its endpoints. Call it only for a dead (reaped)
+/// process, or for this one before it opened an shm endpoint.
+pub fn remove_shm_regions_of(pid: u32) {
+    let prefix = format!("{pid}:");
+    let Ok(entries) = std::fs::read_dir("/dev/shm") else { return };
+    for entry in entries.filter_map(|e| e.ok()) {
+        if entry.file_name().to_string_lossy().starts_with(&prefix) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 impl Domain {

@@ -62,10 +62,6 @@ pub struct AgentSettings {
 pub struct AgentCounters {
     /// Versions sealed.
     pub versions_sealed: AtomicU64,
-    /// Bytes received by commits.
-    pub bytes_in: AtomicU64,
-    /// Nanoseconds spent moving bytes in.
-    pub transfer_nanos: AtomicU64,
 }
 
 struct Shared {
@@ -423,10 +419,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             };
             store.seal(&manifest).map_err(|e| e.to_string())?;
             session.sealed.push((version, file));
-            let counters = &shared.counters;
-            counters.versions_sealed.fetch_add(1, Ordering::Relaxed);
-            counters.bytes_in.fetch_add(total_len, Ordering::Relaxed);
-            counters.transfer_nanos.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            shared.counters.versions_sealed.fetch_add(1, Ordering::Relaxed);
             let seal_ms = sealing.elapsed().as_secs_f64() * 1e3;
             tracing::info!(version, rank = session.rank, bytes = total_len, transfer_ms, seal_ms, "version sealed");
             Ok(AgentReply::Sealed(manifest))
