@@ -25,6 +25,10 @@ use serde::{Deserialize, Serialize};
 use crate::protocol::{self, Manifest};
 use crate::service::store::{check_app_name, first_bad_chunk};
 
+/// Complete versions kept per application: the newest, and the one before
+/// it, so a restart survives a newest version damaged on disk.
+pub const KEEP_VERSIONS: usize = 2;
+
 /// Name of the file that makes a version directory complete.
 pub const MANIFEST: &str = "MANIFEST";
 
@@ -148,6 +152,11 @@ impl PfsStore {
         PfsStore { root: root.into() }
     }
 
+    /// The directory the level lives in.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
     fn app_dir(&self, app: &str) -> Result<PathBuf> {
         check_app_name(app)?;
         Ok(self.root.join(app))
@@ -258,9 +267,10 @@ impl PfsStore {
     }
 
     /// Completes a version whose ranks are all written: the MANIFEST goes
-    /// in last, then the directory is renamed into place, then older
-    /// complete versions are deleted (the new one replaces them only now).
-    /// A version older than the newest complete one is dropped instead.
+    /// in last, then the directory is renamed into place, then complete
+    /// versions older than the newest [`KEEP_VERSIONS`] are deleted (the new
+    /// one replaces them only now). A version older than the newest complete
+    /// one is dropped instead.
     pub fn complete(&self, app: &str, version: u64, ranks: u32, writer: &str, entries: Vec<RankEntry>) -> Result<()> {
         let partial = self.partial_dir(app, version)?;
         if self.latest(app)?.is_some_and(|newest| newest > version) {
@@ -280,7 +290,9 @@ impl PfsStore {
         if let Ok(dir) = File::open(self.app_dir(app)?) {
             let _ = dir.sync_all();
         }
-        for old in self.versions(app)?.into_iter().filter(|v| *v < version) {
+        let versions = self.versions(app)?;
+        let keep_from = versions.len().saturating_sub(KEEP_VERSIONS);
+        for old in versions[..keep_from].iter().copied().filter(|v| *v < version) {
             let dir = self.version_dir(app, old)?;
             fs::remove_dir_all(&dir).map_err(io("cannot remove", &dir))?;
         }
@@ -437,7 +449,7 @@ mod tests {
     }
 
     #[test]
-    fn round_trip_raw_and_compressed_and_only_the_newest_stays() {
+    fn round_trip_raw_and_compressed_and_only_the_newest_two_stay() {
         let pfs = scratch("roundtrip");
         let compressible = vec![7u8; 1 << 20];
         let mut noise = vec![0u8; 1 << 20];
@@ -452,8 +464,11 @@ mod tests {
         let stats = write_version(&pfs, 2, &[&noise, &compressible], Compression::Zstd { level: 3 });
         assert!(stats[1].ratio() > 100.0, "zeros-like data compresses: {}", stats[1].ratio());
         assert!(stats[0].ratio() < 1.01, "noise does not: {}", stats[0].ratio());
-        assert_eq!(pfs.versions("app").unwrap(), vec![2], "the new version replaced the old one");
+        assert_eq!(pfs.versions("app").unwrap(), vec![1, 2], "the previous version stays as a spare");
+        write_version(&pfs, 3, &[&noise, &compressible], Compression::None);
+        assert_eq!(pfs.versions("app").unwrap(), vec![2, 3], "version 3 replaced version 1");
         let manifest = pfs.manifest("app", 2).unwrap();
+        assert_eq!(manifest.entries[1].compression, Compression::Zstd { level: 3 });
         assert_eq!(pfs.read_rank(&manifest, 0).unwrap().1, noise);
         assert_eq!(pfs.read_rank(&manifest, 1).unwrap().1, compressible);
         assert!(matches!(pfs.read_rank(&manifest, 5), Err(PfsError::MissingRank { rank: 5, .. })));

@@ -318,6 +318,9 @@ struct Restored {
     data: RestoredData,
 }
 
+/// One process of a node and its labels' places in the node segment.
+type NodeProcessLabels = (u32, Vec<LabelLayout>);
+
 /// Where the bytes of a restarted version are.
 enum RestoredData {
     /// At this rank's agent, exposed for reading until `FetchDone`.
@@ -409,6 +412,9 @@ pub struct Icheck {
     /// Set while the service is unreachable: versions go straight to the
     /// PFS in the same format the agents write.
     fallback: Option<icheck_core::pfs::PfsStore>,
+    /// The PFS level (`PfsDir`), if configured: where fallback writes go and
+    /// where older versions are looked up when the newest cannot be read.
+    pfs: Option<icheck_core::pfs::PfsStore>,
     /// Fallback: when the service was last tried, and how often to try.
     fallback_tried: Instant,
     t_wait: Duration,
@@ -638,6 +644,7 @@ impl Icheck {
             mode,
             fallback,
             fallback_tried: Instant::now(),
+            pfs: config.pfs_dir.clone().map(icheck_core::pfs::PfsStore::new),
             t_wait,
             registration,
             segment: None,
@@ -746,8 +753,7 @@ impl Icheck {
                     }
                 };
             }
-            let bytes = *stored.as_ref().unwrap_or(&0);
-            self.complete(version, stored.map(|_| ()), bytes, started)?;
+            self.complete_or_fall_back(version, stored, started)?;
             return Ok(version);
         }
         if self.asynchronous {
@@ -764,9 +770,38 @@ impl Icheck {
             };
         }
         let stored = if self.zero_copy { self.store_zero_copy(version) } else { self.store_pipelined(version) };
-        let bytes = *stored.as_ref().unwrap_or(&0);
-        self.complete(version, stored.map(|_| ()), bytes, started)?;
+        self.complete_or_fall_back(version, stored, started)?;
         Ok(version)
+    }
+
+    /// Completes a blocking commit; when some rank's agent failed it and a
+    /// PFS is configured, every rank writes the version directly to the PFS
+    /// instead (§6.5.1) and keeps doing so until the service answers again
+    /// (tried every `t_wait`).
+    fn complete_or_fall_back(&mut self, version: u64, stored: Result<u64>, started: Instant) -> Result<()> {
+        let all_stored = self.comm.all_true(stored.is_ok());
+        if !all_stored {
+            if let Some(pfs) = self.pfs.clone() {
+                // Rank 0 announces the switch (once, not per commit); other
+                // ranks only say what failed on their side.
+                let cause = stored.as_ref().err().map(|e| e.to_string());
+                if self.comm.rank() == 0 {
+                    tracing::warn!(
+                        err = cause.as_deref().unwrap_or("another rank's agent failed"),
+                        pfs = %pfs.root().display(),
+                        "an agent failed during a commit: checkpoints go directly to the PFS until the service answers again"
+                    );
+                } else if let Some(err) = cause {
+                    tracing::warn!(%err, "this rank's agent failed during a commit");
+                }
+                self.link = None;
+                self.fallback = Some(pfs);
+                self.fallback_tried = Instant::now();
+                return self.commit_fallback(version);
+            }
+        }
+        let bytes = *stored.as_ref().unwrap_or(&0);
+        self.complete_agreed(version, stored.map(|_| ()), all_stored, bytes, started)
     }
 
     fn controller_error(&self, message: String) -> Error {
@@ -781,8 +816,19 @@ impl Icheck {
     /// Agrees with all ranks, records the version at the controller and
     /// lets agents drop older versions.
     fn complete(&mut self, version: u64, local: Result<()>, bytes: u64, started: Instant) -> Result<()> {
-        let local_ok = local.is_ok();
-        let all_ok = self.comm.all_true(local_ok);
+        let all_ok = self.comm.all_true(local.is_ok());
+        self.complete_agreed(version, local, all_ok, bytes, started)
+    }
+
+    /// [`Self::complete`] once the ranks agreed whether all stored their data.
+    fn complete_agreed(
+        &mut self,
+        version: u64,
+        local: Result<()>,
+        all_ok: bool,
+        bytes: u64,
+        started: Instant,
+    ) -> Result<()> {
         local?;
         if !all_ok {
             return Err(self.incomplete(version, "another rank failed to store its data".into()));
@@ -871,31 +917,14 @@ impl Icheck {
         Ok(moved)
     }
 
-    /// Fallback commit (*collective*): every rank writes its labels to the
-    /// PFS partial version, then rank 0 completes it from the ranks' entries.
+    /// Fallback commit (*collective*): one writer per node (thesis §9.4.1.4)
+    /// writes every process's file of that node to the PFS partial version,
+    /// then rank 0 completes it from the entries.
     fn commit_fallback(&mut self, version: u64) -> Result<()> {
         let pfs = self.fallback.clone().expect("fallback mode");
         let (rank, ranks) = (self.comm.rank(), self.comm.size());
         let fail = |e: icheck_core::pfs::PfsError| Error::Unsupported(format!("fallback write to the PFS: {e}"));
-        let written = (|| -> Result<()> {
-            let guards: Vec<_> = self.labels.iter().map(|l| l.source.bytes()).collect();
-            let parts: Vec<&[u8]> = guards.iter().map(|g| &***g).collect();
-            let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
-            let labels = layouts(&self.labels, &lens);
-            let manifest = Manifest {
-                app: self.app.clone(),
-                rank,
-                ranks,
-                version,
-                total_len: lens.iter().sum::<usize>() as u64,
-                chunk_size: icheck_core::service::store::CHUNK_SIZE,
-                crcs: label_crcs(&parts),
-                labels,
-                sealed_unix_ms: 0,
-            };
-            pfs.write_rank_parts(&manifest, &parts).map_err(fail)?;
-            Ok(())
-        })();
+        let written = self.write_node_to_pfs(&pfs, version);
         if !self.comm.all_true(written.is_ok()) {
             written?;
             return Err(self.incomplete(version, "another rank could not write its data to the PFS".into()));
@@ -913,6 +942,37 @@ impl Icheck {
         }
         self.latest = Some(VersionRecord { version, ranks, bytes: 0, commit_secs: 0.0, completed_unix_ms: 0 });
         tracing::info!(version, "version written directly to the PFS");
+        Ok(())
+    }
+
+    /// The node's processes stage their labels in the node segment, and the
+    /// node leader writes one file per process from there: fewer writers
+    /// contend for the PFS, and the on-disk format stays per rank.
+    fn write_node_to_pfs(&mut self, pfs: &icheck_core::pfs::PfsStore, version: u64) -> Result<()> {
+        let (staged, _) = self.stage_in_segment()?;
+        if self.comm.node_rank() != 0 {
+            return Ok(());
+        }
+        let segment = self.segment.as_ref().expect("staged");
+        let bytes = segment.as_slice();
+        for (who, labels) in staged {
+            let parts: Vec<&[u8]> =
+                labels.iter().map(|l| &bytes[l.offset as usize..(l.offset + l.len) as usize]).collect();
+            let base = labels.first().map_or(0, |l| l.offset);
+            let manifest = Manifest {
+                app: self.app.clone(),
+                rank: who,
+                ranks: self.comm.size(),
+                version,
+                total_len: parts.iter().map(|p| p.len() as u64).sum(),
+                chunk_size: icheck_core::service::store::CHUNK_SIZE,
+                crcs: label_crcs(&parts),
+                labels: labels.into_iter().map(|l| LabelLayout { offset: l.offset - base, ..l }).collect(),
+                sealed_unix_ms: 0,
+            };
+            pfs.write_rank_parts(&manifest, &parts)
+                .map_err(|e| Error::Unsupported(format!("fallback write to the PFS: {e}")))?;
+        }
         Ok(())
     }
 
@@ -959,14 +1019,13 @@ impl Icheck {
     }
 
     /// Fallback restart: this rank's data, verified, from the PFS.
-    fn fetch_fallback(&mut self) -> Result<u64> {
-        let record = self.restart_record()?;
+    fn fetch_fallback(&mut self, version: u64) -> Result<u64> {
         let pfs = self.fallback.clone().expect("fallback mode");
         let fail = |e: icheck_core::pfs::PfsError| Error::Unsupported(format!("restart from the PFS: {e}"));
-        let manifest = pfs.manifest(&self.app, record.version).map_err(fail)?;
+        let manifest = pfs.manifest(&self.app, version).map_err(fail)?;
         let (rank_manifest, data) = pfs.read_rank(&manifest, self.comm.rank()).map_err(fail)?;
         self.restored = Some(Restored { manifest: rank_manifest, data: RestoredData::Local(data) });
-        Ok(record.version)
+        Ok(version)
     }
 
     /// SHMR: makes every process of this node map a segment of at least
@@ -1028,45 +1087,14 @@ impl Icheck {
     /// SHMR commit: every node process copies its labels into the node
     /// segment; the node leader moves the segment to the node's agent.
     fn store_shmr(&mut self, version: u64, started: Instant) -> Result<u64> {
-        let rank = self.comm.rank();
-        let mine: Vec<(String, DataKind, u64)> =
-            self.labels.iter().map(|l| (l.name.clone(), l.source.kind(), l.source.bytes().len() as u64)).collect();
-        let encoded = protocol::encode(&(rank, &mine)).map_err(|e| Error::Unsupported(e.to_string()))?;
-        let mut layout = Vec::new();
-        let mut my_offsets = Vec::new();
-        let mut total = 0u64;
-        for bytes in self.comm.node_all_gather(encoded) {
-            let (who, labels): (u32, Vec<(String, DataKind, u64)>) =
-                protocol::decode(&bytes).map_err(|e| Error::Unsupported(format!("SHMR layout: {e}")))?;
-            for (name, kind, len) in labels {
-                if who == rank {
-                    my_offsets.push(total as usize);
-                }
-                layout.push(LabelLayout { label: format!("{who}/{name}"), kind, offset: total, len });
-                total += len;
-            }
-        }
-        self.ensure_segment(total as usize)?;
-        let guards: Vec<_> = self.labels.iter().map(|l| l.source.bytes()).collect();
-        // Another thread of the application may have resized a region since
-        // the layout was agreed; its range in the segment is fixed now.
-        if let Some(((name, _, len), guard)) = mine.iter().zip(&guards).find(|((_, _, len), g)| g.len() as u64 != *len)
-        {
-            return Err(Error::SizeMismatch { label: name.clone(), stored: *len, given: guard.len() as u64 });
-        }
-        {
-            let segment = self.segment.as_mut().expect("ensured");
-            let base = segment.as_mut_ptr();
-            for (guard, offset) in guards.iter().zip(&my_offsets) {
-                // SAFETY: offset..offset+len is this rank's own part of the
-                // segment (offsets come from the node-wide layout, which
-                // gives every label of every rank a disjoint range inside
-                // `total` <= the mapped length); no other process writes it.
-                unsafe { std::ptr::copy_nonoverlapping(guard.as_ptr(), base.add(*offset), guard.len()) };
-            }
-        }
-        drop(guards);
-        self.comm.node_barrier();
+        let (staged, total) = self.stage_in_segment()?;
+        // The agent holds one "rank" per node: labels are named <rank>/<label>.
+        let layout: Vec<LabelLayout> = staged
+            .into_iter()
+            .flat_map(|(who, labels)| {
+                labels.into_iter().map(move |l| LabelLayout { label: format!("{who}/{}", l.label), ..l })
+            })
+            .collect();
         let push = self.direction == TransferDirection::Push;
         let nodes = self.comm.node_counts().0;
         let Some(mut link) = self.link.take() else {
@@ -1110,12 +1138,60 @@ impl Icheck {
         Ok(total)
     }
 
+    /// Copies every label of every process of this node into the node
+    /// segment (*collective on the node*). Returns, per node process in rank
+    /// order, its rank and its labels at their places in the segment, and
+    /// the bytes staged in all.
+    fn stage_in_segment(&mut self) -> Result<(Vec<NodeProcessLabels>, u64)> {
+        let rank = self.comm.rank();
+        let mine: Vec<(String, DataKind, u64)> =
+            self.labels.iter().map(|l| (l.name.clone(), l.source.kind(), l.source.bytes().len() as u64)).collect();
+        let encoded = protocol::encode(&(rank, &mine)).map_err(|e| Error::Unsupported(e.to_string()))?;
+        let mut staged = Vec::new();
+        let mut my_offsets = Vec::new();
+        let mut total = 0u64;
+        for bytes in self.comm.node_all_gather(encoded) {
+            let (who, labels): (u32, Vec<(String, DataKind, u64)>) =
+                protocol::decode(&bytes).map_err(|e| Error::Unsupported(format!("node segment layout: {e}")))?;
+            let mut placed = Vec::with_capacity(labels.len());
+            for (name, kind, len) in labels {
+                if who == rank {
+                    my_offsets.push(total as usize);
+                }
+                placed.push(LabelLayout { label: name, kind, offset: total, len });
+                total += len;
+            }
+            staged.push((who, placed));
+        }
+        self.ensure_segment(total as usize)?;
+        let guards: Vec<_> = self.labels.iter().map(|l| l.source.bytes()).collect();
+        // Another thread of the application may have resized a region since
+        // the layout was agreed; its range in the segment is fixed now.
+        if let Some(((name, _, len), guard)) = mine.iter().zip(&guards).find(|((_, _, len), g)| g.len() as u64 != *len)
+        {
+            return Err(Error::SizeMismatch { label: name.clone(), stored: *len, given: guard.len() as u64 });
+        }
+        {
+            let segment = self.segment.as_mut().expect("ensured");
+            let base = segment.as_mut_ptr();
+            for (guard, offset) in guards.iter().zip(&my_offsets) {
+                // SAFETY: offset..offset+len is this rank's own part of the
+                // segment (offsets come from the node-wide layout, which
+                // gives every label of every rank a disjoint range inside
+                // `total` <= the mapped length); no other process writes it.
+                unsafe { std::ptr::copy_nonoverlapping(guard.as_ptr(), base.add(*offset), guard.len()) };
+            }
+        }
+        drop(guards);
+        self.comm.node_barrier();
+        Ok((staged, total))
+    }
+
     /// SHMR restart: the node leader reads and verifies the node's data into
     /// the segment; every node process then restores from there.
-    fn fetch_shmr(&mut self) -> Result<u64> {
-        let record = self.restart_record()?;
+    fn fetch_shmr(&mut self, version: u64) -> Result<u64> {
         let fetched: std::result::Result<(Manifest, RemoteRegion), String> = match self.link.as_mut() {
-            Some(link) => match link.call(&AgentRequest::Fetch { version: record.version }) {
+            Some(link) => match link.call(&AgentRequest::Fetch { version }) {
                 Ok(AgentReply::Fetch { manifest, region }) => Ok((manifest, region)),
                 Ok(other) => Err(format!("unexpected answer to Fetch: {other:?}")),
                 Err(err) => Err(err.to_string()),
@@ -1350,21 +1426,41 @@ impl Icheck {
     /// this rank's agent exposes its data, and `restore` / `restore_all`
     /// then read each label straight into the caller's memory, verifying its
     /// checksums. Returns the version.
+    ///
+    /// When the newest version cannot be read (a PFS file damaged or
+    /// missing), the restart logs why, naming the file, and falls back to
+    /// the previous complete version on the PFS.
     pub fn restart(&mut self) -> Result<u64> {
         self.check_open()?;
         self.wait()?;
         self.release_restart();
-        let result = match (&self.fallback, self.mode) {
-            (Some(_), _) => self.fetch_fallback(),
-            (None, TransferMode::Mr) => self.fetch(),
-            (None, TransferMode::Shmr) => self.fetch_shmr(),
-        };
-        let all_ok = self.comm.all_true(result.is_ok());
-        let version = result?;
-        if !all_ok {
-            return Err(self.incomplete(version, "another rank could not fetch its data".into()));
+        let newest = self.restart_record()?.version;
+        let mut candidates = vec![newest];
+        if let Some(pfs) = &self.pfs {
+            let older = pfs.versions(&self.app).unwrap_or_default();
+            candidates.extend(older.into_iter().rev().filter(|v| *v < newest));
         }
-        Ok(version)
+        let last = candidates.len() - 1;
+        for (tried, version) in candidates.into_iter().enumerate() {
+            let result = match (&self.fallback, self.mode) {
+                (Some(_), _) => self.fetch_fallback(version),
+                (None, TransferMode::Mr) => self.fetch(version),
+                (None, TransferMode::Shmr) => self.fetch_shmr(version),
+            };
+            let all_ok = self.comm.all_true(result.is_ok());
+            if all_ok {
+                return result;
+            }
+            if tried == last {
+                result?;
+                return Err(self.incomplete(version, "another rank could not fetch its data".into()));
+            }
+            if let Err(err) = &result {
+                tracing::error!(version, %err, "cannot restart from this version; trying the previous complete one");
+            }
+            self.release_restart();
+        }
+        unreachable!("the last candidate returns")
     }
 
     /// The version a restart fetches, if this run can restore it.
@@ -1377,15 +1473,14 @@ impl Icheck {
         Ok(record)
     }
 
-    fn fetch(&mut self) -> Result<u64> {
-        let record = self.restart_record()?;
+    fn fetch(&mut self, version: u64) -> Result<u64> {
         let link = self.link()?;
-        let (manifest, region) = match link.call(&AgentRequest::Fetch { version: record.version })? {
+        let (manifest, region) = match link.call(&AgentRequest::Fetch { version })? {
             AgentReply::Fetch { manifest, region } => (manifest, region),
             other => return Err(link.error(format!("unexpected answer to Fetch: {other:?}"))),
         };
         if manifest.crcs.len() != manifest.labels.len() {
-            return Err(link.error(format!("manifest of version {} has no checksums for some labels", record.version)));
+            return Err(link.error(format!("manifest of version {version} has no checksums for some labels")));
         }
         let version = manifest.version;
         self.restored = Some(Restored { manifest, data: RestoredData::Agent(region) });

@@ -92,26 +92,19 @@ impl Job {
         self.lines.lock().unwrap().iter().any(|l| l.starts_with(prefix))
     }
 
-    /// Waits for the job to finish successfully.
-    fn finish(mut self, timeout: Duration) -> Vec<String> {
+    /// Waits for the job to finish successfully; returns its stdout lines.
+    fn finish(self, timeout: Duration) -> Vec<String> {
+        self.finish_with_stderr(timeout).0
+    }
+
+    /// Waits for the job to finish successfully; returns its stdout lines and its stderr.
+    fn finish_with_stderr(mut self, timeout: Duration) -> (Vec<String>, String) {
         let start = Instant::now();
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
                 std::thread::sleep(Duration::from_millis(100)); // let the readers drain
                 assert!(status.success(), "job failed with {status}\n{}", self.output());
-                return self.lines.lock().unwrap().clone();
-            }
-            assert!(start.elapsed() < timeout, "job still running after {timeout:?}\n{}", self.output());
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Waits for the job to end; returns whether it succeeded.
-    fn exit_status(mut self, timeout: Duration) -> bool {
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status.success();
+                return (self.lines.lock().unwrap().clone(), self.stderr.lock().unwrap().clone());
             }
             assert!(start.elapsed() < timeout, "job still running after {timeout:?}\n{}", self.output());
             std::thread::sleep(Duration::from_millis(50));
@@ -183,26 +176,34 @@ fn kill_during_a_commit_restarts_from_the_previous_version() {
 }
 
 #[test]
-fn agent_lost_during_a_commit_keeps_the_previous_version() {
+fn agent_lost_during_a_commit_falls_back_to_the_pfs_and_the_run_goes_on() {
     use nix::sys::signal::kill;
     let service = service("mpi-agentloss", 1, "tcp");
     let config = service.config_path();
     // The second commit stalls 4 s before sealing; its agent dies meanwhile.
-    let stall = [("ICHECK_FAILPOINTS", "client.before_seal=1*sleep(4000)")];
-    let mut job = Job::start(1, &config, &["--app", "loss", "--steps", "20", "--every", "2", "--mib", "8"], &stall);
+    // The service is tried again every second (and stays without a node).
+    let env = [("ICHECK_FAILPOINTS", "client.before_seal=1*sleep(4000)"), ("ICHECK_T_WAIT", "1")];
+    let args = ["--app", "loss", "--steps", "20", "--every", "2", "--mib", "8", "--step-ms", "100"];
+    let mut job = Job::start(2, &config, &args, &env);
     job.wait_line("COMMIT_START version=2", Duration::from_secs(60));
     let manager = service.pid_of("manager-local-1");
     kill(Pid::from_raw(manager as i32), Signal::SIGKILL).unwrap();
-    assert!(!job.exit_status(Duration::from_secs(60)), "the commit must fail when its agent is gone");
+    let (lines, stderr) = job.finish_with_stderr(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=2 step=2")), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=11 step=20")), "{lines:?}");
+    assert_eq!(stderr.matches("checkpoints go directly to the PFS").count(), 1, "the switch is logged once:\n{stderr}");
+    let pfs = service.dir.join("pfs/loss");
+    assert!(pfs.join("v11/MANIFEST").exists() && pfs.join("v11/rank1.data").exists());
 
-    // A new manager for the node finds the files; version 1 is what remains.
+    // A new manager for the node: the restart finds version 11 on the PFS.
     let _manager = service.start_manager("local-1");
     icheck_core::testkit::wait_for("the new manager", Duration::from_secs(10), || {
         service.status().nodes.iter().any(|n| n.alive)
     });
-    let job = Job::start(1, &config, &["--app", "loss", "--steps", "4", "--every", "2", "--mib", "8"], &[]);
-    let lines = job.finish(Duration::from_secs(60));
-    assert!(lines.iter().any(|l| l == "RESTORED version=1 step=0 verified"), "{lines:?}");
+    let args = ["--app", "loss", "--steps", "22", "--every", "2", "--mib", "8"];
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(60));
+    assert!(lines.iter().any(|l| l == "RESTORED version=11 step=20 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=12 step=22")), "{lines:?}");
 }
 
 #[test]
@@ -240,6 +241,68 @@ fn versions_survive_losing_every_daemon_through_the_pfs() {
     icheck(&["delete", "pfs", "--yes"]);
     assert!(!manifest.exists());
     assert!(icheck(&["versions", "pfs"]).contains("no complete version"));
+}
+
+#[test]
+fn a_damaged_newest_pfs_version_restarts_from_the_previous_one() {
+    let service = service("mpi-damage", 1, "tcp");
+    let config = service.config_path();
+    // Versions 1..3 are copied as they complete; the PFS keeps 2 and 3.
+    let copies = [("ICHECK_PFS_INTERVAL", "1"), ("ICHECK_COMPRESSION", "zstd:1")];
+    // Steps of 0.5 s give each copy time to complete before the next version.
+    let args = ["--app", "dmg", "--steps", "4", "--every", "2", "--mib", "2", "--step-ms", "500"];
+    let lines = Job::start(2, &config, &args, &copies).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    let app_dir = service.dir.join("pfs/dmg");
+    icheck_core::testkit::wait_for("versions 2 and 3 on the PFS", Duration::from_secs(30), || {
+        app_dir.join("v2/MANIFEST").exists() && app_dir.join("v3/MANIFEST").exists()
+    });
+    icheck_core::testkit::wait_for("the agents to stop", Duration::from_secs(10), || service.status().apps.is_empty());
+    let pristine = service.dir.join("pristine");
+    let copy = |from: &PathBuf, to: &PathBuf| {
+        let _ = std::fs::remove_dir_all(to);
+        assert!(Command::new("cp").arg("-a").arg(from).arg(to).status().unwrap().success());
+    };
+    copy(&app_dir, &pristine);
+    // The restart run makes no commit (it ends at step 3), so every case
+    // starts from the same two versions.
+    let restart = |config: &PathBuf| {
+        let args = ["--app", "dmg", "--steps", "3", "--every", "2", "--mib", "2"];
+        Job::start(2, config, &args, &[]).finish_with_stderr(Duration::from_secs(120))
+    };
+
+    // A bit flipped in the newest version: the agent that loads it says which file.
+    let file = app_dir.join("v3/rank1.data");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x10;
+    std::fs::write(&file, &bytes).unwrap();
+    let (lines, stderr) = restart(&config);
+    assert!(lines.iter().any(|l| l == "RESTORED version=2 step=2 verified"), "{lines:?}\n{stderr}");
+    assert!(stderr.contains("v3/rank1.data") && stderr.contains("checksum"), "{stderr}");
+
+    // A truncated file, read by the library itself (no controller).
+    copy(&pristine, &app_dir);
+    let file = app_dir.join("v3/rank0.data");
+    let len = std::fs::metadata(&file).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(len / 3).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let unreachable = service.dir.join("no-controller.toml");
+    let pfs = service.dir.join("pfs");
+    let text = format!(
+        "ControllerPort = {port}\nPfsDir = \"{}\"\n[fabric]\nprovider = \"tcp\"\n[client]\nconnect_timeout = 1.0\n",
+        pfs.display()
+    );
+    std::fs::write(&unreachable, text).unwrap();
+    let (lines, stderr) = restart(&unreachable);
+    assert!(lines.iter().any(|l| l == "RESTORED version=2 step=2 verified"), "{lines:?}\n{stderr}");
+    assert!(stderr.contains("v3/rank0.data") && stderr.contains("bytes"), "{stderr}");
+
+    // A version without its MANIFEST is not a version at all.
+    copy(&pristine, &app_dir);
+    std::fs::remove_file(app_dir.join("v3/MANIFEST")).unwrap();
+    let (lines, stderr) = restart(&config);
+    assert!(lines.iter().any(|l| l == "RESTORED version=2 step=2 verified"), "{lines:?}\n{stderr}");
 }
 
 #[test]

@@ -397,14 +397,19 @@ async fn register_app(
     let config = shared.dynamic();
     let mut waiters = Vec::new();
     let latest;
+    let on_pfs;
     {
         let mut state = shared.state();
         let now = Instant::now();
-        latest = state
-            .apps
-            .get(&registration.name)
-            .and_then(|a| a.latest.clone())
-            .or_else(|| pfs_latest(shared, &registration.name));
+        // The newest complete version wherever it is: the library may have
+        // written newer ones straight to the PFS while its agents were gone.
+        let in_memory = state.apps.get(&registration.name).and_then(|a| a.latest.clone());
+        let pfs_record = pfs_latest(shared, &registration.name);
+        on_pfs = pfs_record.as_ref().map(|r| r.version);
+        latest = match (in_memory, pfs_record) {
+            (Some(memory), Some(pfs)) if pfs.version > memory.version => Some(pfs),
+            (memory, pfs) => memory.or(pfs),
+        };
         let state = &mut *state;
         if let Some(app) = state.apps.get_mut(&registration.name) {
             let nodes = &state.nodes;
@@ -415,6 +420,7 @@ async fn register_app(
                 tracing::info!(agents = app.agents.len(), ?latest, "application re-registered; returning its agents");
                 app.persisted = false;
                 app.registration = registration;
+                app.latest = latest.clone();
                 return Ok((app.agents.clone(), latest));
             }
         }
@@ -480,7 +486,8 @@ async fn register_app(
         homes,
         latest: latest.clone(),
         persisted: false,
-        pfs_version: None,
+        // What is on the PFS already needs no flush when this run ends.
+        pfs_version: on_pfs,
         pfs_pending: BTreeMap::new(),
         finishing: false,
     };
@@ -521,7 +528,7 @@ fn pfs_latest(shared: &Shared, name: &str) -> Option<VersionRecord> {
     match shared.pfs.as_ref()?.latest_record(name) {
         Ok(record) => {
             if let Some(record) = &record {
-                tracing::info!(app = name, version = record.version, "newest complete version is on the PFS");
+                tracing::info!(app = name, version = record.version, "complete version on the PFS");
             }
             record
         }
