@@ -329,8 +329,8 @@ pub enum ManagerToController {
         agent: u64,
         /// Version.
         version: u64,
-        /// The files it wrote, or why it could not.
-        result: Result<Vec<crate::pfs::RankEntry>, String>,
+        /// The files it wrote and what writing them cost, or why it could not.
+        result: Result<(Vec<crate::pfs::RankEntry>, PfsCopyStats), String>,
     },
 }
 
@@ -458,6 +458,44 @@ pub struct AppReport {
     pub persisted: bool,
     /// Newest version copied to the PFS by this controller, if any.
     pub pfs_version: Option<u64>,
+    /// What the newest completed agent copy to the PFS cost.
+    #[serde(default)]
+    pub pfs_copy: Option<PfsCopyStats>,
+}
+
+/// Bytes and time of a copy to the PFS (one agent's part, or a whole
+/// version summed over its agents).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PfsCopyStats {
+    /// Version copied.
+    pub version: u64,
+    /// Bytes before compression.
+    pub raw: u64,
+    /// Bytes written (after compression).
+    pub stored: u64,
+    /// Seconds spent compressing (summed over writers).
+    pub compress_secs: f64,
+    /// Seconds spent writing (summed over writers).
+    pub write_secs: f64,
+}
+
+impl PfsCopyStats {
+    /// Raw bytes per stored byte (1.0 without compression or without data).
+    pub fn ratio(&self) -> f64 {
+        if self.stored == 0 {
+            1.0
+        } else {
+            self.raw as f64 / self.stored as f64
+        }
+    }
+
+    /// Adds another writer's part.
+    pub fn add(&mut self, other: &PfsCopyStats) {
+        self.raw += other.raw;
+        self.stored += other.stored;
+        self.compress_secs += other.compress_secs;
+        self.write_secs += other.write_secs;
+    }
 }
 
 /// A complete version as the controller records it.

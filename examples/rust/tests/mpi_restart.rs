@@ -217,6 +217,12 @@ fn versions_survive_losing_every_daemon_through_the_pfs() {
     job.wait_line("HANG", Duration::from_secs(120));
     let manifest = service.dir.join("pfs/pfs/v3/MANIFEST");
     icheck_core::testkit::wait_for("the PFS copy of version 3", Duration::from_secs(30), || manifest.exists());
+    // Status reports what compressing and writing the copy cost.
+    icheck_core::testkit::wait_for("the copy's cost in status", Duration::from_secs(10), || {
+        let status = service.status();
+        let copy = status.apps.iter().find(|a| a.registration.name == "pfs").and_then(|a| a.pfs_copy);
+        copy.is_some_and(|c| c.version == 3 && c.raw > 4 * (4 << 20) && c.stored > 0 && c.write_secs > 0.0)
+    });
     job.kill();
     // Every daemon dies at once; the agents' memory goes with `icheck down`.
     for daemon in ["controller", "manager-local-1", "manager-local-2"] {

@@ -25,7 +25,8 @@ use crate::fabric::{
     RegisteredBuffer, RmaOp, TransferOptions,
 };
 use crate::protocol::{
-    self, AgentInfo, AgentReply, AgentRequest, Hello, HelloReply, LabelLayout, Manifest, ProtocolError, PullSegment,
+    self, AgentInfo, AgentReply, AgentRequest, Hello, HelloReply, LabelLayout, Manifest, PfsCopyStats, ProtocolError,
+    PullSegment,
 };
 use crate::selftest::fill_pattern;
 
@@ -144,12 +145,13 @@ impl Agent {
         &self,
         version: u64,
         compression: crate::pfs::Compression,
-    ) -> impl FnOnce() -> Result<Vec<crate::pfs::RankEntry>, String> + Send + 'static {
+    ) -> impl FnOnce() -> Result<(Vec<crate::pfs::RankEntry>, PfsCopyStats), String> + Send + 'static {
         let shared = self.shared.clone();
         move || {
             let pfs = shared.settings.pfs.as_ref().ok_or("no PfsDir is configured")?;
             let ranks: Vec<u32> = shared.ranks.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect();
             let mut entries = Vec::new();
+            let mut total = PfsCopyStats { version, ..PfsCopyStats::default() };
             for rank in ranks {
                 let (manifest, file) =
                     shared.settings.store.open(&shared.app, rank, version).map_err(|e| e.to_string())?;
@@ -166,8 +168,15 @@ impl Agent {
                     "copied to the PFS"
                 );
                 entries.push(entry);
+                total.add(&PfsCopyStats {
+                    version,
+                    raw: stats.raw,
+                    stored: stats.stored,
+                    compress_secs: stats.compress.as_secs_f64(),
+                    write_secs: stats.write.as_secs_f64(),
+                });
             }
-            Ok(entries)
+            Ok((entries, total))
         }
     }
 

@@ -19,7 +19,7 @@ use crate::config::{DynamicConfig, StaticConfig};
 use crate::decide::{self, NodeSnapshot};
 use crate::protocol::{
     self, AgentInfo, AppReport, ClientReply, ClientRequest, ControllerToManager, Hello, HelloReply,
-    ManagerToController, NodeReport, NodeStatus, ProtocolError, Role, StatusReport, VersionRecord,
+    ManagerToController, NodeReport, NodeStatus, PfsCopyStats, ProtocolError, Role, StatusReport, VersionRecord,
 };
 
 /// Time a peer has to send its Hello.
@@ -49,11 +49,25 @@ struct AppEntry {
     persisted: bool,
     /// Newest version copied to the PFS.
     pfs_version: Option<u64>,
-    /// PFS copies under way: version → (files reported, agents reported, agents asked).
-    pfs_pending: BTreeMap<u64, (Vec<crate::pfs::RankEntry>, usize, usize)>,
+    /// PFS copies under way, by version.
+    pfs_pending: BTreeMap<u64, PendingCopy>,
+    /// What the newest completed PFS copy cost.
+    pfs_copy: Option<PfsCopyStats>,
     /// Finished with IC_CLEANUP: the newest version is being flushed to the
     /// PFS; the agents stop (discarding memory) once it is there.
     finishing: bool,
+}
+
+/// A PFS copy whose agents have not all answered yet.
+struct PendingCopy {
+    /// Files reported so far.
+    entries: Vec<crate::pfs::RankEntry>,
+    /// Their cost so far.
+    stats: PfsCopyStats,
+    /// Agents that answered.
+    answered: usize,
+    /// Agents asked.
+    agents: usize,
 }
 
 #[derive(Default)]
@@ -368,6 +382,7 @@ fn status_report(shared: &Shared) -> StatusReport {
                 latest: a.latest.clone(),
                 persisted: a.persisted,
                 pfs_version: a.pfs_version,
+                pfs_copy: a.pfs_copy,
             })
             .collect(),
         init_agent_count: format!("{:?}", shared.dynamic().init_agent_count),
@@ -489,6 +504,7 @@ async fn register_app(
         // What is on the PFS already needs no flush when this run ends.
         pfs_version: on_pfs,
         pfs_pending: BTreeMap::new(),
+        pfs_copy: None,
         finishing: false,
     };
     state.apps.insert(entry.registration.name.clone(), entry);
@@ -540,13 +556,18 @@ fn pfs_latest(shared: &Shared, name: &str) -> Option<VersionRecord> {
 }
 
 /// Collects the agents' parts of a PFS copy; the last one completes it.
-fn pfs_copied(shared: &Arc<Shared>, agent: u64, version: u64, result: Result<Vec<crate::pfs::RankEntry>, String>) {
+fn pfs_copied(
+    shared: &Arc<Shared>,
+    agent: u64,
+    version: u64,
+    result: Result<(Vec<crate::pfs::RankEntry>, PfsCopyStats), String>,
+) {
     let mut state = shared.state();
     let Some((name, app)) = state.apps.iter_mut().find(|(_, a)| a.agents.iter().any(|x| x.id == agent)) else {
         return;
     };
     let name = name.clone();
-    let entries = match result {
+    let (entries, stats) = match result {
         Err(reason) => {
             tracing::warn!(app = %name, version, agent, %reason, "PFS copy failed; the previous PFS version stays");
             app.pfs_pending.remove(&version);
@@ -555,26 +576,37 @@ fn pfs_copied(shared: &Arc<Shared>, agent: u64, version: u64, result: Result<Vec
             }
             return;
         }
-        Ok(entries) => entries,
+        Ok(done) => done,
     };
     let Some(pending) = app.pfs_pending.get_mut(&version) else { return };
-    pending.0.extend(entries);
-    pending.1 += 1;
-    if pending.1 < pending.2 {
+    pending.entries.extend(entries);
+    pending.stats.add(&stats);
+    pending.answered += 1;
+    if pending.answered < pending.agents {
         return;
     }
-    let (entries, _, _) = app.pfs_pending.remove(&version).expect("present");
+    let PendingCopy { entries, stats, .. } = app.pfs_pending.remove(&version).expect("present");
     let ranks = app.registration.ranks;
     let (shared, pfs) = (shared.clone(), shared.pfs.clone());
     tokio::task::spawn_blocking(move || {
         let Some(pfs) = pfs else { return };
         match pfs.complete(&name, version, ranks, "agents", entries) {
-            Ok(()) => tracing::info!(app = %name, version, "version copied to the PFS"),
+            Ok(()) => tracing::info!(
+                app = %name,
+                version,
+                ratio = stats.ratio(),
+                compress_secs = stats.compress_secs,
+                write_secs = stats.write_secs,
+                "version copied to the PFS"
+            ),
             Err(err) => tracing::warn!(app = %name, version, %err, "cannot complete the PFS copy"),
         }
         let mut state = shared.state();
         if let Some(app) = state.apps.get_mut(&name) {
-            app.pfs_version = app.pfs_version.max(Some(version));
+            if app.pfs_version.is_none_or(|v| v < version) {
+                app.pfs_version = Some(version);
+                app.pfs_copy = Some(PfsCopyStats { version, ..stats });
+            }
             // Stop only when no copy is still under way (an earlier
             // interval copy may finish before the final flush).
             if app.finishing && app.pfs_pending.is_empty() {
@@ -700,6 +732,8 @@ fn tell_agents(
 /// copies its ranks, and `pfs_copied` collects their answers.
 fn request_pfs_copy(nodes: &BTreeMap<String, NodeEntry>, app: &mut AppEntry, version: u64) {
     let compression = app.registration.compression;
-    app.pfs_pending.insert(version, (Vec::new(), 0, app.agents.len()));
+    let pending =
+        PendingCopy { entries: Vec::new(), stats: PfsCopyStats::default(), answered: 0, agents: app.agents.len() };
+    app.pfs_pending.insert(version, pending);
     tell_agents(nodes, &app.agents, |agent| ControllerToManager::CopyToPfs { agent, version, compression });
 }

@@ -267,6 +267,18 @@ pub fn print_status(report: &StatusReport) {
             r.mode,
             agents.join(", ")
         );
+        if let Some(copy) = &a.pfs_copy {
+            println!(
+                "  {:<16} PFS copy of version {}: {} -> {} (ratio {:.2}), compression {:.3}s, writing {:.3}s",
+                "",
+                copy.version,
+                human_bytes(copy.raw),
+                human_bytes(copy.stored),
+                copy.ratio(),
+                copy.compress_secs,
+                copy.write_secs
+            );
+        }
     }
     println!("init_agent_count in force: {}", report.init_agent_count);
 }
