@@ -362,6 +362,13 @@ fn default_read_interval() -> f64 {
 fn default_max_agents() -> u32 {
     80
 }
+impl DynamicConfig {
+    /// `max_mem_node` in bytes (the key is in GiB).
+    pub fn max_mem_node_bytes(&self) -> u64 {
+        (self.max_mem_node * (1u64 << 30) as f64) as u64
+    }
+}
+
 fn default_max_mem() -> f64 {
     90.0
 }

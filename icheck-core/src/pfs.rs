@@ -140,6 +140,66 @@ fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> 
     move |error| PfsError::Io { what, path: path.to_path_buf(), error }
 }
 
+/// One rank's data file being written piece by piece (see
+/// [`PfsStore::create_spill`]); [`SpillFile::finish`] makes it part of the
+/// partial version.
+#[derive(Debug)]
+pub struct SpillFile {
+    file: File,
+    tmp: PathBuf,
+    path: PathBuf,
+    entry: PathBuf,
+}
+
+impl SpillFile {
+    /// Writes `bytes` at `offset`.
+    pub fn write_at(&self, offset: u64, bytes: &[u8]) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        self.file.write_all_at(bytes, offset).map_err(io("cannot write", &self.tmp))
+    }
+
+    /// Syncs the file, checksums it as stored, and leaves it and its entry
+    /// in the partial version; returns the entry.
+    pub fn finish(self, manifest: &Manifest) -> Result<RankEntry> {
+        self.file.sync_all().map_err(io("cannot sync", &self.tmp))?;
+        // Pieces may arrive in any order: the file checksum is taken from
+        // what is on disk (still in the page cache), in one pass.
+        let mut crc = 0u32;
+        let mut reader =
+            std::io::BufReader::with_capacity(4 << 20, File::open(&self.tmp).map_err(io("cannot read", &self.tmp))?);
+        let mut len = 0u64;
+        loop {
+            let buf = std::io::BufRead::fill_buf(&mut reader).map_err(io("cannot read", &self.tmp))?;
+            if buf.is_empty() {
+                break;
+            }
+            crc = crc32c::crc32c_append(crc, buf);
+            let n = buf.len();
+            len += n as u64;
+            std::io::BufRead::consume(&mut reader, n);
+        }
+        if len != manifest.total_len {
+            return Err(PfsError::Damaged {
+                path: self.tmp.clone(),
+                reason: format!("{len} bytes, the manifest says {}", manifest.total_len),
+            });
+        }
+        fs::rename(&self.tmp, &self.path).map_err(io("cannot rename into", &self.path))?;
+        let file = self.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let entry = RankEntry {
+            manifest: manifest.clone(),
+            file,
+            stored_len: len,
+            compression: Compression::None,
+            file_crc: crc,
+        };
+        let bytes = protocol::encode_large(&entry)
+            .map_err(|e| PfsError::Damaged { path: self.entry.clone(), reason: format!("cannot encode: {e}") })?;
+        fs::write(&self.entry, bytes).map_err(io("cannot write", &self.entry))?;
+        Ok(entry)
+    }
+}
+
 /// A PFS directory holding applications' versions.
 #[derive(Clone, Debug)]
 pub struct PfsStore {
@@ -251,6 +311,46 @@ impl PfsStore {
         Ok((entry, stats))
     }
 
+    /// Starts one rank's file in the partial version for bytes that arrive
+    /// piece by piece, at any offset (an agent spilling a version it cannot
+    /// hold in memory).
+    pub fn create_spill(&self, app: &str, version: u64, rank: u32, len: u64) -> Result<SpillFile> {
+        let dir = self.partial_dir(app, version)?;
+        fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
+        let path = dir.join(format!("rank{rank}.data"));
+        let tmp = dir.join(format!("rank{rank}.data.tmp"));
+        let file = File::create(&tmp).map_err(io("cannot create", &tmp))?;
+        file.set_len(len).map_err(io("cannot size", &tmp))?;
+        Ok(SpillFile { file, tmp, path, entry: dir.join(format!("rank{rank}.entry")) })
+    }
+
+    /// A rank's entry left in a partial version (by a spilling agent or a
+    /// fallback writer), if there is one; the entry file is consumed.
+    pub fn take_partial_entry(&self, app: &str, version: u64, rank: u32) -> Result<Option<RankEntry>> {
+        let path = self.partial_dir(app, version)?.join(format!("rank{rank}.entry"));
+        let bytes = match fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(error) => return Err(PfsError::Io { what: "cannot read", path, error }),
+        };
+        let entry: RankEntry = protocol::decode_large(&bytes)
+            .map_err(|e| PfsError::Damaged { path: path.clone(), reason: e.to_string() })?;
+        let _ = fs::remove_file(&path);
+        Ok(Some(entry))
+    }
+
+    /// Reads and verifies one rank of a version that is not complete yet
+    /// (its entry still in the partial directory): a restart right after a
+    /// spilled commit, before the other agents' copies completed it.
+    pub fn read_partial_rank(&self, app: &str, version: u64, rank: u32) -> Result<(Manifest, Vec<u8>)> {
+        let dir = self.partial_dir(app, version)?;
+        let path = dir.join(format!("rank{rank}.entry"));
+        let bytes = fs::read(&path).map_err(io("cannot read", &path))?;
+        let entry: RankEntry = protocol::decode_large(&bytes)
+            .map_err(|e| PfsError::Damaged { path: path.clone(), reason: e.to_string() })?;
+        read_entry(&dir, &entry)
+    }
+
     /// The entries `write_rank_parts` left for ranks `0..ranks` of a partial version.
     pub fn partial_entries(&self, app: &str, version: u64, ranks: u32) -> Result<Vec<RankEntry>> {
         let dir = self.partial_dir(app, version)?;
@@ -354,33 +454,7 @@ impl PfsStore {
             version: manifest.version,
             rank,
         })?;
-        let path = dir.join(&entry.file);
-        let damaged = |reason: String| PfsError::Damaged { path: path.clone(), reason };
-        let mut stored = Vec::with_capacity(entry.stored_len as usize);
-        File::open(&path).and_then(|mut f| f.read_to_end(&mut stored)).map_err(io("cannot read", &path))?;
-        if stored.len() as u64 != entry.stored_len {
-            return Err(damaged(format!("{} bytes, the manifest says {}", stored.len(), entry.stored_len)));
-        }
-        if crc32c::crc32c(&stored) != entry.file_crc {
-            return Err(damaged("its checksum does not match the manifest".into()));
-        }
-        let total = entry.manifest.total_len as usize;
-        let data = match entry.compression {
-            Compression::None => stored,
-            Compression::Zstd { .. } => {
-                zstd::bulk::decompress(&stored, total).map_err(|e| damaged(format!("cannot decompress: {e}")))?
-            }
-        };
-        if data.len() != total {
-            return Err(damaged(format!("{} bytes of data, the manifest says {total}", data.len())));
-        }
-        for (label, crcs) in entry.manifest.labels.iter().zip(&entry.manifest.crcs) {
-            let bytes = &data[label.offset as usize..(label.offset + label.len) as usize];
-            if let Some(chunk) = first_bad_chunk(bytes, crcs) {
-                return Err(damaged(format!("label {:?} fails its checksum in chunk {chunk}", label.label)));
-            }
-        }
-        Ok((entry.manifest.clone(), data))
+        read_entry(&dir, entry)
     }
 
     /// Deletes every version of `app`.
@@ -393,6 +467,38 @@ impl PfsStore {
             _ => Ok(()),
         }
     }
+}
+
+/// Reads and verifies the file of `entry` in `dir`: the stored checksum,
+/// the decompressed length, and every label's chunk checksums.
+fn read_entry(dir: &Path, entry: &RankEntry) -> Result<(Manifest, Vec<u8>)> {
+    let path = dir.join(&entry.file);
+    let damaged = |reason: String| PfsError::Damaged { path: path.clone(), reason };
+    let mut stored = Vec::with_capacity(entry.stored_len as usize);
+    File::open(&path).and_then(|mut f| f.read_to_end(&mut stored)).map_err(io("cannot read", &path))?;
+    if stored.len() as u64 != entry.stored_len {
+        return Err(damaged(format!("{} bytes, the manifest says {}", stored.len(), entry.stored_len)));
+    }
+    if crc32c::crc32c(&stored) != entry.file_crc {
+        return Err(damaged("its checksum does not match the manifest".into()));
+    }
+    let total = entry.manifest.total_len as usize;
+    let data = match entry.compression {
+        Compression::None => stored,
+        Compression::Zstd { .. } => {
+            zstd::bulk::decompress(&stored, total).map_err(|e| damaged(format!("cannot decompress: {e}")))?
+        }
+    };
+    if data.len() != total {
+        return Err(damaged(format!("{} bytes of data, the manifest says {total}", data.len())));
+    }
+    for (label, crcs) in entry.manifest.labels.iter().zip(&entry.manifest.crcs) {
+        let bytes = &data[label.offset as usize..(label.offset + label.len) as usize];
+        if let Some(chunk) = first_bad_chunk(bytes, crcs) {
+            return Err(damaged(format!("label {:?} fails its checksum in chunk {chunk}", label.label)));
+        }
+    }
+    Ok((entry.manifest.clone(), data))
 }
 
 fn bincode_encode(manifest: &PfsManifest, dir: &Path) -> Result<Vec<u8>> {

@@ -347,6 +347,9 @@ pub enum ControllerToManager {
         id: u64,
         /// Application it serves.
         app: String,
+        /// Bytes of checkpoint memory the node may hold (`max_mem_node`);
+        /// a version that does not fit is spilled to the PFS.
+        mem_budget: u64,
     },
     /// Copy the agent's ranks of a complete version to the PFS.
     CopyToPfs {
@@ -382,6 +385,10 @@ pub enum ClientRequest {
         bytes: u64,
         /// Seconds the commit took, as the application measured it.
         commit_secs: f64,
+        /// Some agent spilled its part to the PFS (memory budget): the
+        /// other agents copy theirs, which completes the version there.
+        #[serde(default)]
+        spilled: bool,
     },
     /// Have the application's agents changed? (§6.4.2)
     Probe {
@@ -653,6 +660,9 @@ pub enum AgentReply {
     },
     /// The version is stored; its manifest.
     Sealed(Manifest),
+    /// The version did not fit the node's memory budget and was written to
+    /// the PFS as it arrived (thesis agent-side step 4); its manifest.
+    Spilled(Manifest),
     /// The version's manifest and the registered memory holding its data.
     Fetch {
         /// The manifest.

@@ -194,6 +194,9 @@ struct AgentLink {
     info: AgentInfo,
     peer: Peer,
     conn: BlockingConnection,
+    /// The agent spilled the last sealed version to the PFS (its memory
+    /// budget was used up); the controller must have it copied.
+    spilled: bool,
 }
 
 impl AgentLink {
@@ -214,7 +217,7 @@ impl AgentLink {
         let mut conn = BlockingConnection::connect(&info.control, token, timeout).map_err(|e| fail(e.to_string()))?;
         conn.set_timeout(TRANSFER_TIMEOUT);
         let peer = endpoint.insert_peer(&info.address)?;
-        let mut link = AgentLink { info: info.clone(), peer, conn };
+        let mut link = AgentLink { info: info.clone(), peer, conn, spilled: false };
         link.call(&AgentRequest::Open { app: app.to_string(), rank, address: endpoint.address().clone() })?;
         Ok(link)
     }
@@ -253,8 +256,13 @@ impl AgentLink {
 
     fn seal(&mut self, crcs: Vec<Vec<u32>>) -> Result<Manifest> {
         icheck_core::failpoint::hit("client.before_seal");
+        self.spilled = false;
         match self.call(&AgentRequest::Seal { crcs })? {
             AgentReply::Sealed(manifest) => Ok(manifest),
+            AgentReply::Spilled(manifest) => {
+                self.spilled = true;
+                Ok(manifest)
+            }
             other => Err(self.error(format!("unexpected answer to Seal: {other:?}"))),
         }
     }
@@ -834,11 +842,17 @@ impl Icheck {
             return Err(self.incomplete(version, "another rank failed to store its data".into()));
         }
         let total = self.comm.sum(bytes);
+        let spilled = self.comm.sum(u64::from(self.link.as_ref().is_some_and(|l| l.spilled))) > 0;
         let secs = started.elapsed().as_secs_f64();
         let mut recorded = Ok(());
         if let Some(controller) = self.controller.as_mut() {
-            let request =
-                ClientRequest::VersionComplete { name: self.app.clone(), version, bytes: total, commit_secs: secs };
+            let request = ClientRequest::VersionComplete {
+                name: self.app.clone(),
+                version,
+                bytes: total,
+                commit_secs: secs,
+                spilled,
+            };
             recorded = controller
                 .request(&request)
                 .map(|_| ())

@@ -312,6 +312,32 @@ fn a_damaged_newest_pfs_version_restarts_from_the_previous_one() {
 }
 
 #[test]
+fn versions_beyond_the_memory_budget_spill_to_the_pfs_and_restart_bit_exact() {
+    // 12 MiB of checkpoint memory for the node; each rank's version is about 8.6 MiB.
+    let dynamic = format!("max_mem_node = {}\n", 12.0 / 1024.0);
+    let service =
+        LocalService::up_with_dynamic(&icheck_in_target(), "mpi-spill", 1, &["--provider", "tcp"], Some(&dynamic));
+    let config = service.config_path();
+    let args = ["--app", "spill", "--steps", "20", "--every", "2", "--mib", "8", "--hang-after", "3"];
+    let mut job = Job::start(2, &config, &args, &[]);
+    job.wait_line("HANG", Duration::from_secs(120));
+    // A spilled version is copied whatever pfs_interval says (0 here): the
+    // agents' copies complete it on the PFS.
+    let manifest = service.dir.join("pfs/spill/v3/MANIFEST");
+    icheck_core::testkit::wait_for("version 3 complete on the PFS", Duration::from_secs(30), || manifest.exists());
+    job.kill();
+    let log = service.log("manager-local-1.log");
+    assert!(log.contains("spilling this version to the PFS"), "{log}");
+    let held = service.status().nodes[0].status.bytes_held;
+    assert!(held <= 12 << 20, "the store holds {held} bytes, over its budget");
+
+    let args = ["--app", "spill", "--steps", "6", "--every", "2", "--mib", "8"];
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
+}
+
+#[test]
 fn cleanup_flushes_the_newest_version_to_the_pfs() {
     let mut service = service("mpi-flush", 1, "tcp");
     // Copies every 3rd version; the run ends at version 5 with IC_CLEANUP.

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use super::store::{MappedFile, Store, StoreError, CHUNK_SIZE};
 use crate::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, Peer, ProgressMode, ProgressThread,
-    RegisteredBuffer, RmaOp, TransferOptions,
+    RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
 };
 use crate::protocol::{
     self, AgentInfo, AgentReply, AgentRequest, Hello, HelloReply, LabelLayout, Manifest, PfsCopyStats, ProtocolError,
@@ -36,6 +36,8 @@ pub const PROBE_LEN: usize = 4096;
 const SESSION_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 /// Most labels one rank may register.
 const MAX_LABELS: usize = 65_536;
+/// Bytes of the registered buffer a spilling session pulls through.
+const SPILL_STAGING: u64 = 16 << 20;
 
 /// The pattern seed of an agent's probe region: its id.
 pub fn probe_seed(agent_id: u64) -> u64 {
@@ -70,6 +72,8 @@ struct Shared {
     app: String,
     endpoint: Endpoint,
     settings: AgentSettings,
+    /// Bytes of checkpoint memory this node may hold (0 = no limit).
+    mem_budget: u64,
     stop: AtomicBool,
     sessions: Mutex<Vec<TcpStream>>,
     /// Ranks (MR) or node indices (SHMR) that opened sessions: what this
@@ -87,8 +91,15 @@ pub struct Agent {
 
 impl Agent {
     /// Opens an endpoint, registers the probe region, binds the command
-    /// channel and starts the agent's threads.
-    pub fn start(settings: &AgentSettings, node: &str, id: u64, app: &str) -> Result<Agent, FabricError> {
+    /// channel and starts the agent's threads. Versions that would take the
+    /// node's store beyond `mem_budget` bytes are spilled to the PFS.
+    pub fn start(
+        settings: &AgentSettings,
+        node: &str,
+        id: u64,
+        app: &str,
+        mem_budget: u64,
+    ) -> Result<Agent, FabricError> {
         let domain = Domain::open(&settings.fabric)?;
         let endpoint = Endpoint::new(&domain)?;
         let mut probe = AlignedBuffer::zeroed(PROBE_LEN);
@@ -111,6 +122,7 @@ impl Agent {
             app: app.to_string(),
             endpoint,
             settings: settings.clone(),
+            mem_budget,
             stop: AtomicBool::new(false),
             sessions: Mutex::default(),
             ranks: Mutex::default(),
@@ -153,8 +165,19 @@ impl Agent {
             let mut entries = Vec::new();
             let mut total = PfsCopyStats { version, ..PfsCopyStats::default() };
             for rank in ranks {
-                let (manifest, file) =
-                    shared.settings.store.open(&shared.app, rank, version).map_err(|e| e.to_string())?;
+                let (manifest, file) = match shared.settings.store.open(&shared.app, rank, version) {
+                    Ok(stored) => stored,
+                    Err(err @ StoreError::Missing { .. }) => {
+                        // Spilled: the rank's file is on the PFS already.
+                        let entry = pfs.take_partial_entry(&shared.app, version, rank).map_err(|e| e.to_string())?;
+                        let entry = entry.ok_or_else(|| err.to_string())?;
+                        total.raw += entry.stored_len;
+                        total.stored += entry.stored_len;
+                        entries.push(entry);
+                        continue;
+                    }
+                    Err(err) => return Err(err.to_string()),
+                };
                 let (entry, stats) =
                     pfs.write_rank(&manifest, file.as_slice(), compression).map_err(|e| e.to_string())?;
                 tracing::info!(
@@ -269,13 +292,27 @@ impl From<ProtocolError> for SessionEnd {
     }
 }
 
+/// Where the version a rank is writing goes.
+enum Destination {
+    /// The store's mapped, registered file: the usual case.
+    Memory(RegisteredBuffer<MappedFile>),
+    /// The node's memory budget is used up: pulled pieces pass through a
+    /// registered staging buffer into the rank's file on the PFS.
+    Spill {
+        /// Registered bounce buffer.
+        staging: RegisteredBuffer,
+        /// The rank's file in the PFS partial version.
+        file: crate::pfs::SpillFile,
+    },
+}
+
 /// A version being written by one rank.
 struct Writing {
     version: u64,
     ranks: u32,
     labels: Vec<LabelLayout>,
     total_len: u64,
-    file: RegisteredBuffer<MappedFile>,
+    destination: Destination,
     started: Instant,
     /// Spins while the rank pushes into `file`.
     _progress: Option<ProgressThread>,
@@ -362,6 +399,32 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                 return Err(format!("bad version {version} or rank {} of {ranks}", session.rank));
             }
             let reusable = session.spare.take().filter(|spare| spare.len() as u64 == total_len.max(4096));
+            let needed = if reusable.is_some() { 0 } else { total_len };
+            if shared.mem_budget > 0 && needed > 0 {
+                let held = store.bytes_held();
+                if held + needed > shared.mem_budget {
+                    let destination = spill_destination(shared, session, version, total_len, held, push)?;
+                    tracing::warn!(
+                        version,
+                        rank = session.rank,
+                        bytes = total_len,
+                        held,
+                        budget = shared.mem_budget,
+                        "the node's checkpoint memory is full: spilling this version to the PFS"
+                    );
+                    session.writing = Some(Writing {
+                        version,
+                        ranks,
+                        labels,
+                        total_len,
+                        destination,
+                        started: Instant::now(),
+                        _progress: None,
+                    });
+                    // The rank pulls into nothing of ours: any region will do.
+                    return Ok(AgentReply::Target(RemoteRegion { addr: 0, len: 0, key: 0 }));
+                }
+            }
             let file = match reusable {
                 Some(spare)
                     if store
@@ -386,8 +449,15 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             };
             let prepare_ms = begun.elapsed().as_secs_f64() * 1e3;
             tracing::debug!(version, rank = session.rank, bytes = total_len, push, prepare_ms, "version begun");
-            session.writing =
-                Some(Writing { version, ranks, labels, total_len, file, started: Instant::now(), _progress: progress });
+            session.writing = Some(Writing {
+                version,
+                ranks,
+                labels,
+                total_len,
+                destination: Destination::Memory(file),
+                started: Instant::now(),
+                _progress: progress,
+            });
             Ok(AgentReply::Target(remote))
         }
         AgentRequest::Pull(segments) => {
@@ -396,7 +466,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             Ok(AgentReply::Pulled { bytes })
         }
         AgentRequest::Seal { crcs } => {
-            let Writing { version, ranks, labels, total_len, file, started, _progress: progress } =
+            let Writing { version, ranks, labels, total_len, destination, started, _progress: progress } =
                 session.writing.take().ok_or("Seal without Begin")?;
             // The rank has finished writing: stop spinning for it.
             drop(progress);
@@ -426,12 +496,38 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                 crcs,
                 sealed_unix_ms: unix_ms(),
             };
-            store.seal(&manifest).map_err(|e| e.to_string())?;
-            session.sealed.push((version, file));
             shared.counters.versions_sealed.fetch_add(1, Ordering::Relaxed);
-            let seal_ms = sealing.elapsed().as_secs_f64() * 1e3;
-            tracing::info!(version, rank = session.rank, bytes = total_len, transfer_ms, seal_ms, "version sealed");
-            Ok(AgentReply::Sealed(manifest))
+            match destination {
+                Destination::Memory(file) => {
+                    store.seal(&manifest).map_err(|e| e.to_string())?;
+                    session.sealed.push((version, file));
+                    let seal_ms = sealing.elapsed().as_secs_f64() * 1e3;
+                    tracing::info!(
+                        version,
+                        rank = session.rank,
+                        bytes = total_len,
+                        transfer_ms,
+                        seal_ms,
+                        "version sealed"
+                    );
+                    Ok(AgentReply::Sealed(manifest))
+                }
+                Destination::Spill { file, .. } => {
+                    // The store keeps nothing of it: a Fetch finds it missing and
+                    // reads it from the PFS, where the controller's copy completes it.
+                    file.finish(&manifest).map_err(|e| e.to_string())?;
+                    let seal_ms = sealing.elapsed().as_secs_f64() * 1e3;
+                    tracing::info!(
+                        version,
+                        rank = session.rank,
+                        bytes = total_len,
+                        transfer_ms,
+                        seal_ms,
+                        "version spilled to the PFS"
+                    );
+                    Ok(AgentReply::Spilled(manifest))
+                }
+            }
         }
         AgentRequest::Complete { version } => {
             let pruning = Instant::now();
@@ -474,8 +570,12 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
 fn load_from_pfs(shared: &Shared, app: &str, rank: u32, version: u64) -> Result<(), String> {
     let pfs = shared.settings.pfs.as_ref().ok_or("no PfsDir is configured")?;
     let started = Instant::now();
-    let manifest = pfs.manifest(app, version).map_err(|e| e.to_string())?;
-    let (rank_manifest, data) = pfs.read_rank(&manifest, rank).map_err(|e| e.to_string())?;
+    let (rank_manifest, data) = match pfs.manifest(app, version) {
+        Ok(manifest) => pfs.read_rank(&manifest, rank),
+        // Spilled, and the copy that completes it on the PFS is still under way.
+        Err(incomplete) => pfs.read_partial_rank(app, version, rank).map_err(|_| incomplete),
+    }
+    .map_err(|e| e.to_string())?;
     let store = &shared.settings.store;
     let mut file = store.create(app, rank, version, rank_manifest.total_len).map_err(|e| e.to_string())?;
     file.as_mut_slice().copy_from_slice(&data);
@@ -527,10 +627,66 @@ fn pull(endpoint: &Endpoint, peer: &Peer, writing: &mut Writing, segments: &[Pul
             }
         })
         .collect::<Result<_, _>>()?;
-    let stats = endpoint
-        .read(peer, writing.file.target(), &ops, &TransferOptions::default())
-        .map_err(|e| format!("pulling from rank: {e}"))?;
-    Ok(stats.bytes)
+    let options = TransferOptions::default();
+    match &mut writing.destination {
+        Destination::Memory(file) => {
+            let stats =
+                endpoint.read(peer, file.target(), &ops, &options).map_err(|e| format!("pulling from rank: {e}"))?;
+            Ok(stats.bytes)
+        }
+        Destination::Spill { staging, file } => {
+            // Piece by piece through the staging buffer into the PFS file.
+            let step = staging.len();
+            let mut moved = 0u64;
+            for op in &ops {
+                let mut done = 0;
+                while done < op.len {
+                    let len = step.min(op.len - done);
+                    let piece = RmaOp {
+                        local_offset: 0,
+                        remote: op.remote,
+                        remote_offset: op.remote_offset + done as u64,
+                        len,
+                    };
+                    endpoint
+                        .read(peer, staging.target(), &[piece], &options)
+                        .map_err(|e| format!("pulling from rank: {e}"))?;
+                    file.write_at((op.local_offset + done) as u64, &staging.as_slice()[..len])
+                        .map_err(|e| e.to_string())?;
+                    done += len;
+                    moved += len as u64;
+                }
+            }
+            Ok(moved)
+        }
+    }
+}
+
+/// Where a version goes when the node's memory budget cannot hold it: the
+/// rank's file on the PFS, filled through a bounded registered buffer.
+/// Only pulled versions can spill (a pushing rank writes straight into
+/// agent memory); a pushing rank gets an error and the library falls back
+/// to writing the PFS itself.
+fn spill_destination(
+    shared: &Shared,
+    session: &Session,
+    version: u64,
+    total_len: u64,
+    held: u64,
+    push: bool,
+) -> Result<Destination, String> {
+    let full = format!(
+        "version {version} of rank {} ({total_len} bytes) does not fit the node's checkpoint memory ({held} of {} bytes held)",
+        session.rank, shared.mem_budget
+    );
+    let pfs = shared.settings.pfs.as_ref().ok_or_else(|| format!("{full}, and no PfsDir is configured to spill to"))?;
+    if push {
+        return Err(format!("{full}; agents spill only versions they pull ([client] transfer = \"pull\")"));
+    }
+    let file = pfs.create_spill(&session.app, version, session.rank, total_len).map_err(|e| e.to_string())?;
+    let staging = AlignedBuffer::zeroed(SPILL_STAGING.min(total_len) as usize);
+    let staging = shared.endpoint.register(staging, Access::LOCAL).map_err(|e| e.to_string())?;
+    Ok(Destination::Spill { staging, file })
 }
 
 fn unix_ms() -> u64 {

@@ -344,8 +344,8 @@ async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), 
                     Err(reason) => ClientReply::Error(reason),
                 }
             }
-            ClientRequest::VersionComplete { name, version, bytes, commit_secs } => {
-                record_version(&shared, &name, version, bytes, commit_secs)
+            ClientRequest::VersionComplete { name, version, bytes, commit_secs, spilled } => {
+                record_version(&shared, &name, version, bytes, commit_secs, spilled)
             }
             ClientRequest::Probe { name, agents } => {
                 let span = tracing::info_span!("probe", app = %name);
@@ -472,7 +472,11 @@ async fn register_app(
             state.pending.insert(id, tx);
             let entry = state.nodes.get_mut(&node).expect("chosen from the snapshot");
             entry.status.agents += 1; // count it now, so parallel registrations spread out
-            let _ = entry.to_manager.send(ControllerToManager::StartAgent { id, app: registration.name.clone() });
+            let _ = entry.to_manager.send(ControllerToManager::StartAgent {
+                id,
+                app: registration.name.clone(),
+                mem_budget: config.max_mem_node_bytes(),
+            });
             waiters.push((id, node, rx));
         }
     }
@@ -513,7 +517,14 @@ async fn register_app(
 
 /// Records a complete version (all-or-nothing is the library's job: it
 /// reports only after every rank stored its data).
-fn record_version(shared: &Shared, name: &str, version: u64, bytes: u64, commit_secs: f64) -> ClientReply {
+fn record_version(
+    shared: &Shared,
+    name: &str,
+    version: u64,
+    bytes: u64,
+    commit_secs: f64,
+    spilled: bool,
+) -> ClientReply {
     let mut state = shared.state();
     let state = &mut *state;
     let Some(app) = state.apps.get_mut(name) else {
@@ -530,9 +541,12 @@ fn record_version(shared: &Shared, name: &str, version: u64, bytes: u64, commit_
     tracing::info!(app = name, version, bytes, commit_secs, "version complete");
     app.latest = Some(VersionRecord { version, ranks: app.registration.ranks, bytes, commit_secs, completed_unix_ms });
     let interval = u64::from(app.registration.pfs_interval);
-    if shared.pfs.is_some() && interval > 0 && version.is_multiple_of(interval) && !app.agents.is_empty() {
+    let due = interval > 0 && version.is_multiple_of(interval);
+    if shared.pfs.is_some() && (due || spilled) && !app.agents.is_empty() {
         // §6.2.3.2: the copy of v starts once every agent holds v, which
         // the library's VersionComplete says; each agent copies its ranks.
+        // A spilled version is copied whatever the interval: the spilled
+        // ranks are on the PFS only, and the copy completes the version there.
         request_pfs_copy(&state.nodes, app, version);
     }
     ClientReply::Ok

@@ -164,10 +164,10 @@ async fn session(
             Err(err) => break Err(err.into()),
         };
         match message {
-            ControllerToManager::StartAgent { id, app } => {
+            ControllerToManager::StartAgent { id, app, mem_budget } => {
                 let (tx, agents, settings, node) = (tx.clone(), agents.clone(), settings.clone(), node.to_string());
                 tokio::task::spawn_blocking(move || {
-                    let reply = match Agent::start(&settings, &node, id, &app) {
+                    let reply = match Agent::start(&settings, &node, id, &app, mem_budget) {
                         Ok(agent) => {
                             let info = agent.info().clone();
                             agents.lock().unwrap_or_else(|p| p.into_inner()).insert(id, agent);
