@@ -35,6 +35,10 @@ struct Cli {
     /// Providers, comma-separated.
     #[arg(long, default_value = "shm,tcp", value_delimiter = ',')]
     providers: Vec<String>,
+    /// Bytes of the PFS-level cases (copies, compression, fallback writes),
+    /// run on the first provider; 0 skips them.
+    #[arg(long, default_value = "256MiB")]
+    pfs_size: ByteSize,
     /// Timed repetitions; the median is reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -275,6 +279,158 @@ fn rows_for(
     ]
 }
 
+/// Median seconds of `runs` blocking commits of `data` (changed before each)
+/// by a single-rank application `app` under `config`, with `env` set;
+/// `after_each` runs untimed after every commit, with its version.
+fn commit_secs(
+    config: &Path,
+    app: &str,
+    data: &Region<u8>,
+    runs: usize,
+    env: &[(&str, &str)],
+    mut after_each: impl FnMut(u64) -> Result<()>,
+) -> Result<f64> {
+    set_mode("pull");
+    for (key, value) in env {
+        std::env::set_var(key, value);
+    }
+    let (mut ic, _) = Icheck::init(Some(config), app, SingleProcess)?;
+    ic.add("data", data)?;
+    ic.commit()?;
+    let mut times = Vec::new();
+    for run in 0..runs {
+        {
+            let mut bytes = data.write();
+            let len = bytes.len();
+            for i in (0..len).step_by(4096) {
+                bytes[i] = bytes[i].wrapping_add(run as u8 + 1);
+            }
+        }
+        let start = Instant::now();
+        let version = ic.commit()?;
+        times.push(start.elapsed().as_secs_f64());
+        after_each(version)?;
+    }
+    ic.finalize(false)?;
+    for (key, _) in env {
+        std::env::remove_var(key);
+    }
+    Ok(median(times))
+}
+
+/// Seconds to write and fsync `size` bytes into a new file in `dir` (and
+/// delete the one before, as version replacement does): what the PFS
+/// directory itself sustains, the baseline of the PFS-level cases.
+fn posix_write_secs(dir: &Path, size: usize, runs: usize) -> Result<f64> {
+    use std::io::Write;
+    std::fs::create_dir_all(dir)?;
+    let mut data = vec![0u8; size];
+    fill_pattern(&mut data, 9);
+    let path = |run: usize| dir.join(format!("posix-baseline-{run}.tmp"));
+    let mut times = Vec::new();
+    for run in 0..runs {
+        let start = Instant::now();
+        let mut file = std::fs::File::create(path(run))?;
+        file.write_all(&data)?;
+        file.sync_all()?;
+        if run > 0 {
+            std::fs::remove_file(path(run - 1))?;
+        }
+        times.push(start.elapsed().as_secs_f64());
+    }
+    std::fs::remove_file(path(runs - 1))?;
+    Ok(median(times))
+}
+
+/// The PFS level: a commit's time with and without the agents' background
+/// copy (zstd) of every version, what the copy cost the agent, and the
+/// library's fallback writes, against POSIX writes to the same directory
+/// and the RDMA commit.
+fn pfs_level(provider: &str, size: usize, runs: usize) -> Result<Vec<Line>> {
+    let svc = service(&format!("bench-pfs-{provider}"), provider, 1, 1)?;
+    let config = svc.config_path();
+    let pfs_dir = svc.dir.join("pfs");
+    let data = Region::<u8>::zeroed(size);
+    fill_pattern(&mut data.write(), 5);
+    let rdma = commit_secs(&config, "bench-nocopy", &data, runs, &[("ICHECK_PFS_INTERVAL", "0")], |_| Ok(()))?;
+    let copies = [("ICHECK_PFS_INTERVAL", "1"), ("ICHECK_COMPRESSION", "zstd:1")];
+    // Back to back: each commit overlaps the copy of the version before it.
+    let back_to_back = commit_secs(&config, "bench-copy-b2b", &data, runs, &copies, |_| Ok(()))?;
+    // With a compute phase long enough for the copy to finish in between.
+    let mut copy = None;
+    let spaced = commit_secs(&config, "bench-copy", &data, runs, &copies, |version| {
+        let start = Instant::now();
+        while start.elapsed().as_secs() < 300 {
+            let status = svc.status();
+            let app = status.apps.iter().find(|a| a.registration.name == "bench-copy");
+            if let Some(stats) = app.and_then(|a| a.pfs_copy).filter(|c| c.version == version) {
+                copy = Some(stats);
+                return Ok(());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        bail!("the PFS copy of version {version} did not complete within 300 s")
+    })?;
+    let copy = copy.context("no PFS copy completed")?;
+    // The library's fallback: a controller nobody listens on, the same PFS.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let unreachable = svc.dir.join("no-controller.toml");
+    std::fs::write(
+        &unreachable,
+        format!(
+            "ControllerPort = {port}\nPfsDir = \"{}\"\n[fabric]\nprovider = \"{provider}\"\n[client]\nconnect_timeout = 0.5\n",
+            pfs_dir.display()
+        ),
+    )?;
+    // The disk's sustained rate drifts with what was written before: the
+    // baseline runs right before the case it is compared with.
+    let posix = posix_write_secs(&pfs_dir, size, runs)?;
+    let fallback = commit_secs(&unreachable, "bench-fallback", &data, runs, &[], |_| Ok(()))?;
+    let gb = |secs: f64| size as f64 / secs / 1e9;
+    let case = format!("1 rank, 1 agent, {}", ByteSize(size as u64));
+    let line = |what: &str, value: String, baseline: String, ratio: f64| Line {
+        case: case.clone(),
+        provider: provider.into(),
+        what: what.into(),
+        value,
+        baseline,
+        ratio,
+    };
+    let copy_secs = copy.compress_secs + copy.write_secs;
+    Ok(vec![
+        line(
+            "commit, PFS copy (zstd:1) of every version done between commits",
+            format!("{:.1} ms", spaced * 1e3),
+            format!("no PFS copy {:.1} ms", rdma * 1e3),
+            spaced / rdma,
+        ),
+        line(
+            "commit back to back, overlapping the previous version's PFS copy",
+            format!("{:.1} ms", back_to_back * 1e3),
+            format!("no PFS copy {:.1} ms", rdma * 1e3),
+            back_to_back / rdma,
+        ),
+        line(
+            &format!("agent's PFS copy, in the background (compression ratio {:.2})", copy.ratio()),
+            format!("{:.2} GB/s", gb(copy_secs)),
+            format!("POSIX write+fsync {:.2} GB/s", gb(posix)),
+            gb(copy_secs) / gb(posix),
+        ),
+        line(
+            "fallback commit: the library writes the PFS",
+            format!("{:.2} GB/s", gb(fallback)),
+            format!("POSIX write+fsync {:.2} GB/s", gb(posix)),
+            gb(fallback) / gb(posix),
+        ),
+        line(
+            "fallback commit vs RDMA commit",
+            format!("{:.2} GB/s", gb(fallback)),
+            format!("RDMA commit {:.2} GB/s", gb(rdma)),
+            gb(fallback) / gb(rdma),
+        ),
+    ])
+}
+
 fn mpi_rank(config: &Path, rank_size: usize, runs: usize) -> Result<()> {
     let universe = mpi::initialize().context("MPI init")?;
     let world = universe.world();
@@ -351,6 +507,12 @@ fn main() -> Result<()> {
             let case = format!("4 ranks, 2 agents, {} per rank", cli.rank_size);
             lines.extend(rows_for(&case, provider, 4.0 * rank_size as f64, &results[0], &results[1], raw, memcpy_rank));
         }
+    }
+    let pfs_size = usize::try_from(cli.pfs_size.0)?;
+    if let (Some(provider), true) = (cli.providers.first(), pfs_size > 0) {
+        let pfs = pfs_level(provider, pfs_size, runs)?;
+        eprintln!("{provider}: PFS level done");
+        lines.extend(pfs);
     }
     println!("Commit and restart through a local icheck service, median of {runs}; baselines measured in the same run");
     println!(

@@ -938,7 +938,9 @@ impl Icheck {
         let pfs = self.fallback.clone().expect("fallback mode");
         let (rank, ranks) = (self.comm.rank(), self.comm.size());
         let fail = |e: icheck_core::pfs::PfsError| Error::Unsupported(format!("fallback write to the PFS: {e}"));
+        let started = Instant::now();
         let written = self.write_node_to_pfs(&pfs, version);
+        let write_ms = started.elapsed().as_secs_f64() * 1e3;
         if !self.comm.all_true(written.is_ok()) {
             written?;
             return Err(self.incomplete(version, "another rank could not write its data to the PFS".into()));
@@ -955,7 +957,8 @@ impl Icheck {
             return Err(self.incomplete(version, "rank 0 could not complete the version on the PFS".into()));
         }
         self.latest = Some(VersionRecord { version, ranks, bytes: 0, commit_secs: 0.0, completed_unix_ms: 0 });
-        tracing::info!(version, "version written directly to the PFS");
+        let total_ms = started.elapsed().as_secs_f64() * 1e3;
+        tracing::info!(version, write_ms, total_ms, "version written directly to the PFS");
         Ok(())
     }
 
@@ -963,7 +966,9 @@ impl Icheck {
     /// node leader writes one file per process from there: fewer writers
     /// contend for the PFS, and the on-disk format stays per rank.
     fn write_node_to_pfs(&mut self, pfs: &icheck_core::pfs::PfsStore, version: u64) -> Result<()> {
+        let staging = Instant::now();
         let (staged, _) = self.stage_in_segment()?;
+        tracing::debug!(stage_ms = staging.elapsed().as_secs_f64() * 1e3, "staged in the node segment");
         if self.comm.node_rank() != 0 {
             return Ok(());
         }

@@ -189,13 +189,17 @@ async fn session(
                     .get(&agent)
                     .map(|a| a.pfs_copy_job(version, compression));
                 let tx = tx.clone();
-                tokio::task::spawn_blocking(move || {
+                let copy = move || {
+                    lower_thread_priority();
                     let result = match job {
                         Some(job) => job(),
                         None => Err(format!("agent {agent} is not running here")),
                     };
                     let _ = tx.send(ManagerToController::PfsCopied { agent, version, result });
-                });
+                };
+                if let Err(err) = std::thread::Builder::new().name("icheck-pfs-copy".into()).spawn(copy) {
+                    tracing::error!(agent, version, %err, "cannot start a PFS copy thread");
+                }
             }
             ControllerToManager::StopAgent { id, discard } => {
                 let agent = agents.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
@@ -211,4 +215,17 @@ async fn session(
     timers.abort();
     writer_task.abort();
     result
+}
+
+/// Makes the calling thread yield the CPU to everything else (nice 19):
+/// PFS copies run in the background and must not slow the commits and
+/// restarts the node's agents serve meanwhile.
+fn lower_thread_priority() {
+    // SAFETY: gettid and setpriority take no pointers and only change the
+    // scheduling priority of the calling thread (on Linux, PRIO_PROCESS
+    // with a thread id addresses that thread alone).
+    let failed = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19) } != 0;
+    if failed {
+        tracing::debug!(err = %std::io::Error::last_os_error(), "cannot lower the PFS copy's priority");
+    }
 }
