@@ -138,20 +138,27 @@ pub struct ClientConfig {
 }
 
 impl ClientConfig {
-    /// The `compression` key as a [`Compression`](crate::pfs::Compression).
-    pub fn compression(&self) -> Result<crate::pfs::Compression, String> {
-        use crate::pfs::Compression;
-        match self.compression.as_str() {
-            "none" | "" => Ok(Compression::None),
-            "zstd" => Ok(Compression::Zstd { level: 3 }),
-            other => other
-                .strip_prefix("zstd:")
-                .and_then(|level| level.parse::<i32>().ok())
-                .filter(|level| (1..=22).contains(level))
-                .map(|level| Compression::Zstd { level })
-                .ok_or_else(|| {
-                    format!("compression {other:?}: expected \"none\", \"zstd\" or \"zstd:1\" to \"zstd:22\"")
-                }),
+    /// The `compression` key: `none`, `zstd[:LEVEL]` (every copy) or
+    /// `auto[:LEVEL]` (copies of versions of at least `max_cp_size`).
+    pub fn compression(&self) -> Result<crate::pfs::CompressionPolicy, String> {
+        use crate::pfs::CompressionPolicy;
+        let expected = || {
+            format!(
+                "compression {:?}: expected \"none\", \"zstd\", \"zstd:LEVEL\", \"auto\" or \"auto:LEVEL\" (LEVEL 1 to 22)",
+                self.compression
+            )
+        };
+        let (kind, level) = match self.compression.split_once(':') {
+            Some((kind, level)) => {
+                (kind, level.parse::<i32>().ok().filter(|l| (1..=22).contains(l)).ok_or_else(expected)?)
+            }
+            None => (self.compression.as_str(), 3),
+        };
+        match kind {
+            "none" | "" => Ok(CompressionPolicy::Never),
+            "zstd" => Ok(CompressionPolicy::Always { level }),
+            "auto" => Ok(CompressionPolicy::Large { level }),
+            _ => Err(expected()),
         }
     }
 }
@@ -165,7 +172,7 @@ impl Default for ClientConfig {
             zero_copy: true,
             connect_timeout: 5.0,
             pfs_interval: 0,
-            compression: "none".into(),
+            compression: "auto".into(),
             t_wait: 30.0,
         }
     }
@@ -324,6 +331,10 @@ pub struct DynamicConfig {
     /// Most checkpoint memory per node, in GB.
     #[serde(default = "default_max_mem")]
     pub max_mem_node: f64,
+    /// Versions at least this large have their PFS copies compressed, for
+    /// applications with `compression = "auto"` (the thesis's MAX_CP_SIZE).
+    #[serde(default = "default_max_cp_size")]
+    pub max_cp_size: crate::units::ByteSize,
     /// Agents an application gets when it first registers.
     #[serde(default = "default_init_agents")]
     pub init_agent_count: InitAgentCount,
@@ -367,6 +378,10 @@ impl DynamicConfig {
     pub fn max_mem_node_bytes(&self) -> u64 {
         (self.max_mem_node * (1u64 << 30) as f64) as u64
     }
+}
+
+fn default_max_cp_size() -> crate::units::ByteSize {
+    crate::units::ByteSize(1 << 30)
 }
 
 fn default_max_mem() -> f64 {
@@ -478,6 +493,27 @@ mod tests {
             DynamicConfig::parse(file(), "init_agent_count = 3").unwrap().init_agent_count,
             InitAgentCount::Fixed(3)
         );
+    }
+
+    #[test]
+    fn compression_key_and_its_threshold() {
+        use crate::pfs::{Compression, CompressionPolicy};
+        let policy = |text: &str| ClientConfig { compression: text.into(), ..ClientConfig::default() }.compression();
+        assert_eq!(policy("none"), Ok(CompressionPolicy::Never));
+        assert_eq!(policy("zstd"), Ok(CompressionPolicy::Always { level: 3 }));
+        assert_eq!(policy("zstd:19"), Ok(CompressionPolicy::Always { level: 19 }));
+        assert_eq!(policy("auto:1"), Ok(CompressionPolicy::Large { level: 1 }));
+        assert_eq!(ClientConfig::default().compression(), Ok(CompressionPolicy::Large { level: 3 }));
+        for bad in ["zstd:0", "zstd:23", "lz4", "auto:x"] {
+            assert!(policy(bad).unwrap_err().contains(bad), "{bad}");
+        }
+        let large = CompressionPolicy::Large { level: 2 };
+        assert_eq!(large.for_version(1 << 30, 1 << 30), Compression::Zstd { level: 2 });
+        assert_eq!(large.for_version((1 << 30) - 1, 1 << 30), Compression::None);
+        assert_eq!(CompressionPolicy::Always { level: 5 }.for_version(1, 1 << 30), Compression::Zstd { level: 5 });
+        assert_eq!(CompressionPolicy::Never.for_version(u64::MAX, 0), Compression::None);
+        let dynamic: DynamicConfig = toml::from_str("max_cp_size = \"2GiB\"").unwrap();
+        assert_eq!(dynamic.max_cp_size.0, 2 << 30);
     }
 
     #[test]

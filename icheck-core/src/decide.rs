@@ -112,7 +112,7 @@ mod tests {
             ranks_per_node: ranks / nodes.max(1),
             mode,
             pfs_interval: 0,
-            compression: crate::pfs::Compression::None,
+            compression: crate::pfs::CompressionPolicy::Never,
         }
     }
 

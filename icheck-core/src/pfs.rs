@@ -44,6 +44,38 @@ pub enum Compression {
     },
 }
 
+/// When agents compress an application's PFS copies (per application, from
+/// its `[client] compression` key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CompressionPolicy {
+    /// Never: copies are stored raw.
+    Never,
+    /// Every copy, with zstd at this level.
+    Always {
+        /// zstd level.
+        level: i32,
+    },
+    /// Versions of at least the service's `max_cp_size` bytes (the thesis's
+    /// MAX_CP_SIZE), with zstd at this level; smaller ones are stored raw.
+    Large {
+        /// zstd level.
+        level: i32,
+    },
+}
+
+impl CompressionPolicy {
+    /// How to store a version of `bytes` (over all ranks) when the service
+    /// compresses from `max_cp_size` bytes on.
+    pub fn for_version(self, bytes: u64, max_cp_size: u64) -> Compression {
+        match self {
+            CompressionPolicy::Never => Compression::None,
+            CompressionPolicy::Always { level } => Compression::Zstd { level },
+            CompressionPolicy::Large { level } if bytes >= max_cp_size => Compression::Zstd { level },
+            CompressionPolicy::Large { .. } => Compression::None,
+        }
+    }
+}
+
 /// One rank's (or node's) file in a version.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankEntry {

@@ -255,7 +255,7 @@ pub struct AppRegistration {
     /// Copy every this many versions to the PFS (0 = never).
     pub pfs_interval: u32,
     /// How the PFS copies are stored.
-    pub compression: crate::pfs::Compression,
+    pub compression: crate::pfs::CompressionPolicy,
 }
 
 /// An agent as the application sees it.
@@ -698,7 +698,7 @@ mod tests {
             ranks_per_node: 2,
             mode: TransferMode::Mr,
             pfs_interval: 0,
-            compression: crate::pfs::Compression::None,
+            compression: crate::pfs::CompressionPolicy::Never,
         });
         let mut bytes = encode(&msg).unwrap();
         assert_eq!(decode::<ClientRequest>(&bytes).unwrap(), msg);

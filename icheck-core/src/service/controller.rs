@@ -547,7 +547,7 @@ fn record_version(
         // the library's VersionComplete says; each agent copies its ranks.
         // A spilled version is copied whatever the interval: the spilled
         // ranks are on the PFS only, and the copy completes the version there.
-        request_pfs_copy(&state.nodes, app, version);
+        request_pfs_copy(&state.nodes, app, version, shared.dynamic().max_cp_size.0);
     }
     ClientReply::Ok
 }
@@ -710,7 +710,7 @@ fn finish_app(shared: &Shared, name: &str, persist: bool) -> ClientReply {
             tracing::info!(app = name, version, "application finished; flushing its newest version to the PFS");
             app.finishing = true;
             if !app.pfs_pending.contains_key(&version) {
-                request_pfs_copy(&state.nodes, app, version);
+                request_pfs_copy(&state.nodes, app, version, shared.dynamic().max_cp_size.0);
             }
             return ClientReply::Ok;
         }
@@ -744,8 +744,9 @@ fn tell_agents(
 
 /// Starts the PFS copy of `version`: each of the application's agents
 /// copies its ranks, and `pfs_copied` collects their answers.
-fn request_pfs_copy(nodes: &BTreeMap<String, NodeEntry>, app: &mut AppEntry, version: u64) {
-    let compression = app.registration.compression;
+fn request_pfs_copy(nodes: &BTreeMap<String, NodeEntry>, app: &mut AppEntry, version: u64, max_cp_size: u64) {
+    let bytes = app.latest.as_ref().filter(|l| l.version == version).map_or(0, |l| l.bytes);
+    let compression = app.registration.compression.for_version(bytes, max_cp_size);
     let pending =
         PendingCopy { entries: Vec::new(), stats: PfsCopyStats::default(), answered: 0, agents: app.agents.len() };
     app.pfs_pending.insert(version, pending);

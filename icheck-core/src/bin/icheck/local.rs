@@ -59,7 +59,7 @@ fn write_static(dir: &Path, port: u16, token: &str, options: &UpOptions) -> Resu
          [client]\ntransfer = \"pull\"   # or \"push\"\nmode = \"mr\"         # or \"shmr\"\n\
          staging_buffer = \"64MiB\"\nzero_copy = true\n\
          pfs_interval = 0          # agents copy every Nth version to PfsDir (0: never)\n\
-         compression = \"none\"    # or \"zstd\", \"zstd:LEVEL\"\n",
+         compression = \"auto\"    # zstd from max_cp_size bytes on; or \"none\", \"zstd\", \"zstd:LEVEL\"\n",
         path = path.display(),
         hb = options.heartbeat,
         provider = options.provider,
