@@ -40,7 +40,7 @@ impl Service {
             ranks_per_node: ranks / nodes,
             mode: TransferMode::Mr,
             pfs_interval: 0,
-            compression: icheck_core::pfs::Compression::None,
+            compression: icheck_core::pfs::CompressionPolicy::Never,
         };
         match request_blocking(&self.config, &ClientRequest::RegisterApp(app)) {
             Ok(ClientReply::Registered { agents, .. }) => Ok(agents),
