@@ -63,6 +63,10 @@ pub struct StaticConfig {
     /// to `controller.addr` in its state directory.
     #[serde(rename = "ControllerPort", default = "default_port")]
     pub controller_port: u16,
+    /// Port of the controller's Prometheus endpoint (`GET /metrics`) on
+    /// `ControllerAddress`; 0 picks a free one; absent: no endpoint.
+    #[serde(rename = "MetricsPort", default)]
+    pub metrics_port: Option<u16>,
     /// Checkpoint nodes expected to run a manager (informational for now:
     /// managers announce themselves).
     #[serde(rename = "iCheckManagerNode", default)]
@@ -313,6 +317,9 @@ pub enum NodeSelection {
     /// Blocks of agents per node.
     #[serde(rename = "BLK")]
     Block,
+    /// Fill to completion: each node up to `max_agents_node` before the next.
+    #[serde(rename = "FTC")]
+    FillToCompletion,
 }
 
 /// The dynamic configuration (Listing 6.2), re-read while running.

@@ -4,10 +4,11 @@
 
 use std::time::Duration;
 
-use crate::config::{AgentCountRule, DynamicConfig, InitAgentCount};
+use crate::config::{AgentCountRule, AgentSelection, DynamicConfig, InitAgentCount, NodeSelection};
 use crate::protocol::{AppRegistration, TransferMode};
 
-/// A checkpoint node as placement sees it.
+/// A checkpoint node as placement sees it (from its manager's last
+/// measurements).
 #[derive(Clone, Debug, PartialEq)]
 pub struct NodeSnapshot {
     /// Node name.
@@ -18,6 +19,27 @@ pub struct NodeSnapshot {
     pub agents: u32,
     /// Available memory in bytes.
     pub mem_available: u64,
+    /// Bytes per second its agents moved over the last interval (eq. 6.9).
+    pub bandwidth: f64,
+    /// Checkpoint operations per minute on the node.
+    pub cops_per_min: f64,
+    /// Power draw in watts, where the OS exposes it (RAPL).
+    pub power_watts: Option<f64>,
+}
+
+impl NodeSnapshot {
+    /// A live, idle node with `mem_available` bytes free and no measurements yet.
+    pub fn idle(node: &str, mem_available: u64) -> NodeSnapshot {
+        NodeSnapshot {
+            node: node.into(),
+            alive: true,
+            agents: 0,
+            mem_available,
+            bandwidth: 0.0,
+            cops_per_min: 0.0,
+            power_watts: None,
+        }
+    }
 }
 
 /// Why no placement was possible.
@@ -51,32 +73,157 @@ pub fn initial_agent_count(app: &AppRegistration, config: &DynamicConfig) -> u32
     wanted.min(limit).min(config.max_agents_app).max(1)
 }
 
-/// Picks a node for each of `count` agents: one at a time, always the live
-/// node with the fewest agents (most available memory breaks ties, then the
-/// name), never beyond `max_agents_node`. This is round-robin over the
-/// least-loaded nodes.
+/// Algorithm 6, `candidate_selection`: the live nodes with room for an
+/// agent, best first by `strategy` (BW: least traffic; MEM: most available
+/// memory; CP: fewest checkpoint operations per minute; POWER: lowest draw,
+/// nodes without a power reading last). Ties go to the node with fewer
+/// agents, then more memory, then the name, so the order is total.
+pub fn rank_candidates(
+    nodes: &[NodeSnapshot],
+    strategy: AgentSelection,
+    max_agents_node: u32,
+) -> Vec<&NodeSnapshot> {
+    let mut candidates: Vec<&NodeSnapshot> = nodes.iter().filter(|n| n.alive && n.agents < max_agents_node).collect();
+    candidates.sort_by(|a, b| {
+        let primary = match strategy {
+            AgentSelection::Bandwidth => a.bandwidth.total_cmp(&b.bandwidth),
+            AgentSelection::Memory => b.mem_available.cmp(&a.mem_available),
+            AgentSelection::CheckpointFrequency => a.cops_per_min.total_cmp(&b.cops_per_min),
+            AgentSelection::Power => match (a.power_watts, b.power_watts) {
+                (Some(x), Some(y)) => x.total_cmp(&y),
+                (Some(_), None) => std::cmp::Ordering::Less,
+                (None, Some(_)) => std::cmp::Ordering::Greater,
+                (None, None) => std::cmp::Ordering::Equal,
+            },
+        };
+        primary.then(a.agents.cmp(&b.agents)).then(b.mem_available.cmp(&a.mem_available)).then(a.node.cmp(&b.node))
+    });
+    candidates
+}
+
+/// Algorithm 6, `agent_placement`: a node for each of `count` agents (in
+/// agent order, which is rank-block order). The best `candidate_count`
+/// candidates by `agent_selection` take the agents as `node_selection`
+/// says; if they lack room, the next candidates are used. Never beyond
+/// `max_agents_node`.
 pub fn choose_nodes(nodes: &[NodeSnapshot], count: u32, config: &DynamicConfig) -> Result<Vec<String>, PlacementError> {
-    let mut live: Vec<NodeSnapshot> = nodes.iter().filter(|n| n.alive).cloned().collect();
-    if live.is_empty() {
+    if !nodes.iter().any(|n| n.alive) {
         return Err(PlacementError::NoLiveNode);
     }
-    let room: u32 = live.iter().map(|n| config.max_agents_node.saturating_sub(n.agents)).sum();
+    let ranked = rank_candidates(nodes, config.agent_selection, config.max_agents_node);
+    let room_of = |n: &NodeSnapshot| config.max_agents_node.saturating_sub(n.agents);
+    let room: u32 = ranked.iter().map(|n| room_of(n)).sum();
     if room < count {
         return Err(PlacementError::NoCapacity { wanted: count, room });
     }
+    // Enough of the best candidates to hold every agent, at least candidate_count.
+    let mut take = (config.candidate_count.max(1) as usize).min(ranked.len());
+    while ranked[..take].iter().map(|n| room_of(n)).sum::<u32>() < count {
+        take += 1;
+    }
+    let mut slots: Vec<(String, u32, u32)> =
+        ranked[..take].iter().map(|n| (n.node.clone(), n.agents, room_of(n))).collect();
     let mut chosen = Vec::with_capacity(count as usize);
-    for _ in 0..count {
-        let best = live
-            .iter_mut()
-            .filter(|n| n.agents < config.max_agents_node)
-            .min_by(|a, b| {
-                a.agents.cmp(&b.agents).then(b.mem_available.cmp(&a.mem_available)).then(a.node.cmp(&b.node))
-            })
-            .expect("room was checked above");
-        best.agents += 1;
-        chosen.push(best.node.clone());
+    match config.node_selection {
+        NodeSelection::RoundRobin => {
+            let mut next = 0;
+            while chosen.len() < count as usize {
+                let slot = &mut slots[next % take];
+                if slot.2 > 0 {
+                    slot.2 -= 1;
+                    chosen.push(slot.0.clone());
+                }
+                next += 1;
+            }
+        }
+        NodeSelection::Block => {
+            // Even blocks of consecutive agents, the first nodes taking one more.
+            let per_node = count.div_ceil(take as u32);
+            for slot in &mut slots {
+                let here = per_node.min(slot.2).min(count - chosen.len() as u32);
+                slot.2 -= here;
+                chosen.extend(std::iter::repeat_n(slot.0.clone(), here as usize));
+            }
+            // Nodes short of room leave agents over: fill where room is left.
+            for slot in &mut slots {
+                let here = slot.2.min(count - chosen.len() as u32);
+                slot.2 -= here;
+                chosen.extend(std::iter::repeat_n(slot.0.clone(), here as usize));
+            }
+        }
+        NodeSelection::FillToCompletion => {
+            for slot in &mut slots {
+                let here = slot.2.min(count - chosen.len() as u32);
+                chosen.extend(std::iter::repeat_n(slot.0.clone(), here as usize));
+            }
+        }
+        NodeSelection::Equal => {
+            // One at a time to the candidate with the fewest agents so far.
+            for _ in 0..count {
+                let best = slots.iter_mut().filter(|s| s.2 > 0).min_by_key(|s| s.1).expect("room was checked above");
+                best.1 += 1;
+                best.2 -= 1;
+                chosen.push(best.0.clone());
+            }
+        }
     }
     Ok(chosen)
+}
+
+/// What Algorithm 5 remembers about an application between probes.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ScalingState {
+    /// Commit seconds measured before the last change (`old_t_sync`).
+    pub before_last_change: Option<f64>,
+    /// A change did not help and was undone: no more changes.
+    pub settled: bool,
+}
+
+/// Algorithm 5, `get_num_agents`, on a probe: the first change multiplies
+/// the agents by `factor`; later ones keep going while commits got faster
+/// than before the last change, and undo the last change (then stop) when
+/// they did not. Always at least 1 and at most `limit` (processes in MR,
+/// nodes in SHMR, within `max_agents_app`).
+pub fn next_agent_count(
+    current: u32,
+    t_sync: f64,
+    state: ScalingState,
+    factor: u32,
+    limit: u32,
+) -> (u32, ScalingState) {
+    let factor = factor.max(2);
+    let limit = limit.max(1);
+    if state.settled {
+        return (current, state);
+    }
+    let grow = |n: u32| n.saturating_mul(factor).min(limit);
+    match state.before_last_change {
+        Some(before) if t_sync >= before => {
+            let back = (current / factor).max(1);
+            (back, ScalingState { before_last_change: Some(t_sync), settled: true })
+        }
+        _ => {
+            let next = grow(current);
+            let settled = next == current;
+            (next, ScalingState { before_last_change: Some(t_sync), settled })
+        }
+    }
+}
+
+/// Eq. 6.11 and 6.12: whether moving to new agents pays back before the
+/// application ends. A change costs `t_probe` during which `ncops` commits
+/// still run at `t_old`; it pays from commit `n` on. With `remaining`
+/// commits hinted (0: unknown, assume it pays), it pays if `remaining >= n`.
+pub fn change_pays_back(t_probe: f64, t_old: f64, t_new: f64, remaining: u32) -> bool {
+    if remaining == 0 || t_old <= 0.0 || t_new <= 0.0 {
+        return true;
+    }
+    if t_new >= t_old {
+        return false;
+    }
+    let ncops = (t_probe + t_new) / t_old - 1.0;
+    let n = ncops * t_old / t_new + 1.0;
+    f64::from(remaining) >= n
 }
 
 /// Whether a manager whose last heartbeat was `since_last` ago is alive.
@@ -117,7 +264,7 @@ mod tests {
     }
 
     fn node(name: &str, agents: u32, mem: u64) -> NodeSnapshot {
-        NodeSnapshot { node: name.into(), alive: true, agents, mem_available: mem }
+        NodeSnapshot { agents, ..NodeSnapshot::idle(name, mem) }
     }
 
     #[test]
@@ -156,12 +303,83 @@ mod tests {
         }
     }
 
+    fn config(agent: AgentSelection, node: NodeSelection, candidates: u32) -> DynamicConfig {
+        DynamicConfig {
+            agent_selection: agent,
+            node_selection: node,
+            candidate_count: candidates,
+            max_agents_node: 3,
+            ..DynamicConfig::default()
+        }
+    }
+
+    /// Four nodes whose measurements each favour a different one.
+    fn measured() -> Vec<NodeSnapshot> {
+        let mut nodes = vec![node("a", 0, 10), node("b", 0, 40), node("c", 1, 20), node("d", 0, 30)];
+        let metrics = [(9e9, 2.0, Some(50.0)), (5e9, 9.0, Some(80.0)), (1e9, 5.0, None), (7e9, 0.5, Some(20.0))];
+        for (n, (bw, cops, power)) in nodes.iter_mut().zip(metrics) {
+            n.bandwidth = bw;
+            n.cops_per_min = cops;
+            n.power_watts = power;
+        }
+        nodes
+    }
+
     #[test]
-    fn placement_is_round_robin_over_least_loaded() {
-        let config = DynamicConfig::default();
-        let nodes = [node("n1", 0, 10), node("n2", 0, 20), node("n3", 1, 30)];
-        // n2 first (more memory), then n1, then all three have one: n3 (most memory).
-        assert_eq!(choose_nodes(&nodes, 4, &config).unwrap(), ["n2", "n1", "n3", "n2"]);
+    fn candidates_are_ranked_by_the_selection_strategy() {
+        let nodes = measured();
+        let order = |s| rank_candidates(&nodes, s, 3).iter().map(|n| n.node.as_str()).collect::<String>();
+        assert_eq!(order(AgentSelection::Bandwidth), "cbda");
+        assert_eq!(order(AgentSelection::Memory), "bdca");
+        assert_eq!(order(AgentSelection::CheckpointFrequency), "dacb");
+        assert_eq!(order(AgentSelection::Power), "dabc", "nodes without a power reading come last");
+        assert_eq!(rank_candidates(&nodes, AgentSelection::Memory, 1).len(), 3, "full nodes are not candidates");
+    }
+
+    #[test]
+    fn distribution_table() {
+        use AgentSelection::*;
+        use NodeSelection::*;
+        let nodes = measured();
+        let cases: [(AgentSelection, NodeSelection, u32, u32, &[&str]); 7] = [
+            (Memory, RoundRobin, 2, 5, &["b", "d", "b", "d", "b"]),
+            (Memory, Block, 2, 5, &["b", "b", "b", "d", "d"]),
+            (Memory, FillToCompletion, 2, 4, &["b", "b", "b", "d"]),
+            (Memory, Equal, 3, 3, &["b", "d", "b"]), // c already runs one
+            (Bandwidth, RoundRobin, 1, 2, &["c", "c"]),
+            (Bandwidth, RoundRobin, 1, 3, &["c", "b", "c"]), // c has room for 2: the next candidate joins the round
+            (CheckpointFrequency, Block, 5, 4, &["d", "a", "c", "b"]),
+        ];
+        for (agent, node_selection, candidates, count, expected) in cases {
+            let chosen = choose_nodes(&nodes, count, &config(agent, node_selection, candidates)).unwrap();
+            assert_eq!(chosen, expected, "{agent:?} {node_selection:?} {candidates} candidates, {count} agents");
+        }
+    }
+
+    #[test]
+    fn agent_count_grows_while_it_helps_then_settles() {
+        let mut state = ScalingState::default();
+        let mut agents = 1;
+        // Commit times as agents go 1 -> 2 -> 4 -> 8: faster, faster, slower.
+        for (t_sync, expected) in [(8.0, 2), (4.0, 4), (2.5, 8), (3.0, 4), (1.0, 4)] {
+            (agents, state) = next_agent_count(agents, t_sync, state, 2, 16);
+            assert_eq!(agents, expected, "after a commit of {t_sync} s");
+        }
+        assert!(state.settled);
+        // Bounds: never above the limit, never below 1; at the limit it settles.
+        assert_eq!(next_agent_count(3, 1.0, ScalingState::default(), 2, 4).0, 4);
+        let (n, s) = next_agent_count(4, 1.0, ScalingState { before_last_change: Some(2.0), settled: false }, 2, 4);
+        assert_eq!((n, s.settled), (4, true));
+        assert_eq!(next_agent_count(1, 5.0, ScalingState { before_last_change: Some(1.0), settled: false }, 2, 8).0, 1);
+    }
+
+    #[test]
+    fn a_change_pays_back_only_with_enough_commits_left() {
+        // Probe 2.5 s, commits 1.0 s -> 0.5 s: ncops = 2, n = 5.
+        assert!(!change_pays_back(2.5, 1.0, 0.5, 4));
+        assert!(change_pays_back(2.5, 1.0, 0.5, 5));
+        assert!(change_pays_back(2.5, 1.0, 0.5, 0), "unknown remaining commits: change");
+        assert!(!change_pays_back(0.1, 1.0, 1.2, 100), "a slower configuration never pays");
     }
 
     #[test]

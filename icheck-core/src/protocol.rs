@@ -289,8 +289,20 @@ pub struct NodeStatus {
     pub bytes_held: u64,
     /// Checkpoint operations served since start.
     pub checkpoint_ops: u64,
-    /// Aggregate bandwidth of the last interval, bytes/s.
+    /// Aggregate bandwidth of the last interval, bytes/s (eq. 6.9).
     pub bandwidth: f64,
+    /// Checkpoint operations per minute, over the last minute.
+    #[serde(default)]
+    pub cops_per_min: f64,
+    /// Seconds between the last two checkpoint operations (Δcop, eq. 6.7).
+    #[serde(default)]
+    pub last_cop_interval: Option<f64>,
+    /// Per agent: id and bytes/s of its last transfer (bw_agent, eq. 6.8).
+    #[serde(default)]
+    pub agent_bandwidth: Vec<(u64, f64)>,
+    /// Package power draw in watts from RAPL (powercap), where readable.
+    #[serde(default)]
+    pub power_watts: Option<f64>,
 }
 
 /// Messages a manager sends to the controller.
@@ -450,6 +462,9 @@ pub struct NodeReport {
     pub last_heartbeat_secs: f64,
     /// Latest measurements.
     pub status: NodeStatus,
+    /// What the controller derives from the node's reports over time.
+    #[serde(default)]
+    pub trend: crate::service::monitor::TrendReport,
 }
 
 /// An application as `icheck status` shows it.

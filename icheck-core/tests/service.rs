@@ -203,3 +203,39 @@ fn dynamic_config_applies_without_restart_and_broken_files_are_rejected() {
     assert_eq!(service.status().init_agent_count, "Fixed(2)", "the previous settings stay");
     assert_eq!(service.register("still-two", 4, 1).unwrap().len(), 2);
 }
+
+#[test]
+fn placement_strategy_changes_apply_to_the_next_registration() {
+    let service = Service::up("placement", 3);
+    let nodes_of = |agents: &[protocol::AgentInfo]| {
+        let mut nodes: Vec<String> = agents.iter().map(|a| a.node.clone()).collect();
+        nodes.dedup();
+        nodes
+    };
+    // Fill to completion: three agents stay on one node (room for four).
+    set_dynamic(
+        &service.dir,
+        "readInterval = 0.5\ninit_agent_count = 3\nmax_agents_node = 4\nnode_selection = \"FTC\"\nagent_selection = \"MEM\"\n",
+    );
+    wait_for("init_agent_count = 3", Duration::from_secs(10), || service.status().init_agent_count == "Fixed(3)");
+    let packed = service.register("packed", 6, 3).unwrap();
+    assert_eq!(nodes_of(&packed).len(), 1, "{packed:?}");
+    // Placement works from the managers' reports: wait until they show the agents.
+    wait_for("the packed node's report", Duration::from_secs(10), || {
+        service.status().nodes.iter().any(|n| n.node == packed[0].node && n.status.agents == 3)
+    });
+    // Round robin over three candidates, changed while running.
+    set_dynamic(
+        &service.dir,
+        "readInterval = 0.5\ninit_agent_count = 4\nmax_agents_node = 4\nnode_selection = \"RR\"\nagent_selection = \"MEM\"\ncandidate_count = 3\n",
+    );
+    wait_for("init_agent_count = 4", Duration::from_secs(10), || service.status().init_agent_count == "Fixed(4)");
+    let spread = service.register("spread", 8, 4).unwrap();
+    let mut nodes: Vec<String> = spread.iter().map(|a| a.node.clone()).collect();
+    nodes.sort();
+    nodes.dedup();
+    assert_eq!(nodes.len(), 3, "{spread:?}");
+    // The packed node has one slot left: round robin fills the others first.
+    let packed_node = &packed[0].node;
+    assert_eq!(spread.iter().filter(|a| &a.node == packed_node).count(), 1, "{spread:?}");
+}

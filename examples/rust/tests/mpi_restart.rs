@@ -337,6 +337,53 @@ fn versions_beyond_the_memory_budget_spill_to_the_pfs_and_restart_bit_exact() {
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
 }
 
+/// `GET /metrics` from the controller's Prometheus endpoint.
+fn scrape(service: &LocalService) -> String {
+    use std::io::{Read, Write};
+    let address = std::fs::read_to_string(service.dir.join("metrics.addr")).expect("icheck up enables /metrics");
+    let mut stream = std::net::TcpStream::connect(address.trim()).unwrap();
+    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: icheck\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+    response.split_once("\r\n\r\n").unwrap().1.to_string()
+}
+
+/// The value of the sample `name{labels}` in a Prometheus text body.
+fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(name_and_labels)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[test]
+fn status_and_metrics_report_what_the_managers_measure() {
+    let service = service("mpi-metrics", 1, "tcp");
+    let args = ["--app", "met", "--steps", "8", "--every", "2", "--mib", "4", "--step-ms", "100", "--persist"];
+    let lines = Job::start(2, &service.config_path(), &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=5 step=8")), "{lines:?}");
+    // Five versions of two ranks: ten checkpoint operations on the node.
+    icheck_core::testkit::wait_for("the node's report of 10 operations", Duration::from_secs(10), || {
+        service.status().nodes[0].status.checkpoint_ops == 10
+    });
+    let status = service.status();
+    let node = &status.nodes[0];
+    assert!(node.status.cops_per_min > 0.0 && node.status.last_cop_interval.is_some(), "{node:?}");
+    assert!(node.status.agent_bandwidth.iter().all(|(_, bw)| *bw > 0.0) && !node.status.agent_bandwidth.is_empty());
+    assert!(node.trend.mem_depletion_rate.is_some() && node.trend.mem_forecast.is_some(), "{node:?}");
+    let text = scrape(&service);
+    let label = format!("{{node=\"{}\"}}", node.node);
+    assert_eq!(sample(&text, &format!("icheck_node_checkpoint_operations_total{label}")), Some(10.0), "{text}");
+    assert_eq!(sample(&text, &format!("icheck_node_agents{label}")), Some(f64::from(node.status.agents)));
+    assert_eq!(sample(&text, &format!("icheck_node_up{label}")), Some(1.0));
+    assert_eq!(sample(&text, "icheck_app_latest_version{app=\"met\"}"), Some(5.0), "{text}");
+    assert_eq!(sample(&text, "icheck_app_ranks{app=\"met\"}"), Some(2.0));
+    let power = sample(&text, &format!("icheck_node_power_watts{label}"));
+    assert_eq!(power.is_some(), node.status.power_watts.is_some(), "power is reported only where measured");
+    // The printed status shows the same node measurements.
+    let out = Command::new(&service.icheck).args(["status", "--state-dir"]).arg(&service.dir).output().unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(printed.contains("COPS/MIN") && printed.contains("memory depletion"), "{printed}");
+}
+
 #[test]
 fn cleanup_flushes_the_newest_version_to_the_pfs() {
     let mut service = service("mpi-flush", 1, "tcp");

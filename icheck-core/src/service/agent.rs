@@ -63,8 +63,29 @@ pub struct AgentSettings {
 /// Counters an agent keeps for the manager's status reports.
 #[derive(Debug, Default)]
 pub struct AgentCounters {
-    /// Versions sealed.
+    /// Versions sealed (checkpoint operations).
     pub versions_sealed: AtomicU64,
+    /// Bytes of sealed versions.
+    pub bytes_moved: AtomicU64,
+    /// Bytes per second of the last sealed version's transfer (bw_agent,
+    /// eq. 6.8), as f64 bits.
+    pub last_bandwidth: AtomicU64,
+}
+
+impl AgentCounters {
+    /// Counts a sealed version of `bytes` that took `secs` to arrive.
+    fn sealed(&self, bytes: u64, secs: f64) {
+        self.versions_sealed.fetch_add(1, Ordering::Relaxed);
+        self.bytes_moved.fetch_add(bytes, Ordering::Relaxed);
+        if secs > 0.0 {
+            self.last_bandwidth.store((bytes as f64 / secs).to_bits(), Ordering::Relaxed);
+        }
+    }
+
+    /// bw_agent of the last sealed version, bytes/s (0 before the first).
+    pub fn last_bandwidth(&self) -> f64 {
+        f64::from_bits(self.last_bandwidth.load(Ordering::Relaxed))
+    }
 }
 
 struct Shared {
@@ -496,7 +517,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                 crcs,
                 sealed_unix_ms: unix_ms(),
             };
-            shared.counters.versions_sealed.fetch_add(1, Ordering::Relaxed);
+            shared.counters.sealed(total_len, transfer_ms / 1e3);
             match destination {
                 Destination::Memory(file) => {
                     store.seal(&manifest).map_err(|e| e.to_string())?;

@@ -14,6 +14,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 
+use super::monitor::NodeTrend;
 use super::ServiceError;
 use crate::config::{DynamicConfig, StaticConfig};
 use crate::decide::{self, NodeSnapshot};
@@ -22,6 +23,8 @@ use crate::protocol::{
     ManagerToController, NodeReport, NodeStatus, PfsCopyStats, ProtocolError, Role, StatusReport, VersionRecord,
 };
 
+/// How far ahead the memory forecast looks, in seconds.
+const FORECAST_HORIZON_SECS: f64 = 60.0;
 /// Time a peer has to send its Hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time managers have to start the agents of one registration.
@@ -34,6 +37,8 @@ struct NodeEntry {
     last_heartbeat: Instant,
     reported_down: bool,
     status: NodeStatus,
+    /// Memory and agent-count history for the derived metrics.
+    trend: NodeTrend,
     connection: u64,
     to_manager: mpsc::UnboundedSender<ControllerToManager>,
 }
@@ -80,6 +85,8 @@ struct State {
 }
 
 struct Shared {
+    /// When the controller started: the clock of the derived metrics.
+    started: Instant,
     token: String,
     pfs: Option<crate::pfs::PfsStore>,
     heartbeat: Duration,
@@ -93,6 +100,11 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Seconds since the controller started.
+    fn clock(&self) -> f64 {
+        self.started.elapsed().as_secs_f64()
+    }
+
     fn dynamic(&self) -> DynamicConfig {
         self.dynamic.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
@@ -104,8 +116,17 @@ impl Shared {
     }
 }
 
+/// Writes `address` to `dir/name` atomically (what `icheck up` and tests read).
+fn write_address(dir: &std::path::Path, name: &str, address: &str) -> Result<(), ServiceError> {
+    let tmp = dir.join(format!("{name}.tmp"));
+    std::fs::write(&tmp, address)
+        .and_then(|_| std::fs::rename(&tmp, dir.join(name)))
+        .map_err(|error| ServiceError::Io { what: format!("cannot write {}/{name}", dir.display()), error })
+}
+
 /// Runs the controller until the process ends. With `state_dir`, the
-/// listening address is written to `state_dir/controller.addr`.
+/// listening addresses are written to `state_dir/controller.addr` (and
+/// `metrics.addr` when `MetricsPort` is set).
 pub async fn run(config: StaticConfig, state_dir: Option<PathBuf>) -> Result<(), ServiceError> {
     let dynamic = match &config.dynamic_config {
         Some(path) => DynamicConfig::load(path)?,
@@ -118,15 +139,10 @@ pub async fn run(config: StaticConfig, state_dir: Option<PathBuf>) -> Result<(),
     let local = listener.local_addr().map_err(|error| ServiceError::Io { what: "local_addr".into(), error })?;
     tracing::info!(address = %local, "controller listening");
     if let Some(dir) = &state_dir {
-        let tmp = dir.join("controller.addr.tmp");
-        let write =
-            std::fs::write(&tmp, local.to_string()).and_then(|_| std::fs::rename(&tmp, dir.join("controller.addr")));
-        write.map_err(|error| ServiceError::Io {
-            what: format!("cannot write {}/controller.addr", dir.display()),
-            error,
-        })?;
+        write_address(dir, "controller.addr", &local.to_string())?;
     }
     let shared = Arc::new(Shared {
+        started: Instant::now(),
         token: config.effective_token(),
         pfs: config.pfs_dir.clone().map(crate::pfs::PfsStore::new),
         heartbeat: config.heartbeat(),
@@ -136,6 +152,19 @@ pub async fn run(config: StaticConfig, state_dir: Option<PathBuf>) -> Result<(),
     });
     if let Some(path) = config.dynamic_config.clone() {
         tokio::spawn(reload_dynamic(shared.clone(), path));
+    }
+    if let Some(port) = config.metrics_port {
+        let address = format!("{}:{port}", config.controller_address);
+        let metrics = TcpListener::bind(&address)
+            .await
+            .map_err(|error| ServiceError::Io { what: format!("cannot listen for /metrics on {address}"), error })?;
+        let local = metrics.local_addr().map_err(|error| ServiceError::Io { what: "local_addr".into(), error })?;
+        tracing::info!(address = %local, "metrics at http://{local}/metrics");
+        if let Some(dir) = &state_dir {
+            write_address(dir, "metrics.addr", &local.to_string())?;
+        }
+        let shared = shared.clone();
+        tokio::spawn(super::metrics::serve(metrics, move || status_report(&shared)));
     }
     tokio::spawn(watch_liveness(shared.clone()));
     loop {
@@ -243,12 +272,15 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             _ => {
                 state.next_connection += 1;
                 let connection = state.next_connection;
+                let mut trend = NodeTrend::default();
+                trend.sample(shared.clock(), status.mem_available, status.agents);
                 let entry = NodeEntry {
                     pid,
                     connected: true,
                     last_heartbeat: now,
                     reported_down: false,
                     status,
+                    trend,
                     connection,
                     to_manager: tx,
                 };
@@ -291,6 +323,7 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             }
             ManagerToController::Status(status) => {
                 if let Some(entry) = state.nodes.get_mut(&node).filter(|e| e.connection == connection) {
+                    entry.trend.sample(shared.clock(), status.mem_available, status.agents);
                     entry.status = status;
                     entry.last_heartbeat = Instant::now();
                 }
@@ -371,6 +404,7 @@ fn status_report(shared: &Shared) -> StatusReport {
                 alive: shared.alive(n, now),
                 last_heartbeat_secs: (now - n.last_heartbeat).as_secs_f64(),
                 status: n.status.clone(),
+                trend: n.trend.report(FORECAST_HORIZON_SECS),
             })
             .collect(),
         apps: state
@@ -448,6 +482,9 @@ async fn register_app(
                 alive: shared.alive(n, now),
                 agents: n.status.agents,
                 mem_available: n.status.mem_available,
+                bandwidth: n.status.bandwidth,
+                cops_per_min: n.status.cops_per_min,
+                power_watts: n.status.power_watts,
             })
             .collect();
         // Agents of a returning application go back to the nodes that hold

@@ -5,6 +5,7 @@
 //! re-established if it drops; agents keep running meanwhile.
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,6 +13,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use super::agent::{Agent, AgentSettings};
+use super::monitor::{read_rapl_energy, NodeActivity, PowerMeter};
 use super::store::Store;
 use super::{read_meminfo, ServiceError};
 use crate::config::StaticConfig;
@@ -21,18 +23,39 @@ use crate::protocol::{
 
 type Agents = Arc<Mutex<BTreeMap<u64, Agent>>>;
 
-fn measure(agents: &Agents, store: &Store) -> NodeStatus {
-    let (mem_available, mem_total) = read_meminfo();
-    let agents = agents.lock().unwrap_or_else(|p| p.into_inner());
-    let checkpoint_ops =
-        agents.values().map(|a| a.counters().versions_sealed.load(std::sync::atomic::Ordering::Relaxed)).sum();
-    NodeStatus {
-        mem_available,
-        mem_total,
-        agents: agents.len() as u32,
-        bytes_held: store.bytes_held(),
-        checkpoint_ops,
-        ..NodeStatus::default()
+/// The node's measurements between status reports (thesis §6.3).
+struct Monitor {
+    started: std::time::Instant,
+    activity: NodeActivity,
+    power: PowerMeter,
+}
+
+impl Monitor {
+    fn new() -> Monitor {
+        Monitor { started: std::time::Instant::now(), activity: NodeActivity::default(), power: PowerMeter::default() }
+    }
+
+    fn measure(&mut self, agents: &Agents, store: &Store) -> NodeStatus {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = self.started.elapsed().as_secs_f64();
+        let (mem_available, mem_total) = read_meminfo();
+        let agents = agents.lock().unwrap_or_else(|p| p.into_inner());
+        let checkpoint_ops = agents.values().map(|a| a.counters().versions_sealed.load(Relaxed)).sum();
+        let bytes_moved = agents.values().map(|a| a.counters().bytes_moved.load(Relaxed)).sum();
+        self.activity.sample(now, checkpoint_ops, bytes_moved);
+        self.power.sample(now, read_rapl_energy(Path::new("/sys/class/powercap")));
+        NodeStatus {
+            mem_available,
+            mem_total,
+            agents: agents.len() as u32,
+            bytes_held: store.bytes_held(),
+            checkpoint_ops,
+            bandwidth: self.activity.bandwidth(),
+            cops_per_min: self.activity.cops_per_min(),
+            last_cop_interval: self.activity.cop_interval(),
+            agent_bandwidth: agents.iter().map(|(id, a)| (*id, a.counters().last_bandwidth())).collect(),
+            power_watts: self.power.watts(),
+        }
     }
 }
 
@@ -112,7 +135,7 @@ async fn session(
     let register = ManagerToController::Register {
         node: node.to_string(),
         pid: std::process::id(),
-        status: measure(agents, &settings.store),
+        status: Monitor::new().measure(agents, &settings.store),
     };
     protocol::send(&mut stream, &register).await?;
     match protocol::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {
@@ -136,6 +159,7 @@ async fn session(
         tokio::spawn(async move {
             let mut beat = tokio::time::interval(heartbeat);
             let mut status = tokio::time::interval(status_every);
+            let mut monitor = Monitor::new();
             loop {
                 tokio::select! {
                     _ = beat.tick() => {
@@ -151,7 +175,8 @@ async fn session(
                         if tx.send(ManagerToController::Heartbeat).is_err() { break; }
                     }
                     _ = status.tick() => {
-                        if tx.send(ManagerToController::Status(measure(&agents, &store))).is_err() { break; }
+                        let measured = monitor.measure(&agents, &store);
+                        if tx.send(ManagerToController::Status(measured)).is_err() { break; }
                     }
                 }
             }

@@ -9,6 +9,8 @@ pub mod agent;
 pub mod client;
 pub mod controller;
 pub mod manager;
+pub mod metrics;
+pub mod monitor;
 pub mod store;
 
 /// Errors of the service processes.

@@ -51,7 +51,7 @@ fn write_static(dir: &Path, port: u16, token: &str, options: &UpOptions) -> Resu
     let path = dir.join(CLIENT_CONFIG);
     let text = format!(
         "# Written by `icheck up`; also the client configuration (ICHECK_CONFIG={path}).\n\
-         ControllerAddress = \"127.0.0.1\"\nControllerPort = {port}\nToken = \"{token}\"\n\
+         ControllerAddress = \"127.0.0.1\"\nControllerPort = {port}\nMetricsPort = 0\nToken = \"{token}\"\n\
          HeartBeatInterval = {hb}\nStatusMessageInterval = {hb}\nDynamicConfig = \"dynamic.toml\"\n\
          AgentStoreDir = \"{store}\"\nPfsDir = \"{pfs}\"\n\n\
          [fabric]\nprovider = \"{provider}\"\n\n\
@@ -232,21 +232,33 @@ fn human_bytes(bytes: u64) -> String {
 pub fn print_status(report: &StatusReport) {
     println!("NODES");
     println!(
-        "  {:<12} {:>8} {:<6} {:>10} {:>12} {:>7} {:>12} {:>8}",
-        "NODE", "PID", "STATE", "HEARTBEAT", "MEM_AVAIL", "AGENTS", "HELD", "SEALED"
+        "  {:<12} {:>8} {:<6} {:>10} {:>12} {:>7} {:>12} {:>8} {:>10} {:>9} {:>8}",
+        "NODE", "PID", "STATE", "HEARTBEAT", "MEM_AVAIL", "AGENTS", "HELD", "NCOPS", "BW", "COPS/MIN", "POWER"
     );
     for n in &report.nodes {
+        let s = &n.status;
         println!(
-            "  {:<12} {:>8} {:<6} {:>9.1}s {:>12} {:>7} {:>12} {:>8}",
+            "  {:<12} {:>8} {:<6} {:>9.1}s {:>12} {:>7} {:>12} {:>8} {:>10} {:>9.1} {:>8}",
             n.node,
             n.pid,
             if n.alive { "up" } else { "DOWN" },
             n.last_heartbeat_secs,
-            human_bytes(n.status.mem_available),
-            n.status.agents,
-            human_bytes(n.status.bytes_held),
-            n.status.checkpoint_ops,
+            human_bytes(s.mem_available),
+            s.agents,
+            human_bytes(s.bytes_held),
+            s.checkpoint_ops,
+            format!("{:.2} GB/s", s.bandwidth / 1e9),
+            s.cops_per_min,
+            s.power_watts.map_or("n/a".to_string(), |w| format!("{w:.1} W")),
         );
+        let t = &n.trend;
+        let rate = t.mem_depletion_rate.map_or("n/a".into(), |r| format!("{:.1} MB/s", r / 1e6));
+        let forecast = t.mem_forecast.map_or("n/a".into(), |(low, high)| {
+            format!("{}..{} in {:.0}s", human_bytes(low), human_bytes(high), t.horizon_secs)
+        });
+        let fill = t.agent_fill_rate.map_or("n/a".into(), |f| format!("{f:.3}/s"));
+        let dcop = s.last_cop_interval.map_or("n/a".into(), |d| format!("{d:.1}s"));
+        println!("  {:<12} memory depletion {rate}, forecast {forecast}, agent fill {fill}, Δcop {dcop}", "");
     }
     println!("APPLICATIONS");
     if report.apps.is_empty() {

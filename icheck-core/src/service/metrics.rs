@@ -1,0 +1,274 @@
+//! The controller's Prometheus endpoint (`GET /metrics`): the status report
+//! in the text exposition format, so administrators graph the service with
+//! the tools they already run.
+//!
+//! Architecture invariant: the endpoint renders the same [`StatusReport`]
+//! that `icheck status` prints, so the two always agree; a metric that is
+//! unavailable (no RAPL counters, one sample only) is left out, never 0.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::protocol::StatusReport;
+
+/// Longest request head accepted.
+const MAX_REQUEST: usize = 8192;
+/// Time a client has to send its request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One metric family: name, help text, type, and its samples as
+/// (labels, value).
+struct Family {
+    name: &'static str,
+    help: &'static str,
+    kind: &'static str,
+    samples: Vec<(String, f64)>,
+}
+
+/// The report in Prometheus text format (version 0.0.4).
+pub fn render(report: &StatusReport) -> String {
+    let node = |n: &str| format!("node=\"{}\"", escape(n));
+    let app = |a: &str| format!("app=\"{}\"", escape(a));
+    let mut families = vec![
+        Family {
+            name: "icheck_node_up",
+            help: "1 while the node's manager sends heartbeats",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_node_memory_available_bytes",
+            help: "MemAvailable of the node",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family { name: "icheck_node_memory_total_bytes", help: "MemTotal of the node", kind: "gauge", samples: vec![] },
+        Family {
+            name: "icheck_node_memory_depletion_bytes_per_second",
+            help: "Rate available memory shrinks (eq. 6.5)",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_node_memory_forecast_min_bytes",
+            help: "Lowest available memory expected at the forecast horizon",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_node_memory_forecast_max_bytes",
+            help: "Highest available memory expected at the forecast horizon",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family { name: "icheck_node_agents", help: "Agents running on the node", kind: "gauge", samples: vec![] },
+        Family {
+            name: "icheck_node_agent_fill_rate",
+            help: "Agents started per second (eq. 6.10)",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_node_checkpoint_bytes_held",
+            help: "Checkpoint bytes in the node's store",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_node_checkpoint_operations_total",
+            help: "Checkpoint operations served (ncops, eq. 6.6)",
+            kind: "counter",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_node_checkpoint_operations_per_minute",
+            help: "Checkpoint operations over the last minute",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_node_checkpoint_interval_seconds",
+            help: "Time between the last two checkpoint operations (eq. 6.7)",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_node_bandwidth_bytes_per_second",
+            help: "Bytes per second all agents moved over the last interval (eq. 6.9)",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_agent_bandwidth_bytes_per_second",
+            help: "Bytes per second of the agent's last transfer (eq. 6.8)",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_node_power_watts",
+            help: "Package power from RAPL, where the OS exposes it",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family { name: "icheck_app_ranks", help: "Processes of the application", kind: "gauge", samples: vec![] },
+        Family { name: "icheck_app_nodes", help: "Compute nodes of the application", kind: "gauge", samples: vec![] },
+        Family { name: "icheck_app_agents", help: "Agents of the application", kind: "gauge", samples: vec![] },
+        Family { name: "icheck_app_latest_version", help: "Newest complete version", kind: "gauge", samples: vec![] },
+        Family {
+            name: "icheck_app_version_bytes",
+            help: "Bytes of the newest complete version",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_app_commit_seconds",
+            help: "Commit time of the newest complete version",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_app_pfs_version",
+            help: "Newest version copied to the PFS",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_app_pfs_compression_ratio",
+            help: "Raw over stored bytes of the newest PFS copy",
+            kind: "gauge",
+            samples: vec![],
+        },
+    ];
+    let mut put = |name: &str, labels: String, value: Option<f64>| {
+        if let (Some(family), Some(value)) = (families.iter_mut().find(|f| f.name == name), value) {
+            family.samples.push((labels, value));
+        }
+    };
+    for n in &report.nodes {
+        let l = node(&n.node);
+        let s = &n.status;
+        put("icheck_node_up", l.clone(), Some(f64::from(u8::from(n.alive))));
+        put("icheck_node_memory_available_bytes", l.clone(), Some(s.mem_available as f64));
+        put("icheck_node_memory_total_bytes", l.clone(), Some(s.mem_total as f64));
+        put("icheck_node_memory_depletion_bytes_per_second", l.clone(), n.trend.mem_depletion_rate);
+        put("icheck_node_memory_forecast_min_bytes", l.clone(), n.trend.mem_forecast.map(|f| f.0 as f64));
+        put("icheck_node_memory_forecast_max_bytes", l.clone(), n.trend.mem_forecast.map(|f| f.1 as f64));
+        put("icheck_node_agents", l.clone(), Some(f64::from(s.agents)));
+        put("icheck_node_agent_fill_rate", l.clone(), n.trend.agent_fill_rate);
+        put("icheck_node_checkpoint_bytes_held", l.clone(), Some(s.bytes_held as f64));
+        put("icheck_node_checkpoint_operations_total", l.clone(), Some(s.checkpoint_ops as f64));
+        put("icheck_node_checkpoint_operations_per_minute", l.clone(), Some(s.cops_per_min));
+        put("icheck_node_checkpoint_interval_seconds", l.clone(), s.last_cop_interval);
+        put("icheck_node_bandwidth_bytes_per_second", l.clone(), Some(s.bandwidth));
+        for (agent, bw) in &s.agent_bandwidth {
+            put("icheck_agent_bandwidth_bytes_per_second", format!("{l},agent=\"{agent}\""), Some(*bw));
+        }
+        put("icheck_node_power_watts", l, s.power_watts);
+    }
+    for a in &report.apps {
+        let l = app(&a.registration.name);
+        put("icheck_app_ranks", l.clone(), Some(f64::from(a.registration.ranks)));
+        put("icheck_app_nodes", l.clone(), Some(f64::from(a.registration.nodes)));
+        put("icheck_app_agents", l.clone(), Some(a.agents.len() as f64));
+        put("icheck_app_latest_version", l.clone(), a.latest.as_ref().map(|v| v.version as f64));
+        put("icheck_app_version_bytes", l.clone(), a.latest.as_ref().map(|v| v.bytes as f64));
+        put("icheck_app_commit_seconds", l.clone(), a.latest.as_ref().map(|v| v.commit_secs));
+        put("icheck_app_pfs_version", l.clone(), a.pfs_version.map(|v| v as f64));
+        put("icheck_app_pfs_compression_ratio", l, a.pfs_copy.map(|c| c.ratio()));
+    }
+    let mut text = String::new();
+    for family in families.iter().filter(|f| !f.samples.is_empty()) {
+        let _ = writeln!(text, "# HELP {} {}", family.name, family.help);
+        let _ = writeln!(text, "# TYPE {} {}", family.name, family.kind);
+        for (labels, value) in &family.samples {
+            let _ = writeln!(text, "{}{{{labels}}} {value}", family.name);
+        }
+    }
+    text
+}
+
+/// Label values escape backslash, quote and newline.
+fn escape(value: &str) -> String {
+    value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// Serves `GET /metrics` on `listener` with whatever `report` returns at
+/// the time of each request; other paths get 404, malformed requests 400.
+pub async fn serve(listener: TcpListener, report: impl Fn() -> StatusReport + Send + Sync + Clone + 'static) {
+    loop {
+        let Ok((stream, peer)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        let report = report.clone();
+        tokio::spawn(async move {
+            if let Err(err) = answer(stream, report).await {
+                tracing::debug!(%peer, %err, "metrics request failed");
+            }
+        });
+    }
+}
+
+async fn answer(mut stream: TcpStream, report: impl Fn() -> StatusReport) -> std::io::Result<()> {
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    let read_head = async {
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < MAX_REQUEST {
+            let n = stream.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            head.extend_from_slice(&buf[..n]);
+        }
+        Ok::<_, std::io::Error>(())
+    };
+    tokio::time::timeout(REQUEST_TIMEOUT, read_head).await.map_err(|_| std::io::ErrorKind::TimedOut)??;
+    let line = head.split(|b| *b == b'\n').next().unwrap_or_default();
+    let line = String::from_utf8_lossy(line);
+    let mut parts = line.split_whitespace();
+    let (status, content_type, body) = match (parts.next(), parts.next()) {
+        (Some("GET"), Some("/metrics")) => ("200 OK", "text/plain; version=0.0.4", render(&report())),
+        (Some(_), Some(_)) => ("404 Not Found", "text/plain", "only /metrics is served here\n".to_string()),
+        _ => ("400 Bad Request", "text/plain", "malformed request\n".to_string()),
+    };
+    let response = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(response.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{NodeReport, NodeStatus};
+
+    #[test]
+    fn unavailable_metrics_are_left_out_and_labels_escaped() {
+        let status =
+            NodeStatus { mem_available: 1024, agents: 2, agent_bandwidth: vec![(7, 1.5e9)], ..NodeStatus::default() };
+        let report = StatusReport {
+            nodes: vec![NodeReport {
+                node: "n\"1".into(),
+                pid: 1,
+                alive: true,
+                last_heartbeat_secs: 0.1,
+                status,
+                trend: Default::default(),
+            }],
+            apps: vec![],
+            init_agent_count: String::new(),
+        };
+        let text = render(&report);
+        assert!(text.contains("icheck_node_up{node=\"n\\\"1\"} 1\n"), "{text}");
+        assert!(text.contains("icheck_node_memory_available_bytes{node=\"n\\\"1\"} 1024\n"), "{text}");
+        assert!(text.contains("icheck_agent_bandwidth_bytes_per_second{node=\"n\\\"1\",agent=\"7\"} 1500000000\n"));
+        assert!(text.contains("# TYPE icheck_node_checkpoint_operations_total counter"));
+        assert!(!text.contains("icheck_node_power_watts"), "no RAPL reading: no sample\n{text}");
+        assert!(!text.contains("icheck_node_memory_depletion"), "one sample: no rate\n{text}");
+    }
+}

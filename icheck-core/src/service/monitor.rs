@@ -1,0 +1,270 @@
+//! Monitoring (thesis §6.3): what managers measure on their node and what
+//! the controller derives from a node's successive reports. Pure state
+//! machines fed with samples and times, so every formula is unit-tested;
+//! the only I/O is [`read_rapl_energy`].
+//!
+//! Architecture invariant: nothing here invents a value. A metric that
+//! cannot be computed yet (one sample only) or at all (no RAPL counters) is
+//! `None`, and the status API and `/metrics` show it as unavailable.
+
+use std::collections::VecDeque;
+use std::path::Path;
+
+/// Window of checkpoint operations counted for ncops/min.
+const COPS_WINDOW_SECS: f64 = 60.0;
+/// Memory samples kept for the depletion rate and the forecast.
+const MEM_SAMPLES: usize = 30;
+
+/// A node's checkpoint activity, as the manager measures it from its agents'
+/// counters: ncops (eq. 6.6), Δcop (eq. 6.7), ncops/min, and the aggregate
+/// bandwidth of the last interval (eq. 6.9).
+#[derive(Debug, Default)]
+pub struct NodeActivity {
+    /// (time, total operations) samples within the last minute.
+    ops: VecDeque<(f64, u64)>,
+    /// Time of the last sample with new operations, and the one before.
+    last_op_at: Option<f64>,
+    cop_interval: Option<f64>,
+    /// (time, total bytes moved) of the previous sample.
+    previous_bytes: Option<(f64, u64)>,
+    bandwidth: f64,
+}
+
+impl NodeActivity {
+    /// Feeds the totals read at `now` (seconds on any monotonic clock).
+    pub fn sample(&mut self, now: f64, total_ops: u64, total_bytes: u64) {
+        if self.ops.back().is_some_and(|(_, ops)| total_ops > *ops) {
+            if let Some(last) = self.last_op_at {
+                self.cop_interval = Some(now - last);
+            }
+            self.last_op_at = Some(now);
+        }
+        self.ops.push_back((now, total_ops));
+        while self.ops.len() > 1 && self.ops.front().is_some_and(|(t, _)| now - t > COPS_WINDOW_SECS) {
+            self.ops.pop_front();
+        }
+        if let Some((then, bytes)) = self.previous_bytes {
+            let dt = now - then;
+            if dt > 0.0 {
+                self.bandwidth = total_bytes.saturating_sub(bytes) as f64 / dt;
+            }
+        }
+        self.previous_bytes = Some((now, total_bytes));
+    }
+
+    /// Checkpoint operations per minute over the window (0 with one sample).
+    pub fn cops_per_min(&self) -> f64 {
+        match (self.ops.front(), self.ops.back()) {
+            (Some((t0, n0)), Some((t1, n1))) if t1 > t0 => (n1 - n0) as f64 * 60.0 / (t1 - t0),
+            _ => 0.0,
+        }
+    }
+
+    /// Seconds between the last two samples that saw new operations (Δcop).
+    pub fn cop_interval(&self) -> Option<f64> {
+        self.cop_interval
+    }
+
+    /// Bytes per second moved by all agents since the previous sample.
+    pub fn bandwidth(&self) -> f64 {
+        self.bandwidth
+    }
+}
+
+/// Power from RAPL package energy counters: watts between two readings,
+/// handling the counter's wrap-around.
+#[derive(Debug, Default)]
+pub struct PowerMeter {
+    previous: Option<(f64, EnergyReading)>,
+    watts: Option<f64>,
+}
+
+/// Summed RAPL package energy and the counters' wrap range, in µJ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EnergyReading {
+    /// Energy counted, µJ.
+    pub energy_uj: u64,
+    /// The value at which the counters wrap, µJ.
+    pub max_uj: u64,
+}
+
+impl PowerMeter {
+    /// Feeds a reading taken at `now` (None: the OS exposes no counters).
+    pub fn sample(&mut self, now: f64, reading: Option<EnergyReading>) {
+        let Some(reading) = reading else {
+            self.previous = None;
+            self.watts = None;
+            return;
+        };
+        if let Some((then, before)) = self.previous {
+            let dt = now - then;
+            let used = if reading.energy_uj >= before.energy_uj {
+                reading.energy_uj - before.energy_uj
+            } else {
+                reading.max_uj.saturating_sub(before.energy_uj) + reading.energy_uj
+            };
+            if dt > 0.0 {
+                self.watts = Some(used as f64 / 1e6 / dt);
+            }
+        }
+        self.previous = Some((now, reading));
+    }
+
+    /// Watts over the last interval, if measurable.
+    pub fn watts(&self) -> Option<f64> {
+        self.watts
+    }
+}
+
+/// Reads the package-level RAPL counters under `powercap` (normally
+/// /sys/class/powercap): `intel-rapl:N/energy_uj` summed over packages.
+/// None when there are none or they are not readable (VMs, non-root).
+pub fn read_rapl_energy(powercap: &Path) -> Option<EnergyReading> {
+    let mut total = EnergyReading { energy_uj: 0, max_uj: 0 };
+    let mut found = false;
+    for entry in std::fs::read_dir(powercap).ok()?.filter_map(|e| e.ok()) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        // Packages only ("intel-rapl:0"), not their subzones ("intel-rapl:0:0").
+        if !name.starts_with("intel-rapl:") || name.matches(':').count() != 1 {
+            continue;
+        }
+        let read =
+            |file: &str| -> Option<u64> { std::fs::read_to_string(entry.path().join(file)).ok()?.trim().parse().ok() };
+        if let (Some(energy), Some(max)) = (read("energy_uj"), read("max_energy_range_uj")) {
+            total.energy_uj += energy;
+            total.max_uj += max;
+            found = true;
+        }
+    }
+    found.then_some(total)
+}
+
+/// What the controller derives from a node's successive reports: the memory
+/// depletion rate (eq. 6.5), a short-horizon min/max forecast of available
+/// memory, and the agent filling rate (eq. 6.10).
+#[derive(Debug, Default)]
+pub struct NodeTrend {
+    /// (time, available bytes, agents).
+    samples: VecDeque<(f64, u64, u32)>,
+}
+
+/// The derived metrics of one node.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct TrendReport {
+    /// Bytes per second available memory shrinks (negative: it grows), eq. 6.5.
+    pub mem_depletion_rate: Option<f64>,
+    /// Lowest and highest available memory expected `horizon` seconds ahead.
+    pub mem_forecast: Option<(u64, u64)>,
+    /// The forecast's horizon in seconds.
+    pub horizon_secs: f64,
+    /// Agents started per second over the window (negative: stopped), eq. 6.10.
+    pub agent_fill_rate: Option<f64>,
+}
+
+impl NodeTrend {
+    /// Records a report received at `now`.
+    pub fn sample(&mut self, now: f64, mem_available: u64, agents: u32) {
+        self.samples.push_back((now, mem_available, agents));
+        while self.samples.len() > MEM_SAMPLES {
+            self.samples.pop_front();
+        }
+    }
+
+    /// The derived metrics, forecasting `horizon` seconds ahead: a least-
+    /// squares line through the window, widened by the largest deviation
+    /// from it that the window saw.
+    pub fn report(&self, horizon: f64) -> TrendReport {
+        let (Some(first), Some(last)) = (self.samples.front(), self.samples.back()) else {
+            return TrendReport { horizon_secs: horizon, ..TrendReport::default() };
+        };
+        let span = last.0 - first.0;
+        if self.samples.len() < 2 || span <= 0.0 {
+            return TrendReport { horizon_secs: horizon, ..TrendReport::default() };
+        }
+        let depletion = (first.1 as f64 - last.1 as f64) / span;
+        let fill = (f64::from(last.2) - f64::from(first.2)) / span;
+        let n = self.samples.len() as f64;
+        let mean_t = self.samples.iter().map(|s| s.0).sum::<f64>() / n;
+        let mean_m = self.samples.iter().map(|s| s.1 as f64).sum::<f64>() / n;
+        let var_t: f64 = self.samples.iter().map(|s| (s.0 - mean_t).powi(2)).sum();
+        let cov: f64 = self.samples.iter().map(|s| (s.0 - mean_t) * (s.1 as f64 - mean_m)).sum();
+        let slope = if var_t > 0.0 { cov / var_t } else { 0.0 };
+        let at = |t: f64| mean_m + slope * (t - mean_t);
+        let spread = self.samples.iter().map(|s| (s.1 as f64 - at(s.0)).abs()).fold(0.0, f64::max);
+        let ahead = at(last.0 + horizon);
+        let clamp = |x: f64| x.max(0.0) as u64;
+        TrendReport {
+            mem_depletion_rate: Some(depletion),
+            mem_forecast: Some((clamp(ahead - spread), clamp(ahead + spread))),
+            horizon_secs: horizon,
+            agent_fill_rate: Some(fill),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn activity_counts_operations_intervals_and_bandwidth() {
+        let mut activity = NodeActivity::default();
+        activity.sample(0.0, 0, 0);
+        assert_eq!((activity.cops_per_min(), activity.cop_interval()), (0.0, None));
+        activity.sample(10.0, 2, 2_000_000_000); // two commits, 2 GB in 10 s
+        assert_eq!(activity.bandwidth(), 2e8);
+        assert_eq!(activity.cop_interval(), None, "one interval needs two operations");
+        activity.sample(20.0, 2, 2_000_000_000);
+        assert_eq!(activity.bandwidth(), 0.0);
+        activity.sample(30.0, 5, 2_500_000_000);
+        assert_eq!(activity.cop_interval(), Some(20.0));
+        assert_eq!(activity.cops_per_min(), 10.0); // 5 operations in 30 s
+                                                   // Old samples leave the one-minute window.
+        activity.sample(100.0, 5, 2_500_000_000);
+        assert_eq!(activity.cops_per_min(), 0.0);
+    }
+
+    #[test]
+    fn power_handles_wrap_and_absence() {
+        let mut meter = PowerMeter::default();
+        meter.sample(0.0, Some(EnergyReading { energy_uj: 1_000_000, max_uj: 10_000_000 }));
+        assert_eq!(meter.watts(), None);
+        meter.sample(2.0, Some(EnergyReading { energy_uj: 61_000_000 % 10_000_000, max_uj: 10_000_000 }));
+        // 1 J -> wrapped at 10 J -> 1 J: 10 J in 2 s.
+        assert_eq!(meter.watts(), Some(5.0));
+        meter.sample(3.0, None);
+        assert_eq!(meter.watts(), None, "no counters: unavailable, not zero");
+    }
+
+    #[test]
+    fn rapl_counters_are_read_from_package_zones_only() {
+        let dir = std::env::temp_dir().join(format!("icheck-rapl-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for (zone, energy) in [("intel-rapl:0", 100), ("intel-rapl:1", 50), ("intel-rapl:0:0", 7)] {
+            std::fs::create_dir_all(dir.join(zone)).unwrap();
+            std::fs::write(dir.join(zone).join("energy_uj"), format!("{energy}\n")).unwrap();
+            std::fs::write(dir.join(zone).join("max_energy_range_uj"), "1000\n").unwrap();
+        }
+        assert_eq!(read_rapl_energy(&dir), Some(EnergyReading { energy_uj: 150, max_uj: 2000 }));
+        assert_eq!(read_rapl_energy(&dir.join("missing")), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn trend_gives_depletion_forecast_and_agent_fill() {
+        let mut trend = NodeTrend::default();
+        assert_eq!(trend.report(10.0).mem_depletion_rate, None);
+        // 1000 bytes/s consumed, one agent every 5 s.
+        for i in 0..=10u32 {
+            trend.sample(f64::from(i), 100_000 - 1000 * u64::from(i), i / 5);
+        }
+        let report = trend.report(10.0);
+        assert_eq!(report.mem_depletion_rate, Some(1000.0));
+        assert_eq!(report.mem_forecast, Some((80_000, 80_000)), "a straight line forecasts exactly");
+        assert_eq!(report.agent_fill_rate, Some(0.2));
+        // Noise widens the forecast band around the trend.
+        trend.sample(11.0, 95_000, 2);
+        let (low, high) = trend.report(10.0).mem_forecast.unwrap();
+        assert!(low < high, "{low} {high}");
+    }
+}
