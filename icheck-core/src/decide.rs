@@ -78,11 +78,7 @@ pub fn initial_agent_count(app: &AppRegistration, config: &DynamicConfig) -> u32
 /// memory; CP: fewest checkpoint operations per minute; POWER: lowest draw,
 /// nodes without a power reading last). Ties go to the node with fewer
 /// agents, then more memory, then the name, so the order is total.
-pub fn rank_candidates(
-    nodes: &[NodeSnapshot],
-    strategy: AgentSelection,
-    max_agents_node: u32,
-) -> Vec<&NodeSnapshot> {
+pub fn rank_candidates(nodes: &[NodeSnapshot], strategy: AgentSelection, max_agents_node: u32) -> Vec<&NodeSnapshot> {
     let mut candidates: Vec<&NodeSnapshot> = nodes.iter().filter(|n| n.alive && n.agents < max_agents_node).collect();
     candidates.sort_by(|a, b| {
         let primary = match strategy {
