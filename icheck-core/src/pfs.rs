@@ -225,9 +225,7 @@ impl SpillFile {
             compression: Compression::None,
             file_crc: crc,
         };
-        let bytes = protocol::encode_large(&entry)
-            .map_err(|e| PfsError::Damaged { path: self.entry.clone(), reason: format!("cannot encode: {e}") })?;
-        fs::write(&self.entry, bytes).map_err(io("cannot write", &self.entry))?;
+        write_entry_file(&self.entry, &entry)?;
         Ok(entry)
     }
 }
@@ -335,10 +333,7 @@ impl PfsStore {
             compression: Compression::None,
             file_crc: crc,
         };
-        let entry_path = dir.join(format!("rank{}.entry", manifest.rank));
-        let bytes = protocol::encode_large(&entry)
-            .map_err(|e| PfsError::Damaged { path: entry_path.clone(), reason: format!("cannot encode: {e}") })?;
-        fs::write(&entry_path, bytes).map_err(io("cannot write", &entry_path))?;
+        write_entry_file(&dir.join(format!("rank{}.entry", manifest.rank)), &entry)?;
         let stats = WriteStats { raw: len, stored: len, compress: Duration::ZERO, write: started.elapsed() };
         Ok((entry, stats))
     }
@@ -365,8 +360,7 @@ impl PfsStore {
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(error) => return Err(PfsError::Io { what: "cannot read", path, error }),
         };
-        let entry: RankEntry = protocol::decode_large(&bytes)
-            .map_err(|e| PfsError::Damaged { path: path.clone(), reason: e.to_string() })?;
+        let entry = decode_entry(&path, &bytes)?;
         let _ = fs::remove_file(&path);
         Ok(Some(entry))
     }
@@ -378,9 +372,7 @@ impl PfsStore {
         let dir = self.partial_dir(app, version)?;
         let path = dir.join(format!("rank{rank}.entry"));
         let bytes = fs::read(&path).map_err(io("cannot read", &path))?;
-        let entry: RankEntry = protocol::decode_large(&bytes)
-            .map_err(|e| PfsError::Damaged { path: path.clone(), reason: e.to_string() })?;
-        read_entry(&dir, &entry)
+        read_entry(&dir, &decode_entry(&path, &bytes)?)
     }
 
     /// The entries `write_rank_parts` left for ranks `0..ranks` of a partial version.
@@ -390,8 +382,7 @@ impl PfsStore {
             .map(|rank| {
                 let path = dir.join(format!("rank{rank}.entry"));
                 let bytes = fs::read(&path).map_err(io("cannot read", &path))?;
-                let entry: RankEntry = protocol::decode_large(&bytes)
-                    .map_err(|e| PfsError::Damaged { path: path.clone(), reason: e.to_string() })?;
+                let entry = decode_entry(&path, &bytes)?;
                 let _ = fs::remove_file(&path);
                 Ok(entry)
             })
@@ -499,6 +490,18 @@ impl PfsStore {
             _ => Ok(()),
         }
     }
+}
+
+/// Writes a rank's entry file (`rank<R>.entry`) for whoever completes the version.
+fn write_entry_file(path: &Path, entry: &RankEntry) -> Result<()> {
+    let bytes = protocol::encode_large(entry)
+        .map_err(|e| PfsError::Damaged { path: path.to_path_buf(), reason: format!("cannot encode: {e}") })?;
+    fs::write(path, bytes).map_err(io("cannot write", path))
+}
+
+/// Decodes the bytes of the entry file at `path`.
+fn decode_entry(path: &Path, bytes: &[u8]) -> Result<RankEntry> {
+    protocol::decode_large(bytes).map_err(|e| PfsError::Damaged { path: path.to_path_buf(), reason: e.to_string() })
 }
 
 /// Reads and verifies the file of `entry` in `dir`: the stored checksum,

@@ -741,7 +741,9 @@ impl Icheck {
         let span = tracing::info_span!("commit", app = %self.app, rank = self.comm.rank(), version);
         let _entered = span.enter();
         let started = Instant::now();
-        if self.fallback.is_some() && self.fallback_tried.elapsed() >= self.t_wait {
+        // Every rank must take the same branch (both are collective): the
+        // ranks' clocks differ, so they agree on whether t_wait has passed.
+        if self.fallback.is_some() && self.comm.all_true(self.fallback_tried.elapsed() >= self.t_wait) {
             self.try_service_again();
         }
         if self.fallback.is_some() {

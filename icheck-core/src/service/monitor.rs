@@ -229,9 +229,11 @@ mod tests {
         let mut meter = PowerMeter::default();
         meter.sample(0.0, Some(EnergyReading { energy_uj: 1_000_000, max_uj: 10_000_000 }));
         assert_eq!(meter.watts(), None);
-        meter.sample(2.0, Some(EnergyReading { energy_uj: 61_000_000 % 10_000_000, max_uj: 10_000_000 }));
-        // 1 J -> wrapped at 10 J -> 1 J: 10 J in 2 s.
-        assert_eq!(meter.watts(), Some(5.0));
+        meter.sample(2.0, Some(EnergyReading { energy_uj: 3_000_000, max_uj: 10_000_000 }));
+        assert_eq!(meter.watts(), Some(1.0), "2 J in 2 s");
+        meter.sample(4.0, Some(EnergyReading { energy_uj: 1_000_000, max_uj: 10_000_000 }));
+        // 3 J -> wrapped at 10 J -> 1 J: 8 J in 2 s.
+        assert_eq!(meter.watts(), Some(4.0));
         meter.sample(3.0, None);
         assert_eq!(meter.watts(), None, "no counters: unavailable, not zero");
     }
