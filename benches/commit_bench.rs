@@ -65,6 +65,16 @@ struct ModeTimes {
     restart: f64,
 }
 
+/// Changes one byte in every page of `data` (differently each run), so a
+/// commit has new data to move.
+fn change_every_page(data: &Region<u8>, run: usize) {
+    let mut bytes = data.write();
+    let len = bytes.len();
+    for i in (0..len).step_by(4096) {
+        bytes[i] = bytes[i].wrapping_add(run as u8 + 1);
+    }
+}
+
 fn set_mode(transfer: &str) {
     std::env::set_var("ICHECK_TRANSFER", transfer);
     std::env::set_var("ICHECK_ZERO_COPY", "1");
@@ -88,11 +98,7 @@ fn measure<C: Communicator + 'static>(
         let mut times = Vec::new();
         for run in 0..runs {
             if change {
-                let mut bytes = data.write();
-                let len = bytes.len();
-                for i in (0..len).step_by(4096) {
-                    bytes[i] = bytes[i].wrapping_add(run as u8 + 1);
-                }
+                change_every_page(data, run);
             }
             let start = Instant::now();
             ic.commit()?;
@@ -215,6 +221,12 @@ struct Line {
     ratio: f64,
 }
 
+impl Line {
+    fn new(case: &str, provider: &str, what: &str, value: String, baseline: String, ratio: f64) -> Line {
+        Line { case: case.into(), provider: provider.into(), what: what.into(), value, baseline, ratio }
+    }
+}
+
 fn rows_for(
     case: &str,
     provider: &str,
@@ -225,14 +237,7 @@ fn rows_for(
     memcpy: f64,
 ) -> Vec<Line> {
     let gb = |secs: f64| bytes / secs / 1e9;
-    let line = |what: &str, value: String, baseline: String, ratio: f64| Line {
-        case: case.into(),
-        provider: provider.into(),
-        what: what.into(),
-        value,
-        baseline,
-        ratio,
-    };
+    let line = |what: &str, value, baseline, ratio| Line::new(case, provider, what, value, baseline, ratio);
     vec![
         line(
             "commit, pull, blocking",
@@ -299,13 +304,7 @@ fn commit_secs(
     ic.commit()?;
     let mut times = Vec::new();
     for run in 0..runs {
-        {
-            let mut bytes = data.write();
-            let len = bytes.len();
-            for i in (0..len).step_by(4096) {
-                bytes[i] = bytes[i].wrapping_add(run as u8 + 1);
-            }
-        }
+        change_every_page(data, run);
         let start = Instant::now();
         let version = ic.commit()?;
         times.push(start.elapsed().as_secs_f64());
@@ -388,14 +387,7 @@ fn pfs_level(provider: &str, size: usize, runs: usize) -> Result<Vec<Line>> {
     let fallback = commit_secs(&unreachable, "bench-fallback", &data, runs, &[], |_| Ok(()))?;
     let gb = |secs: f64| size as f64 / secs / 1e9;
     let case = format!("1 rank, 1 agent, {}", ByteSize(size as u64));
-    let line = |what: &str, value: String, baseline: String, ratio: f64| Line {
-        case: case.clone(),
-        provider: provider.into(),
-        what: what.into(),
-        value,
-        baseline,
-        ratio,
-    };
+    let line = |what: &str, value, baseline, ratio| Line::new(&case, provider, what, value, baseline, ratio);
     let copy_secs = copy.compress_secs + copy.write_secs;
     Ok(vec![
         line(

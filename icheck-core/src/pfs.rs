@@ -122,11 +122,16 @@ pub struct WriteStats {
 impl WriteStats {
     /// raw / stored (1.0 when nothing was written).
     pub fn ratio(&self) -> f64 {
-        if self.stored == 0 {
-            1.0
-        } else {
-            self.raw as f64 / self.stored as f64
-        }
+        compression_ratio(self.raw, self.stored)
+    }
+}
+
+/// Raw bytes per stored byte; 1.0 when nothing was stored.
+pub fn compression_ratio(raw: u64, stored: u64) -> f64 {
+    if stored == 0 {
+        1.0
+    } else {
+        raw as f64 / stored as f64
     }
 }
 
@@ -218,15 +223,7 @@ impl SpillFile {
         }
         fs::rename(&self.tmp, &self.path).map_err(io("cannot rename into", &self.path))?;
         let file = self.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let entry = RankEntry {
-            manifest: manifest.clone(),
-            file,
-            stored_len: len,
-            compression: Compression::None,
-            file_crc: crc,
-        };
-        write_entry_file(&self.entry, &entry)?;
-        Ok(entry)
+        record_raw_entry(&self.entry, manifest, file, len, crc)
     }
 }
 
@@ -326,14 +323,7 @@ impl PfsStore {
         })?;
         out.sync_all().map_err(io("cannot sync", &tmp))?;
         fs::rename(&tmp, &path).map_err(io("cannot rename into", &path))?;
-        let entry = RankEntry {
-            manifest: manifest.clone(),
-            file,
-            stored_len: len,
-            compression: Compression::None,
-            file_crc: crc,
-        };
-        write_entry_file(&dir.join(format!("rank{}.entry", manifest.rank)), &entry)?;
+        let entry = record_raw_entry(&dir.join(format!("rank{}.entry", manifest.rank)), manifest, file, len, crc)?;
         let stats = WriteStats { raw: len, stored: len, compress: Duration::ZERO, write: started.elapsed() };
         Ok((entry, stats))
     }
@@ -492,11 +482,16 @@ impl PfsStore {
     }
 }
 
-/// Writes a rank's entry file (`rank<R>.entry`) for whoever completes the version.
-fn write_entry_file(path: &Path, entry: &RankEntry) -> Result<()> {
-    let bytes = protocol::encode_large(entry)
+/// The entry of an uncompressed rank file of `len` bytes with file
+/// checksum `crc`, written to `path` (`rank<R>.entry`) for whoever
+/// completes the version.
+fn record_raw_entry(path: &Path, manifest: &Manifest, file: String, len: u64, crc: u32) -> Result<RankEntry> {
+    let entry =
+        RankEntry { manifest: manifest.clone(), file, stored_len: len, compression: Compression::None, file_crc: crc };
+    let bytes = protocol::encode_large(&entry)
         .map_err(|e| PfsError::Damaged { path: path.to_path_buf(), reason: format!("cannot encode: {e}") })?;
-    fs::write(path, bytes).map_err(io("cannot write", path))
+    fs::write(path, bytes).map_err(io("cannot write", path))?;
+    Ok(entry)
 }
 
 /// Decodes the bytes of the entry file at `path`.

@@ -504,11 +504,7 @@ pub struct PfsCopyStats {
 impl PfsCopyStats {
     /// Raw bytes per stored byte (1.0 without compression or without data).
     pub fn ratio(&self) -> f64 {
-        if self.stored == 0 {
-            1.0
-        } else {
-            self.raw as f64 / self.stored as f64
-        }
+        crate::pfs::compression_ratio(self.raw, self.stored)
     }
 
     /// Adds another writer's part.

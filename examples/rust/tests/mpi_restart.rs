@@ -127,6 +127,19 @@ impl Drop for Job {
     }
 }
 
+/// A client configuration with the service's PFS directory but a
+/// controller address nobody listens on.
+fn without_a_controller(service: &LocalService) -> PathBuf {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let path = service.dir.join("no-controller.toml");
+    let text = format!(
+        "ControllerPort = {port}\nPfsDir = \"{}\"\n[fabric]\nprovider = \"tcp\"\n[client]\nconnect_timeout = 1.0\n",
+        service.dir.join("pfs").display()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
 fn service(name: &str, managers: u32, provider: &str) -> LocalService {
     LocalService::up(&icheck_in_target(), name, managers, &["--provider", provider])
 }
@@ -292,15 +305,7 @@ fn a_damaged_newest_pfs_version_restarts_from_the_previous_one() {
     let file = app_dir.join("v3/rank0.data");
     let len = std::fs::metadata(&file).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(len / 3).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let unreachable = service.dir.join("no-controller.toml");
-    let pfs = service.dir.join("pfs");
-    let text = format!(
-        "ControllerPort = {port}\nPfsDir = \"{}\"\n[fabric]\nprovider = \"tcp\"\n[client]\nconnect_timeout = 1.0\n",
-        pfs.display()
-    );
-    std::fs::write(&unreachable, text).unwrap();
-    let (lines, stderr) = restart(&unreachable);
+    let (lines, stderr) = restart(&without_a_controller(&service));
     assert!(lines.iter().any(|l| l == "RESTORED version=2 step=2 verified"), "{lines:?}\n{stderr}");
     assert!(stderr.contains("v3/rank0.data") && stderr.contains("bytes"), "{stderr}");
 
@@ -406,17 +411,8 @@ fn cleanup_flushes_the_newest_version_to_the_pfs() {
 fn without_a_controller_versions_go_to_the_pfs_and_a_later_service_restores_them() {
     let service = service("mpi-fallback", 1, "tcp");
     // The service's PFS directory, but a controller address nobody listens on.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let unreachable = service.dir.join("fallback.toml");
+    let unreachable = without_a_controller(&service);
     let pfs = service.dir.join("pfs");
-    std::fs::write(
-        &unreachable,
-        format!(
-            "ControllerPort = {port}\nPfsDir = \"{}\"\n[fabric]\nprovider = \"tcp\"\n[client]\nconnect_timeout = 1.0\n",
-            pfs.display()
-        ),
-    )
-    .unwrap();
     let run = |config: &PathBuf, steps: &str| {
         Job::start(2, config, &["--app", "fb", "--steps", steps, "--every", "2", "--mib", "2"], &[])
             .finish(Duration::from_secs(120))

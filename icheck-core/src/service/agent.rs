@@ -518,37 +518,30 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                 sealed_unix_ms: unix_ms(),
             };
             shared.counters.sealed(total_len, transfer_ms / 1e3);
-            match destination {
+            let spilled = match destination {
                 Destination::Memory(file) => {
                     store.seal(&manifest).map_err(|e| e.to_string())?;
                     session.sealed.push((version, file));
-                    let seal_ms = sealing.elapsed().as_secs_f64() * 1e3;
-                    tracing::info!(
-                        version,
-                        rank = session.rank,
-                        bytes = total_len,
-                        transfer_ms,
-                        seal_ms,
-                        "version sealed"
-                    );
-                    Ok(AgentReply::Sealed(manifest))
+                    false
                 }
                 Destination::Spill { file, .. } => {
                     // The store keeps nothing of it: a Fetch finds it missing and
                     // reads it from the PFS, where the controller's copy completes it.
                     file.finish(&manifest).map_err(|e| e.to_string())?;
-                    let seal_ms = sealing.elapsed().as_secs_f64() * 1e3;
-                    tracing::info!(
-                        version,
-                        rank = session.rank,
-                        bytes = total_len,
-                        transfer_ms,
-                        seal_ms,
-                        "version spilled to the PFS"
-                    );
-                    Ok(AgentReply::Spilled(manifest))
+                    true
                 }
-            }
+            };
+            let seal_ms = sealing.elapsed().as_secs_f64() * 1e3;
+            tracing::info!(
+                version,
+                rank = session.rank,
+                bytes = total_len,
+                transfer_ms,
+                seal_ms,
+                spilled,
+                "version sealed"
+            );
+            Ok(if spilled { AgentReply::Spilled(manifest) } else { AgentReply::Sealed(manifest) })
         }
         AgentRequest::Complete { version } => {
             let pruning = Instant::now();

@@ -446,15 +446,15 @@ async fn register_app(
     let config = shared.dynamic();
     let mut waiters = Vec::new();
     let latest;
-    let on_pfs;
+    // Read before taking the state lock: it is file I/O.
+    let pfs_record = pfs_latest(shared, &registration.name);
+    let on_pfs = pfs_record.as_ref().map(|r| r.version);
     {
         let mut state = shared.state();
         let now = Instant::now();
         // The newest complete version wherever it is: the library may have
         // written newer ones straight to the PFS while its agents were gone.
         let in_memory = state.apps.get(&registration.name).and_then(|a| a.latest.clone());
-        let pfs_record = pfs_latest(shared, &registration.name);
-        on_pfs = pfs_record.as_ref().map(|r| r.version);
         latest = match (in_memory, pfs_record) {
             (Some(memory), Some(pfs)) if pfs.version > memory.version => Some(pfs),
             (memory, pfs) => memory.or(pfs),
