@@ -166,6 +166,16 @@ pub fn choose_nodes(nodes: &[NodeSnapshot], count: u32, config: &DynamicConfig) 
     Ok(chosen)
 }
 
+/// Commits after a change of agents that do not count in Algorithm 5: the
+/// first versions at new agents create and register their store files
+/// (the thesis sees 5-10x slower first transfers, §9.3), later ones reuse
+/// a pruned version's memory.
+pub const WARM_UP_COMMITS: usize = 2;
+
+/// How much faster (as a fraction) commits must get for a change to count
+/// as helping: smaller differences are noise on a shared machine.
+pub const MIN_GAIN: f64 = 0.10;
+
 /// What Algorithm 5 remembers about an application between probes.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ScalingState {
@@ -177,8 +187,8 @@ pub struct ScalingState {
 
 /// Algorithm 5, `get_num_agents`, on a probe: the first change multiplies
 /// the agents by `factor`; later ones keep going while commits got faster
-/// than before the last change, and undo the last change (then stop) when
-/// they did not. Always at least 1 and at most `limit` (processes in MR,
+/// (by at least [`MIN_GAIN`]) than before the last change, and undo the
+/// last change (then stop) when they did not. Always at least 1 and at most `limit` (processes in MR,
 /// nodes in SHMR, within `max_agents_app`).
 pub fn next_agent_count(
     current: u32,
@@ -194,7 +204,7 @@ pub fn next_agent_count(
     }
     let grow = |n: u32| n.saturating_mul(factor).min(limit);
     match state.before_last_change {
-        Some(before) if t_sync >= before => {
+        Some(before) if t_sync > before * (1.0 - MIN_GAIN) => {
             let back = (current / factor).max(1);
             (back, ScalingState { before_last_change: Some(t_sync), settled: true })
         }
@@ -204,6 +214,64 @@ pub fn next_agent_count(
             (next, ScalingState { before_last_change: Some(t_sync), settled })
         }
     }
+}
+
+/// What a probe decides about an application's agent count.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ScalingDecision {
+    /// Too few commits since the last change to judge it.
+    Wait,
+    /// Keep the agents (the new state records why: settled or not).
+    Keep(ScalingState),
+    /// A change would not pay back before the application ends (eq. 6.11/6.12).
+    NotWorthIt {
+        /// The count Algorithm 5 wanted.
+        wanted: u32,
+    },
+    /// Move to `to` agents.
+    Change {
+        /// New agent count.
+        to: u32,
+        /// State to keep once the change is made.
+        state: ScalingState,
+    },
+}
+
+/// A probe's decision (Algorithm 5 plus eq. 6.11/6.12): `since_change`
+/// holds the commit seconds measured since the agents last changed, oldest
+/// first; the first [`WARM_UP_COMMITS`] do not count and the rest are
+/// averaged into `t_sync`. Growing is assumed to scale commit time with the
+/// agent count (`t_new = t_sync * current / next`) and must pay back its
+/// cost `t_probe` within the `remaining` commits; shrinking (undoing a
+/// change that did not help) always goes ahead.
+pub fn scaling_decision(
+    since_change: &[f64],
+    current: u32,
+    state: ScalingState,
+    factor: u32,
+    limit: u32,
+    t_probe: f64,
+    remaining: u32,
+) -> ScalingDecision {
+    if state.settled {
+        return ScalingDecision::Keep(state);
+    }
+    let measured = since_change.get(WARM_UP_COMMITS..).unwrap_or_default();
+    if measured.is_empty() {
+        return ScalingDecision::Wait;
+    }
+    let t_sync = measured.iter().sum::<f64>() / measured.len() as f64;
+    let (next, new_state) = next_agent_count(current, t_sync, state, factor, limit);
+    if next == current {
+        return ScalingDecision::Keep(new_state);
+    }
+    if next > current {
+        let t_new = t_sync * f64::from(current) / f64::from(next);
+        if !change_pays_back(t_probe, t_sync, t_new, remaining) {
+            return ScalingDecision::NotWorthIt { wanted: next };
+        }
+    }
+    ScalingDecision::Change { to: next, state: new_state }
 }
 
 /// Eq. 6.11 and 6.12: whether moving to new agents pays back before the
@@ -367,6 +435,61 @@ mod tests {
         let (n, s) = next_agent_count(4, 1.0, ScalingState { before_last_change: Some(2.0), settled: false }, 2, 4);
         assert_eq!((n, s.settled), (4, true));
         assert_eq!(next_agent_count(1, 5.0, ScalingState { before_last_change: Some(1.0), settled: false }, 2, 8).0, 1);
+    }
+
+    #[test]
+    fn probe_decisions_table() {
+        use ScalingDecision::*;
+        let fresh = ScalingState::default();
+        let after_growth = ScalingState { before_last_change: Some(1.0), settled: false };
+        let settled = ScalingState { before_last_change: Some(1.0), settled: true };
+        // (commit times since the change, current agents, state, limit, remaining) -> decision
+        let cases = [
+            (vec![], 1, fresh, 8, 0, Wait),
+            (vec![5.0, 5.0], 1, fresh, 8, 0, Wait), // warm-up commits only
+            (
+                vec![5.0, 5.0, 1.0, 1.2],
+                1,
+                fresh,
+                8,
+                0,
+                Change { to: 2, state: ScalingState { before_last_change: Some(1.1), settled: false } },
+            ),
+            (
+                vec![9.0, 9.0, 0.5],
+                2,
+                after_growth,
+                8,
+                0,
+                Change { to: 4, state: ScalingState { before_last_change: Some(0.5), settled: false } },
+            ),
+            // 0.95 s is not 10 % faster than 1.0 s: undo to 1 and settle.
+            (
+                vec![9.0, 9.0, 0.95],
+                2,
+                after_growth,
+                8,
+                0,
+                Change { to: 1, state: ScalingState { before_last_change: Some(0.95), settled: true } },
+            ),
+            (vec![9.0, 9.0, 0.5], 4, settled, 8, 0, Keep(settled)),
+            // At the limit: keep and settle.
+            (vec![1.0, 1.0, 1.0], 4, fresh, 4, 0, Keep(ScalingState { before_last_change: Some(1.0), settled: true })),
+            // Probe costs 2.5 s, commits 1.0 s -> 0.5 s: pays from the 5th commit.
+            (vec![1.0, 1.0, 1.0], 1, fresh, 8, 4, NotWorthIt { wanted: 2 }),
+            (
+                vec![1.0, 1.0, 1.0],
+                1,
+                fresh,
+                8,
+                5,
+                Change { to: 2, state: ScalingState { before_last_change: Some(1.0), settled: false } },
+            ),
+        ];
+        for (times, current, state, limit, remaining, expected) in cases {
+            let got = scaling_decision(&times, current, state, 2, limit, 2.5, remaining);
+            assert_eq!(got, expected, "{times:?} with {current} agents, {state:?}, limit {limit}, {remaining} left");
+        }
     }
 
     #[test]

@@ -344,6 +344,16 @@ pub enum ManagerToController {
         /// The files it wrote and what writing them cost, or why it could not.
         result: Result<(Vec<crate::pfs::RankEntry>, PfsCopyStats), String>,
     },
+    /// An agent took over a rank's newest version from another agent
+    /// (after a change of the application's agents).
+    TookOver {
+        /// The agent that now holds the rank.
+        agent: u64,
+        /// Rank (MR) or node index (SHMR).
+        rank: u32,
+        /// Bytes it moved, or why it could not.
+        result: Result<u64, String>,
+    },
 }
 
 /// Messages the controller sends to a manager.
@@ -371,6 +381,30 @@ pub enum ControllerToManager {
         version: u64,
         /// How to store it.
         compression: crate::pfs::Compression,
+        /// Ranks (MR) or node indices (SHMR) the agent serves: the
+        /// controller's mapping, not whoever once opened a session.
+        ranks: Vec<u32>,
+    },
+    /// The application's agents changed and `agent` serves `rank` now:
+    /// fetch the rank's `version` from agent `from`, on another node, into
+    /// this node's store (over the fabric, verified against its checksums).
+    TakeOver {
+        /// The agent taking the rank.
+        agent: u64,
+        /// Rank (MR) or node index (SHMR).
+        rank: u32,
+        /// The newest complete version.
+        version: u64,
+        /// The agent that served the rank until now.
+        from: AgentInfo,
+    },
+    /// Delete ranks of an application from this node's store: they moved to
+    /// agents on other nodes.
+    DropRanks {
+        /// Application.
+        app: String,
+        /// Ranks (MR) or node indices (SHMR).
+        ranks: Vec<u32>,
     },
     /// Stop an agent.
     StopAgent {
@@ -408,6 +442,10 @@ pub enum ClientRequest {
         name: String,
         /// Ids of the agents the application uses now.
         agents: Vec<u64>,
+        /// Commits the application still expects to make (0 = unknown):
+        /// eq. 6.11/6.12 weigh a change's cost against them.
+        #[serde(default)]
+        remaining_commits: u32,
     },
     /// The application is done. Without `persist` its agents stop and
     /// delete its checkpoints; with it (IC_PERSIST) both stay for the next run.
@@ -483,6 +521,47 @@ pub struct AppReport {
     /// What the newest completed agent copy to the PFS cost.
     #[serde(default)]
     pub pfs_copy: Option<PfsCopyStats>,
+    /// The newest commits, oldest first (at most [`COMMIT_HISTORY`]).
+    #[serde(default)]
+    pub commits: Vec<CommitSample>,
+    /// Changes of the agent count on probes, oldest first.
+    #[serde(default)]
+    pub agent_changes: Vec<AgentChange>,
+    /// Algorithm 5 stopped changing the agent count (a change did not help,
+    /// or the count reached its limit).
+    #[serde(default)]
+    pub scaling_settled: bool,
+}
+
+/// Commits the controller remembers per application.
+pub const COMMIT_HISTORY: usize = 64;
+
+/// One complete version as the controller saw it arrive.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CommitSample {
+    /// Version.
+    pub version: u64,
+    /// Bytes over all ranks.
+    pub bytes: u64,
+    /// Seconds the commit took (the application's measurement).
+    pub commit_secs: f64,
+    /// Agents that received it.
+    pub agents: u32,
+}
+
+/// A change of an application's agents on a probe (§6.4.2).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AgentChange {
+    /// Newest complete version when the agents changed.
+    pub after_version: u64,
+    /// Agents before.
+    pub from: u32,
+    /// Agents after.
+    pub to: u32,
+    /// Seconds the controller spent: starting agents and moving ranks.
+    pub secs: f64,
+    /// Bytes moved from old agents to new ones on other nodes.
+    pub moved_bytes: u64,
 }
 
 /// Bytes and time of a copy to the PFS (one agent's part, or a whole

@@ -1633,14 +1633,17 @@ impl Icheck {
 
     /// Asks the controller whether this application's agents changed, and
     /// moves to the new ones if so (*collective*); the next commit goes there.
-    pub fn probe_agents(&mut self, _hints: ProbeHints) -> Result<ProbeOutcome> {
+    pub fn probe_agents(&mut self, hints: ProbeHints) -> Result<ProbeOutcome> {
         self.check_open()?;
         self.wait()?;
         self.release_restart();
         let mut answer = Vec::new();
         if let Some(controller) = self.controller.as_mut() {
-            let request =
-                ClientRequest::Probe { name: self.app.clone(), agents: self.agents.iter().map(|a| a.id).collect() };
+            let request = ClientRequest::Probe {
+                name: self.app.clone(),
+                agents: self.agents.iter().map(|a| a.id).collect(),
+                remaining_commits: hints.remaining_commits,
+            };
             let result = controller.request(&request).map_err(|e| e.to_string());
             answer = protocol::encode(&result).unwrap_or_default();
         }

@@ -19,7 +19,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::store::{MappedFile, Store, StoreError, CHUNK_SIZE};
+use super::client::BlockingConnection;
+use super::store::{first_bad_chunk, MappedFile, Store, StoreError, CHUNK_SIZE};
 use crate::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, Peer, ProgressMode, ProgressThread,
     RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
@@ -38,6 +39,10 @@ const SESSION_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 const MAX_LABELS: usize = 65_536;
 /// Bytes of the registered buffer a spilling session pulls through.
 const SPILL_STAGING: u64 = 16 << 20;
+/// Time to reach the agent a rank is taken over from.
+const TAKE_OVER_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time the agent a rank is taken over from has for each answer.
+const TAKE_OVER_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The pattern seed of an agent's probe region: its id.
 pub fn probe_seed(agent_id: u64) -> u64 {
@@ -97,9 +102,6 @@ struct Shared {
     mem_budget: u64,
     stop: AtomicBool,
     sessions: Mutex<Vec<TcpStream>>,
-    /// Ranks (MR) or node indices (SHMR) that opened sessions: what this
-    /// agent copies to the PFS.
-    ranks: Mutex<std::collections::BTreeSet<u32>>,
     counters: AgentCounters,
 }
 
@@ -146,7 +148,6 @@ impl Agent {
             mem_budget,
             stop: AtomicBool::new(false),
             sessions: Mutex::default(),
-            ranks: Mutex::default(),
             counters: AgentCounters::default(),
         });
         let thread_shared = shared.clone();
@@ -172,17 +173,18 @@ impl Agent {
         &self.shared.counters
     }
 
-    /// A job that copies this agent's ranks of `version` from the store to
-    /// the PFS, for a blocking thread (it reads whole versions).
+    /// A job that copies `ranks` (the ones this agent serves) of `version`
+    /// from the store to the PFS, for a blocking thread (it reads whole
+    /// versions).
     pub fn pfs_copy_job(
         &self,
         version: u64,
         compression: crate::pfs::Compression,
+        ranks: Vec<u32>,
     ) -> impl FnOnce() -> Result<(Vec<crate::pfs::RankEntry>, PfsCopyStats), String> + Send + 'static {
         let shared = self.shared.clone();
         move || {
             let pfs = shared.settings.pfs.as_ref().ok_or("no PfsDir is configured")?;
-            let ranks: Vec<u32> = shared.ranks.lock().unwrap_or_else(|p| p.into_inner()).iter().copied().collect();
             let mut entries = Vec::new();
             let mut total = PfsCopyStats { version, ..PfsCopyStats::default() };
             for rank in ranks {
@@ -222,6 +224,19 @@ impl Agent {
             }
             Ok((entries, total))
         }
+    }
+
+    /// A job that takes over `rank`'s `version` from agent `from` on another
+    /// node, for a blocking thread: the application's agents changed and
+    /// this agent serves the rank now. Returns the bytes moved.
+    pub fn take_over_job(
+        &self,
+        rank: u32,
+        version: u64,
+        from: AgentInfo,
+    ) -> impl FnOnce() -> Result<u64, String> + Send + 'static {
+        let shared = self.shared.clone();
+        move || take_over(&shared, rank, version, &from)
     }
 
     /// Whether the thread is still running.
@@ -393,7 +408,6 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             return Err(format!("agent {} serves {:?}, not {app:?}", shared.id, shared.app));
         }
         let peer = shared.endpoint.insert_peer(&address).map_err(|e| e.to_string())?;
-        shared.ranks.lock().unwrap_or_else(|p| p.into_inner()).insert(rank);
         *session = Some(Session {
             app,
             rank,
@@ -602,6 +616,67 @@ fn load_from_pfs(shared: &Shared, app: &str, rank: u32, version: u64) -> Result<
         "loaded from the PFS"
     );
     Ok(())
+}
+
+/// Fetches `rank`'s `version` from the agent `from` exactly as a restarting
+/// rank would (Open, Fetch, RMA read, FetchDone), verifies every chunk
+/// against the rank's own checksums, and seals it in this node's store.
+fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Result<u64, String> {
+    let started = Instant::now();
+    let fail = |what: String| {
+        format!(
+            "taking over rank {rank} version {version} from agent {} on {} ({}): {what}",
+            from.id, from.node, from.control
+        )
+    };
+    let mut conn = BlockingConnection::connect(&from.control, &shared.settings.token, TAKE_OVER_CONNECT_TIMEOUT)
+        .map_err(|e| fail(e.to_string()))?;
+    conn.set_timeout(TAKE_OVER_TIMEOUT);
+    let mut call = |request: &AgentRequest| match conn.call::<_, AgentReply>(request) {
+        Ok(AgentReply::Error(message)) => Err(fail(message)),
+        Ok(reply) => Ok(reply),
+        Err(err) => Err(fail(err.to_string())),
+    };
+    let endpoint = &shared.endpoint;
+    let peer = endpoint.insert_peer(&from.address).map_err(|e| fail(e.to_string()))?;
+    call(&AgentRequest::Open { app: shared.app.clone(), rank, address: endpoint.address().clone() })?;
+    let (manifest, region) = match call(&AgentRequest::Fetch { version })? {
+        AgentReply::Fetch { manifest, region } => (manifest, region),
+        other => return Err(fail(format!("unexpected answer to Fetch: {other:?}"))),
+    };
+    if manifest.rank != rank || manifest.app != shared.app || manifest.crcs.len() != manifest.labels.len() {
+        return Err(fail(format!("the manifest describes another version or lacks checksums: {manifest:?}")));
+    }
+    let store = &shared.settings.store;
+    let file =
+        store.create(&shared.app, rank, manifest.version, manifest.total_len).map_err(|e| fail(e.to_string()))?;
+    let mut file = endpoint.register(file, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
+    let total = manifest.total_len as usize;
+    if total > 0 {
+        let ops = [RmaOp { local_offset: 0, remote: region, remote_offset: 0, len: total }];
+        endpoint.read(&peer, file.target(), &ops, &TransferOptions::default()).map_err(|e| fail(e.to_string()))?;
+    }
+    if manifest.chunk_size != CHUNK_SIZE {
+        return Err(fail(format!("checksum chunks of {} bytes, expected {CHUNK_SIZE}", manifest.chunk_size)));
+    }
+    for (label, crcs) in manifest.labels.iter().zip(&manifest.crcs) {
+        let bytes = &file.as_slice()[label.offset as usize..(label.offset + label.len) as usize];
+        if let Some(bad) = first_bad_chunk(bytes, crcs) {
+            return Err(fail(format!("label {:?}: chunk {bad} does not match the rank's checksum", label.label)));
+        }
+    }
+    store.seal(&manifest).map_err(|e| fail(e.to_string()))?;
+    call(&AgentRequest::FetchDone)?;
+    tracing::info!(
+        rank,
+        version,
+        from = from.id,
+        from_node = %from.node,
+        bytes = total,
+        ms = started.elapsed().as_secs_f64() * 1e3,
+        "took over a rank"
+    );
+    Ok(total as u64)
 }
 
 /// Checks that labels are unique and lie back to back from offset 0;

@@ -5,7 +5,7 @@
 //! nodes (manager connection, last heartbeat, measurements), applications
 //! (registration, agents), and pending agent starts.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -19,8 +19,9 @@ use super::ServiceError;
 use crate::config::{DynamicConfig, StaticConfig};
 use crate::decide::{self, NodeSnapshot};
 use crate::protocol::{
-    self, AgentInfo, AppReport, ClientReply, ClientRequest, ControllerToManager, Hello, HelloReply,
-    ManagerToController, NodeReport, NodeStatus, PfsCopyStats, ProtocolError, Role, StatusReport, VersionRecord,
+    self, AgentChange, AgentInfo, AppReport, ClientReply, ClientRequest, CommitSample, ControllerToManager, Hello,
+    HelloReply, ManagerToController, NodeReport, NodeStatus, PfsCopyStats, ProtocolError, Role, StatusReport,
+    TransferMode, VersionRecord, COMMIT_HISTORY,
 };
 
 /// How far ahead the memory forecast looks, in seconds.
@@ -29,6 +30,8 @@ const FORECAST_HORIZON_SECS: f64 = 60.0;
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time managers have to start the agents of one registration.
 const AGENT_START_TIMEOUT: Duration = Duration::from_secs(15);
+/// Time new agents have to take over the ranks that move to them.
+const TAKE_OVER_TIMEOUT: Duration = Duration::from_secs(300);
 
 struct NodeEntry {
     pid: u32,
@@ -61,6 +64,32 @@ struct AppEntry {
     /// Finished with IC_CLEANUP: the newest version is being flushed to the
     /// PFS; the agents stop (discarding memory) once it is there.
     finishing: bool,
+    /// Adaptation (Algorithm 5) across probes; survives re-registration.
+    adaptation: Adaptation,
+}
+
+/// What the controller learns about an application's agent count over its
+/// commits and probes.
+#[derive(Clone, Debug, Default)]
+struct Adaptation {
+    /// Newest commits, oldest first.
+    commits: VecDeque<CommitSample>,
+    /// Changes made on probes.
+    changes: Vec<AgentChange>,
+    /// Algorithm 5's memory.
+    scaling: decide::ScalingState,
+    /// Newest complete version when the agents last changed (or were
+    /// placed): only later commits judge the current agents.
+    changed_after: u64,
+    /// Seconds the last placement or change took: the t_probe of eq. 6.11.
+    reconfigure_secs: f64,
+}
+
+impl Adaptation {
+    /// Commit seconds measured since the agents last changed, oldest first.
+    fn since_change(&self) -> Vec<f64> {
+        self.commits.iter().filter(|c| c.version > self.changed_after).map(|c| c.commit_secs).collect()
+    }
 }
 
 /// A PFS copy whose agents have not all answered yet.
@@ -80,6 +109,8 @@ struct State {
     nodes: BTreeMap<String, NodeEntry>,
     apps: BTreeMap<String, AppEntry>,
     pending: HashMap<u64, oneshot::Sender<Result<AgentInfo, String>>>,
+    /// Take-overs under way, by (agent, rank): bytes moved or why not.
+    takeovers: HashMap<(u64, u32), oneshot::Sender<Result<u64, String>>>,
     next_agent: u64,
     next_connection: u64,
 }
@@ -347,6 +378,11 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             ManagerToController::Register { .. } => {
                 tracing::warn!(%node, "manager registered twice on one connection; ignored");
             }
+            ManagerToController::TookOver { agent, rank, result } => {
+                if let Some(waiter) = state.takeovers.remove(&(agent, rank)) {
+                    let _ = waiter.send(result.map_err(|reason| format!("node {node}: {reason}")));
+                }
+            }
             ManagerToController::PfsCopied { agent, version, result } => {
                 drop(state);
                 pfs_copied(&shared, agent, version, result);
@@ -380,9 +416,9 @@ async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), 
             ClientRequest::VersionComplete { name, version, bytes, commit_secs, spilled } => {
                 record_version(&shared, &name, version, bytes, commit_secs, spilled)
             }
-            ClientRequest::Probe { name, agents } => {
+            ClientRequest::Probe { name, agents, remaining_commits } => {
                 let span = tracing::info_span!("probe", app = %name);
-                probe(&shared, &name, &agents).instrument(span).await
+                probe(&shared, &name, &agents, remaining_commits).instrument(span).await
             }
             ClientRequest::FinishApp { name, persist } => finish_app(&shared, &name, persist),
             ClientRequest::DeleteApp { name } => delete_app(&shared, &name).await,
@@ -417,6 +453,9 @@ fn status_report(shared: &Shared) -> StatusReport {
                 persisted: a.persisted,
                 pfs_version: a.pfs_version,
                 pfs_copy: a.pfs_copy,
+                commits: a.adaptation.commits.iter().copied().collect(),
+                agent_changes: a.adaptation.changes.clone(),
+                scaling_settled: a.adaptation.scaling.settled,
             })
             .collect(),
         init_agent_count: format!("{:?}", shared.dynamic().init_agent_count),
@@ -444,7 +483,7 @@ async fn register_app(
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let config = shared.dynamic();
-    let mut waiters = Vec::new();
+    let waiters;
     let latest;
     // Read before taking the state lock: it is file I/O.
     let pfs_record = pfs_latest(shared, &registration.name);
@@ -473,23 +512,15 @@ async fn register_app(
                 return Ok((app.agents.clone(), latest));
             }
         }
-        let count = decide::initial_agent_count(&registration, &config);
-        let snapshot: Vec<NodeSnapshot> = state
-            .nodes
-            .iter()
-            .map(|(name, n)| NodeSnapshot {
-                node: name.clone(),
-                alive: shared.alive(n, now),
-                agents: n.status.agents,
-                mem_available: n.status.mem_available,
-                bandwidth: n.status.bandwidth,
-                cops_per_min: n.status.cops_per_min,
-                power_watts: n.status.power_watts,
-            })
-            .collect();
         // Agents of a returning application go back to the nodes that hold
-        // its checkpoint files, where those are alive.
+        // its checkpoint files, where those are alive, and it gets its
+        // previous agent count back (within its limit).
         let previous: Vec<String> = state.apps.get(&registration.name).map(|a| a.homes.clone()).unwrap_or_default();
+        let count = match previous.len() as u32 {
+            0 => decide::initial_agent_count(&registration, &config),
+            n => n.min(agent_limit(&registration, &config)),
+        };
+        let snapshot = snapshot(shared, state, now);
         // Survivors of the old placement stop; their files stay for the new agents.
         if let Some(app) = state.apps.get(&registration.name) {
             tell_agents(&state.nodes, &app.agents, |id| ControllerToManager::StopAgent { id, discard: false });
@@ -502,39 +533,15 @@ async fn register_app(
         } else {
             decide::choose_nodes(&snapshot, count, &config).map_err(|e| e.to_string())?
         };
-        for node in nodes {
-            let id = state.next_agent;
-            state.next_agent += 1;
-            let (tx, rx) = oneshot::channel();
-            state.pending.insert(id, tx);
-            let entry = state.nodes.get_mut(&node).expect("chosen from the snapshot");
-            entry.status.agents += 1; // count it now, so parallel registrations spread out
-            let _ = entry.to_manager.send(ControllerToManager::StartAgent {
-                id,
-                app: registration.name.clone(),
-                mem_budget: config.max_mem_node_bytes(),
-            });
-            waiters.push((id, node, rx));
-        }
+        waiters = send_starts(state, &registration.name, nodes, config.max_mem_node_bytes());
     }
-    let mut agents = Vec::new();
-    let mut failure = None;
-    for (id, node, rx) in waiters {
-        match tokio::time::timeout(AGENT_START_TIMEOUT, rx).await {
-            Ok(Ok(Ok(info))) => agents.push(info),
-            Ok(Ok(Err(reason))) => failure = Some(reason),
-            Ok(Err(_)) | Err(_) => {
-                shared.state().pending.remove(&id);
-                failure = Some(format!("manager on {node} did not start agent {id} within {AGENT_START_TIMEOUT:?}"));
-            }
-        }
-    }
+    let placing = Instant::now();
+    let agents = await_starts(shared, &registration.name, waiters).await?;
     let mut state = shared.state();
-    if let Some(reason) = failure {
-        tell_agents(&state.nodes, &agents, |id| ControllerToManager::StopAgent { id, discard: false });
-        return Err(format!("could not start the agents of {}: {reason}", registration.name));
-    }
     tracing::info!(agents = agents.len(), "application registered");
+    let mut adaptation = state.apps.get(&registration.name).map(|a| a.adaptation.clone()).unwrap_or_default();
+    adaptation.changed_after = latest.as_ref().map_or(0, |l| l.version);
+    adaptation.reconfigure_secs = placing.elapsed().as_secs_f64();
     let homes = agents.iter().map(|a| a.node.clone()).collect();
     let entry = AppEntry {
         registration,
@@ -547,6 +554,7 @@ async fn register_app(
         pfs_pending: BTreeMap::new(),
         pfs_copy: None,
         finishing: false,
+        adaptation,
     };
     state.apps.insert(entry.registration.name.clone(), entry);
     Ok((agents, latest))
@@ -577,6 +585,11 @@ fn record_version(
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     tracing::info!(app = name, version, bytes, commit_secs, "version complete");
     app.latest = Some(VersionRecord { version, ranks: app.registration.ranks, bytes, commit_secs, completed_unix_ms });
+    let history = &mut app.adaptation.commits;
+    if history.len() == COMMIT_HISTORY {
+        history.pop_front();
+    }
+    history.push_back(CommitSample { version, bytes, commit_secs, agents: app.agents.len() as u32 });
     let interval = u64::from(app.registration.pfs_interval);
     let due = interval > 0 && version.is_multiple_of(interval);
     if shared.pfs.is_some() && (due || spilled) && !app.agents.is_empty() {
@@ -668,29 +681,271 @@ fn pfs_copied(
     });
 }
 
-/// §6.4.2: the application's current agents if they differ from what it
-/// uses. Agents lost with their manager are replaced first (on the nodes
-/// holding the application's files when those are alive, else where the
-/// placement rules say).
-async fn probe(shared: &Shared, name: &str, known: &[u64]) -> ClientReply {
-    let registration = {
-        let state = shared.state();
-        let Some(app) = state.apps.get(name) else {
+/// Ranks the agent mapping spreads over agents: processes in MR mode, node
+/// indices in SHMR mode (one session per node).
+fn mapping_units(registration: &protocol::AppRegistration) -> u32 {
+    match registration.mode {
+        TransferMode::Mr => registration.ranks,
+        TransferMode::Shmr => registration.nodes,
+    }
+}
+
+/// Most agents an application may have (Algorithm 5): its processes (MR)
+/// or nodes (SHMR), within `max_agents_app`.
+fn agent_limit(registration: &protocol::AppRegistration, config: &DynamicConfig) -> u32 {
+    mapping_units(registration).min(config.max_agents_app).max(1)
+}
+
+/// The nodes as placement sees them now.
+fn snapshot(shared: &Shared, state: &State, now: Instant) -> Vec<NodeSnapshot> {
+    state
+        .nodes
+        .iter()
+        .map(|(name, n)| NodeSnapshot {
+            node: name.clone(),
+            alive: shared.alive(n, now),
+            agents: n.status.agents,
+            mem_available: n.status.mem_available,
+            bandwidth: n.status.bandwidth,
+            cops_per_min: n.status.cops_per_min,
+            power_watts: n.status.power_watts,
+        })
+        .collect()
+}
+
+/// An agent start the controller waits for: id, node, and the manager's answer.
+type StartWaiter = (u64, String, oneshot::Receiver<Result<AgentInfo, String>>);
+
+/// Asks the managers of `nodes` to start one agent each for `app` (under
+/// the state lock; [`await_starts`] collects the answers after it).
+fn send_starts(state: &mut State, app: &str, nodes: Vec<String>, mem_budget: u64) -> Vec<StartWaiter> {
+    let mut waiters = Vec::with_capacity(nodes.len());
+    for node in nodes {
+        let id = state.next_agent;
+        state.next_agent += 1;
+        let (tx, rx) = oneshot::channel();
+        state.pending.insert(id, tx);
+        let entry = state.nodes.get_mut(&node).expect("chosen from the snapshot");
+        entry.status.agents += 1; // count it now, so parallel placements spread out
+        let _ = entry.to_manager.send(ControllerToManager::StartAgent { id, app: app.to_string(), mem_budget });
+        waiters.push((id, node, rx));
+    }
+    waiters
+}
+
+/// Waits for the agents [`send_starts`] asked for; if any fails, stops the
+/// others and names the failure.
+async fn await_starts(shared: &Shared, app: &str, waiters: Vec<StartWaiter>) -> Result<Vec<AgentInfo>, String> {
+    let mut agents = Vec::new();
+    let mut failure = None;
+    for (id, node, rx) in waiters {
+        match tokio::time::timeout(AGENT_START_TIMEOUT, rx).await {
+            Ok(Ok(Ok(info))) => agents.push(info),
+            Ok(Ok(Err(reason))) => failure = Some(reason),
+            Ok(Err(_)) | Err(_) => {
+                shared.state().pending.remove(&id);
+                failure = Some(format!("manager on {node} did not start agent {id} within {AGENT_START_TIMEOUT:?}"));
+            }
+        }
+    }
+    match failure {
+        None => Ok(agents),
+        Some(reason) => {
+            tell_agents(&shared.state().nodes, &agents, |id| ControllerToManager::StopAgent { id, discard: false });
+            Err(format!("could not start the agents of {app}: {reason}"))
+        }
+    }
+}
+
+/// §6.4.2, a probe. Agents lost with their manager are replaced first (on
+/// the nodes holding the application's files when those are alive, else
+/// where the placement rules say). Otherwise Algorithm 5 and eq. 6.11/6.12
+/// decide whether the agent count changes; the answer is `Unchanged` or the
+/// new agents, which already hold every rank's newest complete version.
+async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32) -> ClientReply {
+    let config = shared.dynamic();
+    let (current, to, scaling) = {
+        let mut state = shared.state();
+        let Some(app) = state.apps.get_mut(name) else {
             return ClientReply::Error(format!("no application named {name:?} is registered"));
         };
-        if app.agents.len() == app.homes.len() {
-            return if app.agents.iter().map(|a| a.id).eq(known.iter().copied()) {
-                ClientReply::Unchanged
-            } else {
-                ClientReply::Agents(app.agents.clone())
+        if app.agents.len() != app.homes.len() {
+            tracing::warn!(lost = app.homes.len() - app.agents.len(), "agents were lost; placing new ones");
+            (0, 0, Err(app.registration.clone()))
+        } else if !app.agents.iter().map(|a| a.id).eq(known.iter().copied()) {
+            return ClientReply::Agents(app.agents.clone());
+        } else {
+            let current = app.agents.len() as u32;
+            let adaptation = &mut app.adaptation;
+            let decision = decide::scaling_decision(
+                &adaptation.since_change(),
+                current,
+                adaptation.scaling,
+                config.factor,
+                agent_limit(&app.registration, &config),
+                adaptation.reconfigure_secs,
+                remaining,
+            );
+            match decision {
+                decide::ScalingDecision::Wait => return ClientReply::Unchanged,
+                decide::ScalingDecision::Keep(scaling) => {
+                    if scaling.settled && !adaptation.scaling.settled {
+                        tracing::info!(agents = current, "agent count settled");
+                    }
+                    adaptation.scaling = scaling;
+                    return ClientReply::Unchanged;
+                }
+                decide::ScalingDecision::NotWorthIt { wanted } => {
+                    tracing::info!(
+                        agents = current,
+                        wanted,
+                        remaining,
+                        t_probe = adaptation.reconfigure_secs,
+                        "keeping the agents: the change would not pay back before the application ends (eq. 6.12)"
+                    );
+                    return ClientReply::Unchanged;
+                }
+                decide::ScalingDecision::Change { to, state } => (current, to, Ok(state)),
+            }
+        }
+    };
+    let scaling = match scaling {
+        Ok(scaling) => scaling,
+        Err(registration) => {
+            return match register_app(shared, registration).await {
+                Ok((agents, _)) => ClientReply::Agents(agents),
+                Err(reason) => ClientReply::Error(reason),
             };
         }
-        tracing::warn!(lost = app.homes.len() - app.agents.len(), "agents were lost; placing new ones");
-        app.registration.clone()
     };
-    match register_app(shared, registration).await {
-        Ok((agents, _)) => ClientReply::Agents(agents),
-        Err(reason) => ClientReply::Error(reason),
+    match resize(shared, name, current, to, &config).await {
+        Ok(agents) => {
+            if let Some(app) = shared.state().apps.get_mut(name) {
+                app.adaptation.scaling = scaling;
+            }
+            ClientReply::Agents(agents)
+        }
+        Err(reason) => {
+            tracing::warn!(from = current, to, %reason, "agent change failed; the application keeps its agents");
+            if let Some(app) = shared.state().apps.get_mut(name) {
+                app.adaptation.scaling.settled = true;
+            }
+            ClientReply::Unchanged
+        }
+    }
+}
+
+/// Moves an application from `current` to `to` agents (§6.4.2). Growing
+/// keeps the current agents first and places the new ones by Algorithm 6;
+/// shrinking keeps the first `to`. Ranks map to agents in blocks
+/// ([`decide::agent_for_rank`]); every rank whose new agent sits on another
+/// node than its old one is taken over by the new agent over the fabric
+/// (ranks on the same node share its store). Only when every take-over
+/// succeeded do the new agents replace the old, the retired agents stop
+/// and the moved ranks leave their old nodes; otherwise nothing changes.
+async fn resize(
+    shared: &Shared,
+    name: &str,
+    current: u32,
+    to: u32,
+    config: &DynamicConfig,
+) -> Result<Vec<AgentInfo>, String> {
+    let changing = Instant::now();
+    let (old, units, latest, waiters) = {
+        let mut state = shared.state();
+        let now = Instant::now();
+        let snapshot = snapshot(shared, &state, now);
+        let app = state.apps.get(name).ok_or("the application went away")?;
+        let (old, units, latest) =
+            (app.agents.clone(), mapping_units(&app.registration), app.latest.as_ref().map(|l| l.version));
+        let waiters = if to > current {
+            let nodes = decide::choose_nodes(&snapshot, to - current, config).map_err(|e| e.to_string())?;
+            send_starts(&mut state, name, nodes, config.max_mem_node_bytes())
+        } else {
+            Vec::new()
+        };
+        (old, units, latest, waiters)
+    };
+    let started = await_starts(shared, name, waiters).await?;
+    let new: Vec<AgentInfo> = old.iter().take(to as usize).cloned().chain(started.iter().cloned()).collect();
+    // (rank, from, to) for every rank that changes node.
+    let moves: Vec<(u32, &AgentInfo, &AgentInfo)> = (0..units)
+        .map(|r| {
+            (
+                r,
+                &old[decide::agent_for_rank(r, units, current) as usize],
+                &new[decide::agent_for_rank(r, units, to) as usize],
+            )
+        })
+        .filter(|(_, from, to)| from.node != to.node)
+        .collect();
+    let mut moved_bytes = 0;
+    if let Some(version) = latest {
+        let waiters: Vec<_> = {
+            let mut state = shared.state();
+            moves
+                .iter()
+                .map(|(rank, from, to)| {
+                    let (tx, rx) = oneshot::channel();
+                    state.takeovers.insert((to.id, *rank), tx);
+                    if let Some(node) = state.nodes.get(&to.node) {
+                        let from = (*from).clone();
+                        let _ = node.to_manager.send(ControllerToManager::TakeOver {
+                            agent: to.id,
+                            rank: *rank,
+                            version,
+                            from,
+                        });
+                    }
+                    (to.id, *rank, rx)
+                })
+                .collect()
+        };
+        let mut failure = None;
+        for (agent, rank, rx) in waiters {
+            match tokio::time::timeout(TAKE_OVER_TIMEOUT, rx).await {
+                Ok(Ok(Ok(bytes))) => moved_bytes += bytes,
+                Ok(Ok(Err(reason))) => failure = Some(reason),
+                Ok(Err(_)) | Err(_) => {
+                    shared.state().takeovers.remove(&(agent, rank));
+                    failure = Some(format!("agent {agent} did not take over rank {rank} within {TAKE_OVER_TIMEOUT:?}"));
+                }
+            }
+        }
+        if let Some(reason) = failure {
+            let state = shared.state();
+            tell_agents(&state.nodes, &started, |id| ControllerToManager::StopAgent { id, discard: false });
+            drop_moved_ranks(&state.nodes, name, moves.iter().map(|(rank, _, to)| (*rank, to.node.as_str())));
+            return Err(reason);
+        }
+    }
+    let secs = changing.elapsed().as_secs_f64();
+    let mut state = shared.state();
+    let state = &mut *state;
+    let app = state.apps.get_mut(name).ok_or("the application went away")?;
+    app.agents = new.clone();
+    app.homes = new.iter().map(|a| a.node.clone()).collect();
+    let after_version = latest.unwrap_or(0);
+    app.adaptation.changed_after = after_version;
+    app.adaptation.reconfigure_secs = secs;
+    app.adaptation.changes.push(AgentChange { after_version, from: current, to, secs, moved_bytes });
+    let retired: Vec<AgentInfo> = old.iter().skip(to as usize).cloned().collect();
+    tell_agents(&state.nodes, &retired, |id| ControllerToManager::StopAgent { id, discard: false });
+    drop_moved_ranks(&state.nodes, name, moves.iter().map(|(rank, from, _)| (*rank, from.node.as_str())));
+    tracing::info!(from = current, to, moved = moves.len(), moved_bytes, secs, "agents changed");
+    Ok(new)
+}
+
+/// Tells each node to delete the given ranks of `app` from its store.
+fn drop_moved_ranks<'a>(nodes: &BTreeMap<String, NodeEntry>, app: &str, ranks: impl Iterator<Item = (u32, &'a str)>) {
+    let mut by_node: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
+    for (rank, node) in ranks {
+        by_node.entry(node).or_default().push(rank);
+    }
+    for (node, ranks) in by_node {
+        if let Some(entry) = nodes.get(node) {
+            let _ = entry.to_manager.send(ControllerToManager::DropRanks { app: app.to_string(), ranks });
+        }
     }
 }
 
@@ -787,5 +1042,12 @@ fn request_pfs_copy(nodes: &BTreeMap<String, NodeEntry>, app: &mut AppEntry, ver
     let pending =
         PendingCopy { entries: Vec::new(), stats: PfsCopyStats::default(), answered: 0, agents: app.agents.len() };
     app.pfs_pending.insert(version, pending);
-    tell_agents(nodes, &app.agents, |agent| ControllerToManager::CopyToPfs { agent, version, compression });
+    let (units, count) = (mapping_units(&app.registration), app.agents.len() as u32);
+    for (index, agent) in app.agents.iter().enumerate() {
+        let ranks = (0..units).filter(|r| decide::agent_for_rank(*r, units, count) == index as u32).collect();
+        if let Some(node) = nodes.get(&agent.node) {
+            let _ =
+                node.to_manager.send(ControllerToManager::CopyToPfs { agent: agent.id, version, compression, ranks });
+        }
+    }
 }

@@ -207,12 +207,12 @@ async fn session(
                     let _ = tx.send(reply);
                 });
             }
-            ControllerToManager::CopyToPfs { agent, version, compression } => {
+            ControllerToManager::CopyToPfs { agent, version, compression, ranks } => {
                 let job = agents
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .get(&agent)
-                    .map(|a| a.pfs_copy_job(version, compression));
+                    .map(|a| a.pfs_copy_job(version, compression, ranks));
                 let tx = tx.clone();
                 let copy = move || {
                     lower_thread_priority();
@@ -233,6 +233,37 @@ async fn session(
                     // Joining the threads happens off the async threads.
                     tokio::task::spawn_blocking(move || agent.stop(discard));
                 }
+            }
+            ControllerToManager::TakeOver { agent, rank, version, from } => {
+                let job = agents
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get(&agent)
+                    .map(|a| a.take_over_job(rank, version, from));
+                let tx = tx.clone();
+                tokio::task::spawn_blocking(move || {
+                    let result = match job {
+                        Some(job) => job(),
+                        None => Err(format!("agent {agent} is not running here")),
+                    };
+                    if let Err(reason) = &result {
+                        tracing::warn!(agent, rank, version, %reason, "take-over failed");
+                    }
+                    let _ = tx.send(ManagerToController::TookOver { agent, rank, result });
+                });
+            }
+            ControllerToManager::DropRanks { app, ranks } => {
+                let store = settings.store.clone();
+                tokio::task::spawn_blocking(move || {
+                    for rank in ranks {
+                        match store.remove_rank(&app, rank) {
+                            Ok(()) => {
+                                tracing::info!(%app, rank, "rank moved to another node; its versions here are deleted")
+                            }
+                            Err(err) => tracing::warn!(%app, rank, %err, "cannot delete a moved rank's versions"),
+                        }
+                    }
+                });
             }
             other => tracing::warn!(?other, "unexpected message from the controller; ignored"),
         }

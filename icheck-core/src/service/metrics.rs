@@ -141,6 +141,12 @@ pub fn render(report: &StatusReport) -> String {
             kind: "gauge",
             samples: vec![],
         },
+        Family {
+            name: "icheck_app_agent_changes_total",
+            help: "Agent count changes made on the application's probes",
+            kind: "counter",
+            samples: vec![],
+        },
     ];
     let mut put = |name: &str, labels: String, value: Option<f64>| {
         if let (Some(family), Some(value)) = (families.iter_mut().find(|f| f.name == name), value) {
@@ -177,7 +183,8 @@ pub fn render(report: &StatusReport) -> String {
         put("icheck_app_version_bytes", l.clone(), a.latest.as_ref().map(|v| v.bytes as f64));
         put("icheck_app_commit_seconds", l.clone(), a.latest.as_ref().map(|v| v.commit_secs));
         put("icheck_app_pfs_version", l.clone(), a.pfs_version.map(|v| v as f64));
-        put("icheck_app_pfs_compression_ratio", l, a.pfs_copy.map(|c| c.ratio()));
+        put("icheck_app_pfs_compression_ratio", l.clone(), a.pfs_copy.map(|c| c.ratio()));
+        put("icheck_app_agent_changes_total", l, Some(a.agent_changes.len() as f64));
     }
     let mut text = String::new();
     for family in families.iter().filter(|f| !f.samples.is_empty()) {

@@ -283,6 +283,18 @@ impl Store {
         Ok(removed)
     }
 
+    /// Deletes all versions of one rank of an application (the rank moved
+    /// to an agent on another node).
+    pub fn remove_rank(&self, app: &str, rank: u32) -> Result<()> {
+        let dir = self.rank_dir(app, rank)?;
+        match fs::remove_dir_all(&dir) {
+            Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                Err(StoreError::Io { what: "cannot remove", path: dir, error })
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Deletes all checkpoints of an application.
     pub fn remove_app(&self, app: &str) -> Result<()> {
         check_app_name(app)?;

@@ -7,7 +7,10 @@
 //!
 //! Output lines the tests read (one per event, rank 0 only):
 //! `FRESH`, `RESTORED version=V step=S verified`, `COMMIT_START version=V`,
-//! `COMMITTED version=V step=S seconds=T`, `HANG`, `DONE`.
+//! `COMMITTED version=V step=S seconds=T`, `HANG`, `DONE`; with
+//! `--probe-every`: `PROBE unchanged seconds=T` or
+//! `PROBE agents=N seconds=T` then `VERIFIED version=V agents=N` once the
+//! newest version was restored bit-exact through the new agents.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -15,7 +18,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use icheck_examples::{fill_bytes, first_mismatch};
-use icheck_lib::{Icheck, InitStatus, MpiComm, Region};
+use icheck_lib::{Icheck, InitStatus, MpiComm, ProbeHints, ProbeOutcome, Region};
 use mpi::traits::*;
 
 #[derive(Parser)]
@@ -48,6 +51,13 @@ struct Args {
     /// Milliseconds of "computation" per step.
     #[arg(long, default_value_t = 0)]
     step_ms: u64,
+    /// Probe for new agents after every this many commits (0: never); after
+    /// a change, restore the newest version through the new agents and check it.
+    #[arg(long, default_value_t = 0)]
+    probe_every: u64,
+    /// Tell probes how many commits remain (eq. 6.12); off: unknown.
+    #[arg(long)]
+    hint_remaining: bool,
 }
 
 /// The labels: different element types and sizes, different per rank.
@@ -118,6 +128,37 @@ fn say(rank: u32, line: &str) {
     }
 }
 
+/// Probes for new agents; after a change, scrambles the live data, restores
+/// the newest version through the new agents and checks every byte.
+fn probe(ic: &mut Icheck, state: &State, rank: u32, step: u64, version: u64, remaining: Option<u32>) {
+    let started = Instant::now();
+    let hints = ProbeHints { remaining_commits: remaining.unwrap_or(0) };
+    let outcome = ic.probe_agents(hints).unwrap_or_else(|e| {
+        eprintln!("rank {rank}: probe failed: {e}");
+        std::process::exit(6);
+    });
+    let seconds = started.elapsed().as_secs_f64();
+    let agents = match outcome {
+        ProbeOutcome::Unchanged => return say(rank, &format!("PROBE unchanged seconds={seconds:.3}")),
+        ProbeOutcome::Reconnected { agents } => agents,
+    };
+    say(rank, &format!("PROBE agents={agents} seconds={seconds:.3}"));
+    state.fill(rank, step + 1_000_000);
+    let restored = ic.restart().and_then(|v| ic.restore_all().map(|_| v)).unwrap_or_else(|e| {
+        eprintln!("rank {rank}: restore through the new agents failed: {e}");
+        std::process::exit(7);
+    });
+    let checked = match restored == version {
+        true => state.check(rank, step),
+        false => Err(format!("version (restored {restored})")),
+    };
+    if let Err(label) = checked {
+        eprintln!("rank {rank}: after the agent change, label {label} differs from step {step}");
+        std::process::exit(8);
+    }
+    say(rank, &format!("VERIFIED version={version} agents={agents}"));
+}
+
 fn main() {
     let args = Args::parse();
     tracing_subscriber::fmt()
@@ -177,6 +218,10 @@ fn main() {
             let seconds = started.elapsed().as_secs_f64();
             say(rank, &format!("COMMITTED version={version} step={step} seconds={seconds:.3}"));
             commits += 1;
+            if args.probe_every > 0 && commits % args.probe_every == 0 {
+                let remaining = (args.steps - step) / args.every;
+                probe(&mut ic, &state, rank, step, version, args.hint_remaining.then_some(remaining as u32));
+            }
             if args.hang_after == Some(commits) {
                 say(rank, "HANG");
                 loop {

@@ -291,6 +291,31 @@ pub fn print_status(report: &StatusReport) {
                 copy.write_secs
             );
         }
+        if !a.commits.is_empty() {
+            let recent: Vec<String> = a
+                .commits
+                .iter()
+                .rev()
+                .take(8)
+                .rev()
+                .map(|c| format!("v{} {:.3}s/{}ag", c.version, c.commit_secs, c.agents))
+                .collect();
+            println!("  {:<16} commits (newest {} of {}): {}", "", recent.len(), a.commits.len(), recent.join(", "));
+        }
+        for c in &a.agent_changes {
+            println!(
+                "  {:<16} agents {} -> {} after version {} ({:.3}s, {} moved)",
+                "",
+                c.from,
+                c.to,
+                c.after_version,
+                c.secs,
+                human_bytes(c.moved_bytes)
+            );
+        }
+        if a.scaling_settled {
+            println!("  {:<16} agent count settled (Algorithm 5)", "");
+        }
     }
     println!("init_agent_count in force: {}", report.init_agent_count);
 }
