@@ -2,130 +2,16 @@
 //! (`icheck up`): commit, SIGKILL, restart, and bit-exact verification done
 //! by the application itself on every restored byte.
 
-use std::io::{BufRead, BufReader};
+mod common;
+
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-use icheck_core::testkit::{icheck_in_target, LocalService};
-use nix::sys::signal::{killpg, Signal};
+use common::Job;
+use icheck_core::testkit::{icheck_in_target, metric_sample as sample, scrape_metrics, LocalService};
+use nix::sys::signal::Signal;
 use nix::unistd::Pid;
-
-const EXAMPLE: &str = env!("CARGO_BIN_EXE_mpi_checkpoint");
-
-/// An `mpirun` job in its own process group; killed (the whole group) on
-/// drop. Open MPI's shared-memory files go to a directory of the job's own,
-/// removed on drop, so a killed job leaves nothing in /dev/shm.
-struct Job {
-    child: Child,
-    lines: Arc<Mutex<Vec<String>>>,
-    stderr: Arc<Mutex<String>>,
-    shm_dir: PathBuf,
-}
-
-impl Job {
-    fn start(np: u32, config: &PathBuf, args: &[&str], env: &[(&str, &str)]) -> Job {
-        use std::os::unix::process::CommandExt;
-        static JOBS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let shm_dir = PathBuf::from(format!("/dev/shm/icheck-test-mpi-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&shm_dir).expect("create the job's shared-memory directory");
-        let mut command = Command::new("mpirun");
-        command
-            .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()])
-            .arg(EXAMPLE)
-            .args(args)
-            .env("ICHECK_CONFIG", config)
-            .env("OMPI_MCA_btl", "self,vader")
-            .env("OMPI_MCA_btl_vader_backing_directory", &shm_dir)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
-        for (key, value) in env {
-            command.env(key, value);
-        }
-        let mut child = command.spawn().expect("mpirun starts (is openmpi-bin installed?)");
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let (out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-        let sink = lines.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                sink.lock().unwrap().push(line);
-            }
-        });
-        let sink = stderr.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                let mut text = sink.lock().unwrap();
-                text.push_str(&line);
-                text.push('\n');
-            }
-        });
-        Job { child, lines, stderr, shm_dir }
-    }
-
-    fn output(&self) -> String {
-        format!("stdout:\n{}\nstderr:\n{}", self.lines.lock().unwrap().join("\n"), self.stderr.lock().unwrap())
-    }
-
-    /// Waits for a stdout line starting with `prefix`.
-    fn wait_line(&mut self, prefix: &str, timeout: Duration) -> String {
-        let start = Instant::now();
-        loop {
-            if let Some(line) = self.lines.lock().unwrap().iter().find(|l| l.starts_with(prefix)) {
-                return line.clone();
-            }
-            let exited = self.child.try_wait().unwrap().is_some();
-            assert!(
-                !exited || start.elapsed() < Duration::from_millis(200) || self.has(prefix),
-                "job exited before printing {prefix:?}\n{}",
-                self.output()
-            );
-            assert!(start.elapsed() < timeout, "no {prefix:?} within {timeout:?}\n{}", self.output());
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn has(&self, prefix: &str) -> bool {
-        self.lines.lock().unwrap().iter().any(|l| l.starts_with(prefix))
-    }
-
-    /// Waits for the job to finish successfully; returns its stdout lines.
-    fn finish(self, timeout: Duration) -> Vec<String> {
-        self.finish_with_stderr(timeout).0
-    }
-
-    /// Waits for the job to finish successfully; returns its stdout lines and its stderr.
-    fn finish_with_stderr(mut self, timeout: Duration) -> (Vec<String>, String) {
-        let start = Instant::now();
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                std::thread::sleep(Duration::from_millis(100)); // let the readers drain
-                assert!(status.success(), "job failed with {status}\n{}", self.output());
-                return (self.lines.lock().unwrap().clone(), self.stderr.lock().unwrap().clone());
-            }
-            assert!(start.elapsed() < timeout, "job still running after {timeout:?}\n{}", self.output());
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// SIGKILL to the job's whole process group (mpirun and its ranks).
-    fn kill(&mut self) {
-        let _ = killpg(Pid::from_raw(self.child.id() as i32), Signal::SIGKILL);
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Job {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            self.kill();
-        }
-        let _ = std::fs::remove_dir_all(&self.shm_dir);
-    }
-}
 
 /// A client configuration with the service's PFS directory but a
 /// controller address nobody listens on.
@@ -344,19 +230,8 @@ fn versions_beyond_the_memory_budget_spill_to_the_pfs_and_restart_bit_exact() {
 
 /// `GET /metrics` from the controller's Prometheus endpoint.
 fn scrape(service: &LocalService) -> String {
-    use std::io::{Read, Write};
     let address = std::fs::read_to_string(service.dir.join("metrics.addr")).expect("icheck up enables /metrics");
-    let mut stream = std::net::TcpStream::connect(address.trim()).unwrap();
-    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: icheck\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
-    response.split_once("\r\n\r\n").unwrap().1.to_string()
-}
-
-/// The value of the sample `name{labels}` in a Prometheus text body.
-fn sample(text: &str, name_and_labels: &str) -> Option<f64> {
-    text.lines().find_map(|l| l.strip_prefix(name_and_labels)?.strip_prefix(' ')?.parse().ok())
+    scrape_metrics(address.trim())
 }
 
 #[test]

@@ -774,6 +774,8 @@ async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32) -> Cl
             (0, 0, Err(app.registration.clone()))
         } else if !app.agents.iter().map(|a| a.id).eq(known.iter().copied()) {
             return ClientReply::Agents(app.agents.clone());
+        } else if !config.is_dynamic_as {
+            return ClientReply::Unchanged;
         } else {
             let current = app.agents.len() as u32;
             let adaptation = &mut app.adaptation;

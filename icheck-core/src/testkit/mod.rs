@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+pub mod netns;
+
 use crate::config::StaticConfig;
 use crate::protocol::StatusReport;
 
@@ -143,4 +145,20 @@ pub fn icheck_in_target() -> PathBuf {
     let icheck = profile_dir.join("icheck");
     assert!(icheck.exists(), "{} is missing: build the workspace first (cargo build --workspace)", icheck.display());
     icheck
+}
+
+/// The body of `GET /metrics` at `address` (host:port).
+pub fn scrape_metrics(address: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).expect("connect to /metrics");
+    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: icheck\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+    response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default()
+}
+
+/// The value of the sample `name{labels}` in a Prometheus text body.
+pub fn metric_sample(text: &str, name_and_labels: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(name_and_labels)?.strip_prefix(' ')?.parse().ok())
 }

@@ -1,0 +1,129 @@
+//! What the multi-process test files share: `mpirun` jobs of the example
+//! application, started and cleaned up by PID.
+
+#![allow(dead_code)] // each test file uses its own subset
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+
+/// The example application.
+pub const EXAMPLE: &str = env!("CARGO_BIN_EXE_mpi_checkpoint");
+
+/// An `mpirun` job in its own process group; killed (the whole group) on
+/// drop. Open MPI's shared-memory files go to a directory of the job's own,
+/// removed on drop, so a killed job leaves nothing in /dev/shm.
+pub struct Job {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+    stderr: Arc<Mutex<String>>,
+    shm_dir: PathBuf,
+}
+
+impl Job {
+    pub fn start(np: u32, config: &Path, args: &[&str], env: &[(&str, &str)]) -> Job {
+        use std::os::unix::process::CommandExt;
+        static JOBS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let shm_dir = PathBuf::from(format!("/dev/shm/icheck-test-mpi-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&shm_dir).expect("create the job's shared-memory directory");
+        let mut command = Command::new("mpirun");
+        command
+            .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()])
+            .arg(EXAMPLE)
+            .args(args)
+            .env("ICHECK_CONFIG", config)
+            .env("OMPI_MCA_btl", "self,vader")
+            .env("OMPI_MCA_btl_vader_backing_directory", &shm_dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let mut child = command.spawn().expect("mpirun starts (is openmpi-bin installed?)");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let (out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let sink = stderr.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                let mut text = sink.lock().unwrap();
+                text.push_str(&line);
+                text.push('\n');
+            }
+        });
+        Job { child, lines, stderr, shm_dir }
+    }
+
+    pub fn output(&self) -> String {
+        format!("stdout:\n{}\nstderr:\n{}", self.lines.lock().unwrap().join("\n"), self.stderr.lock().unwrap())
+    }
+
+    /// Waits for a stdout line starting with `prefix`.
+    pub fn wait_line(&mut self, prefix: &str, timeout: Duration) -> String {
+        let start = Instant::now();
+        loop {
+            if let Some(line) = self.lines.lock().unwrap().iter().find(|l| l.starts_with(prefix)) {
+                return line.clone();
+            }
+            let exited = self.child.try_wait().unwrap().is_some();
+            assert!(
+                !exited || start.elapsed() < Duration::from_millis(200) || self.has(prefix),
+                "job exited before printing {prefix:?}\n{}",
+                self.output()
+            );
+            assert!(start.elapsed() < timeout, "no {prefix:?} within {timeout:?}\n{}", self.output());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn has(&self, prefix: &str) -> bool {
+        self.lines.lock().unwrap().iter().any(|l| l.starts_with(prefix))
+    }
+
+    /// Waits for the job to finish successfully; returns its stdout lines.
+    pub fn finish(self, timeout: Duration) -> Vec<String> {
+        self.finish_with_stderr(timeout).0
+    }
+
+    /// Waits for the job to finish successfully; returns its stdout lines and its stderr.
+    pub fn finish_with_stderr(mut self, timeout: Duration) -> (Vec<String>, String) {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                std::thread::sleep(Duration::from_millis(100)); // let the readers drain
+                assert!(status.success(), "job failed with {status}\n{}", self.output());
+                return (self.lines.lock().unwrap().clone(), self.stderr.lock().unwrap().clone());
+            }
+            assert!(start.elapsed() < timeout, "job still running after {timeout:?}\n{}", self.output());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// SIGKILL to the job's whole process group (mpirun and its ranks).
+    pub fn kill(&mut self) {
+        let _ = killpg(Pid::from_raw(self.child.id() as i32), Signal::SIGKILL);
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            self.kill();
+        }
+        let _ = std::fs::remove_dir_all(&self.shm_dir);
+    }
+}
