@@ -86,7 +86,8 @@ int icheck_restore(const char *label, void *data, size_t count);
 /* Collective: restarts if needed and restores every added label. */
 int icheck_restart_all(void);
 /* Collective: moves to new agents if the controller placed new ones (the
- * next commit goes there). hints may be NULL. */
+ * next commit goes there; the newest version is already with them). hints
+ * may be NULL. Returns 0 if nothing changed, else the new agent count. */
 int icheck_probe_agents(const icheck_hints *hints);
 /* Collective: IC_PERSIST or IC_CLEANUP. */
 int icheck_finalize(int mode);

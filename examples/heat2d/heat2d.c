@@ -9,10 +9,14 @@
  * the same with and without a failure in between.
  *
  *   mpicc heat2d.c -o heat2d $(pkg-config --cflags --libs icheck)
- *   mpirun -np 4 ./heat2d --n 512 --iters 400 --every 50 [--fail-at 220]
+ *   mpirun -np 4 ./heat2d --n 512 --iters 400 --every 50 [--fail-at 220] [--probe-every 4]
  *
  * --fail-at I: rank 0 kills itself (SIGKILL) at iteration I, like a node
  * failure; run the same command again to restart.
+ * --probe-every P: after every P-th commit, icheck_probe_agents may move the
+ * run to more or fewer agents (Algorithm 5). Rank 0 prints each commit's and
+ * probe's seconds. --hint-remaining 1 also tells the controller how many
+ * commits remain, so it changes agents only when that pays back (eq. 6.12).
  */
 #include <mpi.h>
 #include <icheck.h>
@@ -33,7 +37,7 @@ static void check(int code, const char *what, int rank)
 
 int main(int argc, char **argv)
 {
-    long n = 256, iters = 200, every = 25, fail_at = -1;
+    long n = 256, iters = 200, every = 25, fail_at = -1, probe_every = 0, hint = 0;
     const char *app = "heat2d";
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--n")) n = atol(argv[i + 1]);
@@ -41,6 +45,8 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--every")) every = atol(argv[i + 1]);
         else if (!strcmp(argv[i], "--fail-at")) fail_at = atol(argv[i + 1]);
         else if (!strcmp(argv[i], "--app")) app = argv[i + 1];
+        else if (!strcmp(argv[i], "--probe-every")) probe_every = atol(argv[i + 1]);
+        else if (!strcmp(argv[i], "--hint-remaining")) hint = atol(argv[i + 1]);
         else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
     }
     MPI_Init(&argc, &argv);
@@ -75,6 +81,7 @@ int main(int argc, char **argv)
         printf("FRESH start\n");
     }
 
+    long commits = 0;
     int up = rank > 0 ? rank - 1 : MPI_PROC_NULL, down = rank < size - 1 ? rank + 1 : MPI_PROC_NULL;
     for (; iter <= iters; iter++) {
         /* Halo exchange: first row up, last row down. */
@@ -88,8 +95,20 @@ int main(int argc, char **argv)
                                           grid[i * n + j + 1]);
         for (long i = 1; i <= rows; i++) memcpy(grid + i * n + 1, next + i * n + 1, (size_t)(n - 2) * sizeof(double));
         if (iter % every == 0) {
+            double started = MPI_Wtime();
             check(icheck_commit(), "icheck_commit", rank);
-            if (rank == 0) printf("COMMITTED iteration %ld\n", iter);
+            if (rank == 0) printf("COMMITTED iteration %ld seconds=%.4f\n", iter, MPI_Wtime() - started);
+            commits++;
+            if (probe_every > 0 && commits % probe_every == 0) {
+                icheck_hints hints = { .remaining_commits = hint ? (int)((iters - iter) / every) : 0 };
+                started = MPI_Wtime();
+                int agents = icheck_probe_agents(&hints);
+                check(agents, "icheck_probe_agents", rank);
+                double seconds = MPI_Wtime() - started;
+                if (rank == 0 && agents > 0) printf("PROBE agents=%d seconds=%.4f\n", agents, seconds);
+                if (rank == 0 && agents == 0) printf("PROBE unchanged seconds=%.4f\n", seconds);
+            }
+            if (rank == 0) fflush(stdout);
         }
         if (iter == fail_at && rank == 0) {
             printf("FAULT injected at iteration %ld\n", iter);

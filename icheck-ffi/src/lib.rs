@@ -373,7 +373,8 @@ pub extern "C" fn icheck_restart_all() -> c_int {
 }
 
 /// Asks whether the agents changed and moves to new ones (collective).
-/// Returns ICHECK_SUCCESS either way (a move is logged), or an error code.
+/// Returns ICHECK_SUCCESS (0) when nothing changed, the new agent count
+/// (> 0) after a move, or an error code (< 0).
 ///
 /// # Safety
 /// `hints` must be NULL or point to an `icheck_hints`.
@@ -383,10 +384,13 @@ pub unsafe extern "C" fn icheck_probe_agents(hints: *const IcheckHints) -> c_int
         // SAFETY: NULL or a valid icheck_hints per the contract.
         let remaining = unsafe { hints.as_ref() }.map_or(0, |h| h.remaining_commits.max(0) as u32);
         let outcome = initialised(instance)?.probe_agents(ProbeHints { remaining_commits: remaining })?;
-        if let icheck_lib::ProbeOutcome::Reconnected { agents } = outcome {
-            tracing::info!(agents, "icheck_probe_agents: moved to new agents");
+        match outcome {
+            icheck_lib::ProbeOutcome::Unchanged => Ok(ICHECK_SUCCESS),
+            icheck_lib::ProbeOutcome::Reconnected { agents } => {
+                tracing::info!(agents, "icheck_probe_agents: moved to new agents");
+                Ok(c_int::try_from(agents).unwrap_or(c_int::MAX))
+            }
         }
-        Ok(ICHECK_SUCCESS)
     })
 }
 

@@ -103,7 +103,7 @@ fn kill_and_restart(
     faulty: &[&str],
     restart: &[&str],
     env: &[(&str, &str)],
-) {
+) -> String {
     let shm_dir = service.dir.join("mpi-shm");
     let config = service.config_path();
     let mpirun =
@@ -119,6 +119,7 @@ fn kill_and_restart(
     assert!(String::from_utf8_lossy(&again.stdout).contains("RESTARTED at iteration"), "{again:?}");
     assert_eq!(checksum(&again), expected, "restarted run differs from the fault-free one");
     let _ = std::fs::remove_dir_all(shm_dir);
+    String::from_utf8_lossy(&killed.stdout).into_owned()
 }
 
 #[test]
@@ -136,6 +137,18 @@ fn heat2d_in_c_restarts_to_the_fault_free_checksum() {
         &with(&["--app", "faulty"]),
         &[],
     );
+    // Probing through the C interface: after three commits (two warm-up,
+    // one measured) the controller doubles the agents; the killed run's
+    // newest version is then at the new agents, and the restart gets it.
+    let probed = kill_and_restart(
+        &exe,
+        &service,
+        &with(&["--app", "clean-probe"]),
+        &with(&["--app", "faulty-probe", "--fail-at", "70", "--probe-every", "3"]),
+        &with(&["--app", "faulty-probe", "--probe-every", "3"]),
+        &[],
+    );
+    assert!(probed.contains("PROBE agents=2"), "{probed}");
     // SHMR through the C interface: the node's four ranks share one segment.
     kill_and_restart(
         &exe,
