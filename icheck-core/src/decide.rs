@@ -101,12 +101,18 @@ pub fn rank_candidates(nodes: &[NodeSnapshot], strategy: AgentSelection, max_age
 /// agent order, which is rank-block order). The best `candidate_count`
 /// candidates by `agent_selection` take the agents as `node_selection`
 /// says; if they lack room, the next candidates are used. Never beyond
-/// `max_agents_node`.
+/// `max_agents_node`. Fill to completion (FTC) packs: nodes that already
+/// run agents come first, so applications stack until a node is full.
 pub fn choose_nodes(nodes: &[NodeSnapshot], count: u32, config: &DynamicConfig) -> Result<Vec<String>, PlacementError> {
     if !nodes.iter().any(|n| n.alive) {
         return Err(PlacementError::NoLiveNode);
     }
-    let ranked = rank_candidates(nodes, config.agent_selection, config.max_agents_node);
+    let mut ranked = rank_candidates(nodes, config.agent_selection, config.max_agents_node);
+    if config.node_selection == NodeSelection::FillToCompletion {
+        // Fill to completion packs: nodes already running agents (with room
+        // left) are filled before an empty node is started on.
+        ranked.sort_by_key(|n| n.agents == 0);
+    }
     let room_of = |n: &NodeSnapshot| config.max_agents_node.saturating_sub(n.agents);
     let room: u32 = ranked.iter().map(|n| room_of(n)).sum();
     if room < count {
@@ -408,8 +414,8 @@ mod tests {
         let cases: [(AgentSelection, NodeSelection, u32, u32, &[&str]); 7] = [
             (Memory, RoundRobin, 2, 5, &["b", "d", "b", "d", "b"]),
             (Memory, Block, 2, 5, &["b", "b", "b", "d", "d"]),
-            (Memory, FillToCompletion, 2, 4, &["b", "b", "b", "d"]),
-            (Memory, Equal, 3, 3, &["b", "d", "b"]), // c already runs one
+            (Memory, FillToCompletion, 2, 4, &["c", "c", "b", "b"]), // c runs one already: filled first
+            (Memory, Equal, 3, 3, &["b", "d", "b"]),                 // c already runs one
             (Bandwidth, RoundRobin, 1, 2, &["c", "c"]),
             (Bandwidth, RoundRobin, 1, 3, &["c", "b", "c"]), // c has room for 2: the next candidate joins the round
             (CheckpointFrequency, Block, 5, 4, &["d", "a", "c", "b"]),
