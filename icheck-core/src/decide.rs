@@ -25,6 +25,11 @@ pub struct NodeSnapshot {
     pub cops_per_min: f64,
     /// Power draw in watts, where the OS exposes it (RAPL).
     pub power_watts: Option<f64>,
+    /// Checkpoint bytes its store holds.
+    pub bytes_held: u64,
+    /// Being drained by an operator: takes no new agents, and its agents
+    /// move elsewhere on their applications' next probes.
+    pub draining: bool,
 }
 
 impl NodeSnapshot {
@@ -38,6 +43,8 @@ impl NodeSnapshot {
             bandwidth: 0.0,
             cops_per_min: 0.0,
             power_watts: None,
+            bytes_held: 0,
+            draining: false,
         }
     }
 }
@@ -107,7 +114,12 @@ pub fn choose_nodes(nodes: &[NodeSnapshot], count: u32, config: &DynamicConfig) 
     if !nodes.iter().any(|n| n.alive) {
         return Err(PlacementError::NoLiveNode);
     }
-    let mut ranked = rank_candidates(nodes, config.agent_selection, config.max_agents_node);
+    // Never beyond max_mem_node: a node whose store is full takes no agents
+    // (its versions would all spill), and a draining node takes none.
+    let budget = config.max_mem_node_bytes();
+    let open: Vec<NodeSnapshot> =
+        nodes.iter().filter(|n| !n.draining && (budget == 0 || n.bytes_held < budget)).cloned().collect();
+    let mut ranked = rank_candidates(&open, config.agent_selection, config.max_agents_node);
     if config.node_selection == NodeSelection::FillToCompletion {
         // Fill to completion packs: nodes already running agents (with room
         // left) are filled before an empty node is started on.
@@ -516,6 +528,15 @@ mod tests {
         assert_eq!(choose_nodes(&nodes, 2, &config).unwrap(), ["ok", "ok"]);
         assert_eq!(choose_nodes(&nodes, 3, &config), Err(PlacementError::NoCapacity { wanted: 3, room: 2 }));
         assert_eq!(choose_nodes(&[], 1, &config), Err(PlacementError::NoLiveNode));
+    }
+
+    #[test]
+    fn full_and_draining_nodes_take_no_agents() {
+        let config = DynamicConfig { max_mem_node: 1.0, ..DynamicConfig::default() };
+        let full = NodeSnapshot { bytes_held: 1 << 30, ..node("full", 0, 100) };
+        let draining = NodeSnapshot { draining: true, ..node("draining", 0, 90) };
+        let nodes = [full, draining, node("ok", 0, 10)];
+        assert_eq!(choose_nodes(&nodes, 2, &config).unwrap(), ["ok", "ok"]);
     }
 
     #[test]

@@ -463,6 +463,15 @@ pub enum ClientRequest {
         /// Application name.
         name: String,
     },
+    /// Drain a checkpoint node (operators): it takes no new agents, and
+    /// the agents it runs move to other nodes on their applications' next
+    /// probes. `drain: false` opens it again.
+    DrainNode {
+        /// Node name.
+        node: String,
+        /// Drain (true) or undrain (false).
+        drain: bool,
+    },
 }
 
 /// Answers to clients.
@@ -503,6 +512,9 @@ pub struct NodeReport {
     /// What the controller derives from the node's reports over time.
     #[serde(default)]
     pub trend: crate::service::monitor::TrendReport,
+    /// An operator is draining it (`icheck drain`).
+    #[serde(default)]
+    pub draining: bool,
 }
 
 /// An application as `icheck status` shows it.

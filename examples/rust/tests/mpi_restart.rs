@@ -398,3 +398,36 @@ fn matrix_on_tcp() {
 fn matrix_on_shm() {
     matrix("shm");
 }
+
+#[test]
+fn draining_a_node_moves_its_agents_and_their_data_at_the_next_probe() {
+    // No scaling: the only change a probe can bring is the drain.
+    let dynamic = "readInterval = 0.5\ninit_agent_count = 1\nis_dynamic_as = false\n";
+    let service =
+        LocalService::up_with_dynamic(&icheck_in_target(), "mpi-drain", 2, &["--provider", "tcp"], Some(dynamic));
+    let args =
+        ["--app", "drain", "--steps", "30", "--every", "1", "--mib", "2", "--probe-every", "2", "--step-ms", "100"];
+    let mut job = Job::start(2, &service.config_path(), &[&args[..], &["--persist"]].concat(), &[]);
+    job.wait_line("COMMITTED version=2 ", Duration::from_secs(60));
+    let home = service.status().apps[0].agents[0].node.clone();
+    let out = Command::new(&service.icheck).args(["drain", &home, "--state-dir"]).arg(&service.dir).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines = job.finish(Duration::from_secs(120));
+    // The next probe moved the agent, and the newest version came with it.
+    let moved = lines.iter().position(|l| l.starts_with("PROBE agents=1 ")).unwrap_or_else(|| panic!("{lines:?}"));
+    assert!(lines[moved + 1].starts_with("VERIFIED version="), "{lines:?}");
+    assert_eq!(lines.iter().filter(|l| l.starts_with("PROBE agents=")).count(), 1, "{lines:?}");
+    let status = service.status();
+    let app = &status.apps[0];
+    assert!(app.agents.iter().all(|a| a.node != home), "{app:?}");
+    assert_eq!(app.agent_changes.len(), 1, "{app:?}");
+    assert!(app.agent_changes[0].moved_bytes > 0, "both ranks' versions moved: {app:?}");
+    assert!(status.nodes.iter().any(|n| n.node == home && n.draining), "{status:?}");
+    // The ranks' versions left the drained node's store.
+    let left = service.config.agent_store_dir.join(&home).join("drain");
+    icheck_core::testkit::wait_for("the drained node's store to empty", Duration::from_secs(10), || {
+        std::fs::read_dir(&left).map_or(true, |mut d| d.next().is_none())
+    });
+    let printed = Command::new(&service.icheck).args(["status", "--state-dir"]).arg(&service.dir).output().unwrap();
+    assert!(String::from_utf8_lossy(&printed.stdout).contains("DRAIN"));
+}

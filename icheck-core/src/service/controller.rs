@@ -42,6 +42,9 @@ struct NodeEntry {
     status: NodeStatus,
     /// Memory and agent-count history for the derived metrics.
     trend: NodeTrend,
+    /// An operator is draining it: no new agents; its agents move away on
+    /// their applications' probes.
+    draining: bool,
     connection: u64,
     to_manager: mpsc::UnboundedSender<ControllerToManager>,
 }
@@ -312,6 +315,8 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                     reported_down: false,
                     status,
                     trend,
+                    // A manager that comes back keeps its node's drain.
+                    draining: state.nodes.get(&node).is_some_and(|n| n.draining),
                     connection,
                     to_manager: tx,
                 };
@@ -422,6 +427,7 @@ async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), 
             }
             ClientRequest::FinishApp { name, persist } => finish_app(&shared, &name, persist),
             ClientRequest::DeleteApp { name } => delete_app(&shared, &name).await,
+            ClientRequest::DrainNode { node, drain } => drain_node(&shared, &node, drain),
         };
         protocol::send(&mut stream, &reply).await?;
     }
@@ -441,6 +447,7 @@ fn status_report(shared: &Shared) -> StatusReport {
                 last_heartbeat_secs: (now - n.last_heartbeat).as_secs_f64(),
                 status: n.status.clone(),
                 trend: n.trend.report(FORECAST_HORIZON_SECS),
+                draining: n.draining,
             })
             .collect(),
         apps: state
@@ -527,7 +534,7 @@ async fn register_app(
         }
         let nodes = if !previous.is_empty()
             && previous.len() == count as usize
-            && previous.iter().all(|n| snapshot.iter().any(|s| &s.node == n && s.alive))
+            && previous.iter().all(|n| snapshot.iter().any(|s| &s.node == n && s.alive && !s.draining))
         {
             previous
         } else {
@@ -709,6 +716,8 @@ fn snapshot(shared: &Shared, state: &State, now: Instant) -> Vec<NodeSnapshot> {
             bandwidth: n.status.bandwidth,
             cops_per_min: n.status.cops_per_min,
             power_watts: n.status.power_watts,
+            bytes_held: n.status.bytes_held,
+            draining: n.draining,
         })
         .collect()
 }
@@ -757,27 +766,45 @@ async fn await_starts(shared: &Shared, app: &str, waiters: Vec<StartWaiter>) -> 
     }
 }
 
+/// What a probe does, decided under the state lock.
+enum ProbePlan {
+    /// Agents were lost: place the application again.
+    Replace(protocol::AppRegistration),
+    /// Agents on draining nodes (these indices) move elsewhere.
+    Relocate { current: u32, replace: Vec<usize> },
+    /// Algorithm 5 wants `to` agents.
+    Scale { current: u32, to: u32, scaling: decide::ScalingState },
+}
+
 /// §6.4.2, a probe. Agents lost with their manager are replaced first (on
 /// the nodes holding the application's files when those are alive, else
-/// where the placement rules say). Otherwise Algorithm 5 and eq. 6.11/6.12
-/// decide whether the agent count changes; the answer is `Unchanged` or the
-/// new agents, which already hold every rank's newest complete version.
+/// where the placement rules say); agents on draining nodes move next (new
+/// locations). Otherwise Algorithm 5 and eq. 6.11/6.12 decide whether the
+/// agent count changes. The answer is `Unchanged` or the new agents, which
+/// already hold every rank's newest complete version.
 async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32) -> ClientReply {
     let config = shared.dynamic();
-    let (current, to, scaling) = {
+    let plan = {
         let mut state = shared.state();
+        let state = &mut *state;
         let Some(app) = state.apps.get_mut(name) else {
             return ClientReply::Error(format!("no application named {name:?} is registered"));
         };
+        let draining: Vec<usize> = (app.agents.iter().enumerate())
+            .filter(|(_, a)| state.nodes.get(&a.node).is_some_and(|n| n.draining))
+            .map(|(i, _)| i)
+            .collect();
+        let current = app.agents.len() as u32;
         if app.agents.len() != app.homes.len() {
             tracing::warn!(lost = app.homes.len() - app.agents.len(), "agents were lost; placing new ones");
-            (0, 0, Err(app.registration.clone()))
+            ProbePlan::Replace(app.registration.clone())
         } else if !app.agents.iter().map(|a| a.id).eq(known.iter().copied()) {
             return ClientReply::Agents(app.agents.clone());
+        } else if !draining.is_empty() {
+            ProbePlan::Relocate { current, replace: draining }
         } else if !config.is_dynamic_as {
             return ClientReply::Unchanged;
         } else {
-            let current = app.agents.len() as u32;
             let adaptation = &mut app.adaptation;
             let decision = decide::scaling_decision(
                 &adaptation.since_change(),
@@ -807,49 +834,57 @@ async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32) -> Cl
                     );
                     return ClientReply::Unchanged;
                 }
-                decide::ScalingDecision::Change { to, state } => (current, to, Ok(state)),
+                decide::ScalingDecision::Change { to, state } => ProbePlan::Scale { current, to, scaling: state },
             }
         }
     };
-    let scaling = match scaling {
-        Ok(scaling) => scaling,
-        Err(registration) => {
-            return match register_app(shared, registration).await {
-                Ok((agents, _)) => ClientReply::Agents(agents),
-                Err(reason) => ClientReply::Error(reason),
-            };
-        }
-    };
-    match resize(shared, name, current, to, &config).await {
-        Ok(agents) => {
-            if let Some(app) = shared.state().apps.get_mut(name) {
-                app.adaptation.scaling = scaling;
+    match plan {
+        ProbePlan::Replace(registration) => match register_app(shared, registration).await {
+            Ok((agents, _)) => ClientReply::Agents(agents),
+            Err(reason) => ClientReply::Error(reason),
+        },
+        ProbePlan::Relocate { current, replace } => {
+            tracing::info!(agents = replace.len(), "moving agents off draining nodes");
+            match change_agents(shared, name, current, &replace, &config).await {
+                Ok(agents) => ClientReply::Agents(agents),
+                Err(reason) => {
+                    tracing::warn!(%reason, "cannot move agents off draining nodes; the application keeps them");
+                    ClientReply::Unchanged
+                }
             }
-            ClientReply::Agents(agents)
         }
-        Err(reason) => {
-            tracing::warn!(from = current, to, %reason, "agent change failed; the application keeps its agents");
-            if let Some(app) = shared.state().apps.get_mut(name) {
-                app.adaptation.scaling.settled = true;
+        ProbePlan::Scale { current, to, scaling } => match change_agents(shared, name, to, &[], &config).await {
+            Ok(agents) => {
+                if let Some(app) = shared.state().apps.get_mut(name) {
+                    app.adaptation.scaling = scaling;
+                }
+                ClientReply::Agents(agents)
             }
-            ClientReply::Unchanged
-        }
+            Err(reason) => {
+                tracing::warn!(from = current, to, %reason, "agent change failed; the application keeps its agents");
+                if let Some(app) = shared.state().apps.get_mut(name) {
+                    app.adaptation.scaling.settled = true;
+                }
+                ClientReply::Unchanged
+            }
+        },
     }
 }
 
-/// Moves an application from `current` to `to` agents (§6.4.2). Growing
-/// keeps the current agents first and places the new ones by Algorithm 6;
-/// shrinking keeps the first `to`. Ranks map to agents in blocks
-/// ([`decide::agent_for_rank`]); every rank whose new agent sits on another
-/// node than its old one is taken over by the new agent over the fabric
-/// (ranks on the same node share its store). Only when every take-over
-/// succeeded do the new agents replace the old, the retired agents stop
-/// and the moved ranks leave their old nodes; otherwise nothing changes.
-async fn resize(
+/// Moves an application to `to` agents (§6.4.2): the current agents stay
+/// in their slots (the first `to` of them) except those at the indices in
+/// `replace`; the missing slots get new agents placed by Algorithm 6.
+/// Ranks map to agents in blocks ([`decide::agent_for_rank`]); every rank
+/// whose new agent sits on another node than its old one is taken over by
+/// the new agent over the fabric (ranks on the same node share its store).
+/// Only when every take-over succeeded do the new agents replace the old,
+/// the retired agents stop and the moved ranks leave their old nodes;
+/// otherwise nothing changes.
+async fn change_agents(
     shared: &Shared,
     name: &str,
-    current: u32,
     to: u32,
+    replace: &[usize],
     config: &DynamicConfig,
 ) -> Result<Vec<AgentInfo>, String> {
     let changing = Instant::now();
@@ -860,24 +895,30 @@ async fn resize(
         let app = state.apps.get(name).ok_or("the application went away")?;
         let (old, units, latest) =
             (app.agents.clone(), mapping_units(&app.registration), app.latest.as_ref().map(|l| l.version));
-        let waiters = if to > current {
-            let nodes = decide::choose_nodes(&snapshot, to - current, config).map_err(|e| e.to_string())?;
-            send_starts(&mut state, name, nodes, config.max_mem_node_bytes())
-        } else {
-            Vec::new()
+        let kept = (0..old.len().min(to as usize)).filter(|i| !replace.contains(i)).count() as u32;
+        let waiters = match to - kept {
+            0 => Vec::new(),
+            missing => {
+                let nodes = decide::choose_nodes(&snapshot, missing, config).map_err(|e| e.to_string())?;
+                send_starts(&mut state, name, nodes, config.max_mem_node_bytes())
+            }
         };
         (old, units, latest, waiters)
     };
+    let current = old.len() as u32;
     let started = await_starts(shared, name, waiters).await?;
-    let new: Vec<AgentInfo> = old.iter().take(to as usize).cloned().chain(started.iter().cloned()).collect();
+    let mut fresh = started.iter().cloned();
+    let new: Vec<AgentInfo> = (0..to as usize)
+        .map(|i| match old.get(i).filter(|_| !replace.contains(&i)) {
+            Some(kept) => kept.clone(),
+            None => fresh.next().expect("one started agent per missing slot"),
+        })
+        .collect();
     // (rank, from, to) for every rank that changes node.
     let moves: Vec<(u32, &AgentInfo, &AgentInfo)> = (0..units)
         .map(|r| {
-            (
-                r,
-                &old[decide::agent_for_rank(r, units, current) as usize],
-                &new[decide::agent_for_rank(r, units, to) as usize],
-            )
+            let from = &old[decide::agent_for_rank(r, units, current) as usize];
+            (r, from, &new[decide::agent_for_rank(r, units, to) as usize])
         })
         .filter(|(_, from, to)| from.node != to.node)
         .collect();
@@ -892,12 +933,8 @@ async fn resize(
                     state.takeovers.insert((to.id, *rank), tx);
                     if let Some(node) = state.nodes.get(&to.node) {
                         let from = (*from).clone();
-                        let _ = node.to_manager.send(ControllerToManager::TakeOver {
-                            agent: to.id,
-                            rank: *rank,
-                            version,
-                            from,
-                        });
+                        let message = ControllerToManager::TakeOver { agent: to.id, rank: *rank, version, from };
+                        let _ = node.to_manager.send(message);
                     }
                     (to.id, *rank, rx)
                 })
@@ -931,11 +968,29 @@ async fn resize(
     app.adaptation.changed_after = after_version;
     app.adaptation.reconfigure_secs = secs;
     app.adaptation.changes.push(AgentChange { after_version, from: current, to, secs, moved_bytes });
-    let retired: Vec<AgentInfo> = old.iter().skip(to as usize).cloned().collect();
+    let retired: Vec<AgentInfo> = old.iter().filter(|a| !new.iter().any(|n| n.id == a.id)).cloned().collect();
     tell_agents(&state.nodes, &retired, |id| ControllerToManager::StopAgent { id, discard: false });
     drop_moved_ranks(&state.nodes, name, moves.iter().map(|(rank, from, _)| (*rank, from.node.as_str())));
     tracing::info!(from = current, to, moved = moves.len(), moved_bytes, secs, "agents changed");
     Ok(new)
+}
+
+/// Operators: drain a node (no new agents; its agents move away on their
+/// applications' next probes) or open it again.
+fn drain_node(shared: &Shared, node: &str, drain: bool) -> ClientReply {
+    let mut state = shared.state();
+    let Some(entry) = state.nodes.get_mut(node) else {
+        let known: Vec<&String> = state.nodes.keys().collect();
+        return ClientReply::Error(format!("no checkpoint node named {node:?} (known: {known:?})"));
+    };
+    entry.draining = drain;
+    let agents = entry.status.agents;
+    if drain {
+        tracing::info!(node, agents, "node draining: its agents move away on their applications' next probes");
+    } else {
+        tracing::info!(node, "node open for agents again");
+    }
+    ClientReply::Ok
 }
 
 /// Tells each node to delete the given ranks of `app` from its store.

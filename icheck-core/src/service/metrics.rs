@@ -113,6 +113,12 @@ pub fn render(report: &StatusReport) -> String {
             kind: "gauge",
             samples: vec![],
         },
+        Family {
+            name: "icheck_node_draining",
+            help: "1 while an operator drains the node",
+            kind: "gauge",
+            samples: vec![],
+        },
         Family { name: "icheck_app_ranks", help: "Processes of the application", kind: "gauge", samples: vec![] },
         Family { name: "icheck_app_nodes", help: "Compute nodes of the application", kind: "gauge", samples: vec![] },
         Family { name: "icheck_app_agents", help: "Agents of the application", kind: "gauge", samples: vec![] },
@@ -157,6 +163,7 @@ pub fn render(report: &StatusReport) -> String {
         let l = node(&n.node);
         let s = &n.status;
         put("icheck_node_up", l.clone(), Some(f64::from(u8::from(n.alive))));
+        put("icheck_node_draining", l.clone(), Some(f64::from(u8::from(n.draining))));
         put("icheck_node_memory_available_bytes", l.clone(), Some(s.mem_available as f64));
         put("icheck_node_memory_total_bytes", l.clone(), Some(s.mem_total as f64));
         put("icheck_node_memory_depletion_bytes_per_second", l.clone(), n.trend.mem_depletion_rate);
@@ -266,6 +273,7 @@ mod tests {
                 last_heartbeat_secs: 0.1,
                 status,
                 trend: Default::default(),
+                draining: false,
             }],
             apps: vec![],
             init_agent_count: String::new(),

@@ -94,6 +94,20 @@ enum Command_ {
         #[arg(long)]
         yes: bool,
     },
+    /// Drain a checkpoint node: it takes no new agents, and the agents it
+    /// runs move to other nodes (with their ranks' newest versions) at
+    /// their applications' next probes.
+    ///
+    /// Example: icheck drain local-1 --state-dir /tmp/ick   (--undo opens it again)
+    Drain {
+        #[command(flatten)]
+        target: ConfigArgs,
+        /// Node name, as `icheck status` shows it.
+        node: String,
+        /// Open the node for agents again.
+        #[arg(long)]
+        undo: bool,
+    },
     /// Run the controller daemon in the foreground (logs to stderr; ICHECK_LOG sets the level).
     ///
     /// Example: icheck controller --config config/icheck.toml
@@ -323,6 +337,18 @@ fn run(cli: Cli) -> Result<()> {
             }
             icheck_core::service::client::request_blocking(&config, &ClientRequest::DeleteApp { name: app.clone() })?;
             println!("deleted every checkpoint of {app}");
+            Ok(())
+        }
+        Command_::Drain { target, node, undo } => {
+            let config = target.load()?;
+            let request = ClientRequest::DrainNode { node: node.clone(), drain: !undo };
+            icheck_core::service::client::request_blocking(&config, &request)?;
+            match undo {
+                false => {
+                    println!("{node} is draining: no new agents; its agents move at their applications' next probes")
+                }
+                true => println!("{node} takes agents again"),
+            }
             Ok(())
         }
         Command_::Status { target, json } => {
