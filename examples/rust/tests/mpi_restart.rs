@@ -215,9 +215,10 @@ fn versions_beyond_the_memory_budget_spill_to_the_pfs_and_restart_bit_exact() {
     // A spilled version is copied whatever pfs_interval says (0 here): the
     // agents' copies complete it on the PFS.
     let manifest = service.dir.join("pfs/spill/v3/MANIFEST");
-    icheck_core::testkit::wait_for("version 3 complete on the PFS", Duration::from_secs(30), || manifest.exists());
+    let complete = icheck_core::testkit::poll_until(Duration::from_secs(60), || manifest.exists());
     job.kill();
     let log = service.log("manager-local-1.log");
+    assert!(complete, "version 3 never completed on the PFS\n{log}\n{}", service.log("controller.log"));
     assert!(log.contains("spilling this version to the PFS"), "{log}");
     let held = service.status().nodes[0].status.bytes_held;
     assert!(held <= 12 << 20, "the store holds {held} bytes, over its budget");

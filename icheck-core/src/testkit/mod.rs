@@ -129,12 +129,21 @@ impl Drop for ChildGuard {
 }
 
 /// Polls `done` every 100 ms; panics naming `what` after `timeout`.
-pub fn wait_for(what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+pub fn wait_for(what: &str, timeout: Duration, done: impl FnMut() -> bool) {
+    assert!(poll_until(timeout, done), "timed out after {timeout:?} waiting for {what}");
+}
+
+/// Polls `done` every 100 ms until it holds (true) or `timeout` passes
+/// (false), for callers that explain a timeout themselves.
+pub fn poll_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
     let start = Instant::now();
     while !done() {
-        assert!(start.elapsed() < timeout, "timed out after {timeout:?} waiting for {what}");
+        if start.elapsed() >= timeout {
+            return false;
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
+    true
 }
 
 /// The `icheck` executable next to the running test's target directory
