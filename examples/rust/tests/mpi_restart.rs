@@ -209,23 +209,26 @@ fn versions_beyond_the_memory_budget_spill_to_the_pfs_and_restart_bit_exact() {
     let service =
         LocalService::up_with_dynamic(&icheck_in_target(), "mpi-spill", 1, &["--provider", "tcp"], Some(&dynamic));
     let config = service.config_path();
-    let args = ["--app", "spill", "--steps", "20", "--every", "2", "--mib", "8", "--hang-after", "3"];
+    let args = ["--app", "spill", "--steps", "20", "--every", "2", "--mib", "8", "--hang-after", "2"];
     let mut job = Job::start(2, &config, &args, &[]);
     job.wait_line("HANG", Duration::from_secs(120));
-    // A spilled version is copied whatever pfs_interval says (0 here): the
-    // agents' copies complete it on the PFS.
-    let manifest = service.dir.join("pfs/spill/v3/MANIFEST");
+    // Version 1 fills the budget (both ranks, or one if the other's check
+    // ran first), so version 2 spills. (Later versions may fit again: a
+    // pruned version's file is reused without new memory.) A spilled version
+    // is copied whatever pfs_interval says (0 here): the agents' copies
+    // complete it on the PFS.
+    let manifest = service.dir.join("pfs/spill/v2/MANIFEST");
     let complete = icheck_core::testkit::poll_until(Duration::from_secs(60), || manifest.exists());
     job.kill();
     let log = service.log("manager-local-1.log");
-    assert!(complete, "version 3 never completed on the PFS\n{log}\n{}", service.log("controller.log"));
+    assert!(complete, "version 2 never completed on the PFS\n{log}\n{}", service.log("controller.log"));
     assert!(log.contains("spilling this version to the PFS"), "{log}");
     let held = service.status().nodes[0].status.bytes_held;
     assert!(held <= 12 << 20, "the store holds {held} bytes, over its budget");
 
     let args = ["--app", "spill", "--steps", "6", "--every", "2", "--mib", "8"];
     let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
-    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l == "RESTORED version=2 step=2 verified"), "{lines:?}");
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
 }
 
