@@ -9,6 +9,7 @@
 
 pub mod config;
 pub mod decide;
+pub mod distribution;
 pub mod fabric;
 pub mod failpoint;
 pub mod pfs;
