@@ -73,20 +73,41 @@ pub fn initial_agent_count(app: &AppRegistration, config: &DynamicConfig) -> u32
         InitAgentCount::Fixed(n) => n,
         InitAgentCount::Named(AgentCountRule::NumNodes) => app.nodes,
     };
-    let limit = match app.mode {
-        TransferMode::Mr => app.ranks,
-        TransferMode::Shmr => app.nodes,
-    };
-    wanted.min(limit).min(config.max_agents_app).max(1)
+    wanted.min(agent_limit(app, config)).max(1)
 }
 
-/// Algorithm 6, `candidate_selection`: the live nodes with room for an
-/// agent, best first by `strategy` (BW: least traffic; MEM: most available
+/// What the agent mapping spreads over agents: processes in MR mode, node
+/// indices in SHMR mode (one session per node).
+pub fn mapping_units(app: &AppRegistration) -> u32 {
+    match app.mode {
+        TransferMode::Mr => app.ranks,
+        TransferMode::Shmr => app.nodes,
+    }
+}
+
+/// Most agents an application may have (Algorithm 5): its processes (MR)
+/// or nodes (SHMR), within `max_agents_app`, and at least 1.
+pub fn agent_limit(app: &AppRegistration, config: &DynamicConfig) -> u32 {
+    mapping_units(app).min(config.max_agents_app).max(1)
+}
+
+/// Algorithm 6, `candidate_selection`: the live, undrained nodes with room
+/// for an agent and a store below `mem_budget` bytes (0: no limit), best first by `strategy` (BW: least traffic; MEM: most available
 /// memory; CP: fewest checkpoint operations per minute; POWER: lowest draw,
 /// nodes without a power reading last). Ties go to the node with fewer
 /// agents, then more memory, then the name, so the order is total.
-pub fn rank_candidates(nodes: &[NodeSnapshot], strategy: AgentSelection, max_agents_node: u32) -> Vec<&NodeSnapshot> {
-    let mut candidates: Vec<&NodeSnapshot> = nodes.iter().filter(|n| n.alive && n.agents < max_agents_node).collect();
+pub fn rank_candidates(
+    nodes: &[NodeSnapshot],
+    strategy: AgentSelection,
+    max_agents_node: u32,
+    mem_budget: u64,
+) -> Vec<&NodeSnapshot> {
+    // Never beyond max_mem_node: a node whose store is full takes no agents
+    // (its versions would all spill), and a draining node takes none.
+    let open = |n: &&NodeSnapshot| {
+        n.alive && !n.draining && n.agents < max_agents_node && (mem_budget == 0 || n.bytes_held < mem_budget)
+    };
+    let mut candidates: Vec<&NodeSnapshot> = nodes.iter().filter(open).collect();
     candidates.sort_by(|a, b| {
         let primary = match strategy {
             AgentSelection::Bandwidth => a.bandwidth.total_cmp(&b.bandwidth),
@@ -114,12 +135,8 @@ pub fn choose_nodes(nodes: &[NodeSnapshot], count: u32, config: &DynamicConfig) 
     if !nodes.iter().any(|n| n.alive) {
         return Err(PlacementError::NoLiveNode);
     }
-    // Never beyond max_mem_node: a node whose store is full takes no agents
-    // (its versions would all spill), and a draining node takes none.
-    let budget = config.max_mem_node_bytes();
-    let open: Vec<NodeSnapshot> =
-        nodes.iter().filter(|n| !n.draining && (budget == 0 || n.bytes_held < budget)).cloned().collect();
-    let mut ranked = rank_candidates(&open, config.agent_selection, config.max_agents_node);
+    let mut ranked =
+        rank_candidates(nodes, config.agent_selection, config.max_agents_node, config.max_mem_node_bytes());
     if config.node_selection == NodeSelection::FillToCompletion {
         // Fill to completion packs: nodes already running agents (with room
         // left) are filled before an empty node is started on.
@@ -410,12 +427,12 @@ mod tests {
     #[test]
     fn candidates_are_ranked_by_the_selection_strategy() {
         let nodes = measured();
-        let order = |s| rank_candidates(&nodes, s, 3).iter().map(|n| n.node.as_str()).collect::<String>();
+        let order = |s| rank_candidates(&nodes, s, 3, 0).iter().map(|n| n.node.as_str()).collect::<String>();
         assert_eq!(order(AgentSelection::Bandwidth), "cbda");
         assert_eq!(order(AgentSelection::Memory), "bdca");
         assert_eq!(order(AgentSelection::CheckpointFrequency), "dacb");
         assert_eq!(order(AgentSelection::Power), "dabc", "nodes without a power reading come last");
-        assert_eq!(rank_candidates(&nodes, AgentSelection::Memory, 1).len(), 3, "full nodes are not candidates");
+        assert_eq!(rank_candidates(&nodes, AgentSelection::Memory, 1, 0).len(), 3, "full nodes are not candidates");
     }
 
     #[test]

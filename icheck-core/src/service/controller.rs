@@ -21,7 +21,7 @@ use crate::decide::{self, NodeSnapshot};
 use crate::protocol::{
     self, AgentChange, AgentInfo, AppReport, ClientReply, ClientRequest, CommitSample, ControllerToManager, Hello,
     HelloReply, ManagerToController, NodeReport, NodeStatus, PfsCopyStats, ProtocolError, Role, StatusReport,
-    TransferMode, VersionRecord, COMMIT_HISTORY,
+    VersionRecord, COMMIT_HISTORY,
 };
 
 /// How far ahead the memory forecast looks, in seconds.
@@ -525,7 +525,7 @@ async fn register_app(
         let previous: Vec<String> = state.apps.get(&registration.name).map(|a| a.homes.clone()).unwrap_or_default();
         let count = match previous.len() as u32 {
             0 => decide::initial_agent_count(&registration, &config),
-            n => n.min(agent_limit(&registration, &config)),
+            n => n.min(decide::agent_limit(&registration, &config)),
         };
         let snapshot = snapshot(shared, state, now);
         // Survivors of the old placement stop; their files stay for the new agents.
@@ -688,21 +688,6 @@ fn pfs_copied(
     });
 }
 
-/// Ranks the agent mapping spreads over agents: processes in MR mode, node
-/// indices in SHMR mode (one session per node).
-fn mapping_units(registration: &protocol::AppRegistration) -> u32 {
-    match registration.mode {
-        TransferMode::Mr => registration.ranks,
-        TransferMode::Shmr => registration.nodes,
-    }
-}
-
-/// Most agents an application may have (Algorithm 5): its processes (MR)
-/// or nodes (SHMR), within `max_agents_app`.
-fn agent_limit(registration: &protocol::AppRegistration, config: &DynamicConfig) -> u32 {
-    mapping_units(registration).min(config.max_agents_app).max(1)
-}
-
 /// The nodes as placement sees them now.
 fn snapshot(shared: &Shared, state: &State, now: Instant) -> Vec<NodeSnapshot> {
     state
@@ -748,10 +733,10 @@ async fn await_starts(shared: &Shared, app: &str, waiters: Vec<StartWaiter>) -> 
     let mut agents = Vec::new();
     let mut failure = None;
     for (id, node, rx) in waiters {
-        match tokio::time::timeout(AGENT_START_TIMEOUT, rx).await {
-            Ok(Ok(Ok(info))) => agents.push(info),
-            Ok(Ok(Err(reason))) => failure = Some(reason),
-            Ok(Err(_)) | Err(_) => {
+        match manager_answer(rx, AGENT_START_TIMEOUT).await {
+            Some(Ok(info)) => agents.push(info),
+            Some(Err(reason)) => failure = Some(reason),
+            None => {
                 shared.state().pending.remove(&id);
                 failure = Some(format!("manager on {node} did not start agent {id} within {AGENT_START_TIMEOUT:?}"));
             }
@@ -764,6 +749,12 @@ async fn await_starts(shared: &Shared, app: &str, waiters: Vec<StartWaiter>) -> 
             Err(format!("could not start the agents of {app}: {reason}"))
         }
     }
+}
+
+/// A manager's answer to a request, or `None` when none came within
+/// `limit` (or its connection went away); the caller drops its waiter.
+async fn manager_answer<T>(rx: oneshot::Receiver<Result<T, String>>, limit: Duration) -> Option<Result<T, String>> {
+    tokio::time::timeout(limit, rx).await.ok().and_then(Result::ok)
 }
 
 /// What a probe does, decided under the state lock.
@@ -811,7 +802,7 @@ async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32) -> Cl
                 current,
                 adaptation.scaling,
                 config.factor,
-                agent_limit(&app.registration, &config),
+                decide::agent_limit(&app.registration, &config),
                 adaptation.reconfigure_secs,
                 remaining,
             );
@@ -894,7 +885,7 @@ async fn change_agents(
         let snapshot = snapshot(shared, &state, now);
         let app = state.apps.get(name).ok_or("the application went away")?;
         let (old, units, latest) =
-            (app.agents.clone(), mapping_units(&app.registration), app.latest.as_ref().map(|l| l.version));
+            (app.agents.clone(), decide::mapping_units(&app.registration), app.latest.as_ref().map(|l| l.version));
         let kept = (0..old.len().min(to as usize)).filter(|i| !replace.contains(i)).count() as u32;
         let waiters = match to - kept {
             0 => Vec::new(),
@@ -942,10 +933,10 @@ async fn change_agents(
         };
         let mut failure = None;
         for (agent, rank, rx) in waiters {
-            match tokio::time::timeout(TAKE_OVER_TIMEOUT, rx).await {
-                Ok(Ok(Ok(bytes))) => moved_bytes += bytes,
-                Ok(Ok(Err(reason))) => failure = Some(reason),
-                Ok(Err(_)) | Err(_) => {
+            match manager_answer(rx, TAKE_OVER_TIMEOUT).await {
+                Some(Ok(bytes)) => moved_bytes += bytes,
+                Some(Err(reason)) => failure = Some(reason),
+                None => {
                     shared.state().takeovers.remove(&(agent, rank));
                     failure = Some(format!("agent {agent} did not take over rank {rank} within {TAKE_OVER_TIMEOUT:?}"));
                 }
@@ -1099,7 +1090,7 @@ fn request_pfs_copy(nodes: &BTreeMap<String, NodeEntry>, app: &mut AppEntry, ver
     let pending =
         PendingCopy { entries: Vec::new(), stats: PfsCopyStats::default(), answered: 0, agents: app.agents.len() };
     app.pfs_pending.insert(version, pending);
-    let (units, count) = (mapping_units(&app.registration), app.agents.len() as u32);
+    let (units, count) = (decide::mapping_units(&app.registration), app.agents.len() as u32);
     for (index, agent) in app.agents.iter().enumerate() {
         let ranks = (0..units).filter(|r| decide::agent_for_rank(*r, units, count) == index as u32).collect();
         if let Some(node) = nodes.get(&agent.node) {

@@ -208,18 +208,11 @@ async fn session(
                 });
             }
             ControllerToManager::CopyToPfs { agent, version, compression, ranks } => {
-                let job = agents
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get(&agent)
-                    .map(|a| a.pfs_copy_job(version, compression, ranks));
+                let job = agent_job(agents, agent, |a| a.pfs_copy_job(version, compression, ranks));
                 let tx = tx.clone();
                 let copy = move || {
                     lower_thread_priority();
-                    let result = match job {
-                        Some(job) => job(),
-                        None => Err(format!("agent {agent} is not running here")),
-                    };
+                    let result = job.and_then(|job| job());
                     let _ = tx.send(ManagerToController::PfsCopied { agent, version, result });
                 };
                 if let Err(err) = std::thread::Builder::new().name("icheck-pfs-copy".into()).spawn(copy) {
@@ -235,17 +228,10 @@ async fn session(
                 }
             }
             ControllerToManager::TakeOver { agent, rank, version, from } => {
-                let job = agents
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .get(&agent)
-                    .map(|a| a.take_over_job(rank, version, from));
+                let job = agent_job(agents, agent, |a| a.take_over_job(rank, version, from));
                 let tx = tx.clone();
                 tokio::task::spawn_blocking(move || {
-                    let result = match job {
-                        Some(job) => job(),
-                        None => Err(format!("agent {agent} is not running here")),
-                    };
+                    let result = job.and_then(|job| job());
                     if let Err(reason) = &result {
                         tracing::warn!(agent, rank, version, %reason, "take-over failed");
                     }
@@ -271,6 +257,13 @@ async fn session(
     timers.abort();
     writer_task.abort();
     result
+}
+
+/// A job built from agent `id` (taken under the agents' lock, run after
+/// it), or why there is none.
+fn agent_job<J>(agents: &Agents, id: u64, build: impl FnOnce(&Agent) -> J) -> Result<J, String> {
+    let agents = agents.lock().unwrap_or_else(|p| p.into_inner());
+    agents.get(&id).map(build).ok_or_else(|| format!("agent {id} is not running here"))
 }
 
 /// Makes the calling thread yield the CPU to everything else (nice 19):

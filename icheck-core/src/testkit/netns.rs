@@ -51,6 +51,12 @@ fn run(program: &str, args: &[&str]) {
     );
 }
 
+/// Runs `ip args` to delete something of ours that may not exist (a
+/// leftover before setup, or already gone at teardown); failures are fine.
+fn remove(args: &[&str]) {
+    let _ = Command::new("ip").args(args).stdin(Stdio::null()).stderr(Stdio::null()).status();
+}
+
 impl NetCluster {
     /// Starts `nodes` namespaced nodes named `n1`..`nN`. `rate` (a tc rate
     /// such as "100mbit") limits the traffic towards each node; `dynamic`
@@ -139,17 +145,17 @@ impl NetCluster {
     fn network(&mut self, net: u32, nodes: u32, rate: Option<&str>) {
         let bridge = self.bridge.clone();
         // Leftovers of a killed run with the same number are ours to remove.
-        let _ = Command::new("ip").args(["link", "del", &bridge]).stderr(Stdio::null()).status();
+        remove(&["link", "del", &bridge]);
         run("ip", &["link", "add", &bridge, "type", "bridge"]);
         run("ip", &["addr", "add", &format!("10.213.{net}.1/24"), "dev", &bridge]);
         run("ip", &["link", "set", &bridge, "up"]);
         for i in 1..=nodes {
             let ns = format!("icheck-{}-{net}-n{i}", std::process::id());
-            let _ = Command::new("ip").args(["netns", "del", &ns]).stderr(Stdio::null()).status();
+            remove(&["netns", "del", &ns]);
             run("ip", &["netns", "add", &ns]);
             self.namespaces.push(ns.clone());
             let (host, peer) = (format!("ich{net}-{i}"), format!("icp{net}-{i}"));
-            let _ = Command::new("ip").args(["link", "del", &host]).stderr(Stdio::null()).status();
+            remove(&["link", "del", &host]);
             run("ip", &["link", "add", &host, "type", "veth", "peer", "name", &peer]);
             self.links.push(host.clone());
             run("ip", &["link", "set", &peer, "netns", &ns]);
@@ -224,12 +230,12 @@ impl Drop for NetCluster {
         // A deleted namespace lingers while sockets in it wind down (and its
         // veth with it): delete the links themselves.
         for link in &self.links {
-            let _ = Command::new("ip").args(["link", "del", link]).stderr(Stdio::null()).status();
+            remove(&["link", "del", link]);
         }
         for ns in &self.namespaces {
-            let _ = Command::new("ip").args(["netns", "del", ns]).stderr(Stdio::null()).status();
+            remove(&["netns", "del", ns]);
         }
-        let _ = Command::new("ip").args(["link", "del", &self.bridge]).stderr(Stdio::null()).status();
+        remove(&["link", "del", &self.bridge]);
         let _ = std::fs::remove_dir_all(&self.store);
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.dir);
