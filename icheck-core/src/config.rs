@@ -322,6 +322,20 @@ pub enum NodeSelection {
     FillToCompletion,
 }
 
+/// `agent_change_strategy`: what a malleable application's agents do when
+/// its process (MR) or node (SHMR) count changes (§7.2).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AgentChangeStrategy {
+    /// Malleable application, rigid agents: the agents stay and the new
+    /// processes are mapped onto them.
+    #[serde(rename = "MA-RA")]
+    RigidAgents,
+    /// Malleable application, malleable agents: the agent count follows the
+    /// new count, keeping the processes-per-agent ratio (Algorithm 7).
+    #[serde(rename = "MA-MA")]
+    MalleableAgents,
+}
+
 /// The dynamic configuration (Listing 6.2), re-read while running.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -372,6 +386,15 @@ pub struct DynamicConfig {
     /// Scaling factor of Algorithm 5.
     #[serde(default = "default_factor")]
     pub factor: u32,
+    /// What agents do when a malleable application's size changes (MA-RA
+    /// or MA-MA), applied at the application's first probe after its first
+    /// version with the new size.
+    #[serde(default = "default_agent_change_strategy")]
+    pub agent_change_strategy: AgentChangeStrategy,
+}
+
+fn default_agent_change_strategy() -> AgentChangeStrategy {
+    AgentChangeStrategy::MalleableAgents
 }
 
 fn default_read_interval() -> f64 {

@@ -91,6 +91,31 @@ pub fn agent_limit(app: &AppRegistration, config: &DynamicConfig) -> u32 {
     mapping_units(app).min(config.max_agents_app).max(1)
 }
 
+/// Algorithm 7, `get_agent_count`: agents after a malleable application
+/// went from `before` to `now` mapping units (processes in MR, nodes in
+/// SHMR) with `current` agents. MA-RA keeps them; MA-MA keeps the ratio
+/// (1:1 stays 1:1, otherwise `current / before × now`, rounded, at least
+/// one), within `limit`.
+pub fn agents_after_resize(
+    strategy: crate::config::AgentChangeStrategy,
+    current: u32,
+    before: u32,
+    now: u32,
+    limit: u32,
+) -> u32 {
+    match strategy {
+        crate::config::AgentChangeStrategy::RigidAgents => current,
+        crate::config::AgentChangeStrategy::MalleableAgents => {
+            let wanted = if current == before {
+                now
+            } else {
+                ((u64::from(current) * u64::from(now) + u64::from(before.max(1)) / 2) / u64::from(before.max(1))) as u32
+            };
+            wanted.clamp(1, limit.max(1))
+        }
+    }
+}
+
 /// Algorithm 6, `candidate_selection`: the live, undrained nodes with room
 /// for an agent and a store below `mem_budget` bytes (0: no limit), best first by `strategy` (BW: least traffic; MEM: most available
 /// memory; CP: fewest checkpoint operations per minute; POWER: lowest draw,
@@ -470,6 +495,31 @@ mod tests {
         let (n, s) = next_agent_count(4, 1.0, ScalingState { before_last_change: Some(2.0), settled: false }, 2, 4);
         assert_eq!((n, s.settled), (4, true));
         assert_eq!(next_agent_count(1, 5.0, ScalingState { before_last_change: Some(1.0), settled: false }, 2, 8).0, 1);
+    }
+
+    #[test]
+    fn agents_after_a_resize_table() {
+        use crate::config::AgentChangeStrategy::{MalleableAgents as MaMa, RigidAgents as MaRa};
+        // (strategy, agents, before, now, limit) -> agents
+        let table = [
+            (MaRa, 2, 4, 8, 80, 2),
+            (MaRa, 4, 4, 1, 80, 4),
+            (MaMa, 4, 4, 8, 80, 8), // 1:1 stays 1:1
+            (MaMa, 4, 4, 2, 80, 2),
+            (MaMa, 2, 4, 8, 80, 4), // 2:1 stays 2:1
+            (MaMa, 2, 8, 2, 80, 1), // 4:1 of 2 processes: one agent
+            (MaMa, 2, 4, 1, 80, 1),
+            (MaMa, 1, 1, 4, 80, 4),
+            (MaMa, 4, 4, 16, 6, 6), // max_agents_app
+            (MaMa, 3, 6, 5, 80, 3), // 2.5 rounds to 3
+        ];
+        for (strategy, current, before, now, limit, want) in table {
+            assert_eq!(
+                agents_after_resize(strategy, current, before, now, limit),
+                want,
+                "{strategy:?} {current} agents, {before} -> {now} units, limit {limit}"
+            );
+        }
     }
 
     #[test]

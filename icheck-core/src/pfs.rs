@@ -440,6 +440,7 @@ impl PfsStore {
         Ok(Some(protocol::VersionRecord {
             version,
             ranks: manifest.ranks,
+            epoch: manifest.entries.first().map_or(0, |e| e.manifest.epoch),
             bytes: manifest.entries.iter().map(|e| e.manifest.total_len).sum(),
             commit_secs: 0.0,
             completed_unix_ms: 0,
@@ -545,18 +546,23 @@ mod tests {
     fn manifest(app: &str, version: u64, rank: u32, data: &[u8]) -> Manifest {
         let half = data.len() / 2;
         let labels = vec![
-            LabelLayout { label: "a".into(), kind: DataKind::Binary, offset: 0, len: half as u64 },
+            LabelLayout { label: "a".into(), kind: DataKind::Binary, offset: 0, len: half as u64, adapt: None },
             LabelLayout {
                 label: "b".into(),
                 kind: DataKind::Double,
                 offset: half as u64,
                 len: (data.len() - half) as u64,
+                adapt: Some(crate::distribution::Adapt::Global {
+                    global: 1000,
+                    layout: crate::distribution::GlobalLayout::Cyclic { width: 3 },
+                }),
             },
         ];
         Manifest {
             app: app.into(),
             rank,
             ranks: 2,
+            epoch: 3,
             version,
             crcs: label_crcs(&[&data[..half], &data[half..]]),
             labels,

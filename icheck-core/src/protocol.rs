@@ -435,6 +435,10 @@ pub enum ClientRequest {
         /// other agents copy theirs, which completes the version there.
         #[serde(default)]
         spilled: bool,
+        /// Resize epoch: how many times the application's process count
+        /// changed before this version (0 for a rigid application).
+        #[serde(default)]
+        epoch: u32,
     },
     /// Have the application's agents changed? (§6.4.2)
     Probe {
@@ -614,6 +618,9 @@ pub struct VersionRecord {
     pub version: u64,
     /// Process count it was written with.
     pub ranks: u32,
+    /// Resize epoch: how many times the process count changed before this
+    /// version was written.
+    pub epoch: u32,
     /// Bytes over all ranks.
     pub bytes: u64,
     /// Seconds the commit took.
@@ -661,6 +668,9 @@ pub struct LabelLayout {
     pub offset: u64,
     /// Length in bytes.
     pub len: u64,
+    /// How the label is restored with another process count (labels added
+    /// with `add_adapt` / `add_adapt_global`); `None` for plain labels.
+    pub adapt: Option<crate::distribution::Adapt>,
 }
 
 /// Everything known about one rank's data of one version; written by the
@@ -673,6 +683,8 @@ pub struct Manifest {
     pub rank: u32,
     /// Process count of the application when written.
     pub ranks: u32,
+    /// Resize epoch of the version (see [`VersionRecord::epoch`]).
+    pub epoch: u32,
     /// Version number.
     pub version: u64,
     /// Labels, in file order.
@@ -719,6 +731,8 @@ pub enum AgentRequest {
         version: u64,
         /// Process count.
         ranks: u32,
+        /// Resize epoch.
+        epoch: u32,
         /// Label layout; lengths sum to the total.
         labels: Vec<LabelLayout>,
         /// Whether the rank will fi_write (push) rather than the agent fi_read (pull).

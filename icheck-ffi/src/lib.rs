@@ -58,6 +58,10 @@ pub const ICHECK_ERR_RANKS: c_int = -14;
 pub const ICHECK_ERR_UNSUPPORTED: c_int = -15;
 /// An internal error (a bug): the call was abandoned without side effects.
 pub const ICHECK_ERR_INTERNAL: c_int = -16;
+/// A malleable label (`icheck_add_adapt*`) cannot be stored or restored as
+/// asked: a local part that does not fit its distribution, global sizes that
+/// differ across ranks, a label added with plain `icheck_add`.
+pub const ICHECK_ERR_ADAPT: c_int = -17;
 
 /// Element types of `icheck_add` (`ICHECK_CHAR` ... `ICHECK_BINARY`).
 fn kind_of(code: c_int) -> Option<DataKind> {
@@ -128,6 +132,8 @@ impl From<Error> for Failure {
             Error::Incomplete { .. } => ICHECK_ERR_INCOMPLETE,
             Error::RankCount { .. } => ICHECK_ERR_RANKS,
             Error::Unsupported(_) => ICHECK_ERR_UNSUPPORTED,
+            Error::Adapt { .. } => ICHECK_ERR_ADAPT,
+            Error::Distribution { .. } => ICHECK_ERR_RANKS,
         };
         Failure { code, message: err.to_string() }
     }
@@ -439,6 +445,7 @@ pub extern "C" fn icheck_strerror(code: c_int) -> *const c_char {
         ICHECK_ERR_RANKS => c"checkpoint written by a different number of processes",
         ICHECK_ERR_UNSUPPORTED => c"not supported",
         ICHECK_ERR_INTERNAL => c"internal error",
+        ICHECK_ERR_ADAPT => c"malleable label cannot be stored or restored as declared",
         _ => c"unknown icheck error code",
     };
     text.as_ptr()

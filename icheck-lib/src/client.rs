@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use icheck_core::config::{ConfigError, StaticConfig, TransferDirection};
 use icheck_core::decide::agent_for_rank;
+use icheck_core::distribution::{Adapt, Attribute, GlobalLayout};
 use icheck_core::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricError, LocalSource, MemoryRegion, Peer, ProgressMode,
     ProgressThread, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
@@ -35,6 +36,11 @@ use icheck_core::service::ServiceError;
 use crate::comm::Communicator;
 use crate::region::{as_bytes_mut, Element, RawSource, Region, Source};
 use crate::segment::NodeSegment;
+
+mod resize;
+pub use resize::Recalc;
+use resize::Resized;
+pub use resize::{Global, Recalculate, Replicated, Resize};
 
 /// Environment variable naming the configuration file when `init` gets none.
 pub const CONFIG_ENV: &str = "ICHECK_CONFIG";
@@ -136,8 +142,9 @@ pub enum Error {
         /// What a restart would get.
         previous: String,
     },
-    /// The checkpoint was written with another process count.
-    #[error("version {version} was written by {written} processes, this run has {now} (restart with a different process count needs the redistribution API)")]
+    /// The checkpoint was written with another process count, and this
+    /// mode cannot restore it (SHMR keeps one file per node).
+    #[error("version {version} was written by {written} processes, this run has {now}: a restart with another process count needs MR mode (mode = \"mr\")")]
     RankCount {
         /// Version.
         version: u64,
@@ -149,6 +156,23 @@ pub enum Error {
     /// A configuration value is not supported (yet).
     #[error("{0}")]
     Unsupported(String),
+    /// A label added for malleability (`add_adapt`, `add_adapt_global`)
+    /// cannot be stored or restored as asked.
+    #[error("label {label:?}: {detail}")]
+    Adapt {
+        /// The label.
+        label: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A distributed array has no layout for the process count.
+    #[error("label {label:?}: {error}")]
+    Distribution {
+        /// The label.
+        label: String,
+        /// Why.
+        error: icheck_core::distribution::DistributionError,
+    },
 }
 
 type Result<T> = std::result::Result<T, Error>;
@@ -187,6 +211,10 @@ pub enum ProbeOutcome {
 struct Label {
     name: String,
     source: Box<dyn Source>,
+    /// How a run with another process count restores it (adapt labels).
+    adapt: Option<icheck_core::distribution::Adapt>,
+    /// A VOLATILE label's recalculation.
+    recalc: Option<Recalc>,
 }
 
 /// This rank's session with its agent.
@@ -234,8 +262,9 @@ impl AgentLink {
         }
     }
 
-    fn begin(&mut self, version: u64, ranks: u32, labels: Vec<LabelLayout>, push: bool) -> Result<RemoteRegion> {
-        match self.call(&AgentRequest::Begin { version, ranks, labels, push })? {
+    fn begin(&mut self, version: u64, shape: Shape, labels: Vec<LabelLayout>, push: bool) -> Result<RemoteRegion> {
+        let Shape { ranks, epoch } = shape;
+        match self.call(&AgentRequest::Begin { version, ranks, epoch, labels, push })? {
             AgentReply::Target(region) => Ok(region),
             other => Err(self.error(format!("unexpected answer to Begin: {other:?}"))),
         }
@@ -268,6 +297,14 @@ impl AgentLink {
     }
 }
 
+/// What a version is written by: the process count (node count in SHMR
+/// mode, where a node is one writer) and the resize epoch.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    ranks: u32,
+    epoch: u32,
+}
+
 /// What a background commit thread hands back.
 struct Background {
     link: AgentLink,
@@ -293,14 +330,14 @@ fn send_version(
     link: &mut AgentLink,
     endpoint: &Endpoint,
     version: u64,
-    ranks: u32,
+    shape: Shape,
     layout: Vec<LabelLayout>,
     push: bool,
     registered: Option<(LocalSource<'_>, RemoteRegion)>,
     bytes: &[u8],
 ) -> Result<()> {
     let total = bytes.len();
-    let target = link.begin(version, ranks, layout.clone(), push)?;
+    let target = link.begin(version, shape, layout.clone(), push)?;
     let slices: Vec<&[u8]> = layout.iter().map(|l| &bytes[l.offset as usize..(l.offset + l.len) as usize]).collect();
     let crcs = std::thread::scope(|scope| -> Result<Vec<Vec<u32>>> {
         let checksums = scope.spawn(|| label_crcs(&slices));
@@ -338,6 +375,9 @@ enum RestoredData {
     Segment,
     /// Fallback: this rank's data, read and verified from the PFS.
     Local(Vec<u8>),
+    /// Written by another process count: `restore` reads each label's
+    /// pieces from the old ranks (`resize.rs`).
+    Resized(Resized),
 }
 
 /// Bytes read per step of a restore; each step's checksums are verified on
@@ -435,6 +475,9 @@ pub struct Icheck {
     segment: Option<NodeSegment>,
     labels: Vec<Label>,
     latest: Option<VersionRecord>,
+    /// Resize epoch of the versions this run writes: the newest version's,
+    /// plus one when this run's process count differs from its.
+    epoch: u32,
     next_version: u64,
     direction: TransferDirection,
     zero_copy: bool,
@@ -482,7 +525,13 @@ fn layouts(labels: &[Label], lens: &[usize]) -> Vec<LabelLayout> {
         .iter()
         .zip(lens)
         .map(|(label, len)| {
-            let layout = LabelLayout { label: label.name.clone(), kind: label.source.kind(), offset, len: *len as u64 };
+            let layout = LabelLayout {
+                label: label.name.clone(),
+                kind: label.source.kind(),
+                offset,
+                len: *len as u64,
+                adapt: label.adapt.clone(),
+            };
             offset += *len as u64;
             layout
         })
@@ -640,6 +689,7 @@ impl Icheck {
         tracing::info!(?status, ?agent, ?direction, ?mode, zero_copy, "initialised");
         drop(_entered);
         let next_version = latest.as_ref().map_or(1, |l| l.version + 1);
+        let epoch = latest.as_ref().map_or(0, |l| l.epoch + u32::from(l.ranks != size));
         let icheck = Icheck {
             app: app_name.to_string(),
             token,
@@ -659,6 +709,7 @@ impl Icheck {
             segment_region: None,
             labels: Vec::new(),
             latest,
+            epoch,
             next_version,
             direction,
             zero_copy,
@@ -686,8 +737,12 @@ impl Icheck {
             return Err(Error::BadLabel(label.to_string()));
         }
         match self.labels.iter_mut().find(|l| l.name == label) {
-            Some(existing) => existing.source = source,
-            None => self.labels.push(Label { name: label.to_string(), source }),
+            Some(existing) => {
+                existing.source = source;
+                existing.adapt = None;
+                existing.recalc = None;
+            }
+            None => self.labels.push(Label { name: label.to_string(), source, adapt: None, recalc: None }),
         }
         Ok(())
     }
@@ -724,6 +779,17 @@ impl Icheck {
         self.comm.rank()
     }
 
+    /// What this run's versions are written by (`ranks` writers).
+    fn shape(&self, ranks: u32) -> Shape {
+        Shape { ranks, epoch: self.epoch }
+    }
+
+    /// Resize epoch of the versions this run writes (see
+    /// `VersionRecord::epoch`).
+    pub fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
     fn link(&mut self) -> Result<&mut AgentLink> {
         self.link.as_mut().ok_or(Error::Order("no agent session (an earlier failure closed it)"))
     }
@@ -736,6 +802,7 @@ impl Icheck {
         self.check_open()?;
         self.wait()?;
         self.release_restart();
+        self.check_global_labels()?;
         let version = self.next_version;
         self.next_version += 1;
         let span = tracing::info_span!("commit", app = %self.app, rank = self.comm.rank(), version);
@@ -854,6 +921,7 @@ impl Icheck {
                 bytes: total,
                 commit_secs: secs,
                 spilled,
+                epoch: self.epoch,
             };
             recorded = controller
                 .request(&request)
@@ -866,7 +934,9 @@ impl Icheck {
             return Err(self.incomplete(version, "rank 0 could not record it at the controller".into()));
         }
         let ranks = self.comm.size();
-        self.latest = Some(VersionRecord { version, ranks, bytes: total, commit_secs: secs, completed_unix_ms: 0 });
+        let epoch = self.epoch;
+        self.latest =
+            Some(VersionRecord { version, ranks, epoch, bytes: total, commit_secs: secs, completed_unix_ms: 0 });
         if let Some(link) = self.link.as_mut() {
             if let Err(err) = link.call(&AgentRequest::Complete { version }) {
                 tracing::warn!(%err, "agent could not drop older versions");
@@ -893,9 +963,9 @@ impl Icheck {
             regions.push((index, region));
         }
         let endpoint = self.endpoint.clone();
-        let ranks = self.comm.size();
+        let shape = self.shape(self.comm.size());
         let link = self.link.as_mut().ok_or(Error::Order("no agent session"))?;
-        let target = link.begin(version, ranks, layout.clone(), push)?;
+        let target = link.begin(version, shape, layout.clone(), push)?;
         let slices: Vec<&[u8]> = guards.iter().map(|g| &***g).collect();
         // Checksums are computed from this process's memory while the bytes
         // move, on another core: end to end, and off the transfer's path.
@@ -958,7 +1028,8 @@ impl Icheck {
             completed?;
             return Err(self.incomplete(version, "rank 0 could not complete the version on the PFS".into()));
         }
-        self.latest = Some(VersionRecord { version, ranks, bytes: 0, commit_secs: 0.0, completed_unix_ms: 0 });
+        let epoch = self.epoch;
+        self.latest = Some(VersionRecord { version, ranks, epoch, bytes: 0, commit_secs: 0.0, completed_unix_ms: 0 });
         let total_ms = started.elapsed().as_secs_f64() * 1e3;
         tracing::info!(version, write_ms, total_ms, "version written directly to the PFS");
         Ok(())
@@ -984,6 +1055,7 @@ impl Icheck {
                 app: self.app.clone(),
                 rank: who,
                 ranks: self.comm.size(),
+                epoch: self.epoch,
                 version,
                 total_len: parts.iter().map(|p| p.len() as u64).sum(),
                 chunk_size: icheck_core::service::store::CHUNK_SIZE,
@@ -1117,7 +1189,7 @@ impl Icheck {
             })
             .collect();
         let push = self.direction == TransferDirection::Push;
-        let nodes = self.comm.node_counts().0;
+        let shape = self.shape(self.comm.node_counts().0);
         let Some(mut link) = self.link.take() else {
             // Not the node leader: nothing to move; async still completes in wait().
             if self.asynchronous {
@@ -1138,7 +1210,7 @@ impl Icheck {
                 return Err(Error::Order("the SHMR segment is not registered"));
             }
             let registered = region.map(|r| (r.source(), r.remote()));
-            send_version(link, &endpoint, version, nodes, layout, push, registered, bytes)
+            send_version(link, &endpoint, version, shape, layout, push, registered, bytes)
         };
         if !self.asynchronous {
             let result = send(&mut link, region.as_ref());
@@ -1179,7 +1251,7 @@ impl Icheck {
                 if who == rank {
                     my_offsets.push(total as usize);
                 }
-                placed.push(LabelLayout { label: name, kind, offset: total, len });
+                placed.push(LabelLayout { label: name, kind, offset: total, len, adapt: None });
                 total += len;
             }
             staged.push((who, placed));
@@ -1294,9 +1366,9 @@ impl Icheck {
         let total: usize = lens.iter().sum();
         let push = self.direction == TransferDirection::Push;
         let endpoint = self.endpoint.clone();
-        let ranks = self.comm.size();
+        let shape = self.shape(self.comm.size());
         let link = self.link.as_mut().ok_or(Error::Order("no agent session"))?;
-        let target = link.begin(version, ranks, layout, push)?;
+        let target = link.begin(version, shape, layout, push)?;
         let half = staging.len() / 2;
         let base = staging.as_mut_slice().as_mut_ptr() as usize;
         let (remote, source) = (staging.remote(), staging.source());
@@ -1387,7 +1459,7 @@ impl Icheck {
         let layout = layouts(&self.labels, &lens);
         let mut link = self.link.take().ok_or(Error::Order("no agent session"))?;
         let push = self.direction == TransferDirection::Push;
-        let (endpoint, ranks) = (self.endpoint.clone(), self.comm.size());
+        let (endpoint, shape) = (self.endpoint.clone(), self.shape(self.comm.size()));
         let span = tracing::Span::current();
         let handle = std::thread::Builder::new()
             .name("icheck-async-commit".into())
@@ -1398,7 +1470,7 @@ impl Icheck {
                     &mut link,
                     &endpoint,
                     version,
-                    ranks,
+                    shape,
                     layout,
                     push,
                     Some((staging.source(), staging.remote())),
@@ -1455,15 +1527,24 @@ impl Icheck {
         self.check_open()?;
         self.wait()?;
         self.release_restart();
-        let newest = self.restart_record()?.version;
-        let mut candidates = vec![newest];
+        let newest = self.restart_record()?;
+        let size = self.comm.size();
+        // (version, process count it was written by)
+        let mut candidates = vec![(newest.version, newest.ranks)];
         if let Some(pfs) = &self.pfs {
             let older = pfs.versions(&self.app).unwrap_or_default();
-            candidates.extend(older.into_iter().rev().filter(|v| *v < newest));
+            candidates.extend(
+                older
+                    .into_iter()
+                    .rev()
+                    .filter(|v| *v < newest.version)
+                    .map(|v| (v, pfs.manifest(&self.app, v).map_or(newest.ranks, |m| m.ranks))),
+            );
         }
         let last = candidates.len() - 1;
-        for (tried, version) in candidates.into_iter().enumerate() {
+        for (tried, (version, written)) in candidates.into_iter().enumerate() {
             let result = match (&self.fallback, self.mode) {
+                _ if written != size => self.fetch_resized(version, written),
                 (Some(_), _) => self.fetch_fallback(version),
                 (None, TransferMode::Mr) => self.fetch(version),
                 (None, TransferMode::Shmr) => self.fetch_shmr(version),
@@ -1486,12 +1567,7 @@ impl Icheck {
 
     /// The version a restart fetches, if this run can restore it.
     fn restart_record(&self) -> Result<VersionRecord> {
-        let record = self.latest.clone().ok_or_else(|| Error::NoCheckpoint(self.app.clone()))?;
-        let size = self.comm.size();
-        if record.ranks != size {
-            return Err(Error::RankCount { version: record.version, written: record.ranks, now: size });
-        }
-        Ok(record)
+        self.latest.clone().ok_or_else(|| Error::NoCheckpoint(self.app.clone()))
     }
 
     fn fetch(&mut self, version: u64) -> Result<u64> {
@@ -1534,6 +1610,30 @@ impl Icheck {
     fn restore_bytes(&self, label: &str, kind: DataKind, out: &mut [u8]) -> Result<()> {
         let (restored, index) = self.restored_label(label)?;
         let layout = &restored.manifest.labels[index];
+        if let RestoredData::Resized(resized) = &restored.data {
+            return self.restore_resized(restored.manifest.version, resized.written, layout, kind, out);
+        }
+        // Replicated attributes that are not "read my own value back", and
+        // MANUAL arrays, which go whole to their root whatever the count.
+        match &layout.adapt {
+            Some(Adapt::Global { layout: GlobalLayout::Manual { .. }, .. }) => {
+                if self.mode == TransferMode::Shmr {
+                    return Err(Error::Adapt {
+                        label: label.into(),
+                        detail: "MANUAL arrays need MR mode (SHMR keeps one file per node)".into(),
+                    });
+                }
+                return self.restore_resized(restored.manifest.version, self.comm.size(), layout, kind, out);
+            }
+            Some(Adapt::Replicated(Attribute::Default { value, joining_only: false })) if layout.kind == kind => {
+                for element in out.chunks_mut(value.len().max(1)) {
+                    element.copy_from_slice(&value[..element.len()]);
+                }
+                return Ok(());
+            }
+            Some(Adapt::Replicated(Attribute::Volatile)) => return self.recalculate(label, self.comm.size(), out),
+            _ => {}
+        }
         if layout.len != out.len() as u64 {
             return Err(Error::SizeMismatch { label: label.to_string(), stored: layout.len, given: out.len() as u64 });
         }
@@ -1554,6 +1654,7 @@ impl Icheck {
                 out.copy_from_slice(&segment.as_slice()[start..start + out.len()]);
                 return Ok(());
             }
+            RestoredData::Resized(_) => unreachable!("handled above"),
         };
         let link = self.link.as_ref().ok_or(Error::Order("no agent session"))?;
         let manifest = &restored.manifest;
@@ -1585,13 +1686,28 @@ impl Icheck {
     /// size their memory before `restore`.
     pub fn restored_len(&self, label: &str) -> Result<u64> {
         let (restored, index) = self.restored_label(label)?;
-        Ok(restored.manifest.labels[index].len)
+        let layout = &restored.manifest.labels[index];
+        match restored.data {
+            RestoredData::Resized(_) => Ok(self.local_count(label)? * layout.kind.size() as u64),
+            _ => Ok(layout.len),
+        }
     }
 
     /// Element type of label `label` in the restarted checkpoint.
     pub fn restored_kind(&self, label: &str) -> Result<DataKind> {
         let (restored, index) = self.restored_label(label)?;
         Ok(restored.manifest.labels[index].kind)
+    }
+
+    /// The process count that wrote the version `restart` fetched (which
+    /// may differ from this run's), or `None` before a restart.
+    pub fn restarted_from(&self) -> Option<u32> {
+        let restored = self.restored.as_ref()?;
+        Some(match &restored.data {
+            RestoredData::Resized(resized) => resized.written,
+            // Anything else was written by this run's count.
+            _ => self.comm.size(),
+        })
     }
 
     /// Whether `restart` has fetched a version that `restore` can read.

@@ -34,10 +34,14 @@ mod comm;
 mod region;
 mod segment;
 
-pub use client::{Error, Icheck, InitStatus, ProbeHints, ProbeOutcome};
+pub use client::{
+    Error, Global, Icheck, InitStatus, ProbeHints, ProbeOutcome, Recalc, Recalculate, Replicated, Resize,
+};
 #[cfg(feature = "mpi")]
 pub use comm::MpiComm;
 pub use comm::{Communicator, SingleProcess};
+/// Stored malleability metadata and the PREDEFINED processor mappings.
+pub use icheck_core::distribution::{Attribute, GlobalLayout, ProcessorMapping};
 pub use icheck_core::protocol::DataKind;
 pub use region::{Element, Region};
 

@@ -346,6 +346,7 @@ enum Destination {
 struct Writing {
     version: u64,
     ranks: u32,
+    epoch: u32,
     labels: Vec<LabelLayout>,
     total_len: u64,
     destination: Destination,
@@ -426,7 +427,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
     let store = &shared.settings.store;
     match request {
         AgentRequest::Open { .. } => unreachable!("handled above"),
-        AgentRequest::Begin { version, ranks, labels, push } => {
+        AgentRequest::Begin { version, ranks, epoch, labels, push } => {
             let begun = Instant::now();
             session.writing = None;
             let total_len = check_layout(&labels)?;
@@ -450,6 +451,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                     session.writing = Some(Writing {
                         version,
                         ranks,
+                        epoch,
                         labels,
                         total_len,
                         destination,
@@ -487,6 +489,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             session.writing = Some(Writing {
                 version,
                 ranks,
+                epoch,
                 labels,
                 total_len,
                 destination: Destination::Memory(file),
@@ -501,7 +504,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             Ok(AgentReply::Pulled { bytes })
         }
         AgentRequest::Seal { crcs } => {
-            let Writing { version, ranks, labels, total_len, destination, started, _progress: progress } =
+            let Writing { version, ranks, epoch, labels, total_len, destination, started, _progress: progress } =
                 session.writing.take().ok_or("Seal without Begin")?;
             // The rank has finished writing: stop spinning for it.
             drop(progress);
@@ -524,6 +527,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                 app: session.app.clone(),
                 rank: session.rank,
                 ranks,
+                epoch,
                 version,
                 labels,
                 total_len,
@@ -788,7 +792,7 @@ mod tests {
     use crate::protocol::DataKind;
 
     fn label(name: &str, offset: u64, len: u64) -> LabelLayout {
-        LabelLayout { label: name.into(), kind: DataKind::Double, offset, len }
+        LabelLayout { label: name.into(), kind: DataKind::Double, offset, len, adapt: None }
     }
 
     #[test]

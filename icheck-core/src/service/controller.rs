@@ -5,7 +5,7 @@
 //! nodes (manager connection, last heartbeat, measurements), applications
 //! (registration, agents), and pending agent starts.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -21,7 +21,7 @@ use crate::decide::{self, NodeSnapshot};
 use crate::protocol::{
     self, AgentChange, AgentInfo, AppReport, ClientReply, ClientRequest, CommitSample, ControllerToManager, Hello,
     HelloReply, ManagerToController, NodeReport, NodeStatus, PfsCopyStats, ProtocolError, Role, StatusReport,
-    VersionRecord, COMMIT_HISTORY,
+    TransferMode, VersionRecord, COMMIT_HISTORY,
 };
 
 /// How far ahead the memory forecast looks, in seconds.
@@ -86,6 +86,9 @@ struct Adaptation {
     changed_after: u64,
     /// Seconds the last placement or change took: the t_probe of eq. 6.11.
     reconfigure_secs: f64,
+    /// Mapping units (processes in MR, nodes in SHMR) the agent count was
+    /// chosen for; a malleable application that resized differs (§7.2).
+    sized_for: u32,
 }
 
 impl Adaptation {
@@ -418,8 +421,8 @@ async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), 
                     Err(reason) => ClientReply::Error(reason),
                 }
             }
-            ClientRequest::VersionComplete { name, version, bytes, commit_secs, spilled } => {
-                record_version(&shared, &name, version, bytes, commit_secs, spilled)
+            ClientRequest::VersionComplete { name, version, bytes, commit_secs, spilled, epoch } => {
+                record_version(&shared, &name, version, bytes, commit_secs, spilled, epoch)
             }
             ClientRequest::Probe { name, agents, remaining_commits } => {
                 let span = tracing::info_span!("probe", app = %name);
@@ -549,6 +552,9 @@ async fn register_app(
     let mut adaptation = state.apps.get(&registration.name).map(|a| a.adaptation.clone()).unwrap_or_default();
     adaptation.changed_after = latest.as_ref().map_or(0, |l| l.version);
     adaptation.reconfigure_secs = placing.elapsed().as_secs_f64();
+    if adaptation.sized_for == 0 {
+        adaptation.sized_for = decide::mapping_units(&registration);
+    }
     let homes = agents.iter().map(|a| a.node.clone()).collect();
     let entry = AppEntry {
         registration,
@@ -576,6 +582,7 @@ fn record_version(
     bytes: u64,
     commit_secs: f64,
     spilled: bool,
+    epoch: u32,
 ) -> ClientReply {
     let mut state = shared.state();
     let state = &mut *state;
@@ -591,7 +598,24 @@ fn record_version(
     let completed_unix_ms =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     tracing::info!(app = name, version, bytes, commit_secs, "version complete");
-    app.latest = Some(VersionRecord { version, ranks: app.registration.ranks, bytes, commit_secs, completed_unix_ms });
+    let ranks = app.registration.ranks;
+    let written_before = app.latest.as_ref().map(|l| l.ranks);
+    app.latest = Some(VersionRecord { version, ranks, epoch, bytes, commit_secs, completed_unix_ms });
+    if let Some(before) = written_before.filter(|b| *b != ranks && app.registration.mode == TransferMode::Mr) {
+        // The first version after a resize is complete: the old ranks' files
+        // that no agent on their node serves any more (ranks beyond the new
+        // count, ranks now mapped to another node) are dropped.
+        let count = app.agents.len() as u32;
+        let serves = |node: &str, rank: u32| {
+            rank < ranks && app.agents[decide::agent_for_rank(rank, ranks, count) as usize].node == node
+        };
+        let nodes: BTreeSet<&str> = app.agents.iter().map(|a| a.node.as_str()).collect();
+        let stale = nodes
+            .into_iter()
+            .flat_map(|node| (0..before.max(ranks)).filter(move |r| !serves(node, *r)).map(move |r| (r, node)));
+        drop_moved_ranks(&state.nodes, name, stale);
+        tracing::info!(app = name, from = before, to = ranks, epoch, "first version after a resize");
+    }
     let history = &mut app.adaptation.commits;
     if history.len() == COMMIT_HISTORY {
         history.pop_front();
@@ -765,6 +789,8 @@ enum ProbePlan {
     Relocate { current: u32, replace: Vec<usize> },
     /// Algorithm 5 wants `to` agents.
     Scale { current: u32, to: u32, scaling: decide::ScalingState },
+    /// The application resized to `units`; Algorithm 7 wants `to` agents.
+    Resize { current: u32, to: u32, units: u32 },
 }
 
 /// §6.4.2, a probe. Agents lost with their manager are replaced first (on
@@ -793,6 +819,11 @@ async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32) -> Cl
             return ClientReply::Agents(app.agents.clone());
         } else if !draining.is_empty() {
             ProbePlan::Relocate { current, replace: draining }
+        } else if let Some(plan) = resize_plan(app, &config) {
+            match plan {
+                Ok(plan) => plan,
+                Err(answer) => return answer,
+            }
         } else if !config.is_dynamic_as {
             return ClientReply::Unchanged;
         } else {
@@ -844,6 +875,22 @@ async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32) -> Cl
                 }
             }
         }
+        ProbePlan::Resize { current, to, units } => {
+            tracing::info!(from = current, to, units, strategy = ?config.agent_change_strategy, "agents follow the resize");
+            match change_agents(shared, name, to, &[], &config).await {
+                Ok(agents) => {
+                    if let Some(app) = shared.state().apps.get_mut(name) {
+                        app.adaptation.sized_for = units;
+                        app.adaptation.scaling = decide::ScalingState::default();
+                    }
+                    ClientReply::Agents(agents)
+                }
+                Err(reason) => {
+                    tracing::warn!(from = current, to, %reason, "agents cannot follow the resize; the application keeps its agents");
+                    ClientReply::Unchanged
+                }
+            }
+        }
         ProbePlan::Scale { current, to, scaling } => match change_agents(shared, name, to, &[], &config).await {
             Ok(agents) => {
                 if let Some(app) = shared.state().apps.get_mut(name) {
@@ -860,6 +907,30 @@ async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32) -> Cl
             }
         },
     }
+}
+
+/// §7.2: an application whose mapping units changed since its agents were
+/// chosen gets Algorithm 7's count (MA-RA: the same; MA-MA: the same ratio)
+/// once a version with the new size is complete, since the new agents take
+/// over that version's ranks. `Some(Err(Unchanged))` means "wait".
+fn resize_plan(app: &mut AppEntry, config: &DynamicConfig) -> Option<Result<ProbePlan, ClientReply>> {
+    let units = decide::mapping_units(&app.registration);
+    let before = app.adaptation.sized_for;
+    if before == 0 || before == units {
+        return None;
+    }
+    if app.latest.as_ref().map(|l| l.ranks) != Some(app.registration.ranks) {
+        return Some(Err(ClientReply::Unchanged));
+    }
+    let current = app.agents.len() as u32;
+    let limit = decide::agent_limit(&app.registration, config);
+    let to = decide::agents_after_resize(config.agent_change_strategy, current, before, units, limit);
+    if to == current {
+        tracing::info!(agents = current, from = before, to = units, strategy = ?config.agent_change_strategy, "agents stay after the resize");
+        app.adaptation.sized_for = units;
+        return Some(Err(ClientReply::Unchanged));
+    }
+    Some(Ok(ProbePlan::Resize { current, to, units }))
 }
 
 /// Moves an application to `to` agents (§6.4.2): the current agents stay

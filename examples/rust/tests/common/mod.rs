@@ -27,6 +27,11 @@ pub struct Job {
 
 impl Job {
     pub fn start(np: u32, config: &Path, args: &[&str], env: &[(&str, &str)]) -> Job {
+        Job::start_program(EXAMPLE, np, config, args, env)
+    }
+
+    /// [`start`](Self::start) for another program.
+    pub fn start_program(program: &str, np: u32, config: &Path, args: &[&str], env: &[(&str, &str)]) -> Job {
         use std::os::unix::process::CommandExt;
         static JOBS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -35,7 +40,7 @@ impl Job {
         let mut command = Command::new("mpirun");
         command
             .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()])
-            .arg(EXAMPLE)
+            .arg(program)
             .args(args)
             .env("ICHECK_CONFIG", config)
             .env("OMPI_MCA_btl", "self,vader")
@@ -106,6 +111,20 @@ impl Job {
                 std::thread::sleep(Duration::from_millis(100)); // let the readers drain
                 assert!(status.success(), "job failed with {status}\n{}", self.output());
                 return (self.lines.lock().unwrap().clone(), self.stderr.lock().unwrap().clone());
+            }
+            assert!(start.elapsed() < timeout, "job still running after {timeout:?}\n{}", self.output());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits for the job to end, successfully or not; returns whether it
+    /// succeeded and its whole output (stdout, then stderr).
+    pub fn finish_any(mut self, timeout: Duration) -> (bool, String) {
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                std::thread::sleep(Duration::from_millis(100)); // let the readers drain
+                return (status.success(), self.output());
             }
             assert!(start.elapsed() < timeout, "job still running after {timeout:?}\n{}", self.output());
             std::thread::sleep(Duration::from_millis(50));

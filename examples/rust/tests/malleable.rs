@@ -1,0 +1,140 @@
+//! Malleability (§7.2, §7.4) with real MPI jobs and a real local service:
+//! versions committed by one process count restored by another through the
+//! agents, every element checked against its global index by the
+//! application (`malleable`); agents that follow a resize (MA-RA, MA-MA);
+//! and the errors bad declarations get.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use common::Job;
+use icheck_core::testkit::{icheck_in_target, LocalService};
+
+const MALLEABLE: &str = env!("CARGO_BIN_EXE_malleable");
+const LONG: Duration = Duration::from_secs(180);
+
+fn run(np: u32, config: &Path, args: &[&str]) -> Vec<String> {
+    Job::start_program(MALLEABLE, np, config, args, &[]).finish(LONG)
+}
+
+fn has(lines: &[String], line: &str) -> bool {
+    lines.iter().any(|l| l == line)
+}
+
+/// Rank directories of `app` in the service's store, over all nodes.
+fn stored_ranks(service: &LocalService, app: &str) -> Vec<String> {
+    let mut ranks = Vec::new();
+    for node in std::fs::read_dir(&service.config.agent_store_dir).into_iter().flatten().flatten() {
+        for rank in std::fs::read_dir(node.path().join(app)).into_iter().flatten().flatten() {
+            ranks.push(rank.file_name().to_string_lossy().into_owned());
+        }
+    }
+    ranks.sort();
+    ranks
+}
+
+#[test]
+fn arrays_written_by_4_ranks_restore_on_1_3_4_and_6_ranks_element_by_element() {
+    let service = LocalService::up(&icheck_in_target(), "malleable-counts", 2, &[]);
+    let config = service.config_path();
+    let lines = run(4, &config, &["--app", "grow", "--write"]);
+    assert!(has(&lines, "COMMITTED version=1 ranks=4 epoch=0"), "{lines:?}");
+    // Each run restores version 1 (written by 4) without committing.
+    for np in [1u32, 3, 4, 6] {
+        let lines = run(np, &config, &["--app", "grow", "--no-commit"]);
+        assert!(has(&lines, &format!("VERIFIED version=1 from=4 ranks={np}")), "{np} ranks: {lines:?}");
+    }
+    // A version written by 6 processes records its size and epoch, and the
+    // old ranks' files nobody serves any more are gone (4 → 6 → 2).
+    let lines = run(6, &config, &["--app", "grow"]);
+    assert!(has(&lines, "COMMITTED version=2 ranks=6 epoch=1"), "{lines:?}");
+    let lines = run(2, &config, &["--app", "grow"]);
+    assert!(has(&lines, "VERIFIED version=2 from=6 ranks=2"), "{lines:?}");
+    assert!(has(&lines, "COMMITTED version=3 ranks=2 epoch=2"), "{lines:?}");
+    let status = service.status();
+    let app = status.apps.iter().find(|a| a.registration.name == "grow").expect("registered");
+    let latest = app.latest.clone().expect("a version");
+    assert_eq!((latest.version, latest.ranks, latest.epoch), (3, 2, 2));
+    icheck_core::testkit::wait_for("the files of ranks 2-5 to be dropped", Duration::from_secs(10), || {
+        stored_ranks(&service, "grow") == ["rank0", "rank1"]
+    });
+}
+
+#[test]
+fn predefined_grids_go_from_2x4_to_4x4_processes() {
+    let service = LocalService::up(&icheck_in_target(), "malleable-grid", 2, &[]);
+    let config = service.config_path();
+    let lines = run(8, &config, &["--app", "grid", "--write"]);
+    assert!(has(&lines, "COMMITTED version=1 ranks=8 epoch=0"), "{lines:?}");
+    let lines = run(16, &config, &["--app", "grid", "--no-commit"]);
+    assert!(has(&lines, "VERIFIED version=1 from=8 ranks=16"), "{lines:?}");
+}
+
+#[test]
+fn bad_declarations_get_errors_naming_the_label_and_the_numbers() {
+    let service = LocalService::up(&icheck_in_target(), "malleable-bad", 1, &[]);
+    let config = service.config_path();
+    // Rank 1 declares 100004 elements where the others declare 100003: its
+    // BLOCK part has the same length, so only the commit's check sees it.
+    let job = Job::start_program(MALLEABLE, 4, &config, &["--app", "bad", "--write", "--mismatch-global"], &[]);
+    let (ok, text) = job.finish_any(LONG);
+    assert!(!ok, "{text}");
+    assert!(
+        text.lines().any(|l| l.contains("label \"block\": rank 1 declares 100004 elements")
+            && l.contains("rank 0 declares 100003 elements")),
+        "{text}"
+    );
+    // No process count that the PREDEFINED grid lacks can restore it.
+    let lines = run(4, &config, &["--app", "bad2", "--write"]);
+    assert!(has(&lines, "COMMITTED version=1 ranks=4 epoch=0"), "{lines:?}");
+    let (ok, text) = Job::start_program(MALLEABLE, 5, &config, &["--app", "bad2"], &[]).finish_any(LONG);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains(
+            "label \"grid\": no processor mapping covers 5 processes (mappings exist for [1, 2, 3, 4, 6, 8, 16])"
+        ),
+        "{text}"
+    );
+    // A plain label (the rigid example's) cannot be restored by another count.
+    let rigid = common::EXAMPLE;
+    let lines =
+        Job::start_program(rigid, 2, &config, &["--app", "rigid", "--steps", "2", "--every", "2", "--persist"], &[])
+            .finish(LONG);
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=1")), "{lines:?}");
+    let (ok, text) = Job::start_program(rigid, 3, &config, &["--app", "rigid", "--steps", "4"], &[]).finish_any(LONG);
+    assert!(!ok, "{text}");
+    assert!(text.contains("which a run with another process count cannot restore"), "{text}");
+}
+
+/// Agents after resizes 4 → 8 → 2 processes, starting with 2 agents.
+fn agents_after_resizes(strategy: &str, name: &str) -> Vec<usize> {
+    let dynamic = format!("init_agent_count = 2\nis_dynamic_as = false\nagent_change_strategy = \"{strategy}\"\n");
+    let service = LocalService::up_with_dynamic(&icheck_in_target(), name, 2, &[], Some(&dynamic));
+    let config = service.config_path();
+    let agents = || {
+        let status = service.status();
+        status.apps.iter().find(|a| a.registration.name == "m").map_or(0, |a| a.agents.len())
+    };
+    let mut counts = Vec::new();
+    let lines = run(4, &config, &["--app", "m", "--write"]);
+    assert!(has(&lines, "COMMITTED version=1 ranks=4 epoch=0"), "{lines:?}");
+    counts.push(agents());
+    for (np, version, from) in [(8u32, 1u64, 4u32), (2, 2, 8)] {
+        // Each run restores through the agents the previous probe left.
+        let lines = run(np, &config, &["--app", "m", "--probe"]);
+        assert!(has(&lines, &format!("VERIFIED version={version} from={from} ranks={np}")), "{lines:?}");
+        assert!(lines.iter().any(|l| l.starts_with("PROBE")), "{lines:?}");
+        counts.push(agents());
+    }
+    let lines = run(3, &config, &["--app", "m", "--no-commit"]);
+    assert!(has(&lines, "VERIFIED version=3 from=2 ranks=3"), "{lines:?}");
+    counts
+}
+
+#[test]
+fn ma_ma_agents_keep_the_ratio_and_ma_ra_agents_stay() {
+    assert_eq!(agents_after_resizes("MA-MA", "malleable-mama"), [2, 4, 1]);
+    assert_eq!(agents_after_resizes("MA-RA", "malleable-mara"), [2, 2, 2]);
+}

@@ -1,0 +1,656 @@
+//! Malleability (§7.4): labels that survive a change of the process count.
+//!
+//! A label added with `add_adapt` (replicated data) or `add_adapt_global`
+//! (a distributed 1-D array) carries its [`Adapt`] metadata in every
+//! version's manifest. A run whose process count differs from the one a
+//! version was written with restores such labels by reading, for each
+//! process, exactly the pieces the distribution for the new count gives it,
+//! from the agents that hold the old ranks' data (or from the PFS in
+//! fallback mode): an old rank's session is opened for the duration of one
+//! `restore` call, the chunk-aligned span needed is read over the fabric and
+//! verified against the old rank's checksums, and the pieces are copied into
+//! place (`distribution::receive_plan`).
+
+use std::collections::BTreeMap;
+
+use icheck_core::decide::agent_for_rank;
+use icheck_core::distribution::{receive_plan, Adapt, Attribute, GlobalLayout, ProcessorMapping};
+use icheck_core::fabric::RemoteRegion;
+use icheck_core::protocol::{AgentReply, AgentRequest, DataKind, LabelLayout, Manifest};
+
+use super::{read_and_verify, AgentLink, Error, Icheck, Restored, RestoredData, Result};
+use crate::region::{as_bytes_mut, Element, Region};
+
+/// What a volatile label's recalculation callback learns about the change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resize {
+    /// Processes that wrote the version being restored.
+    pub old_size: u32,
+    /// Processes now.
+    pub size: u32,
+    /// This process's rank now.
+    pub rank: u32,
+}
+
+/// How replicated data (`add_adapt`) is restored, in particular in a run
+/// with another process count (§7.4.1.1).
+pub enum Replicated<T: Element> {
+    /// The same on every process: every process gets rank 0's value.
+    Constant,
+    /// The process count: restored as the current count.
+    Size,
+    /// The rank: restored as the current rank.
+    Rank,
+    /// Restored as `value` in every element; with `joining_only`, only
+    /// processes that did not exist when the version was written get it,
+    /// the others restore their own stored value.
+    Default {
+        /// The value.
+        value: T,
+        /// Only for joining processes.
+        joining_only: bool,
+    },
+    /// Not read at all: `recalc` computes it when the label is restored.
+    Volatile(Recalculate<T>),
+}
+
+/// A VOLATILE label's recalculation: fills the label's elements for the
+/// process's new place.
+pub type Recalculate<T> = Box<dyn Fn(&mut [T], Resize) + Send + Sync>;
+
+/// How a distributed array (`add_adapt_global`) is spread.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Global {
+    /// Contiguous near-equal parts in rank order (the first N mod P
+    /// processes hold one element more).
+    Block,
+    /// Blocks of `width` elements dealt round robin.
+    Cyclic {
+        /// Elements per block.
+        width: u64,
+    },
+    /// 2-D grids per supported process count (`ProcessorMapping::add`).
+    Predefined(ProcessorMapping),
+    /// The whole array (old parts concatenated in rank order) goes to
+    /// `root`; every other process receives nothing, and the application
+    /// distributes it itself.
+    Manual {
+        /// The process that receives the whole array.
+        root: u32,
+    },
+}
+
+impl From<Global> for GlobalLayout {
+    fn from(global: Global) -> GlobalLayout {
+        match global {
+            Global::Block => GlobalLayout::Block,
+            Global::Cyclic { width } => GlobalLayout::Cyclic { width: width.max(1) },
+            Global::Predefined(mapping) => GlobalLayout::Predefined(mapping),
+            Global::Manual { root } => GlobalLayout::Manual { root },
+        }
+    }
+}
+
+/// A recalculation callback over a label's bytes.
+pub type Recalc = Box<dyn Fn(&mut [u8], Resize) + Send + Sync>;
+
+/// A version written by another process count, restored piece by piece.
+pub(super) struct Resized {
+    /// Processes that wrote it.
+    pub(super) written: u32,
+}
+
+/// One old rank's data, open for reading during one restore.
+enum OldRank {
+    /// Exposed by the agent holding it.
+    Agent { link: Box<AgentLink>, manifest: Manifest, region: RemoteRegion },
+    /// Read (and verified) from the PFS in fallback mode.
+    Local { manifest: Manifest, bytes: Vec<u8> },
+}
+
+impl OldRank {
+    fn manifest(&self) -> &Manifest {
+        match self {
+            OldRank::Agent { manifest, .. } | OldRank::Local { manifest, .. } => manifest,
+        }
+    }
+}
+
+impl Drop for OldRank {
+    fn drop(&mut self) {
+        if let OldRank::Agent { link, .. } = self {
+            if let Err(err) = link.call(&AgentRequest::FetchDone) {
+                tracing::debug!(%err, "agent did not acknowledge the end of a read of an old rank");
+            }
+        }
+    }
+}
+
+/// Writes `value` into every element of `out` as `kind`.
+fn fill_count(label: &str, kind: DataKind, value: u32, out: &mut [u8]) -> Result<()> {
+    let bytes: Vec<u8> = match kind {
+        DataKind::Int => (value as i32).to_ne_bytes().to_vec(),
+        DataKind::Long => i64::from(value).to_ne_bytes().to_vec(),
+        DataKind::Float => (value as f32).to_ne_bytes().to_vec(),
+        DataKind::Double => f64::from(value).to_ne_bytes().to_vec(),
+        DataKind::Char | DataKind::Binary => {
+            return Err(Error::Adapt {
+                label: label.to_string(),
+                detail: format!("SIZE and RANK labels must hold numbers, not {kind:?} elements"),
+            })
+        }
+    };
+    fill(out, &bytes);
+    Ok(())
+}
+
+fn fill(out: &mut [u8], element: &[u8]) {
+    for chunk in out.chunks_mut(element.len().max(1)) {
+        chunk.copy_from_slice(&element[..chunk.len()]);
+    }
+}
+
+impl Icheck {
+    /// Adds replicated data that a run with another process count restores
+    /// as `attribute` says (`icheck_add_adapt`). Otherwise like `add`.
+    pub fn add_adapt<T: Element>(&mut self, label: &str, region: &Region<T>, attribute: Replicated<T>) -> Result<()> {
+        let (stored, recalc): (Attribute, Option<Recalc>) = match attribute {
+            Replicated::Constant => (Attribute::Constant, None),
+            Replicated::Size | Replicated::Rank if matches!(T::KIND, DataKind::Char | DataKind::Binary) => {
+                return Err(Error::Adapt {
+                    label: label.to_string(),
+                    detail: "SIZE and RANK labels must hold numbers, not bytes".into(),
+                })
+            }
+            Replicated::Size => (Attribute::Size, None),
+            Replicated::Rank => (Attribute::Rank, None),
+            Replicated::Default { value, joining_only } => {
+                let value = as_bytes_mut(&mut [value]).to_vec();
+                (Attribute::Default { value, joining_only }, None)
+            }
+            Replicated::Volatile(callback) => {
+                let recalc: Recalc = Box::new(move |bytes: &mut [u8], resize: Resize| {
+                    // SAFETY: the bytes are a label's whole memory, which
+                    // came from a `Vec<T>` (or the caller's `T` array), so
+                    // they are aligned for T and a multiple of its size; every
+                    // bit pattern is a valid T.
+                    let (head, elements, tail) = unsafe { bytes.align_to_mut::<T>() };
+                    debug_assert!(head.is_empty() && tail.is_empty());
+                    callback(elements, resize)
+                });
+                (Attribute::Volatile, Some(recalc))
+            }
+        };
+        self.add(label, region)?;
+        self.set_adapt(label, Adapt::Replicated(stored), recalc)
+    }
+
+    /// Adds replicated data in raw memory with a byte-level recalculation
+    /// callback (the C interface's `icheck_add_adapt`).
+    ///
+    /// # Safety
+    /// As `add_raw`: `ptr` must be valid for reads and writes of `len`
+    /// bytes until the label is replaced or the library finalized.
+    pub unsafe fn add_adapt_raw(
+        &mut self,
+        label: &str,
+        ptr: *mut u8,
+        len: usize,
+        kind: DataKind,
+        attribute: Attribute,
+        recalc: Option<Recalc>,
+    ) -> Result<()> {
+        if matches!(attribute, Attribute::Size | Attribute::Rank) && matches!(kind, DataKind::Char | DataKind::Binary) {
+            return Err(Error::Adapt { label: label.into(), detail: "SIZE and RANK labels must hold numbers".into() });
+        }
+        if matches!(attribute, Attribute::Volatile) && recalc.is_none() {
+            return Err(Error::Adapt { label: label.into(), detail: "VOLATILE needs a recalculation function".into() });
+        }
+        // SAFETY: forwarded from the caller.
+        unsafe { self.add_raw(label, ptr, len, kind)? };
+        self.set_adapt(label, Adapt::Replicated(attribute), recalc)
+    }
+
+    /// Adds this process's part of a distributed 1-D array of `global`
+    /// elements (`icheck_add_adapt_global`). For BLOCK, CYCLIC and
+    /// PREDEFINED the part must have exactly the elements the distribution
+    /// gives this rank (a PREDEFINED mapping must cover the current process
+    /// count); a MANUAL part may have any size.
+    pub fn add_adapt_global<T: Element>(
+        &mut self,
+        label: &str,
+        region: &Region<T>,
+        global: u64,
+        distribution: Global,
+    ) -> Result<()> {
+        let layout = GlobalLayout::from(distribution);
+        self.check_local_part(label, region.len() as u64, global, &layout)?;
+        self.add(label, region)?;
+        self.set_adapt(label, Adapt::Global { global, layout }, None)
+    }
+
+    /// `add_adapt_global` over raw memory of `count` elements of `kind`.
+    ///
+    /// # Safety
+    /// As `add_raw`.
+    pub unsafe fn add_adapt_global_raw(
+        &mut self,
+        label: &str,
+        ptr: *mut u8,
+        count: u64,
+        kind: DataKind,
+        global: u64,
+        layout: GlobalLayout,
+    ) -> Result<()> {
+        self.check_local_part(label, count, global, &layout)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.add_raw(label, ptr, count as usize * kind.size(), kind)? };
+        self.set_adapt(label, Adapt::Global { global, layout }, None)
+    }
+
+    fn check_local_part(&self, label: &str, count: u64, global: u64, layout: &GlobalLayout) -> Result<()> {
+        let (rank, size) = (self.comm.rank(), self.comm.size());
+        let distribution =
+            layout.for_procs(size).map_err(|error| Error::Distribution { label: label.into(), error })?;
+        if let Some(distribution) = distribution {
+            let expected = distribution.local_count(global, size, rank);
+            if count != expected {
+                return Err(Error::Adapt {
+                    label: label.into(),
+                    detail: format!(
+                        "rank {rank} of {size} gives {count} elements, but {global} elements under {layout:?} give it {expected}"
+                    ),
+                });
+            }
+        }
+        if let GlobalLayout::Manual { root } = layout {
+            if *root >= size {
+                return Err(Error::Adapt {
+                    label: label.into(),
+                    detail: format!("MANUAL root {root} of {size} ranks"),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn set_adapt(&mut self, label: &str, adapt: Adapt, recalc: Option<Recalc>) -> Result<()> {
+        let entry = self
+            .labels
+            .iter_mut()
+            .find(|l| l.name == label)
+            .ok_or_else(|| Error::UnknownLabel { label: label.into(), detail: "just added, then gone" })?;
+        entry.adapt = Some(adapt);
+        entry.recalc = recalc;
+        Ok(())
+    }
+
+    /// Checks, before a commit (*collective*), that every rank added the
+    /// same distributed arrays with the same global size and distribution,
+    /// and that MANUAL parts add up to their global size; the error names
+    /// the label and the two sizes.
+    pub(super) fn check_global_labels(&self) -> Result<()> {
+        let mine: Vec<(String, u64, GlobalLayout)> = self
+            .labels
+            .iter()
+            .filter_map(|l| match &l.adapt {
+                Some(Adapt::Global { global, layout }) => Some((l.name.clone(), *global, layout.clone())),
+                _ => None,
+            })
+            .collect();
+        let encoded = icheck_core::protocol::encode(&mine).unwrap_or_default();
+        let root: Vec<(String, u64, GlobalLayout)> =
+            icheck_core::protocol::decode(&self.comm.broadcast_from_root(encoded)).unwrap_or_default();
+        let mismatch = if root == mine {
+            None
+        } else {
+            let differing = root.iter().zip(&mine).find(|(a, b)| a != b);
+            Some(match differing {
+                Some(((label, g0, l0), (_, g, l))) => Error::Adapt {
+                    label: label.clone(),
+                    detail: format!(
+                        "rank {} declares {g} elements under {l:?}, rank 0 declares {g0} elements under {l0:?}",
+                        self.comm.rank()
+                    ),
+                },
+                None => Error::Adapt {
+                    label: mine.iter().chain(&root).map(|m| m.0.clone()).next_back().unwrap_or_default(),
+                    detail: format!(
+                        "rank {} declares {} distributed arrays, rank 0 declares {}",
+                        self.comm.rank(),
+                        mine.len(),
+                        root.len()
+                    ),
+                },
+            })
+        };
+        let agreed = self.comm.all_true(mismatch.is_none());
+        if let Some(err) = mismatch {
+            return Err(err);
+        }
+        if !agreed {
+            return Err(Error::Adapt {
+                label: root.first().map(|m| m.0.clone()).unwrap_or_default(),
+                detail: "another rank declares its distributed arrays differently".into(),
+            });
+        }
+        for (name, global, layout) in &mine {
+            if matches!(layout, GlobalLayout::Manual { .. }) {
+                let label = self.labels.iter().find(|l| &l.name == name).expect("listed from labels");
+                let count = (label.source.bytes().len() / label.source.kind().size()) as u64;
+                let total = self.comm.sum(count);
+                if total != *global {
+                    return Err(Error::Adapt {
+                        label: name.clone(),
+                        detail: format!("the MANUAL parts add up to {total} elements, {global} were declared"),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Prepares a restart from `version`, written by `written` processes,
+    /// in this run of another size: only old rank 0's manifest is read now
+    /// (the labels and their metadata); `restore` reads the pieces.
+    pub(super) fn fetch_resized(&mut self, version: u64, written: u32) -> Result<u64> {
+        if self.mode == icheck_core::protocol::TransferMode::Shmr {
+            return Err(Error::RankCount { version, written, now: self.comm.size() });
+        }
+        let first = self.open_old_rank(version, 0, written)?;
+        let manifest = first.manifest().clone();
+        drop(first);
+        self.restored = Some(Restored { manifest, data: RestoredData::Resized(Resized { written }) });
+        Ok(version)
+    }
+
+    fn open_old_rank(&self, version: u64, rank: u32, written: u32) -> Result<OldRank> {
+        let manifest_check = |manifest: &Manifest| -> Result<()> {
+            if manifest.rank != rank || manifest.ranks != written || manifest.crcs.len() != manifest.labels.len() {
+                return Err(Error::Unsupported(format!(
+                    "version {version}: the data of rank {rank} of {written} describes rank {} of {}",
+                    manifest.rank, manifest.ranks
+                )));
+            }
+            Ok(())
+        };
+        if let Some(pfs) = &self.fallback {
+            let fail = |e: icheck_core::pfs::PfsError| Error::Unsupported(format!("restart from the PFS: {e}"));
+            let pfs_manifest = pfs.manifest(&self.app, version).map_err(fail)?;
+            let (manifest, bytes) = pfs.read_rank(&pfs_manifest, rank).map_err(fail)?;
+            manifest_check(&manifest)?;
+            return Ok(OldRank::Local { manifest, bytes });
+        }
+        let agent = &self.agents[agent_for_rank(rank, written, self.agents.len() as u32) as usize];
+        let mut link = AgentLink::open(&self.endpoint, agent, &self.token, &self.app, rank, self.connect_timeout)?;
+        let (manifest, region) = match link.call(&AgentRequest::Fetch { version })? {
+            AgentReply::Fetch { manifest, region } => (manifest, region),
+            other => return Err(link.error(format!("unexpected answer to Fetch: {other:?}"))),
+        };
+        let old = OldRank::Agent { link: Box::new(link), manifest, region };
+        manifest_check(old.manifest())?;
+        Ok(old)
+    }
+
+    /// Bytes `start..end` of `label` in an old rank's data, verified: the
+    /// chunk-aligned span around them is read and checked against that
+    /// rank's checksums. Returns the span and where `start` lies in it.
+    fn read_old_label(
+        &self,
+        old: &OldRank,
+        label: &LabelLayout,
+        index: usize,
+        range: std::ops::Range<u64>,
+    ) -> Result<(Vec<u8>, usize)> {
+        match old {
+            OldRank::Local { bytes, .. } => {
+                let at = (label.offset + range.start) as usize;
+                Ok((bytes[at..at + (range.end - range.start) as usize].to_vec(), 0))
+            }
+            OldRank::Agent { link, manifest, region } => {
+                let chunk = manifest.chunk_size.max(1);
+                let first = range.start / chunk;
+                let end = range.end.div_ceil(chunk).saturating_mul(chunk).min(label.len);
+                let mut span = vec![0u8; (end - first * chunk) as usize];
+                let crcs = &manifest.crcs[index];
+                let last = end.div_ceil(chunk) as usize;
+                if last > crcs.len() {
+                    return Err(link.error(format!("label {:?}: its manifest lacks checksums", label.label)));
+                }
+                let bad = read_and_verify(
+                    &self.endpoint,
+                    &link.peer,
+                    *region,
+                    label.offset + first * chunk,
+                    &mut span,
+                    chunk as usize,
+                    &crcs[first as usize..last],
+                )
+                .map_err(|err| match err {
+                    Error::Fabric(err) => link.error(format!("reading label {:?}: {err}", label.label)),
+                    other => other,
+                })?;
+                if let Some(bad) = bad {
+                    let start = (first + bad as u64) * chunk;
+                    return Err(Error::Corrupt {
+                        version: manifest.version,
+                        rank: manifest.rank,
+                        start,
+                        end: (start + chunk).min(label.len),
+                        labels: format!("{:?}", label.label),
+                    });
+                }
+                Ok((span, (range.start - first * chunk) as usize))
+            }
+        }
+    }
+
+    /// Opens old rank `rank` (or reuses it) and finds `label` in its data,
+    /// checking that it is what rank 0 recorded.
+    fn old_label<'a>(
+        &self,
+        open: &'a mut BTreeMap<u32, OldRank>,
+        version: u64,
+        written: u32,
+        rank: u32,
+        expected: &LabelLayout,
+    ) -> Result<(&'a OldRank, LabelLayout, usize)> {
+        let old = match open.entry(rank) {
+            std::collections::btree_map::Entry::Occupied(entry) => entry.into_mut(),
+            std::collections::btree_map::Entry::Vacant(entry) => {
+                entry.insert(self.open_old_rank(version, rank, written)?)
+            }
+        };
+        let old = &*old;
+        let manifest = old.manifest();
+        let index = manifest.labels.iter().position(|l| l.label == expected.label).ok_or_else(|| Error::Adapt {
+            label: expected.label.clone(),
+            detail: format!("rank {rank} of the {written} that wrote version {version} has no such label"),
+        })?;
+        let layout = manifest.labels[index].clone();
+        if layout.kind != expected.kind || layout.adapt != expected.adapt {
+            return Err(Error::Adapt {
+                label: expected.label.clone(),
+                detail: format!(
+                    "rank {rank} wrote it as {:?} {:?}, rank 0 as {:?} {:?}",
+                    layout.kind, layout.adapt, expected.kind, expected.adapt
+                ),
+            });
+        }
+        Ok((old, layout, index))
+    }
+
+    /// Elements of `label` this process receives from the restarted version:
+    /// what it allocates before `restore` (`icheck_local_count`).
+    pub fn local_count(&self, label: &str) -> Result<u64> {
+        let (restored, index) = self.restored_label(label)?;
+        let layout = &restored.manifest.labels[index];
+        let size = layout.kind.size() as u64;
+        let manual = matches!(layout.adapt, Some(Adapt::Global { layout: GlobalLayout::Manual { .. }, .. }));
+        let written = match &restored.data {
+            RestoredData::Resized(resized) => resized.written,
+            // MANUAL arrays go whole to their root whatever the count.
+            _ if manual => self.comm.size(),
+            _ => return Ok(layout.len / size),
+        };
+        match &layout.adapt {
+            Some(Adapt::Global { global, layout: global_layout }) => {
+                let (rank, procs) = (self.comm.rank(), self.comm.size());
+                match global_layout
+                    .for_procs(procs)
+                    .map_err(|error| Error::Distribution { label: label.into(), error })?
+                {
+                    Some(distribution) => Ok(distribution.local_count(*global, procs, rank)),
+                    None => Ok(if matches!(global_layout, GlobalLayout::Manual { root } if *root == rank) {
+                        *global
+                    } else {
+                        0
+                    }),
+                }
+            }
+            Some(Adapt::Replicated(_)) => Ok(layout.len / size),
+            None => Err(self.not_adaptable(label, written)),
+        }
+    }
+
+    fn not_adaptable(&self, label: &str, written: u32) -> Error {
+        Error::Adapt {
+            label: label.into(),
+            detail: format!(
+                "it was added with add(), which a run with another process count cannot restore (written by {written} processes, this run has {}); add it with add_adapt or add_adapt_global",
+                self.comm.size()
+            ),
+        }
+    }
+
+    /// Restores an adapt label of a version written by another process
+    /// count into `out` (this process's part under the current count).
+    pub(super) fn restore_resized(
+        &self,
+        version: u64,
+        written: u32,
+        layout: &LabelLayout,
+        kind: DataKind,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let label = layout.label.as_str();
+        let (rank, size) = (self.comm.rank(), self.comm.size());
+        if layout.kind != kind {
+            return Err(Error::KindMismatch { label: label.into(), stored: layout.kind, given: kind });
+        }
+        let expected = self.local_count(label)? * kind.size() as u64;
+        if out.len() as u64 != expected {
+            return Err(Error::SizeMismatch { label: label.into(), stored: expected, given: out.len() as u64 });
+        }
+        let esize = kind.size() as u64;
+        let mut open = BTreeMap::new();
+        let mut copy_whole_label = |from: u32, out: &mut [u8]| -> Result<()> {
+            let (old, old_layout, index) = self.old_label(&mut open, version, written, from, layout)?;
+            if old_layout.len != out.len() as u64 {
+                return Err(Error::SizeMismatch {
+                    label: label.into(),
+                    stored: old_layout.len,
+                    given: out.len() as u64,
+                });
+            }
+            let (span, at) = self.read_old_label(old, &old_layout, index, 0..old_layout.len)?;
+            out.copy_from_slice(&span[at..at + out.len()]);
+            Ok(())
+        };
+        match layout.adapt.as_ref().ok_or_else(|| self.not_adaptable(label, written))? {
+            Adapt::Replicated(Attribute::Constant) => copy_whole_label(0, out),
+            Adapt::Replicated(Attribute::Size) => fill_count(label, kind, size, out),
+            Adapt::Replicated(Attribute::Rank) => fill_count(label, kind, rank, out),
+            Adapt::Replicated(Attribute::Default { joining_only: true, .. }) if rank < written => {
+                copy_whole_label(rank, out)
+            }
+            Adapt::Replicated(Attribute::Default { value, .. }) => {
+                fill(out, value);
+                Ok(())
+            }
+            Adapt::Replicated(Attribute::Volatile) => self.recalculate(label, written, out),
+            Adapt::Global { global, layout: global_layout } => {
+                let distribution = |procs| {
+                    global_layout.for_procs(procs).map_err(|error| Error::Distribution { label: label.into(), error })
+                };
+                let (Some(from), Some(to)) = (distribution(written)?, distribution(size)?) else {
+                    // MANUAL: the root gets every old part, in rank order.
+                    if out.is_empty() {
+                        return Ok(());
+                    }
+                    let mut at = 0usize;
+                    for from in 0..written {
+                        let (old, old_layout, index) = self.old_label(&mut open, version, written, from, layout)?;
+                        let len = old_layout.len as usize;
+                        if at + len > out.len() {
+                            return Err(Error::Adapt {
+                                label: label.into(),
+                                detail: format!("the old parts hold more than the {global} elements declared"),
+                            });
+                        }
+                        let (span, start) = self.read_old_label(old, &old_layout, index, 0..old_layout.len)?;
+                        out[at..at + len].copy_from_slice(&span[start..start + len]);
+                        open.remove(&from);
+                        at += len;
+                    }
+                    return Ok(());
+                };
+                let plan = receive_plan(*global, from, written, to, size, rank);
+                let mut by_rank: BTreeMap<u32, Vec<_>> = BTreeMap::new();
+                for piece in plan {
+                    by_rank.entry(piece.from_rank).or_default().push(piece);
+                }
+                for (from_rank, pieces) in by_rank {
+                    let (old, old_layout, index) = self.old_label(&mut open, version, written, from_rank, layout)?;
+                    let old_count = from.local_count(*global, written, from_rank);
+                    if old_layout.len != old_count * esize {
+                        return Err(Error::Adapt {
+                            label: label.into(),
+                            detail: format!(
+                                "rank {from_rank} of {written} wrote {} elements, {global} elements under {global_layout:?} give it {old_count}",
+                                old_layout.len / esize
+                            ),
+                        });
+                    }
+                    let lo = pieces.iter().map(|p| p.from_offset).min().unwrap_or(0) * esize;
+                    let hi = pieces.iter().map(|p| p.from_offset + p.len).max().unwrap_or(0) * esize;
+                    let (span, at) = self.read_old_label(old, &old_layout, index, lo..hi)?;
+                    for p in pieces {
+                        let src = at + (p.from_offset * esize - lo) as usize;
+                        let dst = (p.to_offset * esize) as usize;
+                        let len = (p.len * esize) as usize;
+                        out[dst..dst + len].copy_from_slice(&span[src..src + len]);
+                    }
+                    // One old rank's session at a time: each keeps a
+                    // progress thread busy at its agent.
+                    open.remove(&from_rank);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Calls a volatile label's recalculation callback on `out`.
+    pub(super) fn recalculate(&self, label: &str, written: u32, out: &mut [u8]) -> Result<()> {
+        let recalc = self.labels.iter().find(|l| l.name == label).and_then(|l| l.recalc.as_ref()).ok_or_else(|| {
+            Error::Adapt {
+                label: label.into(),
+                detail: "VOLATILE: add the label with its recalculation function before restoring it".into(),
+            }
+        })?;
+        recalc(out, Resize { old_size: written, size: self.comm.size(), rank: self.comm.rank() });
+        Ok(())
+    }
+
+    /// Restores `label` into `region` after the process count changed
+    /// (*collective*: the first call prepares the restart from the newest
+    /// complete version, as `restart` does). The application commits right
+    /// before it resizes, then every process of the new communicator calls
+    /// this for each label (§7.4, `icheck_redistribute`).
+    pub fn redistribute<T: Element>(&mut self, label: &str, region: &Region<T>) -> Result<()> {
+        if self.restored.is_none() {
+            self.restart()?;
+        }
+        self.restore(label, region)
+    }
+}
