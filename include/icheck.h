@@ -16,6 +16,7 @@
 #define ICHECK_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -39,6 +40,7 @@ extern "C" {
 #define ICHECK_ERR_RANKS         (-14) /* checkpoint written by another process count */
 #define ICHECK_ERR_UNSUPPORTED   (-15) /* not supported */
 #define ICHECK_ERR_INTERNAL      (-16) /* internal error (a bug) */
+#define ICHECK_ERR_ADAPT         (-17) /* malleable label cannot be stored or restored as declared */
 
 /* Element types for icheck_add. ICHECK_LONG is a 64-bit integer. */
 #define ICHECK_CHAR   1
@@ -91,6 +93,68 @@ int icheck_restart_all(void);
 int icheck_probe_agents(const icheck_hints *hints);
 /* Collective: IC_PERSIST or IC_CLEANUP. */
 int icheck_finalize(int mode);
+/*
+ * Malleability: data that survives a change of the process count.
+ *
+ * A run with another process count than the version it restarts from (a
+ * restart with M != N processes, or the processes of a communicator that
+ * grew or shrank in the job) restores labels added with icheck_add_adapt
+ * or icheck_add_adapt_global: each process receives exactly its part for
+ * the new count, read from the agents that hold the old processes' data.
+ * Labels added with icheck_add cannot be restored by another count.
+ */
+
+/* Attributes of replicated data (icheck_add_adapt). */
+#define ICHECK_CONSTANT        1 /* the same everywhere: every process gets rank 0's value */
+#define ICHECK_SIZE            2 /* restored as the current process count */
+#define ICHECK_RANK            3 /* restored as the current rank */
+#define ICHECK_DEFAULT         4 /* restored as *default_value in every element */
+#define ICHECK_DEFAULT_JOINING 5 /* *default_value for processes that did not exist
+                                    when the version was written; the others get theirs */
+#define ICHECK_VOLATILE        6 /* recalculated by recalc(data, count, old_size,
+                                    size, rank, arg) instead of read */
+
+/* A VOLATILE label's recalculation. */
+typedef void (*icheck_recalc_fn)(void *data, size_t count, int old_size, int size, int rank, void *arg);
+
+/* Adds replicated data (count elements of type) with an attribute.
+ * default_value points to one element (ICHECK_DEFAULT*, else NULL);
+ * recalc and arg are for ICHECK_VOLATILE (else NULL). */
+int icheck_add_adapt(const char *label, void *data, size_t count, int type, int attribute,
+                     const void *default_value, icheck_recalc_fn recalc, void *arg);
+
+/* Distributions of a 1-D array over the processes (icheck_add_adapt_global). */
+#define ICHECK_BLOCK      1 /* contiguous near-equal parts; the first N mod P hold one more */
+#define ICHECK_CYCLIC     2 /* blocks of `param` elements dealt round robin */
+#define ICHECK_PREDEFINED 3 /* 2-D grids per process count, from an icheck_pmap */
+#define ICHECK_MANUAL     4 /* the whole array goes to rank `param`; the others get nothing */
+
+/* Processor mappings of a rows x cols array (row-major global index
+ * i * cols + j), one 2-D process grid per supported process count; rank r
+ * holds block (r / dims[1], r % dims[1]), cut like ICHECK_BLOCK along each
+ * dimension and stored row-major. */
+typedef struct icheck_pmap icheck_pmap;
+icheck_pmap *icheck_pmap_create(int64_t rows, int64_t cols);
+/* Adds the grid dims[0] x dims[1] for num_procs processes; global_count
+ * must be rows * cols. */
+int icheck_add_processor_mapping(int num_procs, const int dims[2], int64_t global_count, icheck_pmap *pmap);
+void icheck_pmap_free(icheck_pmap *pmap);
+
+/* Adds this process's part (local_count elements of type) of a distributed
+ * 1-D array of global_count elements. param: the width for ICHECK_CYCLIC,
+ * the root for ICHECK_MANUAL, else ignored; pmap for ICHECK_PREDEFINED
+ * (copied; NULL otherwise). Every process must declare the same
+ * global_count and distribution (the next commit checks). */
+int icheck_add_adapt_global(const char *label, void *local, size_t local_count, int type,
+                            int64_t global_count, int distribution, int64_t param, const icheck_pmap *pmap);
+/* After icheck_restart: elements of label this process receives (>= 0),
+ * or a negative error code. */
+int64_t icheck_local_count(const char *label);
+/* Collective: after the process count changed (the application committed
+ * just before), restarts if not done yet and restores label into data
+ * (count = icheck_local_count(label) elements). */
+int icheck_redistribute(const char *label, void *data, size_t count);
+
 /* A static description of a return code. */
 const char *icheck_strerror(int code);
 /* The detail of the last failure in this process, or NULL. */

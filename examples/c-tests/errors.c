@@ -70,6 +70,36 @@ int main(int argc, char **argv)
     expect(icheck_add("", values, 100, ICHECK_DOUBLE), ICHECK_ERR_ARG, "add with an empty label");
     expect(icheck_restore("x", back, 100), ICHECK_ERR_ORDER, "restore before restart");
     expect(icheck_restart(), ICHECK_ERR_NO_CHECKPOINT, "restart without a checkpoint");
+    /* Malleability: bad declarations name what is wrong. */
+    expect(icheck_add_adapt_global("g", values, 100, ICHECK_DOUBLE, 100, 9, 0, NULL), ICHECK_ERR_ARG,
+           "add_adapt_global with an unknown distribution");
+    expect(icheck_add_adapt_global("g", values, 100, ICHECK_DOUBLE, 100, ICHECK_CYCLIC, 0, NULL), ICHECK_ERR_ARG,
+           "CYCLIC with width 0");
+    expect(icheck_add_adapt_global("g", values, 100, ICHECK_DOUBLE, 100, ICHECK_PREDEFINED, 0, NULL),
+           ICHECK_ERR_NULL, "PREDEFINED without a pmap");
+    expect(icheck_add_adapt_global("g", values, 99, ICHECK_DOUBLE, 100, ICHECK_BLOCK, 0, NULL), ICHECK_ERR_ADAPT,
+           "a BLOCK part of the wrong length");
+    if (!icheck_last_error() || !strstr(icheck_last_error(), "\"g\"") || !strstr(icheck_last_error(), "99")) {
+        printf("FAILED: the part error does not name the label and count: %s\n", icheck_last_error());
+        failures++;
+    }
+    icheck_pmap *pmap = icheck_pmap_create(10, 10);
+    int grid[2] = {2, 3};
+    expect(icheck_add_processor_mapping(4, grid, 100, pmap), ICHECK_ERR_ARG, "a 2x3 grid for 4 processes");
+    grid[0] = 1; grid[1] = 2;
+    expect(icheck_add_processor_mapping(2, grid, 100, pmap), ICHECK_SUCCESS, "a 1x2 grid for 2 processes");
+    expect(icheck_add_adapt_global("g", values, 100, ICHECK_DOUBLE, 100, ICHECK_PREDEFINED, 0, pmap), ICHECK_ERR_RANKS,
+           "PREDEFINED without a grid for this process count");
+    if (!icheck_last_error() || !strstr(icheck_last_error(), "[2]")) {
+        printf("FAILED: the mapping error does not name the supported counts: %s\n", icheck_last_error());
+        failures++;
+    }
+    icheck_pmap_free(pmap);
+    expect(icheck_add_adapt("s", &step, 1, ICHECK_LONG, ICHECK_DEFAULT, NULL, NULL, NULL), ICHECK_ERR_NULL,
+           "DEFAULT without a value");
+    expect(icheck_add_adapt("s", &step, 1, ICHECK_LONG, ICHECK_VOLATILE, NULL, NULL, NULL), ICHECK_ERR_ADAPT,
+           "VOLATILE without a function");
+    expect((int)icheck_local_count("values"), ICHECK_ERR_ORDER, "local_count before restart");
     expect(icheck_add("values", values, 100, ICHECK_DOUBLE), ICHECK_SUCCESS, "add values");
     expect(icheck_add("step", &step, 1, ICHECK_LONG), ICHECK_SUCCESS, "add step");
     expect(icheck_commit(), ICHECK_SUCCESS, "commit");
@@ -101,7 +131,7 @@ int main(int argc, char **argv)
     }
     expect(icheck_finalize(IC_CLEANUP), ICHECK_SUCCESS, "finalize (cleanup)");
 
-    for (int code = ICHECK_ERR_INTERNAL - 1; code <= 0; code++) {
+    for (int code = ICHECK_ERR_ADAPT - 1; code <= 0; code++) {
         const char *text = icheck_strerror(code);
         if (!text || !*text) {
             printf("FAILED: icheck_strerror(%d) is empty\n", code);

@@ -20,7 +20,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
 use std::sync::Mutex;
 
-use icheck_lib::{DataKind, Error, Icheck, InitStatus, ProbeHints, SingleProcess};
+use icheck_lib::{
+    Attribute, DataKind, Error, GlobalLayout, Icheck, InitStatus, ProbeHints, ProcessorMapping, SingleProcess,
+};
 
 mod comm;
 
@@ -302,6 +304,267 @@ pub unsafe extern "C" fn icheck_add(
         unsafe { icheck.add_raw(label, data.cast(), len, kind) }?;
         Ok(ICHECK_SUCCESS)
     })
+}
+
+/// `icheck_add_adapt` attributes.
+pub const ICHECK_CONSTANT: c_int = 1;
+/// Restored as the current process count.
+pub const ICHECK_SIZE: c_int = 2;
+/// Restored as the current rank.
+pub const ICHECK_RANK: c_int = 3;
+/// Restored as the default value.
+pub const ICHECK_DEFAULT: c_int = 4;
+/// The default value for joining processes only.
+pub const ICHECK_DEFAULT_JOINING: c_int = 5;
+/// Recalculated by a callback.
+pub const ICHECK_VOLATILE: c_int = 6;
+/// `icheck_add_adapt_global` distributions.
+pub const ICHECK_BLOCK: c_int = 1;
+/// Block-cyclic with a width.
+pub const ICHECK_CYCLIC: c_int = 2;
+/// 2-D grids from an `icheck_pmap`.
+pub const ICHECK_PREDEFINED: c_int = 3;
+/// The whole array to one root.
+pub const ICHECK_MANUAL: c_int = 4;
+
+/// A VOLATILE label's recalculation (C: `icheck_recalc_fn`).
+pub type IcheckRecalcFn = unsafe extern "C" fn(
+    data: *mut std::ffi::c_void,
+    count: usize,
+    old_size: c_int,
+    size: c_int,
+    rank: c_int,
+    arg: *mut std::ffi::c_void,
+);
+
+/// Checks a label, its type and its memory as `icheck_add` does.
+///
+/// # Safety
+/// `label` must be NULL or a NUL-terminated string.
+unsafe fn region_args<'a>(
+    label: *const c_char,
+    data: *mut std::ffi::c_void,
+    count: usize,
+    r#type: c_int,
+) -> Result<(&'a str, DataKind, usize), Failure> {
+    // SAFETY: forwarded contract.
+    let label = unsafe { text(label, "label") }?;
+    let kind = kind_of(r#type)
+        .ok_or_else(|| Failure::new(ICHECK_ERR_ARG, format!("label {label:?}: unknown type {type}", type = r#type)))?;
+    let len = byte_len(count, kind, label)?;
+    if data.is_null() && len > 0 {
+        return Err(Failure::new(ICHECK_ERR_NULL, format!("label {label:?}: data is NULL")));
+    }
+    Ok((label, kind, len))
+}
+
+/// Adds replicated data with a malleability attribute (`ICHECK_CONSTANT`
+/// ... `ICHECK_VOLATILE`).
+///
+/// # Safety
+/// As `icheck_add`; `default_value` must point to one element of `type`
+/// for `ICHECK_DEFAULT*`; `recalc` must be callable with `arg` until the
+/// label is replaced or icheck finalized.
+#[no_mangle]
+pub unsafe extern "C" fn icheck_add_adapt(
+    label: *const c_char,
+    data: *mut std::ffi::c_void,
+    count: usize,
+    r#type: c_int,
+    attribute: c_int,
+    default_value: *const std::ffi::c_void,
+    recalc: Option<IcheckRecalcFn>,
+    arg: *mut std::ffi::c_void,
+) -> c_int {
+    entry("icheck_add_adapt", |instance| {
+        // SAFETY: forwarded contract.
+        let (label, kind, len) = unsafe { region_args(label, data, count, r#type) }?;
+        let default = |joining_only: bool| -> Result<Attribute, Failure> {
+            if default_value.is_null() {
+                return Err(Failure::new(ICHECK_ERR_NULL, format!("label {label:?}: default_value is NULL")));
+            }
+            // SAFETY: the caller passes one element of `type`.
+            let value = unsafe { std::slice::from_raw_parts(default_value.cast::<u8>(), kind.size()) }.to_vec();
+            Ok(Attribute::Default { value, joining_only })
+        };
+        let attribute = match attribute {
+            ICHECK_CONSTANT => Attribute::Constant,
+            ICHECK_SIZE => Attribute::Size,
+            ICHECK_RANK => Attribute::Rank,
+            ICHECK_DEFAULT => default(false)?,
+            ICHECK_DEFAULT_JOINING => default(true)?,
+            ICHECK_VOLATILE => Attribute::Volatile,
+            other => return Err(Failure::new(ICHECK_ERR_ARG, format!("label {label:?}: unknown attribute {other}"))),
+        };
+        let recalc: Option<icheck_lib::Recalc> = match (&attribute, recalc) {
+            (Attribute::Volatile, Some(function)) => {
+                // The pointer is the application's; it travels as an integer.
+                let arg = arg as usize;
+                Some(Box::new(move |bytes: &mut [u8], resize: icheck_lib::Resize| {
+                    let count = bytes.len() / kind.size();
+                    // SAFETY: the caller's contract: `function` stays callable
+                    // with `arg`; `bytes` is the label's memory.
+                    unsafe {
+                        function(
+                            bytes.as_mut_ptr().cast(),
+                            count,
+                            resize.old_size as c_int,
+                            resize.size as c_int,
+                            resize.rank as c_int,
+                            arg as *mut std::ffi::c_void,
+                        )
+                    }
+                }))
+            }
+            _ => None,
+        };
+        let icheck = initialised(instance)?;
+        // SAFETY: the caller keeps `data` valid for `len` bytes while added.
+        unsafe { icheck.add_adapt_raw(label, data.cast(), len, kind, attribute, recalc) }?;
+        Ok(ICHECK_SUCCESS)
+    })
+}
+
+/// Creates an empty processor mapping of a `rows × cols` array.
+#[no_mangle]
+pub extern "C" fn icheck_pmap_create(rows: i64, cols: i64) -> *mut ProcessorMapping {
+    if rows < 0 || cols < 0 {
+        return std::ptr::null_mut();
+    }
+    Box::into_raw(Box::new(ProcessorMapping::new(rows as u64, cols as u64)))
+}
+
+/// Frees a processor mapping (NULL is ignored).
+///
+/// # Safety
+/// `pmap` must be NULL or come from `icheck_pmap_create`, freed once.
+#[no_mangle]
+pub unsafe extern "C" fn icheck_pmap_free(pmap: *mut ProcessorMapping) {
+    if !pmap.is_null() {
+        // SAFETY: created by icheck_pmap_create, freed once per the contract.
+        drop(unsafe { Box::from_raw(pmap) });
+    }
+}
+
+/// Adds the grid `dims[0] × dims[1]` for `num_procs` processes.
+///
+/// # Safety
+/// `dims` must be NULL or point to two ints; `pmap` NULL or from
+/// `icheck_pmap_create`.
+#[no_mangle]
+pub unsafe extern "C" fn icheck_add_processor_mapping(
+    num_procs: c_int,
+    dims: *const c_int,
+    global_count: i64,
+    pmap: *mut ProcessorMapping,
+) -> c_int {
+    entry("icheck_add_processor_mapping", |_| {
+        // SAFETY: NULL or a valid mapping per the contract.
+        let mapping = unsafe { pmap.as_mut() }.ok_or_else(|| Failure::new(ICHECK_ERR_NULL, "pmap is NULL"))?;
+        if dims.is_null() {
+            return Err(Failure::new(ICHECK_ERR_NULL, "dims is NULL"));
+        }
+        // SAFETY: two ints per the contract.
+        let (d0, d1) = unsafe { (*dims, *dims.add(1)) };
+        if num_procs <= 0 || d0 <= 0 || d1 <= 0 || global_count < 0 {
+            return Err(Failure::new(
+                ICHECK_ERR_ARG,
+                format!("processor mapping: {num_procs} processes, grid {d0}x{d1}, {global_count} elements"),
+            ));
+        }
+        mapping
+            .add(num_procs as u32, [d0 as u32, d1 as u32], global_count as u64)
+            .map_err(|e| Failure::new(ICHECK_ERR_ARG, e.to_string()))?;
+        Ok(ICHECK_SUCCESS)
+    })
+}
+
+/// Adds this process's part of a distributed 1-D array.
+///
+/// # Safety
+/// As `icheck_add`; `pmap` NULL or from `icheck_pmap_create`.
+#[no_mangle]
+pub unsafe extern "C" fn icheck_add_adapt_global(
+    label: *const c_char,
+    local: *mut std::ffi::c_void,
+    local_count: usize,
+    r#type: c_int,
+    global_count: i64,
+    distribution: c_int,
+    param: i64,
+    pmap: *const ProcessorMapping,
+) -> c_int {
+    entry("icheck_add_adapt_global", |instance| {
+        // SAFETY: forwarded contract.
+        let (label, kind, _) = unsafe { region_args(label, local, local_count, r#type) }?;
+        if global_count < 0 {
+            return Err(Failure::new(ICHECK_ERR_ARG, format!("label {label:?}: global_count {global_count}")));
+        }
+        let layout = match distribution {
+            ICHECK_BLOCK => GlobalLayout::Block,
+            ICHECK_CYCLIC if param > 0 => GlobalLayout::Cyclic { width: param as u64 },
+            ICHECK_MANUAL if param >= 0 => GlobalLayout::Manual { root: param as u32 },
+            // SAFETY: NULL or a valid mapping per the contract.
+            ICHECK_PREDEFINED => match unsafe { pmap.as_ref() } {
+                Some(mapping) => GlobalLayout::Predefined(mapping.clone()),
+                None => return Err(Failure::new(ICHECK_ERR_NULL, format!("label {label:?}: PREDEFINED needs a pmap"))),
+            },
+            other => {
+                return Err(Failure::new(
+                    ICHECK_ERR_ARG,
+                    format!("label {label:?}: distribution {other} with param {param} (CYCLIC needs a width > 0, MANUAL a root >= 0)"),
+                ))
+            }
+        };
+        let icheck = initialised(instance)?;
+        // SAFETY: the caller keeps `local` valid while added.
+        unsafe {
+            icheck.add_adapt_global_raw(label, local.cast(), local_count as u64, kind, global_count as u64, layout)
+        }?;
+        Ok(ICHECK_SUCCESS)
+    })
+}
+
+/// Elements of `label` this process receives from the restarted version,
+/// or a negative error code.
+///
+/// # Safety
+/// `label` must be NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn icheck_local_count(label: *const c_char) -> i64 {
+    let mut count = 0i64;
+    let code = entry("icheck_local_count", |instance| {
+        // SAFETY: forwarded contract.
+        let label = unsafe { text(label, "label") }?;
+        count = initialised(instance)?.local_count(label)? as i64;
+        Ok(ICHECK_SUCCESS)
+    });
+    if code < 0 {
+        i64::from(code)
+    } else {
+        count
+    }
+}
+
+/// Restarts if needed (collective) and restores `label` into `data`
+/// (`count` elements) after the process count changed.
+///
+/// # Safety
+/// As `icheck_restore`.
+#[no_mangle]
+pub unsafe extern "C" fn icheck_redistribute(label: *const c_char, data: *mut std::ffi::c_void, count: usize) -> c_int {
+    let prepared = entry("icheck_redistribute", |instance| {
+        let icheck = initialised(instance)?;
+        if !icheck.has_restarted() {
+            icheck.restart()?;
+        }
+        Ok(ICHECK_SUCCESS)
+    });
+    if prepared < 0 {
+        return prepared;
+    }
+    // SAFETY: forwarded contract.
+    unsafe { icheck_restore(label, data, count) }
 }
 
 /// Checkpoints every added label as the next version (collective).

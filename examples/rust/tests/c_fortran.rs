@@ -73,9 +73,13 @@ fn mpirun(config: &Path, shm_dir: &Path, exe: &Path, args: &[&str]) -> Output {
 }
 
 fn mpirun_with(config: &Path, shm_dir: &Path, exe: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    mpirun_np(4, config, shm_dir, exe, args, env)
+}
+
+fn mpirun_np(np: u32, config: &Path, shm_dir: &Path, exe: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     let _ = std::fs::create_dir_all(shm_dir);
     Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "4"])
+        .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()])
         .arg(exe)
         .args(args)
         .env("ICHECK_CONFIG", config)
@@ -167,6 +171,48 @@ fn heat1d_in_fortran_restarts_to_the_fault_free_checksum() {
     let service = LocalService::up(&icheck_in_target(), "f-heat1d", 2, &["--provider", "tcp"]);
     // The application name is fixed ("heat1d"); the clean run cleans up.
     kill_and_restart(&exe, &service, &["512", "120", "20"], &["512", "120", "20", "70"], &["512", "120", "20"], &[]);
+}
+
+/// stdout of a successful run.
+fn succeeded(out: Output) -> String {
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    text
+}
+
+#[test]
+fn c_application_grows_and_shrinks_in_one_job_to_the_fixed_run_result() {
+    let installed = install("resize");
+    let exe = installed.compile("mpicc", "examples/malleable/resize.c", &["-std=c99", "-Wall", "-Werror"]);
+    let service = LocalService::up(&icheck_in_target(), "c-resize", 2, &["--provider", "tcp"]);
+    let config = service.config_path();
+    let shm_dir = installed.prefix.join("shm");
+    let run = |np: u32, args: &[&str]| succeeded(mpirun_np(np, &config, &shm_dir, &exe, args, &[]));
+    // 2 -> 4 (MPI_Comm_spawn + MPI_Intercomm_merge) -> 2 (MPI_Comm_split)
+    // processes, icheck_redistribute after each change.
+    let resized = run(2, &["--app", "resize"]);
+    for phase in ["PHASE procs=2 steps=0..20", "PHASE procs=4 steps=20..40", "PHASE procs=2 steps=40..60"] {
+        assert!(resized.lines().any(|l| l == phase), "{phase}: {resized}");
+    }
+    let result = |text: &str| text.lines().find(|l| l.starts_with("RESULT ")).map(str::to_string);
+    let fixed = run(2, &["--fixed"]);
+    assert_eq!(result(&resized), result(&fixed), "{resized}\n{fixed}");
+    assert!(result(&fixed).is_some(), "{fixed}");
+    // The computation does not depend on the decomposition either.
+    assert_eq!(result(&run(3, &["--fixed"])), result(&fixed));
+}
+
+#[test]
+fn fortran_arrays_restore_with_another_process_count() {
+    let installed = install("adapt");
+    let exe = installed.compile("mpifort", "examples/fortran/adapt.f90", &["-Wall"]);
+    let service = LocalService::up(&icheck_in_target(), "f-adapt", 1, &["--provider", "tcp"]);
+    let config = service.config_path();
+    let shm_dir = installed.prefix.join("shm");
+    let written = succeeded(mpirun_np(4, &config, &shm_dir, &exe, &[], &[]));
+    assert!(written.contains("FORTRAN COMMITTED ranks=4"), "{written}");
+    let restored = succeeded(mpirun_np(3, &config, &shm_dir, &exe, &[], &[]));
+    assert!(restored.contains("FORTRAN VERIFIED ranks=3"), "{restored}");
 }
 
 #[test]
