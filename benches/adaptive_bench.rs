@@ -16,6 +16,12 @@
 //!    while five others checkpoint continuously, with every agent stacked on
 //!    one node (FTC) and placed by bandwidth (BW, round robin); prints its
 //!    commit bandwidth over time under both, and their ratio.
+//! 3. **Malleable application** (Fig. 9.11/9.12): `malleable` goes 1 → 4 → 2
+//!    ranks (a restart with the new count each time, its data redistributed
+//!    through the agents) with a checkpoint that grows with the ranks, under
+//!    MA-RA (the one agent stays) and MA-MA (agents follow the ranks, 1:1);
+//!    prints commit times per phase, the MA-MA / MA-RA ratio, and what the
+//!    agent change and the redistribution cost.
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
@@ -48,7 +54,13 @@ struct Cli {
     /// Applications checkpointing meanwhile.
     #[arg(long, default_value_t = 5)]
     others: u32,
-    /// Run only this part (1 or 2).
+    /// MiB per rank of the malleable application's checkpoint (part 3).
+    #[arg(long, default_value_t = 8)]
+    payload_mib: u64,
+    /// Commits per phase of the malleable application (part 3).
+    #[arg(long, default_value_t = 4)]
+    phase_commits: u32,
+    /// Run only this part (1, 2 or 3).
     #[arg(long)]
     only: Option<u32>,
 }
@@ -296,6 +308,99 @@ fn placement(cli: &Cli, icheck: &Path) -> Result<()> {
     Ok(())
 }
 
+/// One phase of the malleable application as measured.
+#[derive(Default, Debug)]
+struct Phase {
+    ranks: u32,
+    agents: usize,
+    /// Commits after the probe (the agents of this phase).
+    commit_secs: Vec<f64>,
+    /// The first commit after the resize (the previous phase's agents).
+    first_commit: f64,
+    probe_secs: f64,
+    restore_secs: f64,
+}
+
+/// Part 3 under one strategy: phases of 1, 4 and 2 ranks.
+fn malleable_run(cli: &Cli, icheck: &Path, strategy: &str) -> Result<Vec<Phase>> {
+    let example = out_dir()?.join("malleable");
+    let dynamic = format!(
+        "readInterval = 0.5\ninit_agent_count = 1\nis_dynamic_as = false\nagent_change_strategy = \"{strategy}\"\nagent_selection = \"BW\"\nnode_selection = \"RR\"\ncandidate_count = 4\n"
+    );
+    let cluster =
+        NetCluster::start(icheck, &format!("fig911-{}", strategy.to_lowercase()), 4, Some(&cli.rate), &dynamic);
+    let mut phases = Vec::new();
+    for (i, ranks) in [1u32, 4, 2].into_iter().enumerate() {
+        let mut args: Vec<String> = ["--app", "malleable", "--global", "10007", "--probe"].map(String::from).into();
+        args.extend([
+            "--payload-mib".into(),
+            cli.payload_mib.to_string(),
+            "--commits".into(),
+            cli.phase_commits.to_string(),
+        ]);
+        if i == 0 {
+            args.push("--write".into());
+        }
+        let mut phase = Phase { ranks, ..Phase::default() };
+        let mut probed = false;
+        let value = |line: &str| line.rsplit('=').next().and_then(|v| v.parse::<f64>().ok()).unwrap_or(f64::NAN);
+        Job::start(&cluster, ranks, &example, &args, false)?.follow(|line| {
+            if line.starts_with("COMMIT_SECONDS") {
+                if probed {
+                    phase.commit_secs.push(value(line));
+                } else {
+                    phase.first_commit = value(line);
+                }
+            } else if line.starts_with("PROBE_SECONDS") {
+                phase.probe_secs = value(line);
+                probed = true;
+            } else if line.starts_with("RESTORED_PAYLOAD") {
+                phase.restore_secs = value(line);
+            } else if line.starts_with("ERROR") {
+                eprintln!("{line}");
+            }
+        })?;
+        let report = cluster.status();
+        phase.agents = report.apps.iter().find(|a| a.registration.name == "malleable").map_or(0, |a| a.agents.len());
+        println!("{strategy}: {phase:?}");
+        phases.push(phase);
+    }
+    Ok(phases)
+}
+
+fn malleable(cli: &Cli, icheck: &Path) -> Result<()> {
+    println!(
+        "\n## Malleable application (like Fig. 9.11/9.12): 1 -> 4 -> 2 ranks, {} MiB per rank, 4 nodes at {}\n",
+        cli.payload_mib, cli.rate
+    );
+    let rigid = malleable_run(cli, icheck, "MA-RA")?;
+    let flexible = malleable_run(cli, icheck, "MA-MA")?;
+    println!(
+        "\n| ranks | checkpoint MiB | MA-RA agents | MA-RA commit s | MA-MA agents | MA-MA commit s | MA-RA / MA-MA |\n|---:|---:|---:|---:|---:|---:|---:|"
+    );
+    for (r, m) in rigid.iter().zip(&flexible) {
+        let (a, b) = (mean(&r.commit_secs), mean(&m.commit_secs));
+        println!(
+            "| {} | {} | {} | {a:.3} | {} | {b:.3} | {:.2}x |",
+            r.ranks,
+            cli.payload_mib * u64::from(r.ranks),
+            r.agents,
+            m.agents,
+            a / b
+        );
+    }
+    println!(
+        "\n| ranks | restore (redistribution) s, MA-RA / MA-MA | first commit after the resize s, MA-RA / MA-MA | probe s (agent change), MA-RA / MA-MA |\n|---:|---:|---:|---:|"
+    );
+    for (r, m) in rigid.iter().zip(&flexible).skip(1) {
+        println!(
+            "| {} | {:.3} / {:.3} | {:.3} / {:.3} | {:.3} / {:.3} |",
+            r.ranks, r.restore_secs, m.restore_secs, r.first_commit, m.first_commit, r.probe_secs, m.probe_secs
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     let icheck = out_dir()?.join("icheck");
@@ -311,6 +416,9 @@ fn main() -> Result<()> {
     }
     if cli.only.is_none_or(|p| p == 2) {
         placement(&cli, &icheck)?;
+    }
+    if cli.only.is_none_or(|p| p == 3) {
+        malleable(&cli, &icheck)?;
     }
     Ok(())
 }

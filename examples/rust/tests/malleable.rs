@@ -108,6 +108,33 @@ fn bad_declarations_get_errors_naming_the_label_and_the_numbers() {
     assert!(text.contains("which a run with another process count cannot restore"), "{text}");
 }
 
+/// After a rank failure (paper 002's recovery modes, as restarts): SHRINK
+/// goes on with one process fewer, the lost rank's data redistributed over
+/// the others; REBUILD starts a replacement that receives the lost rank's
+/// data.
+#[test]
+fn after_a_rank_fails_shrink_and_rebuild_restarts_recover_its_data() {
+    let service = LocalService::up(&icheck_in_target(), "malleable-failure", 2, &[]);
+    let config = service.config_path();
+    let mut job = Job::start_program(MALLEABLE, 4, &config, &["--app", "fail", "--write", "--hang"], &[]);
+    job.wait_line("HANG", LONG);
+    let pid = job
+        .output()
+        .lines()
+        .find_map(|l| l.strip_prefix("PID rank=2 pid=").map(|p| p.trim().parse::<i32>().expect("a pid")))
+        .expect("rank 2 printed its pid");
+    // Rank 2 dies; Open MPI then ends the whole job.
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).expect("kill rank 2");
+    let (ok, text) = job.finish_any(LONG);
+    assert!(!ok, "the job survived the loss of a rank: {text}");
+    // SHRINK: 3 processes; rank 2's BLOCK part now lies with ranks 1 and 2.
+    let lines = run(3, &config, &["--app", "fail", "--no-commit"]);
+    assert!(has(&lines, "VERIFIED version=1 from=4 ranks=3"), "{lines:?}");
+    // REBUILD: 4 processes; the new rank 2 gets the lost rank's data.
+    let lines = run(4, &config, &["--app", "fail", "--no-commit"]);
+    assert!(has(&lines, "VERIFIED version=1 from=4 ranks=4"), "{lines:?}");
+}
+
 /// Agents after resizes 4 → 8 → 2 processes, starting with 2 agents.
 fn agents_after_resizes(strategy: &str, name: &str) -> Vec<usize> {
     let dynamic = format!("init_agent_count = 2\nis_dynamic_as = false\nagent_change_strategy = \"{strategy}\"\n");

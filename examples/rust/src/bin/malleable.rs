@@ -12,7 +12,8 @@
 //!
 //! Output lines the tests read (rank 0): `COMMITTED version=V ranks=P
 //! epoch=E`, `VERIFIED version=V from=P ranks=Q`, with `--probe`
-//! `PROBE unchanged` or `PROBE agents=N`; any rank: `ERROR ...`.
+//! `PROBE unchanged` or `PROBE agents=N`, with `--hang` `HANG` (and every
+//! rank's `PID rank=R pid=P`); any rank: `ERROR ...`.
 
 use std::process::ExitCode;
 
@@ -41,6 +42,27 @@ struct Args {
     /// After the commit, probe: agents follow a resize (MA-RA / MA-MA).
     #[arg(long)]
     probe: bool,
+    /// After writing, print every rank's PID and wait to be killed (a rank
+    /// failure for the SHRINK / REBUILD restarts).
+    #[arg(long)]
+    hang: bool,
+    /// MiB per rank of an extra BLOCK array whose global size follows the
+    /// process count (weak scaling: the checkpoint grows with the job).
+    #[arg(long, default_value_t = 0)]
+    payload_mib: u64,
+    /// Commits per run (the probe, if asked, follows the first).
+    #[arg(long, default_value_t = 1)]
+    commits: u32,
+}
+
+/// The weak-scaling payload's value at a global index.
+fn payload_value(i: u64) -> f64 {
+    i as f64 * 0.125
+}
+
+/// Payload elements per rank.
+fn payload_per_rank(args: &Args) -> u64 {
+    args.payload_mib * (1 << 20) / 8
 }
 
 /// The 2-D grid (PREDEFINED): 40 × 40 elements over the supported counts.
@@ -138,9 +160,21 @@ fn run(args: &Args, world: &mpi::topology::SimpleCommunicator, rank: u32, size: 
         let manual = Region::from_vec(manual_part(size, rank).map(manual_value).collect());
         ic.add_adapt_global("manual", &manual, MANUAL_LEN, Global::Manual { root: 0 }).map_err(|e| e.to_string())?;
         add_replicated(&mut ic, rank, size, true)?;
-        let version = ic.commit().map_err(|e| e.to_string())?;
-        if rank == 0 {
-            println!("COMMITTED version={version} ranks={size} epoch={}", ic.epoch());
+        let payload_global = payload_per_rank(args) * u64::from(size);
+        let payload = Region::from_vec(part(&Global::Block, payload_global, size, rank, payload_value));
+        if args.payload_mib > 0 {
+            ic.add_adapt_global("payload", &payload, payload_global, Global::Block).map_err(|e| e.to_string())?;
+        }
+        commit_and_probe(&mut ic, args, rank, size)?;
+        if args.hang {
+            println!("PID rank={rank} pid={}", std::process::id());
+            world.barrier();
+            if rank == 0 {
+                println!("HANG");
+            }
+            loop {
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
         }
         ic.finalize(true).map_err(|e| e.to_string())?;
         return Ok(());
@@ -159,22 +193,74 @@ fn run(args: &Args, world: &mpi::topology::SimpleCommunicator, rank: u32, size: 
     if rank == 0 {
         println!("VERIFIED version={version} from={old_size} ranks={size}");
     }
-    if !args.no_commit {
-        let next = ic.commit().map_err(|e| e.to_string())?;
-        if rank == 0 {
-            println!("COMMITTED version={next} ranks={size} epoch={}", ic.epoch());
+    // The weak-scaling payload: restore the old one, then the job's data
+    // grows (or shrinks) with its process count.
+    let payload = Region::<f64>::zeroed(0);
+    if args.payload_mib > 0 {
+        let restored = restore_payload(&mut ic, args, rank, size, old_size, &payload);
+        let mut failed = 0i32;
+        world.all_reduce_into(&i32::from(restored.is_err()), &mut failed, mpi::collective::SystemOperation::sum());
+        restored?;
+        if failed != 0 {
+            return Err(format!("{failed} other ranks failed to restore the payload"));
         }
-        if args.probe {
+    }
+    if !args.no_commit {
+        commit_and_probe(&mut ic, args, rank, size)?;
+    }
+    ic.finalize(true).map_err(|e| e.to_string())
+}
+
+/// Restores the payload written by `old_size` processes, checks it, and
+/// puts the payload for this process count in its place.
+fn restore_payload(
+    ic: &mut Icheck,
+    args: &Args,
+    rank: u32,
+    size: u32,
+    old_size: u32,
+    payload: &Region<f64>,
+) -> Result<(), String> {
+    let old_global = payload_per_rank(args) * u64::from(old_size);
+    let restored = Region::<f64>::zeroed(ic.local_count("payload").map_err(|e| e.to_string())? as usize);
+    ic.add_adapt_global("payload", &restored, old_global, Global::Block).map_err(|e| e.to_string())?;
+    let started = std::time::Instant::now();
+    ic.restore("payload", &restored).map_err(|e| e.to_string())?;
+    if rank == 0 {
+        println!("RESTORED_PAYLOAD seconds={:.4}", started.elapsed().as_secs_f64());
+    }
+    if let Some(at) = first_bad(&restored.read(), &part(&Global::Block, old_global, size, rank, payload_value)) {
+        return Err(format!("label payload: element {at} is wrong"));
+    }
+    let global = payload_per_rank(args) * u64::from(size);
+    *payload.write() = part(&Global::Block, global, size, rank, payload_value);
+    ic.add_adapt_global("payload", payload, global, Global::Block).map_err(|e| e.to_string())
+}
+
+/// `--commits` commits, with a probe after the first if asked; rank 0
+/// prints each version and its seconds.
+fn commit_and_probe(ic: &mut Icheck, args: &Args, rank: u32, size: u32) -> Result<(), String> {
+    for n in 0..args.commits.max(1) {
+        let started = std::time::Instant::now();
+        let version = ic.commit().map_err(|e| e.to_string())?;
+        if rank == 0 {
+            println!("COMMITTED version={version} ranks={size} epoch={}", ic.epoch());
+            println!("COMMIT_SECONDS version={version} seconds={:.4}", started.elapsed().as_secs_f64());
+        }
+        if n == 0 && args.probe {
+            let started = std::time::Instant::now();
             let outcome = ic.probe_agents(icheck_lib::ProbeHints::default()).map_err(|e| e.to_string())?;
+            let secs = started.elapsed().as_secs_f64();
             if rank == 0 {
                 match outcome {
                     icheck_lib::ProbeOutcome::Unchanged => println!("PROBE unchanged"),
                     icheck_lib::ProbeOutcome::Reconnected { agents } => println!("PROBE agents={agents}"),
                 }
+                println!("PROBE_SECONDS seconds={secs:.4}");
             }
         }
     }
-    ic.finalize(true).map_err(|e| e.to_string())
+    Ok(())
 }
 
 /// Sizes every label by `local_count`, restores it and checks every element
