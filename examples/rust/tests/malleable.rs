@@ -108,6 +108,26 @@ fn bad_declarations_get_errors_naming_the_label_and_the_numbers() {
     assert!(text.contains("which a run with another process count cannot restore"), "{text}");
 }
 
+/// The old ranks' data can also come from the PFS: every daemon is gone
+/// (a fresh service, empty agent memory), the new agents load each old
+/// rank's file from the PFS copy when a process of the new count asks.
+#[test]
+fn a_resized_restart_reads_the_old_ranks_back_from_the_pfs() {
+    let mut service = LocalService::up(&icheck_in_target(), "malleable-pfs", 2, &[]);
+    let config = service.config_path();
+    let copies = [("ICHECK_PFS_INTERVAL", "1")];
+    let lines = Job::start_program(MALLEABLE, 4, &config, &["--app", "frompfs", "--write"], &copies).finish(LONG);
+    assert!(has(&lines, "COMMITTED version=1 ranks=4 epoch=0"), "{lines:?}");
+    let manifest = service.dir.join("pfs/frompfs/v1/MANIFEST");
+    icheck_core::testkit::wait_for("the PFS copy of version 1", Duration::from_secs(30), || manifest.exists());
+    service.relaunch();
+    let lines = run(3, &service.config_path(), &["--app", "frompfs", "--no-commit"]);
+    assert!(has(&lines, "VERIFIED version=1 from=4 ranks=3"), "{lines:?}");
+    // Without a controller the library reads the old ranks' PFS files itself.
+    let lines = run(2, &common::without_a_controller(&service), &["--app", "frompfs", "--no-commit"]);
+    assert!(has(&lines, "VERIFIED version=1 from=4 ranks=2"), "{lines:?}");
+}
+
 /// After a rank failure (paper 002's recovery modes, as restarts): SHRINK
 /// goes on with one process fewer, the lost rank's data redistributed over
 /// the others; REBUILD starts a replacement that receives the lost rank's

@@ -8,23 +8,10 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use common::Job;
+use common::{without_a_controller, Job};
 use icheck_core::testkit::{icheck_in_target, metric_sample as sample, scrape_metrics, LocalService};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
-
-/// A client configuration with the service's PFS directory but a
-/// controller address nobody listens on.
-fn without_a_controller(service: &LocalService) -> PathBuf {
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let path = service.dir.join("no-controller.toml");
-    let text = format!(
-        "ControllerPort = {port}\nPfsDir = \"{}\"\n[fabric]\nprovider = \"tcp\"\n[client]\nconnect_timeout = 1.0\n",
-        service.dir.join("pfs").display()
-    );
-    std::fs::write(&path, text).unwrap();
-    path
-}
 
 fn service(name: &str, managers: u32, provider: &str) -> LocalService {
     LocalService::up(&icheck_in_target(), name, managers, &["--provider", provider])

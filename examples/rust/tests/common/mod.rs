@@ -9,6 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use icheck_core::testkit::LocalService;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
@@ -145,4 +146,17 @@ impl Drop for Job {
         }
         let _ = std::fs::remove_dir_all(&self.shm_dir);
     }
+}
+
+/// A client configuration with the service's PFS directory but a
+/// controller address nobody listens on.
+pub fn without_a_controller(service: &LocalService) -> PathBuf {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let path = service.dir.join("no-controller.toml");
+    let text = format!(
+        "ControllerPort = {port}\nPfsDir = \"{}\"\n[fabric]\nprovider = \"tcp\"\n[client]\nconnect_timeout = 1.0\n",
+        service.dir.join("pfs").display()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
 }
