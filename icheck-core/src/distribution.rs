@@ -122,7 +122,13 @@ pub fn receive_plan(
         // The first old range that ends after `at`.
         let mut i = owners.partition_point(|(range, _, _)| range.end <= at);
         while at < wanted.end {
-            let (range, rank, offset) = &owners[i];
+            // Elements no old part holds (inconsistent layouts) get no
+            // piece; callers check that the pieces cover the new part.
+            let Some((range, rank, offset)) = owners.get(i) else { break };
+            if range.start > at {
+                at = range.start.min(wanted.end);
+                continue;
+            }
             let end = range.end.min(wanted.end);
             pieces.push(Piece { from_rank: *rank, from_offset: offset + (at - range.start), to_offset, len: end - at });
             to_offset += end - at;
@@ -200,7 +206,15 @@ impl ProcessorMapping {
             procs,
             supported: self.grids.iter().map(|(p, _)| *p).collect(),
         })?;
-        Ok(Distribution::Grid { rows: self.rows, cols: self.cols, dims: grid.1 })
+        let dims = grid.1;
+        if u64::from(dims[0]) * u64::from(dims[1]) != u64::from(procs) {
+            // Only a damaged record gets here: `add` checks this.
+            return Err(DistributionError::BadMapping {
+                procs,
+                reason: format!("grid {}x{} does not have {procs} processes", dims[0], dims[1]),
+            });
+        }
+        Ok(Distribution::Grid { rows: self.rows, cols: self.cols, dims })
     }
 }
 
@@ -314,6 +328,14 @@ mod tests {
         assert!(err.contains("6 processes") && err.contains("[8, 16]"), "{err}");
         assert!(mapping.add(8, [3, 3], 1600).is_err(), "9 is not 8");
         assert!(mapping.add(8, [2, 4], 1601).is_err(), "wrong element count");
+    }
+
+    #[test]
+    fn inconsistent_layouts_leave_gaps_instead_of_panicking() {
+        // A damaged record: the old grid holds 4 elements, the array 10.
+        let old = Distribution::Grid { rows: 2, cols: 2, dims: [1, 1] };
+        let plan = receive_plan(10, old, 1, Distribution::Block, 1, 0);
+        assert_eq!(plan.iter().map(|p| p.len).sum::<u64>(), 4);
     }
 
     /// Every element lands where the new distribution says, read from

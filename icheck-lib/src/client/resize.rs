@@ -596,6 +596,16 @@ impl Icheck {
                     return Ok(());
                 };
                 let plan = receive_plan(*global, from, written, to, size, rank);
+                let covered: u64 = plan.iter().map(|p| p.len).sum();
+                if covered * esize != out.len() as u64 {
+                    return Err(Error::Adapt {
+                        label: label.into(),
+                        detail: format!(
+                            "the old parts cover {covered} of this process's {} elements (a damaged record?)",
+                            out.len() as u64 / esize
+                        ),
+                    });
+                }
                 let mut by_rank: BTreeMap<u32, Vec<_>> = BTreeMap::new();
                 for piece in plan {
                     by_rank.entry(piece.from_rank).or_default().push(piece);
