@@ -57,6 +57,13 @@ fn arrays_written_by_4_ranks_restore_on_1_3_4_and_6_ranks_element_by_element() {
     let app = status.apps.iter().find(|a| a.registration.name == "grow").expect("registered");
     let latest = app.latest.clone().expect("a version");
     assert_eq!((latest.version, latest.ranks, latest.epoch), (3, 2, 2));
+    let text = std::process::Command::new(&service.icheck)
+        .args(["status", "--state-dir"])
+        .arg(&service.dir)
+        .output()
+        .expect("icheck status runs");
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("written by 2 processes, resize epoch 2"), "{text}");
     icheck_core::testkit::wait_for("the files of ranks 2-5 to be dropped", Duration::from_secs(10), || {
         stored_ranks(&service, "grow") == ["rank0", "rank1"]
     });

@@ -199,8 +199,8 @@ fn versions_beyond_the_memory_budget_spill_to_the_pfs_and_restart_bit_exact() {
     let args = ["--app", "spill", "--steps", "20", "--every", "2", "--mib", "8", "--hang-after", "2"];
     let mut job = Job::start(2, &config, &args, &[]);
     job.wait_line("HANG", Duration::from_secs(120));
-    // Version 1 fills the budget (both ranks, or one if the other's check
-    // ran first), so version 2 spills. (Later versions may fit again: a
+    // Version 1 fits for one rank only (the agents decide and create files
+    // one at a time per node), so version 2 spills. (Later versions may fit again: a
     // pruned version's file is reused without new memory.) A spilled version
     // is copied whatever pfs_interval says (0 here): the agents' copies
     // complete it on the PFS.

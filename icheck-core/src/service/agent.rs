@@ -436,47 +436,60 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             }
             let reusable = session.spare.take().filter(|spare| spare.len() as u64 == total_len.max(4096));
             let needed = if reusable.is_some() { 0 } else { total_len };
-            if shared.mem_budget > 0 && needed > 0 {
-                let held = store.bytes_held();
-                if held + needed > shared.mem_budget {
-                    let destination = spill_destination(shared, session, version, total_len, held, push)?;
-                    tracing::warn!(
-                        version,
-                        rank = session.rank,
-                        bytes = total_len,
-                        held,
-                        budget = shared.mem_budget,
-                        "the node's checkpoint memory is full: spilling this version to the PFS"
-                    );
-                    session.writing = Some(Writing {
-                        version,
-                        ranks,
-                        epoch,
-                        labels,
-                        total_len,
-                        destination,
-                        started: Instant::now(),
-                        _progress: None,
-                    });
-                    // The rank pulls into nothing of ours: any region will do.
-                    return Ok(AgentReply::Target(RemoteRegion { addr: 0, len: 0, key: 0 }));
+            let (spare, created) = {
+                // Whether the version fits, and creating its file, are decided
+                // under one lock per manager (a node's agents all run in it):
+                // two ranks beginning at once would otherwise both see room
+                // for one and overrun the budget together.
+                let _space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
+                if shared.mem_budget > 0 && needed > 0 {
+                    let held = store.bytes_held();
+                    if held + needed > shared.mem_budget {
+                        let destination = spill_destination(shared, session, version, total_len, held, push)?;
+                        tracing::warn!(
+                            version,
+                            rank = session.rank,
+                            bytes = total_len,
+                            held,
+                            budget = shared.mem_budget,
+                            "the node's checkpoint memory is full: spilling this version to the PFS"
+                        );
+                        session.writing = Some(Writing {
+                            version,
+                            ranks,
+                            epoch,
+                            labels,
+                            total_len,
+                            destination,
+                            started: Instant::now(),
+                            _progress: None,
+                        });
+                        // The rank pulls into nothing of ours: any region will do.
+                        return Ok(AgentReply::Target(RemoteRegion { addr: 0, len: 0, key: 0 }));
+                    }
                 }
-            }
-            let file = match reusable {
-                Some(spare)
-                    if store
-                        .reuse_spare(&session.app, session.rank, version, total_len)
-                        .map_err(|e| e.to_string())? =>
-                {
-                    spare
+                match reusable {
+                    Some(spare)
+                        if store
+                            .reuse_spare(&session.app, session.rank, version, total_len)
+                            .map_err(|e| e.to_string())? =>
+                    {
+                        (Some(spare), None)
+                    }
+                    _ => (
+                        None,
+                        Some(store.create(&session.app, session.rank, version, total_len).map_err(|e| e.to_string())?),
+                    ),
                 }
-                _ => {
-                    let file =
-                        store.create(&session.app, session.rank, version, total_len).map_err(|e| e.to_string())?;
-                    // Registered for both directions so the mapping can be
-                    // reused whichever way the next version arrives.
+            };
+            let file = match (spare, created) {
+                (Some(spare), _) => spare,
+                // Registered for both directions so the mapping can be
+                // reused whichever way the next version arrives.
+                (None, Some(file)) => {
                     shared.endpoint.register(file, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string())?
                 }
+                (None, None) => unreachable!("one of the two is set above"),
             };
             let remote = file.remote();
             let progress = if push {
@@ -597,10 +610,23 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
     }
 }
 
+/// Serialises the budget check and file creation of `Begin` over every agent
+/// of this manager (one manager per node, one store per node).
+static NODE_STORE_SPACE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// Serialises loads of versions from the PFS into this node's store.
+static NODE_PFS_LOADS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Brings a version this node's store lacks (its agents were lost, or the
 /// store was wiped) back from the PFS copy, verified, into the store.
 fn load_from_pfs(shared: &Shared, app: &str, rank: u32, version: u64) -> Result<(), String> {
     let pfs = shared.settings.pfs.as_ref().ok_or("no PfsDir is configured")?;
+    // Several sessions may want the same old rank at once (processes of a
+    // resized run): one loads it, the others find it loaded. Loading
+    // rewrites the version's files, so two loads must never overlap.
+    let _one_load = NODE_PFS_LOADS.lock().unwrap_or_else(|p| p.into_inner());
+    if shared.settings.store.open(app, rank, version).is_ok() {
+        return Ok(());
+    }
     let started = Instant::now();
     let (rank_manifest, data) = match pfs.manifest(app, version) {
         Ok(manifest) => pfs.read_rank(&manifest, rank),

@@ -272,7 +272,13 @@ pub fn print_status(report: &StatusReport) {
         let r = &a.registration;
         let agents: Vec<String> = a.agents.iter().map(|g| format!("{}@{}", g.id, g.node)).collect();
         let version = a.latest.as_ref().map_or("none".to_string(), |v| {
-            format!("{} ({}, committed in {:.3}s)", v.version, human_bytes(v.bytes), v.commit_secs)
+            // A malleable application's versions say which size wrote them.
+            let resized = if v.epoch > 0 || v.ranks != r.ranks {
+                format!(", written by {} processes, resize epoch {}", v.ranks, v.epoch)
+            } else {
+                String::new()
+            };
+            format!("{} ({}, committed in {:.3}s{resized})", v.version, human_bytes(v.bytes), v.commit_secs)
         });
         let persisted = if a.persisted { "  [finished, persisted]" } else { "" };
         println!(
