@@ -44,14 +44,7 @@ program adapt
       end if
     end do
     procs = nranks
-    rc = icheck_add_adapt_global("x", x, size(x, kind=c_size_t), ICHECK_DOUBLE, nglobal, ICHECK_BLOCK, &
-                                 0_c_int64_t, c_null_ptr)
-    call check(rc, "icheck_add_adapt_global x")
-    rc = icheck_add_adapt_global("y", y, size(y, kind=c_size_t), ICHECK_INT, nglobal, ICHECK_CYCLIC, &
-                                 2_c_int64_t, c_null_ptr)
-    call check(rc, "icheck_add_adapt_global y")
-    rc = icheck_add_adapt("procs", procs, 1_c_size_t, ICHECK_INT, ICHECK_SIZE)
-    call check(rc, "icheck_add_adapt")
+    call add_labels()
     rc = icheck_commit()
     call check(rc, "icheck_commit")
     if (rank == 0) print '(a,i0)', "FORTRAN COMMITTED ranks=", nranks
@@ -64,15 +57,8 @@ program adapt
     if (count < 0) call check(int(count, c_int), "icheck_local_count")
     allocate(x(count))
     allocate(y(icheck_local_count("y")))
-    rc = icheck_add_adapt_global("x", x, size(x, kind=c_size_t), ICHECK_DOUBLE, nglobal, ICHECK_BLOCK, &
-                                 0_c_int64_t, c_null_ptr)
-    call check(rc, "icheck_add_adapt_global x")
-    rc = icheck_add_adapt_global("y", y, size(y, kind=c_size_t), ICHECK_INT, nglobal, ICHECK_CYCLIC, &
-                                 2_c_int64_t, c_null_ptr)
-    call check(rc, "icheck_add_adapt_global y")
     procs = -1
-    rc = icheck_add_adapt("procs", procs, 1_c_size_t, ICHECK_INT, ICHECK_SIZE)
-    call check(rc, "icheck_add_adapt")
+    call add_labels()
     rc = icheck_restore("x", x, size(x, kind=c_size_t))
     call check(rc, "icheck_restore x")
     rc = icheck_restore("y", y, size(y, kind=c_size_t))
@@ -104,6 +90,19 @@ program adapt
   call MPI_Finalize(ierr)
 
 contains
+
+  ! The same labels in both runs: x (BLOCK), y (CYCLIC, width 2), procs (SIZE).
+  subroutine add_labels()
+    integer(c_int) :: code
+    code = icheck_add_adapt_global("x", x, size(x, kind=c_size_t), ICHECK_DOUBLE, nglobal, ICHECK_BLOCK, &
+                                   0_c_int64_t, c_null_ptr)
+    call check(code, "icheck_add_adapt_global x")
+    code = icheck_add_adapt_global("y", y, size(y, kind=c_size_t), ICHECK_INT, nglobal, ICHECK_CYCLIC, &
+                                   2_c_int64_t, c_null_ptr)
+    call check(code, "icheck_add_adapt_global y")
+    code = icheck_add_adapt("procs", procs, 1_c_size_t, ICHECK_INT, ICHECK_SIZE)
+    call check(code, "icheck_add_adapt")
+  end subroutine
 
   integer function cyclic_count(r, p)
     integer, intent(in) :: r, p

@@ -1529,20 +1529,19 @@ impl Icheck {
         self.release_restart();
         let newest = self.restart_record()?;
         let size = self.comm.size();
-        // (version, process count it was written by)
-        let mut candidates = vec![(newest.version, newest.ranks)];
+        let mut candidates = vec![newest.version];
         if let Some(pfs) = &self.pfs {
             let older = pfs.versions(&self.app).unwrap_or_default();
-            candidates.extend(
-                older
-                    .into_iter()
-                    .rev()
-                    .filter(|v| *v < newest.version)
-                    .map(|v| (v, pfs.manifest(&self.app, v).map_or(newest.ranks, |m| m.ranks))),
-            );
+            candidates.extend(older.into_iter().rev().filter(|v| *v < newest.version));
         }
         let last = candidates.len() - 1;
-        for (tried, (version, written)) in candidates.into_iter().enumerate() {
+        for (tried, version) in candidates.into_iter().enumerate() {
+            // The process count that wrote it: recorded for the newest; an
+            // older PFS version's manifest is read only if it comes to that.
+            let written = match (&self.pfs, version == newest.version) {
+                (Some(pfs), false) => pfs.manifest(&self.app, version).map_or(newest.ranks, |m| m.ranks),
+                _ => newest.ranks,
+            };
             let result = match (&self.fallback, self.mode) {
                 _ if written != size => self.fetch_resized(version, written),
                 (Some(_), _) => self.fetch_fallback(version),
@@ -1626,9 +1625,7 @@ impl Icheck {
                 return self.restore_resized(restored.manifest.version, self.comm.size(), layout, kind, out);
             }
             Some(Adapt::Replicated(Attribute::Default { value, joining_only: false })) if layout.kind == kind => {
-                for element in out.chunks_mut(value.len().max(1)) {
-                    element.copy_from_slice(&value[..element.len()]);
-                }
+                resize::fill(out, value);
                 return Ok(());
             }
             Some(Adapt::Replicated(Attribute::Volatile)) => return self.recalculate(label, self.comm.size(), out),

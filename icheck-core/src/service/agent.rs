@@ -436,60 +436,55 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             }
             let reusable = session.spare.take().filter(|spare| spare.len() as u64 == total_len.max(4096));
             let needed = if reusable.is_some() { 0 } else { total_len };
-            let (spare, created) = {
-                // Whether the version fits, and creating its file, are decided
-                // under one lock per manager (a node's agents all run in it):
-                // two ranks beginning at once would otherwise both see room
-                // for one and overrun the budget together.
-                let _space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
-                if shared.mem_budget > 0 && needed > 0 {
-                    let held = store.bytes_held();
-                    if held + needed > shared.mem_budget {
-                        let destination = spill_destination(shared, session, version, total_len, held, push)?;
-                        tracing::warn!(
-                            version,
-                            rank = session.rank,
-                            bytes = total_len,
-                            held,
-                            budget = shared.mem_budget,
-                            "the node's checkpoint memory is full: spilling this version to the PFS"
-                        );
-                        session.writing = Some(Writing {
-                            version,
-                            ranks,
-                            epoch,
-                            labels,
-                            total_len,
-                            destination,
-                            started: Instant::now(),
-                            _progress: None,
-                        });
-                        // The rank pulls into nothing of ours: any region will do.
-                        return Ok(AgentReply::Target(RemoteRegion { addr: 0, len: 0, key: 0 }));
-                    }
+            // Whether the version fits, and creating its file, are decided
+            // under one lock per manager (a node's agents all run in it):
+            // two ranks beginning at once would otherwise both see room for
+            // one and overrun the budget together.
+            let space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
+            if shared.mem_budget > 0 && needed > 0 {
+                let held = store.bytes_held();
+                if held + needed > shared.mem_budget {
+                    let destination = spill_destination(shared, session, version, total_len, held, push)?;
+                    tracing::warn!(
+                        version,
+                        rank = session.rank,
+                        bytes = total_len,
+                        held,
+                        budget = shared.mem_budget,
+                        "the node's checkpoint memory is full: spilling this version to the PFS"
+                    );
+                    session.writing = Some(Writing {
+                        version,
+                        ranks,
+                        epoch,
+                        labels,
+                        total_len,
+                        destination,
+                        started: Instant::now(),
+                        _progress: None,
+                    });
+                    // The rank pulls into nothing of ours: any region will do.
+                    return Ok(AgentReply::Target(RemoteRegion { addr: 0, len: 0, key: 0 }));
                 }
-                match reusable {
-                    Some(spare)
-                        if store
-                            .reuse_spare(&session.app, session.rank, version, total_len)
-                            .map_err(|e| e.to_string())? =>
-                    {
-                        (Some(spare), None)
-                    }
-                    _ => (
-                        None,
-                        Some(store.create(&session.app, session.rank, version, total_len).map_err(|e| e.to_string())?),
-                    ),
+            }
+            let file = match reusable {
+                Some(spare)
+                    if store
+                        .reuse_spare(&session.app, session.rank, version, total_len)
+                        .map_err(|e| e.to_string())? =>
+                {
+                    drop(space);
+                    spare
                 }
-            };
-            let file = match (spare, created) {
-                (Some(spare), _) => spare,
-                // Registered for both directions so the mapping can be
-                // reused whichever way the next version arrives.
-                (None, Some(file)) => {
+                _ => {
+                    let file =
+                        store.create(&session.app, session.rank, version, total_len).map_err(|e| e.to_string())?;
+                    // The file has its size: later budget checks count it.
+                    drop(space);
+                    // Registered for both directions so the mapping can be
+                    // reused whichever way the next version arrives.
                     shared.endpoint.register(file, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string())?
                 }
-                (None, None) => unreachable!("one of the two is set above"),
             };
             let remote = file.remote();
             let progress = if push {

@@ -14,7 +14,7 @@
 use std::collections::BTreeMap;
 
 use icheck_core::decide::agent_for_rank;
-use icheck_core::distribution::{receive_plan, Adapt, Attribute, GlobalLayout, ProcessorMapping};
+use icheck_core::distribution::{receive_plan, Adapt, Attribute, GlobalLayout};
 use icheck_core::fabric::RemoteRegion;
 use icheck_core::protocol::{AgentReply, AgentRequest, DataKind, LabelLayout, Manifest};
 
@@ -58,38 +58,10 @@ pub enum Replicated<T: Element> {
 /// process's new place.
 pub type Recalculate<T> = Box<dyn Fn(&mut [T], Resize) + Send + Sync>;
 
-/// How a distributed array (`add_adapt_global`) is spread.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Global {
-    /// Contiguous near-equal parts in rank order (the first N mod P
-    /// processes hold one element more).
-    Block,
-    /// Blocks of `width` elements dealt round robin.
-    Cyclic {
-        /// Elements per block.
-        width: u64,
-    },
-    /// 2-D grids per supported process count (`ProcessorMapping::add`).
-    Predefined(ProcessorMapping),
-    /// The whole array (old parts concatenated in rank order) goes to
-    /// `root`; every other process receives nothing, and the application
-    /// distributes it itself.
-    Manual {
-        /// The process that receives the whole array.
-        root: u32,
-    },
-}
-
-impl From<Global> for GlobalLayout {
-    fn from(global: Global) -> GlobalLayout {
-        match global {
-            Global::Block => GlobalLayout::Block,
-            Global::Cyclic { width } => GlobalLayout::Cyclic { width: width.max(1) },
-            Global::Predefined(mapping) => GlobalLayout::Predefined(mapping),
-            Global::Manual { root } => GlobalLayout::Manual { root },
-        }
-    }
-}
+/// How a distributed array (`add_adapt_global`) is spread: BLOCK, CYCLIC
+/// with a width, PREDEFINED 2-D grids (`ProcessorMapping::add`) or MANUAL
+/// (the whole array to one root). The same type the manifests record.
+pub use icheck_core::distribution::GlobalLayout as Global;
 
 /// A recalculation callback over a label's bytes.
 pub type Recalc = Box<dyn Fn(&mut [u8], Resize) + Send + Sync>;
@@ -144,7 +116,8 @@ fn fill_count(label: &str, kind: DataKind, value: u32, out: &mut [u8]) -> Result
     Ok(())
 }
 
-fn fill(out: &mut [u8], element: &[u8]) {
+/// Writes `element` (one element's bytes) into every element of `out`.
+pub(super) fn fill(out: &mut [u8], element: &[u8]) {
     for chunk in out.chunks_mut(element.len().max(1)) {
         chunk.copy_from_slice(&element[..chunk.len()]);
     }
@@ -223,7 +196,11 @@ impl Icheck {
         global: u64,
         distribution: Global,
     ) -> Result<()> {
-        let layout = GlobalLayout::from(distribution);
+        // A CYCLIC width of 0 means 1, as the distribution arithmetic reads it.
+        let layout = match distribution {
+            GlobalLayout::Cyclic { width } => GlobalLayout::Cyclic { width: width.max(1) },
+            other => other,
+        };
         self.check_local_part(label, region.len() as u64, global, &layout)?;
         self.add(label, region)?;
         self.set_adapt(label, Adapt::Global { global, layout }, None)
@@ -313,8 +290,9 @@ impl Icheck {
                         self.comm.rank()
                     ),
                 },
+                // Same prefix, different lengths: the first extra array.
                 None => Error::Adapt {
-                    label: mine.iter().chain(&root).map(|m| m.0.clone()).next_back().unwrap_or_default(),
+                    label: mine.get(root.len()).or(root.get(mine.len())).map(|m| m.0.clone()).unwrap_or_default(),
                     detail: format!(
                         "rank {} declares {} distributed arrays, rank 0 declares {}",
                         self.comm.rank(),

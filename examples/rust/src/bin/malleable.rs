@@ -104,8 +104,7 @@ fn manual_part(size: u32, rank: u32) -> std::ops::Range<u64> {
 }
 
 fn part<T: Element>(layout: &Global, global: u64, size: u32, rank: u32, value: impl Fn(u64) -> T) -> Vec<T> {
-    let distribution =
-        icheck_lib::GlobalLayout::from(layout.clone()).for_procs(size).expect("covered").expect("structured");
+    let distribution = layout.for_procs(size).expect("covered").expect("structured");
     distribution.ranges(global, size, rank).into_iter().flatten().map(value).collect()
 }
 
