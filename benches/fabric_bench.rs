@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint, FabricConfig, RmaOp, TransferOptions};
+use icheck_core::fabric::{
+    libfabric_version, Access, AlignedBuffer, Domain, Endpoint, FabricConfig, RmaOp, TransferOptions,
+};
 use icheck_core::selftest::{fill_pattern, verify_pattern, Target, TargetProcess};
 use icheck_core::units::ByteSize;
 
@@ -136,8 +138,10 @@ fn main() -> Result<()> {
     }
 
     println!(
-        "Fabric RMA between two processes: {} per transfer, {} in flight, median of {runs}",
-        cli.size, cli.inflight
+        "Fabric RMA between two processes: {} per transfer, {} in flight, median of {runs}; {}",
+        cli.size,
+        cli.inflight,
+        libfabric_version()
     );
     println!();
     println!("| provider | operation | chunk | GB/s | × memcpy |");

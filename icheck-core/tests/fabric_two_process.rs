@@ -5,7 +5,9 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, RmaOp, TransferOptions};
+use icheck_core::fabric::{
+    libfabric_version, Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, RmaOp, TransferOptions,
+};
 use icheck_core::selftest::{verify_pattern, TargetProcess};
 
 const ICHECK: &str = env!("CARGO_BIN_EXE_icheck");
@@ -191,4 +193,20 @@ fn unknown_provider_names_itself() {
     let err = Domain::open(&FabricConfig::provider("no-such-provider")).expect_err("must fail");
     let text = err.to_string();
     assert!(text.contains("no-such-provider") && text.contains("fi_info"), "{text}");
+}
+
+/// The loaded libfabric speaks at least the API the bindings were generated
+/// from. When `ICHECK_EXPECT_LIBFABRIC` names a major.minor (as CI's
+/// libfabric 2.x stage does), headers and library must both be that version,
+/// so a run that silently picked up another libfabric fails here.
+#[test]
+fn loaded_libfabric_matches_the_headers() {
+    let version = libfabric_version();
+    assert!(version.library >= version.headers, "{version}: the library is older than the headers");
+    if let Ok(expected) = std::env::var("ICHECK_EXPECT_LIBFABRIC") {
+        let (major, minor) = expected.split_once('.').expect("ICHECK_EXPECT_LIBFABRIC is major.minor");
+        let expected = (major.parse().unwrap(), minor.parse().unwrap());
+        assert_eq!(version.headers, expected, "{version}: bindings generated from other headers");
+        assert_eq!(version.library, expected, "{version}: another libfabric.so was loaded");
+    }
 }

@@ -97,6 +97,35 @@ pub struct ProviderInfo {
     pub tx_size: usize,
 }
 
+/// Which libfabric API icheck was compiled against and which library it runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LibfabricVersion {
+    /// `FI_MAJOR_VERSION.FI_MINOR_VERSION` of the headers the bindings came from;
+    /// also the API version icheck asks `fi_getinfo` for.
+    pub headers: (u32, u32),
+    /// What the loaded `libfabric.so` reports (`fi_version()`).
+    pub library: (u32, u32),
+}
+
+impl std::fmt::Display for LibfabricVersion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "libfabric {}.{} (built against {}.{} headers)",
+            self.library.0, self.library.1, self.headers.0, self.headers.1
+        )
+    }
+}
+
+/// Reports the libfabric version of the headers and of the loaded library.
+pub fn libfabric_version() -> LibfabricVersion {
+    // FI_VERSION packs the major number in the upper 16 bits, the minor in the lower.
+    let split = |v: u32| (v >> 16, v & 0xffff);
+    // SAFETY: both functions take no arguments and only return a number.
+    let (headers, library) = unsafe { (sys::icheck_fi_header_version(), sys::fi_version()) };
+    LibfabricVersion { headers: split(headers), library: split(library) }
+}
+
 /// Returns libfabric's text for a positive error number.
 pub(crate) fn strerror(code: i32) -> String {
     // SAFETY: fi_strerror accepts any integer and returns a pointer to a static

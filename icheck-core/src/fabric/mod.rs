@@ -45,7 +45,10 @@ mod error;
 mod mr;
 mod progress;
 
-pub use domain::{list_providers, remove_shm_regions_of, Domain, FabricConfig, MrMode, ProviderInfo};
+pub use domain::{
+    libfabric_version, list_providers, remove_shm_regions_of, Domain, FabricConfig, LibfabricVersion, MrMode,
+    ProviderInfo,
+};
 pub use endpoint::{Endpoint, FabricAddress, Peer, RmaKind, RmaOp, TransferOptions, TransferStats};
 pub use error::FabricError;
 pub use mr::{

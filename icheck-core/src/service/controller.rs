@@ -398,10 +398,14 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
         }
     };
     writer_task.abort();
-    tracing::warn!(%node, "manager connection closed; its agents are gone");
+    // Logged before the node's state changes, so whoever sees the node down
+    // in the status also finds the reason in the log.
+    tracing::warn!(%node, "manager connection closed; marked down, its agents are gone");
     let mut state = shared.state();
     if let Some(entry) = state.nodes.get_mut(&node).filter(|entry| entry.connection == connection) {
         entry.connected = false;
+        // The heartbeat watcher need not report this outage a second time.
+        entry.reported_down = true;
         for app in state.apps.values_mut() {
             app.agents.retain(|agent| agent.node != node);
         }

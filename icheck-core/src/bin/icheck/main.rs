@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use icheck_core::fabric::{list_providers, FabricConfig, TransferOptions};
+use icheck_core::fabric::{libfabric_version, list_providers, FabricConfig, TransferOptions};
 use icheck_core::selftest::{self, Target, TargetAnnouncement, TargetProcess};
 use icheck_core::units::ByteSize;
 use std::path::PathBuf;
@@ -371,6 +371,7 @@ fn run_fabric(command: FabricCommand) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&providers)?);
                 return Ok(());
             }
+            println!("{}", libfabric_version());
             println!("{:<16} {:<16} {:<8} {:<40} {:>8}", "PROVIDER", "FABRIC", "DOMAIN", "MR_MODE", "TX_SIZE");
             for p in providers {
                 let m = p.mr_mode;
