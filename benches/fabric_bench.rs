@@ -1,11 +1,15 @@
 //! Fabric benchmark: moves a buffer between two processes with fi_read and
-//! fi_write over each provider and chunk size, and prints GB/s next to a
-//! memcpy of the same bytes measured in the same run.
+//! fi_write over each provider and chunk size, and prints GB/s next to two
+//! baselines measured in the same run: a memcpy of the same bytes, and the
+//! same bytes through one plain TCP stream over loopback (the kernel path the
+//! socket providers ride on, so the ceiling for `tcp` and `sockets`).
 //!
 //! ```text
 //! cargo run --release -p icheck-benches --bin fabric-bench -- --size 1GiB
 //! ```
 
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -90,6 +94,8 @@ fn main() -> Result<()> {
     );
     drop((src, dst));
     eprintln!("memcpy: {memcpy:.2} GB/s");
+    let tcp_stream = median((0..runs).map(|_| tcp_stream_gbps(size)).collect::<Result<_>>()?);
+    eprintln!("TCP stream over loopback: {tcp_stream:.2} GB/s");
 
     let mut rows = Vec::new();
     for provider in &cli.providers {
@@ -144,11 +150,57 @@ fn main() -> Result<()> {
         libfabric_version()
     );
     println!();
-    println!("| provider | operation | chunk | GB/s | × memcpy |");
-    println!("|---|---|---|---:|---:|");
-    println!("| (baseline) | memcpy | - | {memcpy:.2} | 1.00 |");
+    println!("| provider | operation | chunk | GB/s | × memcpy | × TCP stream |");
+    println!("|---|---|---|---:|---:|---:|");
+    println!("| (baseline) | memcpy | - | {memcpy:.2} | 1.00 | - |");
+    println!("| (baseline) | TCP stream, loopback | 4MiB | {tcp_stream:.2} | {:.2} | 1.00 |", tcp_stream / memcpy);
     for row in rows {
-        println!("| {} | {} | {} | {:.2} | {:.2} |", row.provider, row.op, row.chunk, row.gbps, row.gbps / memcpy);
+        // Only the socket providers move bytes through the kernel's TCP.
+        let over_tcp = if row.provider.starts_with("tcp") || row.provider.starts_with("sockets") {
+            format!("{:.2}", row.gbps / tcp_stream)
+        } else {
+            "-".to_string()
+        };
+        println!(
+            "| {} | {} | {} | {:.2} | {:.2} | {over_tcp} |",
+            row.provider,
+            row.op,
+            row.chunk,
+            row.gbps,
+            row.gbps / memcpy
+        );
     }
     Ok(())
+}
+
+/// Sends `size` bytes through one TCP connection over loopback, from one
+/// thread to another, in 4 MiB writes, and returns the receiver's GB/s.
+fn tcp_stream_gbps(size: usize) -> Result<f64> {
+    const WRITE: usize = 4 << 20;
+    let listener = TcpListener::bind("127.0.0.1:0").context("binding the TCP baseline's listener")?;
+    let address = listener.local_addr()?;
+    let sender = std::thread::spawn(move || -> std::io::Result<()> {
+        let mut stream = TcpStream::connect(address)?;
+        let block = vec![0x5au8; WRITE];
+        let mut left = size;
+        while left > 0 {
+            let n = left.min(WRITE);
+            stream.write_all(&block[..n])?;
+            left -= n;
+        }
+        Ok(())
+    });
+    let (mut stream, _) = listener.accept()?;
+    let mut block = vec![0u8; WRITE];
+    let start = Instant::now();
+    let mut received = 0;
+    while received < size {
+        match stream.read(&mut block)? {
+            0 => anyhow::bail!("TCP baseline: the sender closed after {received} of {size} bytes"),
+            n => received += n,
+        }
+    }
+    let elapsed = start.elapsed();
+    sender.join().map_err(|_| anyhow::anyhow!("TCP baseline sender panicked"))??;
+    Ok(gbps(size, elapsed))
 }
