@@ -42,6 +42,9 @@ struct Cli {
     /// Internal: serve as the target process for one provider.
     #[arg(long, hide = true)]
     serve_target: Option<String>,
+    /// Internal: send `--size` bytes to this address, for the TCP baseline.
+    #[arg(long, hide = true)]
+    tcp_sender: Option<std::net::SocketAddr>,
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -75,6 +78,9 @@ fn main() -> Result<()> {
         let target = Target::start(&FabricConfig::provider(provider), size, seed)?;
         target.serve(std::io::stdin().lock(), std::io::stdout().lock())?;
         return Ok(());
+    }
+    if let Some(address) = cli.tcp_sender {
+        return send_tcp_stream(address, size);
     }
     let runs = cli.runs.max(1);
 
@@ -173,34 +179,47 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// Sends `size` bytes through one TCP connection over loopback, from one
-/// thread to another, in 4 MiB writes, and returns the receiver's GB/s.
+/// Bytes per `write`/`read` call of the TCP baseline.
+const TCP_BLOCK: usize = 4 << 20;
+
+/// The TCP baseline: a second process (this binary with `--tcp-sender`)
+/// sends `size` bytes through one TCP connection over loopback in 4 MiB
+/// writes, as the fabric targets are second processes too; returns the
+/// receiver's GB/s from its first byte to its last.
 fn tcp_stream_gbps(size: usize) -> Result<f64> {
-    const WRITE: usize = 4 << 20;
     let listener = TcpListener::bind("127.0.0.1:0").context("binding the TCP baseline's listener")?;
-    let address = listener.local_addr()?;
-    let sender = std::thread::spawn(move || -> std::io::Result<()> {
-        let mut stream = TcpStream::connect(address)?;
-        let block = vec![0x5au8; WRITE];
-        let mut left = size;
-        while left > 0 {
-            let n = left.min(WRITE);
-            stream.write_all(&block[..n])?;
-            left -= n;
-        }
-        Ok(())
-    });
+    let mut sender = Command::new(std::env::current_exe()?)
+        .args(["--tcp-sender", &listener.local_addr()?.to_string(), "--size", &size.to_string()])
+        .spawn()
+        .context("starting the TCP baseline's sender")?;
     let (mut stream, _) = listener.accept()?;
-    let mut block = vec![0u8; WRITE];
+    let mut block = vec![0u8; TCP_BLOCK];
+    let mut received = stream.read(&mut block)?;
     let start = Instant::now();
-    let mut received = 0;
     while received < size {
         match stream.read(&mut block)? {
-            0 => anyhow::bail!("TCP baseline: the sender closed after {received} of {size} bytes"),
+            0 => break,
             n => received += n,
         }
     }
     let elapsed = start.elapsed();
-    sender.join().map_err(|_| anyhow::anyhow!("TCP baseline sender panicked"))??;
+    let status = sender.wait()?;
+    anyhow::ensure!(
+        status.success() && received == size,
+        "TCP baseline: received {received} of {size} bytes ({status})"
+    );
     Ok(gbps(size, elapsed))
+}
+
+/// The sending side of the TCP baseline.
+fn send_tcp_stream(address: std::net::SocketAddr, size: usize) -> Result<()> {
+    let mut stream = TcpStream::connect(address).with_context(|| format!("TCP baseline: connecting to {address}"))?;
+    let block = vec![0x5au8; TCP_BLOCK];
+    let mut left = size;
+    while left > 0 {
+        let n = left.min(TCP_BLOCK);
+        stream.write_all(&block[..n])?;
+        left -= n;
+    }
+    Ok(())
 }
