@@ -114,6 +114,37 @@ fn killed_manager_is_marked_down() {
     assert!(service.log("controller.log").contains("marked down"));
 }
 
+/// A node with room for one agent is not given a second one while the first
+/// is still starting, although the manager's status reports in between
+/// (every 2 s) still say it runs none.
+#[test]
+fn a_starting_agent_counts_against_the_node_limit() {
+    let dynamic = "max_agents_node = 1\n";
+    let service = Service(LocalService::up_with_failpoints(
+        Path::new(ICHECK),
+        "starting",
+        1,
+        &[],
+        Some(dynamic),
+        Some("manager.before_agent_start=sleep(5000)"),
+    ));
+    let first = std::thread::scope(|scope| {
+        let first = scope.spawn(|| service.register("first", 1, 1));
+        // Long enough for at least one status report from the manager
+        // while the first agent is still starting.
+        std::thread::sleep(Duration::from_millis(2500));
+        let second = service.register("second", 1, 1);
+        let err = second.expect_err("a second agent on a node limited to one");
+        assert!(err.contains("room"), "the refusal should say there is no room: {err}");
+        first.join().unwrap()
+    });
+    let agents = first.expect("the first registration gets its agent");
+    assert_eq!(agents.len(), 1);
+    wait_for("the manager to report its one agent", Duration::from_secs(10), || {
+        service.status().nodes.iter().map(|n| n.status.agents).sum::<u32>() == 1
+    });
+}
+
 fn raw_send(addr: &str, bytes: &[u8]) {
     if let Ok(mut stream) = TcpStream::connect(addr) {
         stream.set_read_timeout(Some(Duration::from_millis(200))).ok();

@@ -39,7 +39,12 @@ struct NodeEntry {
     connected: bool,
     last_heartbeat: Instant,
     reported_down: bool,
+    /// The manager's last report. Its agent count lags behind starts the
+    /// controller has asked for; placement adds [`NodeEntry::starting`].
     status: NodeStatus,
+    /// Agent starts sent to this manager and not yet answered. Kept apart
+    /// from `status.agents`, which each status report replaces.
+    starting: u32,
     /// Memory and agent-count history for the derived metrics.
     trend: NodeTrend,
     /// An operator is draining it: no new agents; its agents move away on
@@ -317,6 +322,7 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                     last_heartbeat: now,
                     reported_down: false,
                     status,
+                    starting: 0,
                     trend,
                     // A manager that comes back keeps its node's drain.
                     draining: state.nodes.get(&node).is_some_and(|n| n.draining),
@@ -369,11 +375,18 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             }
             ManagerToController::AgentReady(info) => {
                 if let Some(waiter) = state.pending.remove(&info.id) {
+                    start_answered(&mut state, &node);
+                    // The agent runs now; count it until the manager's next
+                    // report, which is sent after this message and includes it.
+                    if let Some(entry) = state.nodes.get_mut(&node) {
+                        entry.status.agents += 1;
+                    }
                     let _ = waiter.send(Ok(info));
                 }
             }
             ManagerToController::AgentFailed { id, reason } => {
                 if let Some(waiter) = state.pending.remove(&id) {
+                    start_answered(&mut state, &node);
                     let _ = waiter.send(Err(format!("node {node}: {reason}")));
                 }
             }
@@ -724,7 +737,7 @@ fn snapshot(shared: &Shared, state: &State, now: Instant) -> Vec<NodeSnapshot> {
         .map(|(name, n)| NodeSnapshot {
             node: name.clone(),
             alive: shared.alive(n, now),
-            agents: n.status.agents,
+            agents: n.status.agents + n.starting,
             mem_available: n.status.mem_available,
             bandwidth: n.status.bandwidth,
             cops_per_min: n.status.cops_per_min,
@@ -748,11 +761,19 @@ fn send_starts(state: &mut State, app: &str, nodes: Vec<String>, mem_budget: u64
         let (tx, rx) = oneshot::channel();
         state.pending.insert(id, tx);
         let entry = state.nodes.get_mut(&node).expect("chosen from the snapshot");
-        entry.status.agents += 1; // count it now, so parallel placements spread out
+        entry.starting += 1; // count it now, so parallel placements spread out
         let _ = entry.to_manager.send(ControllerToManager::StartAgent { id, app: app.to_string(), mem_budget });
         waiters.push((id, node, rx));
     }
     waiters
+}
+
+/// One agent start on `node` got its answer (or the controller gave up
+/// waiting for it): it no longer counts as starting.
+fn start_answered(state: &mut State, node: &str) {
+    if let Some(entry) = state.nodes.get_mut(node) {
+        entry.starting = entry.starting.saturating_sub(1);
+    }
 }
 
 /// Waits for the agents [`send_starts`] asked for; if any fails, stops the
@@ -765,7 +786,10 @@ async fn await_starts(shared: &Shared, app: &str, waiters: Vec<StartWaiter>) -> 
             Some(Ok(info)) => agents.push(info),
             Some(Err(reason)) => failure = Some(reason),
             None => {
-                shared.state().pending.remove(&id);
+                let mut state = shared.state();
+                if state.pending.remove(&id).is_some() {
+                    start_answered(&mut state, &node);
+                }
                 failure = Some(format!("manager on {node} did not start agent {id} within {AGENT_START_TIMEOUT:?}"));
             }
         }

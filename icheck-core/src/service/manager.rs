@@ -192,6 +192,7 @@ async fn session(
             ControllerToManager::StartAgent { id, app, mem_budget } => {
                 let (tx, agents, settings, node) = (tx.clone(), agents.clone(), settings.clone(), node.to_string());
                 tokio::task::spawn_blocking(move || {
+                    crate::failpoint::hit("manager.before_agent_start");
                     let reply = match Agent::start(&settings, &node, id, &app, mem_budget) {
                         Ok(agent) => {
                             let info = agent.info().clone();

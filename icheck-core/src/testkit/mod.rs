@@ -17,6 +17,10 @@ pub struct LocalService {
     pub icheck: PathBuf,
     /// Arguments `icheck up` was given (before `--state-dir`).
     up_args: Vec<String>,
+    /// `ICHECK_FAILPOINTS` for the daemons (they inherit `icheck up`'s
+    /// environment), so one test can arm failpoints without touching the
+    /// environment of the other tests in its process.
+    failpoints: Option<String>,
     /// State directory (config, logs, pids).
     pub dir: PathBuf,
     /// The client configuration `icheck up` wrote.
@@ -38,6 +42,19 @@ impl LocalService {
         extra: &[&str],
         dynamic: Option<&str>,
     ) -> LocalService {
+        LocalService::up_with_failpoints(icheck, name, managers, extra, dynamic, None)
+    }
+
+    /// [`up_with_dynamic`](Self::up_with_dynamic), with the daemons started
+    /// under `ICHECK_FAILPOINTS=failpoints` (see [`crate::failpoint`]).
+    pub fn up_with_failpoints(
+        icheck: &Path,
+        name: &str,
+        managers: u32,
+        extra: &[&str],
+        dynamic: Option<&str>,
+        failpoints: Option<&str>,
+    ) -> LocalService {
         let dir = std::env::temp_dir().join(format!("icheck-test-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         if let Some(text) = dynamic {
@@ -47,18 +64,24 @@ impl LocalService {
         let mut up_args: Vec<String> =
             ["up", "--detach", "--managers", &managers.to_string(), "--heartbeat", "0.5"].map(String::from).into();
         up_args.extend(extra.iter().map(|s| s.to_string()));
-        let mut service = LocalService { icheck: icheck.to_path_buf(), up_args, config: StaticConfig::default(), dir };
+        let mut service = LocalService {
+            icheck: icheck.to_path_buf(),
+            up_args,
+            failpoints: failpoints.map(str::to_string),
+            config: StaticConfig::default(),
+            dir,
+        };
         service.start();
         service
     }
 
     fn start(&mut self) {
-        let out = Command::new(&self.icheck)
-            .args(&self.up_args)
-            .arg("--state-dir")
-            .arg(&self.dir)
-            .output()
-            .expect("run icheck up");
+        let mut up = Command::new(&self.icheck);
+        up.args(&self.up_args).arg("--state-dir").arg(&self.dir);
+        if let Some(spec) = &self.failpoints {
+            up.env(crate::failpoint::FAILPOINTS_ENV, spec);
+        }
+        let out = up.output().expect("run icheck up");
         assert!(
             out.status.success(),
             "icheck up failed: {}{}",
