@@ -24,17 +24,8 @@ if [ -f "$STAMP" ]; then
 fi
 
 # Build tools: the Debian tarball is a git export without a configure script.
-missing=()
-for pkg in autoconf automake libtool make gcc curl xz-utils; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-done
-if ((${#missing[@]})); then
-  echo "libfabric $VERSION: installing build tools ${missing[*]}" >&2
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/packages.sh"
+install_missing "libfabric $VERSION" autoconf automake libtool make gcc curl xz-utils
 
 work=$(mktemp -d /tmp/icheck-libfabric2.XXXXXX)
 trap 'rm -rf "$work"' EXIT

@@ -10,17 +10,8 @@ PACKAGES=(
   iproute2 procps                                 # network namespaces, process tools in tests
 )
 
-missing=()
-for pkg in "${PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
-done
-if ((${#missing[@]})); then
-  echo "icheck setup: installing ${missing[*]}"
-  SUDO=""
-  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/packages.sh"
+install_missing "icheck setup" "${PACKAGES[@]}"
 
 if ! command -v cargo >/dev/null 2>&1; then
   for dir in "$HOME/.cargo/bin" /usr/local/cargo/bin; do
