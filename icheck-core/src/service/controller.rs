@@ -375,18 +375,13 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             }
             ManagerToController::AgentReady(info) => {
                 if let Some(waiter) = state.pending.remove(&info.id) {
-                    start_answered(&mut state, &node);
-                    // The agent runs now; count it until the manager's next
-                    // report, which is sent after this message and includes it.
-                    if let Some(entry) = state.nodes.get_mut(&node) {
-                        entry.status.agents += 1;
-                    }
+                    start_answered(&mut state, &node, true);
                     let _ = waiter.send(Ok(info));
                 }
             }
             ManagerToController::AgentFailed { id, reason } => {
                 if let Some(waiter) = state.pending.remove(&id) {
-                    start_answered(&mut state, &node);
+                    start_answered(&mut state, &node, false);
                     let _ = waiter.send(Err(format!("node {node}: {reason}")));
                 }
             }
@@ -769,10 +764,13 @@ fn send_starts(state: &mut State, app: &str, nodes: Vec<String>, mem_budget: u64
 }
 
 /// One agent start on `node` got its answer (or the controller gave up
-/// waiting for it): it no longer counts as starting.
-fn start_answered(state: &mut State, node: &str) {
+/// waiting for it): it no longer counts as starting. An agent that
+/// `started` counts as running until the manager's next report, which is
+/// sent after its AgentReady and includes it.
+fn start_answered(state: &mut State, node: &str, started: bool) {
     if let Some(entry) = state.nodes.get_mut(node) {
         entry.starting = entry.starting.saturating_sub(1);
+        entry.status.agents += u32::from(started);
     }
 }
 
@@ -788,7 +786,7 @@ async fn await_starts(shared: &Shared, app: &str, waiters: Vec<StartWaiter>) -> 
             None => {
                 let mut state = shared.state();
                 if state.pending.remove(&id).is_some() {
-                    start_answered(&mut state, &node);
+                    start_answered(&mut state, &node, false);
                 }
                 failure = Some(format!("manager on {node} did not start agent {id} within {AGENT_START_TIMEOUT:?}"));
             }
