@@ -160,6 +160,63 @@ pub fn recv_blocking<R: std::io::Read, T: DeserializeOwned>(
     decode(&payload)
 }
 
+/// Collects one frame from a non-blocking stream across several calls, so a
+/// daemon can wait for many peers' first frame (the Hello) on one thread
+/// instead of parking a thread on each idle socket.
+#[derive(Debug)]
+pub struct FrameAssembler {
+    limit: usize,
+    buf: Vec<u8>,
+}
+
+impl FrameAssembler {
+    /// An assembler that refuses frames announcing more than `limit` bytes.
+    pub fn new(limit: usize) -> FrameAssembler {
+        FrameAssembler { limit: limit.min(MAX_FRAME), buf: Vec::new() }
+    }
+
+    /// Reads what `reader` has now. `Ok(Some(payload))` once the frame is
+    /// whole (an assembler yields one frame: make a new one for the next),
+    /// `Ok(None)` when more bytes are needed (the reader would block),
+    /// an error when the peer closed, the frame is too large, or the read failed.
+    pub fn poll<R: std::io::Read>(&mut self, reader: &mut R) -> Result<Option<Vec<u8>>, ProtocolError> {
+        loop {
+            // Before the prefix is in, read up to it; then up to the frame's end.
+            let wanted = 4 + self.announced()?.unwrap_or(0);
+            if self.buf.len() >= 4 && self.buf.len() == wanted {
+                return Ok(Some(self.buf.split_off(4)));
+            }
+            let have = self.buf.len();
+            self.buf.resize(wanted, 0);
+            match reader.read(&mut self.buf[have..]) {
+                Ok(0) => {
+                    self.buf.truncate(have);
+                    return Err(ProtocolError::Closed);
+                }
+                Ok(n) => self.buf.truncate(have + n),
+                Err(err) => {
+                    self.buf.truncate(have);
+                    return match err.kind() {
+                        std::io::ErrorKind::WouldBlock => Ok(None),
+                        std::io::ErrorKind::Interrupted => continue,
+                        _ => Err(err.into()),
+                    };
+                }
+            }
+        }
+    }
+
+    /// The announced payload length, once the 4-byte prefix is in.
+    fn announced(&self) -> Result<Option<usize>, ProtocolError> {
+        let Some(prefix) = self.buf.get(..4) else { return Ok(None) };
+        let len = u32::from_le_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]) as usize;
+        if len > self.limit {
+            return Err(ProtocolError::FrameTooLarge(len));
+        }
+        Ok(Some(len))
+    }
+}
+
 /// [`recv`] with a deadline.
 pub async fn recv_timeout<R: AsyncReadExt + Unpin, T: DeserializeOwned>(
     reader: &mut R,
@@ -820,6 +877,75 @@ mod tests {
         assert_eq!(decode::<ClientRequest>(&bytes).unwrap(), msg);
         bytes.push(0);
         assert!(decode::<ClientRequest>(&bytes).is_err());
+    }
+
+    /// A reader that hands out its bytes a few at a time and then says
+    /// "would block", as a non-blocking socket does.
+    struct Trickle {
+        bytes: Vec<u8>,
+        step: usize,
+        ready: bool,
+    }
+
+    impl std::io::Read for Trickle {
+        fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+            self.ready = !self.ready;
+            if !self.ready {
+                return Err(std::io::ErrorKind::WouldBlock.into());
+            }
+            if self.bytes.is_empty() {
+                return Ok(0);
+            }
+            let n = self.step.min(out.len()).min(self.bytes.len());
+            out[..n].copy_from_slice(&self.bytes[..n]);
+            self.bytes.drain(..n);
+            Ok(n)
+        }
+    }
+
+    fn framed(message: &Hello) -> Vec<u8> {
+        let mut frame = Vec::new();
+        send_blocking(&mut frame, message).unwrap();
+        frame
+    }
+
+    #[test]
+    fn frame_assembler_collects_a_frame_over_many_partial_reads() {
+        let hello = Hello::new("secret", Role::Client);
+        for step in [1, 3, 4, 7, 1000] {
+            let mut reader = Trickle { bytes: framed(&hello), step, ready: false };
+            let mut assembler = FrameAssembler::new(4096);
+            let payload = loop {
+                if let Some(payload) = assembler.poll(&mut reader).unwrap() {
+                    break payload;
+                }
+            };
+            assert_eq!(decode::<Hello>(&payload).unwrap(), hello, "step {step}");
+        }
+    }
+
+    #[test]
+    fn frame_assembler_refuses_oversized_and_truncated_frames() {
+        let mut big = Trickle { bytes: 5000u32.to_le_bytes().to_vec(), step: 4, ready: false };
+        let mut assembler = FrameAssembler::new(4096);
+        let outcome = loop {
+            match assembler.poll(&mut big) {
+                Ok(None) => continue,
+                other => break other,
+            }
+        };
+        assert!(matches!(outcome, Err(ProtocolError::FrameTooLarge(5000))), "{outcome:?}");
+        let mut frame = framed(&Hello::new("secret", Role::Client));
+        frame.truncate(frame.len() - 2);
+        let mut short = Trickle { bytes: frame, step: 5, ready: false };
+        let mut assembler = FrameAssembler::new(4096);
+        let outcome = loop {
+            match assembler.poll(&mut short) {
+                Ok(None) => continue,
+                other => break other,
+            }
+        };
+        assert!(matches!(outcome, Err(ProtocolError::Closed)), "{outcome:?}");
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //! endpoint, a TCP command channel where the application's ranks open
 //! sessions, and the rank files of its [`Store`].
 //!
-//! Threads per agent: one accept/idle-progress loop, plus one thread per
-//! open rank session. A session moves the rank's bytes itself (pull: the
+//! Threads per agent: one accept/idle-progress loop, which also collects
+//! the Hello of new connections without blocking, plus one thread per
+//! authenticated rank session. A session moves the rank's bytes itself (pull: the
 //! session's `fi_read`s; push: a spinning progress thread while the rank
 //! writes), so the control plane (manager tasks, controller) never sits on
 //! the data path.
@@ -101,7 +102,10 @@ struct Shared {
     /// Bytes of checkpoint memory this node may hold (0 = no limit).
     mem_budget: u64,
     stop: AtomicBool,
-    sessions: Mutex<Vec<TcpStream>>,
+    /// A second handle on each open session's socket, by session id; see
+    /// [`SessionRegistration`].
+    sessions: Mutex<std::collections::HashMap<u64, TcpStream>>,
+    next_session: AtomicU64,
     counters: AgentCounters,
 }
 
@@ -148,6 +152,7 @@ impl Agent {
             mem_budget,
             stop: AtomicBool::new(false),
             sessions: Mutex::default(),
+            next_session: AtomicU64::new(0),
             counters: AgentCounters::default(),
         });
         let thread_shared = shared.clone();
@@ -257,7 +262,7 @@ impl Agent {
 
     fn shutdown(&mut self) {
         self.shared.stop.store(true, Ordering::Relaxed);
-        for session in self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+        for (_, session) in self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).drain() {
             let _ = session.shutdown(Shutdown::Both);
         }
         if let Some(thread) = self.thread.take() {
@@ -272,45 +277,175 @@ impl Drop for Agent {
     }
 }
 
+/// Time a connecting peer has to send its Hello before it is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Most connections waiting for their Hello at once. Beyond it the oldest
+/// is dropped: a rank sends its Hello right after connecting, so only
+/// idle (or hostile) sockets ever get old.
+const MAX_HANDSHAKES: usize = 64;
+/// Largest Hello frame accepted (a token and a few fields).
+const MAX_HELLO: usize = 4096;
+
+/// A connection that has not sent its Hello yet. It holds no thread: the
+/// accept loop polls every waiting connection without blocking.
+struct Handshake {
+    stream: TcpStream,
+    peer: std::net::SocketAddr,
+    since: Instant,
+    frame: protocol::FrameAssembler,
+}
+
+/// What became of a [`Handshake`] this round.
+enum HandshakeStep {
+    /// Still waiting for bytes, within its deadline.
+    Waiting(Handshake),
+    /// The Hello was accepted: the connection is a session now.
+    Admitted,
+    /// Refused, timed out, closed or malformed: the socket is closed.
+    Dropped,
+}
+
 /// Accepts rank sessions and, while idle, polls the endpoint so peers' RMA
 /// against the probe region progresses.
+///
+/// Connections are admitted in two stages so that sockets cost nothing
+/// before they authenticate: the loop itself collects each connection's
+/// Hello without blocking (at most [`MAX_HANDSHAKES`] at once, each within
+/// [`HANDSHAKE_TIMEOUT`]); only an accepted Hello gets a session thread.
 fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener, _probe: RegisteredBuffer) {
-    let mut sessions: Vec<JoinHandle<()>> = Vec::new();
+    let mut threads: Vec<JoinHandle<()>> = Vec::new();
+    let mut handshakes: std::collections::VecDeque<Handshake> = std::collections::VecDeque::new();
+    let mut evicted = 0u64;
     while !shared.stop.load(Ordering::Relaxed) {
-        match listener.accept() {
-            Ok((stream, peer)) => {
-                let _ = stream.set_nonblocking(false);
-                let _ = stream.set_nodelay(true);
-                if let Ok(clone) = stream.try_clone() {
-                    shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).push(clone);
-                }
-                let shared = shared.clone();
-                let spawned =
-                    std::thread::Builder::new().name(format!("icheck-agent-{}-session", shared.id)).spawn(move || {
-                        let _span = tracing::info_span!("session", agent = shared.id, %peer).entered();
-                        match serve_session(&shared, stream) {
-                            Ok(()) | Err(SessionEnd::Closed) => tracing::debug!("session ended"),
-                            Err(SessionEnd::Failed(err)) => tracing::warn!(%err, "session dropped"),
+        let mut busy = false;
+        loop {
+            match listener.accept() {
+                Ok((stream, peer)) => {
+                    busy = true;
+                    if stream.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    if handshakes.len() >= MAX_HANDSHAKES {
+                        handshakes.pop_front();
+                        evicted += 1;
+                        if evicted.is_power_of_two() {
+                            tracing::warn!(evicted, "too many connections without a Hello; dropping the oldest");
                         }
-                    });
-                match spawned {
-                    Ok(handle) => sessions.push(handle),
-                    Err(err) => tracing::error!(%err, "cannot start a session thread"),
+                    }
+                    let frame = protocol::FrameAssembler::new(MAX_HELLO);
+                    handshakes.push_back(Handshake { stream, peer, since: Instant::now(), frame });
                 }
-                sessions.retain(|h| !h.is_finished());
-            }
-            Err(err) if err.kind() == ErrorKind::WouldBlock => {
-                shared.endpoint.progress();
-                std::thread::sleep(Duration::from_micros(500));
-            }
-            Err(err) => {
-                tracing::warn!(%err, "accept failed");
-                std::thread::sleep(Duration::from_millis(10));
+                Err(err) if err.kind() == ErrorKind::WouldBlock => break,
+                Err(err) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(%err, "accept failed");
+                    std::thread::sleep(Duration::from_millis(10));
+                    break;
+                }
             }
         }
+        let mut waiting = std::collections::VecDeque::with_capacity(handshakes.len());
+        for handshake in handshakes.drain(..) {
+            match advance_handshake(shared, handshake, &mut threads) {
+                HandshakeStep::Waiting(handshake) => waiting.push_back(handshake),
+                HandshakeStep::Admitted => busy = true,
+                HandshakeStep::Dropped => {}
+            }
+        }
+        handshakes = waiting;
+        threads.retain(|h| !h.is_finished());
+        if !busy {
+            shared.endpoint.progress();
+            std::thread::sleep(Duration::from_micros(500));
+        }
     }
-    for handle in sessions {
+    drop(handshakes);
+    for handle in threads {
         let _ = handle.join();
+    }
+}
+
+/// Reads what a waiting connection sent; admits it once its Hello is whole
+/// and valid.
+fn advance_handshake(
+    shared: &Arc<Shared>,
+    mut handshake: Handshake,
+    threads: &mut Vec<JoinHandle<()>>,
+) -> HandshakeStep {
+    let peer = handshake.peer;
+    let payload = match handshake.frame.poll(&mut handshake.stream) {
+        Ok(Some(payload)) => payload,
+        Ok(None) if handshake.since.elapsed() < HANDSHAKE_TIMEOUT => return HandshakeStep::Waiting(handshake),
+        Ok(None) => {
+            tracing::debug!(%peer, "no Hello within {HANDSHAKE_TIMEOUT:?}; connection closed");
+            return HandshakeStep::Dropped;
+        }
+        Err(err) => {
+            tracing::debug!(%peer, %err, "connection closed before its Hello");
+            return HandshakeStep::Dropped;
+        }
+    };
+    let mut stream = handshake.stream;
+    // The replies below are a few bytes on a fresh socket: they fit its
+    // send buffer, so a blocking write with a short bound cannot stall the loop.
+    if stream.set_nonblocking(false).is_err() || stream.set_write_timeout(Some(Duration::from_secs(1))).is_err() {
+        return HandshakeStep::Dropped;
+    }
+    let checked = protocol::decode::<Hello>(&payload)
+        .map_err(|err| err.to_string())
+        .and_then(|hello| protocol::check_hello(&hello, &shared.settings.token));
+    if let Err(reason) = checked {
+        tracing::warn!(%peer, %reason, "refused a connection");
+        let _ = protocol::send_blocking(&mut stream, &HelloReply::Refused(reason));
+        return HandshakeStep::Dropped;
+    }
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_write_timeout(None);
+    let Some(registration) = SessionRegistration::new(shared, &stream) else {
+        return HandshakeStep::Dropped;
+    };
+    let session_shared = shared.clone();
+    let spawned = std::thread::Builder::new().name(format!("icheck-agent-{}-session", shared.id)).spawn(move || {
+        let _registration = registration;
+        let _span = tracing::info_span!("session", agent = session_shared.id, %peer).entered();
+        match serve_session(&session_shared, stream) {
+            Ok(()) | Err(SessionEnd::Closed) => tracing::debug!("session ended"),
+            Err(SessionEnd::Failed(err)) => tracing::warn!(%err, "session dropped"),
+        }
+    });
+    match spawned {
+        Ok(handle) => {
+            threads.push(handle);
+            HandshakeStep::Admitted
+        }
+        Err(err) => {
+            tracing::error!(%err, "cannot start a session thread");
+            HandshakeStep::Dropped
+        }
+    }
+}
+
+/// A session's entry in [`Shared::sessions`] (a second handle on its
+/// socket, so stopping the agent can shut every session down). Dropping it,
+/// when the session ends however it ends, removes the entry and closes that
+/// handle: a finished session keeps no descriptor.
+struct SessionRegistration {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl SessionRegistration {
+    fn new(shared: &Arc<Shared>, stream: &TcpStream) -> Option<SessionRegistration> {
+        let handle = stream.try_clone().ok()?;
+        let id = shared.next_session.fetch_add(1, Ordering::Relaxed);
+        shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).insert(id, handle);
+        Some(SessionRegistration { shared: shared.clone(), id })
+    }
+}
+
+impl Drop for SessionRegistration {
+    fn drop(&mut self) {
+        self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
     }
 }
 
@@ -378,13 +513,9 @@ struct Session {
     retired: Vec<Fetching>,
 }
 
+/// Serves one authenticated rank (its Hello was accepted by the accept loop).
 fn serve_session(shared: &Shared, mut stream: TcpStream) -> Result<(), SessionEnd> {
     let _ = stream.set_read_timeout(Some(SESSION_IDLE_TIMEOUT));
-    let hello: Hello = protocol::recv_blocking(&mut stream, SESSION_IDLE_TIMEOUT)?;
-    if let Err(reason) = protocol::check_hello(&hello, &shared.settings.token) {
-        protocol::send_blocking(&mut stream, &HelloReply::Refused(reason.clone()))?;
-        return Err(SessionEnd::Failed(format!("refused: {reason}")));
-    }
     protocol::send_blocking(&mut stream, &HelloReply::Welcome)?;
     let mut session: Option<Session> = None;
     loop {
