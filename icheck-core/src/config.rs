@@ -254,6 +254,25 @@ impl StaticConfig {
         std::env::var(TOKEN_ENV).ok().or_else(|| self.token.clone()).unwrap_or_default()
     }
 
+    /// The token a daemon runs with: [`effective_token`](Self::effective_token),
+    /// refused when empty, because an empty token would let anyone who can
+    /// reach the ports read, overwrite and delete every application's
+    /// checkpoints. `file` is the configuration the daemon was started with.
+    pub fn daemon_token(&self, file: &Path) -> Result<String, ConfigError> {
+        let token = self.effective_token();
+        if token.trim().is_empty() {
+            return Err(ConfigError::Invalid {
+                file: file.to_path_buf(),
+                key: "Token",
+                expected: format!(
+                    "a non-empty shared secret (or {TOKEN_ENV} in the environment): daemons do not run \
+                     without authentication; `icheck up` writes a random one"
+                ),
+            });
+        }
+        Ok(token)
+    }
+
     /// `host:port` of the controller.
     pub fn controller_endpoint(&self) -> String {
         format!("{}:{}", self.controller_address, self.controller_port)

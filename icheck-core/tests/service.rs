@@ -270,3 +270,85 @@ fn placement_strategy_changes_apply_to_the_next_registration() {
     let packed_node = &packed[0].node;
     assert_eq!(spread.iter().filter(|a| &a.node == packed_node).count(), 1, "{spread:?}");
 }
+
+/// Runs `icheck ARGS` with `ICHECK_TOKEN` unset; a daemon that starts
+/// anyway is killed after 10 s (the test then fails on its status).
+fn icheck_bounded(args: &[&str]) -> std::process::Output {
+    use std::process::Stdio;
+    let mut child = Command::new(ICHECK)
+        .args(args)
+        .env_remove("ICHECK_TOKEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let finished = icheck_core::testkit::poll_until(Duration::from_secs(10), || child.try_wait().unwrap().is_some());
+    if !finished {
+        let _ = child.kill();
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn daemons_refuse_an_empty_token_and_up_refuses_an_unknown_provider() {
+    let dir = std::env::temp_dir().join(format!("icheck-test-misconfig-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let empty = dir.join("empty.toml");
+    std::fs::write(&empty, "").unwrap();
+    let empty_arg = empty.to_str().unwrap();
+    for daemon in [&["controller", "--config", empty_arg][..], &["manager", "--config", empty_arg, "--node", "n1"]] {
+        let out = icheck_bounded(daemon);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{daemon:?} started without a token");
+        assert!(stderr.contains("`Token`") && stderr.contains(empty_arg), "{daemon:?}: {stderr}");
+    }
+
+    let state = dir.join("state");
+    let out = icheck_bounded(&["up", "--detach", "--provider", "nosuchprov", "--state-dir", state.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "icheck up started with an unknown provider");
+    assert!(stderr.contains("nosuchprov") && stderr.contains("available here:") && stderr.contains("tcp"), "{stderr}");
+    assert!(!state.join("pids").exists(), "no daemon may start");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn up_starts_again_only_the_daemons_that_died() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let service = Service::up("restart-dead", 2);
+    let (controller, first, second) =
+        (service.pid_of("controller"), service.pid_of("manager-local-1"), service.pid_of("manager-local-2"));
+    kill(Pid::from_raw(second as i32), Signal::SIGKILL).unwrap();
+    wait_for("the killed manager to be gone", Duration::from_secs(10), || {
+        std::fs::read_to_string(format!("/proc/{second}/stat")).map_or(true, |s| s.contains(") Z "))
+    });
+    let up = |dir: &Path| Command::new(ICHECK).args(["up", "--detach", "--state-dir"]).arg(dir).output().unwrap();
+    let out = up(&service.dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains(&format!("manager-local-2 (pid {second}) had died; started again")), "{stdout}");
+    assert_eq!(service.pid_of("controller"), controller, "a live daemon is left alone");
+    assert_eq!(service.pid_of("manager-local-1"), first, "a live daemon is left alone");
+    assert_ne!(service.pid_of("manager-local-2"), second);
+    let status = service.status();
+    assert!(status.nodes.len() == 2 && status.nodes.iter().all(|n| n.alive), "{status:?}");
+
+    // A dead controller comes back on its port; the managers reconnect.
+    kill(Pid::from_raw(controller as i32), Signal::SIGKILL).unwrap();
+    wait_for("the killed controller to be gone", Duration::from_secs(10), || {
+        std::fs::read_to_string(format!("/proc/{controller}/stat")).map_or(true, |s| s.contains(") Z "))
+    });
+    let out = up(&service.dir);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    wait_for("both managers at the new controller", Duration::from_secs(20), || {
+        let status = service.status();
+        status.nodes.len() == 2 && status.nodes.iter().all(|n| n.alive)
+    });
+
+    // Everything alive: nothing to start, and up says so.
+    let out = up(&service.dir);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("all its 3 daemons are alive"));
+}

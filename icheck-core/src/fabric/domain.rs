@@ -244,6 +244,31 @@ pub fn list_providers(config: &FabricConfig) -> Result<Vec<ProviderInfo>> {
     Ok(out)
 }
 
+/// Checks that `config` names a provider this machine offers with what
+/// icheck needs; the error lists the providers that would work, so a typo
+/// in a configuration fails at start and not at an application's init.
+pub fn check_provider(config: &FabricConfig) -> Result<ProviderInfo> {
+    match list_providers(config) {
+        Ok(mut found) if !found.is_empty() => Ok(found.swap_remove(0)),
+        Ok(_) | Err(FabricError::NoProvider { .. }) => {
+            let mut available: Vec<String> = Vec::new();
+            for offered in list_providers(&FabricConfig::default()).unwrap_or_default() {
+                if !available.contains(&offered.provider) {
+                    available.push(offered.provider);
+                }
+            }
+            let available = if available.is_empty() { "none".to_string() } else { available.join(", ") };
+            Err(FabricError::Config(format!(
+                "provider {} (domain {}) offers no reliable-datagram endpoint with RMA on this machine; \
+                 available here: {available}",
+                config.describe_provider(),
+                config.domain.as_deref().unwrap_or("any"),
+            )))
+        }
+        Err(err) => Err(err),
+    }
+}
+
 pub(crate) struct DomainInner {
     /// The chosen fi_info (a single entry duplicated from the getinfo list).
     pub(crate) info: *mut sys::fi_info,

@@ -46,8 +46,8 @@ mod mr;
 mod progress;
 
 pub use domain::{
-    libfabric_version, list_providers, remove_shm_regions_of, Domain, FabricConfig, LibfabricVersion, MrMode,
-    ProviderInfo,
+    check_provider, libfabric_version, list_providers, remove_shm_regions_of, Domain, FabricConfig, LibfabricVersion,
+    MrMode, ProviderInfo,
 };
 pub use endpoint::{Endpoint, FabricAddress, Peer, RmaKind, RmaOp, TransferOptions, TransferStats};
 pub use error::FabricError;

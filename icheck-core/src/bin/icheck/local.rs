@@ -95,6 +95,21 @@ fn read_pids(dir: &Path) -> Vec<(String, u32)> {
 fn spawn_daemon(dir: &Path, log_name: &str, args: &[&str]) -> Result<std::process::Child> {
     let log_path = dir.join("logs").join(log_name);
     let log = fs::File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+    spawn_logging_to(log, log_name, args)
+}
+
+/// [`spawn_daemon`], appending to the daemon's log instead of replacing it.
+fn spawn_daemon_appending(dir: &Path, log_name: &str, args: &[&str]) -> Result<std::process::Child> {
+    let log_path = dir.join("logs").join(log_name);
+    let log = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .with_context(|| format!("opening {}", log_path.display()))?;
+    spawn_logging_to(log, log_name, args)
+}
+
+fn spawn_logging_to(log: fs::File, log_name: &str, args: &[&str]) -> Result<std::process::Child> {
     let exe = std::env::current_exe().context("cannot find the icheck executable")?;
     use std::os::unix::process::CommandExt;
     let child = Command::new(exe)
@@ -120,13 +135,12 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     let dir = &options.state_dir;
     fs::create_dir_all(dir.join("logs")).with_context(|| format!("creating state directory {}", dir.display()))?;
     let dir = &dir.canonicalize()?;
-    if let Some((name, pid)) = read_pids(dir).into_iter().find(|(_, pid)| is_icheck_process(*pid)) {
-        bail!(
-            "a service already runs from {} ({name} is pid {pid}); stop it with `icheck down --state-dir {}`",
-            dir.display(),
-            dir.display()
-        );
+    let recorded = read_pids(dir);
+    if recorded.iter().any(|(_, pid)| is_icheck_process(*pid)) {
+        return restart_dead(dir, &recorded);
     }
+    icheck_core::fabric::check_provider(&icheck_core::fabric::FabricConfig::provider(&options.provider))
+        .context("--provider")?;
     let dynamic = dir.join("dynamic.toml");
     if !dynamic.exists() {
         fs::write(&dynamic, include_str!("../../../../config/dynamic.toml")).context("writing dynamic.toml")?;
@@ -171,12 +185,60 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     }
     fs::write(dir.join(PIDS), pids)?;
     let config = StaticConfig::load(&config_path)?;
+    wait_for_managers(&config, options.managers as usize, dir)?;
+    println!("icheck up: controller at {}, {} manager(s) ready", addr.trim(), options.managers);
+    println!("icheck up: client config: {}", config_path.display());
+    println!("           (export ICHECK_CONFIG={})", config_path.display());
+    Ok(config_path)
+}
+
+/// `icheck up` in a state directory whose service partly runs: starts
+/// again, with the directory's configuration, just the daemons that died
+/// (a killed manager, a crashed controller), and waits until all answer.
+fn restart_dead(dir: &Path, recorded: &[(String, u32)]) -> Result<PathBuf> {
+    let dead: Vec<&(String, u32)> = recorded.iter().filter(|(_, pid)| !is_icheck_process(*pid)).collect();
+    if dead.is_empty() {
+        bail!(
+            "a service already runs from {} and all its {} daemons are alive; stop it with `icheck down --state-dir {}`",
+            dir.display(),
+            recorded.len(),
+            dir.display()
+        );
+    }
+    let config_path = dir.join(CLIENT_CONFIG);
+    let config = StaticConfig::load(&config_path)?;
+    let config_arg = config_path.to_string_lossy().into_owned();
+    let dir_arg = dir.to_string_lossy().into_owned();
+    println!("icheck up: {} of the {} daemons in {} died; restarting them", dead.len(), recorded.len(), dir.display());
+    let mut pids: Vec<(String, u32)> = recorded.to_vec();
+    for (name, old_pid) in dead {
+        let args: Vec<&str> = match name.strip_prefix("manager-") {
+            Some(node) => vec!["manager", "--config", &config_arg, "--node", node],
+            None if name == "controller" => vec!["controller", "--config", &config_arg, "--state-dir", &dir_arg],
+            None => bail!("the pids file in {} names an unknown daemon {name:?}", dir.display()),
+        };
+        // Appends to the log, so what the dead daemon wrote last stays readable.
+        let pid = spawn_daemon_appending(dir, &format!("{name}.log"), &args)?.id();
+        println!("icheck up: {name} (pid {old_pid}) had died; started again (pid {pid})");
+        if let Some(entry) = pids.iter_mut().find(|(n, _)| n == name) {
+            entry.1 = pid;
+        }
+    }
+    let text: String = pids.iter().map(|(name, pid)| format!("{name} {pid}\n")).collect();
+    fs::write(dir.join(PIDS), text)?;
+    let managers = pids.iter().filter(|(name, _)| name.starts_with("manager-")).count();
+    wait_for_managers(&config, managers, dir)?;
+    println!("icheck up: all {} daemons of {} are running again", pids.len(), dir.display());
+    Ok(config_path)
+}
+
+/// Waits until the controller answers and `managers` nodes are alive.
+fn wait_for_managers(config: &StaticConfig, managers: usize, dir: &Path) -> Result<()> {
     let started = Instant::now();
     loop {
-        if let Ok(ClientReply::Status(report)) = request_blocking(&config, &ClientRequest::Status) {
-            let alive = report.nodes.iter().filter(|n| n.alive).count() as u32;
-            if alive >= options.managers {
-                break;
+        if let Ok(ClientReply::Status(report)) = request_blocking(config, &ClientRequest::Status) {
+            if report.nodes.iter().filter(|n| n.alive).count() >= managers {
+                return Ok(());
             }
         }
         if started.elapsed() > Duration::from_secs(20) {
@@ -184,10 +246,6 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    println!("icheck up: controller at {}, {} manager(s) ready", addr.trim(), options.managers);
-    println!("icheck up: client config: {}", config_path.display());
-    println!("           (export ICHECK_CONFIG={})", config_path.display());
-    Ok(config_path)
 }
 
 /// Stops what `up` started in `dir`: SIGTERM, then SIGKILL after 5 s.

@@ -291,13 +291,17 @@ fn run(cli: Cli) -> Result<()> {
     use icheck_core::protocol::{ClientReply, ClientRequest};
     match cli.command {
         Command_::Fabric(command) => run_fabric(command),
-        Command_::Controller { config, state_dir } => {
-            let config = icheck_core::config::StaticConfig::load(&config)?;
+        Command_::Controller { config: path, state_dir } => {
+            let config = icheck_core::config::StaticConfig::load(&path)?;
+            config.daemon_token(&path)?;
             runtime()?.block_on(icheck_core::service::controller::run(config, state_dir))?;
             Ok(())
         }
-        Command_::Manager { config, node } => {
-            let config = icheck_core::config::StaticConfig::load(&config)?;
+        Command_::Manager { config: path, node } => {
+            let config = icheck_core::config::StaticConfig::load(&path)?;
+            config.daemon_token(&path)?;
+            icheck_core::fabric::check_provider(&config.fabric)
+                .with_context(|| format!("configuration file {}: [fabric]", path.display()))?;
             let node = node.unwrap_or_else(|| {
                 std::fs::read_to_string("/etc/hostname").map(|h| h.trim().to_string()).unwrap_or_else(|_| "node".into())
             });
