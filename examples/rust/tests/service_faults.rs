@@ -73,3 +73,105 @@ fn agent_port_floods_leave_no_descriptors_or_threads_behind() {
     assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
 }
+
+/// A small deterministic generator (xorshift64*), so the kill points are
+/// the same in every run and a failure can be replayed.
+struct Seeded(u64);
+
+impl Seeded {
+    fn below(&mut self, bound: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % bound
+    }
+}
+
+/// Item 2 of the faults issue: an application killed in the middle of a
+/// commit could leave its agent with a closed endpoint, still handed out as
+/// alive, so every later run failed until the managers were restarted.
+#[test]
+fn applications_killed_at_random_points_of_commits_always_restart() {
+    let service = service("faults-killed", 2);
+    let config = service.config_path();
+    let mut rng = Seeded(0x1c4e_c0de_2026);
+    for round in 0..20 {
+        let expected = service.status().apps.iter().find_map(|a| a.latest.as_ref().map(|l| l.version));
+        let transfer = if round % 2 == 0 { "pull" } else { "push" };
+        let args = ["--app", "killed", "--steps", "100000", "--every", "1", "--mib", "8"];
+        let mut job = Job::start(4, &config, &args, &[("ICHECK_TRANSFER", transfer)]);
+        let first = job.wait_line_any(&["FRESH", "RESTORED"], Duration::from_secs(60));
+        match expected {
+            None => assert_eq!(first, "FRESH", "round {round}: {}", job.output()),
+            Some(version) => assert!(
+                first.starts_with(&format!("RESTORED version={version} ")) && first.ends_with(" verified"),
+                "round {round}: the controller's newest version is {version}, the run says {first:?}\n{}",
+                job.output()
+            ),
+        }
+        // Somewhere in the next few commits: mid-transfer, mid-seal, between.
+        std::thread::sleep(Duration::from_millis(rng.below(1500)));
+        job.kill();
+    }
+    let args = ["--app", "killed", "--steps", "0", "--every", "1", "--mib", "8"];
+    let (ok, output) = Job::start(4, &config, &args, &[]).finish_any(Duration::from_secs(120));
+    assert!(ok && output.contains(" verified"), "{output}");
+    for node in ["local-1", "local-2"] {
+        let log = service.log(&format!("manager-{node}.log"));
+        assert!(!log.contains("panicked"), "{log}");
+    }
+}
+
+/// Item 2, made deterministic: a rank that asks its agent to pull and then
+/// never drives progress (a hung or stopped process) makes the agent's
+/// transfer time out, which closes the agent's endpoint. That agent used to
+/// stay "alive" for the controller and fail every later request; now it
+/// ends, the controller learns it is lost, and the application's next run
+/// gets a new agent on the same node, which serves the stored versions.
+#[test]
+fn an_agent_whose_rank_stops_responding_mid_commit_is_replaced() {
+    use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint};
+    use icheck_core::protocol::{AgentReply, AgentRequest, DataKind, LabelLayout, PullSegment};
+    use icheck_core::service::client::BlockingConnection;
+
+    let service = service("faults-hung", 1);
+    let config = service.config_path();
+    let args = ["--app", "hung", "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    let agent = service.status().apps[0].agents[0].clone();
+
+    // Rank 0 of "hung" begins version 4 and asks to be pulled from memory
+    // that nothing in this process ever progresses.
+    let domain = Domain::open(&service.config.fabric).unwrap();
+    let endpoint = Endpoint::new(&domain).unwrap();
+    let len = 4 << 20;
+    let memory = endpoint.register(AlignedBuffer::zeroed(len), Access::REMOTE_READ).unwrap();
+    let token = service.config.effective_token();
+    let mut conn = BlockingConnection::connect(&agent.control, &token, Duration::from_secs(5)).unwrap();
+    conn.set_timeout(Duration::from_secs(60));
+    let mut call = |request: &AgentRequest| conn.call::<_, AgentReply>(request).unwrap();
+    let open = AgentRequest::Open { app: "hung".into(), rank: 0, address: endpoint.address().clone() };
+    assert_eq!(call(&open), AgentReply::Ok);
+    let label = LabelLayout { label: "x".into(), kind: DataKind::Binary, offset: 0, len: len as u64, adapt: None };
+    let begin = AgentRequest::Begin { version: 4, ranks: 2, epoch: 0, labels: vec![label], push: false };
+    assert!(matches!(call(&begin), AgentReply::Target(_)));
+    let segment = PullSegment { source: memory.remote(), source_offset: 0, file_offset: 0, len: len as u64 };
+    let answer = call(&AgentRequest::Pull(vec![segment]));
+    assert!(matches!(&answer, AgentReply::Error(message) if message.contains("timed out")), "{answer:?}");
+    drop(conn);
+
+    icheck_core::testkit::wait_for("the controller to learn the agent is lost", Duration::from_secs(10), || {
+        service.log("controller.log").contains("agent thread died")
+    });
+    // The abandoned version 4 left no file behind.
+    let rank_dir = service.config.agent_store_dir.join(&agent.node).join("hung/rank0");
+    icheck_core::testkit::wait_for("the abandoned version's file to go", Duration::from_secs(10), || {
+        !rank_dir.join("v4.data").exists()
+    });
+
+    let args = ["--app", "hung", "--steps", "6", "--every", "2", "--mib", "2"];
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
+}

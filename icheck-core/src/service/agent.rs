@@ -317,6 +317,19 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener, _probe: RegisteredB
     let mut handshakes: std::collections::VecDeque<Handshake> = std::collections::VecDeque::new();
     let mut evicted = 0u64;
     while !shared.stop.load(Ordering::Relaxed) {
+        if shared.endpoint.is_closed() {
+            // A transfer to an unresponsive peer timed out and the fabric
+            // layer closed the endpoint (nothing may write into our memory
+            // late). This agent can serve nobody any more: it ends, its
+            // manager reports it lost, and the controller places a new agent
+            // on this node for the application's next registration. The
+            // store's sealed versions stay for that agent.
+            tracing::error!(
+                "the fabric endpoint was closed after a transfer timed out; \
+                 stopping this agent so that the controller replaces it"
+            );
+            break;
+        }
         let mut busy = false;
         loop {
             match listener.accept() {
@@ -360,6 +373,10 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener, _probe: RegisteredB
         }
     }
     drop(handshakes);
+    // Sessions wait up to SESSION_IDLE_TIMEOUT for their rank: end them now.
+    for (_, session) in shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+        let _ = session.shutdown(Shutdown::Both);
+    }
     for handle in threads {
         let _ = handle.join();
     }
@@ -497,6 +514,8 @@ struct Fetching {
 }
 
 struct Session {
+    /// The node's store, to discard what an abandoned version left there.
+    store: Store,
     app: String,
     rank: u32,
     peer: Peer,
@@ -514,6 +533,32 @@ struct Session {
 }
 
 /// Serves one authenticated rank (its Hello was accepted by the accept loop).
+impl Session {
+    /// Drops the version being written, if any, and deletes its unsealed
+    /// data file: a version whose rank went away before `Seal` can never be
+    /// served, so its memory goes back to the node at once.
+    fn abandon_writing(&mut self) {
+        let Some(writing) = self.writing.take() else { return };
+        let version = writing.version;
+        let in_memory = matches!(writing.destination, Destination::Memory(_));
+        // Unmaps (and deregisters) before the file goes.
+        drop(writing);
+        if in_memory {
+            match self.store.discard_unsealed(&self.app, self.rank, version) {
+                Ok(true) => tracing::info!(version, rank = self.rank, "abandoned version discarded"),
+                Ok(false) => {}
+                Err(err) => tracing::warn!(version, rank = self.rank, %err, "cannot discard an abandoned version"),
+            }
+        }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.abandon_writing();
+    }
+}
+
 fn serve_session(shared: &Shared, mut stream: TcpStream) -> Result<(), SessionEnd> {
     let _ = stream.set_read_timeout(Some(SESSION_IDLE_TIMEOUT));
     protocol::send_blocking(&mut stream, &HelloReply::Welcome)?;
@@ -541,6 +586,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
         }
         let peer = shared.endpoint.insert_peer(&address).map_err(|e| e.to_string())?;
         *session = Some(Session {
+            store: shared.settings.store.clone(),
             app,
             rank,
             peer,
@@ -560,7 +606,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
         AgentRequest::Open { .. } => unreachable!("handled above"),
         AgentRequest::Begin { version, ranks, epoch, labels, push } => {
             let begun = Instant::now();
-            session.writing = None;
+            session.abandon_writing();
             let total_len = check_layout(&labels)?;
             if version == 0 || ranks == 0 || session.rank >= ranks {
                 return Err(format!("bad version {version} or rank {} of {ranks}", session.rank));

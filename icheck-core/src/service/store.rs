@@ -213,6 +213,21 @@ impl Store {
         fs::rename(&tmp, &meta).map_err(io("cannot rename into", &meta))
     }
 
+    /// Deletes the data file of a version that was never sealed (its rank
+    /// went away mid-commit). A sealed version is left alone. True if a
+    /// file was deleted.
+    pub fn discard_unsealed(&self, app: &str, rank: u32, version: u64) -> Result<bool> {
+        let (data, meta) = self.paths(app, rank, version)?;
+        if meta.exists() {
+            return Ok(false);
+        }
+        match fs::remove_file(&data) {
+            Ok(()) => Ok(true),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(false),
+            Err(error) => Err(StoreError::Io { what: "cannot remove", path: data, error }),
+        }
+    }
+
     /// Opens a stored version: its manifest and its mapped data.
     pub fn open(&self, app: &str, rank: u32, version: u64) -> Result<(Manifest, MappedFile)> {
         let (data, meta) = self.paths(app, rank, version)?;

@@ -95,6 +95,21 @@ impl Job {
         }
     }
 
+    /// Waits for a stdout line starting with any of `prefixes`; returns it.
+    pub fn wait_line_any(&mut self, prefixes: &[&str], timeout: Duration) -> String {
+        let start = Instant::now();
+        loop {
+            let found = self.lines.lock().unwrap().iter().find(|l| prefixes.iter().any(|p| l.starts_with(p))).cloned();
+            if let Some(line) = found {
+                return line;
+            }
+            let exited = self.child.try_wait().unwrap().is_some();
+            assert!(!exited, "job exited before printing any of {prefixes:?}\n{}", self.output());
+            assert!(start.elapsed() < timeout, "none of {prefixes:?} within {timeout:?}\n{}", self.output());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn has(&self, prefix: &str) -> bool {
         self.lines.lock().unwrap().iter().any(|l| l.starts_with(prefix))
     }
