@@ -175,3 +175,76 @@ fn an_agent_whose_rank_stops_responding_mid_commit_is_replaced() {
     assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
 }
+
+/// A tmpfs mounted for one test (the tests run as root), unmounted on drop.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(name: &str, size: &str) -> Tmpfs {
+        let dir = std::env::temp_dir().join(format!("icheck-test-{name}-tmpfs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&dir)
+            .status()
+            .unwrap();
+        assert!(status.success(), "mounting a {size} tmpfs on {} needs root", dir.display());
+        Tmpfs(dir)
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
+}
+
+/// Item 3 of the faults issue: a store on a full tmpfs killed the manager
+/// with SIGBUS (a write into a mapped file the file system could not back),
+/// and the restarted manager died again on the restart.
+#[test]
+fn a_full_store_spills_to_the_pfs_and_no_daemon_dies() {
+    // Declared first, so it is unmounted after the service is down.
+    let tmpfs = Tmpfs::mount("faults-full", "100m");
+    // Another tenant of the file system already holds 40 of its 100 MiB.
+    std::fs::write(tmpfs.0.join("other-tenant"), vec![1u8; 40 << 20]).unwrap();
+    let store = tmpfs.0.join("store");
+    let service = LocalService::up(
+        &icheck_in_target(),
+        "faults-full",
+        1,
+        &["--provider", "tcp", "--store-dir", store.to_str().unwrap()],
+    );
+    let daemons = [service.pid_of("controller"), service.pid_of("manager-local-1")];
+    let config = service.config_path();
+    let args = ["--app", "full", "--steps", "2", "--every", "2", "--mib", "64", "--persist"];
+    let (ok, output) = Job::start(4, &config, &args, &[]).finish_any(Duration::from_secs(300));
+    assert!(daemons.iter().all(|pid| alive(*pid)), "a daemon died\n{}", service.log("manager-local-1.log"));
+    assert!(ok && output.contains("COMMITTED version=2 step=2"), "{output}");
+    let log = service.log("manager-local-1.log");
+    // The budget (the file system's 100 MiB) has room for one rank; the
+    // file system, with the other tenant's 40 MiB, has not: the reservation
+    // fails, names the store, and that rank spills too.
+    assert!(log.contains("spilling this version to the PFS") && log.contains("has no room for"), "{log}");
+    assert!(log.contains(store.to_str().unwrap()), "{log}");
+    assert!(
+        service.dir.join("pfs/full/v2/MANIFEST").exists() || {
+            poll_until(Duration::from_secs(60), || service.dir.join("pfs/full/v2/MANIFEST").exists())
+        }
+    );
+
+    // The restart reads version 2 back (from the PFS, through memory outside the full store).
+    let args = ["--app", "full", "--steps", "2", "--every", "2", "--mib", "64"];
+    let (ok, output) = Job::start(4, &config, &args, &[]).finish_any(Duration::from_secs(300));
+    assert!(
+        ok && output.contains("RESTORED version=2 step=2 verified"),
+        "{output}\n{}",
+        service.log("manager-local-1.log")
+    );
+    assert!(daemons.iter().all(|pid| alive(*pid)), "a daemon died\n{}", service.log("manager-local-1.log"));
+}

@@ -127,6 +127,7 @@ impl Agent {
         app: &str,
         mem_budget: u64,
     ) -> Result<Agent, FabricError> {
+        let mem_budget = store_budget(mem_budget, &settings.store);
         let domain = Domain::open(&settings.fabric)?;
         let endpoint = Endpoint::new(&domain)?;
         let mut probe = AlignedBuffer::zeroed(PROBE_LEN);
@@ -303,6 +304,33 @@ enum HandshakeStep {
     Admitted,
     /// Refused, timed out, closed or malformed: the socket is closed.
     Dropped,
+}
+
+/// The node's checkpoint-memory budget: `configured` bytes (`max_mem_node`;
+/// 0 = no limit), but never more than the store's file system holds, so that
+/// versions that cannot fit spill instead of failing half-written (the
+/// default of 90 GiB exceeds many nodes' /dev/shm).
+fn store_budget(configured: u64, store: &Store) -> u64 {
+    let Ok(capacity) = store.capacity() else { return configured };
+    let budget = pick_budget(configured, capacity.total);
+    if budget != configured {
+        tracing::warn!(
+            configured,
+            store = %store.root().display(),
+            store_size = capacity.total,
+            "max_mem_node exceeds the checkpoint store's file system; the store's size is the budget"
+        );
+    }
+    budget
+}
+
+/// [`store_budget`]'s rule: the smaller of the two, where 0 means "no limit".
+fn pick_budget(configured: u64, store_size: u64) -> u64 {
+    match (configured, store_size) {
+        (_, 0) => configured,
+        (0, size) => size,
+        (configured, size) => configured.min(size),
+    }
 }
 
 /// Accepts rank sessions and, while idle, polls the endpoint so peers' RMA
@@ -509,8 +537,17 @@ struct Writing {
 
 /// A version exposed for the rank to read back.
 struct Fetching {
-    _file: RegisteredBuffer<MappedFile>,
+    _exposed: Exposed,
     _progress: ProgressThread,
+}
+
+/// The memory a fetched version is read from.
+enum Exposed {
+    /// The version's file in the store: the usual case.
+    Stored(RegisteredBuffer<MappedFile>),
+    /// A version loaded from the PFS that the store had no room for, held in
+    /// the manager's memory only while the rank reads it.
+    Loaded(RegisteredBuffer),
 }
 
 struct Session {
@@ -618,16 +655,43 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             // two ranks beginning at once would otherwise both see room for
             // one and overrun the budget together.
             let space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
-            if shared.mem_budget > 0 && needed > 0 {
-                let held = store.bytes_held();
-                if held + needed > shared.mem_budget {
-                    let destination = spill_destination(shared, session, version, total_len, held, push)?;
+            let held = if shared.mem_budget > 0 && needed > 0 { store.bytes_held() } else { 0 };
+            let over_budget = shared.mem_budget > 0 && needed > 0 && held + needed > shared.mem_budget;
+            let file = match reusable {
+                _ if over_budget => Err(format!(
+                    "version {version} of rank {} ({total_len} bytes) does not fit the node's checkpoint memory \
+                     ({held} of {} bytes held)",
+                    session.rank, shared.mem_budget
+                )),
+                Some(spare)
+                    if store
+                        .reuse_spare(&session.app, session.rank, version, total_len)
+                        .map_err(|e| e.to_string())? =>
+                {
+                    Ok(spare)
+                }
+                _ => match store.create(&session.app, session.rank, version, total_len) {
+                    // Registered for both directions so the mapping can be
+                    // reused whichever way the next version arrives.
+                    Ok(file) => shared.endpoint.register(file, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string()),
+                    // Another tenant of the store's file system took the room.
+                    Err(full @ StoreError::NoSpace { .. }) => Err(full.to_string()),
+                    Err(err) => return Err(err.to_string()),
+                },
+            };
+            // The file has its size (and pages): later budget checks count it.
+            drop(space);
+            let file = match file {
+                Ok(file) => file,
+                Err(full) => {
+                    let destination = spill_destination(shared, session, version, total_len, &full, push)?;
                     tracing::warn!(
                         version,
                         rank = session.rank,
                         bytes = total_len,
                         held,
                         budget = shared.mem_budget,
+                        reason = %full,
                         "the node's checkpoint memory is full: spilling this version to the PFS"
                     );
                     session.writing = Some(Writing {
@@ -642,25 +706,6 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                     });
                     // The rank pulls into nothing of ours: any region will do.
                     return Ok(AgentReply::Target(RemoteRegion { addr: 0, len: 0, key: 0 }));
-                }
-            }
-            let file = match reusable {
-                Some(spare)
-                    if store
-                        .reuse_spare(&session.app, session.rank, version, total_len)
-                        .map_err(|e| e.to_string())? =>
-                {
-                    drop(space);
-                    spare
-                }
-                _ => {
-                    let file =
-                        store.create(&session.app, session.rank, version, total_len).map_err(|e| e.to_string())?;
-                    // The file has its size: later budget checks count it.
-                    drop(space);
-                    // Registered for both directions so the mapping can be
-                    // reused whichever way the next version arrives.
-                    shared.endpoint.register(file, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string())?
                 }
             };
             let remote = file.remote();
@@ -760,19 +805,33 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
         }
         AgentRequest::Fetch { version } => {
             session.fetching = None;
-            let opened = match store.open(&session.app, session.rank, version) {
+            let (manifest, exposed) = match store.open(&session.app, session.rank, version) {
                 Err(StoreError::Missing { .. }) if shared.settings.pfs.is_some() => {
-                    load_from_pfs(shared, &session.app, session.rank, version)?;
-                    store.open(&session.app, session.rank, version)
+                    // Not here (lost with its agents, or spilled): from the PFS copy.
+                    match load_from_pfs(shared, &session.app, session.rank, version)? {
+                        Loaded::IntoStore => expose_stored(shared, store, &session.app, session.rank, version)?,
+                        Loaded::NoRoom(manifest, data) => {
+                            let mut buffer = AlignedBuffer::zeroed(data.len().max(1));
+                            buffer.as_mut_slice()[..data.len()].copy_from_slice(&data);
+                            let buffer =
+                                shared.endpoint.register(buffer, Access::REMOTE_READ).map_err(|e| e.to_string())?;
+                            (manifest, Exposed::Loaded(buffer))
+                        }
+                    }
                 }
-                other => other,
+                Err(err) => return Err(err.to_string()),
+                Ok((manifest, file)) => {
+                    let file = shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
+                    (manifest, Exposed::Stored(file))
+                }
             };
-            let (manifest, file) = opened.map_err(|e| e.to_string())?;
-            let file = shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
-            let mut region = file.remote();
+            let mut region = match &exposed {
+                Exposed::Stored(file) => file.remote(),
+                Exposed::Loaded(buffer) => buffer.remote(),
+            };
             region.len = manifest.total_len.min(region.len);
             let progress = ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin).map_err(|e| e.to_string())?;
-            session.fetching = Some(Fetching { _file: file, _progress: progress });
+            session.fetching = Some(Fetching { _exposed: exposed, _progress: progress });
             Ok(AgentReply::Fetch { manifest, region })
         }
         AgentRequest::FetchDone => {
@@ -788,16 +847,38 @@ static NODE_STORE_SPACE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// Serialises loads of versions from the PFS into this node's store.
 static NODE_PFS_LOADS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Opens a stored version and registers it for the rank to read.
+fn expose_stored(
+    shared: &Shared,
+    store: &Store,
+    app: &str,
+    rank: u32,
+    version: u64,
+) -> Result<(Manifest, Exposed), String> {
+    let (manifest, file) = store.open(app, rank, version).map_err(|e| e.to_string())?;
+    let file = shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
+    Ok((manifest, Exposed::Stored(file)))
+}
+
+/// Where [`load_from_pfs`] put a version.
+enum Loaded {
+    /// Into the store, sealed: open it there.
+    IntoStore,
+    /// The store's file system is full: here are its manifest and bytes.
+    NoRoom(Manifest, Vec<u8>),
+}
+
 /// Brings a version this node's store lacks (its agents were lost, or the
-/// store was wiped) back from the PFS copy, verified, into the store.
-fn load_from_pfs(shared: &Shared, app: &str, rank: u32, version: u64) -> Result<(), String> {
+/// store was wiped) back from the PFS copy, verified, into the store; or,
+/// when the store has no room for it, hands the verified bytes back.
+fn load_from_pfs(shared: &Shared, app: &str, rank: u32, version: u64) -> Result<Loaded, String> {
     let pfs = shared.settings.pfs.as_ref().ok_or("no PfsDir is configured")?;
     // Several sessions may want the same old rank at once (processes of a
     // resized run): one loads it, the others find it loaded. Loading
     // rewrites the version's files, so two loads must never overlap.
     let _one_load = NODE_PFS_LOADS.lock().unwrap_or_else(|p| p.into_inner());
     if shared.settings.store.open(app, rank, version).is_ok() {
-        return Ok(());
+        return Ok(Loaded::IntoStore);
     }
     let started = Instant::now();
     let (rank_manifest, data) = match pfs.manifest(app, version) {
@@ -807,7 +888,14 @@ fn load_from_pfs(shared: &Shared, app: &str, rank: u32, version: u64) -> Result<
     }
     .map_err(|e| e.to_string())?;
     let store = &shared.settings.store;
-    let mut file = store.create(app, rank, version, rank_manifest.total_len).map_err(|e| e.to_string())?;
+    let mut file = match store.create(app, rank, version, rank_manifest.total_len) {
+        Ok(file) => file,
+        Err(full @ StoreError::NoSpace { .. }) => {
+            tracing::warn!(version, rank, %full, "serving a PFS version from memory outside the full store");
+            return Ok(Loaded::NoRoom(rank_manifest, data));
+        }
+        Err(err) => return Err(err.to_string()),
+    };
     file.as_mut_slice().copy_from_slice(&data);
     store.seal(&rank_manifest).map_err(|e| e.to_string())?;
     tracing::info!(
@@ -817,7 +905,7 @@ fn load_from_pfs(shared: &Shared, app: &str, rank: u32, version: u64) -> Result<
         ms = started.elapsed().as_secs_f64() * 1e3,
         "loaded from the PFS"
     );
-    Ok(())
+    Ok(Loaded::IntoStore)
 }
 
 /// Fetches `rank`'s `version` from the agent `from` exactly as a restarting
@@ -963,13 +1051,9 @@ fn spill_destination(
     session: &Session,
     version: u64,
     total_len: u64,
-    held: u64,
+    full: &str,
     push: bool,
 ) -> Result<Destination, String> {
-    let full = format!(
-        "version {version} of rank {} ({total_len} bytes) does not fit the node's checkpoint memory ({held} of {} bytes held)",
-        session.rank, shared.mem_budget
-    );
     let pfs = shared.settings.pfs.as_ref().ok_or_else(|| format!("{full}, and no PfsDir is configured to spill to"))?;
     if push {
         return Err(format!("{full}; agents spill only versions they pull ([client] transfer = \"pull\")"));
@@ -991,6 +1075,14 @@ mod tests {
 
     fn label(name: &str, offset: u64, len: u64) -> LabelLayout {
         LabelLayout { label: name.into(), kind: DataKind::Double, offset, len, adapt: None }
+    }
+
+    #[test]
+    fn the_budget_never_exceeds_the_store() {
+        assert_eq!(pick_budget(90 << 30, 100 << 20), 100 << 20);
+        assert_eq!(pick_budget(0, 100 << 20), 100 << 20);
+        assert_eq!(pick_budget(12 << 20, 100 << 20), 12 << 20);
+        assert_eq!(pick_budget(12 << 20, 0), 12 << 20, "an unknown size changes nothing");
     }
 
     #[test]

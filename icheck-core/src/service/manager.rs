@@ -103,6 +103,12 @@ async fn shutdown_signal() {
 async fn serve(config: StaticConfig, node: String, agents: Agents) -> Result<(), ServiceError> {
     let settings = agent_settings(&config, &node);
     tracing::info!(store = %settings.store.root().display(), "checkpoint store");
+    // No agent runs yet: whatever is unsealed was left by a manager that died
+    // mid-commit, and would only take the room later versions need.
+    let (files, bytes) = settings.store.sweep_unsealed();
+    if files > 0 {
+        tracing::warn!(files, bytes, "removed unsealed version files a previous manager left in the store");
+    }
     let mut delay = Duration::from_millis(100);
     loop {
         match session(&config, &settings, &node, &agents).await {

@@ -54,6 +54,19 @@ pub enum StoreError {
         /// Version.
         version: u64,
     },
+    /// The store's file system cannot hold the version (checked before the
+    /// file is mapped, so a full tmpfs is an error, not a SIGBUS).
+    #[error(
+        "the checkpoint store {path} has no room for {needed} more bytes ({available} bytes free on its file system)"
+    )]
+    NoSpace {
+        /// The file that could not be given its space.
+        path: PathBuf,
+        /// Bytes asked for.
+        needed: u64,
+        /// Bytes the file system had free.
+        available: u64,
+    },
     /// The manifest file is damaged.
     #[error("manifest {path} is damaged: {reason}")]
     BadManifest {
@@ -133,6 +146,15 @@ unsafe impl StableBuffer for MappedFile {
     }
 }
 
+/// Size and free space of a store's file system, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacity {
+    /// Bytes the file system holds in all.
+    pub total: u64,
+    /// Bytes free for an unprivileged writer.
+    pub available: u64,
+}
+
 /// One node's checkpoint store.
 #[derive(Clone, Debug)]
 pub struct Store {
@@ -182,8 +204,73 @@ impl Store {
             .open(&data)
             .map_err(io("cannot create", &data))?;
         // An empty mapping is not allowed; give empty versions one page.
-        file.set_len(len.max(4096)).map_err(io("cannot size", &data))?;
+        let size = len.max(4096);
+        file.set_len(size).map_err(io("cannot size", &data))?;
+        self.reserve(&file, &data, size)?;
         map(&file, &data, len)
+    }
+
+    /// Gives every page of `file` its backing now. A page of a mapped file
+    /// that the file system cannot back is a SIGBUS at the first write, which
+    /// for a store on a full tmpfs used to kill the manager (inside
+    /// libfabric's copy); reserved up front, a full store is an error here.
+    fn reserve(&self, file: &File, path: &Path, size: u64) -> Result<()> {
+        let len = i64::try_from(size).unwrap_or(i64::MAX);
+        match nix::fcntl::posix_fallocate(file, 0, len) {
+            Ok(()) => Ok(()),
+            Err(errno) => {
+                let available = self.capacity().map_or(0, |c| c.available);
+                let _ = fs::remove_file(path);
+                if errno == nix::errno::Errno::ENOSPC {
+                    return Err(StoreError::NoSpace { path: path.to_path_buf(), needed: size, available });
+                }
+                Err(StoreError::Io { what: "cannot reserve space for", path: path.to_path_buf(), error: errno.into() })
+            }
+        }
+    }
+
+    /// Size and free space of the file system the store lives on (of its
+    /// nearest existing ancestor before the store is created).
+    pub fn capacity(&self) -> Result<Capacity> {
+        let mut dir = self.root.as_path();
+        while !dir.exists() {
+            dir = dir.parent().unwrap_or(Path::new("/"));
+        }
+        let stat = nix::sys::statvfs::statvfs(dir).map_err(|errno| StoreError::Io {
+            what: "cannot stat the file system of",
+            path: dir.into(),
+            error: errno.into(),
+        })?;
+        let fragment = stat.fragment_size() as u64;
+        Ok(Capacity { total: stat.blocks() as u64 * fragment, available: stat.blocks_available() as u64 * fragment })
+    }
+
+    /// Deletes what a manager that died mid-commit left behind: data files
+    /// without a manifest and half-written manifests. Only for a manager
+    /// starting up, when none of its agents can be writing. Returns the files
+    /// and bytes removed.
+    pub fn sweep_unsealed(&self) -> (usize, u64) {
+        let mut removed = (0, 0);
+        let Ok(apps) = fs::read_dir(&self.root) else { return removed };
+        for rank_dir in apps.filter_map(|e| e.ok()).filter_map(|app| fs::read_dir(app.path()).ok()).flatten() {
+            let Ok(rank_dir) = rank_dir else { continue };
+            let Ok(files) = fs::read_dir(rank_dir.path()) else { continue };
+            for file in files.filter_map(|e| e.ok()) {
+                let name = file.file_name().to_string_lossy().into_owned();
+                let stale = match name.strip_suffix(".data") {
+                    Some(stem) if stem.starts_with('v') => !rank_dir.path().join(format!("{stem}.meta")).exists(),
+                    _ => name.ends_with(".meta.tmp"),
+                };
+                if stale {
+                    let bytes = file.metadata().map_or(0, |m| m.len());
+                    if fs::remove_file(file.path()).is_ok() {
+                        removed.0 += 1;
+                        removed.1 += bytes;
+                    }
+                }
+            }
+        }
+        removed
     }
 
     /// Makes the rank's spare file the data file of `version` without
@@ -398,6 +485,23 @@ mod tests {
         assert!(matches!(store.open("app", 0, 2), Err(StoreError::Missing { version: 2, .. })));
         store.remove_app("app").unwrap();
         assert!(store.sealed_versions("app", 0).unwrap().is_empty());
+        let _ = fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_starting_manager_sweeps_unsealed_files_and_keeps_sealed_ones() {
+        let dir = std::env::temp_dir().join(format!("icheck-store-sweep-{}", std::process::id()));
+        let store = Store::new(&dir);
+        let file = store.create("app", 0, 1, 10).unwrap();
+        store.seal(&manifest("app", 0, 1, file.as_slice())).unwrap();
+        drop(store.create("app", 0, 2, 8192).unwrap());
+        drop(store.create("app", 1, 5, 10).unwrap());
+        fs::write(dir.join("app/rank0/v3.meta.tmp"), b"half").unwrap();
+        assert_eq!(store.sweep_unsealed(), (3, 4096 + 8192 + 4));
+        assert_eq!(store.sealed_versions("app", 0).unwrap(), vec![1]);
+        assert!(store.open("app", 0, 1).is_ok());
+        assert!(!store.discard_unsealed("app", 0, 1).unwrap(), "a sealed version is never discarded");
+        assert!(store.capacity().unwrap().total > 0);
         let _ = fs::remove_dir_all(dir);
     }
 

@@ -27,6 +27,8 @@ pub struct UpOptions {
     pub heartbeat: f64,
     /// Controller port; 0 picks a free one.
     pub port: u16,
+    /// The agents' checkpoint store; `None`: on tmpfs, see [`store_dir`].
+    pub store_dir: Option<PathBuf>,
 }
 
 fn random_token() -> Result<String> {
@@ -63,7 +65,11 @@ fn write_static(dir: &Path, port: u16, token: &str, options: &UpOptions) -> Resu
         path = path.display(),
         hb = options.heartbeat,
         provider = options.provider,
-        store = store_dir(dir).display(),
+        store = options
+            .store_dir
+            .as_ref()
+            .map_or_else(|| store_dir(dir), |given| std::path::absolute(given).unwrap_or_else(|_| given.clone()))
+            .display(),
         pfs = dir.join("pfs").display(),
     );
     let tmp = dir.join(format!("{CLIENT_CONFIG}.tmp"));

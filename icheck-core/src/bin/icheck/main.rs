@@ -52,6 +52,11 @@ enum Command_ {
         /// foreground until Ctrl-C.
         #[arg(long)]
         detach: bool,
+        /// Where the agents keep checkpoints (each node in a subdirectory).
+        /// Default: a directory on /dev/shm named after the state directory.
+        /// The node's memory budget never exceeds this file system's size.
+        #[arg(long)]
+        store_dir: Option<PathBuf>,
     },
     /// Stop the service that `icheck up` started in a state directory.
     ///
@@ -310,8 +315,9 @@ fn run(cli: Cli) -> Result<()> {
             runtime()?.block_on(icheck_core::service::manager::run(config, node))?;
             Ok(())
         }
-        Command_::Up { managers, state_dir, provider, heartbeat, port, detach } => {
-            let options = local::UpOptions { state_dir: state_dir.clone(), managers, provider, heartbeat, port };
+        Command_::Up { managers, state_dir, provider, heartbeat, port, detach, store_dir } => {
+            let options =
+                local::UpOptions { state_dir: state_dir.clone(), managers, provider, heartbeat, port, store_dir };
             let config_path = local::up(&options)?;
             let config = icheck_core::config::StaticConfig::load(&config_path)?;
             if let ClientReply::Status(report) =
