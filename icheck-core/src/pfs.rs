@@ -15,6 +15,7 @@
 //! taken for a complete one; every byte read back is checked against the
 //! stored checksums, and every error names the file.
 
+use std::collections::BTreeSet;
 use std::fs::{self, File};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -412,6 +413,27 @@ impl PfsStore {
         Ok(())
     }
 
+    /// Deletes partial versions of `app` older than `below` that no writer
+    /// is still filling (`in_flight`): a version older than a complete one
+    /// can never complete (see [`complete`](Self::complete)), so what a
+    /// crashed or failed writer left there, `.tmp` files included, only takes
+    /// space. Returns how many partial versions went.
+    pub fn remove_stale_partials(&self, app: &str, below: u64, in_flight: &BTreeSet<u64>) -> Result<usize> {
+        let dir = self.app_dir(app)?;
+        let Ok(entries) = fs::read_dir(&dir) else { return Ok(0) };
+        let mut removed = 0;
+        for entry in entries.filter_map(|e| e.ok()) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(version) = name.strip_prefix('v').and_then(|n| n.strip_suffix(".partial")) else { continue };
+            let Ok(version) = version.parse::<u64>() else { continue };
+            if version < below && !in_flight.contains(&version) {
+                fs::remove_dir_all(entry.path()).map_err(io("cannot remove", &entry.path()))?;
+                removed += 1;
+            }
+        }
+        Ok(removed)
+    }
+
     /// Complete versions of `app`, ascending.
     pub fn versions(&self, app: &str) -> Result<Vec<u64>> {
         let dir = self.app_dir(app)?;
@@ -432,19 +454,39 @@ impl PfsStore {
         Ok(self.versions(app)?.pop())
     }
 
-    /// The newest complete version of `app` as a version record (what a
-    /// controller or a library without a controller restarts from).
+    /// The newest complete version of `app` whose MANIFEST is readable, as
+    /// a version record (what a controller or a library without a controller
+    /// restarts from). A damaged MANIFEST is never taken for "no version":
+    /// the previous complete version is used, with a warning naming the
+    /// damaged file; if none is readable, the first damage is the error.
     pub fn latest_record(&self, app: &str) -> Result<Option<protocol::VersionRecord>> {
-        let Some(version) = self.latest(app)? else { return Ok(None) };
-        let manifest = self.manifest(app, version)?;
-        Ok(Some(protocol::VersionRecord {
+        let mut damage: Option<PfsError> = None;
+        for version in self.versions(app)?.into_iter().rev() {
+            match self.manifest(app, version) {
+                Ok(manifest) => {
+                    if let Some(err) = &damage {
+                        tracing::warn!(app, version, damaged = %err, "newest PFS version unusable; using version {version}");
+                    }
+                    return Ok(Some(Self::record(version, &manifest)));
+                }
+                Err(err) => {
+                    tracing::warn!(app, version, %err, "PFS version unusable");
+                    damage.get_or_insert(err);
+                }
+            }
+        }
+        damage.map_or(Ok(None), Err)
+    }
+
+    fn record(version: u64, manifest: &PfsManifest) -> protocol::VersionRecord {
+        protocol::VersionRecord {
             version,
             ranks: manifest.ranks,
             epoch: manifest.entries.first().map_or(0, |e| e.manifest.epoch),
             bytes: manifest.entries.iter().map(|e| e.manifest.total_len).sum(),
             commit_secs: 0.0,
             completed_unix_ms: 0,
-        }))
+        }
     }
 
     /// Reads a complete version's MANIFEST.

@@ -604,6 +604,24 @@ pub struct AppReport {
     /// or the count reached its limit).
     #[serde(default)]
     pub scaling_settled: bool,
+    /// Agent copies to the PFS that failed or were skipped.
+    #[serde(default)]
+    pub pfs_health: PfsCopyHealth,
+}
+
+/// What went wrong with an application's agent copies to the PFS: every
+/// failed or skipped copy is counted here (and in `/metrics`), not only
+/// logged, because each one leaves the PFS level a version behind.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PfsCopyHealth {
+    /// Copies that failed (an agent could not read or write its ranks, or
+    /// the version could not be completed on the PFS).
+    pub failed: u64,
+    /// Copies not started because the previous copy was still running
+    /// (commits come faster than the PFS takes them).
+    pub skipped: u64,
+    /// The newest failure: version and reason.
+    pub last_failure: Option<String>,
 }
 
 /// Commits the controller remembers per application.

@@ -1018,9 +1018,18 @@ impl Icheck {
             return Err(self.incomplete(version, "another rank could not write its data to the PFS".into()));
         }
         let completed = if rank == 0 {
-            pfs.partial_entries(&self.app, version, ranks)
+            let completed = pfs
+                .partial_entries(&self.app, version, ranks)
                 .and_then(|entries| pfs.complete(&self.app, version, ranks, "library", entries))
-                .map_err(fail)
+                .map_err(fail);
+            if completed.is_ok() {
+                // This job is the only writer now: older partial versions
+                // (a killed run's, a failed copy's) can never complete.
+                if let Err(err) = pfs.remove_stale_partials(&self.app, version, &Default::default()) {
+                    tracing::warn!(%err, "cannot remove abandoned partial PFS versions");
+                }
+            }
+            completed
         } else {
             Ok(())
         };

@@ -248,3 +248,104 @@ fn a_full_store_spills_to_the_pfs_and_no_daemon_dies() {
     );
     assert!(daemons.iter().all(|pid| alive(*pid)), "a daemon died\n{}", service.log("manager-local-1.log"));
 }
+
+/// Item 4 of the faults issue: with a copy to the PFS after every commit and
+/// commits faster than the copies, agents pruned versions whose copies had
+/// not run yet ("version N of rank R is not stored at this agent"), so the
+/// PFS fell behind silently, and a restart after losing the agents' memory
+/// went back further than it had to.
+#[test]
+fn fast_commits_never_lose_a_pfs_copy_half_way() {
+    // Copies start 0.4 s late, as on a loaded node (they run at nice 19),
+    // while versions complete every few tens of milliseconds.
+    let mut service = LocalService::up_with_failpoints(
+        &icheck_in_target(),
+        "faults-copies",
+        1,
+        &["--provider", "tcp"],
+        None,
+        Some("manager.before_pfs_copy=sleep(400)"),
+    );
+    let config = service.config_path();
+    // A partial version an earlier, killed writer left behind.
+    let stale = service.dir.join("pfs/copies/v1.partial");
+    std::fs::create_dir_all(&stale).unwrap();
+    std::fs::write(stale.join("rank0.data.tmp"), b"half a file").unwrap();
+    let copies = [("ICHECK_PFS_INTERVAL", "1"), ("ICHECK_COMPRESSION", "zstd:3")];
+    let args = ["--app", "copies", "--steps", "30", "--every", "1", "--mib", "16", "--step-ms", "20", "--persist"];
+    let lines = Job::start(4, &config, &args, &copies).finish(Duration::from_secs(180));
+    let newest = lines.iter().rev().find(|l| l.starts_with("COMMITTED")).cloned().unwrap();
+    assert!(newest.starts_with("COMMITTED version=31 step=30"), "{lines:?}");
+    // Every copy that started completes; none fails.
+    let settled = poll_until(Duration::from_secs(60), || {
+        let status = service.status();
+        let app = &status.apps[0];
+        app.pfs_version.is_some_and(|v| service.dir.join(format!("pfs/copies/v{v}/MANIFEST")).exists())
+    });
+    // The copy under way when the run ended (if any) has time to end too.
+    std::thread::sleep(Duration::from_secs(3));
+    let status = service.status();
+    let log = service.log("manager-local-1.log");
+    assert!(settled, "{:?}\n{log}\n{}", status.apps[0], service.log("controller.log"));
+    let controller_log = service.log("controller.log");
+    assert!(!controller_log.contains("PFS copy failed"), "{controller_log}");
+    let health = &status.apps[0].pfs_health;
+    assert_eq!(health.failed, 0, "{health:?}");
+    let copied = status.apps[0].pfs_version.unwrap();
+    assert!(copied >= 2, "at least one copy completed: {:?}", status.apps[0]);
+    // Skipped copies are counted where operators look.
+    let text =
+        icheck_core::testkit::scrape_metrics(std::fs::read_to_string(service.dir.join("metrics.addr")).unwrap().trim());
+    let skipped = icheck_core::testkit::metric_sample(&text, "icheck_app_pfs_copies_skipped_total{app=\"copies\"}");
+    assert_eq!(skipped, Some(health.skipped as f64), "{text}");
+    assert_eq!(
+        icheck_core::testkit::metric_sample(&text, "icheck_app_pfs_copies_failed_total{app=\"copies\"}"),
+        Some(0.0)
+    );
+
+    assert!(!stale.exists(), "the abandoned partial version was removed");
+
+    // Agent memory gone: the restart comes from the newest PFS copy, bit-exact.
+    service.relaunch();
+    let newest_on_pfs = icheck_core::pfs::PfsStore::new(service.dir.join("pfs")).latest("copies").unwrap().unwrap();
+    let args = ["--app", "copies", "--steps", "0", "--every", "1", "--mib", "16"];
+    let (ok, output) = Job::start(4, &service.config_path(), &args, &[]).finish_any(Duration::from_secs(120));
+    assert!(ok && output.contains(&format!("RESTORED version={newest_on_pfs} ")), "{output}");
+    assert!(output.contains(" verified"), "{output}");
+}
+
+/// Item 4: a truncated PFS MANIFEST made the application start FRESH with no
+/// error. Now the previous complete version is used and the controller says
+/// why; with no readable version the registration fails naming the file.
+#[test]
+fn a_damaged_pfs_manifest_is_never_a_fresh_start() {
+    let mut service = service("faults-manifest", 1);
+    let copies = [("ICHECK_PFS_INTERVAL", "1")];
+    // Slow steps: each copy completes before the next version.
+    let args = ["--app", "mf", "--steps", "4", "--every", "2", "--mib", "2", "--step-ms", "400"];
+    let lines = Job::start(2, &service.config_path(), &args, &copies).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    let app_dir = service.dir.join("pfs/mf");
+    poll_until(Duration::from_secs(30), || {
+        app_dir.join("v3/MANIFEST").exists() && app_dir.join("v2/MANIFEST").exists()
+    });
+    // A new service: agent memory is gone, only the PFS is left.
+    service.relaunch();
+    let truncate = |version: u64| {
+        let path = app_dir.join(format!("v{version}/MANIFEST"));
+        let len = std::fs::metadata(&path).unwrap().len();
+        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(len / 2).unwrap();
+    };
+    truncate(3);
+    let args = ["--app", "mf", "--steps", "2", "--every", "2", "--mib", "2"];
+    let (ok, output) = Job::start(2, &service.config_path(), &args, &[]).finish_any(Duration::from_secs(120));
+    assert!(ok && output.contains("RESTORED version=2 step=2 verified"), "{output}");
+    let log = service.log("controller.log");
+    assert!(log.contains("newest PFS version unusable") && log.contains("v3/MANIFEST"), "{log}");
+
+    truncate(2);
+    service.relaunch();
+    let (ok, output) = Job::start(2, &service.config_path(), &args, &[]).finish_any(Duration::from_secs(120));
+    assert!(!ok && !output.contains("FRESH"), "{output}");
+    assert!(output.contains("none is readable") && output.contains("MANIFEST"), "{output}");
+}

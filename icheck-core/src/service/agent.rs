@@ -102,11 +102,47 @@ struct Shared {
     /// Bytes of checkpoint memory this node may hold (0 = no limit).
     mem_budget: u64,
     stop: AtomicBool,
+    /// Versions a PFS copy is reading, with how many copies read each:
+    /// `Complete` does not prune them.
+    pinned: Mutex<std::collections::BTreeMap<u64, usize>>,
     /// A second handle on each open session's socket, by session id; see
     /// [`SessionRegistration`].
     sessions: Mutex<std::collections::HashMap<u64, TcpStream>>,
     next_session: AtomicU64,
     counters: AgentCounters,
+}
+
+impl Shared {
+    /// The versions PFS copies are reading now.
+    fn pinned_versions(&self) -> std::collections::BTreeSet<u64> {
+        self.pinned.lock().unwrap_or_else(|p| p.into_inner()).keys().copied().collect()
+    }
+}
+
+/// Keeps a version out of pruning while a PFS copy reads it (from the
+/// moment the manager receives the copy request until the copy ends).
+struct PinnedVersion {
+    shared: Arc<Shared>,
+    version: u64,
+}
+
+impl PinnedVersion {
+    fn new(shared: &Arc<Shared>, version: u64) -> PinnedVersion {
+        *shared.pinned.lock().unwrap_or_else(|p| p.into_inner()).entry(version).or_default() += 1;
+        PinnedVersion { shared: shared.clone(), version }
+    }
+}
+
+impl Drop for PinnedVersion {
+    fn drop(&mut self) {
+        let mut pinned = self.shared.pinned.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = pinned.get_mut(&self.version) {
+            *count -= 1;
+            if *count == 0 {
+                pinned.remove(&self.version);
+            }
+        }
+    }
 }
 
 /// A running agent.
@@ -152,6 +188,7 @@ impl Agent {
             settings: settings.clone(),
             mem_budget,
             stop: AtomicBool::new(false),
+            pinned: Mutex::default(),
             sessions: Mutex::default(),
             next_session: AtomicU64::new(0),
             counters: AgentCounters::default(),
@@ -189,7 +226,12 @@ impl Agent {
         ranks: Vec<u32>,
     ) -> impl FnOnce() -> Result<(Vec<crate::pfs::RankEntry>, PfsCopyStats), String> + Send + 'static {
         let shared = self.shared.clone();
+        // Pinned now, while the manager handles the request, not when the
+        // (low-priority) copy thread gets to run: a commit completing
+        // meanwhile must not prune the version away.
+        let pin = PinnedVersion::new(&shared, version);
         move || {
+            let _pin = pin;
             let pfs = shared.settings.pfs.as_ref().ok_or("no PfsDir is configured")?;
             let mut entries = Vec::new();
             let mut total = PfsCopyStats { version, ..PfsCopyStats::default() };
@@ -793,14 +835,23 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
         }
         AgentRequest::Complete { version } => {
             let pruning = Instant::now();
-            let removed = store.prune(&session.app, session.rank, version).map_err(|e| e.to_string())?;
-            // The newest pruned version's file became the spare (see
-            // Store::prune); its mapping goes with it.
+            let pinned = shared.pinned_versions();
+            let pruned = store.prune(&session.app, session.rank, version, &pinned).map_err(|e| e.to_string())?;
+            // One pruned version's file became the spare (see Store::prune);
+            // its mapping goes with it. Pinned versions stay on the store
+            // for their PFS copies (unmapped here: the copy maps them itself).
             let (old, kept): (Vec<_>, Vec<_>) = session.sealed.drain(..).partition(|(v, _)| *v < version);
             session.sealed = kept;
-            session.spare = old.into_iter().next_back().map(|(_, file)| file);
+            session.spare = old.into_iter().find(|(v, _)| Some(*v) == pruned.spare).map(|(_, file)| file);
             let prune_ms = pruning.elapsed().as_secs_f64() * 1e3;
-            tracing::debug!(version, rank = session.rank, removed, prune_ms, "older versions pruned");
+            tracing::debug!(
+                version,
+                rank = session.rank,
+                removed = pruned.removed,
+                kept_for_pfs_copy = ?pruned.pinned,
+                prune_ms,
+                "older versions pruned"
+            );
             Ok(AgentReply::Ok)
         }
         AgentRequest::Fetch { version } => {

@@ -69,6 +69,8 @@ struct AppEntry {
     pfs_pending: BTreeMap<u64, PendingCopy>,
     /// What the newest completed PFS copy cost.
     pfs_copy: Option<PfsCopyStats>,
+    /// Failed and skipped copies.
+    pfs_health: protocol::PfsCopyHealth,
     /// Finished with IC_CLEANUP: the newest version is being flushed to the
     /// PFS; the agents stop (discarding memory) once it is there.
     finishing: bool,
@@ -478,6 +480,7 @@ fn status_report(shared: &Shared) -> StatusReport {
                 commits: a.adaptation.commits.iter().copied().collect(),
                 agent_changes: a.adaptation.changes.clone(),
                 scaling_settled: a.adaptation.scaling.settled,
+                pfs_health: a.pfs_health.clone(),
             })
             .collect(),
         init_agent_count: format!("{:?}", shared.dynamic().init_agent_count),
@@ -509,13 +512,27 @@ async fn register_app(
     let latest;
     // Read before taking the state lock: it is file I/O.
     let pfs_record = pfs_latest(shared, &registration.name);
-    let on_pfs = pfs_record.as_ref().map(|r| r.version);
+    let on_pfs = pfs_record.as_ref().ok().and_then(|r| r.as_ref().map(|r| r.version));
     {
         let mut state = shared.state();
         let now = Instant::now();
         // The newest complete version wherever it is: the library may have
         // written newer ones straight to the PFS while its agents were gone.
         let in_memory = state.apps.get(&registration.name).and_then(|a| a.latest.clone());
+        let pfs_record = match pfs_record {
+            Ok(record) => record,
+            // Agent memory holds a newer version than anything on the PFS could.
+            Err(damage) if in_memory.is_some() => {
+                tracing::warn!(%damage, "no PFS version is readable; restarting from agent memory");
+                None
+            }
+            Err(damage) => {
+                return Err(format!(
+                    "application {:?} has versions on the PFS but none is readable, so it cannot restart: {damage}",
+                    registration.name
+                ))
+            }
+        };
         latest = match (in_memory, pfs_record) {
             (Some(memory), Some(pfs)) if pfs.version > memory.version => Some(pfs),
             (memory, pfs) => memory.or(pfs),
@@ -578,6 +595,7 @@ async fn register_app(
         pfs_version: on_pfs,
         pfs_pending: BTreeMap::new(),
         pfs_copy: None,
+        pfs_health: protocol::PfsCopyHealth::default(),
         finishing: false,
         adaptation,
     };
@@ -635,7 +653,13 @@ fn record_version(
     history.push_back(CommitSample { version, bytes, commit_secs, agents: app.agents.len() as u32 });
     let interval = u64::from(app.registration.pfs_interval);
     let due = interval > 0 && version.is_multiple_of(interval);
-    if shared.pfs.is_some() && (due || spilled) && !app.agents.is_empty() {
+    if shared.pfs.is_some() && due && !spilled && !app.pfs_pending.is_empty() {
+        // Commits come faster than copies: the agents would have to keep
+        // every version whose copy waits, so this one is not copied. The
+        // running copy completes; the skip is counted where operators look.
+        app.pfs_health.skipped += 1;
+        tracing::info!(app = name, version, "PFS copy skipped: the previous copy is still running");
+    } else if shared.pfs.is_some() && (due || spilled) && !app.agents.is_empty() {
         // §6.2.3.2: the copy of v starts once every agent holds v, which
         // the library's VersionComplete says; each agent copies its ranks.
         // A spilled version is copied whatever the interval: the spilled
@@ -647,19 +671,15 @@ fn record_version(
 
 /// The newest version of `name` on the PFS, as a record (a fresh controller
 /// knows nothing else about an application whose agents are all gone).
-fn pfs_latest(shared: &Shared, name: &str) -> Option<VersionRecord> {
-    match shared.pfs.as_ref()?.latest_record(name) {
-        Ok(record) => {
-            if let Some(record) = &record {
-                tracing::info!(app = name, version = record.version, "complete version on the PFS");
-            }
-            record
-        }
-        Err(err) => {
-            tracing::warn!(app = name, %err, "PFS version unusable");
-            None
-        }
+/// An error names the damaged file: no PFS version was readable although
+/// some exist, which must not pass for a fresh start.
+fn pfs_latest(shared: &Shared, name: &str) -> Result<Option<VersionRecord>, String> {
+    let Some(pfs) = shared.pfs.as_ref() else { return Ok(None) };
+    let record = pfs.latest_record(name).map_err(|err| err.to_string())?;
+    if let Some(record) = &record {
+        tracing::info!(app = name, version = record.version, "complete version on the PFS");
     }
+    Ok(record)
 }
 
 /// Collects the agents' parts of a PFS copy; the last one completes it.
@@ -677,7 +697,11 @@ fn pfs_copied(
     let (entries, stats) = match result {
         Err(reason) => {
             tracing::warn!(app = %name, version, agent, %reason, "PFS copy failed; the previous PFS version stays");
-            app.pfs_pending.remove(&version);
+            // One failed agent fails the version's copy: count it once.
+            if app.pfs_pending.remove(&version).is_some() {
+                app.pfs_health.failed += 1;
+                app.pfs_health.last_failure = Some(format!("version {version}: {reason}"));
+            }
             if app.finishing && app.pfs_pending.is_empty() {
                 stop_and_forget(&mut state, &name);
             }
@@ -697,7 +721,8 @@ fn pfs_copied(
     let (shared, pfs) = (shared.clone(), shared.pfs.clone());
     tokio::task::spawn_blocking(move || {
         let Some(pfs) = pfs else { return };
-        match pfs.complete(&name, version, ranks, "agents", entries) {
+        let completed = pfs.complete(&name, version, ranks, "agents", entries);
+        match &completed {
             Ok(()) => tracing::info!(
                 app = %name,
                 version,
@@ -708,9 +733,23 @@ fn pfs_copied(
             ),
             Err(err) => tracing::warn!(app = %name, version, %err, "cannot complete the PFS copy"),
         }
+        if completed.is_ok() {
+            // What failed copies of older versions left can go now (file I/O:
+            // outside the state lock; copies under way keep their partials).
+            let in_flight: BTreeSet<u64> =
+                shared.state().apps.get(&name).map(|a| a.pfs_pending.keys().copied().collect()).unwrap_or_default();
+            match pfs.remove_stale_partials(&name, version, &in_flight) {
+                Ok(0) => {}
+                Ok(removed) => tracing::info!(app = %name, removed, "removed abandoned partial PFS versions"),
+                Err(err) => tracing::warn!(app = %name, %err, "cannot remove abandoned partial PFS versions"),
+            }
+        }
         let mut state = shared.state();
         if let Some(app) = state.apps.get_mut(&name) {
-            if app.pfs_version.is_none_or(|v| v < version) {
+            if let Err(err) = &completed {
+                app.pfs_health.failed += 1;
+                app.pfs_health.last_failure = Some(format!("version {version}: {err}"));
+            } else if app.pfs_version.is_none_or(|v| v < version) {
                 app.pfs_version = Some(version);
                 app.pfs_copy = Some(PfsCopyStats { version, ..stats });
             }

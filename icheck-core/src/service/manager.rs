@@ -219,6 +219,8 @@ async fn session(
                 let tx = tx.clone();
                 let copy = move || {
                     lower_thread_priority();
+                    // A loaded node runs nice-19 copies late (the copy-versus-prune test).
+                    crate::failpoint::hit("manager.before_pfs_copy");
                     let result = job.and_then(|job| job());
                     let _ = tx.send(ManagerToController::PfsCopied { agent, version, result });
                 };

@@ -148,6 +148,18 @@ pub fn render(report: &StatusReport) -> String {
             samples: vec![],
         },
         Family {
+            name: "icheck_app_pfs_copies_failed_total",
+            help: "Agent copies to the PFS that failed",
+            kind: "counter",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_app_pfs_copies_skipped_total",
+            help: "Agent copies to the PFS skipped because the previous copy was still running",
+            kind: "counter",
+            samples: vec![],
+        },
+        Family {
             name: "icheck_app_agent_changes_total",
             help: "Agent count changes made on the application's probes",
             kind: "counter",
@@ -191,6 +203,8 @@ pub fn render(report: &StatusReport) -> String {
         put("icheck_app_commit_seconds", l.clone(), a.latest.as_ref().map(|v| v.commit_secs));
         put("icheck_app_pfs_version", l.clone(), a.pfs_version.map(|v| v as f64));
         put("icheck_app_pfs_compression_ratio", l.clone(), a.pfs_copy.map(|c| c.ratio()));
+        put("icheck_app_pfs_copies_failed_total", l.clone(), Some(a.pfs_health.failed as f64));
+        put("icheck_app_pfs_copies_skipped_total", l.clone(), Some(a.pfs_health.skipped as f64));
         put("icheck_app_agent_changes_total", l, Some(a.agent_changes.len() as f64));
     }
     let mut text = String::new();

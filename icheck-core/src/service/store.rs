@@ -14,6 +14,7 @@
 //! through a temporary file and an atomic rename. Whether a stored version is
 //! *complete* (every rank stored) is the controller's record, not the store's.
 
+use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
 use std::path::{Path, PathBuf};
 
@@ -144,6 +145,17 @@ unsafe impl StableBuffer for MappedFile {
     fn len(&self) -> usize {
         self.map.len()
     }
+}
+
+/// What [`Store::prune`] did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pruned {
+    /// Files removed (or kept as the spare).
+    pub removed: usize,
+    /// The version whose data file became the spare.
+    pub spare: Option<u64>,
+    /// Older versions kept because they were pinned.
+    pub pinned: BTreeSet<u64>,
 }
 
 /// Size and free space of a store's file system, in bytes.
@@ -355,34 +367,40 @@ impl Store {
     }
 
     /// Drops every version older than `keep_from` (retention: the newest
-    /// complete version and anything newer stay). Manifests go first, so a
-    /// dropped version can never be opened; the newest dropped data file
-    /// becomes the rank's spare for the next version, the rest are deleted.
-    pub fn prune(&self, app: &str, rank: u32, keep_from: u64) -> Result<usize> {
+    /// complete version and anything newer stay) except the `pinned` ones
+    /// (a PFS copy still reads them). Manifests go first, so a dropped
+    /// version can never be opened; the newest dropped data file becomes the
+    /// rank's spare for the next version, the rest are deleted.
+    pub fn prune(&self, app: &str, rank: u32, keep_from: u64, pinned: &BTreeSet<u64>) -> Result<Pruned> {
         let dir = self.rank_dir(app, rank)?;
-        let Ok(entries) = fs::read_dir(&dir) else { return Ok(0) };
+        let mut pruned = Pruned::default();
+        let Ok(entries) = fs::read_dir(&dir) else { return Ok(pruned) };
         let mut data_files = Vec::new();
-        let mut removed = 0;
         for entry in entries.filter_map(|e| e.ok()) {
             let name = entry.file_name().to_string_lossy().into_owned();
             let Some((number, kind)) = name.strip_prefix('v').and_then(|rest| rest.split_once('.')) else { continue };
             let Some(version) = number.parse::<u64>().ok().filter(|v| *v < keep_from) else { continue };
+            if pinned.contains(&version) {
+                pruned.pinned.insert(version);
+                continue;
+            }
             if kind == "data" {
                 data_files.push((version, entry.path()));
             } else {
                 fs::remove_file(entry.path()).map_err(io("cannot remove", &entry.path()))?;
             }
-            removed += 1;
+            pruned.removed += 1;
         }
         data_files.sort();
-        if let Some((_, newest)) = data_files.pop() {
+        if let Some((version, newest)) = data_files.pop() {
             let spare = dir.join(SPARE);
             fs::rename(&newest, &spare).map_err(io("cannot keep as spare", &newest))?;
+            pruned.spare = Some(version);
         }
         for (_, path) in data_files {
             fs::remove_file(&path).map_err(io("cannot remove", &path))?;
         }
-        Ok(removed)
+        Ok(pruned)
     }
 
     /// Deletes all versions of one rank of an application (the rank moved
@@ -474,7 +492,12 @@ mod tests {
             store.seal(&manifest("app", 0, version, file.as_slice())).unwrap();
         }
         assert_eq!(store.sealed_versions("app", 0).unwrap(), vec![1, 2, 3]);
-        assert_eq!(store.prune("app", 0, 3).unwrap(), 4);
+        // Version 1 is pinned (its PFS copy runs): it stays, and 2 is the spare.
+        let pruned = store.prune("app", 0, 3, &BTreeSet::from([1])).unwrap();
+        assert_eq!((pruned.removed, pruned.spare, pruned.pinned), (2, Some(2), BTreeSet::from([1])));
+        assert!(store.open("app", 0, 1).is_ok(), "a pinned version stays readable");
+        let pruned = store.prune("app", 0, 3, &BTreeSet::new()).unwrap();
+        assert_eq!((pruned.removed, pruned.spare), (2, Some(1)));
         assert!(dir.join("app/rank0").join(SPARE).exists(), "the newest pruned data file is kept as spare");
         let reused = store.create("app", 0, 4, 3).unwrap();
         assert_eq!(reused.as_slice().len(), 3);

@@ -365,6 +365,16 @@ pub fn print_status(report: &StatusReport) {
                 copy.write_secs
             );
         }
+        let health = &a.pfs_health;
+        if health.failed > 0 || health.skipped > 0 {
+            println!(
+                "  {:<16} PFS copies failed: {}, skipped (previous copy still running): {}{}",
+                "",
+                health.failed,
+                health.skipped,
+                health.last_failure.as_ref().map_or(String::new(), |f| format!("; last failure: {f}"))
+            );
+        }
         if !a.commits.is_empty() {
             let recent: Vec<String> = a
                 .commits
