@@ -1557,8 +1557,18 @@ impl Icheck {
                 (None, TransferMode::Mr) => self.fetch(version),
                 (None, TransferMode::Shmr) => self.fetch_shmr(version),
             };
+            // Every rank learns whether all could fetch: one damaged or
+            // missing rank moves the whole job to the next candidate
+            // together, instead of leaving the others in their next collective.
             let all_ok = self.comm.all_true(result.is_ok());
             if all_ok {
+                if tried > 0 && self.comm.rank() == 0 {
+                    tracing::warn!(
+                        version,
+                        newest = newest.version,
+                        "restarted from an older complete version: the newer ones could not be read on every rank"
+                    );
+                }
                 return result;
             }
             if tried == last {
@@ -1567,6 +1577,11 @@ impl Icheck {
             }
             if let Err(err) = &result {
                 tracing::error!(version, %err, "cannot restart from this version; trying the previous complete one");
+            } else if self.comm.rank() == 0 {
+                tracing::error!(
+                    version,
+                    "another rank cannot restart from this version; trying the previous complete one"
+                );
             }
             self.release_restart();
         }

@@ -349,3 +349,47 @@ fn a_damaged_pfs_manifest_is_never_a_fresh_start() {
     assert!(!ok && !output.contains("FRESH"), "{output}");
     assert!(output.contains("none is readable") && output.contains("MANIFEST"), "{output}");
 }
+
+/// Flips one byte in the middle of rank 1's stored version `version`.
+fn damage_stored_rank(service: &LocalService, app: &str, version: u64) {
+    let status = service.status();
+    let node = &status.apps.iter().find(|a| a.registration.name == app).unwrap().agents[0].node;
+    let file = service.config.agent_store_dir.join(node).join(app).join(format!("rank1/v{version}.data"));
+    let mut bytes = std::fs::read(&file).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&file, &bytes).unwrap();
+}
+
+/// Item 5 of the faults issue: damaged data in agent memory failed the
+/// restart although the PFS held a good copy, and the rank that found the
+/// damage left the others waiting forever.
+#[test]
+fn damaged_agent_memory_falls_back_to_the_pfs_or_fails_on_every_rank() {
+    let service = service("faults-corrupt", 1);
+    let config = service.config_path();
+    // With a PFS copy of every version (slow steps: each copy completes).
+    let copies = [("ICHECK_PFS_INTERVAL", "1")];
+    let args = ["--app", "cor", "--steps", "4", "--every", "2", "--mib", "4", "--step-ms", "400", "--persist"];
+    let lines = Job::start(2, &config, &args, &copies).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    assert!(poll_until(Duration::from_secs(30), || service.dir.join("pfs/cor/v3/MANIFEST").exists()));
+    damage_stored_rank(&service, "cor", 3);
+    let args = ["--app", "cor", "--steps", "4", "--every", "2", "--mib", "4", "--persist"];
+    let (ok, output) = Job::start(2, &config, &args, &[]).finish_any(Duration::from_secs(60));
+    assert!(ok && output.contains("RESTORED version=3 step=4 verified"), "{output}");
+    let log = service.log("manager-local-1.log");
+    assert!(log.contains("stored version is damaged; using its PFS copy") && log.contains("chunk"), "{log}");
+
+    // Without any PFS copy: every rank returns an error, nobody hangs.
+    let args = ["--app", "bare", "--steps", "4", "--every", "2", "--mib", "4", "--persist"];
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    damage_stored_rank(&service, "bare", 3);
+    let (ok, output) = Job::start(2, &config, &args, &[]).finish_any(Duration::from_secs(60));
+    assert!(!ok, "{output}");
+    for rank in 0..2 {
+        assert!(output.contains(&format!("rank {rank}: restart failed")), "rank {rank} did not return:\n{output}");
+    }
+    assert!(output.contains("stored version 3 of rank 1 is damaged"), "{output}");
+}

@@ -861,20 +861,38 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                     // Not here (lost with its agents, or spilled): from the PFS copy.
                     match load_from_pfs(shared, &session.app, session.rank, version)? {
                         Loaded::IntoStore => expose_stored(shared, store, &session.app, session.rank, version)?,
-                        Loaded::NoRoom(manifest, data) => {
-                            let mut buffer = AlignedBuffer::zeroed(data.len().max(1));
-                            buffer.as_mut_slice()[..data.len()].copy_from_slice(&data);
-                            let buffer =
-                                shared.endpoint.register(buffer, Access::REMOTE_READ).map_err(|e| e.to_string())?;
-                            (manifest, Exposed::Loaded(buffer))
-                        }
+                        Loaded::NoRoom(manifest, data) => (manifest, expose_loaded(shared, &data)?),
                     }
                 }
                 Err(err) => return Err(err.to_string()),
-                Ok((manifest, file)) => {
-                    let file = shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
-                    (manifest, Exposed::Stored(file))
-                }
+                Ok((manifest, file)) => match damage(&manifest, file.as_slice()) {
+                    None => {
+                        let file = shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
+                        (manifest, Exposed::Stored(file))
+                    }
+                    // Never hand out bytes that do not match the rank's own
+                    // checksums: the PFS copy of the same version, if there
+                    // is one, replaces them; otherwise every rank of the
+                    // restart learns (the library agrees on the outcome) and
+                    // it falls back to an older complete version.
+                    Some(damage) => {
+                        drop(file);
+                        let (app, rank) = (session.app.clone(), session.rank);
+                        let on_pfs =
+                            shared.settings.pfs.as_ref().is_some_and(|pfs| pfs.manifest(&app, version).is_ok());
+                        if !on_pfs {
+                            return Err(format!(
+                                "stored version {version} of rank {rank} is damaged ({damage}), and the PFS has no copy of it"
+                            ));
+                        }
+                        tracing::warn!(version, rank, %damage, "stored version is damaged; using its PFS copy");
+                        store.remove_version(&app, rank, version).map_err(|e| e.to_string())?;
+                        match load_from_pfs(shared, &app, rank, version)? {
+                            Loaded::IntoStore => expose_stored(shared, store, &app, rank, version)?,
+                            Loaded::NoRoom(manifest, data) => (manifest, expose_loaded(shared, &data)?),
+                        }
+                    }
+                },
             };
             let mut region = match &exposed {
                 Exposed::Stored(file) => file.remote(),
@@ -909,6 +927,30 @@ fn expose_stored(
     let (manifest, file) = store.open(app, rank, version).map_err(|e| e.to_string())?;
     let file = shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
     Ok((manifest, Exposed::Stored(file)))
+}
+
+/// Registers bytes loaded from the PFS (outside the store) for the rank to read.
+fn expose_loaded(shared: &Shared, data: &[u8]) -> Result<Exposed, String> {
+    let mut buffer = AlignedBuffer::zeroed(data.len().max(1));
+    buffer.as_mut_slice()[..data.len()].copy_from_slice(data);
+    let buffer = shared.endpoint.register(buffer, Access::REMOTE_READ).map_err(|e| e.to_string())?;
+    Ok(Exposed::Loaded(buffer))
+}
+
+/// The first label chunk of a stored version that does not match the
+/// checksums its rank computed at commit time, described; `None` if all match.
+fn damage(manifest: &Manifest, data: &[u8]) -> Option<String> {
+    if manifest.chunk_size != CHUNK_SIZE || manifest.crcs.len() != manifest.labels.len() {
+        return Some("its manifest lacks checksums in this agent's chunk size".into());
+    }
+    manifest.labels.iter().zip(&manifest.crcs).find_map(|(label, crcs)| {
+        let range = usize::try_from(label.offset).ok()?..usize::try_from(label.offset + label.len).ok()?;
+        let Some(bytes) = data.get(range) else {
+            return Some(format!("label {:?} lies beyond the data file", label.label));
+        };
+        first_bad_chunk(bytes, crcs)
+            .map(|chunk| format!("label {:?}: chunk {chunk} does not match the rank's checksum", label.label))
+    })
 }
 
 /// Where [`load_from_pfs`] put a version.

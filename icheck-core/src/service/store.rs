@@ -327,6 +327,21 @@ impl Store {
         }
     }
 
+    /// Deletes one stored version (manifest first, so it can no longer be
+    /// opened), e.g. because its data was found damaged.
+    pub fn remove_version(&self, app: &str, rank: u32, version: u64) -> Result<()> {
+        let (data, meta) = self.paths(app, rank, version)?;
+        for path in [meta, data] {
+            match fs::remove_file(&path) {
+                Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(StoreError::Io { what: "cannot remove", path, error })
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
     /// Opens a stored version: its manifest and its mapped data.
     pub fn open(&self, app: &str, rank: u32, version: u64) -> Result<(Manifest, MappedFile)> {
         let (data, meta) = self.paths(app, rank, version)?;
