@@ -304,3 +304,152 @@ impl Drop for TargetProcess {
         self.kill();
     }
 }
+
+/// Which side of the RMA a [`churn`] run keeps alive while the other side
+/// is killed in the middle of transfers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+pub enum ChurnRole {
+    /// This process reads and writes (as an agent pulling from ranks);
+    /// target processes are killed mid-batch.
+    Initiator,
+    /// This process exposes memory with a progress thread (as an agent
+    /// while ranks push); initiator processes are killed mid-transfer.
+    Target,
+}
+
+/// What a [`churn`] run saw.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChurnReport {
+    /// Peers killed.
+    pub rounds: u32,
+    /// Transfers that completed before their peer died.
+    pub completed: u32,
+    /// Transfers that failed with an error completion or a refused post.
+    pub failed: u32,
+    /// Transfers that timed out, after which the endpoint was replaced.
+    pub timed_out: u32,
+}
+
+/// Bytes moved per churn round: long enough that a kill lands mid-transfer.
+const CHURN_BYTES: usize = 32 << 20;
+
+/// The peer-death reproducer: `rounds` times, a peer process is started,
+/// a transfer begins, and the peer is SIGKILLed after a pseudo-random delay
+/// (`seed`) of up to 40 ms, while this process keeps one endpoint for as
+/// long as it stays usable (as a manager's agent does). Afterwards one more
+/// peer must complete a verified transfer. Returns what happened; a provider
+/// fault in the error paths kills this process instead, which is what the
+/// tests run it in a child for. `icheck` is the executable that serves the
+/// other halves (`icheck fabric target` / `initiator`).
+pub fn churn(
+    icheck: &std::path::Path,
+    config: &FabricConfig,
+    role: ChurnRole,
+    rounds: u32,
+    seed: u64,
+) -> Result<ChurnReport, SelftestError> {
+    let provider = config.provider.clone().unwrap_or_else(|| "auto".into());
+    let mut random = seed | 1;
+    let mut delay = move || {
+        random ^= random << 13;
+        random ^= random >> 7;
+        random ^= random << 17;
+        std::time::Duration::from_micros(random % 40_000)
+    };
+    let kill_after = |pid: u32, after: std::time::Duration| {
+        std::thread::spawn(move || {
+            std::thread::sleep(after);
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+        })
+    };
+    let mut report = ChurnReport { rounds, ..ChurnReport::default() };
+    match role {
+        ChurnRole::Initiator => {
+            let spawn_target = |seed: u64| {
+                let mut command = Command::new(icheck);
+                command.args(["fabric", "target", "--provider", &provider, "--size", &CHURN_BYTES.to_string()]);
+                command.args(["--seed", &seed.to_string()]);
+                TargetProcess::spawn(command)
+            };
+            let open = || -> Result<(Endpoint, RegisteredBuffer), SelftestError> {
+                let endpoint = Endpoint::new(&Domain::open(config)?)?;
+                let local = endpoint.register(AlignedBuffer::zeroed(CHURN_BYTES), Access::LOCAL)?;
+                Ok((endpoint, local))
+            };
+            let (mut endpoint, mut local) = open()?;
+            let options = TransferOptions { timeout: std::time::Duration::from_secs(1), ..TransferOptions::default() };
+            for round in 0..rounds {
+                let mut target = spawn_target(u64::from(round))?;
+                let peer = endpoint.insert_peer(&target.announcement().address)?;
+                let whole = [RmaOp {
+                    local_offset: 0,
+                    remote: target.announcement().region,
+                    remote_offset: 0,
+                    len: CHURN_BYTES,
+                }];
+                let killer = kill_after(target.pid(), delay());
+                let moved = if round % 2 == 0 {
+                    endpoint.read(&peer, local.target(), &whole, &options)
+                } else {
+                    endpoint.write(&peer, local.source(), &whole, &options)
+                };
+                let _ = killer.join();
+                target.kill();
+                match moved {
+                    Ok(_) => report.completed += 1,
+                    Err(crate::fabric::FabricError::Timeout { .. }) => {
+                        report.timed_out += 1;
+                        (endpoint, local) = open()?;
+                    }
+                    Err(_) if endpoint.is_closed() => {
+                        report.failed += 1;
+                        (endpoint, local) = open()?;
+                    }
+                    Err(_) => report.failed += 1,
+                }
+            }
+            // The endpoint that lived through it all still moves data.
+            let target = spawn_target(7)?;
+            let peer = endpoint.insert_peer(&target.announcement().address)?;
+            let whole =
+                [RmaOp { local_offset: 0, remote: target.announcement().region, remote_offset: 0, len: CHURN_BYTES }];
+            endpoint.read(&peer, local.target(), &whole, &TransferOptions::default())?;
+            verify_pattern(local.as_slice(), 7)
+                .map_err(|reason| SelftestError::Mismatch { peer: peer.name().to_string(), reason })?;
+        }
+        ChurnRole::Target => {
+            let target = Target::start(config, CHURN_BYTES, 1)?;
+            let announcement = serde_json::to_string(&target.announcement()).expect("announcement serializes");
+            let initiator = || {
+                let mut command = Command::new(icheck);
+                command.args(["fabric", "initiator", "--provider", &provider, "--peer", &announcement]);
+                // Writing the pattern it read keeps the target verifiable.
+                command.args(["--read-seed", "1", "--write-seed", "1", "--timeout", "1"]);
+                command.stdout(Stdio::null()).stderr(Stdio::null());
+                command
+            };
+            let process = |what: &str, err: std::io::Error| SelftestError::Process(format!("{what}: {err}"));
+            for _ in 0..rounds {
+                let mut child = initiator().spawn().map_err(|e| process("cannot start an initiator", e))?;
+                // Past the initiator's start-up (about 20 ms), into its transfer.
+                std::thread::sleep(std::time::Duration::from_millis(20) + delay());
+                let _ = child.kill();
+                let status = child.wait().map_err(|e| process("waiting for an initiator", e))?;
+                crate::fabric::remove_shm_regions_of(child.id());
+                if status.success() {
+                    report.completed += 1;
+                } else {
+                    report.failed += 1;
+                }
+            }
+            let status = initiator().status().map_err(|e| process("running the last initiator", e))?;
+            if !status.success() {
+                return Err(SelftestError::Process(format!(
+                    "after the churn, an initiator against this target failed ({status})"
+                )));
+            }
+            target.verify(1).map_err(|reason| SelftestError::Mismatch { peer: "this target".into(), reason })?;
+        }
+    }
+    Ok(report)
+}

@@ -210,3 +210,39 @@ fn loaded_libfabric_matches_the_headers() {
         assert_eq!(version.library, expected, "{version}: another libfabric.so was loaded");
     }
 }
+
+/// Peers killed in the middle of RMA, in both directions, many times (the
+/// reproducer for the managers that died of SIGSEGV inside libfabric 1.17
+/// when a peer went away mid-operation). The surviving process runs in a
+/// child, so a provider fault shows as its death by a signal.
+fn survives_peers_killed_mid_transfer(provider: &str, role: &str) {
+    let out = Command::new(ICHECK)
+        .args(["fabric", "churn", "--provider", provider, "--role", role, "--rounds", "20", "--seed", "2026"])
+        .output()
+        .expect("run icheck fabric churn");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{provider} {role}: {} after peers were killed\n{stderr}", out.status);
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("churn prints JSON");
+    eprintln!("{provider} {role}: {report}");
+    assert_eq!(report["rounds"].as_u64(), Some(20), "{report}");
+}
+
+#[test]
+fn tcp_initiator_survives_targets_killed_mid_transfer() {
+    survives_peers_killed_mid_transfer("tcp", "initiator");
+}
+
+#[test]
+fn shm_initiator_survives_targets_killed_mid_transfer() {
+    survives_peers_killed_mid_transfer("shm", "initiator");
+}
+
+#[test]
+fn tcp_target_survives_initiators_killed_mid_transfer() {
+    survives_peers_killed_mid_transfer("tcp", "target");
+}
+
+#[test]
+fn shm_target_survives_initiators_killed_mid_transfer() {
+    survives_peers_killed_mid_transfer("shm", "target");
+}

@@ -352,3 +352,36 @@ fn up_starts_again_only_the_daemons_that_died() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("all its 3 daemons are alive"));
 }
+
+/// The signals a process catches, from /proc (bit n-1 is signal n).
+fn caught_signals(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let mask = status.lines().find_map(|l| l.strip_prefix("SigCgt:")).unwrap().trim();
+    u64::from_str_radix(mask, 16).unwrap()
+}
+
+/// libfabric's PSM dependencies install crash handlers when loaded (they
+/// printed backtraces and wrote crash files into the working directory);
+/// no daemon keeps them, whether `icheck up` started it or an administrator.
+#[test]
+fn daemons_keep_no_crash_handlers_of_libfabrics_dependencies() {
+    let service = Service::up("crash-handlers", 1);
+    let _direct = service.start_manager("direct");
+    wait_for("the directly started manager", Duration::from_secs(10), || service.status().nodes.len() == 2);
+    let direct = _direct.0.id();
+    for (name, pid) in [
+        ("controller", service.pid_of("controller")),
+        ("manager", service.pid_of("manager-local-1")),
+        ("direct manager", direct),
+    ] {
+        let caught = caught_signals(pid);
+        for (signal, number) in [("SIGILL", 4), ("SIGABRT", 6)] {
+            assert_eq!(caught >> (number - 1) & 1, 0, "{name} (pid {pid}) catches {signal}: SigCgt {caught:x}");
+        }
+    }
+    // SIGTERM still stops a manager gracefully (tokio's handler, nothing chained).
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(direct as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    let mut child = _direct;
+    let status = child.0.wait().unwrap();
+    assert!(status.success(), "the manager ended with {status} on SIGTERM");
+}

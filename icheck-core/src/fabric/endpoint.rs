@@ -633,10 +633,12 @@ impl Endpoint {
             } else if ret != eagain() {
                 // The completion queue itself failed: nothing can be trusted.
                 state.close();
+                abandon_contexts(slots, outstanding);
                 return Err(FabricError::call("fi_cq_read", ret as i64));
             } else if last_progress.elapsed() > options.timeout {
                 tracing::warn!(op = %kind, peer = %peer.name, outstanding, "RMA batch timed out; closing endpoint");
                 state.close();
+                abandon_contexts(slots, outstanding);
                 return Err(FabricError::Timeout {
                     op: kind,
                     peer: peer.name.to_string(),
@@ -656,6 +658,19 @@ impl Endpoint {
             Some(err) => Err(err),
             None => Ok(stats),
         }
+    }
+}
+
+/// Keeps the contexts of operations that never completed alive for the rest
+/// of the process. The endpoint was just closed with them outstanding, and
+/// a provider may still touch an operation's context after that (rxm's
+/// connection handling reports or cancels entries of a peer that went away
+/// from its own progress paths); freeing them would let it write into freed
+/// memory. The leak is bounded: it happens only when an endpoint is
+/// abandoned, at most `inflight` slots of a few dozen bytes each.
+fn abandon_contexts(slots: Box<[OpSlot]>, outstanding: usize) {
+    if outstanding > 0 {
+        Box::leak(slots);
     }
 }
 

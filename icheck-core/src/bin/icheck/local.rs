@@ -120,6 +120,7 @@ fn spawn_logging_to(log: fs::File, log_name: &str, args: &[&str]) -> Result<std:
     use std::os::unix::process::CommandExt;
     let child = Command::new(exe)
         .args(args)
+        .envs(icheck_core::fabric::NO_BACKTRACE_ENV)
         .env("ICHECK_LOG", std::env::var("ICHECK_LOG").unwrap_or_else(|_| "info".into()))
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)

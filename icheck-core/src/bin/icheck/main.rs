@@ -210,6 +210,25 @@ enum FabricCommand {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// Kill peers in the middle of RMA, many times, while this process keeps
+    /// its endpoint (the reproducer for provider faults in error paths);
+    /// prints a JSON report. Exits non-zero (or dies of a signal) on failure.
+    ///
+    /// Example: icheck fabric churn --provider tcp --role initiator --rounds 40
+    #[command(hide = true)]
+    Churn {
+        #[command(flatten)]
+        fabric: FabricArgs,
+        /// The side this process plays; the other side is killed.
+        #[arg(long, value_enum)]
+        role: selftest::ChurnRole,
+        /// Peers to kill.
+        #[arg(long, default_value_t = 40)]
+        rounds: u32,
+        /// Seed of the kill delays.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// The initiating half of the self-test: read the target named by the
     /// JSON line in `--peer`, verify it against `--read-seed`, write
     /// `--write-seed` back, and print the transfer rates as JSON.
@@ -282,10 +301,16 @@ impl TransferArgs {
 }
 
 fn main() {
+    // Before anything else: undo the crash handlers libfabric's PSM
+    // dependencies installed at load time (see the function's docs).
+    let disarmed = icheck_core::fabric::disarm_provider_crash_handlers();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("ICHECK_LOG").unwrap_or_else(|_| "warn".into()))
         .with_writer(std::io::stderr)
         .init();
+    if disarmed {
+        tracing::debug!("reset the signal handlers libpsm installed at load time");
+    }
     if let Err(err) = run(Cli::parse()) {
         eprintln!("icheck: error: {err:#}");
         std::process::exit(1);
@@ -404,6 +429,12 @@ fn run_fabric(command: FabricCommand) -> Result<()> {
             let size = usize::try_from(size.0).context("--size does not fit this machine")?;
             let target = Target::start(&fabric.config(), size, seed)?;
             target.serve(std::io::stdin().lock(), std::io::stdout().lock())?;
+            Ok(())
+        }
+        FabricCommand::Churn { fabric, role, rounds, seed } => {
+            let icheck = std::env::current_exe().context("cannot find the icheck executable")?;
+            let report = selftest::churn(&icheck, &fabric.config(), role, rounds, seed)?;
+            println!("{}", serde_json::to_string(&report)?);
             Ok(())
         }
         FabricCommand::Initiator { fabric, transfer, peer, read_seed, write_seed } => {
