@@ -617,8 +617,9 @@ pub struct PfsCopyHealth {
     /// Copies that failed (an agent could not read or write its ranks, or
     /// the version could not be completed on the PFS).
     pub failed: u64,
-    /// Copies not started because the previous copy was still running
-    /// (commits come faster than the PFS takes them).
+    /// Due copies never made: the previous copy was still running, and by
+    /// the time it ended a newer version was copied instead (commits come
+    /// faster than the PFS takes them).
     pub skipped: u64,
     /// The newest failure: version and reason.
     pub last_failure: Option<String>,

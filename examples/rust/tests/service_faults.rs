@@ -280,7 +280,8 @@ fn fast_commits_never_lose_a_pfs_copy_half_way() {
     let settled = poll_until(Duration::from_secs(60), || {
         let status = service.status();
         let app = &status.apps[0];
-        app.pfs_version.is_some_and(|v| service.dir.join(format!("pfs/copies/v{v}/MANIFEST")).exists())
+        // The newest version waited for the copy before it, then went too.
+        app.pfs_version == Some(31) && service.dir.join("pfs/copies/v31/MANIFEST").exists()
     });
     // The copy under way when the run ended (if any) has time to end too.
     std::thread::sleep(Duration::from_secs(3));
@@ -291,8 +292,6 @@ fn fast_commits_never_lose_a_pfs_copy_half_way() {
     assert!(!controller_log.contains("PFS copy failed"), "{controller_log}");
     let health = &status.apps[0].pfs_health;
     assert_eq!(health.failed, 0, "{health:?}");
-    let copied = status.apps[0].pfs_version.unwrap();
-    assert!(copied >= 2, "at least one copy completed: {:?}", status.apps[0]);
     // Skipped copies are counted where operators look.
     let text =
         icheck_core::testkit::scrape_metrics(std::fs::read_to_string(service.dir.join("metrics.addr")).unwrap().trim());

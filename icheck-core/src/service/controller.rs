@@ -71,6 +71,9 @@ struct AppEntry {
     pfs_copy: Option<PfsCopyStats>,
     /// Failed and skipped copies.
     pfs_health: protocol::PfsCopyHealth,
+    /// A due copy that waits for the running one to end (the newest such
+    /// version; when its turn comes, the application's newest version is copied).
+    pfs_deferred: Option<u64>,
     /// Finished with IC_CLEANUP: the newest version is being flushed to the
     /// PFS; the agents stop (discarding memory) once it is there.
     finishing: bool,
@@ -596,6 +599,7 @@ async fn register_app(
         pfs_pending: BTreeMap::new(),
         pfs_copy: None,
         pfs_health: protocol::PfsCopyHealth::default(),
+        pfs_deferred: None,
         finishing: false,
         adaptation,
     };
@@ -654,11 +658,14 @@ fn record_version(
     let interval = u64::from(app.registration.pfs_interval);
     let due = interval > 0 && version.is_multiple_of(interval);
     if shared.pfs.is_some() && due && !spilled && !app.pfs_pending.is_empty() {
-        // Commits come faster than copies: the agents would have to keep
-        // every version whose copy waits, so this one is not copied. The
-        // running copy completes; the skip is counted where operators look.
-        app.pfs_health.skipped += 1;
-        tracing::info!(app = name, version, "PFS copy skipped: the previous copy is still running");
+        // Commits come faster than copies. Queueing a copy per version would
+        // make the agents keep every one of them in memory; instead the
+        // newest due version waits (it is the newest, so no agent prunes
+        // it) and an older waiting one is skipped, counted where operators look.
+        if app.pfs_deferred.replace(version).is_some() {
+            app.pfs_health.skipped += 1;
+        }
+        tracing::debug!(app = name, version, "PFS copy deferred: the previous copy is still running");
     } else if shared.pfs.is_some() && (due || spilled) && !app.agents.is_empty() {
         // §6.2.3.2: the copy of v starts once every agent holds v, which
         // the library's VersionComplete says; each agent copies its ranks.
@@ -705,6 +712,7 @@ fn pfs_copied(
             if app.finishing && app.pfs_pending.is_empty() {
                 stop_and_forget(&mut state, &name);
             }
+            start_deferred_copy(shared, &mut state, &name);
             return;
         }
         Ok(done) => done,
@@ -760,7 +768,35 @@ fn pfs_copied(
                 stop_and_forget(&mut state, &name);
             }
         }
+        start_deferred_copy(&shared, &mut state, &name);
     });
+}
+
+/// Starts the copy that waited for the previous one (see `pfs_deferred`),
+/// once no copy of the application runs: of its newest complete version,
+/// which its agents still hold, and which may be newer than the one that
+/// waited (that one then counts as skipped).
+fn start_deferred_copy(shared: &Shared, state: &mut State, name: &str) {
+    let state = &mut *state;
+    let Some(app) = state.apps.get_mut(name) else { return };
+    if !app.pfs_pending.is_empty() || app.finishing || app.agents.is_empty() {
+        return;
+    }
+    let (Some(waited), Some(newest)) = (app.pfs_deferred.take(), app.latest.as_ref().map(|l| l.version)) else {
+        return;
+    };
+    if app.pfs_version.is_some_and(|copied| copied >= newest) {
+        return;
+    }
+    if newest > waited {
+        app.pfs_health.skipped += 1;
+    }
+    tracing::info!(
+        app = name,
+        version = newest,
+        "copying the newest version to the PFS (it waited for the previous copy)"
+    );
+    request_pfs_copy(&state.nodes, app, newest, shared.dynamic().max_cp_size.0);
 }
 
 /// The nodes as placement sees them now.
