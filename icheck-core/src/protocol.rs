@@ -861,6 +861,10 @@ pub enum AgentReply {
         manifest: Manifest,
         /// The data, readable by the rank.
         region: RemoteRegion,
+        /// Set when the stored bytes do not match the rank's checksums and
+        /// no PFS copy could replace them: what is damaged. The data is
+        /// exposed all the same (intact labels still verify on restore).
+        damaged: Option<String>,
     },
     /// The request failed.
     Error(String),

@@ -420,17 +420,17 @@ pub fn churn(
         ChurnRole::Target => {
             let target = Target::start(config, CHURN_BYTES, 1)?;
             let announcement = serde_json::to_string(&target.announcement()).expect("announcement serializes");
-            let initiator = || {
+            let initiator = |timeout: &str| {
                 let mut command = Command::new(icheck);
                 command.args(["fabric", "initiator", "--provider", &provider, "--peer", &announcement]);
                 // Writing the pattern it read keeps the target verifiable.
-                command.args(["--read-seed", "1", "--write-seed", "1", "--timeout", "1"]);
+                command.args(["--read-seed", "1", "--write-seed", "1", "--timeout", timeout]);
                 command.stdout(Stdio::null()).stderr(Stdio::null());
                 command
             };
             let process = |what: &str, err: std::io::Error| SelftestError::Process(format!("{what}: {err}"));
             for _ in 0..rounds {
-                let mut child = initiator().spawn().map_err(|e| process("cannot start an initiator", e))?;
+                let mut child = initiator("1").spawn().map_err(|e| process("cannot start an initiator", e))?;
                 // Past the initiator's start-up (about 20 ms), into its transfer.
                 std::thread::sleep(std::time::Duration::from_millis(20) + delay());
                 let _ = child.kill();
@@ -442,10 +442,16 @@ pub fn churn(
                     report.failed += 1;
                 }
             }
-            let status = initiator().status().map_err(|e| process("running the last initiator", e))?;
-            if !status.success() {
+            // The last one runs to the end (on a loaded machine too: a long timeout).
+            let last = initiator("20")
+                .stderr(Stdio::piped())
+                .output()
+                .map_err(|e| process("running the last initiator", e))?;
+            if !last.status.success() {
                 return Err(SelftestError::Process(format!(
-                    "after the churn, an initiator against this target failed ({status})"
+                    "after the churn, an initiator against this target failed ({}): {}",
+                    last.status,
+                    String::from_utf8_lossy(&last.stderr).trim()
                 )));
             }
             target.verify(1).map_err(|reason| SelftestError::Mismatch { peer: "this target".into(), reason })?;

@@ -486,6 +486,8 @@ pub struct Icheck {
     asynchronous: bool,
     in_flight: Option<InFlight>,
     restored: Option<Restored>,
+    /// What the agent said is damaged in the version `restart` fetched (MR).
+    restart_damage: Option<String>,
     finalized: bool,
     connect_timeout: Duration,
 }
@@ -718,6 +720,7 @@ impl Icheck {
             asynchronous: false,
             in_flight: None,
             restored: None,
+            restart_damage: None,
             finalized: false,
             connect_timeout,
         };
@@ -1294,7 +1297,8 @@ impl Icheck {
     fn fetch_shmr(&mut self, version: u64) -> Result<u64> {
         let fetched: std::result::Result<(Manifest, RemoteRegion), String> = match self.link.as_mut() {
             Some(link) => match link.call(&AgentRequest::Fetch { version }) {
-                Ok(AgentReply::Fetch { manifest, region }) => Ok((manifest, region)),
+                Ok(AgentReply::Fetch { damaged: Some(damage), .. }) => Err(damage),
+                Ok(AgentReply::Fetch { manifest, region, damaged: None }) => Ok((manifest, region)),
                 Ok(other) => Err(format!("unexpected answer to Fetch: {other:?}")),
                 Err(err) => Err(err.to_string()),
             },
@@ -1557,10 +1561,12 @@ impl Icheck {
                 (None, TransferMode::Mr) => self.fetch(version),
                 (None, TransferMode::Shmr) => self.fetch_shmr(version),
             };
-            // Every rank learns whether all could fetch: one damaged or
-            // missing rank moves the whole job to the next candidate
-            // together, instead of leaving the others in their next collective.
-            let all_ok = self.comm.all_true(result.is_ok());
+            // Every rank learns whether all could fetch intact data: one
+            // damaged or missing rank moves the whole job to the next
+            // candidate together, instead of leaving the others in their
+            // next collective.
+            let damaged = self.restart_damage.take();
+            let all_ok = self.comm.all_true(result.is_ok() && damaged.is_none());
             if all_ok {
                 if tried > 0 && self.comm.rank() == 0 {
                     tracing::warn!(
@@ -1572,8 +1578,16 @@ impl Icheck {
                 return result;
             }
             if tried == last {
+                if let (Some(damage), Ok(_), 1) = (&damaged, &result, size) {
+                    // A job of one process has nobody to wait for it: it
+                    // restarts from the damaged version, whose damaged labels
+                    // `restore` refuses while the intact ones restore.
+                    tracing::error!(version, %damage, "no older version to fall back to");
+                    return result;
+                }
                 result?;
-                return Err(self.incomplete(version, "another rank could not fetch its data".into()));
+                let detail = damaged.unwrap_or_else(|| "another rank could not fetch intact data".into());
+                return Err(self.incomplete(version, detail));
             }
             if let Err(err) = &result {
                 tracing::error!(version, %err, "cannot restart from this version; trying the previous complete one");
@@ -1595,14 +1609,15 @@ impl Icheck {
 
     fn fetch(&mut self, version: u64) -> Result<u64> {
         let link = self.link()?;
-        let (manifest, region) = match link.call(&AgentRequest::Fetch { version })? {
-            AgentReply::Fetch { manifest, region } => (manifest, region),
+        let (manifest, region, damaged) = match link.call(&AgentRequest::Fetch { version })? {
+            AgentReply::Fetch { manifest, region, damaged } => (manifest, region, damaged),
             other => return Err(link.error(format!("unexpected answer to Fetch: {other:?}"))),
         };
         if manifest.crcs.len() != manifest.labels.len() {
             return Err(link.error(format!("manifest of version {version} has no checksums for some labels")));
         }
         let version = manifest.version;
+        self.restart_damage = damaged;
         self.restored = Some(Restored { manifest, data: RestoredData::Agent(region) });
         Ok(version)
     }

@@ -856,6 +856,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
         }
         AgentRequest::Fetch { version } => {
             session.fetching = None;
+            let mut damaged = None;
             let (manifest, exposed) = match store.open(&session.app, session.rank, version) {
                 Err(StoreError::Missing { .. }) if shared.settings.pfs.is_some() => {
                     // Not here (lost with its agents, or spilled): from the PFS copy.
@@ -870,26 +871,32 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                         let file = shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
                         (manifest, Exposed::Stored(file))
                     }
-                    // Never hand out bytes that do not match the rank's own
-                    // checksums: the PFS copy of the same version, if there
-                    // is one, replaces them; otherwise every rank of the
-                    // restart learns (the library agrees on the outcome) and
-                    // it falls back to an older complete version.
+                    // Bytes that do not match the rank's own checksums: the
+                    // PFS copy of the same version, if there is one, replaces
+                    // them. Otherwise they are exposed with the damage named,
+                    // so the library can agree on the outcome across ranks
+                    // (an older version, or an error) and a lone process can
+                    // still restore its intact labels.
                     Some(damage) => {
-                        drop(file);
                         let (app, rank) = (session.app.clone(), session.rank);
                         let on_pfs =
                             shared.settings.pfs.as_ref().is_some_and(|pfs| pfs.manifest(&app, version).is_ok());
                         if !on_pfs {
-                            return Err(format!(
+                            tracing::warn!(version, rank, %damage, "stored version is damaged and has no PFS copy");
+                            damaged = Some(format!(
                                 "stored version {version} of rank {rank} is damaged ({damage}), and the PFS has no copy of it"
                             ));
-                        }
-                        tracing::warn!(version, rank, %damage, "stored version is damaged; using its PFS copy");
-                        store.remove_version(&app, rank, version).map_err(|e| e.to_string())?;
-                        match load_from_pfs(shared, &app, rank, version)? {
-                            Loaded::IntoStore => expose_stored(shared, store, &app, rank, version)?,
-                            Loaded::NoRoom(manifest, data) => (manifest, expose_loaded(shared, &data)?),
+                            let file =
+                                shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
+                            (manifest, Exposed::Stored(file))
+                        } else {
+                            drop(file);
+                            tracing::warn!(version, rank, %damage, "stored version is damaged; using its PFS copy");
+                            store.remove_version(&app, rank, version).map_err(|e| e.to_string())?;
+                            match load_from_pfs(shared, &app, rank, version)? {
+                                Loaded::IntoStore => expose_stored(shared, store, &app, rank, version)?,
+                                Loaded::NoRoom(manifest, data) => (manifest, expose_loaded(shared, &data)?),
+                            }
                         }
                     }
                 },
@@ -901,7 +908,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             region.len = manifest.total_len.min(region.len);
             let progress = ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin).map_err(|e| e.to_string())?;
             session.fetching = Some(Fetching { _exposed: exposed, _progress: progress });
-            Ok(AgentReply::Fetch { manifest, region })
+            Ok(AgentReply::Fetch { manifest, region, damaged })
         }
         AgentRequest::FetchDone => {
             session.retired.extend(session.fetching.take());
@@ -1024,7 +1031,8 @@ fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Resu
     let peer = endpoint.insert_peer(&from.address).map_err(|e| fail(e.to_string()))?;
     call(&AgentRequest::Open { app: shared.app.clone(), rank, address: endpoint.address().clone() })?;
     let (manifest, region) = match call(&AgentRequest::Fetch { version })? {
-        AgentReply::Fetch { manifest, region } => (manifest, region),
+        AgentReply::Fetch { damaged: Some(damage), .. } => return Err(fail(damage)),
+        AgentReply::Fetch { manifest, region, damaged: None } => (manifest, region),
         other => return Err(fail(format!("unexpected answer to Fetch: {other:?}"))),
     };
     if manifest.rank != rank || manifest.app != shared.app || manifest.crcs.len() != manifest.labels.len() {

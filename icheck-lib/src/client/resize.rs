@@ -362,7 +362,8 @@ impl Icheck {
         let agent = &self.agents[agent_for_rank(rank, written, self.agents.len() as u32) as usize];
         let mut link = AgentLink::open(&self.endpoint, agent, &self.token, &self.app, rank, self.connect_timeout)?;
         let (manifest, region) = match link.call(&AgentRequest::Fetch { version })? {
-            AgentReply::Fetch { manifest, region } => (manifest, region),
+            AgentReply::Fetch { damaged: Some(damage), .. } => return Err(link.error(damage)),
+            AgentReply::Fetch { manifest, region, damaged: None } => (manifest, region),
             other => return Err(link.error(format!("unexpected answer to Fetch: {other:?}"))),
         };
         let old = OldRank::Agent { link: Box::new(link), manifest, region };
