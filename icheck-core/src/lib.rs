@@ -12,6 +12,7 @@ pub mod decide;
 pub mod distribution;
 pub mod fabric;
 pub mod failpoint;
+pub mod format;
 pub mod pfs;
 pub mod protocol;
 pub mod selftest;

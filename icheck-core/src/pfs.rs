@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::protocol::{self, Manifest};
-use crate::service::store::{check_app_name, first_bad_chunk};
+use crate::format::{self, check_app_name, FormatError, Manifest};
+use crate::protocol;
 
 /// Complete versions kept per application: the newest, and the one before
 /// it, so a restart survives a newest version damaged on disk.
@@ -159,7 +159,7 @@ pub enum PfsError {
     },
     /// The application name cannot be a directory name.
     #[error(transparent)]
-    Name(#[from] crate::service::store::StoreError),
+    Name(#[from] FormatError),
     /// The version has no file for this rank.
     #[error("version {version} in {dir} has no data for rank {rank}")]
     MissingRank {
@@ -493,10 +493,13 @@ impl PfsStore {
     pub fn manifest(&self, app: &str, version: u64) -> Result<PfsManifest> {
         let path = self.version_dir(app, version)?.join(MANIFEST);
         let bytes = fs::read(&path).map_err(io("cannot read", &path))?;
-        let manifest: PfsManifest = protocol::decode_large(&bytes)
+        let manifest: PfsManifest = format::decode_stored(&bytes)
             .map_err(|e| PfsError::Damaged { path: path.clone(), reason: e.to_string() })?;
         if manifest.app != app || manifest.version != version {
             return Err(PfsError::Damaged { path, reason: "it describes another version".into() });
+        }
+        for entry in &manifest.entries {
+            check_entry(entry, app, version).map_err(|reason| PfsError::Damaged { path: path.clone(), reason })?;
         }
         Ok(manifest)
     }
@@ -531,15 +534,36 @@ impl PfsStore {
 fn record_raw_entry(path: &Path, manifest: &Manifest, file: String, len: u64, crc: u32) -> Result<RankEntry> {
     let entry =
         RankEntry { manifest: manifest.clone(), file, stored_len: len, compression: Compression::None, file_crc: crc };
-    let bytes = protocol::encode_large(&entry)
+    let bytes = format::encode_stored(&entry)
         .map_err(|e| PfsError::Damaged { path: path.to_path_buf(), reason: format!("cannot encode: {e}") })?;
     fs::write(path, bytes).map_err(io("cannot write", path))?;
     Ok(entry)
 }
 
-/// Decodes the bytes of the entry file at `path`.
+/// Decodes the bytes of the entry file at `path` and checks it.
 fn decode_entry(path: &Path, bytes: &[u8]) -> Result<RankEntry> {
-    protocol::decode_large(bytes).map_err(|e| PfsError::Damaged { path: path.to_path_buf(), reason: e.to_string() })
+    let damaged = |reason: String| PfsError::Damaged { path: path.to_path_buf(), reason };
+    let entry: RankEntry = format::decode_stored(bytes).map_err(|e| damaged(e.to_string()))?;
+    let (app, version) = (entry.manifest.app.clone(), entry.manifest.version);
+    check_entry(&entry, &app, version).map_err(damaged)?;
+    Ok(entry)
+}
+
+/// What a reader relies on in a rank's entry: its manifest is valid and
+/// belongs to `app`'s `version`, and its file name stays inside the
+/// version's directory.
+fn check_entry(entry: &RankEntry, app: &str, version: u64) -> std::result::Result<(), String> {
+    entry.manifest.validate().map_err(|e| e.to_string())?;
+    if entry.manifest.app != app || entry.manifest.version != version {
+        return Err(format!("rank {}'s entry describes another version", entry.manifest.rank));
+    }
+    let plain = !entry.file.is_empty()
+        && !entry.file.starts_with('.')
+        && entry.file.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if !plain {
+        return Err(format!("rank {}'s file name {:?} is not a plain file name", entry.manifest.rank, entry.file));
+    }
+    Ok(())
 }
 
 /// Reads and verifies the file of `entry` in `dir`: the stored checksum,
@@ -547,43 +571,47 @@ fn decode_entry(path: &Path, bytes: &[u8]) -> Result<RankEntry> {
 fn read_entry(dir: &Path, entry: &RankEntry) -> Result<(Manifest, Vec<u8>)> {
     let path = dir.join(&entry.file);
     let damaged = |reason: String| PfsError::Damaged { path: path.clone(), reason };
-    let mut stored = Vec::with_capacity(entry.stored_len as usize);
-    File::open(&path).and_then(|mut f| f.read_to_end(&mut stored)).map_err(io("cannot read", &path))?;
+    entry.manifest.validate().map_err(|e| damaged(e.to_string()))?;
+    // Sizes come from the manifest, which a damaged file may contradict:
+    // nothing is allocated from them up front, reads stop one byte past them.
+    let mut stored = Vec::new();
+    File::open(&path)
+        .and_then(|f| f.take(entry.stored_len.saturating_add(1)).read_to_end(&mut stored))
+        .map_err(io("cannot read", &path))?;
     if stored.len() as u64 != entry.stored_len {
         return Err(damaged(format!("{} bytes, the manifest says {}", stored.len(), entry.stored_len)));
     }
     if crc32c::crc32c(&stored) != entry.file_crc {
         return Err(damaged("its checksum does not match the manifest".into()));
     }
-    let total = entry.manifest.total_len as usize;
+    let total = entry.manifest.total_len;
     let data = match entry.compression {
         Compression::None => stored,
         Compression::Zstd { .. } => {
-            zstd::bulk::decompress(&stored, total).map_err(|e| damaged(format!("cannot decompress: {e}")))?
+            let mut data = Vec::new();
+            zstd::stream::read::Decoder::new(stored.as_slice())
+                .and_then(|d| d.take(total.saturating_add(1)).read_to_end(&mut data))
+                .map_err(|e| damaged(format!("cannot decompress: {e}")))?;
+            data
         }
     };
-    if data.len() != total {
+    if data.len() as u64 != total {
         return Err(damaged(format!("{} bytes of data, the manifest says {total}", data.len())));
     }
-    for (label, crcs) in entry.manifest.labels.iter().zip(&entry.manifest.crcs) {
-        let bytes = &data[label.offset as usize..(label.offset + label.len) as usize];
-        if let Some(chunk) = first_bad_chunk(bytes, crcs) {
-            return Err(damaged(format!("label {:?} fails its checksum in chunk {chunk}", label.label)));
-        }
-    }
+    entry.manifest.verify(&data).map_err(|e| damaged(e.to_string()))?;
     Ok((entry.manifest.clone(), data))
 }
 
 fn bincode_encode(manifest: &PfsManifest, dir: &Path) -> Result<Vec<u8>> {
-    protocol::encode_large(manifest)
+    format::encode_stored(manifest)
         .map_err(|e| PfsError::Damaged { path: dir.join(MANIFEST), reason: format!("cannot encode: {e}") })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::{label_crcs, CHUNK_SIZE};
     use crate::protocol::{DataKind, LabelLayout};
-    use crate::service::store::label_crcs;
 
     fn manifest(app: &str, version: u64, rank: u32, data: &[u8]) -> Manifest {
         let half = data.len() / 2;
@@ -609,7 +637,7 @@ mod tests {
             crcs: label_crcs(&[&data[..half], &data[half..]]),
             labels,
             total_len: data.len() as u64,
-            chunk_size: crate::service::store::CHUNK_SIZE,
+            chunk_size: CHUNK_SIZE,
             sealed_unix_ms: 0,
         }
     }
@@ -618,6 +646,34 @@ mod tests {
         let root = std::env::temp_dir().join(format!("icheck-pfs-{name}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
         PfsStore::new(root)
+    }
+
+    /// Each damaged manifest, put in a complete version's MANIFEST as rank
+    /// 1's entry, makes reading that version a typed error naming the file.
+    #[test]
+    fn damaged_manifests_in_a_pfs_version_are_typed_errors() {
+        let pfs = scratch("damaged-manifests");
+        let data: Vec<u8> = (0..(9u32 << 20) + 7).map(|i| i as u8).collect();
+        write_version(&pfs, 3, &[&data, &data], Compression::None);
+        let path = pfs.version_dir("app", 3).unwrap().join(MANIFEST);
+        let pristine: PfsManifest = format::decode_stored(&fs::read(&path).unwrap()).unwrap();
+        let mut cases = crate::format::tests::damaged_manifests(&data);
+        cases.push(("file name escaping the version", pristine.entries[1].manifest.clone()));
+        for (index, (what, damaged)) in cases.into_iter().enumerate() {
+            let mut version = pristine.clone();
+            version.entries[1].manifest = Manifest { app: "app".into(), version: 3, ..damaged };
+            if what.starts_with("name escaping") {
+                version.entries[1].manifest.app = "../x".into();
+            }
+            if what.starts_with("file name") {
+                version.entries[1].file = format!("../../{index}");
+            }
+            fs::write(&path, format::encode_stored(&version).unwrap()).unwrap();
+            let err = pfs.manifest("app", 3).expect_err(what);
+            assert!(matches!(&err, PfsError::Damaged { path: p, .. } if p == &path), "{what}: {err}");
+            assert!(pfs.latest_record("app").is_err(), "{what}");
+        }
+        let _ = fs::remove_dir_all(pfs.root());
     }
 
     fn write_version(pfs: &PfsStore, version: u64, data: &[&[u8]], compression: Compression) -> Vec<WriteStats> {

@@ -16,6 +16,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::fabric::{FabricAddress, RemoteRegion};
+pub use crate::format::{DataKind, LabelLayout, Manifest, VersionRecord};
 
 /// Version of this protocol; peers with another version are refused.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -78,24 +79,6 @@ pub fn encode<T: Serialize>(message: &T) -> Result<Vec<u8>, ProtocolError> {
 /// Decodes a frame payload; never panics on arbitrary input.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ProtocolError> {
     options().deserialize(bytes).map_err(|e| ProtocolError::Malformed(e.to_string()))
-}
-
-/// Largest structure stored in a file (PFS manifests of many ranks).
-pub const MAX_STORED: u64 = 256 << 20;
-
-fn stored_options() -> impl Options {
-    bincode::DefaultOptions::new().with_limit(MAX_STORED).reject_trailing_bytes()
-}
-
-/// Encodes a structure stored in a file (not sent), up to [`MAX_STORED`] bytes.
-pub fn encode_large<T: Serialize>(value: &T) -> Result<Vec<u8>, ProtocolError> {
-    stored_options().serialize(value).map_err(|e| ProtocolError::Malformed(e.to_string()))
-}
-
-/// Decodes a structure read from a file; never panics, allocates at most
-/// [`MAX_STORED`] bytes.
-pub fn decode_large<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ProtocolError> {
-    stored_options().deserialize(bytes).map_err(|e| ProtocolError::Malformed(e.to_string()))
 }
 
 /// Writes one message as a frame.
@@ -687,95 +670,6 @@ impl PfsCopyStats {
     }
 }
 
-/// A complete version as the controller records it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct VersionRecord {
-    /// Version number (1, 2, ...).
-    pub version: u64,
-    /// Process count it was written with.
-    pub ranks: u32,
-    /// Resize epoch: how many times the process count changed before this
-    /// version was written.
-    pub epoch: u32,
-    /// Bytes over all ranks.
-    pub bytes: u64,
-    /// Seconds the commit took.
-    pub commit_secs: f64,
-    /// When it completed, in milliseconds since the Unix epoch.
-    pub completed_unix_ms: u64,
-}
-
-/// Element type of a label (the C API's ICHECK_CHAR ... ICHECK_BINARY).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum DataKind {
-    /// `char` / u8.
-    Char,
-    /// 32-bit integer.
-    Int,
-    /// 64-bit integer.
-    Long,
-    /// 32-bit float.
-    Float,
-    /// 64-bit float.
-    Double,
-    /// Raw bytes.
-    Binary,
-}
-
-impl DataKind {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DataKind::Char | DataKind::Binary => 1,
-            DataKind::Int | DataKind::Float => 4,
-            DataKind::Long | DataKind::Double => 8,
-        }
-    }
-}
-
-/// Where one label lies in a rank's checkpoint file.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LabelLayout {
-    /// The label.
-    pub label: String,
-    /// Element type.
-    pub kind: DataKind,
-    /// Byte offset in the rank's data.
-    pub offset: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// How the label is restored with another process count (labels added
-    /// with `add_adapt` / `add_adapt_global`); `None` for plain labels.
-    pub adapt: Option<crate::distribution::Adapt>,
-}
-
-/// Everything known about one rank's data of one version; written by the
-/// agent next to the data (last, atomically) and returned on fetch.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Manifest {
-    /// Application name.
-    pub app: String,
-    /// Rank.
-    pub rank: u32,
-    /// Process count of the application when written.
-    pub ranks: u32,
-    /// Resize epoch of the version (see [`VersionRecord::epoch`]).
-    pub epoch: u32,
-    /// Version number.
-    pub version: u64,
-    /// Labels, in file order.
-    pub labels: Vec<LabelLayout>,
-    /// Total bytes of data.
-    pub total_len: u64,
-    /// Bytes per checksum chunk.
-    pub chunk_size: u64,
-    /// Per label (in `labels` order): crc32c of each `chunk_size` chunk
-    /// of the label's bytes, as the rank computed them from its own memory.
-    pub crcs: Vec<Vec<u32>>,
-    /// When sealed, in milliseconds since the Unix epoch.
-    pub sealed_unix_ms: u64,
-}
-
 /// One piece an agent must read from an application in pull mode.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PullSegment {
@@ -819,7 +713,7 @@ pub enum AgentRequest {
     /// All data of the open version is in place: write its manifest with
     /// these checksums; replies [`AgentReply::Sealed`].
     Seal {
-        /// Per label: crc32c of each `store::CHUNK_SIZE` chunk, as the rank
+        /// Per label: crc32c of each `format::CHUNK_SIZE` chunk, as the rank
         /// computed them from its own memory (an end-to-end check).
         crcs: Vec<Vec<u32>>,
     },

@@ -24,13 +24,13 @@ use icheck_core::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricError, LocalSource, MemoryRegion, Peer, ProgressMode,
     ProgressThread, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
 };
+use icheck_core::format::{first_bad_chunk, label_crcs, CHUNK_SIZE};
 use icheck_core::protocol::ProtocolError;
 use icheck_core::protocol::{
     self, AgentInfo, AgentReply, AgentRequest, AppRegistration, ClientReply, ClientRequest, DataKind, LabelLayout,
     Manifest, PullSegment, TransferMode, VersionRecord,
 };
 use icheck_core::service::client::BlockingConnection;
-use icheck_core::service::store::{first_bad_chunk, label_crcs};
 use icheck_core::service::ServiceError;
 
 use crate::comm::Communicator;
@@ -382,7 +382,7 @@ enum RestoredData {
 
 /// Bytes read per step of a restore; each step's checksums are verified on
 /// another thread while the next step is read.
-const RESTORE_STEP: usize = 16 * icheck_core::service::store::CHUNK_SIZE as usize;
+const RESTORE_STEP: usize = 16 * CHUNK_SIZE as usize;
 
 /// Reads `out.len()` bytes at `remote_offset` of `region` into `out` in
 /// steps, verifying each step against `crcs` (one per `chunk` bytes of
@@ -1070,7 +1070,7 @@ impl Icheck {
                 epoch: self.epoch,
                 version,
                 total_len: parts.iter().map(|p| p.len() as u64).sum(),
-                chunk_size: icheck_core::service::store::CHUNK_SIZE,
+                chunk_size: CHUNK_SIZE,
                 crcs: label_crcs(&parts),
                 labels: labels.into_iter().map(|l| LabelLayout { offset: l.offset - base, ..l }).collect(),
                 sealed_unix_ms: 0,
@@ -1298,7 +1298,9 @@ impl Icheck {
         let fetched: std::result::Result<(Manifest, RemoteRegion), String> = match self.link.as_mut() {
             Some(link) => match link.call(&AgentRequest::Fetch { version }) {
                 Ok(AgentReply::Fetch { damaged: Some(damage), .. }) => Err(damage),
-                Ok(AgentReply::Fetch { manifest, region, damaged: None }) => Ok((manifest, region)),
+                Ok(AgentReply::Fetch { manifest, region, damaged: None }) => {
+                    manifest.validate().map(|()| (manifest, region)).map_err(|e| e.to_string())
+                }
                 Ok(other) => Err(format!("unexpected answer to Fetch: {other:?}")),
                 Err(err) => Err(err.to_string()),
             },
@@ -1613,8 +1615,9 @@ impl Icheck {
             AgentReply::Fetch { manifest, region, damaged } => (manifest, region, damaged),
             other => return Err(link.error(format!("unexpected answer to Fetch: {other:?}"))),
         };
-        if manifest.crcs.len() != manifest.labels.len() {
-            return Err(link.error(format!("manifest of version {version} has no checksums for some labels")));
+        // From the agent: checked before any offset in it is used.
+        if let Err(err) = manifest.validate() {
+            return Err(link.error(format!("the manifest of version {version} is unusable: {err}")));
         }
         let version = manifest.version;
         self.restart_damage = damaged;

@@ -21,11 +21,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::client::BlockingConnection;
-use super::store::{first_bad_chunk, MappedFile, Store, StoreError, CHUNK_SIZE};
+use super::store::{MappedFile, Store, StoreError};
 use crate::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, Peer, ProgressMode, ProgressThread,
     RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
 };
+use crate::format::{check_layout, CHUNK_SIZE};
 use crate::protocol::{
     self, AgentInfo, AgentReply, AgentRequest, Hello, HelloReply, LabelLayout, Manifest, PfsCopyStats, ProtocolError,
     PullSegment,
@@ -36,8 +37,6 @@ use crate::selftest::fill_pattern;
 pub const PROBE_LEN: usize = 4096;
 /// How long a session waits for the rank's next request before giving up on it.
 const SESSION_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
-/// Most labels one rank may register.
-const MAX_LABELS: usize = 65_536;
 /// Bytes of the registered buffer a spilling session pulls through.
 const SPILL_STAGING: u64 = 16 << 20;
 /// Time to reach the agent a rank is taken over from.
@@ -780,19 +779,6 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                 session.writing.take().ok_or("Seal without Begin")?;
             // The rank has finished writing: stop spinning for it.
             drop(progress);
-            if crcs.len() != labels.len() {
-                return Err(format!(
-                    "Seal carries checksums for {} labels, the version has {}",
-                    crcs.len(),
-                    labels.len()
-                ));
-            }
-            for (label, sums) in labels.iter().zip(&crcs) {
-                let chunks = label.len.div_ceil(CHUNK_SIZE) as usize;
-                if sums.len() != chunks {
-                    return Err(format!("label {:?}: {} checksums for {} chunks", label.label, sums.len(), chunks));
-                }
-            }
             let transfer_ms = started.elapsed().as_secs_f64() * 1e3;
             let sealing = Instant::now();
             let manifest = Manifest {
@@ -807,6 +793,8 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                 crcs,
                 sealed_unix_ms: unix_ms(),
             };
+            // The rank's checksums must fit the layout it began with.
+            manifest.validate().map_err(|e| format!("Seal refused: {e}"))?;
             shared.counters.sealed(total_len, transfer_ms / 1e3);
             let spilled = match destination {
                 Destination::Memory(file) => {
@@ -866,7 +854,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                     }
                 }
                 Err(err) => return Err(err.to_string()),
-                Ok((manifest, file)) => match damage(&manifest, file.as_slice()) {
+                Ok((manifest, file)) => match manifest.verify(file.as_slice()).err() {
                     None => {
                         let file = shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
                         (manifest, Exposed::Stored(file))
@@ -944,22 +932,6 @@ fn expose_loaded(shared: &Shared, data: &[u8]) -> Result<Exposed, String> {
     Ok(Exposed::Loaded(buffer))
 }
 
-/// The first label chunk of a stored version that does not match the
-/// checksums its rank computed at commit time, described; `None` if all match.
-fn damage(manifest: &Manifest, data: &[u8]) -> Option<String> {
-    if manifest.chunk_size != CHUNK_SIZE || manifest.crcs.len() != manifest.labels.len() {
-        return Some("its manifest lacks checksums in this agent's chunk size".into());
-    }
-    manifest.labels.iter().zip(&manifest.crcs).find_map(|(label, crcs)| {
-        let range = usize::try_from(label.offset).ok()?..usize::try_from(label.offset + label.len).ok()?;
-        let Some(bytes) = data.get(range) else {
-            return Some(format!("label {:?} lies beyond the data file", label.label));
-        };
-        first_bad_chunk(bytes, crcs)
-            .map(|chunk| format!("label {:?}: chunk {chunk} does not match the rank's checksum", label.label))
-    })
-}
-
 /// Where [`load_from_pfs`] put a version.
 enum Loaded {
     /// Into the store, sealed: open it there.
@@ -1035,8 +1007,13 @@ fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Resu
         AgentReply::Fetch { manifest, region, damaged: None } => (manifest, region),
         other => return Err(fail(format!("unexpected answer to Fetch: {other:?}"))),
     };
-    if manifest.rank != rank || manifest.app != shared.app || manifest.crcs.len() != manifest.labels.len() {
-        return Err(fail(format!("the manifest describes another version or lacks checksums: {manifest:?}")));
+    // From a peer: checked before any of its offsets or sizes is used.
+    manifest.validate().map_err(|e| fail(e.to_string()))?;
+    if manifest.rank != rank || manifest.app != shared.app || manifest.version != version {
+        return Err(fail(format!(
+            "the manifest describes version {} of rank {} of {:?}",
+            manifest.version, manifest.rank, manifest.app
+        )));
     }
     let store = &shared.settings.store;
     let file =
@@ -1047,15 +1024,7 @@ fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Resu
         let ops = [RmaOp { local_offset: 0, remote: region, remote_offset: 0, len: total }];
         endpoint.read(&peer, file.target(), &ops, &TransferOptions::default()).map_err(|e| fail(e.to_string()))?;
     }
-    if manifest.chunk_size != CHUNK_SIZE {
-        return Err(fail(format!("checksum chunks of {} bytes, expected {CHUNK_SIZE}", manifest.chunk_size)));
-    }
-    for (label, crcs) in manifest.labels.iter().zip(&manifest.crcs) {
-        let bytes = &file.as_slice()[label.offset as usize..(label.offset + label.len) as usize];
-        if let Some(bad) = first_bad_chunk(bytes, crcs) {
-            return Err(fail(format!("label {:?}: chunk {bad} does not match the rank's checksum", label.label)));
-        }
-    }
+    manifest.verify(file.as_slice()).map_err(|e| fail(e.to_string()))?;
     store.seal(&manifest).map_err(|e| fail(e.to_string()))?;
     call(&AgentRequest::FetchDone)?;
     tracing::info!(
@@ -1068,26 +1037,6 @@ fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Resu
         "took over a rank"
     );
     Ok(total as u64)
-}
-
-/// Checks that labels are unique and lie back to back from offset 0;
-/// returns the total length.
-fn check_layout(labels: &[LabelLayout]) -> Result<u64, String> {
-    if labels.len() > MAX_LABELS {
-        return Err(format!("{} labels exceed the limit of {MAX_LABELS}", labels.len()));
-    }
-    let mut end = 0u64;
-    let mut seen = std::collections::HashSet::new();
-    for label in labels {
-        if !seen.insert(label.label.as_str()) {
-            return Err(format!("label {:?} appears twice", label.label));
-        }
-        if label.offset != end {
-            return Err(format!("label {:?} starts at {} instead of {end}", label.label, label.offset));
-        }
-        end = end.checked_add(label.len).ok_or("label lengths overflow")?;
-    }
-    Ok(end)
 }
 
 /// Reads the rank's segments into the version file.

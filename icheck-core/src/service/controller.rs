@@ -497,7 +497,7 @@ async fn register_app(
     shared: &Shared,
     registration: protocol::AppRegistration,
 ) -> Result<(Vec<AgentInfo>, Option<VersionRecord>), String> {
-    crate::service::store::check_app_name(&registration.name).map_err(|e| e.to_string())?;
+    crate::format::check_app_name(&registration.name).map_err(|e| e.to_string())?;
     if registration.ranks == 0 || registration.nodes == 0 {
         return Err(format!("application {:?} registered with 0 ranks or 0 nodes", registration.name));
     }
@@ -1172,7 +1172,7 @@ fn drop_moved_ranks<'a>(nodes: &BTreeMap<String, NodeEntry>, app: &str, ranks: i
 /// Operators: stop the application's agents, delete its files from agent
 /// memory and the PFS, and forget it.
 async fn delete_app(shared: &Arc<Shared>, name: &str) -> ClientReply {
-    if let Err(err) = crate::service::store::check_app_name(name) {
+    if let Err(err) = crate::format::check_app_name(name) {
         return ClientReply::Error(err.to_string());
     }
     let known = stop_and_forget(&mut shared.state(), name);

@@ -21,13 +21,11 @@ use std::path::{Path, PathBuf};
 use memmap2::MmapMut;
 
 use crate::fabric::StableBuffer;
-use crate::protocol::{self, Manifest};
+use crate::format::{check_app_name, FormatError, Manifest};
+use crate::protocol;
 
 /// Name of a rank's reusable data file.
 const SPARE: &str = "spare.data";
-
-/// Bytes per checksum chunk.
-pub const CHUNK_SIZE: u64 = 4 << 20;
 
 /// Why the store refused or failed.
 #[derive(Debug, thiserror::Error)]
@@ -43,8 +41,8 @@ pub enum StoreError {
         error: std::io::Error,
     },
     /// The application name cannot be a directory name.
-    #[error("application name {0:?} is not allowed (use 1-128 of A-Z a-z 0-9 . _ -, not starting with '.')")]
-    BadName(String),
+    #[error(transparent)]
+    BadName(#[from] FormatError),
     /// The version is not stored here.
     #[error("version {version} of rank {rank} of {app:?} is not stored at this agent")]
     Missing {
@@ -82,39 +80,6 @@ type Result<T> = std::result::Result<T, StoreError>;
 
 fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StoreError + 'a {
     move |error| StoreError::Io { what, path: path.to_path_buf(), error }
-}
-
-/// Checks that `app` is safe as a single path component.
-pub fn check_app_name(app: &str) -> Result<()> {
-    let ok = !app.is_empty()
-        && app.len() <= 128
-        && !app.starts_with('.')
-        && app.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
-    if ok {
-        Ok(())
-    } else {
-        Err(StoreError::BadName(app.to_string()))
-    }
-}
-
-/// crc32c of each [`CHUNK_SIZE`] chunk of `data`.
-pub fn chunk_crcs(data: &[u8]) -> Vec<u32> {
-    data.chunks(CHUNK_SIZE as usize).map(crc32c::crc32c).collect()
-}
-
-/// Per-label checksums: [`chunk_crcs`] of each label's bytes. Chunks start
-/// at each label's first byte, so any one label can be verified alone.
-pub fn label_crcs(labels: &[&[u8]]) -> Vec<Vec<u32>> {
-    labels.iter().map(|bytes| chunk_crcs(bytes)).collect()
-}
-
-/// The first chunk of `data` whose crc32c differs from `crcs`, if any.
-pub fn first_bad_chunk(data: &[u8], crcs: &[u32]) -> Option<usize> {
-    let expected_chunks = data.len().div_ceil(CHUNK_SIZE as usize);
-    if crcs.len() != expected_chunks {
-        return Some(crcs.len().min(expected_chunks));
-    }
-    data.chunks(CHUNK_SIZE as usize).zip(crcs).position(|(chunk, crc)| crc32c::crc32c(chunk) != *crc)
 }
 
 /// A version's data file, mapped read-write. Its mapping never moves, so it
@@ -352,6 +317,7 @@ impl Store {
         if manifest.app != app || manifest.rank != rank || manifest.version != version {
             return Err(StoreError::BadManifest { path: meta, reason: "it describes another version".into() });
         }
+        manifest.validate().map_err(|e| StoreError::BadManifest { path: meta.clone(), reason: e.to_string() })?;
         let file = OpenOptions::new().read(true).write(true).open(&data).map_err(|_| missing())?;
         let on_disk = file.metadata().map_err(io("cannot stat", &data))?.len();
         if on_disk < manifest.total_len {
@@ -472,6 +438,7 @@ fn map(file: &File, path: &Path, len: u64) -> Result<MappedFile> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::format::{chunk_crcs, first_bad_chunk, CHUNK_SIZE};
     use crate::protocol::{DataKind, LabelLayout};
 
     fn manifest(app: &str, rank: u32, version: u64, data: &[u8]) -> Manifest {
@@ -540,6 +507,34 @@ mod tests {
         assert!(store.open("app", 0, 1).is_ok());
         assert!(!store.discard_unsealed("app", 0, 1).unwrap(), "a sealed version is never discarded");
         assert!(store.capacity().unwrap().total > 0);
+        let _ = fs::remove_dir_all(dir);
+    }
+
+    /// Each damaged manifest written as a version's `.meta` makes opening
+    /// that version a typed error naming the file, never a panic or an
+    /// out-of-bounds mapping.
+    #[test]
+    fn damaged_manifests_in_the_store_are_typed_errors() {
+        let dir = std::env::temp_dir().join(format!("icheck-store-damaged-{}", std::process::id()));
+        let store = Store::new(&dir);
+        let data: Vec<u8> = (0..(9u32 << 20) + 7).map(|i| i as u8).collect();
+        for (what, damaged) in crate::format::tests::damaged_manifests(&data) {
+            // The name and the position are the file's own, so only the
+            // contents lie.
+            let damaged = Manifest { app: "app".into(), rank: 1, version: 3, ..damaged };
+            let mut file = store.create("app", 1, 3, data.len() as u64).unwrap();
+            file.as_mut_slice().copy_from_slice(&data);
+            let meta = dir.join("app/rank1/v3.meta");
+            fs::write(&meta, crate::format::encode_stored(&damaged).unwrap()).unwrap();
+            match store.open("app", 1, 3) {
+                Err(StoreError::BadManifest { path, .. }) => assert_eq!(path, meta, "{what}"),
+                Err(other) => panic!("{what}: {other}"),
+                Ok(_) => {
+                    // A name or rank problem the path already rules out.
+                    assert!(what.contains("name"), "{what} opened");
+                }
+            }
+        }
         let _ = fs::remove_dir_all(dir);
     }
 

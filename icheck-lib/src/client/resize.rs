@@ -344,6 +344,7 @@ impl Icheck {
 
     fn open_old_rank(&self, version: u64, rank: u32, written: u32) -> Result<OldRank> {
         let manifest_check = |manifest: &Manifest| -> Result<()> {
+            manifest.validate().map_err(|e| Error::Unsupported(format!("version {version}, old rank {rank}: {e}")))?;
             if manifest.rank != rank || manifest.ranks != written || manifest.crcs.len() != manifest.labels.len() {
                 return Err(Error::Unsupported(format!(
                     "version {version}: the data of rank {rank} of {written} describes rank {} of {}",

@@ -1,0 +1,372 @@
+//! The stored checkpoint format, in one place: what a version of one rank
+//! is ([`Manifest`], [`LabelLayout`], [`DataKind`]), how the controller
+//! records a complete version ([`VersionRecord`]), the chunk checksums, the
+//! rules for application names, and the bounded codec for structures kept
+//! in files.
+//!
+//! Architecture invariant: this is a leaf. It imports nothing from
+//! `protocol`, `service`, `pfs` or `fabric` (only the pure `distribution`
+//! metadata a label carries), so the stores, the wire protocol and the
+//! client library all build on it and none of them on each other for it.
+//!
+//! Architecture invariant: a manifest that comes from outside this process
+//! (a file of either store, a peer agent, an agent's reply) is used only
+//! after [`Manifest::validate`]: every label lies inside the data, labels
+//! are back to back, there is one checksum list per label of the right
+//! length, the chunk size is [`CHUNK_SIZE`], and counts are bounded. After
+//! that, slicing the data by a label's offsets cannot go out of bounds.
+//! [`Manifest::verify`] is the one loop that checks data against it.
+
+use bincode::Options;
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+
+use crate::distribution::Adapt;
+
+/// Bytes per checksum chunk.
+pub const CHUNK_SIZE: u64 = 4 << 20;
+/// Most labels one rank may register.
+pub const MAX_LABELS: usize = 65_536;
+/// Largest structure stored in a file (PFS manifests of many ranks).
+pub const MAX_STORED: u64 = 256 << 20;
+/// Longest label name, in bytes.
+pub const MAX_LABEL_NAME: usize = 4096;
+
+/// Why stored bytes or a manifest were refused.
+#[derive(Debug, thiserror::Error)]
+pub enum FormatError {
+    /// The application name cannot be a directory name.
+    #[error("application name {0:?} is not allowed (use 1-128 of A-Z a-z 0-9 . _ -, not starting with '.')")]
+    BadName(String),
+    /// A manifest contradicts itself or its data.
+    #[error("manifest of version {version}, rank {rank} of {app:?}: {reason}")]
+    BadManifest {
+        /// Application the manifest names.
+        app: String,
+        /// Version it names.
+        version: u64,
+        /// Rank it names.
+        rank: u32,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The bytes do not decode as the expected structure.
+    #[error("malformed stored structure: {0}")]
+    Malformed(String),
+}
+
+/// Checks that `app` is safe as a single path component.
+pub fn check_app_name(app: &str) -> Result<(), FormatError> {
+    let ok = !app.is_empty()
+        && app.len() <= 128
+        && !app.starts_with('.')
+        && app.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(FormatError::BadName(app.to_string()))
+    }
+}
+
+/// crc32c of each [`CHUNK_SIZE`] chunk of `data`.
+pub fn chunk_crcs(data: &[u8]) -> Vec<u32> {
+    data.chunks(CHUNK_SIZE as usize).map(crc32c::crc32c).collect()
+}
+
+/// Per-label checksums: [`chunk_crcs`] of each label's bytes. Chunks start
+/// at each label's first byte, so any one label can be verified alone.
+pub fn label_crcs(labels: &[&[u8]]) -> Vec<Vec<u32>> {
+    labels.iter().map(|bytes| chunk_crcs(bytes)).collect()
+}
+
+/// The first chunk of `data` whose crc32c differs from `crcs`, if any (a
+/// checksum list of the wrong length counts as damage at its first gap).
+pub fn first_bad_chunk(data: &[u8], crcs: &[u32]) -> Option<usize> {
+    let expected_chunks = data.len().div_ceil(CHUNK_SIZE as usize);
+    if crcs.len() != expected_chunks {
+        return Some(crcs.len().min(expected_chunks));
+    }
+    data.chunks(CHUNK_SIZE as usize).zip(crcs).position(|(chunk, crc)| crc32c::crc32c(chunk) != *crc)
+}
+
+/// Checks that labels are unique, at most [`MAX_LABELS`], and lie back to
+/// back from offset 0; returns the total length.
+pub fn check_layout(labels: &[LabelLayout]) -> Result<u64, String> {
+    if labels.len() > MAX_LABELS {
+        return Err(format!("{} labels exceed the limit of {MAX_LABELS}", labels.len()));
+    }
+    let mut end = 0u64;
+    let mut seen = std::collections::HashSet::new();
+    for label in labels {
+        if label.label.len() > MAX_LABEL_NAME {
+            return Err(format!("a label name of {} bytes exceeds {MAX_LABEL_NAME}", label.label.len()));
+        }
+        if !seen.insert(label.label.as_str()) {
+            return Err(format!("label {:?} appears twice", label.label));
+        }
+        if label.offset != end {
+            return Err(format!("label {:?} starts at {} instead of {end}", label.label, label.offset));
+        }
+        end = end.checked_add(label.len).ok_or("label lengths overflow")?;
+    }
+    Ok(end)
+}
+
+fn stored_options() -> impl Options {
+    bincode::DefaultOptions::new().with_limit(MAX_STORED).reject_trailing_bytes()
+}
+
+/// Encodes a structure stored in a file (not sent), up to [`MAX_STORED`] bytes.
+pub fn encode_stored<T: Serialize>(value: &T) -> Result<Vec<u8>, FormatError> {
+    stored_options().serialize(value).map_err(|e| FormatError::Malformed(e.to_string()))
+}
+
+/// Decodes a structure read from a file; never panics, allocates at most
+/// [`MAX_STORED`] bytes.
+pub fn decode_stored<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, FormatError> {
+    stored_options().deserialize(bytes).map_err(|e| FormatError::Malformed(e.to_string()))
+}
+
+/// A complete version as the controller records it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct VersionRecord {
+    /// Version number (1, 2, ...).
+    pub version: u64,
+    /// Process count it was written with.
+    pub ranks: u32,
+    /// Resize epoch: how many times the process count changed before this
+    /// version was written.
+    pub epoch: u32,
+    /// Bytes over all ranks.
+    pub bytes: u64,
+    /// Seconds the commit took.
+    pub commit_secs: f64,
+    /// When it completed, in milliseconds since the Unix epoch.
+    pub completed_unix_ms: u64,
+}
+
+/// Element type of a label (the C API's ICHECK_CHAR ... ICHECK_BINARY).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DataKind {
+    /// `char` / u8.
+    Char,
+    /// 32-bit integer.
+    Int,
+    /// 64-bit integer.
+    Long,
+    /// 32-bit float.
+    Float,
+    /// 64-bit float.
+    Double,
+    /// Raw bytes.
+    Binary,
+}
+
+impl DataKind {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DataKind::Char | DataKind::Binary => 1,
+            DataKind::Int | DataKind::Float => 4,
+            DataKind::Long | DataKind::Double => 8,
+        }
+    }
+}
+
+/// Where one label lies in a rank's checkpoint file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LabelLayout {
+    /// The label.
+    pub label: String,
+    /// Element type.
+    pub kind: DataKind,
+    /// Byte offset in the rank's data.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// How the label is restored with another process count (labels added
+    /// with `add_adapt` / `add_adapt_global`); `None` for plain labels.
+    pub adapt: Option<Adapt>,
+}
+
+/// Everything known about one rank's data of one version; written by the
+/// agent next to the data (last, atomically) and returned on fetch.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Application name.
+    pub app: String,
+    /// Rank.
+    pub rank: u32,
+    /// Process count of the application when written.
+    pub ranks: u32,
+    /// Resize epoch of the version (see [`VersionRecord::epoch`]).
+    pub epoch: u32,
+    /// Version number.
+    pub version: u64,
+    /// Labels, in file order.
+    pub labels: Vec<LabelLayout>,
+    /// Total bytes of data.
+    pub total_len: u64,
+    /// Bytes per checksum chunk.
+    pub chunk_size: u64,
+    /// Per label (in `labels` order): crc32c of each `chunk_size` chunk
+    /// of the label's bytes, as the rank computed them from its own memory.
+    pub crcs: Vec<Vec<u32>>,
+    /// When sealed, in milliseconds since the Unix epoch.
+    pub sealed_unix_ms: u64,
+}
+
+impl Manifest {
+    fn refuse(&self, reason: String) -> FormatError {
+        FormatError::BadManifest { app: self.app.clone(), version: self.version, rank: self.rank, reason }
+    }
+
+    /// Checks everything a reader relies on before it uses an offset of
+    /// this manifest: see the module's invariant. `O(labels)`; the data is
+    /// not read.
+    pub fn validate(&self) -> Result<(), FormatError> {
+        check_app_name(&self.app)?;
+        if self.version == 0 || self.ranks == 0 {
+            return Err(self.refuse(format!("version {} of {} processes", self.version, self.ranks)));
+        }
+        if self.chunk_size != CHUNK_SIZE {
+            return Err(self.refuse(format!("checksum chunks of {} bytes, expected {CHUNK_SIZE}", self.chunk_size)));
+        }
+        let end = check_layout(&self.labels).map_err(|reason| self.refuse(reason))?;
+        if end != self.total_len {
+            return Err(self.refuse(format!("labels end at byte {end}, the data has {} bytes", self.total_len)));
+        }
+        if self.crcs.len() != self.labels.len() {
+            return Err(self.refuse(format!("{} checksum lists for {} labels", self.crcs.len(), self.labels.len())));
+        }
+        for (label, crcs) in self.labels.iter().zip(&self.crcs) {
+            let chunks = label.len.div_ceil(CHUNK_SIZE);
+            if crcs.len() as u64 != chunks {
+                return Err(self.refuse(format!(
+                    "label {:?}: {} checksums for {chunks} chunks",
+                    label.label,
+                    crcs.len()
+                )));
+            }
+        }
+        usize::try_from(self.total_len)
+            .map_err(|_| self.refuse(format!("{} bytes do not fit this machine's address space", self.total_len)))?;
+        Ok(())
+    }
+
+    /// The bytes of label `index` in `data` (the whole rank's data), or an
+    /// error if the data is shorter than the manifest says. Call on a
+    /// validated manifest.
+    pub fn label_bytes<'a>(&self, index: usize, data: &'a [u8]) -> Result<&'a [u8], FormatError> {
+        let label = self.labels.get(index).ok_or_else(|| self.refuse(format!("no label number {index}")))?;
+        let end = label.offset.checked_add(label.len);
+        let range = usize::try_from(label.offset).ok().zip(end.and_then(|end| usize::try_from(end).ok()));
+        range
+            .and_then(|(start, end)| data.get(start..end))
+            .ok_or_else(|| self.refuse(format!("label {:?} lies beyond the {} bytes of data", label.label, data.len())))
+    }
+
+    /// Checks `data` (the whole rank's data) against the rank's checksums:
+    /// the one verification loop of every reader (the PFS level, take-overs,
+    /// fetches). The error names the first damaged label and chunk.
+    pub fn verify(&self, data: &[u8]) -> Result<(), FormatError> {
+        self.validate()?;
+        if (data.len() as u64) < self.total_len {
+            return Err(self.refuse(format!("{} bytes of data, the manifest says {}", data.len(), self.total_len)));
+        }
+        for (index, (label, crcs)) in self.labels.iter().zip(&self.crcs).enumerate() {
+            if let Some(chunk) = first_bad_chunk(self.label_bytes(index, data)?, crcs) {
+                return Err(
+                    self.refuse(format!("label {:?}: chunk {chunk} does not match the rank's checksum", label.label))
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    fn manifest(data: &[u8]) -> Manifest {
+        let (a, b) = data.split_at(data.len() / 3);
+        Manifest {
+            app: "app".into(),
+            rank: 1,
+            ranks: 2,
+            epoch: 0,
+            version: 3,
+            labels: vec![
+                LabelLayout { label: "a".into(), kind: DataKind::Binary, offset: 0, len: a.len() as u64, adapt: None },
+                LabelLayout {
+                    label: "b".into(),
+                    kind: DataKind::Binary,
+                    offset: a.len() as u64,
+                    len: b.len() as u64,
+                    adapt: None,
+                },
+            ],
+            total_len: data.len() as u64,
+            chunk_size: CHUNK_SIZE,
+            crcs: label_crcs(&[a, b]),
+            sealed_unix_ms: 0,
+        }
+    }
+
+    /// Every way a damaged or hostile manifest can lie, each refused with a
+    /// typed error before any offset in it is used.
+    pub(crate) fn damaged_manifests(data: &[u8]) -> Vec<(&'static str, Manifest)> {
+        let good = manifest(data);
+        let with = |what: &'static str, change: &dyn Fn(&mut Manifest)| {
+            let mut m = good.clone();
+            change(&mut m);
+            (what, m)
+        };
+        vec![
+            with("offset past the end", &|m| m.labels[1].offset = u64::MAX - 3),
+            with("length past the end", &|m| m.labels[1].len += 1),
+            with("total beyond the labels", &|m| m.total_len += 4096),
+            with("missing checksum list", &|m| {
+                m.crcs.pop();
+            }),
+            with("short checksum list", &|m| m.crcs[0].clear()),
+            with("zero chunk size", &|m| m.chunk_size = 0),
+            with("huge label count", &|m| {
+                m.labels = (0..=MAX_LABELS as u64)
+                    .map(|i| LabelLayout {
+                        label: i.to_string(),
+                        kind: DataKind::Binary,
+                        offset: 0,
+                        len: 0,
+                        adapt: None,
+                    })
+                    .collect()
+            }),
+            with("no process count", &|m| m.ranks = 0),
+            with("name escaping the store", &|m| m.app = "../x".into()),
+        ]
+    }
+
+    #[test]
+    fn a_good_manifest_validates_and_verifies() {
+        let data: Vec<u8> = (0..(9u32 << 20) + 7).map(|i| i as u8).collect();
+        let m = manifest(&data);
+        m.verify(&data).unwrap();
+        let mut bad = data.clone();
+        bad[(5 << 20) + 1] ^= 1;
+        let err = m.verify(&bad).unwrap_err().to_string();
+        assert!(err.contains("label \"b\": chunk"), "{err}");
+        assert!(m.verify(&data[..100]).is_err(), "short data is refused");
+    }
+
+    #[test]
+    fn damaged_manifests_are_typed_errors() {
+        let data: Vec<u8> = (0..(9u32 << 20) + 7).map(|i| i as u8).collect();
+        for (what, m) in damaged_manifests(&data) {
+            assert!(m.validate().is_err(), "{what} passed validation");
+            assert!(m.verify(&data).is_err(), "{what} passed verification");
+            // Slicing by it never panics either.
+            let _ = m.label_bytes(1, &data);
+        }
+    }
+}
