@@ -215,7 +215,7 @@ fn loaded_libfabric_matches_the_headers() {
 /// reproducer for the managers that died of SIGSEGV inside libfabric 1.17
 /// when a peer went away mid-operation). The surviving process runs in a
 /// child, so a provider fault shows as its death by a signal.
-fn survives_peers_killed_mid_transfer(provider: &str, role: &str) {
+fn survives_peers_killed_mid_transfer(provider: &str, role: &str) -> serde_json::Value {
     let out = Command::new(ICHECK)
         .args(["fabric", "churn", "--provider", provider, "--role", role, "--rounds", "20", "--seed", "2026"])
         .output()
@@ -225,24 +225,32 @@ fn survives_peers_killed_mid_transfer(provider: &str, role: &str) {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("churn prints JSON");
     eprintln!("{provider} {role}: {report}");
     assert_eq!(report["rounds"].as_u64(), Some(20), "{report}");
+    report
 }
 
 #[test]
 fn tcp_initiator_survives_targets_killed_mid_transfer() {
-    survives_peers_killed_mid_transfer("tcp", "initiator");
+    let report = survives_peers_killed_mid_transfer("tcp", "initiator");
+    assert_eq!(report["reachable_after"], true, "{report}");
 }
 
 #[test]
 fn shm_initiator_survives_targets_killed_mid_transfer() {
-    survives_peers_killed_mid_transfer("shm", "initiator");
+    let report = survives_peers_killed_mid_transfer("shm", "initiator");
+    assert_eq!(report["reachable_after"], true, "{report}");
 }
 
 #[test]
 fn tcp_target_survives_initiators_killed_mid_transfer() {
-    survives_peers_killed_mid_transfer("tcp", "target");
+    let report = survives_peers_killed_mid_transfer("tcp", "target");
+    assert_eq!(report["reachable_after"], true, "{report}");
 }
 
 #[test]
 fn shm_target_survives_initiators_killed_mid_transfer() {
+    // The target survives and its memory stays intact (checked inside the
+    // run); whether later initiators can still reach it is only reported:
+    // libfabric 1.17's shm provider has been seen to refuse new peers' posts
+    // after initiators were killed mid-transfer under load.
     survives_peers_killed_mid_transfer("shm", "target");
 }
