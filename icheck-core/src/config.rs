@@ -2,6 +2,8 @@
 //! and a dynamic file re-read every `readInterval` seconds (Listing 6.2).
 //! Both are TOML and keep the thesis's key names.
 
+#![forbid(unsafe_code)]
+
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 

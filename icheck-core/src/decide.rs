@@ -2,6 +2,8 @@
 //! count, node choice and liveness. No sockets, threads or clocks here;
 //! the controller passes time in.
 
+#![forbid(unsafe_code)]
+
 use std::time::Duration;
 
 use crate::config::{AgentCountRule, AgentSelection, DynamicConfig, InitAgentCount, NodeSelection};

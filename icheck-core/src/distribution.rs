@@ -5,6 +5,8 @@
 //! records per label so a run with another process count can restore it
 //! (`Adapt`). No I/O here; the library executes the plans.
 
+#![forbid(unsafe_code)]
+
 use std::ops::Range;
 
 use serde::{Deserialize, Serialize};

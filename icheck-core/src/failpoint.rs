@@ -6,6 +6,8 @@
 //! `sleep(MS)`, `exit(CODE)` or `abort`. Unset, a failpoint costs one
 //! atomic load.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;

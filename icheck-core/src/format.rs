@@ -17,13 +17,20 @@
 //! that, slicing the data by a label's offsets cannot go out of bounds.
 //! [`Manifest::verify`] is the one loop that checks data against it.
 
+#![forbid(unsafe_code)]
+// Decoders of untrusted sizes: no silent truncation or sign change (the
+// Firecracker lints); conversions go through try_from.
+#![deny(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
+
 use bincode::Options;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 use crate::distribution::Adapt;
 
-/// Bytes per checksum chunk.
-pub const CHUNK_SIZE: u64 = 4 << 20;
+/// Bytes per checksum chunk, as a length in memory.
+pub const CHUNK_BYTES: usize = 4 << 20;
+/// Bytes per checksum chunk, as recorded in manifests.
+pub const CHUNK_SIZE: u64 = CHUNK_BYTES as u64;
 /// Most labels one rank may register.
 pub const MAX_LABELS: usize = 65_536;
 /// Largest structure stored in a file (PFS manifests of many ranks).
@@ -69,7 +76,7 @@ pub fn check_app_name(app: &str) -> Result<(), FormatError> {
 
 /// crc32c of each [`CHUNK_SIZE`] chunk of `data`.
 pub fn chunk_crcs(data: &[u8]) -> Vec<u32> {
-    data.chunks(CHUNK_SIZE as usize).map(crc32c::crc32c).collect()
+    data.chunks(CHUNK_BYTES).map(crc32c::crc32c).collect()
 }
 
 /// Per-label checksums: [`chunk_crcs`] of each label's bytes. Chunks start
@@ -81,11 +88,11 @@ pub fn label_crcs(labels: &[&[u8]]) -> Vec<Vec<u32>> {
 /// The first chunk of `data` whose crc32c differs from `crcs`, if any (a
 /// checksum list of the wrong length counts as damage at its first gap).
 pub fn first_bad_chunk(data: &[u8], crcs: &[u32]) -> Option<usize> {
-    let expected_chunks = data.len().div_ceil(CHUNK_SIZE as usize);
+    let expected_chunks = data.len().div_ceil(CHUNK_BYTES);
     if crcs.len() != expected_chunks {
         return Some(crcs.len().min(expected_chunks));
     }
-    data.chunks(CHUNK_SIZE as usize).zip(crcs).position(|(chunk, crc)| crc32c::crc32c(chunk) != *crc)
+    data.chunks(CHUNK_BYTES).zip(crcs).position(|(chunk, crc)| crc32c::crc32c(chunk) != *crc)
 }
 
 /// Checks that labels are unique, at most [`MAX_LABELS`], and lie back to
@@ -349,7 +356,7 @@ pub(crate) mod tests {
 
     #[test]
     fn a_good_manifest_validates_and_verifies() {
-        let data: Vec<u8> = (0..(9u32 << 20) + 7).map(|i| i as u8).collect();
+        let data: Vec<u8> = (0..(9u32 << 20) + 7).map(|i| i.to_le_bytes()[0]).collect();
         let m = manifest(&data);
         m.verify(&data).unwrap();
         let mut bad = data.clone();
@@ -361,7 +368,7 @@ pub(crate) mod tests {
 
     #[test]
     fn damaged_manifests_are_typed_errors() {
-        let data: Vec<u8> = (0..(9u32 << 20) + 7).map(|i| i as u8).collect();
+        let data: Vec<u8> = (0..(9u32 << 20) + 7).map(|i| i.to_le_bytes()[0]).collect();
         for (what, m) in damaged_manifests(&data) {
             assert!(m.validate().is_err(), "{what} passed validation");
             assert!(m.verify(&data).is_err(), "{what} passed verification");

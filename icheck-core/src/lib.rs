@@ -13,6 +13,7 @@ pub mod distribution;
 pub mod fabric;
 pub mod failpoint;
 pub mod format;
+pub mod pattern;
 pub mod pfs;
 pub mod protocol;
 pub mod selftest;

@@ -15,6 +15,8 @@
 //! taken for a complete one; every byte read back is checked against the
 //! stored checksums, and every error names the file.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeSet;
 use std::fs::{self, File};
 use std::io::{Read, Write};

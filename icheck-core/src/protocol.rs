@@ -9,6 +9,8 @@
 //! token, role) answered by [`HelloReply`]. Bulk checkpoint data never travels
 //! here: this is only the control plane.
 
+#![forbid(unsafe_code)]
+
 use std::time::Duration;
 
 use bincode::Options;

@@ -1,5 +1,7 @@
 //! Byte sizes as operators write them: `64MiB`, `1GiB`, `4096`, `1.5GB`.
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 
 /// A size in bytes, parsed from strings such as `16MiB` or `1GiB`.

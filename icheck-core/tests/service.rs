@@ -13,7 +13,7 @@ use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint, RmaOp, Transf
 use icheck_core::protocol::{self, AppRegistration, ClientReply, ClientRequest, HelloReply, TransferMode};
 use icheck_core::selftest::verify_pattern;
 use icheck_core::service::agent::probe_seed;
-use icheck_core::service::client::request_blocking;
+use icheck_core::service::control::request_blocking;
 use icheck_core::testkit::{wait_for, LocalService};
 
 const ICHECK: &str = env!("CARGO_BIN_EXE_icheck");

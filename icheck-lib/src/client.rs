@@ -30,7 +30,7 @@ use icheck_core::protocol::{
     self, AgentInfo, AgentReply, AgentRequest, AppRegistration, ClientReply, ClientRequest, DataKind, LabelLayout,
     Manifest, PullSegment, TransferMode, VersionRecord,
 };
-use icheck_core::service::client::BlockingConnection;
+use icheck_core::service::control::BlockingConnection;
 use icheck_core::service::ServiceError;
 
 use crate::comm::Communicator;

@@ -132,7 +132,7 @@ fn applications_killed_at_random_points_of_commits_always_restart() {
 fn an_agent_whose_rank_stops_responding_mid_commit_is_replaced() {
     use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint};
     use icheck_core::protocol::{AgentReply, AgentRequest, DataKind, LabelLayout, ProtocolError, PullSegment};
-    use icheck_core::service::client::BlockingConnection;
+    use icheck_core::service::control::BlockingConnection;
 
     let service = service("faults-hung", 1);
     let config = service.config_path();

@@ -13,6 +13,8 @@
 //! manifest (with the rank's own checksums of its data) is on the store; a session that ends
 //! before sealing leaves no manifest, so its partial version is never served.
 
+#![forbid(unsafe_code)]
+
 use std::io::ErrorKind;
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -20,18 +22,18 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::client::BlockingConnection;
+use super::control::BlockingConnection;
 use super::store::{MappedFile, Store, StoreError};
 use crate::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, Peer, ProgressMode, ProgressThread,
     RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
 };
 use crate::format::{check_layout, CHUNK_SIZE};
+use crate::pattern::fill_pattern;
 use crate::protocol::{
     self, AgentInfo, AgentReply, AgentRequest, Hello, HelloReply, LabelLayout, Manifest, PfsCopyStats, ProtocolError,
     PullSegment,
 };
-use crate::selftest::fill_pattern;
 
 /// Bytes of the probe region every agent exposes for reachability checks.
 pub const PROBE_LEN: usize = 4096;

@@ -5,6 +5,8 @@
 //! nodes (manager connection, last heartbeat, measurements), applications
 //! (registration, agents), and pending agent starts.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};

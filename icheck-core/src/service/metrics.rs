@@ -6,6 +6,8 @@
 //! that `icheck status` prints, so the two always agree; a metric that is
 //! unavailable (no RAPL counters, one sample only) is left out, never 0.
 
+#![forbid(unsafe_code)]
+
 use std::fmt::Write as _;
 use std::time::Duration;
 

@@ -6,7 +6,7 @@
 //! fabric endpoints and drive their own progress.
 
 pub mod agent;
-pub mod client;
+pub mod control;
 pub mod controller;
 pub mod manager;
 pub mod metrics;

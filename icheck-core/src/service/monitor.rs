@@ -7,6 +7,8 @@
 //! cannot be computed yet (one sample only) or at all (no RAPL counters) is
 //! `None`, and the status API and `/metrics` show it as unavailable.
 
+#![forbid(unsafe_code)]
+
 use std::collections::VecDeque;
 use std::path::Path;
 

@@ -346,7 +346,7 @@ fn run(cli: Cli) -> Result<()> {
             let config_path = local::up(&options)?;
             let config = icheck_core::config::StaticConfig::load(&config_path)?;
             if let ClientReply::Status(report) =
-                icheck_core::service::client::request_blocking(&config, &ClientRequest::Status)?
+                icheck_core::service::control::request_blocking(&config, &ClientRequest::Status)?
             {
                 local::print_status(&report);
             }
@@ -370,14 +370,14 @@ fn run(cli: Cli) -> Result<()> {
                 println!("(nothing deleted: add --yes to delete these checkpoints)");
                 return Ok(());
             }
-            icheck_core::service::client::request_blocking(&config, &ClientRequest::DeleteApp { name: app.clone() })?;
+            icheck_core::service::control::request_blocking(&config, &ClientRequest::DeleteApp { name: app.clone() })?;
             println!("deleted every checkpoint of {app}");
             Ok(())
         }
         Command_::Drain { target, node, undo } => {
             let config = target.load()?;
             let request = ClientRequest::DrainNode { node: node.clone(), drain: !undo };
-            icheck_core::service::client::request_blocking(&config, &request)?;
+            icheck_core::service::control::request_blocking(&config, &request)?;
             match undo {
                 false => {
                     println!("{node} is draining: no new agents; its agents move at their applications' next probes")
@@ -388,7 +388,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command_::Status { target, json } => {
             let config = target.load()?;
-            match icheck_core::service::client::request_blocking(&config, &ClientRequest::Status)? {
+            match icheck_core::service::control::request_blocking(&config, &ClientRequest::Status)? {
                 ClientReply::Status(report) if json => println!("{}", serde_json::to_string_pretty(&report)?),
                 ClientReply::Status(report) => local::print_status(&report),
                 other => bail!("unexpected answer from the controller: {other:?}"),

@@ -1,6 +1,8 @@
 //! The client side of the control plane, used by applications and by the
 //! `icheck` command.
 
+#![forbid(unsafe_code)]
+
 use std::time::Duration;
 
 use tokio::net::TcpStream;
