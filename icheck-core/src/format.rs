@@ -61,13 +61,15 @@ pub enum FormatError {
     Malformed(String),
 }
 
+/// Whether `name` is a plain file name: not empty, no leading dot, only
+/// A-Z a-z 0-9 . _ -, so it can never leave the directory it is joined to.
+pub fn is_plain_name(name: &str) -> bool {
+    !name.is_empty() && !name.starts_with('.') && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
 /// Checks that `app` is safe as a single path component.
 pub fn check_app_name(app: &str) -> Result<(), FormatError> {
-    let ok = !app.is_empty()
-        && app.len() <= 128
-        && !app.starts_with('.')
-        && app.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
-    if ok {
+    if app.len() <= 128 && is_plain_name(app) {
         Ok(())
     } else {
         Err(FormatError::BadName(app.to_string()))

@@ -610,6 +610,14 @@ pub struct PfsCopyHealth {
     pub last_failure: Option<String>,
 }
 
+impl PfsCopyHealth {
+    /// Counts a failed copy of `version`, and why it failed.
+    pub fn record_failure(&mut self, version: u64, reason: impl std::fmt::Display) {
+        self.failed += 1;
+        self.last_failure = Some(format!("version {version}: {reason}"));
+    }
+}
+
 /// Commits the controller remembers per application.
 pub const COMMIT_HISTORY: usize = 64;
 

@@ -215,7 +215,7 @@ fn loaded_libfabric_matches_the_headers() {
 /// reproducer for the managers that died of SIGSEGV inside libfabric 1.17
 /// when a peer went away mid-operation). The surviving process runs in a
 /// child, so a provider fault shows as its death by a signal.
-fn survives_peers_killed_mid_transfer(provider: &str, role: &str) -> serde_json::Value {
+fn survives_peers_killed_mid_transfer(provider: &str, role: &str, reachable_required: bool) {
     let out = Command::new(ICHECK)
         .args(["fabric", "churn", "--provider", provider, "--role", role, "--rounds", "20", "--seed", "2026"])
         .output()
@@ -225,25 +225,24 @@ fn survives_peers_killed_mid_transfer(provider: &str, role: &str) -> serde_json:
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("churn prints JSON");
     eprintln!("{provider} {role}: {report}");
     assert_eq!(report["rounds"].as_u64(), Some(20), "{report}");
-    report
+    if reachable_required {
+        assert_eq!(report["reachable_after"], true, "{report}");
+    }
 }
 
 #[test]
 fn tcp_initiator_survives_targets_killed_mid_transfer() {
-    let report = survives_peers_killed_mid_transfer("tcp", "initiator");
-    assert_eq!(report["reachable_after"], true, "{report}");
+    survives_peers_killed_mid_transfer("tcp", "initiator", true);
 }
 
 #[test]
 fn shm_initiator_survives_targets_killed_mid_transfer() {
-    let report = survives_peers_killed_mid_transfer("shm", "initiator");
-    assert_eq!(report["reachable_after"], true, "{report}");
+    survives_peers_killed_mid_transfer("shm", "initiator", true);
 }
 
 #[test]
 fn tcp_target_survives_initiators_killed_mid_transfer() {
-    let report = survives_peers_killed_mid_transfer("tcp", "target");
-    assert_eq!(report["reachable_after"], true, "{report}");
+    survives_peers_killed_mid_transfer("tcp", "target", true);
 }
 
 #[test]
@@ -252,5 +251,5 @@ fn shm_target_survives_initiators_killed_mid_transfer() {
     // run); whether later initiators can still reach it is only reported:
     // libfabric 1.17's shm provider has been seen to refuse new peers' posts
     // after initiators were killed mid-transfer under load.
-    survives_peers_killed_mid_transfer("shm", "target");
+    survives_peers_killed_mid_transfer("shm", "target", false);
 }

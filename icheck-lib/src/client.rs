@@ -24,7 +24,7 @@ use icheck_core::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricError, LocalSource, MemoryRegion, Peer, ProgressMode,
     ProgressThread, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
 };
-use icheck_core::format::{first_bad_chunk, label_crcs, CHUNK_SIZE};
+use icheck_core::format::{first_bad_chunk, label_crcs, CHUNK_BYTES, CHUNK_SIZE};
 use icheck_core::protocol::ProtocolError;
 use icheck_core::protocol::{
     self, AgentInfo, AgentReply, AgentRequest, AppRegistration, ClientReply, ClientRequest, DataKind, LabelLayout,
@@ -382,7 +382,7 @@ enum RestoredData {
 
 /// Bytes read per step of a restore; each step's checksums are verified on
 /// another thread while the next step is read.
-const RESTORE_STEP: usize = 16 * CHUNK_SIZE as usize;
+const RESTORE_STEP: usize = 16 * CHUNK_BYTES;
 
 /// Reads `out.len()` bytes at `remote_offset` of `region` into `out` in
 /// steps, verifying each step against `crcs` (one per `chunk` bytes of

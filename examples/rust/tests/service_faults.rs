@@ -9,10 +9,18 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::Job;
-use icheck_core::testkit::{icheck_in_target, poll_until, LocalService};
+use icheck_core::testkit::{icheck_in_target, poll_until, process_running, LocalService};
 
 fn service(name: &str, managers: u32) -> LocalService {
     LocalService::up(&icheck_in_target(), name, managers, &["--provider", "tcp"])
+}
+
+/// Runs `app` (2 ranks, `mib` MiB per rank) to version 3 and keeps its
+/// agents and versions (IC_PERSIST) for the test to work on.
+fn commit_three_persisted_versions(service: &LocalService, app: &str, mib: &str) {
+    let args = ["--app", app, "--steps", "4", "--every", "2", "--mib", mib, "--persist"];
+    let lines = Job::start(2, &service.config_path(), &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{app}: {lines:?}");
 }
 
 /// Open descriptors and threads of a process, from /proc.
@@ -36,9 +44,7 @@ fn connect_and_reset(address: &str) {
 fn agent_port_floods_leave_no_descriptors_or_threads_behind() {
     let service = service("faults-flood", 1);
     let config = service.config_path();
-    let args = ["--app", "flood", "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
-    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
-    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    commit_three_persisted_versions(&service, "flood", "2");
     let agent = service.status().apps[0].agents[0].control.clone();
     let manager = service.pid_of("manager-local-1");
     let (fds_before, threads_before) = descriptors_and_threads(manager);
@@ -136,9 +142,7 @@ fn an_agent_whose_rank_stops_responding_mid_commit_is_replaced() {
 
     let service = service("faults-hung", 1);
     let config = service.config_path();
-    let args = ["--app", "hung", "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
-    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
-    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    commit_three_persisted_versions(&service, "hung", "2");
     let agent = service.status().apps[0].agents[0].clone();
 
     // Rank 0 of "hung" begins version 4 and asks to be pulled from memory
@@ -207,10 +211,6 @@ impl Drop for Tmpfs {
     }
 }
 
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
-}
-
 /// Item 3 of the faults issue: a store on a full tmpfs killed the manager
 /// with SIGBUS (a write into a mapped file the file system could not back),
 /// and the restarted manager died again on the restart.
@@ -231,7 +231,7 @@ fn a_full_store_spills_to_the_pfs_and_no_daemon_dies() {
     let config = service.config_path();
     let args = ["--app", "full", "--steps", "2", "--every", "2", "--mib", "64", "--persist"];
     let (ok, output) = Job::start(4, &config, &args, &[]).finish_any(Duration::from_secs(300));
-    assert!(daemons.iter().all(|pid| alive(*pid)), "a daemon died\n{}", service.log("manager-local-1.log"));
+    assert!(daemons.iter().all(|pid| process_running(*pid)), "a daemon died\n{}", service.log("manager-local-1.log"));
     assert!(ok && output.contains("COMMITTED version=2 step=2"), "{output}");
     let log = service.log("manager-local-1.log");
     // The budget (the file system's 100 MiB) has room for one rank; the
@@ -253,7 +253,7 @@ fn a_full_store_spills_to_the_pfs_and_no_daemon_dies() {
         "{output}\n{}",
         service.log("manager-local-1.log")
     );
-    assert!(daemons.iter().all(|pid| alive(*pid)), "a daemon died\n{}", service.log("manager-local-1.log"));
+    assert!(daemons.iter().all(|pid| process_running(*pid)), "a daemon died\n{}", service.log("manager-local-1.log"));
 }
 
 /// Item 4 of the faults issue: with a copy to the PFS after every commit and
@@ -388,10 +388,9 @@ fn damaged_agent_memory_falls_back_to_the_pfs_or_fails_on_every_rank() {
     assert!(log.contains("stored version is damaged; using its PFS copy") && log.contains("chunk"), "{log}");
 
     // Without any PFS copy: every rank returns an error, nobody hangs.
-    let args = ["--app", "bare", "--steps", "4", "--every", "2", "--mib", "4", "--persist"];
-    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
-    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    commit_three_persisted_versions(&service, "bare", "4");
     damage_stored_rank(&service, "bare", 3);
+    let args = ["--app", "bare", "--steps", "4", "--every", "2", "--mib", "4", "--persist"];
     let (ok, output) = Job::start(2, &config, &args, &[]).finish_any(Duration::from_secs(60));
     assert!(!ok, "{output}");
     for rank in 0..2 {

@@ -45,9 +45,3 @@ pub fn disarm_provider_crash_handlers() -> bool {
     }
     true
 }
-
-/// Whether a foreign crash handler is installed now (for tests and `icheck
-/// fabric info`).
-pub fn provider_crash_handlers_armed() -> bool {
-    handled(libc::SIGILL) || handled(libc::SIGABRT)
-}

@@ -46,7 +46,7 @@ mod error;
 mod mr;
 mod progress;
 
-pub use crash_handlers::{disarm_provider_crash_handlers, provider_crash_handlers_armed, NO_BACKTRACE_ENV};
+pub use crash_handlers::{disarm_provider_crash_handlers, NO_BACKTRACE_ENV};
 pub use domain::{
     check_provider, libfabric_version, list_providers, remove_shm_regions_of, Domain, FabricConfig, LibfabricVersion,
     MrMode, ProviderInfo,

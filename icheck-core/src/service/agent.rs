@@ -114,6 +114,14 @@ struct Shared {
 }
 
 impl Shared {
+    /// Shuts every open session's socket down, so session threads waiting
+    /// for their rank (up to `SESSION_IDLE_TIMEOUT`) end now.
+    fn end_sessions(&self) {
+        for (_, session) in self.sessions.lock().unwrap_or_else(|p| p.into_inner()).drain() {
+            let _ = session.shutdown(Shutdown::Both);
+        }
+    }
+
     /// The versions PFS copies are reading now.
     fn pinned_versions(&self) -> std::collections::BTreeSet<u64> {
         self.pinned.lock().unwrap_or_else(|p| p.into_inner()).keys().copied().collect()
@@ -306,9 +314,7 @@ impl Agent {
 
     fn shutdown(&mut self) {
         self.shared.stop.store(true, Ordering::Relaxed);
-        for (_, session) in self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).drain() {
-            let _ = session.shutdown(Shutdown::Both);
-        }
+        self.shared.end_sessions();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
@@ -444,10 +450,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener, _probe: RegisteredB
         }
     }
     drop(handshakes);
-    // Sessions wait up to SESSION_IDLE_TIMEOUT for their rank: end them now.
-    for (_, session) in shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).drain() {
-        let _ = session.shutdown(Shutdown::Both);
-    }
+    shared.end_sessions();
     for handle in threads {
         let _ = handle.join();
     }
@@ -612,7 +615,6 @@ struct Session {
     retired: Vec<Fetching>,
 }
 
-/// Serves one authenticated rank (its Hello was accepted by the accept loop).
 impl Session {
     /// Drops the version being written, if any, and deletes its unsealed
     /// data file: a version whose rank went away before `Seal` can never be
@@ -639,6 +641,7 @@ impl Drop for Session {
     }
 }
 
+/// Serves one authenticated rank (its Hello was accepted by the accept loop).
 fn serve_session(shared: &Shared, mut stream: TcpStream) -> Result<(), SessionEnd> {
     let _ = stream.set_read_timeout(Some(SESSION_IDLE_TIMEOUT));
     protocol::send_blocking(&mut stream, &HelloReply::Welcome)?;
@@ -850,17 +853,11 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             let (manifest, exposed) = match store.open(&session.app, session.rank, version) {
                 Err(StoreError::Missing { .. }) if shared.settings.pfs.is_some() => {
                     // Not here (lost with its agents, or spilled): from the PFS copy.
-                    match load_from_pfs(shared, &session.app, session.rank, version)? {
-                        Loaded::IntoStore => expose_stored(shared, store, &session.app, session.rank, version)?,
-                        Loaded::NoRoom(manifest, data) => (manifest, expose_loaded(shared, &data)?),
-                    }
+                    expose_from_pfs(shared, &session.app, session.rank, version)?
                 }
                 Err(err) => return Err(err.to_string()),
                 Ok((manifest, file)) => match manifest.verify(file.as_slice()).err() {
-                    None => {
-                        let file = shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
-                        (manifest, Exposed::Stored(file))
-                    }
+                    None => (manifest, expose_file(shared, file)?),
                     // Bytes that do not match the rank's own checksums: the
                     // PFS copy of the same version, if there is one, replaces
                     // them. Otherwise they are exposed with the damage named,
@@ -876,17 +873,12 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                             damaged = Some(format!(
                                 "stored version {version} of rank {rank} is damaged ({damage}), and the PFS has no copy of it"
                             ));
-                            let file =
-                                shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
-                            (manifest, Exposed::Stored(file))
+                            (manifest, expose_file(shared, file)?)
                         } else {
                             drop(file);
                             tracing::warn!(version, rank, %damage, "stored version is damaged; using its PFS copy");
                             store.remove_version(&app, rank, version).map_err(|e| e.to_string())?;
-                            match load_from_pfs(shared, &app, rank, version)? {
-                                Loaded::IntoStore => expose_stored(shared, store, &app, rank, version)?,
-                                Loaded::NoRoom(manifest, data) => (manifest, expose_loaded(shared, &data)?),
-                            }
+                            expose_from_pfs(shared, &app, rank, version)?
                         }
                     }
                 },
@@ -913,17 +905,22 @@ static NODE_STORE_SPACE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// Serialises loads of versions from the PFS into this node's store.
 static NODE_PFS_LOADS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Opens a stored version and registers it for the rank to read.
-fn expose_stored(
-    shared: &Shared,
-    store: &Store,
-    app: &str,
-    rank: u32,
-    version: u64,
-) -> Result<(Manifest, Exposed), String> {
-    let (manifest, file) = store.open(app, rank, version).map_err(|e| e.to_string())?;
+/// Registers a stored version's file for the rank to read.
+fn expose_file(shared: &Shared, file: MappedFile) -> Result<Exposed, String> {
     let file = shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
-    Ok((manifest, Exposed::Stored(file)))
+    Ok(Exposed::Stored(file))
+}
+
+/// Brings a version back from the PFS ([`load_from_pfs`]) and exposes it:
+/// from the store it was loaded into, or from memory when the store is full.
+fn expose_from_pfs(shared: &Shared, app: &str, rank: u32, version: u64) -> Result<(Manifest, Exposed), String> {
+    match load_from_pfs(shared, app, rank, version)? {
+        Loaded::IntoStore => {
+            let (manifest, file) = shared.settings.store.open(app, rank, version).map_err(|e| e.to_string())?;
+            Ok((manifest, expose_file(shared, file)?))
+        }
+        Loaded::NoRoom(manifest, data) => Ok((manifest, expose_loaded(shared, &data)?)),
+    }
 }
 
 /// Registers bytes loaded from the PFS (outside the store) for the rank to read.

@@ -708,8 +708,7 @@ fn pfs_copied(
             tracing::warn!(app = %name, version, agent, %reason, "PFS copy failed; the previous PFS version stays");
             // One failed agent fails the version's copy: count it once.
             if app.pfs_pending.remove(&version).is_some() {
-                app.pfs_health.failed += 1;
-                app.pfs_health.last_failure = Some(format!("version {version}: {reason}"));
+                app.pfs_health.record_failure(version, &reason);
             }
             if app.finishing && app.pfs_pending.is_empty() {
                 stop_and_forget(&mut state, &name);
@@ -757,8 +756,7 @@ fn pfs_copied(
         let mut state = shared.state();
         if let Some(app) = state.apps.get_mut(&name) {
             if let Err(err) = &completed {
-                app.pfs_health.failed += 1;
-                app.pfs_health.last_failure = Some(format!("version {version}: {err}"));
+                app.pfs_health.record_failure(version, err);
             } else if app.pfs_version.is_none_or(|v| v < version) {
                 app.pfs_version = Some(version);
                 app.pfs_copy = Some(PfsCopyStats { version, ..stats });

@@ -285,25 +285,15 @@ impl Store {
         if meta.exists() {
             return Ok(false);
         }
-        match fs::remove_file(&data) {
-            Ok(()) => Ok(true),
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(false),
-            Err(error) => Err(StoreError::Io { what: "cannot remove", path: data, error }),
-        }
+        remove_if_present(&data)
     }
 
     /// Deletes one stored version (manifest first, so it can no longer be
     /// opened), e.g. because its data was found damaged.
     pub fn remove_version(&self, app: &str, rank: u32, version: u64) -> Result<()> {
         let (data, meta) = self.paths(app, rank, version)?;
-        for path in [meta, data] {
-            match fs::remove_file(&path) {
-                Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(StoreError::Io { what: "cannot remove", path, error })
-                }
-                _ => {}
-            }
-        }
+        remove_if_present(&meta)?;
+        remove_if_present(&data)?;
         Ok(())
     }
 
@@ -425,6 +415,16 @@ impl Store {
     }
 }
 
+/// Deletes a file; one that is already gone is not an error. True if it
+/// was there.
+fn remove_if_present(path: &Path) -> Result<bool> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(true),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(error) => Err(StoreError::Io { what: "cannot remove", path: path.to_path_buf(), error }),
+    }
+}
+
 fn map(file: &File, path: &Path, len: u64) -> Result<MappedFile> {
     // SAFETY: the file is private to this store (created under the agent's
     // root); nobody truncates it while mapped, which is memmap2's contract.
@@ -530,7 +530,7 @@ mod tests {
                 Err(StoreError::BadManifest { path, .. }) => assert_eq!(path, meta, "{what}"),
                 Err(other) => panic!("{what}: {other}"),
                 Ok(_) => {
-                    // A name or rank problem the path already rules out.
+                    // A name problem the file's own path already rules out.
                     assert!(what.contains("name"), "{what} opened");
                 }
             }

@@ -151,6 +151,11 @@ impl Drop for ChildGuard {
     }
 }
 
+/// Whether `pid` is a running process (not gone, not a zombie).
+pub fn process_running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z "))
+}
+
 /// Polls `done` every 100 ms; panics naming `what` after `timeout`.
 pub fn wait_for(what: &str, timeout: Duration, done: impl FnMut() -> bool) {
     assert!(poll_until(timeout, done), "timed out after {timeout:?} waiting for {what}");
