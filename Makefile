@@ -26,7 +26,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 all: build
 
 build:
-	$(CARGO) build --release -p icheck-ffi -p icheck-core --bin icheck --lib
+	$(CARGO) build --release -p icheck-ffi -p icheck-service --bin icheck
 
 install: build install-files
 

@@ -1,6 +1,6 @@
 //! Adaptive agents on several checkpoint nodes (the shape of the thesis's
 //! Fig. 9.7a and 9.7b), measured here: each node is a network namespace
-//! behind a rate-limited veth link (`icheck_core::testkit::netns`), so that
+//! behind a rate-limited veth link (`icheck_service::testkit::netns`), so that
 //! more agents on more nodes really buy bandwidth. Needs root.
 //!
 //! ```text
@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use icheck_core::testkit::netns::NetCluster;
+use icheck_service::testkit::netns::NetCluster;
 
 #[derive(Parser)]
 #[command(about = "Dynamic agents and placement under contention on namespaced checkpoint nodes (needs root)")]

@@ -17,10 +17,10 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint, FabricConfig, RmaOp, TransferOptions};
-use icheck_core::selftest::{fill_pattern, Target, TargetProcess};
-use icheck_core::testkit::LocalService;
 use icheck_core::units::ByteSize;
 use icheck_lib::{Communicator, Icheck, InitStatus, MpiComm, Region, SingleProcess};
+use icheck_service::selftest::{fill_pattern, Target, TargetProcess};
+use icheck_service::testkit::LocalService;
 use serde::{Deserialize, Serialize};
 
 #[derive(Parser)]

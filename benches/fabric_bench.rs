@@ -18,8 +18,8 @@ use clap::Parser;
 use icheck_core::fabric::{
     libfabric_version, Access, AlignedBuffer, Domain, Endpoint, FabricConfig, RmaOp, TransferOptions,
 };
-use icheck_core::selftest::{fill_pattern, verify_pattern, Target, TargetProcess};
 use icheck_core::units::ByteSize;
+use icheck_service::selftest::{fill_pattern, verify_pattern, Target, TargetProcess};
 
 /// Benchmark RMA throughput of the fabric layer against memcpy.
 #[derive(Parser)]

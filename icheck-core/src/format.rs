@@ -293,11 +293,14 @@ impl Manifest {
     }
 }
 
-#[cfg(test)]
-pub(crate) mod tests {
+/// Manifests for decoder tests in every crate: one good manifest and every
+/// way a damaged or hostile one can lie. Not part of the format.
+#[doc(hidden)]
+pub mod samples {
     use super::*;
 
-    fn manifest(data: &[u8]) -> Manifest {
+    /// A good two-label manifest of `data`.
+    pub fn manifest(data: &[u8]) -> Manifest {
         let (a, b) = data.split_at(data.len() / 3);
         Manifest {
             app: "app".into(),
@@ -324,7 +327,7 @@ pub(crate) mod tests {
 
     /// Every way a damaged or hostile manifest can lie, each refused with a
     /// typed error before any offset in it is used.
-    pub(crate) fn damaged_manifests(data: &[u8]) -> Vec<(&'static str, Manifest)> {
+    pub fn damaged_manifests(data: &[u8]) -> Vec<(&'static str, Manifest)> {
         let good = manifest(data);
         let with = |what: &'static str, change: &dyn Fn(&mut Manifest)| {
             let mut m = good.clone();
@@ -355,6 +358,11 @@ pub(crate) mod tests {
             with("name escaping the store", &|m| m.app = "../x".into()),
         ]
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::samples::{damaged_manifests, manifest};
 
     #[test]
     fn a_good_manifest_validates_and_verifies() {

@@ -1,23 +1,31 @@
-//! icheck-core: the checkpoint service and the layers it is built on.
+//! icheck-core: what the client library and the service share.
 //!
 //! * [`fabric`] is the only safe door to libfabric: domains, endpoints,
 //!   memory regions and batched RMA. Every checkpoint byte moves through it.
-//! * [`selftest`] is the two-process RMA check behind `icheck fabric selftest`.
-//! * [`units`] parses and prints byte sizes the way operators write them.
+//! * [`format`] is the stored format (manifests, checksums, names), a leaf.
+//! * [`protocol`] is the control plane's messages and framing; [`control`]
+//!   its blocking client side.
+//! * [`pfs`] is the PFS level's on-disk format, read by restarting
+//!   applications and written by agents and the library's fallback.
+//! * [`config`], [`decide`], [`distribution`], [`monitor`] and [`units`] are
+//!   configuration and pure logic.
+//!
+//! Architecture invariant: this crate runs no async runtime and parses no
+//! command line: it carries neither tokio, clap, anyhow nor
+//! tracing-subscriber, so linking the client library does not carry the
+//! service (which lives in `icheck-service`).
 //!
 //! See ARCHITECTURE.md at the repository root for the bird's-eye view.
 
 pub mod config;
+pub mod control;
 pub mod decide;
 pub mod distribution;
 pub mod fabric;
 pub mod failpoint;
 pub mod format;
+pub mod monitor;
 pub mod pattern;
 pub mod pfs;
 pub mod protocol;
-pub mod selftest;
-pub mod service;
-#[doc(hidden)]
-pub mod testkit;
 pub mod units;

@@ -655,7 +655,7 @@ mod tests {
         write_version(&pfs, 3, &[&data, &data], Compression::None);
         let path = pfs.version_dir("app", 3).unwrap().join(MANIFEST);
         let pristine: PfsManifest = format::decode_stored(&fs::read(&path).unwrap()).unwrap();
-        let mut cases = crate::format::tests::damaged_manifests(&data);
+        let mut cases = crate::format::samples::damaged_manifests(&data);
         cases.push(("file name escaping the version", pristine.entries[1].manifest.clone()));
         for (index, (what, damaged)) in cases.into_iter().enumerate() {
             let mut version = pristine.clone();

@@ -15,7 +15,6 @@ use std::time::Duration;
 
 use bincode::Options;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::fabric::{FabricAddress, RemoteRegion};
 pub use crate::format::{DataKind, LabelLayout, Manifest, VersionRecord};
@@ -83,42 +82,33 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ProtocolError> {
     options().deserialize(bytes).map_err(|e| ProtocolError::Malformed(e.to_string()))
 }
 
-/// Writes one message as a frame.
-pub async fn send<W: AsyncWriteExt + Unpin, T: Serialize>(writer: &mut W, message: &T) -> Result<(), ProtocolError> {
+/// Encodes a message as one whole frame: the payload's length (4 bytes,
+/// little-endian) and the payload. Every writer of frames, blocking or async,
+/// sends these bytes.
+pub fn encode_frame<T: Serialize>(message: &T) -> Result<Vec<u8>, ProtocolError> {
     let payload = encode(message)?;
+    let len = u32::try_from(payload.len()).map_err(|_| ProtocolError::FrameTooLarge(payload.len()))?;
     let mut frame = Vec::with_capacity(4 + payload.len());
-    frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&len.to_le_bytes());
     frame.extend_from_slice(&payload);
-    writer.write_all(&frame).await?;
-    writer.flush().await?;
-    Ok(())
+    Ok(frame)
 }
 
-/// Reads one frame and decodes it.
-pub async fn recv<R: AsyncReadExt + Unpin, T: DeserializeOwned>(reader: &mut R) -> Result<T, ProtocolError> {
-    let mut len = [0u8; 4];
-    match reader.read_exact(&mut len).await {
-        Ok(_) => {}
-        Err(err) if err.kind() == std::io::ErrorKind::UnexpectedEof => return Err(ProtocolError::Closed),
-        Err(err) => return Err(err.into()),
-    }
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FRAME {
+/// The payload length a frame's 4-byte prefix announces, refused above
+/// `limit` (at most [`MAX_FRAME`]) before anything is allocated for it.
+/// Every reader of frames checks prefixes here.
+pub fn frame_len(prefix: [u8; 4], limit: usize) -> Result<usize, ProtocolError> {
+    let len = usize::try_from(u32::from_le_bytes(prefix)).unwrap_or(usize::MAX);
+    if len > limit.min(MAX_FRAME) {
         return Err(ProtocolError::FrameTooLarge(len));
     }
-    let mut payload = vec![0u8; len];
-    reader.read_exact(&mut payload).await?;
-    decode(&payload)
+    Ok(len)
 }
 
 /// Writes one message as a frame on a blocking stream (client library and
 /// agent sessions, which do not run an async runtime).
 pub fn send_blocking<W: std::io::Write, T: Serialize>(writer: &mut W, message: &T) -> Result<(), ProtocolError> {
-    let payload = encode(message)?;
-    let mut frame = Vec::with_capacity(4 + payload.len());
-    frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    frame.extend_from_slice(&payload);
-    writer.write_all(&frame)?;
+    writer.write_all(&encode_frame(message)?)?;
     writer.flush()?;
     Ok(())
 }
@@ -136,10 +126,7 @@ pub fn recv_blocking<R: std::io::Read, T: DeserializeOwned>(
     };
     let mut len = [0u8; 4];
     reader.read_exact(&mut len).map_err(map)?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_FRAME {
-        return Err(ProtocolError::FrameTooLarge(len));
-    }
+    let len = frame_len(len, MAX_FRAME)?;
     let mut payload = vec![0u8; len];
     reader.read_exact(&mut payload).map_err(map)?;
     decode(&payload)
@@ -193,21 +180,9 @@ impl FrameAssembler {
 
     /// The announced payload length, once the 4-byte prefix is in.
     fn announced(&self) -> Result<Option<usize>, ProtocolError> {
-        let Some(prefix) = self.buf.get(..4) else { return Ok(None) };
-        let len = u32::from_le_bytes([prefix[0], prefix[1], prefix[2], prefix[3]]) as usize;
-        if len > self.limit {
-            return Err(ProtocolError::FrameTooLarge(len));
-        }
-        Ok(Some(len))
+        let Some(&[a, b, c, d]) = self.buf.get(..4) else { return Ok(None) };
+        frame_len([a, b, c, d], self.limit).map(Some)
     }
-}
-
-/// [`recv`] with a deadline.
-pub async fn recv_timeout<R: AsyncReadExt + Unpin, T: DeserializeOwned>(
-    reader: &mut R,
-    timeout: Duration,
-) -> Result<T, ProtocolError> {
-    tokio::time::timeout(timeout, recv(reader)).await.map_err(|_| ProtocolError::Timeout(timeout))?
 }
 
 /// Who is connecting.
@@ -557,7 +532,7 @@ pub struct NodeReport {
     pub status: NodeStatus,
     /// What the controller derives from the node's reports over time.
     #[serde(default)]
-    pub trend: crate::service::monitor::TrendReport,
+    pub trend: crate::monitor::TrendReport,
     /// An operator is draining it (`icheck drain`).
     #[serde(default)]
     pub draining: bool,

@@ -25,6 +25,7 @@ use icheck_lib::{
 };
 
 mod comm;
+mod log;
 
 /// Success.
 pub const ICHECK_SUCCESS: c_int = 0;
@@ -218,8 +219,7 @@ fn start(
 fn init_logging() {
     // Honour ICHECK_LOG like the Rust binaries; ignore a subscriber the
     // application (a Rust one) installed already.
-    let filter = std::env::var("ICHECK_LOG").unwrap_or_else(|_| "warn".into());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    log::init_from_env();
 }
 
 /// Starts icheck in an MPI application: called by `icheck_init` in

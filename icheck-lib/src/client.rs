@@ -18,6 +18,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use icheck_core::config::{ConfigError, StaticConfig, TransferDirection};
+use icheck_core::control::BlockingConnection;
+use icheck_core::control::ServiceError;
 use icheck_core::decide::agent_for_rank;
 use icheck_core::distribution::{Adapt, Attribute, GlobalLayout};
 use icheck_core::fabric::{
@@ -30,8 +32,6 @@ use icheck_core::protocol::{
     self, AgentInfo, AgentReply, AgentRequest, AppRegistration, ClientReply, ClientRequest, DataKind, LabelLayout,
     Manifest, PullSegment, TransferMode, VersionRecord,
 };
-use icheck_core::service::control::BlockingConnection;
-use icheck_core::service::ServiceError;
 
 use crate::comm::Communicator;
 use crate::region::{as_bytes_mut, Element, RawSource, Region, Source};

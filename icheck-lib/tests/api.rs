@@ -5,8 +5,8 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use icheck_core::testkit::{icheck_in_target, wait_for, LocalService};
 use icheck_lib::{Error, Icheck, InitStatus, ProbeHints, ProbeOutcome, Region, SingleProcess};
+use icheck_service::testkit::{icheck_in_target, wait_for, LocalService};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 

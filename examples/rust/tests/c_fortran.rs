@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use icheck_core::testkit::{icheck_in_target, LocalService};
+use icheck_service::testkit::{icheck_in_target, LocalService};
 
 /// An installed icheck under a temporary prefix, with compiled examples.
 struct Installed {

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::Job;
-use icheck_core::testkit::{icheck_in_target, LocalService};
+use icheck_service::testkit::{icheck_in_target, LocalService};
 
 const MALLEABLE: &str = env!("CARGO_BIN_EXE_malleable");
 const LONG: Duration = Duration::from_secs(180);
@@ -64,7 +64,7 @@ fn arrays_written_by_4_ranks_restore_on_1_3_4_and_6_ranks_element_by_element() {
         .expect("icheck status runs");
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("written by 2 processes, resize epoch 2"), "{text}");
-    icheck_core::testkit::wait_for("the files of ranks 2-5 to be dropped", Duration::from_secs(10), || {
+    icheck_service::testkit::wait_for("the files of ranks 2-5 to be dropped", Duration::from_secs(10), || {
         stored_ranks(&service, "grow") == ["rank0", "rank1"]
     });
 }
@@ -126,7 +126,7 @@ fn a_resized_restart_reads_the_old_ranks_back_from_the_pfs() {
     let lines = Job::start_program(MALLEABLE, 4, &config, &["--app", "frompfs", "--write"], &copies).finish(LONG);
     assert!(has(&lines, "COMMITTED version=1 ranks=4 epoch=0"), "{lines:?}");
     let manifest = service.dir.join("pfs/frompfs/v1/MANIFEST");
-    icheck_core::testkit::wait_for("the PFS copy of version 1", Duration::from_secs(30), || manifest.exists());
+    icheck_service::testkit::wait_for("the PFS copy of version 1", Duration::from_secs(30), || manifest.exists());
     service.relaunch();
     let lines = run(3, &service.config_path(), &["--app", "frompfs", "--no-commit"]);
     assert!(has(&lines, "VERIFIED version=1 from=4 ranks=3"), "{lines:?}");

@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{without_a_controller, Job};
-use icheck_core::testkit::{icheck_in_target, metric_sample as sample, scrape_metrics, LocalService};
+use icheck_service::testkit::{icheck_in_target, metric_sample as sample, scrape_metrics, LocalService};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
@@ -83,7 +83,7 @@ fn agent_lost_during_a_commit_falls_back_to_the_pfs_and_the_run_goes_on() {
 
     // A new manager for the node: the restart finds version 11 on the PFS.
     let _manager = service.start_manager("local-1");
-    icheck_core::testkit::wait_for("the new manager", Duration::from_secs(10), || {
+    icheck_service::testkit::wait_for("the new manager", Duration::from_secs(10), || {
         service.status().nodes.iter().any(|n| n.alive)
     });
     let args = ["--app", "loss", "--steps", "22", "--every", "2", "--mib", "8"];
@@ -102,9 +102,9 @@ fn versions_survive_losing_every_daemon_through_the_pfs() {
     let mut job = Job::start(4, &config, &args, &copies);
     job.wait_line("HANG", Duration::from_secs(120));
     let manifest = service.dir.join("pfs/pfs/v3/MANIFEST");
-    icheck_core::testkit::wait_for("the PFS copy of version 3", Duration::from_secs(30), || manifest.exists());
+    icheck_service::testkit::wait_for("the PFS copy of version 3", Duration::from_secs(30), || manifest.exists());
     // Status reports what compressing and writing the copy cost.
-    icheck_core::testkit::wait_for("the copy's cost in status", Duration::from_secs(10), || {
+    icheck_service::testkit::wait_for("the copy's cost in status", Duration::from_secs(10), || {
         let status = service.status();
         let copy = status.apps.iter().find(|a| a.registration.name == "pfs").and_then(|a| a.pfs_copy);
         copy.is_some_and(|c| c.version == 3 && c.raw > 4 * (4 << 20) && c.stored > 0 && c.write_secs > 0.0)
@@ -146,10 +146,12 @@ fn a_damaged_newest_pfs_version_restarts_from_the_previous_one() {
     let lines = Job::start(2, &config, &args, &copies).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
     let app_dir = service.dir.join("pfs/dmg");
-    icheck_core::testkit::wait_for("versions 2 and 3 on the PFS", Duration::from_secs(30), || {
+    icheck_service::testkit::wait_for("versions 2 and 3 on the PFS", Duration::from_secs(30), || {
         app_dir.join("v2/MANIFEST").exists() && app_dir.join("v3/MANIFEST").exists()
     });
-    icheck_core::testkit::wait_for("the agents to stop", Duration::from_secs(10), || service.status().apps.is_empty());
+    icheck_service::testkit::wait_for("the agents to stop", Duration::from_secs(10), || {
+        service.status().apps.is_empty()
+    });
     let pristine = service.dir.join("pristine");
     let copy = |from: &PathBuf, to: &PathBuf| {
         let _ = std::fs::remove_dir_all(to);
@@ -205,7 +207,7 @@ fn versions_beyond_the_memory_budget_spill_to_the_pfs_and_restart_bit_exact() {
     // is copied whatever pfs_interval says (0 here): the agents' copies
     // complete it on the PFS.
     let manifest = service.dir.join("pfs/spill/v2/MANIFEST");
-    let complete = icheck_core::testkit::poll_until(Duration::from_secs(60), || manifest.exists());
+    let complete = icheck_service::testkit::poll_until(Duration::from_secs(60), || manifest.exists());
     job.kill();
     let log = service.log("manager-local-1.log");
     assert!(complete, "version 2 never completed on the PFS\n{log}\n{}", service.log("controller.log"));
@@ -232,7 +234,7 @@ fn status_and_metrics_report_what_the_managers_measure() {
     let lines = Job::start(2, &service.config_path(), &args, &[]).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=5 step=8")), "{lines:?}");
     // Five versions of two ranks: ten checkpoint operations on the node.
-    icheck_core::testkit::wait_for("the node's report of 10 operations", Duration::from_secs(10), || {
+    icheck_service::testkit::wait_for("the node's report of 10 operations", Duration::from_secs(10), || {
         service.status().nodes[0].status.checkpoint_ops == 10
     });
     let status = service.status();
@@ -264,8 +266,10 @@ fn cleanup_flushes_the_newest_version_to_the_pfs() {
     let lines = Job::start(2, &service.config_path(), &args, &copies).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=5 step=8")), "{lines:?}");
     let flushed = service.dir.join("pfs/flush/v5/MANIFEST");
-    icheck_core::testkit::wait_for("the flush of version 5", Duration::from_secs(30), || flushed.exists());
-    icheck_core::testkit::wait_for("the agents to stop", Duration::from_secs(10), || service.status().apps.is_empty());
+    icheck_service::testkit::wait_for("the flush of version 5", Duration::from_secs(30), || flushed.exists());
+    icheck_service::testkit::wait_for("the agents to stop", Duration::from_secs(10), || {
+        service.status().apps.is_empty()
+    });
     // Agent memory is gone with the service; the flushed version is not.
     service.relaunch();
     let args = ["--app", "flush", "--steps", "10", "--every", "2", "--mib", "2"];
@@ -298,7 +302,7 @@ fn without_a_controller_versions_go_to_the_pfs_and_a_later_service_restores_them
 
 #[test]
 fn the_library_returns_to_the_agents_when_the_service_comes_back() {
-    let icheck = icheck_core::testkit::icheck_in_target();
+    let icheck = icheck_service::testkit::icheck_in_target();
     let dir = std::env::temp_dir().join(format!("icheck-test-mpi-return-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -416,7 +420,7 @@ fn draining_a_node_moves_its_agents_and_their_data_at_the_next_probe() {
     assert!(status.nodes.iter().any(|n| n.node == home && n.draining), "{status:?}");
     // The ranks' versions left the drained node's store.
     let left = service.config.agent_store_dir.join(&home).join("drain");
-    icheck_core::testkit::wait_for("the drained node's store to empty", Duration::from_secs(10), || {
+    icheck_service::testkit::wait_for("the drained node's store to empty", Duration::from_secs(10), || {
         std::fs::read_dir(&left).map_or(true, |mut d| d.next().is_none())
     });
     let printed = Command::new(&service.icheck).args(["status", "--state-dir"]).arg(&service.dir).output().unwrap();

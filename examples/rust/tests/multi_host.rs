@@ -1,6 +1,6 @@
 //! Checkpoint nodes on separate hosts: each manager runs in a network
 //! namespace of its own, reached over veth links with the tcp provider (see
-//! `icheck_core::testkit::netns`). Needs root, as CI has.
+//! `icheck_service::testkit::netns`). Needs root, as CI has.
 
 mod common;
 
@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use common::Job;
 use icheck_core::protocol::AppReport;
-use icheck_core::testkit::netns::NetCluster;
-use icheck_core::testkit::{icheck_in_target, metric_sample, wait_for};
+use icheck_service::testkit::netns::NetCluster;
+use icheck_service::testkit::{icheck_in_target, metric_sample, wait_for};
 
 fn app<'a>(status: &'a icheck_core::protocol::StatusReport, name: &str) -> &'a AppReport {
     status.apps.iter().find(|a| a.registration.name == name).unwrap_or_else(|| panic!("{name} in {status:?}"))

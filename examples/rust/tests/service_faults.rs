@@ -9,7 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::Job;
-use icheck_core::testkit::{icheck_in_target, poll_until, process_running, LocalService};
+use icheck_service::testkit::{icheck_in_target, poll_until, process_running, LocalService};
 
 fn service(name: &str, managers: u32) -> LocalService {
     LocalService::up(&icheck_in_target(), name, managers, &["--provider", "tcp"])
@@ -136,9 +136,9 @@ fn applications_killed_at_random_points_of_commits_always_restart() {
 /// gets a new agent on the same node, which serves the stored versions.
 #[test]
 fn an_agent_whose_rank_stops_responding_mid_commit_is_replaced() {
+    use icheck_core::control::BlockingConnection;
     use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint};
     use icheck_core::protocol::{AgentReply, AgentRequest, DataKind, LabelLayout, ProtocolError, PullSegment};
-    use icheck_core::service::control::BlockingConnection;
 
     let service = service("faults-hung", 1);
     let config = service.config_path();
@@ -167,17 +167,17 @@ fn an_agent_whose_rank_stops_responding_mid_commit_is_replaced() {
     let timed_out = matches!(&answer, Ok(AgentReply::Error(message)) if message.contains("timed out"));
     let closed = matches!(
         &answer,
-        Err(icheck_core::service::ServiceError::Protocol(ProtocolError::Closed | ProtocolError::Io(_)))
+        Err(icheck_core::control::ServiceError::Protocol(ProtocolError::Closed | ProtocolError::Io(_)))
     );
     assert!(timed_out || closed, "{answer:?}");
     drop(conn);
 
-    icheck_core::testkit::wait_for("the controller to learn the agent is lost", Duration::from_secs(10), || {
+    icheck_service::testkit::wait_for("the controller to learn the agent is lost", Duration::from_secs(10), || {
         service.log("controller.log").contains("agent thread died")
     });
     // The abandoned version 4 left no file behind.
     let rank_dir = service.config.agent_store_dir.join(&agent.node).join("hung/rank0");
-    icheck_core::testkit::wait_for("the abandoned version's file to go", Duration::from_secs(10), || {
+    icheck_service::testkit::wait_for("the abandoned version's file to go", Duration::from_secs(10), || {
         !rank_dir.join("v4.data").exists()
     });
 
@@ -300,12 +300,13 @@ fn fast_commits_never_lose_a_pfs_copy_half_way() {
     let health = &status.apps[0].pfs_health;
     assert_eq!(health.failed, 0, "{health:?}");
     // Skipped copies are counted where operators look.
-    let text =
-        icheck_core::testkit::scrape_metrics(std::fs::read_to_string(service.dir.join("metrics.addr")).unwrap().trim());
-    let skipped = icheck_core::testkit::metric_sample(&text, "icheck_app_pfs_copies_skipped_total{app=\"copies\"}");
+    let text = icheck_service::testkit::scrape_metrics(
+        std::fs::read_to_string(service.dir.join("metrics.addr")).unwrap().trim(),
+    );
+    let skipped = icheck_service::testkit::metric_sample(&text, "icheck_app_pfs_copies_skipped_total{app=\"copies\"}");
     assert_eq!(skipped, Some(health.skipped as f64), "{text}");
     assert_eq!(
-        icheck_core::testkit::metric_sample(&text, "icheck_app_pfs_copies_failed_total{app=\"copies\"}"),
+        icheck_service::testkit::metric_sample(&text, "icheck_app_pfs_copies_failed_total{app=\"copies\"}"),
         Some(0.0)
     );
 

@@ -9,7 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use icheck_core::testkit::LocalService;
+use icheck_service::testkit::LocalService;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 

@@ -20,9 +20,9 @@ use std::path::{Path, PathBuf};
 
 use memmap2::MmapMut;
 
-use crate::fabric::StableBuffer;
-use crate::format::{check_app_name, FormatError, Manifest};
-use crate::protocol;
+use icheck_core::fabric::StableBuffer;
+use icheck_core::format::{check_app_name, FormatError, Manifest};
+use icheck_core::protocol;
 
 /// Name of a rank's reusable data file.
 const SPARE: &str = "spare.data";
@@ -438,8 +438,8 @@ fn map(file: &File, path: &Path, len: u64) -> Result<MappedFile> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::{chunk_crcs, first_bad_chunk, CHUNK_SIZE};
-    use crate::protocol::{DataKind, LabelLayout};
+    use icheck_core::format::{chunk_crcs, first_bad_chunk, CHUNK_SIZE};
+    use icheck_core::protocol::{DataKind, LabelLayout};
 
     fn manifest(app: &str, rank: u32, version: u64, data: &[u8]) -> Manifest {
         Manifest {
@@ -518,14 +518,14 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("icheck-store-damaged-{}", std::process::id()));
         let store = Store::new(&dir);
         let data: Vec<u8> = (0..(9u32 << 20) + 7).map(|i| i as u8).collect();
-        for (what, damaged) in crate::format::tests::damaged_manifests(&data) {
+        for (what, damaged) in icheck_core::format::samples::damaged_manifests(&data) {
             // The name and the position are the file's own, so only the
             // contents lie.
             let damaged = Manifest { app: "app".into(), rank: 1, version: 3, ..damaged };
             let mut file = store.create("app", 1, 3, data.len() as u64).unwrap();
             file.as_mut_slice().copy_from_slice(&data);
             let meta = dir.join("app/rank1/v3.meta");
-            fs::write(&meta, crate::format::encode_stored(&damaged).unwrap()).unwrap();
+            fs::write(&meta, icheck_core::format::encode_stored(&damaged).unwrap()).unwrap();
             match store.open("app", 1, 3) {
                 Err(StoreError::BadManifest { path, .. }) => assert_eq!(path, meta, "{what}"),
                 Err(other) => panic!("{what}: {other}"),

@@ -11,8 +11,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use icheck_core::fabric::{libfabric_version, list_providers, FabricConfig, TransferOptions};
-use icheck_core::selftest::{self, Target, TargetAnnouncement, TargetProcess};
 use icheck_core::units::ByteSize;
+use icheck_service::selftest::{self, Target, TargetAnnouncement, TargetProcess};
 use std::path::PathBuf;
 
 /// icheck: an RDMA checkpoint service for MPI applications.
@@ -324,7 +324,7 @@ fn run(cli: Cli) -> Result<()> {
         Command_::Controller { config: path, state_dir } => {
             let config = icheck_core::config::StaticConfig::load(&path)?;
             config.daemon_token(&path)?;
-            runtime()?.block_on(icheck_core::service::controller::run(config, state_dir))?;
+            runtime()?.block_on(icheck_service::controller::run(config, state_dir))?;
             Ok(())
         }
         Command_::Manager { config: path, node } => {
@@ -337,7 +337,7 @@ fn run(cli: Cli) -> Result<()> {
             });
             let span = tracing::info_span!("manager", %node);
             let _guard = span.enter();
-            runtime()?.block_on(icheck_core::service::manager::run(config, node))?;
+            runtime()?.block_on(icheck_service::manager::run(config, node))?;
             Ok(())
         }
         Command_::Up { managers, state_dir, provider, heartbeat, port, detach, store_dir } => {
@@ -346,7 +346,7 @@ fn run(cli: Cli) -> Result<()> {
             let config_path = local::up(&options)?;
             let config = icheck_core::config::StaticConfig::load(&config_path)?;
             if let ClientReply::Status(report) =
-                icheck_core::service::control::request_blocking(&config, &ClientRequest::Status)?
+                icheck_core::control::request_blocking(&config, &ClientRequest::Status)?
             {
                 local::print_status(&report);
             }
@@ -370,14 +370,14 @@ fn run(cli: Cli) -> Result<()> {
                 println!("(nothing deleted: add --yes to delete these checkpoints)");
                 return Ok(());
             }
-            icheck_core::service::control::request_blocking(&config, &ClientRequest::DeleteApp { name: app.clone() })?;
+            icheck_core::control::request_blocking(&config, &ClientRequest::DeleteApp { name: app.clone() })?;
             println!("deleted every checkpoint of {app}");
             Ok(())
         }
         Command_::Drain { target, node, undo } => {
             let config = target.load()?;
             let request = ClientRequest::DrainNode { node: node.clone(), drain: !undo };
-            icheck_core::service::control::request_blocking(&config, &request)?;
+            icheck_core::control::request_blocking(&config, &request)?;
             match undo {
                 false => {
                     println!("{node} is draining: no new agents; its agents move at their applications' next probes")
@@ -388,7 +388,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command_::Status { target, json } => {
             let config = target.load()?;
-            match icheck_core::service::control::request_blocking(&config, &ClientRequest::Status)? {
+            match icheck_core::control::request_blocking(&config, &ClientRequest::Status)? {
                 ClientReply::Status(report) if json => println!("{}", serde_json::to_string_pretty(&report)?),
                 ClientReply::Status(report) => local::print_status(&report),
                 other => bail!("unexpected answer from the controller: {other:?}"),

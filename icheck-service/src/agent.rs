@@ -22,18 +22,19 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::control::BlockingConnection;
-use super::store::{MappedFile, Store, StoreError};
-use crate::fabric::{
+use icheck_core::control::BlockingConnection;
+use icheck_core::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, Peer, ProgressMode, ProgressThread,
     RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
 };
-use crate::format::{check_layout, CHUNK_SIZE};
-use crate::pattern::fill_pattern;
-use crate::protocol::{
+use icheck_core::format::{check_layout, CHUNK_SIZE};
+use icheck_core::pattern::fill_pattern;
+use icheck_core::protocol::{
     self, AgentInfo, AgentReply, AgentRequest, Hello, HelloReply, LabelLayout, Manifest, PfsCopyStats, ProtocolError,
     PullSegment,
 };
+
+use crate::store::{MappedFile, Store, StoreError};
 
 /// Bytes of the probe region every agent exposes for reachability checks.
 pub const PROBE_LEN: usize = 4096;
@@ -64,7 +65,7 @@ pub struct AgentSettings {
     pub store: Store,
     /// The PFS level, if configured: copies go there, and versions missing
     /// from the store are loaded from there.
-    pub pfs: Option<crate::pfs::PfsStore>,
+    pub pfs: Option<icheck_core::pfs::PfsStore>,
 }
 
 /// Counters an agent keeps for the manager's status reports.
@@ -231,9 +232,9 @@ impl Agent {
     pub fn pfs_copy_job(
         &self,
         version: u64,
-        compression: crate::pfs::Compression,
+        compression: icheck_core::pfs::Compression,
         ranks: Vec<u32>,
-    ) -> impl FnOnce() -> Result<(Vec<crate::pfs::RankEntry>, PfsCopyStats), String> + Send + 'static {
+    ) -> impl FnOnce() -> Result<(Vec<icheck_core::pfs::RankEntry>, PfsCopyStats), String> + Send + 'static {
         let shared = self.shared.clone();
         // Pinned now, while the manager handles the request, not when the
         // (low-priority) copy thread gets to run: a commit completing
@@ -564,7 +565,7 @@ enum Destination {
         /// Registered bounce buffer.
         staging: RegisteredBuffer,
         /// The rank's file in the PFS partial version.
-        file: crate::pfs::SpillFile,
+        file: icheck_core::pfs::SpillFile,
     },
 }
 
@@ -1120,7 +1121,7 @@ fn unix_ms() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::DataKind;
+    use icheck_core::protocol::DataKind;
 
     fn label(name: &str, offset: u64, len: u64) -> LabelLayout {
         LabelLayout { label: name.into(), kind: DataKind::Double, offset, len, adapt: None }

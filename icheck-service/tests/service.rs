@@ -9,12 +9,12 @@ use std::process::Command;
 use std::time::Duration;
 
 use icheck_core::config::StaticConfig;
+use icheck_core::control::request_blocking;
 use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint, RmaOp, TransferOptions};
 use icheck_core::protocol::{self, AppRegistration, ClientReply, ClientRequest, HelloReply, TransferMode};
-use icheck_core::selftest::verify_pattern;
-use icheck_core::service::agent::probe_seed;
-use icheck_core::service::control::request_blocking;
-use icheck_core::testkit::{wait_for, LocalService};
+use icheck_service::agent::probe_seed;
+use icheck_service::selftest::verify_pattern;
+use icheck_service::testkit::{wait_for, LocalService};
 
 const ICHECK: &str = env!("CARGO_BIN_EXE_icheck");
 
@@ -282,7 +282,7 @@ fn icheck_bounded(args: &[&str]) -> std::process::Output {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let finished = icheck_core::testkit::poll_until(Duration::from_secs(10), || child.try_wait().unwrap().is_some());
+    let finished = icheck_service::testkit::poll_until(Duration::from_secs(10), || child.try_wait().unwrap().is_some());
     if !finished {
         let _ = child.kill();
     }
@@ -322,7 +322,7 @@ fn up_starts_again_only_the_daemons_that_died() {
         (service.pid_of("controller"), service.pid_of("manager-local-1"), service.pid_of("manager-local-2"));
     kill(Pid::from_raw(second as i32), Signal::SIGKILL).unwrap();
     wait_for("the killed manager to be gone", Duration::from_secs(10), || {
-        !icheck_core::testkit::process_running(second)
+        !icheck_service::testkit::process_running(second)
     });
     let up = |dir: &Path| Command::new(ICHECK).args(["up", "--detach", "--state-dir"]).arg(dir).output().unwrap();
     let out = up(&service.dir);
@@ -338,7 +338,7 @@ fn up_starts_again_only_the_daemons_that_died() {
     // A dead controller comes back on its port; the managers reconnect.
     kill(Pid::from_raw(controller as i32), Signal::SIGKILL).unwrap();
     wait_for("the killed controller to be gone", Duration::from_secs(10), || {
-        !icheck_core::testkit::process_running(controller)
+        !icheck_service::testkit::process_running(controller)
     });
     let out = up(&service.dir);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

@@ -12,14 +12,16 @@ use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
-use super::agent::{Agent, AgentSettings};
-use super::monitor::{read_rapl_energy, NodeActivity, PowerMeter};
-use super::store::Store;
-use super::{read_meminfo, ServiceError};
-use crate::config::StaticConfig;
-use crate::protocol::{
+use icheck_core::config::StaticConfig;
+use icheck_core::monitor::{read_rapl_energy, NodeActivity, PowerMeter};
+use icheck_core::protocol::{
     self, ControllerToManager, Hello, HelloReply, ManagerToController, NodeStatus, ProtocolError, Role,
 };
+
+use crate::agent::{Agent, AgentSettings};
+use crate::framing;
+use crate::store::Store;
+use crate::{read_meminfo, ServiceError};
 
 type Agents = Arc<Mutex<BTreeMap<u64, Agent>>>;
 
@@ -66,7 +68,7 @@ pub fn agent_settings(config: &StaticConfig, node: &str) -> AgentSettings {
         token: config.effective_token(),
         host: config.agent_address.clone(),
         store: Store::new(config.agent_store_dir.join(node)),
-        pfs: config.pfs_dir.clone().map(crate::pfs::PfsStore::new),
+        pfs: config.pfs_dir.clone().map(icheck_core::pfs::PfsStore::new),
     }
 }
 
@@ -134,8 +136,8 @@ async fn session(
         .await
         .map_err(|error| ServiceError::Io { what: format!("cannot connect to the controller at {peer}"), error })?;
     stream.set_nodelay(true).ok();
-    protocol::send(&mut stream, &Hello::new(&config.effective_token(), Role::Manager)).await?;
-    if let HelloReply::Refused(reason) = protocol::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {
+    framing::send(&mut stream, &Hello::new(&config.effective_token(), Role::Manager)).await?;
+    if let HelloReply::Refused(reason) = framing::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {
         return Err(ProtocolError::Refused { peer, reason }.into());
     }
     let register = ManagerToController::Register {
@@ -143,8 +145,8 @@ async fn session(
         pid: std::process::id(),
         status: Monitor::new().measure(agents, &settings.store),
     };
-    protocol::send(&mut stream, &register).await?;
-    match protocol::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {
+    framing::send(&mut stream, &register).await?;
+    match framing::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {
         ControllerToManager::Registered => tracing::info!(%peer, "registered with the controller"),
         ControllerToManager::Rejected(reason) => return Err(ProtocolError::Refused { peer, reason }.into()),
         other => return Err(ProtocolError::Unexpected { peer, what: format!("{other:?}") }.into()),
@@ -153,7 +155,7 @@ async fn session(
     let (tx, mut rx) = mpsc::unbounded_channel::<ManagerToController>();
     let writer_task = tokio::spawn(async move {
         while let Some(message) = rx.recv().await {
-            if protocol::send(&mut writer, &message).await.is_err() {
+            if framing::send(&mut writer, &message).await.is_err() {
                 break;
             }
         }
@@ -189,7 +191,7 @@ async fn session(
         })
     };
     let result = loop {
-        let message: ControllerToManager = match protocol::recv(&mut reader).await {
+        let message: ControllerToManager = match framing::recv(&mut reader).await {
             Ok(message) => message,
             Err(ProtocolError::Closed) => break Ok(()),
             Err(err) => break Err(err.into()),
@@ -198,7 +200,7 @@ async fn session(
             ControllerToManager::StartAgent { id, app, mem_budget } => {
                 let (tx, agents, settings, node) = (tx.clone(), agents.clone(), settings.clone(), node.to_string());
                 tokio::task::spawn_blocking(move || {
-                    crate::failpoint::hit("manager.before_agent_start");
+                    icheck_core::failpoint::hit("manager.before_agent_start");
                     let reply = match Agent::start(&settings, &node, id, &app, mem_budget) {
                         Ok(agent) => {
                             let info = agent.info().clone();
@@ -220,7 +222,7 @@ async fn session(
                 let copy = move || {
                     lower_thread_priority();
                     // A loaded node runs nice-19 copies late (the copy-versus-prune test).
-                    crate::failpoint::hit("manager.before_pfs_copy");
+                    icheck_core::failpoint::hit("manager.before_pfs_copy");
                     let result = job.and_then(|job| job());
                     let _ = tx.send(ManagerToController::PfsCopied { agent, version, result });
                 };

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use icheck_core::config::StaticConfig;
+use icheck_core::control::request_blocking;
 use icheck_core::protocol::{ClientReply, ClientRequest, StatusReport};
-use icheck_core::service::control::request_blocking;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 

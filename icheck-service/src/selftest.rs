@@ -10,7 +10,7 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
 
 use serde::{Deserialize, Serialize};
 
-use crate::fabric::{
+use icheck_core::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricAddress, FabricConfig, ProgressMode, ProgressThread,
     RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions, TransferStats,
 };
@@ -26,7 +26,7 @@ pub struct TargetAnnouncement {
     pub region: RemoteRegion,
 }
 
-pub use crate::pattern::{fill_pattern, pattern_word, verify_pattern};
+pub use icheck_core::pattern::{fill_pattern, pattern_word, verify_pattern};
 
 /// The exposing half: a registered, patterned buffer with a progress thread.
 pub struct Target {
@@ -38,14 +38,14 @@ pub struct Target {
 impl Target {
     /// Opens an endpoint on `config`, registers `size` bytes filled with the
     /// pattern of `seed` for remote read and write, and starts progress.
-    pub fn start(config: &FabricConfig, size: usize, seed: u64) -> crate::fabric::Result<Target> {
+    pub fn start(config: &FabricConfig, size: usize, seed: u64) -> icheck_core::fabric::Result<Target> {
         let domain = Domain::open(config)?;
         let endpoint = Endpoint::new(&domain)?;
         let mut buffer = AlignedBuffer::zeroed(size);
         fill_pattern(buffer.as_mut_slice(), seed);
         let buffer = endpoint.register(buffer, Access::REMOTE_READ_WRITE)?;
         let progress = ProgressThread::spawn(&endpoint, ProgressMode::Spin)
-            .map_err(|err| crate::fabric::FabricError::Config(format!("cannot start progress thread: {err}")))?;
+            .map_err(|err| icheck_core::fabric::FabricError::Config(format!("cannot start progress thread: {err}")))?;
         Ok(Target { buffer, progress: Some(progress), endpoint })
     }
 
@@ -94,7 +94,7 @@ impl Target {
 pub enum SelftestError {
     /// The fabric layer failed.
     #[error(transparent)]
-    Fabric(#[from] crate::fabric::FabricError),
+    Fabric(#[from] icheck_core::fabric::FabricError),
     /// The data read differs from the expected pattern.
     #[error("data read from {peer} is wrong: {reason}")]
     Mismatch {
@@ -244,7 +244,7 @@ impl TargetProcess {
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         if self.child.wait().is_ok() {
-            crate::fabric::remove_shm_regions_of(self.child.id());
+            icheck_core::fabric::remove_shm_regions_of(self.child.id());
         }
     }
 }
@@ -361,7 +361,7 @@ pub fn churn(
                 target.kill();
                 match moved {
                     Ok(_) => report.completed += 1,
-                    Err(crate::fabric::FabricError::Timeout { .. }) => {
+                    Err(icheck_core::fabric::FabricError::Timeout { .. }) => {
                         report.timed_out += 1;
                         (endpoint, local) = open()?;
                     }
@@ -400,7 +400,7 @@ pub fn churn(
                 std::thread::sleep(std::time::Duration::from_millis(20) + delay());
                 let _ = child.kill();
                 let status = child.wait().map_err(|e| process("waiting for an initiator", e))?;
-                crate::fabric::remove_shm_regions_of(child.id());
+                icheck_core::fabric::remove_shm_regions_of(child.id());
                 if status.success() {
                     report.completed += 1;
                 } else {

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 pub mod netns;
 
-use crate::config::StaticConfig;
-use crate::protocol::StatusReport;
+use icheck_core::config::StaticConfig;
+use icheck_core::protocol::StatusReport;
 
 /// A local service in its own state directory.
 pub struct LocalService {
@@ -46,7 +46,7 @@ impl LocalService {
     }
 
     /// [`up_with_dynamic`](Self::up_with_dynamic), with the daemons started
-    /// under `ICHECK_FAILPOINTS=failpoints` (see [`crate::failpoint`]).
+    /// under `ICHECK_FAILPOINTS=failpoints` (see [`icheck_core::failpoint`]).
     pub fn up_with_failpoints(
         icheck: &Path,
         name: &str,
@@ -79,7 +79,7 @@ impl LocalService {
         let mut up = Command::new(&self.icheck);
         up.args(&self.up_args).arg("--state-dir").arg(&self.dir);
         if let Some(spec) = &self.failpoints {
-            up.env(crate::failpoint::FAILPOINTS_ENV, spec);
+            up.env(icheck_core::failpoint::FAILPOINTS_ENV, spec);
         }
         let out = up.output().expect("run icheck up");
         assert!(

@@ -16,15 +16,17 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 
-use super::monitor::NodeTrend;
-use super::ServiceError;
-use crate::config::{DynamicConfig, StaticConfig};
-use crate::decide::{self, NodeSnapshot};
-use crate::protocol::{
+use icheck_core::config::{DynamicConfig, StaticConfig};
+use icheck_core::decide::{self, NodeSnapshot};
+use icheck_core::monitor::NodeTrend;
+use icheck_core::protocol::{
     self, AgentChange, AgentInfo, AppReport, ClientReply, ClientRequest, CommitSample, ControllerToManager, Hello,
     HelloReply, ManagerToController, NodeReport, NodeStatus, PfsCopyStats, ProtocolError, Role, StatusReport,
     TransferMode, VersionRecord, COMMIT_HISTORY,
 };
+
+use crate::framing;
+use crate::ServiceError;
 
 /// How far ahead the memory forecast looks, in seconds.
 const FORECAST_HORIZON_SECS: f64 = 60.0;
@@ -113,7 +115,7 @@ impl Adaptation {
 /// A PFS copy whose agents have not all answered yet.
 struct PendingCopy {
     /// Files reported so far.
-    entries: Vec<crate::pfs::RankEntry>,
+    entries: Vec<icheck_core::pfs::RankEntry>,
     /// Their cost so far.
     stats: PfsCopyStats,
     /// Agents that answered.
@@ -137,7 +139,7 @@ struct Shared {
     /// When the controller started: the clock of the derived metrics.
     started: Instant,
     token: String,
-    pfs: Option<crate::pfs::PfsStore>,
+    pfs: Option<icheck_core::pfs::PfsStore>,
     heartbeat: Duration,
     missed: u32,
     state: Mutex<State>,
@@ -193,7 +195,7 @@ pub async fn run(config: StaticConfig, state_dir: Option<PathBuf>) -> Result<(),
     let shared = Arc::new(Shared {
         started: Instant::now(),
         token: config.effective_token(),
-        pfs: config.pfs_dir.clone().map(crate::pfs::PfsStore::new),
+        pfs: config.pfs_dir.clone().map(icheck_core::pfs::PfsStore::new),
         heartbeat: config.heartbeat(),
         missed: config.missed_heartbeats,
         state: Mutex::new(State { next_agent: 1, ..State::default() }),
@@ -287,13 +289,13 @@ async fn watch_liveness(shared: Arc<Shared>) {
 }
 
 async fn serve_connection(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), ProtocolError> {
-    let hello: Hello = protocol::recv_timeout(&mut stream, HELLO_TIMEOUT).await?;
+    let hello: Hello = framing::recv_timeout(&mut stream, HELLO_TIMEOUT).await?;
     if let Err(reason) = protocol::check_hello(&hello, &shared.token) {
         tracing::warn!(%reason, "refused a peer");
-        protocol::send(&mut stream, &HelloReply::Refused(reason)).await?;
+        framing::send(&mut stream, &HelloReply::Refused(reason)).await?;
         return Ok(());
     }
-    protocol::send(&mut stream, &HelloReply::Welcome).await?;
+    framing::send(&mut stream, &HelloReply::Welcome).await?;
     match hello.role {
         Role::Manager => serve_manager(shared, stream).await,
         Role::Client => serve_client(shared, stream).await,
@@ -302,11 +304,11 @@ async fn serve_connection(shared: Arc<Shared>, mut stream: TcpStream) -> Result<
 
 async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), ProtocolError> {
     let (mut reader, mut writer) = stream.into_split();
-    let (node, pid, status) = match protocol::recv_timeout(&mut reader, HELLO_TIMEOUT).await? {
+    let (node, pid, status) = match framing::recv_timeout(&mut reader, HELLO_TIMEOUT).await? {
         ManagerToController::Register { node, pid, status } => (node, pid, status),
         other => {
             let reason = format!("expected Register, got {other:?}");
-            protocol::send(&mut writer, &ControllerToManager::Rejected(reason.clone())).await?;
+            framing::send(&mut writer, &ControllerToManager::Rejected(reason.clone())).await?;
             return Err(ProtocolError::Unexpected { peer: "manager".into(), what: reason });
         }
     };
@@ -344,21 +346,21 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
     let connection = match admitted {
         Ok(connection) => connection,
         Err(reason) => {
-            protocol::send(&mut writer, &ControllerToManager::Rejected(reason.clone())).await?;
+            framing::send(&mut writer, &ControllerToManager::Rejected(reason.clone())).await?;
             return Err(ProtocolError::Refused { peer: node, reason });
         }
     };
     tracing::info!(%node, pid, "manager registered");
-    protocol::send(&mut writer, &ControllerToManager::Registered).await?;
+    framing::send(&mut writer, &ControllerToManager::Registered).await?;
     let writer_task = tokio::spawn(async move {
         while let Some(message) = rx.recv().await {
-            if protocol::send(&mut writer, &message).await.is_err() {
+            if framing::send(&mut writer, &message).await.is_err() {
                 break;
             }
         }
     });
     let result = loop {
-        let message: ManagerToController = match protocol::recv(&mut reader).await {
+        let message: ManagerToController = match framing::recv(&mut reader).await {
             Ok(message) => message,
             Err(err) => break Err(err),
         };
@@ -430,7 +432,7 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
 
 async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), ProtocolError> {
     loop {
-        let request: ClientRequest = protocol::recv(&mut stream).await?;
+        let request: ClientRequest = framing::recv(&mut stream).await?;
         let reply = match request {
             ClientRequest::Status => ClientReply::Status(status_report(&shared)),
             ClientRequest::RegisterApp(registration) => {
@@ -451,7 +453,7 @@ async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), 
             ClientRequest::DeleteApp { name } => delete_app(&shared, &name).await,
             ClientRequest::DrainNode { node, drain } => drain_node(&shared, &node, drain),
         };
-        protocol::send(&mut stream, &reply).await?;
+        framing::send(&mut stream, &reply).await?;
     }
 }
 
@@ -499,7 +501,7 @@ async fn register_app(
     shared: &Shared,
     registration: protocol::AppRegistration,
 ) -> Result<(Vec<AgentInfo>, Option<VersionRecord>), String> {
-    crate::format::check_app_name(&registration.name).map_err(|e| e.to_string())?;
+    icheck_core::format::check_app_name(&registration.name).map_err(|e| e.to_string())?;
     if registration.ranks == 0 || registration.nodes == 0 {
         return Err(format!("application {:?} registered with 0 ranks or 0 nodes", registration.name));
     }
@@ -696,7 +698,7 @@ fn pfs_copied(
     shared: &Arc<Shared>,
     agent: u64,
     version: u64,
-    result: Result<(Vec<crate::pfs::RankEntry>, PfsCopyStats), String>,
+    result: Result<(Vec<icheck_core::pfs::RankEntry>, PfsCopyStats), String>,
 ) {
     let mut state = shared.state();
     let Some((name, app)) = state.apps.iter_mut().find(|(_, a)| a.agents.iter().any(|x| x.id == agent)) else {
@@ -1172,7 +1174,7 @@ fn drop_moved_ranks<'a>(nodes: &BTreeMap<String, NodeEntry>, app: &str, ranks: i
 /// Operators: stop the application's agents, delete its files from agent
 /// memory and the PFS, and forget it.
 async fn delete_app(shared: &Arc<Shared>, name: &str) -> ClientReply {
-    if let Err(err) = crate::format::check_app_name(name) {
+    if let Err(err) = icheck_core::format::check_app_name(name) {
         return ClientReply::Error(err.to_string());
     }
     let known = stop_and_forget(&mut shared.state(), name);

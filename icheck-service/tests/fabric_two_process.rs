@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use icheck_core::fabric::{
     libfabric_version, Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, RmaOp, TransferOptions,
 };
-use icheck_core::selftest::{verify_pattern, TargetProcess};
+use icheck_service::selftest::{verify_pattern, TargetProcess};
 
 const ICHECK: &str = env!("CARGO_BIN_EXE_icheck");
 

@@ -14,8 +14,9 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
+use icheck_core::protocol::StatusReport;
+
 use super::{wait_for, ChildGuard};
-use crate::protocol::StatusReport;
 
 /// Clusters started by this process (names and subnets differ per cluster).
 static CLUSTERS: AtomicU32 = AtomicU32::new(0);

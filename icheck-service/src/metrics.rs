@@ -14,7 +14,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::protocol::StatusReport;
+use icheck_core::protocol::StatusReport;
 
 /// Longest request head accepted.
 const MAX_REQUEST: usize = 8192;
@@ -275,7 +275,7 @@ async fn answer(mut stream: TcpStream, report: impl Fn() -> StatusReport) -> std
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::{NodeReport, NodeStatus};
+    use icheck_core::protocol::{NodeReport, NodeStatus};
 
     #[test]
     fn unavailable_metrics_are_left_out_and_labels_escaped() {

@@ -1,0 +1,39 @@
+//! Control-plane frames on tokio streams, for the controller's and the
+//! manager's connections. The bytes are [`protocol::encode_frame`]'s and the
+//! prefix check is [`protocol::frame_len`], the ones the blocking side uses.
+
+#![forbid(unsafe_code)]
+
+use std::time::Duration;
+
+use icheck_core::protocol::{self, ProtocolError, MAX_FRAME};
+use serde::{de::DeserializeOwned, Serialize};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// Writes one message as a frame.
+pub async fn send<W: AsyncWriteExt + Unpin, T: Serialize>(writer: &mut W, message: &T) -> Result<(), ProtocolError> {
+    writer.write_all(&protocol::encode_frame(message)?).await?;
+    writer.flush().await?;
+    Ok(())
+}
+
+/// Reads one frame and decodes it.
+pub async fn recv<R: AsyncReadExt + Unpin, T: DeserializeOwned>(reader: &mut R) -> Result<T, ProtocolError> {
+    let mut prefix = [0u8; 4];
+    match reader.read_exact(&mut prefix).await {
+        Ok(_) => {}
+        Err(err) if err.kind() == std::io::ErrorKind::UnexpectedEof => return Err(ProtocolError::Closed),
+        Err(err) => return Err(err.into()),
+    }
+    let mut payload = vec![0u8; protocol::frame_len(prefix, MAX_FRAME)?];
+    reader.read_exact(&mut payload).await?;
+    protocol::decode(&payload)
+}
+
+/// [`recv`] with a deadline.
+pub async fn recv_timeout<R: AsyncReadExt + Unpin, T: DeserializeOwned>(
+    reader: &mut R,
+    timeout: Duration,
+) -> Result<T, ProtocolError> {
+    tokio::time::timeout(timeout, recv(reader)).await.map_err(|_| ProtocolError::Timeout(timeout))?
+}
