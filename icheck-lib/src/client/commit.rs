@@ -1,0 +1,380 @@
+//! Commit: the blocking data paths (zero-copy, pipelined), the async path
+//! and its background thread, and completing a version with the controller
+//! once every rank has sealed. Every path moves its bytes through the one
+//! sequence in `link.rs` (`commit_version`).
+
+use super::*;
+
+/// What a background commit thread hands back.
+pub(super) struct Background {
+    pub(super) link: AgentLink,
+    pub(super) staging: Option<RegisteredBuffer>,
+    pub(super) segment_region: Option<MemoryRegion>,
+    pub(super) result: Result<()>,
+}
+
+/// A background commit. Processes without a transfer of their own (SHMR
+/// non-leaders) have no thread but still complete the version in `wait`.
+pub(super) struct InFlight {
+    pub(super) version: u64,
+    pub(super) started: Instant,
+    pub(super) bytes: u64,
+    pub(super) handle: Option<JoinHandle<Background>>,
+}
+
+pub(super) fn layouts(labels: &[Label], lens: &[usize]) -> Vec<LabelLayout> {
+    let mut offset = 0u64;
+    labels
+        .iter()
+        .zip(lens)
+        .map(|(label, len)| {
+            let layout = LabelLayout {
+                label: label.name.clone(),
+                kind: label.source.kind(),
+                offset,
+                len: *len as u64,
+                adapt: label.adapt.clone(),
+            };
+            offset += *len as u64;
+            layout
+        })
+        .collect()
+}
+
+impl Icheck {
+    /// Checkpoints every added label as the next version (*collective*).
+    /// Blocking mode returns when the version is complete; asynchronous mode
+    /// returns once the data is staged. A commit while another is in flight
+    /// waits for it first. Returns the version number.
+    pub fn commit(&mut self) -> Result<u64> {
+        self.check_open()?;
+        self.wait()?;
+        self.release_restart();
+        self.check_global_labels()?;
+        let version = self.next_version;
+        self.next_version += 1;
+        let span = tracing::info_span!("commit", app = %self.app, rank = self.comm.rank(), version);
+        let _entered = span.enter();
+        let started = Instant::now();
+        // Every rank must take the same branch (both are collective): the
+        // ranks' clocks differ, so they agree on whether t_wait has passed.
+        if self.fallback.is_some() && self.comm.all_true(self.fallback_tried.elapsed() >= self.t_wait) {
+            self.try_service_again();
+        }
+        if self.fallback.is_some() {
+            self.commit_fallback(version)?;
+            return Ok(version);
+        }
+        if self.mode == TransferMode::Shmr {
+            let stored = self.store_shmr(version, started);
+            if self.asynchronous {
+                let ok = self.comm.all_true(stored.is_ok());
+                return match (stored, ok) {
+                    (Ok(_), true) => Ok(version),
+                    (Err(err), _) => Err(err),
+                    (Ok(_), false) => {
+                        let _ = self.finish_in_flight();
+                        Err(self.incomplete(version, "another rank failed to stage its data".into()))
+                    }
+                };
+            }
+            self.complete_or_fall_back(version, stored, started)?;
+            return Ok(version);
+        }
+        if self.asynchronous {
+            let staged = self.stage_async(version, started);
+            let ok = self.comm.all_true(staged.is_ok());
+            return match (staged, ok) {
+                (Ok(()), true) => Ok(version),
+                (Err(err), _) => Err(err),
+                (Ok(()), false) => {
+                    // Others failed: finish ours, then report.
+                    let _ = self.finish_in_flight();
+                    Err(self.incomplete(version, "another rank failed to stage its data".into()))
+                }
+            };
+        }
+        let stored = if self.zero_copy { self.store_zero_copy(version) } else { self.store_pipelined(version) };
+        self.complete_or_fall_back(version, stored, started)?;
+        Ok(version)
+    }
+
+    /// Completes a blocking commit; when some rank's agent failed it and a
+    /// PFS is configured, every rank writes the version directly to the PFS
+    /// instead (§6.5.1) and keeps doing so until the service answers again
+    /// (tried every `t_wait`).
+    pub(super) fn complete_or_fall_back(&mut self, version: u64, stored: Result<u64>, started: Instant) -> Result<()> {
+        let all_stored = self.comm.all_true(stored.is_ok());
+        if !all_stored {
+            if let Some(pfs) = self.pfs.clone() {
+                // Rank 0 announces the switch (once, not per commit); other
+                // ranks only say what failed on their side.
+                let cause = stored.as_ref().err().map(|e| e.to_string());
+                if self.comm.rank() == 0 {
+                    tracing::warn!(
+                        err = cause.as_deref().unwrap_or("another rank's agent failed"),
+                        pfs = %pfs.root().display(),
+                        "an agent failed during a commit: checkpoints go directly to the PFS until the service answers again"
+                    );
+                } else if let Some(err) = cause {
+                    tracing::warn!(%err, "this rank's agent failed during a commit");
+                }
+                self.link = None;
+                self.fallback = Some(pfs);
+                self.fallback_tried = Instant::now();
+                return self.commit_fallback(version);
+            }
+        }
+        let bytes = *stored.as_ref().unwrap_or(&0);
+        self.complete_agreed(version, stored.map(|_| ()), all_stored, bytes, started)
+    }
+
+    pub(super) fn incomplete(&self, version: u64, detail: String) -> Error {
+        let previous = self.latest.as_ref().map_or("no version".to_string(), |l| format!("version {}", l.version));
+        Error::Incomplete { version, detail, previous }
+    }
+
+    /// Agrees with all ranks, records the version at the controller and
+    /// lets agents drop older versions.
+    pub(super) fn complete(&mut self, version: u64, local: Result<()>, bytes: u64, started: Instant) -> Result<()> {
+        let all_ok = self.comm.all_true(local.is_ok());
+        self.complete_agreed(version, local, all_ok, bytes, started)
+    }
+
+    /// [`Self::complete`] once the ranks agreed whether all stored their data.
+    pub(super) fn complete_agreed(
+        &mut self,
+        version: u64,
+        local: Result<()>,
+        all_ok: bool,
+        bytes: u64,
+        started: Instant,
+    ) -> Result<()> {
+        local?;
+        if !all_ok {
+            return Err(self.incomplete(version, "another rank failed to store its data".into()));
+        }
+        let total = self.comm.sum(bytes);
+        let spilled = self.comm.sum(u64::from(self.link.as_ref().is_some_and(|l| l.spilled))) > 0;
+        let secs = started.elapsed().as_secs_f64();
+        let mut recorded = Ok(());
+        if let Some(controller) = self.controller.as_mut() {
+            let request = ClientRequest::VersionComplete {
+                name: self.app.clone(),
+                version,
+                bytes: total,
+                commit_secs: secs,
+                spilled,
+                epoch: self.epoch,
+            };
+            recorded = controller
+                .request(&request)
+                .map(|_| ())
+                .map_err(|error| Error::Controller { peer: self.controller_peer.clone(), error });
+        }
+        let all_recorded = self.comm.all_true(recorded.is_ok());
+        recorded?;
+        if !all_recorded {
+            return Err(self.incomplete(version, "rank 0 could not record it at the controller".into()));
+        }
+        let ranks = self.comm.size();
+        let epoch = self.epoch;
+        self.latest =
+            Some(VersionRecord { version, ranks, epoch, bytes: total, commit_secs: secs, completed_unix_ms: 0 });
+        if let Some(link) = self.link.as_mut() {
+            if let Err(err) = link.call(&AgentRequest::Complete { version }) {
+                tracing::warn!(%err, "agent could not drop older versions");
+            }
+        }
+        tracing::info!(bytes, total, secs, "version complete");
+        Ok(())
+    }
+
+    /// Registers each label's own memory and moves it without copies.
+    pub(super) fn store_zero_copy(&mut self, version: u64) -> Result<u64> {
+        let guards: Vec<_> = self.labels.iter().map(|l| l.source.bytes()).collect();
+        let lens: Vec<usize> = guards.iter().map(|g| g.len()).collect();
+        let layout = layouts(&self.labels, &lens);
+        let push = self.direction == TransferDirection::Push;
+        let access = if push { Access::LOCAL } else { Access::REMOTE_READ };
+        let mut regions: Vec<(usize, MemoryRegion)> = Vec::new();
+        for (index, guard) in guards.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
+            // SAFETY: the read guard keeps the memory alive and unmodified
+            // until after `regions` (declared later, dropped first) is gone.
+            // The provider only reads it: pull registers it for remote reads,
+            // push uses it as the source of writes.
+            let region = unsafe { self.endpoint.register_raw(guard.as_ptr().cast_mut(), guard.len(), access)? };
+            regions.push((index, region));
+        }
+        let header = VersionHeader { version, shape: self.shape(self.comm.size()), layout: layout.clone(), push };
+        let link = self.link.as_mut().ok_or(Error::Order("no agent session"))?;
+        let slices: Vec<&[u8]> = guards.iter().map(|g| &***g).collect();
+        let pieces: Vec<Piece<'_>> = regions
+            .iter()
+            .map(|(index, region)| Piece {
+                source: region.source(),
+                remote: region.remote(),
+                local_offset: 0,
+                file_offset: layout[*index].offset,
+                len: region.len(),
+            })
+            .collect();
+        let moved = commit_version(link, &self.endpoint, header, &slices, |mover| mover.send(&pieces))?;
+        drop(regions);
+        drop(guards);
+        Ok(moved)
+    }
+
+    /// A registered staging buffer of at least `len` bytes.
+    pub(super) fn staging(&mut self, len: usize) -> Result<RegisteredBuffer> {
+        match self.staging.take() {
+            Some(buffer) if buffer.len() >= len => Ok(buffer),
+            _ => Ok(self.endpoint.register(AlignedBuffer::zeroed(len.max(4096)), Access::REMOTE_READ)?),
+        }
+    }
+
+    /// Streams the labels through the two halves of the bounded staging
+    /// buffer: one half is filled while the other is transferred.
+    pub(super) fn store_pipelined(&mut self, version: u64) -> Result<u64> {
+        let mut staging = self.staging(self.staging_size)?;
+        let result = self.pipeline(version, &mut staging);
+        self.staging = Some(staging);
+        result
+    }
+
+    pub(super) fn pipeline(&mut self, version: u64, staging: &mut RegisteredBuffer) -> Result<u64> {
+        let guards: Vec<_> = self.labels.iter().map(|l| l.source.bytes()).collect();
+        let lens: Vec<usize> = guards.iter().map(|g| g.len()).collect();
+        let layout = layouts(&self.labels, &lens);
+        let total: usize = lens.iter().sum();
+        let push = self.direction == TransferDirection::Push;
+        let header = VersionHeader { version, shape: self.shape(self.comm.size()), layout, push };
+        let link = self.link.as_mut().ok_or(Error::Order("no agent session"))?;
+        let half = staging.len() / 2;
+        let base = staging.as_mut_slice().as_mut_ptr() as usize;
+        let (remote, source) = (staging.remote(), staging.source());
+        // Halves go to the transfer thread as (half, file offset, len) and
+        // come back free.
+        let (to_transfer, transfers) = mpsc::sync_channel::<(usize, u64, usize)>(2);
+        let (to_fill, free_halves) = mpsc::sync_channel::<usize>(2);
+        to_fill.send(0).and_then(|_| to_fill.send(1)).expect("channel has room for both halves");
+        let slices: Vec<&[u8]> = guards.iter().map(|g| &***g).collect();
+        commit_version(link, &self.endpoint, header, &slices, |mover| {
+            std::thread::scope(|scope| {
+                let transfer = scope.spawn(move || -> Result<u64> {
+                    let mut moved = 0;
+                    for (which, file_offset, len) in transfers {
+                        let local_offset = which * half;
+                        moved += mover.send(&[Piece { source, remote, local_offset, file_offset, len }])?;
+                        if to_fill.send(which).is_err() {
+                            break;
+                        }
+                    }
+                    Ok(moved)
+                });
+                // Fill halves in order from the labels' bytes.
+                let mut file_offset = 0usize;
+                let mut pieces = guards.iter().flat_map(|g| g.chunks(half.max(1))).peekable();
+                let mut pending: Option<&[u8]> = None;
+                'fill: while file_offset < total {
+                    let Ok(which) = free_halves.recv() else { break };
+                    let mut filled = 0usize;
+                    while filled < half {
+                        let piece = match pending.take().or_else(|| pieces.next()) {
+                            Some(piece) => piece,
+                            None => break,
+                        };
+                        let take = piece.len().min(half - filled);
+                        // SAFETY: the destination lies inside half `which` of the
+                        // staging buffer (filled + take <= half), which the
+                        // transfer thread does not touch until it receives it below.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                piece.as_ptr(),
+                                (base + which * half + filled) as *mut u8,
+                                take,
+                            );
+                        }
+                        filled += take;
+                        if take < piece.len() {
+                            pending = Some(&piece[take..]);
+                        }
+                    }
+                    if filled == 0 || to_transfer.send((which, file_offset as u64, filled)).is_err() {
+                        break 'fill;
+                    }
+                    file_offset += filled;
+                }
+                drop(to_transfer);
+                transfer.join().unwrap_or(Err(Error::Order("the transfer thread panicked")))
+            })
+        })
+    }
+
+    /// Async mode: copy everything into the staging buffer and let a thread
+    /// transfer and seal it.
+    pub(super) fn stage_async(&mut self, version: u64, started: Instant) -> Result<()> {
+        let lens: Vec<usize> = self.labels.iter().map(|l| l.source.bytes().len()).collect();
+        let total: usize = lens.iter().sum();
+        let mut staging = self.staging(total)?;
+        {
+            let out = staging.as_mut_slice();
+            let mut offset = 0;
+            for label in &self.labels {
+                let bytes = label.source.bytes();
+                out[offset..offset + bytes.len()].copy_from_slice(&bytes);
+                offset += bytes.len();
+            }
+        }
+        let layout = layouts(&self.labels, &lens);
+        let mut link = self.link.take().ok_or(Error::Order("no agent session"))?;
+        let push = self.direction == TransferDirection::Push;
+        let (endpoint, shape) = (self.endpoint.clone(), self.shape(self.comm.size()));
+        let span = tracing::Span::current();
+        let handle = std::thread::Builder::new()
+            .name("icheck-async-commit".into())
+            .spawn(move || {
+                let _entered = span.enter();
+                let bytes = &staging.as_slice()[..total];
+                let header = VersionHeader { version, shape, layout, push };
+                let registered = Some((staging.source(), staging.remote()));
+                let result = commit_buffer(&mut link, &endpoint, header, registered, bytes).map(|_| ());
+                Background { link, staging: Some(staging), segment_region: None, result }
+            })
+            .map_err(|e| Error::Unsupported(format!("cannot start the async commit thread: {e}")))?;
+        self.in_flight = Some(InFlight { version, started, bytes: total as u64, handle: Some(handle) });
+        Ok(())
+    }
+
+    /// Joins the background commit: (version, start, bytes, its result).
+    pub(super) fn finish_in_flight(&mut self) -> Option<(u64, Instant, u64, Result<()>)> {
+        let InFlight { version, started, bytes, handle } = self.in_flight.take()?;
+        let result = match handle.map(JoinHandle::join) {
+            None => Ok(()),
+            Some(Ok(background)) => {
+                self.link = Some(background.link);
+                if background.staging.is_some() {
+                    self.staging = background.staging;
+                }
+                if background.segment_region.is_some() {
+                    self.segment_region = background.segment_region;
+                }
+                background.result
+            }
+            Some(Err(_)) => Err(Error::Order("the async commit thread panicked")),
+        };
+        Some((version, started, bytes, result))
+    }
+
+    /// Whether the background commit has finished its transfer (this rank
+    /// only; `wait` completes the version for all ranks).
+    pub fn test(&self) -> bool {
+        self.in_flight.as_ref().and_then(|f| f.handle.as_ref()).is_none_or(|h| h.is_finished())
+    }
+
+    /// Waits for a background commit and completes its version (*collective*).
+    pub fn wait(&mut self) -> Result<()> {
+        let Some((version, started, bytes, result)) = self.finish_in_flight() else { return Ok(()) };
+        self.complete(version, result, bytes, started)
+    }
+}

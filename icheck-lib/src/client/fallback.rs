@@ -1,0 +1,134 @@
+//! The PFS fallback: while the service is unreachable, versions go straight
+//! to the PFS level in the agents' format, and the service is tried again
+//! every `T_wait`.
+
+use super::*;
+
+impl Icheck {
+    /// Fallback commit (*collective*): one writer per node (thesis §9.4.1.4)
+    /// writes every process's file of that node to the PFS partial version,
+    /// then rank 0 completes it from the entries.
+    pub(super) fn commit_fallback(&mut self, version: u64) -> Result<()> {
+        let pfs = self.fallback.clone().expect("fallback mode");
+        let (rank, ranks) = (self.comm.rank(), self.comm.size());
+        let fail = |e: icheck_core::pfs::PfsError| Error::Unsupported(format!("fallback write to the PFS: {e}"));
+        let started = Instant::now();
+        let written = self.write_node_to_pfs(&pfs, version);
+        let write_ms = started.elapsed().as_secs_f64() * 1e3;
+        if !self.comm.all_true(written.is_ok()) {
+            written?;
+            return Err(self.incomplete(version, "another rank could not write its data to the PFS".into()));
+        }
+        let completed = if rank == 0 {
+            let completed = pfs
+                .partial_entries(&self.app, version, ranks)
+                .and_then(|entries| pfs.complete(&self.app, version, ranks, "library", entries))
+                .map_err(fail);
+            if completed.is_ok() {
+                // This job is the only writer now: older partial versions
+                // (a killed run's, a failed copy's) can never complete.
+                if let Err(err) = pfs.remove_stale_partials(&self.app, version, &Default::default()) {
+                    tracing::warn!(%err, "cannot remove abandoned partial PFS versions");
+                }
+            }
+            completed
+        } else {
+            Ok(())
+        };
+        if !self.comm.all_true(completed.is_ok()) {
+            completed?;
+            return Err(self.incomplete(version, "rank 0 could not complete the version on the PFS".into()));
+        }
+        let epoch = self.epoch;
+        self.latest = Some(VersionRecord { version, ranks, epoch, bytes: 0, commit_secs: 0.0, completed_unix_ms: 0 });
+        let total_ms = started.elapsed().as_secs_f64() * 1e3;
+        tracing::info!(version, write_ms, total_ms, "version written directly to the PFS");
+        Ok(())
+    }
+
+    /// The node's processes stage their labels in the node segment, and the
+    /// node leader writes one file per process from there: fewer writers
+    /// contend for the PFS, and the on-disk format stays per rank.
+    pub(super) fn write_node_to_pfs(&mut self, pfs: &icheck_core::pfs::PfsStore, version: u64) -> Result<()> {
+        let staging = Instant::now();
+        let (staged, _) = self.stage_in_segment()?;
+        tracing::debug!(stage_ms = staging.elapsed().as_secs_f64() * 1e3, "staged in the node segment");
+        if self.comm.node_rank() != 0 {
+            return Ok(());
+        }
+        let segment = self.segment.as_ref().expect("staged");
+        let bytes = segment.as_slice();
+        for (who, labels) in staged {
+            let parts: Vec<&[u8]> =
+                labels.iter().map(|l| &bytes[l.offset as usize..(l.offset + l.len) as usize]).collect();
+            let base = labels.first().map_or(0, |l| l.offset);
+            let manifest = Manifest {
+                app: self.app.clone(),
+                rank: who,
+                ranks: self.comm.size(),
+                epoch: self.epoch,
+                version,
+                total_len: parts.iter().map(|p| p.len() as u64).sum(),
+                chunk_size: CHUNK_SIZE,
+                crcs: label_crcs(&parts),
+                labels: labels.into_iter().map(|l| LabelLayout { offset: l.offset - base, ..l }).collect(),
+                sealed_unix_ms: 0,
+            };
+            pfs.write_rank_parts(&manifest, &parts)
+                .map_err(|e| Error::Unsupported(format!("fallback write to the PFS: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Opens this process's session with its agent among `agents`.
+    pub(super) fn open_own_link(&self, agents: &[AgentInfo]) -> Result<Option<AgentLink>> {
+        open_link(self.comm.as_ref(), self.mode, &self.endpoint, agents, &self.token, &self.app, self.connect_timeout)
+    }
+
+    /// Fallback (*collective*): tries to register with the service again;
+    /// when it answers with agents, every rank opens its session and the
+    /// library is back on RDMA (the service restarts from the PFS versions
+    /// written meanwhile, which use the agents' format).
+    pub(super) fn try_service_again(&mut self) {
+        self.fallback_tried = Instant::now();
+        let mut answer = Vec::new();
+        let mut connection = None;
+        if self.comm.rank() == 0 {
+            let result: std::result::Result<ClientReply, String> =
+                BlockingConnection::connect(&self.controller_peer, &self.token, self.connect_timeout)
+                    .and_then(|mut c| {
+                        c.set_timeout(CONTROLLER_TIMEOUT);
+                        let reply = c.request(&ClientRequest::RegisterApp(self.registration.clone()))?;
+                        connection = Some(c);
+                        Ok(reply)
+                    })
+                    .map_err(|e| e.to_string());
+            answer = protocol::encode(&result).unwrap_or_default();
+        }
+        let answer = self.comm.broadcast_from_root(answer);
+        let agents = match protocol::decode::<std::result::Result<ClientReply, String>>(&answer) {
+            Ok(Ok(ClientReply::Registered { agents, .. })) if !agents.is_empty() => agents,
+            _ => return, // still unreachable: keep writing to the PFS
+        };
+        let link = self.open_own_link(&agents);
+        if !self.comm.all_true(link.is_ok()) {
+            tracing::warn!("the service answered but not every rank reached its agent; staying on the PFS");
+            return;
+        }
+        tracing::warn!("the service is reachable again: checkpoints go to its agents");
+        self.link = link.ok().flatten();
+        self.agents = agents;
+        self.controller = connection;
+        self.fallback = None;
+    }
+
+    /// Fallback restart: this rank's data, verified, from the PFS.
+    pub(super) fn fetch_fallback(&mut self, version: u64) -> Result<u64> {
+        let pfs = self.fallback.clone().expect("fallback mode");
+        let fail = |e: icheck_core::pfs::PfsError| Error::Unsupported(format!("restart from the PFS: {e}"));
+        let manifest = pfs.manifest(&self.app, version).map_err(fail)?;
+        let (rank_manifest, data) = pfs.read_rank(&manifest, self.comm.rank()).map_err(fail)?;
+        self.restored = Some(Restored { manifest: rank_manifest, data: RestoredData::Local(data) });
+        Ok(version)
+    }
+}

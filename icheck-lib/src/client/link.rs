@@ -1,0 +1,232 @@
+//! The agent link: a rank's (or SHMR node leader's) session with its agent
+//! (Open, Begin, Pull, Seal) and `commit_version`, the one
+//! Begin → transfer while checksumming → Seal sequence every data path uses.
+
+use super::*;
+
+/// This rank's session with its agent.
+pub(super) struct AgentLink {
+    pub(super) info: AgentInfo,
+    pub(super) peer: Peer,
+    pub(super) conn: BlockingConnection,
+    /// The agent spilled the last sealed version to the PFS (its memory
+    /// budget was used up); the controller must have it copied.
+    pub(super) spilled: bool,
+}
+
+impl AgentLink {
+    pub(super) fn open(
+        endpoint: &Endpoint,
+        info: &AgentInfo,
+        token: &str,
+        app: &str,
+        rank: u32,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let fail = |message: String| Error::Agent {
+            agent: info.id,
+            node: info.node.clone(),
+            peer: info.control.clone(),
+            message,
+        };
+        let mut conn = BlockingConnection::connect(&info.control, token, timeout).map_err(|e| fail(e.to_string()))?;
+        conn.set_timeout(TRANSFER_TIMEOUT);
+        let peer = endpoint.insert_peer(&info.address)?;
+        let mut link = AgentLink { info: info.clone(), peer, conn, spilled: false };
+        link.call(&AgentRequest::Open { app: app.to_string(), rank, address: endpoint.address().clone() })?;
+        Ok(link)
+    }
+
+    pub(super) fn error(&self, message: String) -> Error {
+        Error::Agent { agent: self.info.id, node: self.info.node.clone(), peer: self.info.control.clone(), message }
+    }
+
+    pub(super) fn call(&mut self, request: &AgentRequest) -> Result<AgentReply> {
+        match self.conn.call::<_, AgentReply>(request) {
+            Ok(AgentReply::Error(message)) => Err(self.error(message)),
+            Ok(reply) => Ok(reply),
+            Err(err) => Err(self.error(err.to_string())),
+        }
+    }
+
+    pub(super) fn begin(
+        &mut self,
+        version: u64,
+        shape: Shape,
+        labels: Vec<LabelLayout>,
+        push: bool,
+    ) -> Result<RemoteRegion> {
+        let Shape { ranks, epoch } = shape;
+        match self.call(&AgentRequest::Begin { version, ranks, epoch, labels, push })? {
+            AgentReply::Target(region) => Ok(region),
+            other => Err(self.error(format!("unexpected answer to Begin: {other:?}"))),
+        }
+    }
+
+    /// Pull mode: the agent reads `segments` while this process drives its
+    /// endpoint's progress.
+    pub(super) fn pull(&mut self, endpoint: &Endpoint, segments: Vec<PullSegment>) -> Result<u64> {
+        let progress = ProgressThread::spawn(endpoint, ProgressMode::Spin)
+            .map_err(|e| self.error(format!("cannot start a progress thread: {e}")))?;
+        let reply = self.call(&AgentRequest::Pull(segments));
+        progress.stop();
+        match reply? {
+            AgentReply::Pulled { bytes } => Ok(bytes),
+            other => Err(self.error(format!("unexpected answer to Pull: {other:?}"))),
+        }
+    }
+
+    pub(super) fn seal(&mut self, crcs: Vec<Vec<u32>>) -> Result<Manifest> {
+        icheck_core::failpoint::hit("client.before_seal");
+        self.spilled = false;
+        match self.call(&AgentRequest::Seal { crcs })? {
+            AgentReply::Sealed(manifest) => Ok(manifest),
+            AgentReply::Spilled(manifest) => {
+                self.spilled = true;
+                Ok(manifest)
+            }
+            other => Err(self.error(format!("unexpected answer to Seal: {other:?}"))),
+        }
+    }
+}
+
+/// What a version is written by: the process count (node count in SHMR
+/// mode, where a node is one writer) and the resize epoch.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Shape {
+    pub(super) ranks: u32,
+    pub(super) epoch: u32,
+}
+
+/// Opens this process's session with its agent: in MR mode every rank's
+/// (agent by rank), in SHMR mode only the node leader's (agent by node, and
+/// the node index stands in for the rank).
+pub(super) fn open_link(
+    comm: &dyn Communicator,
+    mode: TransferMode,
+    endpoint: &Endpoint,
+    agents: &[AgentInfo],
+    token: &str,
+    app: &str,
+    timeout: Duration,
+) -> Result<Option<AgentLink>> {
+    let count = agents.len() as u32;
+    let (who, of) = match mode {
+        TransferMode::Mr => (comm.rank(), comm.size()),
+        TransferMode::Shmr if comm.node_rank() == 0 => (comm.node_index(), comm.node_counts().0),
+        TransferMode::Shmr => return Ok(None),
+    };
+    let mine = &agents[agent_for_rank(who, of, count) as usize];
+    AgentLink::open(endpoint, mine, token, app, who, timeout).map(Some)
+}
+
+/// One piece of a version on its way to the agent: registered local memory
+/// and where the piece goes in the version's file.
+#[derive(Clone, Copy)]
+pub(super) struct Piece<'a> {
+    /// The registered memory, as the source of the library's writes (push).
+    pub(super) source: LocalSource<'a>,
+    /// The same memory as the agent reads it (pull).
+    pub(super) remote: RemoteRegion,
+    /// Where the piece starts in that memory.
+    pub(super) local_offset: usize,
+    /// Where it goes in the version's file.
+    pub(super) file_offset: u64,
+    /// Its length in bytes.
+    pub(super) len: usize,
+}
+
+/// Moves pieces into the version [`commit_version`] began.
+pub(super) struct Mover<'l> {
+    link: &'l mut AgentLink,
+    endpoint: &'l Endpoint,
+    target: RemoteRegion,
+    push: bool,
+}
+
+impl Mover<'_> {
+    /// Moves `pieces`: the library writes each (push), or the agent reads
+    /// them all in one request while this process drives its endpoint's
+    /// progress (pull). Returns the bytes moved.
+    pub(super) fn send(&mut self, pieces: &[Piece<'_>]) -> Result<u64> {
+        if self.push {
+            let options = TransferOptions::default();
+            let mut moved = 0;
+            for piece in pieces {
+                let op = RmaOp {
+                    local_offset: piece.local_offset,
+                    remote: self.target,
+                    remote_offset: piece.file_offset,
+                    len: piece.len,
+                };
+                moved += self.endpoint.write(&self.link.peer, piece.source, &[op], &options)?.bytes;
+            }
+            return Ok(moved);
+        }
+        let segments = pieces
+            .iter()
+            .map(|piece| PullSegment {
+                source: piece.remote,
+                source_offset: piece.local_offset as u64,
+                file_offset: piece.file_offset,
+                len: piece.len as u64,
+            })
+            .collect();
+        self.link.pull(self.endpoint, segments)
+    }
+}
+
+/// What a version is begun with at the agent.
+pub(super) struct VersionHeader {
+    pub(super) version: u64,
+    pub(super) shape: Shape,
+    pub(super) layout: Vec<LabelLayout>,
+    /// The library writes (push) rather than the agent reads (pull).
+    pub(super) push: bool,
+}
+
+/// The one commit sequence, whatever the data path: Begin at the agent;
+/// `transfer` moves the bytes through a [`Mover`] while another core
+/// checksums `labels` (the version's bytes label by label, in this
+/// process's memory: end to end, and off the transfer's path); then Seal
+/// with those checksums. Returns the bytes `transfer` moved.
+pub(super) fn commit_version(
+    link: &mut AgentLink,
+    endpoint: &Endpoint,
+    header: VersionHeader,
+    labels: &[&[u8]],
+    transfer: impl FnOnce(&mut Mover<'_>) -> Result<u64>,
+) -> Result<u64> {
+    let VersionHeader { version, shape, layout, push } = header;
+    let target = link.begin(version, shape, layout, push)?;
+    let (moved, crcs) = std::thread::scope(|scope| {
+        let checksums = scope.spawn(|| label_crcs(labels));
+        let moved = transfer(&mut Mover { link: &mut *link, endpoint, target, push });
+        let crcs = checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))?;
+        Ok::<_, Error>((moved?, crcs))
+    })?;
+    link.seal(crcs)?;
+    Ok(moved)
+}
+
+/// Commits a version whose bytes are one registered buffer (the async
+/// staging buffer, the SHMR node segment) as one piece, checksummed label
+/// by label of the header's layout. `registered` is `None` only when there
+/// are no bytes.
+pub(super) fn commit_buffer(
+    link: &mut AgentLink,
+    endpoint: &Endpoint,
+    header: VersionHeader,
+    registered: Option<(LocalSource<'_>, RemoteRegion)>,
+    bytes: &[u8],
+) -> Result<u64> {
+    let slices: Vec<&[u8]> =
+        header.layout.iter().map(|l| &bytes[l.offset as usize..(l.offset + l.len) as usize]).collect();
+    commit_version(link, endpoint, header, &slices, |mover| {
+        if bytes.is_empty() {
+            return Ok(0);
+        }
+        let (source, remote) = registered.ok_or(Error::Order("the bytes to send are not registered"))?;
+        mover.send(&[Piece { source, remote, local_offset: 0, file_offset: 0, len: bytes.len() }])
+    })
+}

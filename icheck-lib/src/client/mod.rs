@@ -1,0 +1,483 @@
+//! The client: registration with the controller, sessions with agents, and
+//! the commit and restart data paths.
+//!
+//! Data paths of one rank (its agent is `decide::agent_for_rank`):
+//! * zero-copy (blocking, `zero_copy = true`): each label's memory is
+//!   registered for the duration of the commit; the agent `fi_read`s it
+//!   (pull) or the library `fi_write`s it into the agent's file (push);
+//! * pipelined (blocking, `zero_copy = false`): labels stream through a
+//!   bounded staging buffer used as two halves, copying into one half while
+//!   the other is transferred;
+//! * asynchronous: labels are copied into a full-size staging buffer, the
+//!   commit returns, and a background thread transfers and seals; `wait()`
+//!   completes the version.
+
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use icheck_core::config::{ConfigError, StaticConfig, TransferDirection};
+use icheck_core::control::BlockingConnection;
+use icheck_core::control::ServiceError;
+use icheck_core::decide::agent_for_rank;
+use icheck_core::distribution::{Adapt, Attribute, GlobalLayout};
+use icheck_core::fabric::{
+    Access, AlignedBuffer, Domain, Endpoint, FabricError, LocalSource, MemoryRegion, Peer, ProgressMode,
+    ProgressThread, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
+};
+use icheck_core::format::{first_bad_chunk, label_crcs, CHUNK_BYTES, CHUNK_SIZE};
+use icheck_core::protocol::ProtocolError;
+use icheck_core::protocol::{
+    self, AgentInfo, AgentReply, AgentRequest, AppRegistration, ClientReply, ClientRequest, DataKind, LabelLayout,
+    Manifest, PullSegment, TransferMode, VersionRecord,
+};
+
+use crate::comm::Communicator;
+use crate::region::{as_bytes_mut, Element, RawSource, Region, Source};
+use crate::segment::NodeSegment;
+
+mod commit;
+mod error;
+mod fallback;
+mod link;
+mod resize;
+mod restart;
+mod shmr;
+
+use commit::{Background, InFlight};
+pub use error::Error;
+use error::Result;
+use link::{commit_buffer, commit_version, Piece, VersionHeader};
+use link::{open_link, AgentLink, Shape};
+pub use resize::Recalc;
+use resize::Resized;
+pub use resize::{Global, Recalculate, Replicated, Resize};
+use restart::{read_and_verify, Restored, RestoredData};
+
+/// Environment variable naming the configuration file when `init` gets none.
+pub const CONFIG_ENV: &str = "ICHECK_CONFIG";
+/// Configuration file used when neither `init` nor the environment names one.
+pub const DEFAULT_CONFIG: &str = "/etc/icheck/icheck.toml";
+/// How long a controller request may take (it may start agents: 15 s each
+/// at most on the controller's side).
+const CONTROLLER_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a data-path request may take (large transfers on slow fabrics).
+const TRANSFER_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// What `init` found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InitStatus {
+    /// No complete checkpoint exists: start from the beginning.
+    Fresh,
+    /// A complete checkpoint exists; `restart()` fetches it.
+    Restart {
+        /// Its version.
+        version: u64,
+    },
+}
+
+/// Hints for `probe_agents` (thesis §6.4.1).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ProbeHints {
+    /// Commits the application still expects to make (0 = unknown).
+    pub remaining_commits: u32,
+}
+
+/// What a probe changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProbeOutcome {
+    /// Same agents.
+    Unchanged,
+    /// The application now uses other agents; the next commit goes there.
+    Reconnected {
+        /// The new agent count.
+        agents: usize,
+    },
+}
+
+struct Label {
+    name: String,
+    source: Box<dyn Source>,
+    /// How a run with another process count restores it (adapt labels).
+    adapt: Option<icheck_core::distribution::Adapt>,
+    /// A VOLATILE label's recalculation.
+    recalc: Option<Recalc>,
+}
+
+/// A checkpointing application process.
+pub struct Icheck {
+    app: String,
+    token: String,
+    comm: Box<dyn Communicator>,
+    endpoint: Endpoint,
+    controller: Option<BlockingConnection>,
+    controller_peer: String,
+    agents: Vec<AgentInfo>,
+    /// This process's agent session: every rank in MR mode, node leaders
+    /// only in SHMR mode.
+    link: Option<AgentLink>,
+    mode: TransferMode,
+    /// Set while the service is unreachable: versions go straight to the
+    /// PFS in the same format the agents write.
+    fallback: Option<icheck_core::pfs::PfsStore>,
+    /// The PFS level (`PfsDir`), if configured: where fallback writes go and
+    /// where older versions are looked up when the newest cannot be read.
+    pfs: Option<icheck_core::pfs::PfsStore>,
+    /// Fallback: when the service was last tried, and how often to try.
+    fallback_tried: Instant,
+    t_wait: Duration,
+    /// What registration needs, to try the service again.
+    registration: AppRegistration,
+    /// SHMR, node leader: the segment's registration (renewed when it
+    /// grows). Declared before `segment` so it is dropped first.
+    segment_region: Option<MemoryRegion>,
+    /// SHMR: this node's shared segment (mapped by every node process).
+    segment: Option<NodeSegment>,
+    labels: Vec<Label>,
+    latest: Option<VersionRecord>,
+    /// Resize epoch of the versions this run writes: the newest version's,
+    /// plus one when this run's process count differs from its.
+    epoch: u32,
+    next_version: u64,
+    direction: TransferDirection,
+    zero_copy: bool,
+    staging_size: usize,
+    staging: Option<RegisteredBuffer>,
+    asynchronous: bool,
+    in_flight: Option<InFlight>,
+    restored: Option<Restored>,
+    /// What the agent said is damaged in the version `restart` fetched (MR).
+    restart_damage: Option<String>,
+    finalized: bool,
+    connect_timeout: Duration,
+}
+
+fn config_path(config: Option<&Path>) -> PathBuf {
+    match config {
+        Some(path) => path.to_path_buf(),
+        None => std::env::var_os(CONFIG_ENV).map_or_else(|| PathBuf::from(DEFAULT_CONFIG), PathBuf::from),
+    }
+}
+
+impl Icheck {
+    /// Registers the application with the service and opens this rank's
+    /// session with its agent (*collective*). `config` defaults to
+    /// `$ICHECK_CONFIG`, then `/etc/icheck/icheck.toml`.
+    pub fn init<C: Communicator + 'static>(
+        config: Option<&Path>,
+        app_name: &str,
+        comm: C,
+    ) -> Result<(Icheck, InitStatus)> {
+        let comm: Box<dyn Communicator> = Box::new(comm);
+        let path = config_path(config);
+        let config = StaticConfig::load(&path)?;
+        let client = config.client.clone();
+        let direction = match std::env::var("ICHECK_TRANSFER").ok().as_deref() {
+            Some("push") => TransferDirection::Push,
+            Some("pull") => TransferDirection::Pull,
+            _ => client.transfer,
+        };
+        let mode = match std::env::var("ICHECK_MODE").ok().as_deref() {
+            Some("shmr") => TransferMode::Shmr,
+            Some("mr") => TransferMode::Mr,
+            _ => client.mode,
+        };
+        let zero_copy = match std::env::var("ICHECK_ZERO_COPY").ok().as_deref() {
+            Some("0") | Some("false") => false,
+            Some("1") | Some("true") => true,
+            _ => client.zero_copy,
+        };
+        let staging_size = match std::env::var("ICHECK_STAGING_BUFFER") {
+            Ok(text) => text
+                .parse::<icheck_core::units::ByteSize>()
+                .map_err(|e| Error::Unsupported(format!("environment variable ICHECK_STAGING_BUFFER: {e}")))?,
+            Err(_) => client.staging_buffer,
+        };
+        let pfs_interval = match std::env::var("ICHECK_PFS_INTERVAL") {
+            Ok(text) => text.parse::<u32>().map_err(|_| {
+                Error::Unsupported(format!("environment variable ICHECK_PFS_INTERVAL: {text:?} is not a number"))
+            })?,
+            Err(_) => client.pfs_interval,
+        };
+        let mut client = client;
+        if let Ok(text) = std::env::var("ICHECK_COMPRESSION") {
+            client.compression = text;
+        }
+        let compression = client.compression().map_err(|expected| ConfigError::Invalid {
+            file: path.clone(),
+            key: "client.compression (or ICHECK_COMPRESSION)",
+            expected,
+        })?;
+        let t_wait = match std::env::var("ICHECK_T_WAIT") {
+            Ok(text) => text.parse::<f64>().ok().filter(|t| *t >= 0.0).ok_or_else(|| {
+                Error::Unsupported(format!("environment variable ICHECK_T_WAIT: {text:?} is not a number of seconds"))
+            })?,
+            Err(_) => client.t_wait.max(0.0),
+        };
+        let t_wait = Duration::from_secs_f64(t_wait);
+        let token = config.effective_token();
+        let connect_timeout = Duration::from_secs_f64(client.connect_timeout.max(0.1));
+        let (rank, size) = (comm.rank(), comm.size());
+        let span = tracing::info_span!("icheck", app = app_name, rank);
+        let _entered = span.enter();
+        let domain = Domain::open(&config.fabric)?;
+        let endpoint = Endpoint::new(&domain)?;
+
+        // Rank 0 registers; everyone learns the outcome (or the error).
+        let controller_peer = config.controller_endpoint();
+        let mut controller = None;
+        let mut answer = Vec::new();
+        let (nodes, per_node) = comm.node_counts();
+        let registration = AppRegistration {
+            name: app_name.to_string(),
+            ranks: size,
+            nodes,
+            ranks_per_node: per_node,
+            mode,
+            pfs_interval,
+            compression,
+        };
+        if rank == 0 {
+            let outcome = BlockingConnection::connect(&controller_peer, &token, connect_timeout).and_then(|mut c| {
+                // Registrations and probes may wait for managers to start agents.
+                c.set_timeout(CONTROLLER_TIMEOUT);
+                let reply = c.request(&ClientRequest::RegisterApp(registration.clone()))?;
+                Ok((c, reply))
+            });
+            let result: std::result::Result<ClientReply, String> = match outcome {
+                Ok((connection, reply)) => {
+                    controller = Some(connection);
+                    Ok(reply)
+                }
+                // §6.5.1: no service, but a PFS: keep the application running
+                // by writing versions there directly (an empty agent list).
+                Err(err @ ServiceError::Io { .. }) | Err(err @ ServiceError::Protocol(ProtocolError::Timeout(_)))
+                    if config.pfs_dir.is_some() =>
+                {
+                    let pfs = icheck_core::pfs::PfsStore::new(config.pfs_dir.clone().expect("checked"));
+                    tracing::warn!(
+                        controller = %controller_peer,
+                        %err,
+                        pfs = %config.pfs_dir.as_ref().expect("checked").display(),
+                        "controller unreachable: checkpoints go directly to the PFS"
+                    );
+                    pfs.latest_record(app_name)
+                        .map(|latest| ClientReply::Registered { agents: Vec::new(), latest })
+                        .map_err(|e| e.to_string())
+                }
+                Err(err) => Err(err.to_string()),
+            };
+            answer = protocol::encode(&result).unwrap_or_default();
+        }
+        let answer = comm.broadcast_from_root(answer);
+        let result: std::result::Result<ClientReply, String> =
+            protocol::decode(&answer).unwrap_or_else(|e| Err(format!("undecodable registration answer: {e}")));
+        let (agents, latest) = match result {
+            Ok(ClientReply::Registered { agents, latest }) if !agents.is_empty() || config.pfs_dir.is_some() => {
+                (agents, latest)
+            }
+            Ok(other) => {
+                return Err(Error::Controller {
+                    peer: controller_peer,
+                    error: ServiceError::Remote(format!("unexpected answer to RegisterApp: {other:?}")),
+                })
+            }
+            Err(message) => {
+                return Err(Error::Controller { peer: controller_peer, error: ServiceError::Remote(message) })
+            }
+        };
+        let fallback =
+            agents.is_empty().then(|| icheck_core::pfs::PfsStore::new(config.pfs_dir.clone().expect("checked")));
+        let link = if fallback.is_some() {
+            Ok(None)
+        } else {
+            open_link(comm.as_ref(), mode, &endpoint, &agents, &token, app_name, connect_timeout)
+        };
+        let all_ok = comm.all_true(link.is_ok());
+        let link = link?;
+        if !all_ok {
+            return Err(Error::Incomplete {
+                version: 0,
+                detail: "another rank could not reach its agent during init".into(),
+                previous: "nothing".into(),
+            });
+        }
+        let status = match &latest {
+            Some(record) => InitStatus::Restart { version: record.version },
+            None => InitStatus::Fresh,
+        };
+        let agent = link.as_ref().map(|l| l.info.id);
+        tracing::info!(?status, ?agent, ?direction, ?mode, zero_copy, "initialised");
+        drop(_entered);
+        let next_version = latest.as_ref().map_or(1, |l| l.version + 1);
+        let epoch = latest.as_ref().map_or(0, |l| l.epoch + u32::from(l.ranks != size));
+        let icheck = Icheck {
+            app: app_name.to_string(),
+            token,
+            comm,
+            endpoint,
+            controller,
+            controller_peer,
+            agents,
+            link,
+            mode,
+            fallback,
+            fallback_tried: Instant::now(),
+            pfs: config.pfs_dir.clone().map(icheck_core::pfs::PfsStore::new),
+            t_wait,
+            registration,
+            segment: None,
+            segment_region: None,
+            labels: Vec::new(),
+            latest,
+            epoch,
+            next_version,
+            direction,
+            zero_copy,
+            staging_size: (staging_size.0 as usize).max(8192),
+            staging: None,
+            asynchronous: false,
+            in_flight: None,
+            restored: None,
+            restart_damage: None,
+            finalized: false,
+            connect_timeout,
+        };
+        Ok((icheck, status))
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.finalized {
+            return Err(Error::Order("the library was finalized; call init again"));
+        }
+        Ok(())
+    }
+
+    fn add_source(&mut self, label: &str, source: Box<dyn Source>) -> Result<()> {
+        self.check_open()?;
+        if label.is_empty() || label.len() > 255 {
+            return Err(Error::BadLabel(label.to_string()));
+        }
+        match self.labels.iter_mut().find(|l| l.name == label) {
+            Some(existing) => {
+                existing.source = source;
+                existing.adapt = None;
+                existing.recalc = None;
+            }
+            None => self.labels.push(Label { name: label.to_string(), source, adapt: None, recalc: None }),
+        }
+        Ok(())
+    }
+
+    /// Adds (or replaces) a labelled region. Labels are unique per rank;
+    /// adding a label again replaces its region, and the next commit uses it.
+    pub fn add<T: Element>(&mut self, label: &str, region: &Region<T>) -> Result<()> {
+        self.add_source(label, Box::new(region.clone()))
+    }
+
+    /// Adds raw memory under `label`.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes until the
+    /// label is replaced or the library finalized, and the memory must not be
+    /// written by anyone else while a library call runs.
+    pub unsafe fn add_raw(&mut self, label: &str, ptr: *mut u8, len: usize, kind: DataKind) -> Result<()> {
+        self.add_source(label, Box::new(RawSource { ptr, len, kind }))
+    }
+
+    /// Chooses asynchronous commits: `commit` returns once the data is
+    /// staged, and `wait` completes the version.
+    pub fn set_async(&mut self, asynchronous: bool) {
+        self.asynchronous = asynchronous;
+    }
+
+    /// Newest complete version known to this process.
+    pub fn latest_version(&self) -> Option<u64> {
+        self.latest.as_ref().map(|l| l.version)
+    }
+
+    /// This process's rank in the communicator.
+    pub fn rank(&self) -> u32 {
+        self.comm.rank()
+    }
+
+    /// What this run's versions are written by (`ranks` writers).
+    fn shape(&self, ranks: u32) -> Shape {
+        Shape { ranks, epoch: self.epoch }
+    }
+
+    /// Resize epoch of the versions this run writes (see
+    /// `VersionRecord::epoch`).
+    pub fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
+    fn link(&mut self) -> Result<&mut AgentLink> {
+        self.link.as_mut().ok_or(Error::Order("no agent session (an earlier failure closed it)"))
+    }
+
+    fn controller_error(&self, message: String) -> Error {
+        Error::Controller { peer: self.controller_peer.clone(), error: ServiceError::Remote(message) }
+    }
+
+    /// Asks the controller whether this application's agents changed, and
+    /// moves to the new ones if so (*collective*); the next commit goes there.
+    pub fn probe_agents(&mut self, hints: ProbeHints) -> Result<ProbeOutcome> {
+        self.check_open()?;
+        self.wait()?;
+        self.release_restart();
+        let mut answer = Vec::new();
+        if let Some(controller) = self.controller.as_mut() {
+            let request = ClientRequest::Probe {
+                name: self.app.clone(),
+                agents: self.agents.iter().map(|a| a.id).collect(),
+                remaining_commits: hints.remaining_commits,
+            };
+            let result = controller.request(&request).map_err(|e| e.to_string());
+            answer = protocol::encode(&result).unwrap_or_default();
+        }
+        let answer = self.comm.broadcast_from_root(answer);
+        let result: std::result::Result<ClientReply, String> =
+            protocol::decode(&answer).unwrap_or_else(|e| Err(format!("undecodable probe answer: {e}")));
+        let agents = match result {
+            Ok(ClientReply::Unchanged) => return Ok(ProbeOutcome::Unchanged),
+            Ok(ClientReply::Agents(agents)) if !agents.is_empty() => agents,
+            Ok(other) => return Err(self.controller_error(format!("unexpected answer to Probe: {other:?}"))),
+            Err(message) => return Err(self.controller_error(message)),
+        };
+        let link = self.open_own_link(&agents);
+        let all_ok = self.comm.all_true(link.is_ok());
+        let link = link?;
+        if !all_ok {
+            return Err(Error::Order("another rank could not reach its new agent"));
+        }
+        tracing::info!(agent = ?link.as_ref().map(|l| l.info.id), "moved to new agents");
+        self.link = link;
+        self.agents = agents;
+        Ok(ProbeOutcome::Reconnected { agents: self.agents.len() })
+    }
+
+    /// Ends the application's use of the service (*collective*). With
+    /// `persist` (IC_PERSIST) the checkpoints stay in agent memory for the
+    /// next run; otherwise the agents stop and delete them.
+    pub fn finalize(&mut self, persist: bool) -> Result<()> {
+        if self.finalized {
+            return Err(Error::Order("finalize was already called"));
+        }
+        let waited = self.wait();
+        self.release_restart();
+        self.comm.barrier();
+        self.finalized = true;
+        self.link = None;
+        let mut result = Ok(());
+        if let Some(mut controller) = self.controller.take() {
+            result = controller
+                .request(&ClientRequest::FinishApp { name: self.app.clone(), persist })
+                .map(|_| ())
+                .map_err(|error| Error::Controller { peer: self.controller_peer.clone(), error });
+        }
+        waited?;
+        result
+    }
+}

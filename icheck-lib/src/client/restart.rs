@@ -1,0 +1,348 @@
+//! Restart and restore: fetching the newest complete version (from the
+//! agent, the node segment or the PFS), and reading labels into the
+//! application's memory with each chunk verified against the manifest.
+
+use super::*;
+
+/// A version `restart` exposed at the agent; `restore` reads labels from it
+/// straight into the caller's memory.
+pub(super) struct Restored {
+    pub(super) manifest: Manifest,
+    pub(super) data: RestoredData,
+}
+
+/// Where the bytes of a restarted version are.
+pub(super) enum RestoredData {
+    /// At this rank's agent, exposed for reading until `FetchDone`.
+    Agent(RemoteRegion),
+    /// SHMR: in the node segment, read and verified by the node leader;
+    /// labels are named `<rank>/<label>` there.
+    Segment,
+    /// Fallback: this rank's data, read and verified from the PFS.
+    Local(Vec<u8>),
+    /// Written by another process count: `restore` reads each label's
+    /// pieces from the old ranks (`resize.rs`).
+    Resized(Resized),
+}
+
+/// Bytes read per step of a restore; each step's checksums are verified on
+/// another thread while the next step is read.
+pub(super) const RESTORE_STEP: usize = 16 * CHUNK_BYTES;
+
+/// Reads `out.len()` bytes at `remote_offset` of `region` into `out` in
+/// steps, verifying each step against `crcs` (one per `chunk` bytes of
+/// `out`) while the next step is in flight. Returns the first bad chunk.
+pub(super) fn read_and_verify(
+    endpoint: &Endpoint,
+    peer: &Peer,
+    region: RemoteRegion,
+    remote_offset: u64,
+    out: &mut [u8],
+    chunk: usize,
+    crcs: &[u32],
+) -> Result<Option<usize>> {
+    let total = out.len();
+    if chunk == 0 || !RESTORE_STEP.is_multiple_of(chunk) || crcs.len() != total.div_ceil(chunk) {
+        return Ok(Some(0));
+    }
+    if total == 0 {
+        return Ok(None);
+    }
+    // SAFETY: `out` stays borrowed, alive and unmoved until the registration
+    // is dropped at the end of this function.
+    let local = unsafe { endpoint.register_raw(out.as_mut_ptr(), total, Access::LOCAL)? };
+    let base = out.as_mut_ptr() as usize;
+    let (to_verify, steps) = mpsc::channel::<usize>();
+    std::thread::scope(|scope| {
+        let verifier = scope.spawn(move || {
+            for start in steps {
+                let end = (start + RESTORE_STEP).min(total);
+                // SAFETY: bytes start..end were completely read before this
+                // step was sent, and no later read touches them.
+                let bytes = unsafe { std::slice::from_raw_parts((base + start) as *const u8, end - start) };
+                let first = start / chunk;
+                if let Some(bad) = first_bad_chunk(bytes, &crcs[first..first + bytes.len().div_ceil(chunk)]) {
+                    return Some(first + bad);
+                }
+            }
+            None
+        });
+        let mut read = Ok(());
+        let options = TransferOptions::default();
+        for start in (0..total).step_by(RESTORE_STEP) {
+            let len = RESTORE_STEP.min(total - start);
+            let op = RmaOp { local_offset: start, remote: region, remote_offset: remote_offset + start as u64, len };
+            // SAFETY: the verifier only reads steps already sent, which lie
+            // before `start`; this read writes start..start+len only.
+            let target = unsafe { local.target_unchecked() };
+            if let Err(err) = endpoint.read(peer, target, &[op], &options) {
+                read = Err(err.into());
+                break;
+            }
+            if to_verify.send(start).is_err() {
+                break;
+            }
+        }
+        drop(to_verify);
+        let bad = verifier.join().unwrap_or(Some(0));
+        read.map(|_| bad)
+    })
+}
+
+impl Icheck {
+    /// Prepares a restart from the newest complete version (*collective*):
+    /// this rank's agent exposes its data, and `restore` / `restore_all`
+    /// then read each label straight into the caller's memory, verifying its
+    /// checksums. Returns the version.
+    ///
+    /// When the newest version cannot be read (a PFS file damaged or
+    /// missing), the restart logs why, naming the file, and falls back to
+    /// the previous complete version on the PFS.
+    pub fn restart(&mut self) -> Result<u64> {
+        self.check_open()?;
+        self.wait()?;
+        self.release_restart();
+        let newest = self.restart_record()?;
+        let size = self.comm.size();
+        let mut candidates = vec![newest.version];
+        if let Some(pfs) = &self.pfs {
+            let older = pfs.versions(&self.app).unwrap_or_default();
+            candidates.extend(older.into_iter().rev().filter(|v| *v < newest.version));
+        }
+        let last = candidates.len() - 1;
+        for (tried, version) in candidates.into_iter().enumerate() {
+            // The process count that wrote it: recorded for the newest; an
+            // older PFS version's manifest is read only if it comes to that.
+            let written = match (&self.pfs, version == newest.version) {
+                (Some(pfs), false) => pfs.manifest(&self.app, version).map_or(newest.ranks, |m| m.ranks),
+                _ => newest.ranks,
+            };
+            let result = match (&self.fallback, self.mode) {
+                _ if written != size => self.fetch_resized(version, written),
+                (Some(_), _) => self.fetch_fallback(version),
+                (None, TransferMode::Mr) => self.fetch(version),
+                (None, TransferMode::Shmr) => self.fetch_shmr(version),
+            };
+            // Every rank learns whether all could fetch intact data: one
+            // damaged or missing rank moves the whole job to the next
+            // candidate together, instead of leaving the others in their
+            // next collective.
+            let damaged = self.restart_damage.take();
+            let all_ok = self.comm.all_true(result.is_ok() && damaged.is_none());
+            if all_ok {
+                if tried > 0 && self.comm.rank() == 0 {
+                    tracing::warn!(
+                        version,
+                        newest = newest.version,
+                        "restarted from an older complete version: the newer ones could not be read on every rank"
+                    );
+                }
+                return result;
+            }
+            if tried == last {
+                if let (Some(damage), Ok(_), 1) = (&damaged, &result, size) {
+                    // A job of one process has nobody to wait for it: it
+                    // restarts from the damaged version, whose damaged labels
+                    // `restore` refuses while the intact ones restore.
+                    tracing::error!(version, %damage, "no older version to fall back to");
+                    return result;
+                }
+                result?;
+                let detail = damaged.unwrap_or_else(|| "another rank could not fetch intact data".into());
+                return Err(self.incomplete(version, detail));
+            }
+            if let Err(err) = &result {
+                tracing::error!(version, %err, "cannot restart from this version; trying the previous complete one");
+            } else if self.comm.rank() == 0 {
+                tracing::error!(
+                    version,
+                    "another rank cannot restart from this version; trying the previous complete one"
+                );
+            }
+            self.release_restart();
+        }
+        unreachable!("the last candidate returns")
+    }
+
+    /// The version a restart fetches, if this run can restore it.
+    pub(super) fn restart_record(&self) -> Result<VersionRecord> {
+        self.latest.clone().ok_or_else(|| Error::NoCheckpoint(self.app.clone()))
+    }
+
+    pub(super) fn fetch(&mut self, version: u64) -> Result<u64> {
+        let link = self.link()?;
+        let (manifest, region, damaged) = match link.call(&AgentRequest::Fetch { version })? {
+            AgentReply::Fetch { manifest, region, damaged } => (manifest, region, damaged),
+            other => return Err(link.error(format!("unexpected answer to Fetch: {other:?}"))),
+        };
+        // From the agent: checked before any offset in it is used.
+        if let Err(err) = manifest.validate() {
+            return Err(link.error(format!("the manifest of version {version} is unusable: {err}")));
+        }
+        let version = manifest.version;
+        self.restart_damage = damaged;
+        self.restored = Some(Restored { manifest, data: RestoredData::Agent(region) });
+        Ok(version)
+    }
+
+    /// Tells the agent the restart data is no longer needed.
+    pub(super) fn release_restart(&mut self) {
+        if self.restored.take().is_some_and(|r| matches!(r.data, RestoredData::Agent(_))) {
+            if let Some(link) = self.link.as_mut() {
+                if let Err(err) = link.call(&AgentRequest::FetchDone) {
+                    tracing::warn!(%err, "agent did not acknowledge the end of a restart");
+                }
+            }
+        }
+    }
+
+    pub(super) fn restored_label(&self, label: &str) -> Result<(&Restored, usize)> {
+        let restored = self.restored.as_ref().ok_or(Error::Order("restore needs a successful restart() first"))?;
+        let key = match restored.data {
+            RestoredData::Segment => format!("{}/{label}", self.comm.rank()),
+            _ => label.to_string(),
+        };
+        let index = restored.manifest.labels.iter().position(|l| l.label == key).ok_or_else(|| {
+            Error::UnknownLabel { label: label.to_string(), detail: "not in the restarted checkpoint" }
+        })?;
+        Ok((restored, index))
+    }
+
+    pub(super) fn restore_bytes(&self, label: &str, kind: DataKind, out: &mut [u8]) -> Result<()> {
+        let (restored, index) = self.restored_label(label)?;
+        let layout = &restored.manifest.labels[index];
+        if let RestoredData::Resized(resized) = &restored.data {
+            return self.restore_resized(restored.manifest.version, resized.written, layout, kind, out);
+        }
+        // Replicated attributes that are not "read my own value back", and
+        // MANUAL arrays, which go whole to their root whatever the count.
+        match &layout.adapt {
+            Some(Adapt::Global { layout: GlobalLayout::Manual { .. }, .. }) => {
+                if self.mode == TransferMode::Shmr {
+                    return Err(Error::Adapt {
+                        label: label.into(),
+                        detail: "MANUAL arrays need MR mode (SHMR keeps one file per node)".into(),
+                    });
+                }
+                return self.restore_resized(restored.manifest.version, self.comm.size(), layout, kind, out);
+            }
+            Some(Adapt::Replicated(Attribute::Default { value, joining_only: false })) if layout.kind == kind => {
+                resize::fill(out, value);
+                return Ok(());
+            }
+            Some(Adapt::Replicated(Attribute::Volatile)) => return self.recalculate(label, self.comm.size(), out),
+            _ => {}
+        }
+        if layout.len != out.len() as u64 {
+            return Err(Error::SizeMismatch { label: label.to_string(), stored: layout.len, given: out.len() as u64 });
+        }
+        if layout.kind != kind {
+            return Err(Error::KindMismatch { label: label.to_string(), stored: layout.kind, given: kind });
+        }
+        let start = layout.offset as usize;
+        let region = match &restored.data {
+            RestoredData::Agent(region) => *region,
+            // Verified when read from the PFS.
+            RestoredData::Local(bytes) => {
+                out.copy_from_slice(&bytes[start..start + out.len()]);
+                return Ok(());
+            }
+            // Verified by the node leader when it filled the segment.
+            RestoredData::Segment => {
+                let segment = self.segment.as_ref().ok_or(Error::Order("the SHMR segment is gone"))?;
+                out.copy_from_slice(&segment.as_slice()[start..start + out.len()]);
+                return Ok(());
+            }
+            RestoredData::Resized(_) => unreachable!("handled above"),
+        };
+        let link = self.link.as_ref().ok_or(Error::Order("no agent session"))?;
+        let manifest = &restored.manifest;
+        let span =
+            tracing::debug_span!("restore", app = %self.app, rank = manifest.rank, version = manifest.version, label);
+        let _entered = span.enter();
+        let started = Instant::now();
+        let chunk = manifest.chunk_size as usize;
+        let bad = read_and_verify(&self.endpoint, &link.peer, region, layout.offset, out, chunk, &manifest.crcs[index])
+            .map_err(|err| match err {
+                Error::Fabric(err) => link.error(format!("reading label {label:?}: {err}")),
+                other => other,
+            })?;
+        if let Some(bad) = bad {
+            let start = (bad * chunk) as u64;
+            return Err(Error::Corrupt {
+                version: manifest.version,
+                rank: manifest.rank,
+                start,
+                end: (start + chunk as u64).min(layout.len),
+                labels: format!("{label:?}"),
+            });
+        }
+        tracing::debug!(bytes = out.len(), ms = started.elapsed().as_secs_f64() * 1e3, "restored");
+        Ok(())
+    }
+
+    /// Bytes label `label` holds in the restarted checkpoint, so callers can
+    /// size their memory before `restore`.
+    pub fn restored_len(&self, label: &str) -> Result<u64> {
+        let (restored, index) = self.restored_label(label)?;
+        let layout = &restored.manifest.labels[index];
+        match restored.data {
+            RestoredData::Resized(_) => Ok(self.local_count(label)? * layout.kind.size() as u64),
+            _ => Ok(layout.len),
+        }
+    }
+
+    /// Element type of label `label` in the restarted checkpoint.
+    pub fn restored_kind(&self, label: &str) -> Result<DataKind> {
+        let (restored, index) = self.restored_label(label)?;
+        Ok(restored.manifest.labels[index].kind)
+    }
+
+    /// The process count that wrote the version `restart` fetched (which
+    /// may differ from this run's), or `None` before a restart.
+    pub fn restarted_from(&self) -> Option<u32> {
+        let restored = self.restored.as_ref()?;
+        Some(match &restored.data {
+            RestoredData::Resized(resized) => resized.written,
+            // Anything else was written by this run's count.
+            _ => self.comm.size(),
+        })
+    }
+
+    /// Whether `restart` has fetched a version that `restore` can read.
+    pub fn has_restarted(&self) -> bool {
+        self.restored.is_some()
+    }
+
+    /// Reads label `label` of the restarted version into `region`, whose
+    /// length and element type must match the checkpoint's. The bytes are
+    /// checked against the checksums the committing rank computed; on a
+    /// mismatch the error names the label and byte range.
+    pub fn restore<T: Element>(&self, label: &str, region: &Region<T>) -> Result<()> {
+        self.restore_bytes(label, T::KIND, as_bytes_mut(&mut region.write()))
+    }
+
+    /// Reads label `label` into a plain slice.
+    pub fn restore_into<T: Element>(&self, label: &str, out: &mut [T]) -> Result<()> {
+        self.restore_bytes(label, T::KIND, as_bytes_mut(out))
+    }
+
+    /// Reads label `label` into raw memory of `len` bytes.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for writes of `len` bytes.
+    pub unsafe fn restore_raw(&self, label: &str, ptr: *mut u8, len: usize, kind: DataKind) -> Result<()> {
+        // SAFETY: the caller guarantees ptr/len.
+        let out = unsafe { std::slice::from_raw_parts_mut(ptr, len) };
+        self.restore_bytes(label, kind, out)
+    }
+
+    /// Restores every added label into its region.
+    pub fn restore_all(&self) -> Result<()> {
+        for label in &self.labels {
+            let mut bytes = label.source.bytes_mut();
+            self.restore_bytes(&label.name, label.source.kind(), &mut bytes)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,234 @@
+//! SHMR mode: the node's processes stage their labels in one shared
+//! segment and the node leader alone commits and fetches it.
+
+use super::*;
+
+/// One process of a node and its labels' places in the node segment.
+pub(super) type NodeProcessLabels = (u32, Vec<LabelLayout>);
+
+impl Icheck {
+    /// SHMR: makes every process of this node map a segment of at least
+    /// `len` bytes (collective on the node; `len` is the same on all).
+    pub(super) fn ensure_segment(&mut self, len: usize) -> Result<()> {
+        let leader = self.comm.node_rank() == 0;
+        let shmr_error = |what: &str, err: std::io::Error| Error::Unsupported(format!("SHMR segment: {what}: {err}"));
+        if self.segment.is_none() {
+            let path = NodeSegment::path_for(&self.app, self.comm.node_index());
+            let created = if leader { Some(NodeSegment::create(&path)) } else { None };
+            let name = match &created {
+                Some(Ok(_)) => path.to_string_lossy().into_owned().into_bytes(),
+                _ => Vec::new(),
+            };
+            let name = self.comm.node_broadcast(name);
+            let opened = match created {
+                Some(result) => result.map_err(|e| shmr_error(&format!("cannot create {}", path.display()), e)),
+                None if name.is_empty() => {
+                    Err(Error::Unsupported("SHMR segment: the node leader could not create it".into()))
+                }
+                None => {
+                    let name = String::from_utf8_lossy(&name).into_owned();
+                    NodeSegment::open(Path::new(&name)).map_err(|e| shmr_error(&format!("cannot open {name}"), e))
+                }
+            };
+            let statuses = self.comm.node_all_gather(vec![u8::from(opened.is_ok())]);
+            if leader && !name.is_empty() {
+                // Everyone has it open: drop the name so nothing outlives the job.
+                let _ = std::fs::remove_file(&path);
+            }
+            let segment = opened?;
+            if statuses.iter().any(|s| s.as_slice() != [1]) {
+                return Err(Error::Unsupported("SHMR segment: a process of this node could not open it".into()));
+            }
+            self.segment = Some(segment);
+        }
+        let segment = self.segment.as_mut().expect("set above");
+        if segment.len() >= len {
+            return Ok(());
+        }
+        self.segment_region = None;
+        let grown = if leader { segment.grow_file(len) } else { Ok(()) };
+        let all_grown = self.comm.node_broadcast(vec![u8::from(grown.is_ok())]) == [1];
+        grown.map_err(|e| shmr_error("cannot grow", e))?;
+        if !all_grown {
+            return Err(Error::Unsupported("SHMR segment: the node leader could not grow it".into()));
+        }
+        segment.remap().map_err(|e| shmr_error("cannot map", e))?;
+        if leader && segment.len() > 0 {
+            // SAFETY: the mapping stays in place until `segment_region`
+            // is dropped (before any remap, and before `segment` itself).
+            let region =
+                unsafe { self.endpoint.register_raw(segment.as_mut_ptr(), segment.len(), Access::REMOTE_READ_WRITE)? };
+            self.segment_region = Some(region);
+        }
+        Ok(())
+    }
+
+    /// SHMR commit: every node process copies its labels into the node
+    /// segment; the node leader moves the segment to the node's agent.
+    pub(super) fn store_shmr(&mut self, version: u64, started: Instant) -> Result<u64> {
+        let (staged, total) = self.stage_in_segment()?;
+        // The agent holds one "rank" per node: labels are named <rank>/<label>.
+        let layout: Vec<LabelLayout> = staged
+            .into_iter()
+            .flat_map(|(who, labels)| {
+                labels.into_iter().map(move |l| LabelLayout { label: format!("{who}/{}", l.label), ..l })
+            })
+            .collect();
+        let push = self.direction == TransferDirection::Push;
+        let shape = self.shape(self.comm.node_counts().0);
+        let Some(mut link) = self.link.take() else {
+            // Not the node leader: nothing to move; async still completes in wait().
+            if self.asynchronous {
+                self.in_flight = Some(InFlight { version, started, bytes: 0, handle: None });
+            }
+            return Ok(0);
+        };
+        let region = self.segment_region.take();
+        let segment = self.segment.as_ref().expect("ensured");
+        // The segment is neither remapped nor written until this version
+        // completes: every later call that could do so waits first.
+        let (base, len) = (segment.as_slice().as_ptr() as usize, total as usize);
+        let endpoint = self.endpoint.clone();
+        let send = move |link: &mut AgentLink, region: Option<&MemoryRegion>| -> Result<()> {
+            // SAFETY: see above; `len` <= the mapped length (ensure_segment).
+            let bytes = unsafe { std::slice::from_raw_parts(base as *const u8, len) };
+            if region.is_none() && len > 0 {
+                return Err(Error::Order("the SHMR segment is not registered"));
+            }
+            let registered = region.map(|r| (r.source(), r.remote()));
+            commit_buffer(link, &endpoint, VersionHeader { version, shape, layout, push }, registered, bytes)
+                .map(|_| ())
+        };
+        if !self.asynchronous {
+            let result = send(&mut link, region.as_ref());
+            self.link = Some(link);
+            self.segment_region = region;
+            return result.map(|_| total);
+        }
+        let span = tracing::Span::current();
+        let handle = std::thread::Builder::new()
+            .name("icheck-async-commit".into())
+            .spawn(move || {
+                let _entered = span.enter();
+                let result = send(&mut link, region.as_ref());
+                Background { link, staging: None, segment_region: region, result }
+            })
+            .map_err(|e| Error::Unsupported(format!("cannot start the async commit thread: {e}")))?;
+        self.in_flight = Some(InFlight { version, started, bytes: total, handle: Some(handle) });
+        Ok(total)
+    }
+
+    /// Copies every label of every process of this node into the node
+    /// segment (*collective on the node*). Returns, per node process in rank
+    /// order, its rank and its labels at their places in the segment, and
+    /// the bytes staged in all.
+    pub(super) fn stage_in_segment(&mut self) -> Result<(Vec<NodeProcessLabels>, u64)> {
+        let rank = self.comm.rank();
+        let mine: Vec<(String, DataKind, u64)> =
+            self.labels.iter().map(|l| (l.name.clone(), l.source.kind(), l.source.bytes().len() as u64)).collect();
+        let encoded = protocol::encode(&(rank, &mine)).map_err(|e| Error::Unsupported(e.to_string()))?;
+        let mut staged = Vec::new();
+        let mut my_offsets = Vec::new();
+        let mut total = 0u64;
+        for bytes in self.comm.node_all_gather(encoded) {
+            let (who, labels): (u32, Vec<(String, DataKind, u64)>) =
+                protocol::decode(&bytes).map_err(|e| Error::Unsupported(format!("node segment layout: {e}")))?;
+            let mut placed = Vec::with_capacity(labels.len());
+            for (name, kind, len) in labels {
+                if who == rank {
+                    my_offsets.push(total as usize);
+                }
+                placed.push(LabelLayout { label: name, kind, offset: total, len, adapt: None });
+                total += len;
+            }
+            staged.push((who, placed));
+        }
+        self.ensure_segment(total as usize)?;
+        let guards: Vec<_> = self.labels.iter().map(|l| l.source.bytes()).collect();
+        // Another thread of the application may have resized a region since
+        // the layout was agreed; its range in the segment is fixed now.
+        if let Some(((name, _, len), guard)) = mine.iter().zip(&guards).find(|((_, _, len), g)| g.len() as u64 != *len)
+        {
+            return Err(Error::SizeMismatch { label: name.clone(), stored: *len, given: guard.len() as u64 });
+        }
+        {
+            let segment = self.segment.as_mut().expect("ensured");
+            let base = segment.as_mut_ptr();
+            for (guard, offset) in guards.iter().zip(&my_offsets) {
+                // SAFETY: offset..offset+len is this rank's own part of the
+                // segment (offsets come from the node-wide layout, which
+                // gives every label of every rank a disjoint range inside
+                // `total` <= the mapped length); no other process writes it.
+                unsafe { std::ptr::copy_nonoverlapping(guard.as_ptr(), base.add(*offset), guard.len()) };
+            }
+        }
+        drop(guards);
+        self.comm.node_barrier();
+        Ok((staged, total))
+    }
+
+    /// SHMR restart: the node leader reads and verifies the node's data into
+    /// the segment; every node process then restores from there.
+    pub(super) fn fetch_shmr(&mut self, version: u64) -> Result<u64> {
+        let fetched: std::result::Result<(Manifest, RemoteRegion), String> = match self.link.as_mut() {
+            Some(link) => match link.call(&AgentRequest::Fetch { version }) {
+                Ok(AgentReply::Fetch { damaged: Some(damage), .. }) => Err(damage),
+                Ok(AgentReply::Fetch { manifest, region, damaged: None }) => {
+                    manifest.validate().map(|()| (manifest, region)).map_err(|e| e.to_string())
+                }
+                Ok(other) => Err(format!("unexpected answer to Fetch: {other:?}")),
+                Err(err) => Err(err.to_string()),
+            },
+            None => Err(String::new()),
+        };
+        let shared = self.comm.node_broadcast(protocol::encode(&fetched).unwrap_or_default());
+        let (manifest, region) = protocol::decode::<std::result::Result<(Manifest, RemoteRegion), String>>(&shared)
+            .map_err(|e| e.to_string())
+            .and_then(|r| r)
+            .map_err(|message| Error::Unsupported(format!("SHMR restart, node leader: {message}")))?;
+        self.ensure_segment(manifest.total_len as usize)?;
+        let mut verified: std::result::Result<(), String> = Ok(());
+        if let Some(link) = self.link.as_mut() {
+            let segment = self.segment.as_mut().expect("ensured");
+            let base = segment.as_mut_ptr();
+            for (index, label) in manifest.labels.iter().enumerate() {
+                // SAFETY: the label's range lies inside the segment, sized
+                // to the manifest's total; only the leader writes it now.
+                let out =
+                    unsafe { std::slice::from_raw_parts_mut(base.add(label.offset as usize), label.len as usize) };
+                let chunk = manifest.chunk_size as usize;
+                match read_and_verify(
+                    &self.endpoint,
+                    &link.peer,
+                    region,
+                    label.offset,
+                    out,
+                    chunk,
+                    &manifest.crcs[index],
+                ) {
+                    Ok(None) => {}
+                    Ok(Some(bad)) => {
+                        verified =
+                            Err(format!("label {:?} fails its checksum at bytes {}..", label.label, bad * chunk));
+                        break;
+                    }
+                    Err(err) => {
+                        verified = Err(err.to_string());
+                        break;
+                    }
+                }
+            }
+            if let Err(err) = link.call(&AgentRequest::FetchDone) {
+                tracing::warn!(%err, "agent did not acknowledge the end of a restart");
+            }
+        }
+        let shared = self.comm.node_broadcast(protocol::encode(&verified).unwrap_or_default());
+        protocol::decode::<std::result::Result<(), String>>(&shared)
+            .map_err(|e| e.to_string())
+            .and_then(|r| r)
+            .map_err(|message| Error::Unsupported(format!("SHMR restart, node leader: {message}")))?;
+        let version = manifest.version;
+        self.restored = Some(Restored { manifest, data: RestoredData::Segment });
+        Ok(version)
+    }
+}
