@@ -15,6 +15,8 @@
 
 #![forbid(unsafe_code)]
 
+mod session;
+
 use std::io::ErrorKind;
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -27,14 +29,13 @@ use icheck_core::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, Peer, ProgressMode, ProgressThread,
     RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
 };
-use icheck_core::format::{check_layout, CHUNK_SIZE};
 use icheck_core::pattern::fill_pattern;
 use icheck_core::protocol::{
-    self, AgentInfo, AgentReply, AgentRequest, Hello, HelloReply, LabelLayout, Manifest, PfsCopyStats, ProtocolError,
-    PullSegment,
+    self, AgentInfo, AgentReply, AgentRequest, Hello, HelloReply, Manifest, PfsCopyStats, ProtocolError,
 };
 
 use crate::store::{MappedFile, Store, StoreError};
+use session::{admit, Abandoned, Sealed, SessionCore};
 
 /// Bytes of the probe region every agent exposes for reachability checks.
 pub const PROBE_LEN: usize = 4096;
@@ -569,15 +570,10 @@ enum Destination {
     },
 }
 
-/// A version being written by one rank.
+/// What a version being written holds: the session core knows the
+/// version, this is where its bytes go.
 struct Writing {
-    version: u64,
-    ranks: u32,
-    epoch: u32,
-    labels: Vec<LabelLayout>,
-    total_len: u64,
     destination: Destination,
-    started: Instant,
     /// Spins while the rank pushes into `file`.
     _progress: Option<ProgressThread>,
 }
@@ -600,9 +596,10 @@ enum Exposed {
 struct Session {
     /// The node's store, to discard what an abandoned version left there.
     store: Store,
-    app: String,
-    rank: u32,
+    /// The protocol state (which version is being written, and its layout).
+    core: SessionCore,
     peer: Peer,
+    /// The resources of the version `core` is writing.
     writing: Option<Writing>,
     fetching: Option<Fetching>,
     /// Mappings of versions this session sealed, oldest first; kept so a
@@ -621,16 +618,15 @@ impl Session {
     /// data file: a version whose rank went away before `Seal` can never be
     /// served, so its memory goes back to the node at once.
     fn abandon_writing(&mut self) {
-        let Some(writing) = self.writing.take() else { return };
-        let version = writing.version;
-        let in_memory = matches!(writing.destination, Destination::Memory(_));
         // Unmaps (and deregisters) before the file goes.
-        drop(writing);
+        drop(self.writing.take());
+        let Some(Abandoned { version, in_memory }) = self.core.abandon() else { return };
+        let rank = self.core.rank();
         if in_memory {
-            match self.store.discard_unsealed(&self.app, self.rank, version) {
-                Ok(true) => tracing::info!(version, rank = self.rank, "abandoned version discarded"),
+            match self.store.discard_unsealed(self.core.app(), rank, version) {
+                Ok(true) => tracing::info!(version, rank, "abandoned version discarded"),
                 Ok(false) => {}
-                Err(err) => tracing::warn!(version, rank = self.rank, %err, "cannot discard an abandoned version"),
+                Err(err) => tracing::warn!(version, rank, %err, "cannot discard an abandoned version"),
             }
         }
     }
@@ -665,14 +661,11 @@ fn serve_session(shared: &Shared, mut stream: TcpStream) -> Result<(), SessionEn
 
 fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest) -> Result<AgentReply, String> {
     if let AgentRequest::Open { app, rank, address } = request {
-        if app != shared.app {
-            return Err(format!("agent {} serves {:?}, not {app:?}", shared.id, shared.app));
-        }
+        let core = SessionCore::open(&shared.app, shared.id, app, rank)?;
         let peer = shared.endpoint.insert_peer(&address).map_err(|e| e.to_string())?;
         *session = Some(Session {
             store: shared.settings.store.clone(),
-            app,
-            rank,
+            core,
             peer,
             writing: None,
             fetching: None,
@@ -691,10 +684,8 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
         AgentRequest::Begin { version, ranks, epoch, labels, push } => {
             let begun = Instant::now();
             session.abandon_writing();
-            let total_len = check_layout(&labels)?;
-            if version == 0 || ranks == 0 || session.rank >= ranks {
-                return Err(format!("bad version {version} or rank {} of {ranks}", session.rank));
-            }
+            let checked = session.core.begin(version, ranks, epoch, labels)?;
+            let (app, rank, total_len) = (session.core.app(), session.core.rank(), checked.total_len);
             let reusable = session.spare.take().filter(|spare| spare.len() as u64 == total_len.max(4096));
             let needed = if reusable.is_some() { 0 } else { total_len };
             // Whether the version fits, and creating its file, are decided
@@ -703,21 +694,14 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             // one and overrun the budget together.
             let space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
             let held = if shared.mem_budget > 0 && needed > 0 { store.bytes_held() } else { 0 };
-            let over_budget = shared.mem_budget > 0 && needed > 0 && held + needed > shared.mem_budget;
-            let file = match reusable {
-                _ if over_budget => Err(format!(
-                    "version {version} of rank {} ({total_len} bytes) does not fit the node's checkpoint memory \
-                     ({held} of {} bytes held)",
-                    session.rank, shared.mem_budget
-                )),
-                Some(spare)
-                    if store
-                        .reuse_spare(&session.app, session.rank, version, total_len)
-                        .map_err(|e| e.to_string())? =>
+            let file = match (admit(shared.mem_budget, held, needed), reusable) {
+                (Err(full), _) => Err(format!("version {version} of rank {rank}: {full}")),
+                (Ok(()), Some(spare))
+                    if store.reuse_spare(app, rank, version, total_len).map_err(|e| e.to_string())? =>
                 {
                     Ok(spare)
                 }
-                _ => match store.create(&session.app, session.rank, version, total_len) {
+                (Ok(()), _) => match store.create(app, rank, version, total_len) {
                     // Registered for both directions so the mapping can be
                     // reused whichever way the next version arrives.
                     Ok(file) => shared.endpoint.register(file, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string()),
@@ -731,26 +715,18 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             let file = match file {
                 Ok(file) => file,
                 Err(full) => {
-                    let destination = spill_destination(shared, session, version, total_len, &full, push)?;
+                    let destination = spill_destination(shared, &session.core, version, total_len, &full, push)?;
                     tracing::warn!(
                         version,
-                        rank = session.rank,
+                        rank,
                         bytes = total_len,
                         held,
                         budget = shared.mem_budget,
                         reason = %full,
                         "the node's checkpoint memory is full: spilling this version to the PFS"
                     );
-                    session.writing = Some(Writing {
-                        version,
-                        ranks,
-                        epoch,
-                        labels,
-                        total_len,
-                        destination,
-                        started: Instant::now(),
-                        _progress: None,
-                    });
+                    session.writing = Some(Writing { destination, _progress: None });
+                    session.core.begun(checked, false, Instant::now());
                     // The rank pulls into nothing of ours: any region will do.
                     return Ok(AgentReply::Target(RemoteRegion { addr: 0, len: 0, key: 0 }));
                 }
@@ -762,46 +738,25 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                 None
             };
             let prepare_ms = begun.elapsed().as_secs_f64() * 1e3;
-            tracing::debug!(version, rank = session.rank, bytes = total_len, push, prepare_ms, "version begun");
-            session.writing = Some(Writing {
-                version,
-                ranks,
-                epoch,
-                labels,
-                total_len,
-                destination: Destination::Memory(file),
-                started: Instant::now(),
-                _progress: progress,
-            });
+            tracing::debug!(version, rank, bytes = total_len, push, prepare_ms, "version begun");
+            session.writing = Some(Writing { destination: Destination::Memory(file), _progress: progress });
+            session.core.begun(checked, true, Instant::now());
             Ok(AgentReply::Target(remote))
         }
         AgentRequest::Pull(segments) => {
+            let ops = session.core.pull_ops(&segments)?;
             let writing = session.writing.as_mut().ok_or("Pull without Begin")?;
-            let bytes = pull(&shared.endpoint, &session.peer, writing, &segments)?;
+            let bytes = pull(&shared.endpoint, &session.peer, writing, &ops)?;
             Ok(AgentReply::Pulled { bytes })
         }
         AgentRequest::Seal { crcs } => {
-            let Writing { version, ranks, epoch, labels, total_len, destination, started, _progress: progress } =
-                session.writing.take().ok_or("Seal without Begin")?;
             // The rank has finished writing: stop spinning for it.
-            drop(progress);
-            let transfer_ms = started.elapsed().as_secs_f64() * 1e3;
+            let destination = session.writing.take().map(|writing| writing.destination);
+            let Sealed { manifest, transfer_secs } = session.core.seal(crcs, Instant::now(), unix_ms())?;
+            let destination = destination.ok_or("Seal without Begin")?;
+            let (version, total_len) = (manifest.version, manifest.total_len);
             let sealing = Instant::now();
-            let manifest = Manifest {
-                app: session.app.clone(),
-                rank: session.rank,
-                ranks,
-                epoch,
-                version,
-                labels,
-                total_len,
-                chunk_size: CHUNK_SIZE,
-                crcs,
-                sealed_unix_ms: unix_ms(),
-            };
-            // The rank's checksums must fit the layout it began with.
-            manifest.validate().map_err(|e| format!("Seal refused: {e}"))?;
-            shared.counters.sealed(total_len, transfer_ms / 1e3);
+            shared.counters.sealed(total_len, transfer_secs);
             let spilled = match destination {
                 Destination::Memory(file) => {
                     store.seal(&manifest).map_err(|e| e.to_string())?;
@@ -818,9 +773,9 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             let seal_ms = sealing.elapsed().as_secs_f64() * 1e3;
             tracing::info!(
                 version,
-                rank = session.rank,
+                rank = session.core.rank(),
                 bytes = total_len,
-                transfer_ms,
+                transfer_ms = transfer_secs * 1e3,
                 seal_ms,
                 spilled,
                 "version sealed"
@@ -830,7 +785,8 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
         AgentRequest::Complete { version } => {
             let pruning = Instant::now();
             let pinned = shared.pinned_versions();
-            let pruned = store.prune(&session.app, session.rank, version, &pinned).map_err(|e| e.to_string())?;
+            let pruned =
+                store.prune(session.core.app(), session.core.rank(), version, &pinned).map_err(|e| e.to_string())?;
             // One pruned version's file became the spare (see Store::prune);
             // its mapping goes with it. Pinned versions stay on the store
             // for their PFS copies (unmapped here: the copy maps them itself).
@@ -840,7 +796,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             let prune_ms = pruning.elapsed().as_secs_f64() * 1e3;
             tracing::debug!(
                 version,
-                rank = session.rank,
+                rank = session.core.rank(),
                 removed = pruned.removed,
                 kept_for_pfs_copy = ?pruned.pinned,
                 prune_ms,
@@ -851,10 +807,10 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
         AgentRequest::Fetch { version } => {
             session.fetching = None;
             let mut damaged = None;
-            let (manifest, exposed) = match store.open(&session.app, session.rank, version) {
+            let (manifest, exposed) = match store.open(session.core.app(), session.core.rank(), version) {
                 Err(StoreError::Missing { .. }) if shared.settings.pfs.is_some() => {
                     // Not here (lost with its agents, or spilled): from the PFS copy.
-                    expose_from_pfs(shared, &session.app, session.rank, version)?
+                    expose_from_pfs(shared, session.core.app(), session.core.rank(), version)?
                 }
                 Err(err) => return Err(err.to_string()),
                 Ok((manifest, file)) => match manifest.verify(file.as_slice()).err() {
@@ -866,7 +822,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                     // (an older version, or an error) and a lone process can
                     // still restore its intact labels.
                     Some(damage) => {
-                        let (app, rank) = (session.app.clone(), session.rank);
+                        let (app, rank) = (session.core.app().to_string(), session.core.rank());
                         let on_pfs =
                             shared.settings.pfs.as_ref().is_some_and(|pfs| pfs.manifest(&app, version).is_ok());
                         if !on_pfs {
@@ -1040,34 +996,19 @@ fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Resu
 }
 
 /// Reads the rank's segments into the version file.
-fn pull(endpoint: &Endpoint, peer: &Peer, writing: &mut Writing, segments: &[PullSegment]) -> Result<u64, String> {
-    let ops: Vec<RmaOp> = segments
-        .iter()
-        .map(|s| {
-            let end = s.file_offset.checked_add(s.len).filter(|end| *end <= writing.total_len);
-            match (end, usize::try_from(s.file_offset), usize::try_from(s.len)) {
-                (Some(_), Ok(local_offset), Ok(len)) => {
-                    Ok(RmaOp { local_offset, remote: s.source, remote_offset: s.source_offset, len })
-                }
-                _ => Err(format!(
-                    "segment at file offset {} of {} bytes lies outside the version ({} bytes)",
-                    s.file_offset, s.len, writing.total_len
-                )),
-            }
-        })
-        .collect::<Result<_, _>>()?;
+fn pull(endpoint: &Endpoint, peer: &Peer, writing: &mut Writing, ops: &[RmaOp]) -> Result<u64, String> {
     let options = TransferOptions::default();
     match &mut writing.destination {
         Destination::Memory(file) => {
             let stats =
-                endpoint.read(peer, file.target(), &ops, &options).map_err(|e| format!("pulling from rank: {e}"))?;
+                endpoint.read(peer, file.target(), ops, &options).map_err(|e| format!("pulling from rank: {e}"))?;
             Ok(stats.bytes)
         }
         Destination::Spill { staging, file } => {
             // Piece by piece through the staging buffer into the PFS file.
             let step = staging.len();
             let mut moved = 0u64;
-            for op in &ops {
+            for op in ops {
                 let mut done = 0;
                 while done < op.len {
                     let len = step.min(op.len - done);
@@ -1098,7 +1039,7 @@ fn pull(endpoint: &Endpoint, peer: &Peer, writing: &mut Writing, segments: &[Pul
 /// to writing the PFS itself.
 fn spill_destination(
     shared: &Shared,
-    session: &Session,
+    session: &SessionCore,
     version: u64,
     total_len: u64,
     full: &str,
@@ -1108,7 +1049,7 @@ fn spill_destination(
     if push {
         return Err(format!("{full}; agents spill only versions they pull ([client] transfer = \"pull\")"));
     }
-    let file = pfs.create_spill(&session.app, version, session.rank, total_len).map_err(|e| e.to_string())?;
+    let file = pfs.create_spill(session.app(), version, session.rank(), total_len).map_err(|e| e.to_string())?;
     let staging = AlignedBuffer::zeroed(SPILL_STAGING.min(total_len) as usize);
     let staging = shared.endpoint.register(staging, Access::LOCAL).map_err(|e| e.to_string())?;
     Ok(Destination::Spill { staging, file })
@@ -1121,7 +1062,8 @@ fn unix_ms() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use icheck_core::protocol::DataKind;
+    use icheck_core::format::check_layout;
+    use icheck_core::protocol::{DataKind, LabelLayout};
 
     fn label(name: &str, offset: u64, len: u64) -> LabelLayout {
         LabelLayout { label: name.into(), kind: DataKind::Double, offset, len, adapt: None }

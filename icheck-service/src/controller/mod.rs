@@ -7,6 +7,8 @@
 
 #![forbid(unsafe_code)]
 
+mod nodes;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
@@ -17,16 +19,16 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 
 use icheck_core::config::{DynamicConfig, StaticConfig};
-use icheck_core::decide::{self, NodeSnapshot};
-use icheck_core::monitor::NodeTrend;
+use icheck_core::decide;
 use icheck_core::protocol::{
     self, AgentChange, AgentInfo, AppReport, ClientReply, ClientRequest, CommitSample, ControllerToManager, Hello,
-    HelloReply, ManagerToController, NodeReport, NodeStatus, PfsCopyStats, ProtocolError, Role, StatusReport,
-    TransferMode, VersionRecord, COMMIT_HISTORY,
+    HelloReply, ManagerToController, PfsCopyStats, ProtocolError, Role, StatusReport, TransferMode, VersionRecord,
+    COMMIT_HISTORY,
 };
 
 use crate::framing;
 use crate::ServiceError;
+use nodes::NodeBook;
 
 /// How far ahead the memory forecast looks, in seconds.
 const FORECAST_HORIZON_SECS: f64 = 60.0;
@@ -36,27 +38,6 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 const AGENT_START_TIMEOUT: Duration = Duration::from_secs(15);
 /// Time new agents have to take over the ranks that move to them.
 const TAKE_OVER_TIMEOUT: Duration = Duration::from_secs(300);
-
-struct NodeEntry {
-    pid: u32,
-    /// False once the manager's connection closed (it may come back).
-    connected: bool,
-    last_heartbeat: Instant,
-    reported_down: bool,
-    /// The manager's last report. Its agent count lags behind starts the
-    /// controller has asked for; placement adds [`NodeEntry::starting`].
-    status: NodeStatus,
-    /// Agent starts sent to this manager and not yet answered. Kept apart
-    /// from `status.agents`, which each status report replaces.
-    starting: u32,
-    /// Memory and agent-count history for the derived metrics.
-    trend: NodeTrend,
-    /// An operator is draining it: no new agents; its agents move away on
-    /// their applications' probes.
-    draining: bool,
-    connection: u64,
-    to_manager: mpsc::UnboundedSender<ControllerToManager>,
-}
 
 struct AppEntry {
     registration: protocol::AppRegistration,
@@ -124,15 +105,17 @@ struct PendingCopy {
     agents: usize,
 }
 
-#[derive(Default)]
+/// The node book over the managers' connections.
+type ManagerBook = NodeBook<mpsc::UnboundedSender<ControllerToManager>>;
+
 struct State {
-    nodes: BTreeMap<String, NodeEntry>,
+    /// The checkpoint nodes, and the channel to each manager.
+    nodes: ManagerBook,
     apps: BTreeMap<String, AppEntry>,
     pending: HashMap<u64, oneshot::Sender<Result<AgentInfo, String>>>,
     /// Take-overs under way, by (agent, rank): bytes moved or why not.
     takeovers: HashMap<(u64, u32), oneshot::Sender<Result<u64, String>>>,
     next_agent: u64,
-    next_connection: u64,
 }
 
 struct Shared {
@@ -158,12 +141,6 @@ impl Shared {
 
     fn dynamic(&self) -> DynamicConfig {
         self.dynamic.read().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
-    /// A node is alive while its manager's connection is open and its
-    /// heartbeats arrive.
-    fn alive(&self, node: &NodeEntry, now: Instant) -> bool {
-        node.connected && decide::is_alive(now - node.last_heartbeat, self.heartbeat, self.missed)
     }
 }
 
@@ -198,7 +175,13 @@ pub async fn run(config: StaticConfig, state_dir: Option<PathBuf>) -> Result<(),
         pfs: config.pfs_dir.clone().map(icheck_core::pfs::PfsStore::new),
         heartbeat: config.heartbeat(),
         missed: config.missed_heartbeats,
-        state: Mutex::new(State { next_agent: 1, ..State::default() }),
+        state: Mutex::new(State {
+            nodes: NodeBook::new(config.heartbeat(), config.missed_heartbeats),
+            apps: BTreeMap::new(),
+            pending: HashMap::new(),
+            takeovers: HashMap::new(),
+            next_agent: 1,
+        }),
         dynamic: RwLock::new(dynamic),
     });
     if let Some(path) = config.dynamic_config.clone() {
@@ -271,19 +254,9 @@ async fn reload_dynamic(shared: Arc<Shared>, path: PathBuf) {
 async fn watch_liveness(shared: Arc<Shared>) {
     loop {
         tokio::time::sleep(shared.heartbeat).await;
-        let now = Instant::now();
-        let mut state = shared.state();
-        let dead: Vec<String> = state
-            .nodes
-            .iter()
-            .filter(|(_, n)| !n.reported_down && !shared.alive(n, now))
-            .map(|(name, _)| name.clone())
-            .collect();
-        for name in dead {
+        let down = shared.state().nodes.newly_down(Instant::now());
+        for name in down {
             tracing::warn!(node = %name, "manager missed {} heartbeats; marked down", shared.missed);
-            if let Some(node) = state.nodes.get_mut(&name) {
-                node.reported_down = true;
-            }
         }
     }
 }
@@ -313,36 +286,7 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
         }
     };
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let admitted = {
-        let mut state = shared.state();
-        let now = Instant::now();
-        match state.nodes.get(&node) {
-            Some(existing) if shared.alive(existing, now) && !existing.to_manager.is_closed() => {
-                Err(format!("node name {node:?} is already registered by a live manager (pid {})", existing.pid))
-            }
-            _ => {
-                state.next_connection += 1;
-                let connection = state.next_connection;
-                let mut trend = NodeTrend::default();
-                trend.sample(shared.clock(), status.mem_available, status.agents);
-                let entry = NodeEntry {
-                    pid,
-                    connected: true,
-                    last_heartbeat: now,
-                    reported_down: false,
-                    status,
-                    starting: 0,
-                    trend,
-                    // A manager that comes back keeps its node's drain.
-                    draining: state.nodes.get(&node).is_some_and(|n| n.draining),
-                    connection,
-                    to_manager: tx,
-                };
-                state.nodes.insert(node.clone(), entry);
-                Ok(connection)
-            }
-        }
-    };
+    let admitted = shared.state().nodes.register(&node, pid, status, tx, Instant::now(), shared.clock());
     let connection = match admitted {
         Ok(connection) => connection,
         Err(reason) => {
@@ -367,30 +311,22 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
         let mut state = shared.state();
         match message {
             ManagerToController::Heartbeat => {
-                if let Some(entry) = state.nodes.get_mut(&node).filter(|e| e.connection == connection) {
-                    entry.last_heartbeat = Instant::now();
-                    if entry.reported_down {
-                        tracing::info!(%node, "manager is back");
-                        entry.reported_down = false;
-                    }
+                if state.nodes.heartbeat(&node, connection, Instant::now()) {
+                    tracing::info!(%node, "manager is back");
                 }
             }
             ManagerToController::Status(status) => {
-                if let Some(entry) = state.nodes.get_mut(&node).filter(|e| e.connection == connection) {
-                    entry.trend.sample(shared.clock(), status.mem_available, status.agents);
-                    entry.status = status;
-                    entry.last_heartbeat = Instant::now();
-                }
+                state.nodes.status(&node, connection, status, Instant::now(), shared.clock());
             }
             ManagerToController::AgentReady(info) => {
                 if let Some(waiter) = state.pending.remove(&info.id) {
-                    start_answered(&mut state, &node, true);
+                    state.nodes.start_answered(&node, true);
                     let _ = waiter.send(Ok(info));
                 }
             }
             ManagerToController::AgentFailed { id, reason } => {
                 if let Some(waiter) = state.pending.remove(&id) {
-                    start_answered(&mut state, &node, false);
+                    state.nodes.start_answered(&node, false);
                     let _ = waiter.send(Err(format!("node {node}: {reason}")));
                 }
             }
@@ -419,10 +355,7 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
     // in the status also finds the reason in the log.
     tracing::warn!(%node, "manager connection closed; marked down, its agents are gone");
     let mut state = shared.state();
-    if let Some(entry) = state.nodes.get_mut(&node).filter(|entry| entry.connection == connection) {
-        entry.connected = false;
-        // The heartbeat watcher need not report this outage a second time.
-        entry.reported_down = true;
+    if state.nodes.disconnected(&node, connection) {
         for app in state.apps.values_mut() {
             app.agents.retain(|agent| agent.node != node);
         }
@@ -461,19 +394,7 @@ fn status_report(shared: &Shared) -> StatusReport {
     let state = shared.state();
     let now = Instant::now();
     StatusReport {
-        nodes: state
-            .nodes
-            .iter()
-            .map(|(name, n)| NodeReport {
-                node: name.clone(),
-                pid: n.pid,
-                alive: shared.alive(n, now),
-                last_heartbeat_secs: (now - n.last_heartbeat).as_secs_f64(),
-                status: n.status.clone(),
-                trend: n.trend.report(FORECAST_HORIZON_SECS),
-                draining: n.draining,
-            })
-            .collect(),
+        nodes: state.nodes.report(now, FORECAST_HORIZON_SECS),
         apps: state
             .apps
             .values()
@@ -549,7 +470,7 @@ async fn register_app(
             let nodes = &state.nodes;
             let all_alive = !app.agents.is_empty()
                 && app.agents.len() == app.homes.len()
-                && app.agents.iter().all(|a| nodes.get(&a.node).is_some_and(|n| shared.alive(n, now)));
+                && app.agents.iter().all(|a| nodes.is_alive(&a.node, now));
             if all_alive {
                 tracing::info!(agents = app.agents.len(), ?latest, "application re-registered; returning its agents");
                 app.persisted = false;
@@ -566,7 +487,7 @@ async fn register_app(
             0 => decide::initial_agent_count(&registration, &config),
             n => n.min(decide::agent_limit(&registration, &config)),
         };
-        let snapshot = snapshot(shared, state, now);
+        let snapshot = state.nodes.snapshot(now);
         // Survivors of the old placement stop; their files stay for the new agents.
         if let Some(app) = state.apps.get(&registration.name) {
             tell_agents(&state.nodes, &app.agents, |id| ControllerToManager::StopAgent { id, discard: false });
@@ -801,25 +722,6 @@ fn start_deferred_copy(shared: &Shared, state: &mut State, name: &str) {
     request_pfs_copy(&state.nodes, app, newest, shared.dynamic().max_cp_size.0);
 }
 
-/// The nodes as placement sees them now.
-fn snapshot(shared: &Shared, state: &State, now: Instant) -> Vec<NodeSnapshot> {
-    state
-        .nodes
-        .iter()
-        .map(|(name, n)| NodeSnapshot {
-            node: name.clone(),
-            alive: shared.alive(n, now),
-            agents: n.status.agents + n.starting,
-            mem_available: n.status.mem_available,
-            bandwidth: n.status.bandwidth,
-            cops_per_min: n.status.cops_per_min,
-            power_watts: n.status.power_watts,
-            bytes_held: n.status.bytes_held,
-            draining: n.draining,
-        })
-        .collect()
-}
-
 /// An agent start the controller waits for: id, node, and the manager's answer.
 type StartWaiter = (u64, String, oneshot::Receiver<Result<AgentInfo, String>>);
 
@@ -832,23 +734,11 @@ fn send_starts(state: &mut State, app: &str, nodes: Vec<String>, mem_budget: u64
         state.next_agent += 1;
         let (tx, rx) = oneshot::channel();
         state.pending.insert(id, tx);
-        let entry = state.nodes.get_mut(&node).expect("chosen from the snapshot");
-        entry.starting += 1; // count it now, so parallel placements spread out
-        let _ = entry.to_manager.send(ControllerToManager::StartAgent { id, app: app.to_string(), mem_budget });
+        // Counted from now on, so parallel placements spread out.
+        state.nodes.start_agent(&node, id, app, mem_budget);
         waiters.push((id, node, rx));
     }
     waiters
-}
-
-/// One agent start on `node` got its answer (or the controller gave up
-/// waiting for it): it no longer counts as starting. An agent that
-/// `started` counts as running until the manager's next report, which is
-/// sent after its AgentReady and includes it.
-fn start_answered(state: &mut State, node: &str, started: bool) {
-    if let Some(entry) = state.nodes.get_mut(node) {
-        entry.starting = entry.starting.saturating_sub(1);
-        entry.status.agents += u32::from(started);
-    }
 }
 
 /// Waits for the agents [`send_starts`] asked for; if any fails, stops the
@@ -863,7 +753,7 @@ async fn await_starts(shared: &Shared, app: &str, waiters: Vec<StartWaiter>) -> 
             None => {
                 let mut state = shared.state();
                 if state.pending.remove(&id).is_some() {
-                    start_answered(&mut state, &node, false);
+                    state.nodes.start_answered(&node, false);
                 }
                 failure = Some(format!("manager on {node} did not start agent {id} within {AGENT_START_TIMEOUT:?}"));
             }
@@ -910,10 +800,8 @@ async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32) -> Cl
         let Some(app) = state.apps.get_mut(name) else {
             return ClientReply::Error(format!("no application named {name:?} is registered"));
         };
-        let draining: Vec<usize> = (app.agents.iter().enumerate())
-            .filter(|(_, a)| state.nodes.get(&a.node).is_some_and(|n| n.draining))
-            .map(|(i, _)| i)
-            .collect();
+        let draining: Vec<usize> =
+            (app.agents.iter().enumerate()).filter(|(_, a)| state.nodes.is_draining(&a.node)).map(|(i, _)| i).collect();
         let current = app.agents.len() as u32;
         if app.agents.len() != app.homes.len() {
             tracing::warn!(lost = app.homes.len() - app.agents.len(), "agents were lost; placing new ones");
@@ -1056,7 +944,7 @@ async fn change_agents(
     let (old, units, latest, waiters) = {
         let mut state = shared.state();
         let now = Instant::now();
-        let snapshot = snapshot(shared, &state, now);
+        let snapshot = state.nodes.snapshot(now);
         let app = state.apps.get(name).ok_or("the application went away")?;
         let (old, units, latest) =
             (app.agents.clone(), decide::mapping_units(&app.registration), app.latest.as_ref().map(|l| l.version));
@@ -1096,11 +984,9 @@ async fn change_agents(
                 .map(|(rank, from, to)| {
                     let (tx, rx) = oneshot::channel();
                     state.takeovers.insert((to.id, *rank), tx);
-                    if let Some(node) = state.nodes.get(&to.node) {
-                        let from = (*from).clone();
-                        let message = ControllerToManager::TakeOver { agent: to.id, rank: *rank, version, from };
-                        let _ = node.to_manager.send(message);
-                    }
+                    let from = (*from).clone();
+                    let message = ControllerToManager::TakeOver { agent: to.id, rank: *rank, version, from };
+                    state.nodes.send(&to.node, message);
                     (to.id, *rank, rx)
                 })
                 .collect()
@@ -1144,12 +1030,10 @@ async fn change_agents(
 /// applications' next probes) or open it again.
 fn drain_node(shared: &Shared, node: &str, drain: bool) -> ClientReply {
     let mut state = shared.state();
-    let Some(entry) = state.nodes.get_mut(node) else {
-        let known: Vec<&String> = state.nodes.keys().collect();
-        return ClientReply::Error(format!("no checkpoint node named {node:?} (known: {known:?})"));
+    let agents = match state.nodes.set_draining(node, drain) {
+        Ok(agents) => agents,
+        Err(message) => return ClientReply::Error(message),
     };
-    entry.draining = drain;
-    let agents = entry.status.agents;
     if drain {
         tracing::info!(node, agents, "node draining: its agents move away on their applications' next probes");
     } else {
@@ -1159,15 +1043,13 @@ fn drain_node(shared: &Shared, node: &str, drain: bool) -> ClientReply {
 }
 
 /// Tells each node to delete the given ranks of `app` from its store.
-fn drop_moved_ranks<'a>(nodes: &BTreeMap<String, NodeEntry>, app: &str, ranks: impl Iterator<Item = (u32, &'a str)>) {
+fn drop_moved_ranks<'a>(nodes: &ManagerBook, app: &str, ranks: impl Iterator<Item = (u32, &'a str)>) {
     let mut by_node: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
     for (rank, node) in ranks {
         by_node.entry(node).or_default().push(rank);
     }
     for (node, ranks) in by_node {
-        if let Some(entry) = nodes.get(node) {
-            let _ = entry.to_manager.send(ControllerToManager::DropRanks { app: app.to_string(), ranks });
-        }
+        nodes.send(node, ControllerToManager::DropRanks { app: app.to_string(), ranks });
     }
 }
 
@@ -1244,21 +1126,15 @@ fn stop_and_forget(state: &mut State, name: &str) -> bool {
 
 /// Sends each agent's manager the message `message(agent id)`; agents whose
 /// manager is gone get nothing (they went with it).
-fn tell_agents(
-    nodes: &BTreeMap<String, NodeEntry>,
-    agents: &[AgentInfo],
-    message: impl Fn(u64) -> ControllerToManager,
-) {
+fn tell_agents(nodes: &ManagerBook, agents: &[AgentInfo], message: impl Fn(u64) -> ControllerToManager) {
     for agent in agents {
-        if let Some(node) = nodes.get(&agent.node) {
-            let _ = node.to_manager.send(message(agent.id));
-        }
+        nodes.send(&agent.node, message(agent.id));
     }
 }
 
 /// Starts the PFS copy of `version`: each of the application's agents
 /// copies its ranks, and `pfs_copied` collects their answers.
-fn request_pfs_copy(nodes: &BTreeMap<String, NodeEntry>, app: &mut AppEntry, version: u64, max_cp_size: u64) {
+fn request_pfs_copy(nodes: &ManagerBook, app: &mut AppEntry, version: u64, max_cp_size: u64) {
     let bytes = app.latest.as_ref().filter(|l| l.version == version).map_or(0, |l| l.bytes);
     let compression = app.registration.compression.for_version(bytes, max_cp_size);
     let pending =
@@ -1267,9 +1143,6 @@ fn request_pfs_copy(nodes: &BTreeMap<String, NodeEntry>, app: &mut AppEntry, ver
     let (units, count) = (decide::mapping_units(&app.registration), app.agents.len() as u32);
     for (index, agent) in app.agents.iter().enumerate() {
         let ranks = (0..units).filter(|r| decide::agent_for_rank(*r, units, count) == index as u32).collect();
-        if let Some(node) = nodes.get(&agent.node) {
-            let _ =
-                node.to_manager.send(ControllerToManager::CopyToPfs { agent: agent.id, version, compression, ranks });
-        }
+        nodes.send(&agent.node, ControllerToManager::CopyToPfs { agent: agent.id, version, compression, ranks });
     }
 }

@@ -1,0 +1,304 @@
+//! A rank's session with its agent as a state machine that does no I/O:
+//! which requests are allowed when (Open, then Begin → Pull* → Seal, then
+//! Complete), what a Begin must satisfy, which bytes of the version a Pull
+//! may write, what the sealed manifest says, and whether a new version fits
+//! the node's checkpoint memory.
+//!
+//! Architecture invariant: nothing here touches a file, a socket, the
+//! fabric or a clock. The agent's session thread (`super::handle`) asks
+//! this core first and performs what it allows: it creates and maps the
+//! version's file, moves the bytes and seals the store, and passes the
+//! current time in. The tests below drive sessions on simulated time.
+
+#![forbid(unsafe_code)]
+
+use std::time::Instant;
+
+use icheck_core::fabric::RmaOp;
+use icheck_core::format::{check_layout, CHUNK_SIZE};
+use icheck_core::protocol::{LabelLayout, Manifest, PullSegment};
+
+/// The version a rank is writing, as the session knows it.
+#[derive(Debug)]
+struct Begun {
+    version: u64,
+    ranks: u32,
+    epoch: u32,
+    labels: Vec<LabelLayout>,
+    total_len: u64,
+    started: Instant,
+    /// In the node's store (not spilled to the PFS).
+    in_memory: bool,
+}
+
+/// A Begin [`SessionCore::begin`] accepted, waiting for its destination.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct BeginChecked {
+    /// The version.
+    pub(crate) version: u64,
+    ranks: u32,
+    epoch: u32,
+    labels: Vec<LabelLayout>,
+    /// Bytes of the version (all labels).
+    pub(crate) total_len: u64,
+}
+
+/// A version given up before its Seal.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Abandoned {
+    /// Its number.
+    pub(crate) version: u64,
+    /// Its unsealed file is in the store (and must go): not spilled.
+    pub(crate) in_memory: bool,
+}
+
+/// What Seal produced: the manifest to store, and the transfer's duration.
+#[derive(Debug)]
+pub(crate) struct Sealed {
+    /// The version's manifest, validated.
+    pub(crate) manifest: Manifest,
+    /// Seconds from Begin to Seal.
+    pub(crate) transfer_secs: f64,
+}
+
+/// One rank's session.
+#[derive(Debug)]
+pub(crate) struct SessionCore {
+    app: String,
+    rank: u32,
+    writing: Option<Begun>,
+}
+
+impl SessionCore {
+    /// Open: the rank `rank` of `app` starts a session with agent `agent`,
+    /// which serves `serving`.
+    pub(crate) fn open(serving: &str, agent: u64, app: String, rank: u32) -> Result<SessionCore, String> {
+        if app != serving {
+            return Err(format!("agent {agent} serves {serving:?}, not {app:?}"));
+        }
+        Ok(SessionCore { app, rank, writing: None })
+    }
+
+    /// The application.
+    pub(crate) fn app(&self) -> &str {
+        &self.app
+    }
+
+    /// The rank.
+    pub(crate) fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Gives up the version being written, if any: a version whose Seal
+    /// never came can never be served.
+    pub(crate) fn abandon(&mut self) -> Option<Abandoned> {
+        self.writing.take().map(|begun| Abandoned { version: begun.version, in_memory: begun.in_memory })
+    }
+
+    /// Checks a Begin of `version` of resize epoch `epoch`, written by
+    /// `ranks` processes with `labels`. The caller abandons the version
+    /// being written first.
+    pub(crate) fn begin(
+        &self,
+        version: u64,
+        ranks: u32,
+        epoch: u32,
+        labels: Vec<LabelLayout>,
+    ) -> Result<BeginChecked, String> {
+        let total_len = check_layout(&labels)?;
+        if version == 0 || ranks == 0 || self.rank >= ranks {
+            return Err(format!("bad version {version} or rank {} of {ranks}", self.rank));
+        }
+        Ok(BeginChecked { version, ranks, epoch, labels, total_len })
+    }
+
+    /// The version [`begin`](Self::begin) checked has its destination
+    /// (`in_memory`: the store; else a spill to the PFS) since `now`.
+    pub(crate) fn begun(&mut self, checked: BeginChecked, in_memory: bool, now: Instant) {
+        let BeginChecked { version, ranks, epoch, labels, total_len } = checked;
+        self.writing = Some(Begun { version, ranks, epoch, labels, total_len, started: now, in_memory });
+    }
+
+    /// The reads a Pull of `segments` makes into the version's file: each
+    /// segment must lie inside the version.
+    pub(crate) fn pull_ops(&self, segments: &[PullSegment]) -> Result<Vec<RmaOp>, String> {
+        let begun = self.writing.as_ref().ok_or("Pull without Begin")?;
+        segments
+            .iter()
+            .map(|s| {
+                let end = s.file_offset.checked_add(s.len).filter(|end| *end <= begun.total_len);
+                match (end, usize::try_from(s.file_offset), usize::try_from(s.len)) {
+                    (Some(_), Ok(local_offset), Ok(len)) => {
+                        Ok(RmaOp { local_offset, remote: s.source, remote_offset: s.source_offset, len })
+                    }
+                    _ => Err(format!(
+                        "segment at file offset {} of {} bytes lies outside the version ({} bytes)",
+                        s.file_offset, s.len, begun.total_len
+                    )),
+                }
+            })
+            .collect()
+    }
+
+    /// Seal at `now` (`unix_ms` on the wall clock) with the rank's own
+    /// checksums, which must fit the layout it began with. The version
+    /// stops being written either way.
+    pub(crate) fn seal(&mut self, crcs: Vec<Vec<u32>>, now: Instant, unix_ms: u64) -> Result<Sealed, String> {
+        let begun = self.writing.take().ok_or("Seal without Begin")?;
+        let manifest = Manifest {
+            app: self.app.clone(),
+            rank: self.rank,
+            ranks: begun.ranks,
+            epoch: begun.epoch,
+            version: begun.version,
+            labels: begun.labels,
+            total_len: begun.total_len,
+            chunk_size: CHUNK_SIZE,
+            crcs,
+            sealed_unix_ms: unix_ms,
+        };
+        manifest.validate().map_err(|e| format!("Seal refused: {e}"))?;
+        let transfer_secs = now.saturating_duration_since(begun.started).as_secs_f64();
+        Ok(Sealed { manifest, transfer_secs })
+    }
+}
+
+/// Whether `needed` new bytes fit the node's checkpoint memory `budget`
+/// (0: no limit) beside the `held` bytes its store holds. The agent decides
+/// and creates the file under one lock per node, so that two ranks
+/// beginning at once cannot both see room for one.
+pub(crate) fn admit(budget: u64, held: u64, needed: u64) -> Result<(), String> {
+    if budget > 0 && needed > 0 && held.saturating_add(needed) > budget {
+        return Err(format!("{needed} bytes do not fit the node's checkpoint memory ({held} of {budget} bytes held)"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use icheck_core::fabric::RemoteRegion;
+    use icheck_core::format::{label_crcs, DataKind};
+
+    use super::*;
+
+    fn label(name: &str, offset: u64, len: u64) -> LabelLayout {
+        LabelLayout { label: name.into(), kind: DataKind::Binary, offset, len, adapt: None }
+    }
+
+    fn session(rank: u32) -> SessionCore {
+        SessionCore::open("app", 7, "app".into(), rank).unwrap()
+    }
+
+    /// Begins `version` of two labels (8 + 16 bytes) at `now`.
+    fn begin(core: &mut SessionCore, version: u64, now: Instant) {
+        let checked = core.begin(version, 2, 0, vec![label("a", 0, 8), label("b", 8, 16)]).unwrap();
+        assert_eq!(checked.total_len, 24);
+        core.begun(checked, true, now);
+    }
+
+    #[test]
+    fn a_session_serves_only_its_agents_application() {
+        let err = SessionCore::open("app", 7, "other".into(), 0).unwrap_err();
+        assert!(err.contains("agent 7") && err.contains("\"other\""), "{err}");
+    }
+
+    #[test]
+    fn requests_out_of_order_are_refused() {
+        let mut core = session(0);
+        assert_eq!(core.pull_ops(&[]).unwrap_err(), "Pull without Begin");
+        assert_eq!(core.seal(Vec::new(), Instant::now(), 0).unwrap_err(), "Seal without Begin");
+        assert!(core.abandon().is_none());
+    }
+
+    #[test]
+    fn a_begin_must_name_a_version_a_shape_and_a_layout() {
+        let core = session(3);
+        let labels = || vec![label("a", 0, 8)];
+        assert!(core.begin(0, 4, 0, labels()).unwrap_err().contains("bad version 0"));
+        assert!(core.begin(1, 3, 0, labels()).unwrap_err().contains("rank 3 of 3"));
+        assert!(core.begin(1, 0, 0, labels()).is_err());
+        assert!(core.begin(1, 4, 0, vec![label("a", 0, 8), label("b", 9, 8)]).unwrap_err().contains("instead of 8"));
+        assert!(core.begin(1, 4, 0, vec![label("a", 0, u64::MAX), label("b", u64::MAX, 8)]).is_err());
+    }
+
+    #[test]
+    fn seal_builds_the_manifest_and_times_the_transfer_on_the_given_clock() {
+        let t0 = Instant::now();
+        let mut core = session(1);
+        begin(&mut core, 5, t0);
+        let data = [1u8; 24];
+        let crcs = label_crcs(&[&data[..8], &data[8..]]);
+        let sealed = core.seal(crcs, t0 + Duration::from_millis(1500), 42).unwrap();
+        assert_eq!((sealed.manifest.version, sealed.manifest.rank, sealed.manifest.ranks), (5, 1, 2));
+        assert_eq!(sealed.manifest.sealed_unix_ms, 42);
+        assert!((sealed.transfer_secs - 1.5).abs() < 1e-9);
+        sealed.manifest.verify(&data).unwrap();
+        assert_eq!(core.seal(Vec::new(), t0, 0).unwrap_err(), "Seal without Begin", "a version seals once");
+    }
+
+    #[test]
+    fn checksums_that_do_not_fit_the_layout_refuse_the_seal_and_end_the_version() {
+        let t0 = Instant::now();
+        let mut core = session(0);
+        begin(&mut core, 1, t0);
+        let err = core.seal(vec![vec![0]], t0, 0).unwrap_err();
+        assert!(err.starts_with("Seal refused"), "{err}");
+        assert!(core.abandon().is_none(), "the refused version is no longer being written");
+    }
+
+    #[test]
+    fn a_new_begin_abandons_the_unsealed_version() {
+        let t0 = Instant::now();
+        let mut core = session(0);
+        begin(&mut core, 1, t0);
+        assert_eq!(core.abandon(), Some(Abandoned { version: 1, in_memory: true }));
+        begin(&mut core, 2, t0);
+        let checked = core.begin(3, 2, 0, Vec::new()).unwrap();
+        core.begun(checked, false, t0);
+        assert_eq!(core.abandon(), Some(Abandoned { version: 3, in_memory: false }));
+    }
+
+    #[test]
+    fn pulls_may_write_only_inside_the_version() {
+        let t0 = Instant::now();
+        let mut core = session(0);
+        begin(&mut core, 1, t0);
+        let source = RemoteRegion { addr: 0x1000, len: 64, key: 9 };
+        let segment = |file_offset, len| PullSegment { source, source_offset: 4, file_offset, len };
+        let ops = core.pull_ops(&[segment(0, 8), segment(8, 16)]).unwrap();
+        assert_eq!((ops[1].local_offset, ops[1].len, ops[1].remote_offset), (8, 16, 4));
+        assert!(core.pull_ops(&[segment(20, 5)]).unwrap_err().contains("outside the version (24 bytes)"));
+        assert!(core.pull_ops(&[segment(u64::MAX, 2)]).is_err(), "an overflowing end is refused");
+    }
+
+    #[test]
+    fn concurrent_begins_never_overrun_the_node_budget() {
+        // Two ranks of one node begin 60-byte versions against a 100-byte
+        // budget. The agent orders their admissions (one lock per node);
+        // whichever comes second sees the first's file and spills.
+        let budget = 100;
+        let mut held = 0u64;
+        let t0 = Instant::now();
+        let mut placed = Vec::new();
+        for rank in [0u32, 1] {
+            let mut core = session(rank);
+            let checked = core.begin(1, 2, 0, vec![label("x", 0, 60)]).unwrap();
+            let fits = admit(budget, held, checked.total_len).is_ok();
+            if fits {
+                held += checked.total_len; // the file now exists in the store
+            }
+            core.begun(checked, fits, t0);
+            placed.push(fits);
+        }
+        assert_eq!(placed, [true, false]);
+        assert!(held <= budget);
+        let err = admit(budget, held, 60).unwrap_err();
+        assert!(err.contains("60 bytes") && err.contains("60 of 100"), "{err}");
+        // Reusing a spare file needs no new bytes: admitted even when full;
+        // no budget means no limit.
+        assert!(admit(budget, 100, 0).is_ok());
+        assert!(admit(0, u64::MAX, 60).is_ok());
+    }
+}

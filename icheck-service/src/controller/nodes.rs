@@ -1,0 +1,407 @@
+//! The controller's book of checkpoint nodes, as a state machine that does
+//! no I/O: managers register, report and beat; agent starts are counted
+//! from the moment they are sent until the manager reports them; liveness
+//! is judged against the time the caller passes in.
+//!
+//! Architecture invariant: nothing here reads a clock, sleeps or touches a
+//! socket. Time comes in as arguments (`now`, and `clock`, the seconds the
+//! derived metrics are sampled at), and messages go out through
+//! [`ManagerLink`], which the controller implements with its per-connection
+//! channel and the tests with a recorder. That is what lets the tests below
+//! replay races (a status report overtaking an agent start, a silent
+//! manager) deterministically on simulated time.
+
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use icheck_core::decide::{self, NodeSnapshot};
+use icheck_core::monitor::NodeTrend;
+#[cfg(test)]
+use icheck_core::monitor::TrendReport;
+use icheck_core::protocol::{ControllerToManager, NodeReport, NodeStatus};
+
+/// Where the controller's messages to one manager go.
+pub(crate) trait ManagerLink {
+    /// Queues `message` for the manager; false when the connection is gone.
+    fn send(&self, message: ControllerToManager) -> bool;
+    /// Whether the connection can still carry messages.
+    fn is_open(&self) -> bool;
+}
+
+impl ManagerLink for tokio::sync::mpsc::UnboundedSender<ControllerToManager> {
+    fn send(&self, message: ControllerToManager) -> bool {
+        tokio::sync::mpsc::UnboundedSender::send(self, message).is_ok()
+    }
+
+    fn is_open(&self) -> bool {
+        !self.is_closed()
+    }
+}
+
+/// One checkpoint node as the controller knows it.
+pub(crate) struct NodeEntry<L> {
+    /// The manager's process id (reported at registration).
+    pub(crate) pid: u32,
+    /// False once the manager's connection closed (it may come back).
+    connected: bool,
+    last_heartbeat: Instant,
+    reported_down: bool,
+    /// The manager's last report. Its agent count lags behind starts the
+    /// controller has asked for; placement adds [`NodeEntry::starting`].
+    pub(crate) status: NodeStatus,
+    /// Agent starts sent to this manager and not yet answered. Kept apart
+    /// from `status.agents`, which each status report replaces.
+    starting: u32,
+    /// Memory and agent-count history for the derived metrics.
+    trend: NodeTrend,
+    /// An operator is draining it: no new agents; its agents move away on
+    /// their applications' probes.
+    pub(crate) draining: bool,
+    /// Which registration of the node this entry is: messages from an older
+    /// connection of the same node are ignored.
+    connection: u64,
+    link: L,
+}
+
+/// The nodes, by name.
+pub(crate) struct NodeBook<L> {
+    nodes: BTreeMap<String, NodeEntry<L>>,
+    next_connection: u64,
+    /// Expected heartbeat period.
+    heartbeat: Duration,
+    /// Heartbeats a node may miss before it counts as down.
+    missed: u32,
+}
+
+impl<L: ManagerLink> NodeBook<L> {
+    /// An empty book judging liveness by `heartbeat` and `missed`.
+    pub(crate) fn new(heartbeat: Duration, missed: u32) -> NodeBook<L> {
+        NodeBook { nodes: BTreeMap::new(), next_connection: 0, heartbeat, missed }
+    }
+
+    /// A manager registers `node`. Refused while a live manager with an open
+    /// connection holds the name; otherwise the node (new, or back after an
+    /// outage, keeping its drain) gets a fresh connection number, returned.
+    pub(crate) fn register(
+        &mut self,
+        node: &str,
+        pid: u32,
+        status: NodeStatus,
+        link: L,
+        now: Instant,
+        clock: f64,
+    ) -> Result<u64, String> {
+        if let Some(existing) = self.nodes.get(node) {
+            if self.entry_alive(existing, now) && existing.link.is_open() {
+                return Err(format!(
+                    "node name {node:?} is already registered by a live manager (pid {})",
+                    existing.pid
+                ));
+            }
+        }
+        self.next_connection += 1;
+        let connection = self.next_connection;
+        let mut trend = NodeTrend::default();
+        trend.sample(clock, status.mem_available, status.agents);
+        let draining = self.nodes.get(node).is_some_and(|n| n.draining);
+        let entry = NodeEntry {
+            pid,
+            connected: true,
+            last_heartbeat: now,
+            reported_down: false,
+            status,
+            starting: 0,
+            trend,
+            draining,
+            connection,
+            link,
+        };
+        self.nodes.insert(node.to_string(), entry);
+        Ok(connection)
+    }
+
+    /// The entry of `node` while `connection` is its current registration.
+    fn current(&mut self, node: &str, connection: u64) -> Option<&mut NodeEntry<L>> {
+        self.nodes.get_mut(node).filter(|entry| entry.connection == connection)
+    }
+
+    /// A heartbeat of `node` on `connection`. True when the node had been
+    /// reported down and is back.
+    pub(crate) fn heartbeat(&mut self, node: &str, connection: u64, now: Instant) -> bool {
+        let Some(entry) = self.current(node, connection) else { return false };
+        entry.last_heartbeat = now;
+        std::mem::take(&mut entry.reported_down)
+    }
+
+    /// A status report of `node` on `connection`: it replaces the last one
+    /// (agent starts still unanswered keep counting apart) and is a
+    /// heartbeat too.
+    pub(crate) fn status(&mut self, node: &str, connection: u64, status: NodeStatus, now: Instant, clock: f64) {
+        if let Some(entry) = self.current(node, connection) {
+            entry.trend.sample(clock, status.mem_available, status.agents);
+            entry.status = status;
+            entry.last_heartbeat = now;
+        }
+    }
+
+    /// The connection of `node` closed. True when it was the current one
+    /// (the node is down, its agents gone); false for a stale connection of
+    /// a node that has registered again since.
+    pub(crate) fn disconnected(&mut self, node: &str, connection: u64) -> bool {
+        let Some(entry) = self.current(node, connection) else { return false };
+        entry.connected = false;
+        // The liveness check need not report this outage a second time.
+        entry.reported_down = true;
+        true
+    }
+
+    /// Nodes that stopped being alive since the last call (each reported
+    /// once per outage).
+    pub(crate) fn newly_down(&mut self, now: Instant) -> Vec<String> {
+        let (heartbeat, missed) = (self.heartbeat, self.missed);
+        let mut down = Vec::new();
+        for (name, entry) in &mut self.nodes {
+            if !entry.reported_down && !alive(entry, now, heartbeat, missed) {
+                entry.reported_down = true;
+                down.push(name.clone());
+            }
+        }
+        down
+    }
+
+    fn entry_alive(&self, entry: &NodeEntry<L>, now: Instant) -> bool {
+        alive(entry, now, self.heartbeat, self.missed)
+    }
+
+    /// Whether `node` is known and alive at `now`.
+    pub(crate) fn is_alive(&self, node: &str, now: Instant) -> bool {
+        self.nodes.get(node).is_some_and(|entry| self.entry_alive(entry, now))
+    }
+
+    /// Whether `node` is known and draining.
+    pub(crate) fn is_draining(&self, node: &str) -> bool {
+        self.nodes.get(node).is_some_and(|entry| entry.draining)
+    }
+
+    /// The nodes as placement sees them at `now`: an agent start counts from
+    /// the moment it is sent, whatever reports arrive meanwhile.
+    pub(crate) fn snapshot(&self, now: Instant) -> Vec<NodeSnapshot> {
+        self.nodes
+            .iter()
+            .map(|(name, n)| NodeSnapshot {
+                node: name.clone(),
+                alive: self.entry_alive(n, now),
+                agents: n.status.agents + n.starting,
+                mem_available: n.status.mem_available,
+                bandwidth: n.status.bandwidth,
+                cops_per_min: n.status.cops_per_min,
+                power_watts: n.status.power_watts,
+                bytes_held: n.status.bytes_held,
+                draining: n.draining,
+            })
+            .collect()
+    }
+
+    /// The nodes for the status API at `now`, with trends forecast
+    /// `horizon_secs` ahead.
+    pub(crate) fn report(&self, now: Instant, horizon_secs: f64) -> Vec<NodeReport> {
+        self.nodes
+            .iter()
+            .map(|(name, n)| NodeReport {
+                node: name.clone(),
+                pid: n.pid,
+                alive: self.entry_alive(n, now),
+                last_heartbeat_secs: (now - n.last_heartbeat).as_secs_f64(),
+                status: n.status.clone(),
+                trend: n.trend.report(horizon_secs),
+                draining: n.draining,
+            })
+            .collect()
+    }
+
+    /// The node's trend report (for tests and the status API).
+    #[cfg(test)]
+    fn trend(&self, node: &str, horizon_secs: f64) -> Option<TrendReport> {
+        self.nodes.get(node).map(|n| n.trend.report(horizon_secs))
+    }
+
+    /// Asks `node`'s manager to start agent `id` of `app`, and counts the
+    /// start against the node until it is answered. False when the node is
+    /// unknown or its connection is gone (nothing is counted then).
+    pub(crate) fn start_agent(&mut self, node: &str, id: u64, app: &str, mem_budget: u64) -> bool {
+        let Some(entry) = self.nodes.get_mut(node) else { return false };
+        let sent = entry.link.send(ControllerToManager::StartAgent { id, app: app.to_string(), mem_budget });
+        // Counted even if the connection just closed: the answer (a failure,
+        // or the controller's timeout) uncounts it, like any other start.
+        entry.starting += 1;
+        sent
+    }
+
+    /// One agent start on `node` got its answer (or the controller gave up
+    /// waiting for it): it no longer counts as starting. An agent that
+    /// `started` counts as running until the manager's next report, which
+    /// is sent after its AgentReady and includes it.
+    pub(crate) fn start_answered(&mut self, node: &str, started: bool) {
+        if let Some(entry) = self.nodes.get_mut(node) {
+            entry.starting = entry.starting.saturating_sub(1);
+            entry.status.agents += u32::from(started);
+        }
+    }
+
+    /// Sends `message` to `node`'s manager; false when the node is unknown
+    /// or its connection is gone.
+    pub(crate) fn send(&self, node: &str, message: ControllerToManager) -> bool {
+        self.nodes.get(node).is_some_and(|entry| entry.link.send(message))
+    }
+
+    /// An operator drains `node` (or opens it again). Returns its agents,
+    /// or names the known nodes when there is no such node.
+    pub(crate) fn set_draining(&mut self, node: &str, drain: bool) -> Result<u32, String> {
+        let Some(entry) = self.nodes.get_mut(node) else {
+            let known: Vec<&String> = self.nodes.keys().collect();
+            return Err(format!("no checkpoint node named {node:?} (known: {known:?})"));
+        };
+        entry.draining = drain;
+        Ok(entry.status.agents)
+    }
+}
+
+/// A node is alive while its manager's connection is open and its
+/// heartbeats arrive.
+fn alive<L>(entry: &NodeEntry<L>, now: Instant, heartbeat: Duration, missed: u32) -> bool {
+    entry.connected && decide::is_alive(now.saturating_duration_since(entry.last_heartbeat), heartbeat, missed)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::{Cell, RefCell};
+    use std::rc::Rc;
+
+    use icheck_core::config::DynamicConfig;
+
+    use super::*;
+
+    /// A manager connection that records what the controller sends.
+    #[derive(Clone, Default)]
+    struct Recorder {
+        sent: Rc<RefCell<Vec<ControllerToManager>>>,
+        closed: Rc<Cell<bool>>,
+    }
+
+    impl ManagerLink for Recorder {
+        fn send(&self, message: ControllerToManager) -> bool {
+            self.sent.borrow_mut().push(message);
+            !self.closed.get()
+        }
+
+        fn is_open(&self) -> bool {
+            !self.closed.get()
+        }
+    }
+
+    const BEAT: Duration = Duration::from_secs(1);
+
+    fn status(agents: u32) -> NodeStatus {
+        NodeStatus { mem_available: 8 << 30, mem_total: 16 << 30, agents, ..NodeStatus::default() }
+    }
+
+    /// A book with `nodes` registered at `t0`, and their recorders.
+    fn book(t0: Instant, nodes: &[&str]) -> (NodeBook<Recorder>, Vec<Recorder>) {
+        let mut book = NodeBook::new(BEAT, 3);
+        let links: Vec<Recorder> = nodes.iter().map(|_| Recorder::default()).collect();
+        for (node, link) in nodes.iter().zip(&links) {
+            book.register(node, 1, status(0), link.clone(), t0, 0.0).unwrap();
+        }
+        (book, links)
+    }
+
+    fn one_agent_per_node() -> DynamicConfig {
+        DynamicConfig { max_agents_node: 1, ..DynamicConfig::default() }
+    }
+
+    #[test]
+    fn a_starting_agent_counts_against_the_node_limit_whatever_reports_arrive() {
+        let t0 = Instant::now();
+        let (mut book, links) = book(t0, &["a", "b"]);
+        let config = one_agent_per_node();
+        // First placement takes one node and sends the start.
+        let first = decide::choose_nodes(&book.snapshot(t0), 1, &config).unwrap();
+        assert!(book.start_agent(&first[0], 1, "app", 0));
+        // The manager's periodic report, sent before it saw the start,
+        // overtakes the answer: it still says 0 agents.
+        let conn = 1 + u64::from(first[0] == "b");
+        book.status(&first[0], conn, status(0), t0 + BEAT, 1.0);
+        // A racing placement must not put a second agent there.
+        let second = decide::choose_nodes(&book.snapshot(t0 + BEAT), 1, &config).unwrap();
+        assert_ne!(second, first, "the starting agent was forgotten by the report");
+        assert!(book.start_agent(&second[0], 2, "other", 0));
+        // Both nodes are now full: a third agent has no room.
+        assert!(decide::choose_nodes(&book.snapshot(t0 + BEAT), 1, &config).is_err());
+        // The start is answered; until the next report the agent counts as running.
+        book.start_answered(&first[0], true);
+        assert!(decide::choose_nodes(&book.snapshot(t0 + BEAT), 1, &config).is_err());
+        // The next report includes it.
+        book.status(&first[0], conn, status(1), t0 + 2 * BEAT, 2.0);
+        assert!(decide::choose_nodes(&book.snapshot(t0 + 2 * BEAT), 1, &config).is_err());
+        let starts = links.iter().map(|l| l.sent.borrow().len()).sum::<usize>();
+        assert_eq!(starts, 2, "one StartAgent per placed agent");
+    }
+
+    #[test]
+    fn a_failed_start_frees_its_place() {
+        let t0 = Instant::now();
+        let (mut book, _) = book(t0, &["a"]);
+        let config = one_agent_per_node();
+        assert!(book.start_agent("a", 1, "app", 0));
+        assert!(decide::choose_nodes(&book.snapshot(t0), 1, &config).is_err());
+        book.start_answered("a", false);
+        assert_eq!(decide::choose_nodes(&book.snapshot(t0), 1, &config).unwrap(), vec!["a".to_string()]);
+    }
+
+    #[test]
+    fn a_silent_manager_is_down_after_its_missed_heartbeats_and_back_with_the_next() {
+        let t0 = Instant::now();
+        let (mut book, _) = book(t0, &["a", "b"]);
+        // b keeps beating; a falls silent.
+        for second in 1..=3 {
+            assert!(!book.heartbeat("b", 2, t0 + BEAT * second));
+        }
+        assert!(book.newly_down(t0 + BEAT * 3).is_empty(), "3 missed beats are allowed");
+        assert_eq!(book.newly_down(t0 + BEAT * 3 + Duration::from_millis(1)), vec!["a".to_string()]);
+        assert!(book.newly_down(t0 + BEAT * 10).contains(&"b".to_string()), "b fell silent later");
+        assert!(book.newly_down(t0 + BEAT * 11).is_empty(), "each outage is reported once");
+        assert!(!book.is_alive("a", t0 + BEAT * 4));
+        let placed = decide::choose_nodes(&book.snapshot(t0 + BEAT * 4), 1, &DynamicConfig::default()).unwrap();
+        assert_eq!(placed, vec!["b".to_string()], "placement skips the silent node");
+        // A heartbeat brings it back, and says so once.
+        assert!(book.heartbeat("a", 1, t0 + BEAT * 12));
+        assert!(!book.heartbeat("a", 1, t0 + BEAT * 12));
+        assert!(book.is_alive("a", t0 + BEAT * 12));
+    }
+
+    #[test]
+    fn a_node_name_is_held_by_its_live_manager_and_free_once_it_is_gone() {
+        let t0 = Instant::now();
+        let (mut book, links) = book(t0, &["a"]);
+        let err = book.register("a", 2, status(0), Recorder::default(), t0, 0.0).unwrap_err();
+        assert!(err.contains("already registered") && err.contains("pid 1"), "{err}");
+        book.set_draining("a", true).unwrap();
+        // The connection closes: the node is down, and the name is free.
+        links[0].closed.set(true);
+        assert!(book.disconnected("a", 1));
+        assert!(!book.is_alive("a", t0));
+        assert!(book.newly_down(t0 + BEAT * 10).is_empty(), "the closed connection was the report");
+        let again = book.register("a", 3, status(0), Recorder::default(), t0 + BEAT, 1.0).unwrap();
+        assert_eq!(again, 2);
+        assert!(book.is_draining("a"), "a manager that comes back keeps its node's drain");
+        // Messages of the old connection no longer count.
+        assert!(!book.disconnected("a", 1));
+        book.status("a", 1, status(7), t0 + BEAT, 1.0);
+        assert_eq!(book.snapshot(t0 + BEAT)[0].agents, 0);
+        assert!(book.trend("a", 60.0).is_some());
+        let err = book.set_draining("x", true).unwrap_err();
+        assert!(err.contains("\"x\"") && err.contains("\"a\""), "{err}");
+    }
+}
