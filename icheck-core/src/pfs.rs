@@ -399,9 +399,13 @@ impl PfsStore {
         let tmp = partial.join(format!("{MANIFEST}.tmp"));
         let mut out = File::create(&tmp).map_err(io("cannot create", &tmp))?;
         out.write_all(&bytes).and_then(|_| out.sync_all()).map_err(io("cannot write", &tmp))?;
+        // A crash at either failpoint leaves a partial directory: never
+        // served, and completed again by the next copy of the version.
+        crate::failpoint::hit("pfs.before_manifest_rename");
         fs::rename(&tmp, partial.join(MANIFEST)).map_err(io("cannot rename into", &partial))?;
         let done = self.version_dir(app, version)?;
         let _ = fs::remove_dir_all(&done);
+        crate::failpoint::hit("pfs.before_dir_rename");
         fs::rename(&partial, &done).map_err(io("cannot rename into place", &done))?;
         if let Ok(dir) = File::open(self.app_dir(app)?) {
             let _ = dir.sync_all();

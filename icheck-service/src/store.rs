@@ -274,6 +274,8 @@ impl Store {
             .map_err(|e| StoreError::BadManifest { path: meta.clone(), reason: e.to_string() })?;
         let tmp = meta.with_extension("meta.tmp");
         fs::write(&tmp, bytes).map_err(io("cannot write", &tmp))?;
+        // A crash here leaves data and a temporary manifest: never served.
+        icheck_core::failpoint::hit("store.before_manifest_rename");
         fs::rename(&tmp, &meta).map_err(io("cannot rename into", &meta))
     }
 

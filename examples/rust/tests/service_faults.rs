@@ -399,3 +399,39 @@ fn damaged_agent_memory_falls_back_to_the_pfs_or_fails_on_every_rank() {
     }
     assert!(output.contains("stored version 3 of rank 1 is damaged"), "{output}");
 }
+
+/// The architecture issue's failpoint between the controller recording a
+/// version and the agents' Complete: the controller dies right after it
+/// recorded version 3. The application gets an error on every rank (nobody
+/// hangs), and the agents, never told that version 3 is complete, still
+/// hold version 2 beside it: retention only ever follows a Complete.
+#[test]
+fn a_controller_dying_after_recording_a_version_leaves_the_agents_both_versions() {
+    let failpoints = "controller.after_record_version=2*exit(86)";
+    let service = LocalService::up_with_failpoints(
+        &icheck_in_target(),
+        "faults-record",
+        1,
+        &["--provider", "tcp"],
+        None,
+        Some(failpoints),
+    );
+    let controller = service.pid_of("controller");
+    let args = ["--app", "rec", "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
+    let (ok, output) = Job::start(2, &service.config_path(), &args, &[]).finish_any(Duration::from_secs(60));
+    assert!(!ok, "{output}");
+    assert!(output.contains("COMMITTED version=2") && !output.contains("COMMITTED version=3"), "{output}");
+    for rank in 0..2 {
+        assert!(output.contains(&format!("rank {rank}: commit failed")), "rank {rank} did not return:\n{output}");
+    }
+    assert!(poll_until(Duration::from_secs(10), || !process_running(controller)), "the controller did not die");
+    assert!(service.log("controller.log").contains("controller.after_record_version"));
+    let rank_dir = |rank: u32| service.config.agent_store_dir.join("local-1").join("rec").join(format!("rank{rank}"));
+    for rank in 0..2 {
+        for version in [2, 3] {
+            let meta = rank_dir(rank).join(format!("v{version}.meta"));
+            assert!(meta.exists(), "{} is gone", meta.display());
+        }
+        assert!(!rank_dir(rank).join("v1.meta").exists(), "version 1 outlived the Complete of version 2");
+    }
+}

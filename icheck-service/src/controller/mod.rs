@@ -598,6 +598,9 @@ fn record_version(
         // ranks are on the PFS only, and the copy completes the version there.
         request_pfs_copy(&state.nodes, app, version, shared.dynamic().max_cp_size.0);
     }
+    // A crash here: the version is recorded, but neither the application
+    // nor its agents hear so (no Complete, so the agents keep the older one).
+    icheck_core::failpoint::hit("controller.after_record_version");
     ClientReply::Ok
 }
 
