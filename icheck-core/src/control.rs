@@ -3,6 +3,7 @@
 //! agents' command channels with it. No async runtime is involved.
 
 #![forbid(unsafe_code)]
+#![deny(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
 
 use std::time::Duration;
 

@@ -16,6 +16,7 @@
 //! stored checksums, and every error names the file.
 
 #![forbid(unsafe_code)]
+#![deny(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
 
 use std::collections::BTreeSet;
 use std::fs::{self, File};
@@ -610,6 +611,8 @@ fn bincode_encode(manifest: &PfsManifest, dir: &Path) -> Result<Vec<u8>> {
 }
 
 #[cfg(test)]
+// Fixtures cut counters into bytes on purpose.
+#[allow(clippy::cast_possible_truncation)]
 mod tests {
     use super::*;
     use crate::format::{label_crcs, CHUNK_SIZE};

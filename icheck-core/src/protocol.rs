@@ -10,6 +10,7 @@
 //! here: this is only the control plane.
 
 #![forbid(unsafe_code)]
+#![deny(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
 
 use std::time::Duration;
 
@@ -761,6 +762,8 @@ pub struct StatusReport {
 }
 
 #[cfg(test)]
+// Fixtures cut counters into bytes on purpose.
+#[allow(clippy::cast_possible_truncation)]
 mod tests {
     use super::*;
 

@@ -3,6 +3,7 @@
 //! prefix check is [`protocol::frame_len`], the ones the blocking side uses.
 
 #![forbid(unsafe_code)]
+#![deny(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
 
 use std::time::Duration;
 

@@ -14,6 +14,8 @@
 //! through a temporary file and an atomic rename. Whether a stored version is
 //! *complete* (every rank stored) is the controller's record, not the store's.
 
+#![deny(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
+
 use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
 use std::path::{Path, PathBuf};
@@ -438,6 +440,8 @@ fn map(file: &File, path: &Path, len: u64) -> Result<MappedFile> {
 }
 
 #[cfg(test)]
+// Fixtures cut counters into bytes on purpose.
+#[allow(clippy::cast_possible_truncation)]
 mod tests {
     use super::*;
     use icheck_core::format::{chunk_crcs, first_bad_chunk, CHUNK_SIZE};

@@ -11,6 +11,7 @@
 //! current time in. The tests below drive sessions on simulated time.
 
 #![forbid(unsafe_code)]
+#![deny(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
 
 use std::time::Instant;
 

@@ -12,6 +12,7 @@
 //! manager) deterministically on simulated time.
 
 #![forbid(unsafe_code)]
+#![deny(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
