@@ -121,6 +121,13 @@ impl State {
     }
 }
 
+/// Writes one error line to stderr in a single write, so that the lines of
+/// ranks failing at once do not interleave mid-line in the job's output
+/// (`eprintln!` writes each piece of its format separately).
+fn complain(line: String) {
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
+
 fn say(rank: u32, line: &str) {
     if rank == 0 {
         println!("{line}");
@@ -134,7 +141,7 @@ fn probe(ic: &mut Icheck, state: &State, rank: u32, step: u64, version: u64, rem
     let started = Instant::now();
     let hints = ProbeHints { remaining_commits: remaining.unwrap_or(0) };
     let outcome = ic.probe_agents(hints).unwrap_or_else(|e| {
-        eprintln!("rank {rank}: probe failed: {e}");
+        complain(format!("rank {rank}: probe failed: {e}"));
         std::process::exit(6);
     });
     let seconds = started.elapsed().as_secs_f64();
@@ -145,7 +152,7 @@ fn probe(ic: &mut Icheck, state: &State, rank: u32, step: u64, version: u64, rem
     say(rank, &format!("PROBE agents={agents} seconds={seconds:.3}"));
     state.fill(rank, step + 1_000_000);
     let restored = ic.restart().and_then(|v| ic.restore_all().map(|_| v)).unwrap_or_else(|e| {
-        eprintln!("rank {rank}: restore through the new agents failed: {e}");
+        complain(format!("rank {rank}: restore through the new agents failed: {e}"));
         std::process::exit(7);
     });
     let checked = match restored == version {
@@ -153,7 +160,7 @@ fn probe(ic: &mut Icheck, state: &State, rank: u32, step: u64, version: u64, rem
         false => Err(format!("version (restored {restored})")),
     };
     if let Err(label) = checked {
-        eprintln!("rank {rank}: after the agent change, label {label} differs from step {step}");
+        complain(format!("rank {rank}: after the agent change, label {label} differs from step {step}"));
         std::process::exit(8);
     }
     say(rank, &format!("VERIFIED version={version} agents={agents}"));
@@ -170,7 +177,7 @@ fn main() {
     let rank = world.rank() as u32;
     let comm = MpiComm::new(&world);
     let (mut ic, status) = Icheck::init(args.config.as_deref(), &args.app, comm).unwrap_or_else(|e| {
-        eprintln!("rank {rank}: icheck init failed: {e}");
+        complain(format!("rank {rank}: icheck init failed: {e}"));
         std::process::exit(2);
     });
     ic.set_async(args.asynchronous);
@@ -186,13 +193,13 @@ fn main() {
         InitStatus::Fresh => say(rank, "FRESH"),
         InitStatus::Restart { .. } => {
             let version = ic.restart().unwrap_or_else(|e| {
-                eprintln!("rank {rank}: restart failed: {e}");
+                complain(format!("rank {rank}: restart failed: {e}"));
                 std::process::exit(3);
             });
             ic.restore_all().unwrap();
             let step = state.step.read()[0] as u64;
             if let Err(label) = state.check(rank, step) {
-                eprintln!("rank {rank}: restored label {label} differs from step {step}");
+                complain(format!("rank {rank}: restored label {label} differs from step {step}"));
                 std::process::exit(4);
             }
             world.barrier();
@@ -209,7 +216,7 @@ fn main() {
             say(rank, &format!("COMMIT_START version={next}"));
             let started = Instant::now();
             let version = ic.commit().unwrap_or_else(|e| {
-                eprintln!("rank {rank}: commit failed: {e}");
+                complain(format!("rank {rank}: commit failed: {e}"));
                 std::process::exit(5);
             });
             if args.asynchronous {
