@@ -718,6 +718,88 @@ pub enum AgentRequest {
     FetchDone,
 }
 
+/// What a Fetch is for: the version asked for, and the application and
+/// rank (or SHMR node index) its data must belong to.
+#[derive(Clone, Copy, Debug)]
+pub struct FetchWanted<'a> {
+    /// The application.
+    pub app: &'a str,
+    /// The rank (the node index in SHMR mode).
+    pub rank: u32,
+    /// The version asked for.
+    pub version: u64,
+}
+
+/// An agent's answer to Fetch, checked by [`check_fetched`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fetched {
+    /// The manifest, validated: its offsets and lengths may be used.
+    pub manifest: Manifest,
+    /// The exposed data; holds at least `manifest.total_len` bytes.
+    pub region: RemoteRegion,
+    /// What the agent found damaged, if anything (see [`AgentReply::Fetch`]).
+    pub damaged: Option<String>,
+}
+
+/// Why an agent's answer to Fetch cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum FetchRefused {
+    /// The agent answered with an error.
+    #[error("{0}")]
+    Agent(String),
+    /// The agent answered something other than Fetch.
+    #[error("unexpected answer to Fetch: {0}")]
+    Unexpected(String),
+    /// The manifest contradicts itself.
+    #[error("the manifest is unusable: {0}")]
+    Manifest(#[from] crate::format::FormatError),
+    /// The manifest is valid but describes other data than asked for.
+    #[error("asked for version {wanted} of rank {rank} of {app:?}, the manifest describes {got}")]
+    OtherData {
+        /// Application asked for.
+        app: String,
+        /// Rank asked for.
+        rank: u32,
+        /// Version asked for.
+        wanted: u64,
+        /// What the manifest describes.
+        got: String,
+    },
+    /// The exposed region is shorter than the manifest's data.
+    #[error("the exposed region holds {region} bytes, the manifest describes {total}")]
+    ShortRegion {
+        /// Bytes exposed.
+        region: u64,
+        /// Bytes the manifest describes.
+        total: u64,
+    },
+}
+
+/// The one gate every answer to Fetch passes before anything in it is used:
+/// a restarting rank's, an SHMR node leader's, and an agent taking a rank
+/// over from a peer agent. A damaged or hostile manifest is a typed error
+/// here, never an out-of-range offset later.
+pub fn check_fetched(reply: AgentReply, wanted: FetchWanted<'_>) -> Result<Fetched, FetchRefused> {
+    let (manifest, region, damaged) = match reply {
+        AgentReply::Fetch { manifest, region, damaged } => (manifest, region, damaged),
+        AgentReply::Error(message) => return Err(FetchRefused::Agent(message)),
+        other => return Err(FetchRefused::Unexpected(format!("{other:?}"))),
+    };
+    manifest.validate()?;
+    if manifest.app != wanted.app || manifest.rank != wanted.rank || manifest.version != wanted.version {
+        return Err(FetchRefused::OtherData {
+            app: wanted.app.to_string(),
+            rank: wanted.rank,
+            wanted: wanted.version,
+            got: format!("version {} of rank {} of {:?}", manifest.version, manifest.rank, manifest.app),
+        });
+    }
+    if region.len < manifest.total_len {
+        return Err(FetchRefused::ShortRegion { region: region.len, total: manifest.total_len });
+    }
+    Ok(Fetched { manifest, region, damaged })
+}
+
 /// Answers of an agent.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum AgentReply {
@@ -766,6 +848,35 @@ pub struct StatusReport {
 #[allow(clippy::cast_possible_truncation)]
 mod tests {
     use super::*;
+
+    /// A hostile or damaged agent's answer to Fetch, as the bytes a rank or
+    /// a peer agent receives: every damaged manifest is a typed refusal.
+    #[test]
+    fn damaged_manifests_in_fetch_answers_are_refused_at_the_gate() {
+        let data: Vec<u8> = (0..(9u32 << 20) + 7).map(|i| i.to_le_bytes()[0]).collect();
+        let good = crate::format::samples::manifest(&data);
+        let region = RemoteRegion { addr: 0, key: 1, len: data.len() as u64 };
+        let wanted = FetchWanted { app: &good.app, rank: good.rank, version: good.version };
+        let received = |manifest: Manifest, region: RemoteRegion| -> AgentReply {
+            decode(&encode(&AgentReply::Fetch { manifest, region, damaged: None }).unwrap()).unwrap()
+        };
+        let fetched = check_fetched(received(good.clone(), region), wanted).unwrap();
+        assert_eq!((fetched.manifest, fetched.region), (good.clone(), region));
+        for (what, manifest) in crate::format::samples::damaged_manifests(&data) {
+            let err = check_fetched(received(manifest, region), wanted).unwrap_err();
+            assert!(matches!(err, FetchRefused::Manifest(_) | FetchRefused::OtherData { .. }), "{what}: {err}");
+        }
+        let short = RemoteRegion { len: 10, ..region };
+        let err = check_fetched(received(good.clone(), short), wanted).unwrap_err();
+        assert!(matches!(err, FetchRefused::ShortRegion { region: 10, .. }), "{err}");
+        for other in [FetchWanted { version: 2, ..wanted }, FetchWanted { rank: 0, ..wanted }] {
+            let err = check_fetched(received(good.clone(), region), other).unwrap_err().to_string();
+            assert!(err.contains("the manifest describes version 3 of rank 1"), "{err}");
+        }
+        let err = check_fetched(AgentReply::Error("gone".into()), wanted).unwrap_err();
+        assert_eq!(err.to_string(), "gone");
+        assert!(matches!(check_fetched(AgentReply::Ok, wanted), Err(FetchRefused::Unexpected(_))));
+    }
 
     #[test]
     fn round_trip_and_trailing_bytes() {

@@ -29,8 +29,8 @@ use icheck_core::fabric::{
 use icheck_core::format::{first_bad_chunk, label_crcs, CHUNK_BYTES, CHUNK_SIZE};
 use icheck_core::protocol::ProtocolError;
 use icheck_core::protocol::{
-    self, AgentInfo, AgentReply, AgentRequest, AppRegistration, ClientReply, ClientRequest, DataKind, LabelLayout,
-    Manifest, PullSegment, TransferMode, VersionRecord,
+    self, check_fetched, AgentInfo, AgentReply, AgentRequest, AppRegistration, ClientReply, ClientRequest, DataKind,
+    FetchWanted, Fetched, LabelLayout, Manifest, PullSegment, TransferMode, VersionRecord,
 };
 
 use crate::comm::Communicator;
@@ -411,10 +411,6 @@ impl Icheck {
     /// `VersionRecord::epoch`).
     pub fn epoch(&self) -> u32 {
         self.epoch
-    }
-
-    fn link(&mut self) -> Result<&mut AgentLink> {
-        self.link.as_mut().ok_or(Error::Order("no agent session (an earlier failure closed it)"))
     }
 
     fn controller_error(&self, message: String) -> Error {

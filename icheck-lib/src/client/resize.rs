@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use icheck_core::decide::agent_for_rank;
 use icheck_core::distribution::{receive_plan, Adapt, Attribute, GlobalLayout};
 use icheck_core::fabric::RemoteRegion;
-use icheck_core::protocol::{AgentReply, AgentRequest, DataKind, LabelLayout, Manifest};
+use icheck_core::protocol::{check_fetched, AgentRequest, DataKind, FetchWanted, Fetched, LabelLayout, Manifest};
 
 use super::{read_and_verify, AgentLink, Error, Icheck, Restored, RestoredData, Result};
 use crate::region::{as_bytes_mut, Element, Region};
@@ -362,10 +362,11 @@ impl Icheck {
         }
         let agent = &self.agents[agent_for_rank(rank, written, self.agents.len() as u32) as usize];
         let mut link = AgentLink::open(&self.endpoint, agent, &self.token, &self.app, rank, self.connect_timeout)?;
-        let (manifest, region) = match link.call(&AgentRequest::Fetch { version })? {
-            AgentReply::Fetch { damaged: Some(damage), .. } => return Err(link.error(damage)),
-            AgentReply::Fetch { manifest, region, damaged: None } => (manifest, region),
-            other => return Err(link.error(format!("unexpected answer to Fetch: {other:?}"))),
+        let reply = link.call(&AgentRequest::Fetch { version })?;
+        let (manifest, region) = match check_fetched(reply, FetchWanted { app: &self.app, rank, version }) {
+            Ok(Fetched { damaged: Some(damage), .. }) => return Err(link.error(damage)),
+            Ok(Fetched { manifest, region, damaged: None }) => (manifest, region),
+            Err(refused) => return Err(link.error(format!("version {version}, old rank {rank}: {refused}"))),
         };
         let old = OldRank::Agent { link: Box::new(link), manifest, region };
         manifest_check(old.manifest())?;

@@ -170,16 +170,12 @@ impl Icheck {
     }
 
     pub(super) fn fetch(&mut self, version: u64) -> Result<u64> {
-        let link = self.link()?;
-        let (manifest, region, damaged) = match link.call(&AgentRequest::Fetch { version })? {
-            AgentReply::Fetch { manifest, region, damaged } => (manifest, region, damaged),
-            other => return Err(link.error(format!("unexpected answer to Fetch: {other:?}"))),
-        };
+        let wanted = FetchWanted { app: &self.app, rank: self.comm.rank(), version };
+        let link = self.link.as_mut().ok_or(Error::Order("no agent session (an earlier failure closed it)"))?;
+        let reply = link.call(&AgentRequest::Fetch { version })?;
         // From the agent: checked before any offset in it is used.
-        if let Err(err) = manifest.validate() {
-            return Err(link.error(format!("the manifest of version {version} is unusable: {err}")));
-        }
-        let version = manifest.version;
+        let Fetched { manifest, region, damaged } =
+            check_fetched(reply, wanted).map_err(|e| link.error(format!("version {version}: {e}")))?;
         self.restart_damage = damaged;
         self.restored = Some(Restored { manifest, data: RestoredData::Agent(region) });
         Ok(version)

@@ -170,13 +170,12 @@ impl Icheck {
     /// SHMR restart: the node leader reads and verifies the node's data into
     /// the segment; every node process then restores from there.
     pub(super) fn fetch_shmr(&mut self, version: u64) -> Result<u64> {
+        let wanted = FetchWanted { app: &self.app, rank: self.comm.node_index(), version };
         let fetched: std::result::Result<(Manifest, RemoteRegion), String> = match self.link.as_mut() {
-            Some(link) => match link.call(&AgentRequest::Fetch { version }) {
-                Ok(AgentReply::Fetch { damaged: Some(damage), .. }) => Err(damage),
-                Ok(AgentReply::Fetch { manifest, region, damaged: None }) => {
-                    manifest.validate().map(|()| (manifest, region)).map_err(|e| e.to_string())
-                }
-                Ok(other) => Err(format!("unexpected answer to Fetch: {other:?}")),
+            Some(link) => match link.call(&AgentRequest::Fetch { version }).map(|reply| check_fetched(reply, wanted)) {
+                Ok(Ok(Fetched { damaged: Some(damage), .. })) => Err(damage),
+                Ok(Ok(Fetched { manifest, region, damaged: None })) => Ok((manifest, region)),
+                Ok(Err(refused)) => Err(refused.to_string()),
                 Err(err) => Err(err.to_string()),
             },
             None => Err(String::new()),

@@ -31,7 +31,8 @@ use icheck_core::fabric::{
 };
 use icheck_core::pattern::fill_pattern;
 use icheck_core::protocol::{
-    self, AgentInfo, AgentReply, AgentRequest, Hello, HelloReply, Manifest, PfsCopyStats, ProtocolError,
+    self, check_fetched, AgentInfo, AgentReply, AgentRequest, FetchWanted, Fetched, Hello, HelloReply, Manifest,
+    PfsCopyStats, ProtocolError,
 };
 
 use crate::store::{MappedFile, Store, StoreError};
@@ -958,19 +959,13 @@ fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Resu
     let endpoint = &shared.endpoint;
     let peer = endpoint.insert_peer(&from.address).map_err(|e| fail(e.to_string()))?;
     call(&AgentRequest::Open { app: shared.app.clone(), rank, address: endpoint.address().clone() })?;
-    let (manifest, region) = match call(&AgentRequest::Fetch { version })? {
-        AgentReply::Fetch { damaged: Some(damage), .. } => return Err(fail(damage)),
-        AgentReply::Fetch { manifest, region, damaged: None } => (manifest, region),
-        other => return Err(fail(format!("unexpected answer to Fetch: {other:?}"))),
-    };
     // From a peer: checked before any of its offsets or sizes is used.
-    manifest.validate().map_err(|e| fail(e.to_string()))?;
-    if manifest.rank != rank || manifest.app != shared.app || manifest.version != version {
-        return Err(fail(format!(
-            "the manifest describes version {} of rank {} of {:?}",
-            manifest.version, manifest.rank, manifest.app
-        )));
-    }
+    let reply = call(&AgentRequest::Fetch { version })?;
+    let (manifest, region) = match check_fetched(reply, FetchWanted { app: &shared.app, rank, version }) {
+        Ok(Fetched { damaged: Some(damage), .. }) => return Err(fail(damage)),
+        Ok(Fetched { manifest, region, damaged: None }) => (manifest, region),
+        Err(refused) => return Err(fail(refused.to_string())),
+    };
     let store = &shared.settings.store;
     let file =
         store.create(&shared.app, rank, manifest.version, manifest.total_len).map_err(|e| fail(e.to_string()))?;
