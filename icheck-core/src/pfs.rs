@@ -26,8 +26,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::format::{self, check_app_name, FormatError, Manifest};
-use crate::protocol;
+use crate::format::{self, check_app_name, FormatError, Manifest, VersionRecord};
 
 /// Complete versions kept per application: the newest, and the one before
 /// it, so a restart survives a newest version damaged on disk.
@@ -466,7 +465,7 @@ impl PfsStore {
     /// restarts from). A damaged MANIFEST is never taken for "no version":
     /// the previous complete version is used, with a warning naming the
     /// damaged file; if none is readable, the first damage is the error.
-    pub fn latest_record(&self, app: &str) -> Result<Option<protocol::VersionRecord>> {
+    pub fn latest_record(&self, app: &str) -> Result<Option<VersionRecord>> {
         let mut damage: Option<PfsError> = None;
         for version in self.versions(app)?.into_iter().rev() {
             match self.manifest(app, version) {
@@ -485,8 +484,8 @@ impl PfsStore {
         damage.map_or(Ok(None), Err)
     }
 
-    fn record(version: u64, manifest: &PfsManifest) -> protocol::VersionRecord {
-        protocol::VersionRecord {
+    fn record(version: u64, manifest: &PfsManifest) -> VersionRecord {
+        VersionRecord {
             version,
             ranks: manifest.ranks,
             epoch: manifest.entries.first().map_or(0, |e| e.manifest.epoch),
@@ -616,7 +615,7 @@ fn bincode_encode(manifest: &PfsManifest, dir: &Path) -> Result<Vec<u8>> {
 mod tests {
     use super::*;
     use crate::format::{label_crcs, CHUNK_SIZE};
-    use crate::protocol::{DataKind, LabelLayout};
+    use crate::format::{DataKind, LabelLayout};
 
     fn manifest(app: &str, version: u64, rank: u32, data: &[u8]) -> Manifest {
         let half = data.len() / 2;

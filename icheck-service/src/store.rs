@@ -23,8 +23,7 @@ use std::path::{Path, PathBuf};
 use memmap2::MmapMut;
 
 use icheck_core::fabric::StableBuffer;
-use icheck_core::format::{check_app_name, FormatError, Manifest};
-use icheck_core::protocol;
+use icheck_core::format::{self, check_app_name, FormatError, Manifest};
 
 /// Name of a rank's reusable data file.
 const SPARE: &str = "spare.data";
@@ -272,7 +271,7 @@ impl Store {
     pub fn seal(&self, manifest: &Manifest) -> Result<()> {
         let (data, meta) = self.paths(&manifest.app, manifest.rank, manifest.version)?;
         File::open(&data).and_then(|f| f.sync_data()).map_err(io("cannot flush", &data))?;
-        let bytes = protocol::encode(manifest)
+        let bytes = format::encode_stored(manifest)
             .map_err(|e| StoreError::BadManifest { path: meta.clone(), reason: e.to_string() })?;
         let tmp = meta.with_extension("meta.tmp");
         fs::write(&tmp, bytes).map_err(io("cannot write", &tmp))?;
@@ -306,7 +305,7 @@ impl Store {
         let (data, meta) = self.paths(app, rank, version)?;
         let missing = || StoreError::Missing { app: app.to_string(), rank, version };
         let bytes = fs::read(&meta).map_err(|_| missing())?;
-        let manifest: Manifest = protocol::decode(&bytes)
+        let manifest: Manifest = format::decode_stored(&bytes)
             .map_err(|e| StoreError::BadManifest { path: meta.clone(), reason: e.to_string() })?;
         if manifest.app != app || manifest.rank != rank || manifest.version != version {
             return Err(StoreError::BadManifest { path: meta, reason: "it describes another version".into() });
@@ -445,7 +444,7 @@ fn map(file: &File, path: &Path, len: u64) -> Result<MappedFile> {
 mod tests {
     use super::*;
     use icheck_core::format::{chunk_crcs, first_bad_chunk, CHUNK_SIZE};
-    use icheck_core::protocol::{DataKind, LabelLayout};
+    use icheck_core::format::{DataKind, LabelLayout};
 
     fn manifest(app: &str, rank: u32, version: u64, data: &[u8]) -> Manifest {
         Manifest {
