@@ -7,6 +7,7 @@
 
 #![forbid(unsafe_code)]
 
+mod copies;
 mod nodes;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -28,6 +29,7 @@ use icheck_core::protocol::{
 
 use crate::framing;
 use crate::ServiceError;
+use copies::{Answered, CopyBook, OnRecorded};
 use nodes::NodeBook;
 
 /// How far ahead the memory forecast looks, in seconds.
@@ -48,17 +50,8 @@ struct AppEntry {
     homes: Vec<String>,
     latest: Option<VersionRecord>,
     persisted: bool,
-    /// Newest version copied to the PFS.
-    pfs_version: Option<u64>,
-    /// PFS copies under way, by version.
-    pfs_pending: BTreeMap<u64, PendingCopy>,
-    /// What the newest completed PFS copy cost.
-    pfs_copy: Option<PfsCopyStats>,
-    /// Failed and skipped copies.
-    pfs_health: protocol::PfsCopyHealth,
-    /// A due copy that waits for the running one to end (the newest such
-    /// version; when its turn comes, the application's newest version is copied).
-    pfs_deferred: Option<u64>,
+    /// Its PFS copies: under way, waiting, done, failed and skipped.
+    copies: CopyBook,
     /// Finished with IC_CLEANUP: the newest version is being flushed to the
     /// PFS; the agents stop (discarding memory) once it is there.
     finishing: bool,
@@ -91,18 +84,6 @@ impl Adaptation {
     fn since_change(&self) -> Vec<f64> {
         self.commits.iter().filter(|c| c.version > self.changed_after).map(|c| c.commit_secs).collect()
     }
-}
-
-/// A PFS copy whose agents have not all answered yet.
-struct PendingCopy {
-    /// Files reported so far.
-    entries: Vec<icheck_core::pfs::RankEntry>,
-    /// Their cost so far.
-    stats: PfsCopyStats,
-    /// Agents that answered.
-    answered: usize,
-    /// Agents asked.
-    agents: usize,
 }
 
 /// The node book over the managers' connections.
@@ -403,12 +384,12 @@ fn status_report(shared: &Shared) -> StatusReport {
                 agents: a.agents.clone(),
                 latest: a.latest.clone(),
                 persisted: a.persisted,
-                pfs_version: a.pfs_version,
-                pfs_copy: a.pfs_copy,
+                pfs_version: a.copies.copied,
+                pfs_copy: a.copies.last,
                 commits: a.adaptation.commits.iter().copied().collect(),
                 agent_changes: a.adaptation.changes.clone(),
                 scaling_settled: a.adaptation.scaling.settled,
-                pfs_health: a.pfs_health.clone(),
+                pfs_health: a.copies.health.clone(),
             })
             .collect(),
         init_agent_count: format!("{:?}", shared.dynamic().init_agent_count),
@@ -520,11 +501,7 @@ async fn register_app(
         latest: latest.clone(),
         persisted: false,
         // What is on the PFS already needs no flush when this run ends.
-        pfs_version: on_pfs,
-        pfs_pending: BTreeMap::new(),
-        pfs_copy: None,
-        pfs_health: protocol::PfsCopyHealth::default(),
-        pfs_deferred: None,
+        copies: CopyBook::new(on_pfs),
         finishing: false,
         adaptation,
     };
@@ -582,21 +559,21 @@ fn record_version(
     history.push_back(CommitSample { version, bytes, commit_secs, agents: app.agents.len() as u32 });
     let interval = u64::from(app.registration.pfs_interval);
     let due = interval > 0 && version.is_multiple_of(interval);
-    if shared.pfs.is_some() && due && !spilled && !app.pfs_pending.is_empty() {
-        // Commits come faster than copies. Queueing a copy per version would
-        // make the agents keep every one of them in memory; instead the
-        // newest due version waits (it is the newest, so no agent prunes
-        // it) and an older waiting one is skipped, counted where operators look.
-        if app.pfs_deferred.replace(version).is_some() {
-            app.pfs_health.skipped += 1;
+    // Commits may come faster than copies. Queueing a copy per version would
+    // make the agents keep every one of them in memory; instead the newest
+    // due version waits (it is the newest, so no agent prunes it) and an
+    // older waiting one is skipped, counted where operators look (CopyBook).
+    // §6.2.3.2: the copy of v starts once every agent holds v, which the
+    // library's VersionComplete says; each agent copies its ranks. A spilled
+    // version is copied whatever the interval: the spilled ranks are on the
+    // PFS only, and the copy completes the version there.
+    let can_copy = shared.pfs.is_some() && !app.agents.is_empty();
+    match app.copies.on_recorded(version, due, spilled, can_copy) {
+        OnRecorded::CopyNow => request_pfs_copy(&state.nodes, app, version, shared.dynamic().max_cp_size.0),
+        OnRecorded::Deferred => {
+            tracing::debug!(app = name, version, "PFS copy deferred: the previous copy is still running");
         }
-        tracing::debug!(app = name, version, "PFS copy deferred: the previous copy is still running");
-    } else if shared.pfs.is_some() && (due || spilled) && !app.agents.is_empty() {
-        // §6.2.3.2: the copy of v starts once every agent holds v, which
-        // the library's VersionComplete says; each agent copies its ranks.
-        // A spilled version is copied whatever the interval: the spilled
-        // ranks are on the PFS only, and the copy completes the version there.
-        request_pfs_copy(&state.nodes, app, version, shared.dynamic().max_cp_size.0);
+        OnRecorded::Nothing => {}
     }
     // A crash here: the version is recorded, but neither the application
     // nor its agents hear so (no Complete, so the agents keep the older one).
@@ -629,29 +606,23 @@ fn pfs_copied(
         return;
     };
     let name = name.clone();
-    let (entries, stats) = match result {
-        Err(reason) => {
-            tracing::warn!(app = %name, version, agent, %reason, "PFS copy failed; the previous PFS version stays");
-            // One failed agent fails the version's copy: count it once.
-            if app.pfs_pending.remove(&version).is_some() {
-                app.pfs_health.record_failure(version, &reason);
-            }
-            if app.finishing && app.pfs_pending.is_empty() {
+    if let Err(reason) = &result {
+        tracing::warn!(app = %name, version, agent, %reason, "PFS copy failed; the previous PFS version stays");
+    }
+    let failed = result.is_err();
+    let (entries, stats) = match app.copies.answered(version, result) {
+        Answered::Whole(entries, stats) => (entries, stats),
+        Answered::Waiting => return,
+        Answered::Unknown if !failed => return,
+        // A failure, or a late failure of a copy another agent failed already.
+        Answered::Failed | Answered::Unknown => {
+            if app.finishing && app.copies.idle() {
                 stop_and_forget(&mut state, &name);
             }
             start_deferred_copy(shared, &mut state, &name);
             return;
         }
-        Ok(done) => done,
     };
-    let Some(pending) = app.pfs_pending.get_mut(&version) else { return };
-    pending.entries.extend(entries);
-    pending.stats.add(&stats);
-    pending.answered += 1;
-    if pending.answered < pending.agents {
-        return;
-    }
-    let PendingCopy { entries, stats, .. } = app.pfs_pending.remove(&version).expect("present");
     let ranks = app.registration.ranks;
     let (shared, pfs) = (shared.clone(), shared.pfs.clone());
     tokio::task::spawn_blocking(move || {
@@ -672,7 +643,7 @@ fn pfs_copied(
             // What failed copies of older versions left can go now (file I/O:
             // outside the state lock; copies under way keep their partials).
             let in_flight: BTreeSet<u64> =
-                shared.state().apps.get(&name).map(|a| a.pfs_pending.keys().copied().collect()).unwrap_or_default();
+                shared.state().apps.get(&name).map(|a| a.copies.in_flight()).unwrap_or_default();
             match pfs.remove_stale_partials(&name, version, &in_flight) {
                 Ok(0) => {}
                 Ok(removed) => tracing::info!(app = %name, removed, "removed abandoned partial PFS versions"),
@@ -681,15 +652,10 @@ fn pfs_copied(
         }
         let mut state = shared.state();
         if let Some(app) = state.apps.get_mut(&name) {
-            if let Err(err) = &completed {
-                app.pfs_health.record_failure(version, err);
-            } else if app.pfs_version.is_none_or(|v| v < version) {
-                app.pfs_version = Some(version);
-                app.pfs_copy = Some(PfsCopyStats { version, ..stats });
-            }
+            app.copies.completed(version, completed.map_err(|e| e.to_string()), stats);
             // Stop only when no copy is still under way (an earlier
             // interval copy may finish before the final flush).
-            if app.finishing && app.pfs_pending.is_empty() {
+            if app.finishing && app.copies.idle() {
                 tracing::info!(app = %name, "flushed; stopping its agents");
                 stop_and_forget(&mut state, &name);
             }
@@ -705,18 +671,8 @@ fn pfs_copied(
 fn start_deferred_copy(shared: &Shared, state: &mut State, name: &str) {
     let state = &mut *state;
     let Some(app) = state.apps.get_mut(name) else { return };
-    if !app.pfs_pending.is_empty() || app.finishing || app.agents.is_empty() {
-        return;
-    }
-    let (Some(waited), Some(newest)) = (app.pfs_deferred.take(), app.latest.as_ref().map(|l| l.version)) else {
-        return;
-    };
-    if app.pfs_version.is_some_and(|copied| copied >= newest) {
-        return;
-    }
-    if newest > waited {
-        app.pfs_health.skipped += 1;
-    }
+    let newest = app.latest.as_ref().map(|l| l.version);
+    let Some(newest) = app.copies.next_deferred(newest, app.finishing, !app.agents.is_empty()) else { return };
     tracing::info!(
         app = name,
         version = newest,
@@ -1103,12 +1059,12 @@ fn finish_app(shared: &Shared, name: &str, persist: bool) -> ClientReply {
         return ClientReply::Error(format!("no application named {name:?} is registered"));
     };
     // An application using the PFS level keeps its newest version there.
-    let unflushed = app.latest.as_ref().map(|l| l.version).filter(|v| Some(*v) > app.pfs_version);
+    let unflushed = app.latest.as_ref().map(|l| l.version).filter(|v| Some(*v) > app.copies.copied);
     if let (Some(version), true) = (unflushed, shared.pfs.is_some() && app.registration.pfs_interval > 0) {
         if !app.agents.is_empty() {
             tracing::info!(app = name, version, "application finished; flushing its newest version to the PFS");
             app.finishing = true;
-            if !app.pfs_pending.contains_key(&version) {
+            if !app.copies.is_pending(version) {
                 request_pfs_copy(&state.nodes, app, version, shared.dynamic().max_cp_size.0);
             }
             return ClientReply::Ok;
@@ -1140,9 +1096,7 @@ fn tell_agents(nodes: &ManagerBook, agents: &[AgentInfo], message: impl Fn(u64) 
 fn request_pfs_copy(nodes: &ManagerBook, app: &mut AppEntry, version: u64, max_cp_size: u64) {
     let bytes = app.latest.as_ref().filter(|l| l.version == version).map_or(0, |l| l.bytes);
     let compression = app.registration.compression.for_version(bytes, max_cp_size);
-    let pending =
-        PendingCopy { entries: Vec::new(), stats: PfsCopyStats::default(), answered: 0, agents: app.agents.len() };
-    app.pfs_pending.insert(version, pending);
+    app.copies.started(version, app.agents.len());
     let (units, count) = (decide::mapping_units(&app.registration), app.agents.len() as u32);
     for (index, agent) in app.agents.iter().enumerate() {
         let ranks = (0..units).filter(|r| decide::agent_for_rank(*r, units, count) == index as u32).collect();
