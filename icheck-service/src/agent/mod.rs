@@ -36,7 +36,7 @@ use icheck_core::protocol::{
 };
 
 use crate::store::{MappedFile, Store, StoreError};
-use session::{admit, Abandoned, Sealed, SessionCore};
+use session::{admit, Abandoned, Found, Sealed, Serve, SessionCore};
 
 /// Bytes of the probe region every agent exposes for reachability checks.
 pub const PROBE_LEN: usize = 4096;
@@ -807,40 +807,41 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
         }
         AgentRequest::Fetch { version } => {
             session.fetching = None;
-            let mut damaged = None;
-            let (manifest, exposed) = match store.open(session.core.app(), session.core.rank(), version) {
-                Err(StoreError::Missing { .. }) if shared.settings.pfs.is_some() => {
-                    // Not here (lost with its agents, or spilled): from the PFS copy.
-                    expose_from_pfs(shared, session.core.app(), session.core.rank(), version)?
-                }
-                Err(err) => return Err(err.to_string()),
-                Ok((manifest, file)) => match manifest.verify(file.as_slice()).err() {
-                    None => (manifest, expose_file(shared, file)?),
-                    // Bytes that do not match the rank's own checksums: the
-                    // PFS copy of the same version, if there is one, replaces
-                    // them. Otherwise they are exposed with the damage named,
-                    // so the library can agree on the outcome across ranks
-                    // (an older version, or an error) and a lone process can
-                    // still restore its intact labels.
-                    Some(damage) => {
-                        let (app, rank) = (session.core.app().to_string(), session.core.rank());
-                        let on_pfs =
-                            shared.settings.pfs.as_ref().is_some_and(|pfs| pfs.manifest(&app, version).is_ok());
-                        if !on_pfs {
-                            tracing::warn!(version, rank, %damage, "stored version is damaged and has no PFS copy");
-                            damaged = Some(format!(
-                                "stored version {version} of rank {rank} is damaged ({damage}), and the PFS has no copy of it"
-                            ));
-                            (manifest, expose_file(shared, file)?)
-                        } else {
-                            drop(file);
-                            tracing::warn!(version, rank, %damage, "stored version is damaged; using its PFS copy");
-                            store.remove_version(&app, rank, version).map_err(|e| e.to_string())?;
-                            expose_from_pfs(shared, &app, rank, version)?
-                        }
-                    }
+            let (app, rank) = (session.core.app().to_string(), session.core.rank());
+            let opened = store.open(&app, rank, version);
+            let found = match &opened {
+                Err(missing @ StoreError::Missing { .. }) => Found::Missing(missing.to_string()),
+                Err(err) => Found::Unreadable(err.to_string()),
+                Ok((manifest, file)) => match manifest.verify(file.as_slice()) {
+                    Ok(()) => Found::Intact,
+                    Err(damage) => Found::Damaged(damage.to_string()),
                 },
             };
+            let damage = match &found {
+                Found::Damaged(damage) => damage.clone(),
+                _ => String::new(),
+            };
+            let pfs = shared.settings.pfs.as_ref();
+            let has_copy = || pfs.is_some_and(|pfs| pfs.manifest(&app, version).is_ok());
+            let (manifest, exposed, damaged) =
+                match (session.core.serve_fetch(version, found, pfs.is_some(), has_copy)?, opened) {
+                    (Serve::Stored, Ok((manifest, file))) => (manifest, expose_file(shared, file)?, None),
+                    (Serve::Damaged(report), Ok((manifest, file))) => {
+                        tracing::warn!(version, rank, %report, "stored version is damaged and has no PFS copy");
+                        (manifest, expose_file(shared, file)?, Some(report))
+                    }
+                    (Serve::FromPfs { replacing }, opened) => {
+                        // Unmapped before the damaged version's files go.
+                        drop(opened);
+                        if replacing {
+                            tracing::warn!(version, rank, %damage, "stored version is damaged; using its PFS copy");
+                            store.remove_version(&app, rank, version).map_err(|e| e.to_string())?;
+                        }
+                        let (manifest, exposed) = expose_from_pfs(shared, &app, rank, version)?;
+                        (manifest, exposed, None)
+                    }
+                    (_, Err(err)) => return Err(err.to_string()),
+                };
             let mut region = match &exposed {
                 Exposed::Stored(file) => file.remote(),
                 Exposed::Loaded(buffer) => buffer.remote(),

@@ -164,6 +164,62 @@ impl SessionCore {
     }
 }
 
+/// What a Fetch found of the version in the node's store.
+#[derive(Debug)]
+pub(crate) enum Found {
+    /// Not there (lost with its agents, spilled, or the store was wiped);
+    /// the store's error.
+    Missing(String),
+    /// There but unreadable (a damaged manifest); the store's error.
+    Unreadable(String),
+    /// There, and every chunk matches the rank's checksums.
+    Intact,
+    /// There, and this does not match the rank's checksums.
+    Damaged(String),
+}
+
+/// How a Fetch is served.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Serve {
+    /// The stored version.
+    Stored,
+    /// The stored version with its damage named: no PFS copy can replace
+    /// it, and the library agrees across ranks on what to do (an older
+    /// version, or an error), while a lone process can still restore its
+    /// intact labels.
+    Damaged(String),
+    /// The PFS copy of the same version, loaded first; `replacing` the
+    /// damaged stored version, which goes.
+    FromPfs {
+        /// The stored version is damaged and is removed first.
+        replacing: bool,
+    },
+}
+
+impl SessionCore {
+    /// How to serve a Fetch of `version`, given what the store `found`,
+    /// whether there is a PFS level, and (asked only for damaged data)
+    /// whether the PFS holds a copy of this very version.
+    pub(crate) fn serve_fetch(
+        &self,
+        version: u64,
+        found: Found,
+        pfs_level: bool,
+        pfs_has_copy: impl FnOnce() -> bool,
+    ) -> Result<Serve, String> {
+        match found {
+            Found::Intact => Ok(Serve::Stored),
+            Found::Missing(_) if pfs_level => Ok(Serve::FromPfs { replacing: false }),
+            Found::Missing(error) | Found::Unreadable(error) => Err(error),
+            Found::Damaged(_) if pfs_level && pfs_has_copy() => Ok(Serve::FromPfs { replacing: true }),
+            Found::Damaged(damage) => Ok(Serve::Damaged(format!(
+                "stored version {version} of rank {} is damaged ({damage}), and the PFS has no copy of it",
+                self.rank
+            ))),
+        }
+    }
+}
+
 /// Whether `needed` new bytes fit the node's checkpoint memory `budget`
 /// (0: no limit) beside the `held` bytes its store holds. The agent decides
 /// and creates the file under one lock per node, so that two ranks
@@ -272,6 +328,23 @@ mod tests {
         assert_eq!((ops[1].local_offset, ops[1].len, ops[1].remote_offset), (8, 16, 4));
         assert!(core.pull_ops(&[segment(20, 5)]).unwrap_err().contains("outside the version (24 bytes)"));
         assert!(core.pull_ops(&[segment(u64::MAX, 2)]).is_err(), "an overflowing end is refused");
+    }
+
+    #[test]
+    fn a_fetch_serves_intact_data_and_falls_back_to_the_pfs_copy_of_the_same_version() {
+        let core = session(1);
+        let never = || -> bool { panic!("the PFS is asked only about damaged data") };
+        assert_eq!(core.serve_fetch(4, Found::Intact, true, never), Ok(Serve::Stored));
+        let missing = || Found::Missing("version 4 of rank 1 is not stored".into());
+        assert_eq!(core.serve_fetch(4, missing(), true, never), Ok(Serve::FromPfs { replacing: false }));
+        assert_eq!(core.serve_fetch(4, missing(), false, never).unwrap_err(), "version 4 of rank 1 is not stored");
+        let unreadable = Found::Unreadable("bad manifest".into());
+        assert_eq!(core.serve_fetch(4, unreadable, true, never).unwrap_err(), "bad manifest");
+        let damaged = || Found::Damaged("label \"a\": chunk 2".into());
+        assert_eq!(core.serve_fetch(4, damaged(), true, || true), Ok(Serve::FromPfs { replacing: true }));
+        let Ok(Serve::Damaged(report)) = core.serve_fetch(4, damaged(), true, || false) else { panic!() };
+        assert!(report.contains("version 4 of rank 1") && report.contains("chunk 2"), "{report}");
+        assert!(matches!(core.serve_fetch(4, damaged(), false, never), Ok(Serve::Damaged(_))));
     }
 
     #[test]

@@ -7,10 +7,11 @@
 
 #![forbid(unsafe_code)]
 
+mod apps;
 mod copies;
 mod nodes;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -23,12 +24,12 @@ use icheck_core::config::{DynamicConfig, StaticConfig};
 use icheck_core::decide;
 use icheck_core::protocol::{
     self, AgentChange, AgentInfo, AppReport, ClientReply, ClientRequest, CommitSample, ControllerToManager, Hello,
-    HelloReply, ManagerToController, PfsCopyStats, ProtocolError, Role, StatusReport, TransferMode, VersionRecord,
-    COMMIT_HISTORY,
+    HelloReply, ManagerToController, PfsCopyStats, ProtocolError, Role, StatusReport, VersionRecord,
 };
 
 use crate::framing;
 use crate::ServiceError;
+use apps::{resize_plan, AppEntry, ProbePlan, Recorded};
 use copies::{Answered, CopyBook, OnRecorded};
 use nodes::NodeBook;
 
@@ -40,51 +41,6 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 const AGENT_START_TIMEOUT: Duration = Duration::from_secs(15);
 /// Time new agents have to take over the ranks that move to them.
 const TAKE_OVER_TIMEOUT: Duration = Duration::from_secs(300);
-
-struct AppEntry {
-    registration: protocol::AppRegistration,
-    /// Live agents; an agent whose thread or manager died is removed.
-    agents: Vec<AgentInfo>,
-    /// Node of each agent slot at registration (rank-mapping order): where
-    /// the application's checkpoint files are.
-    homes: Vec<String>,
-    latest: Option<VersionRecord>,
-    persisted: bool,
-    /// Its PFS copies: under way, waiting, done, failed and skipped.
-    copies: CopyBook,
-    /// Finished with IC_CLEANUP: the newest version is being flushed to the
-    /// PFS; the agents stop (discarding memory) once it is there.
-    finishing: bool,
-    /// Adaptation (Algorithm 5) across probes; survives re-registration.
-    adaptation: Adaptation,
-}
-
-/// What the controller learns about an application's agent count over its
-/// commits and probes.
-#[derive(Clone, Debug, Default)]
-struct Adaptation {
-    /// Newest commits, oldest first.
-    commits: VecDeque<CommitSample>,
-    /// Changes made on probes.
-    changes: Vec<AgentChange>,
-    /// Algorithm 5's memory.
-    scaling: decide::ScalingState,
-    /// Newest complete version when the agents last changed (or were
-    /// placed): only later commits judge the current agents.
-    changed_after: u64,
-    /// Seconds the last placement or change took: the t_probe of eq. 6.11.
-    reconfigure_secs: f64,
-    /// Mapping units (processes in MR, nodes in SHMR) the agent count was
-    /// chosen for; a malleable application that resized differs (§7.2).
-    sized_for: u32,
-}
-
-impl Adaptation {
-    /// Commit seconds measured since the agents last changed, oldest first.
-    fn since_change(&self) -> Vec<f64> {
-        self.commits.iter().filter(|c| c.version > self.changed_after).map(|c| c.commit_secs).collect()
-    }
-}
 
 /// The node book over the managers' connections.
 type ManagerBook = NodeBook<mpsc::UnboundedSender<ControllerToManager>>;
@@ -525,40 +481,18 @@ fn record_version(
     let Some(app) = state.apps.get_mut(name) else {
         return ClientReply::Error(format!("no application named {name:?} is registered"));
     };
-    if app.latest.as_ref().is_some_and(|l| l.version >= version) {
-        return ClientReply::Error(format!(
-            "version {version} of {name:?} is not newer than the recorded version {}",
-            app.latest.as_ref().map_or(0, |l| l.version)
-        ));
-    }
     let completed_unix_ms =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    let sample = CommitSample { version, bytes, commit_secs, agents: 0 };
+    let Recorded { resized, due } = match app.record(name, sample, epoch, completed_unix_ms) {
+        Ok(recorded) => recorded,
+        Err(message) => return ClientReply::Error(message),
+    };
     tracing::info!(app = name, version, bytes, commit_secs, "version complete");
-    let ranks = app.registration.ranks;
-    let written_before = app.latest.as_ref().map(|l| l.ranks);
-    app.latest = Some(VersionRecord { version, ranks, epoch, bytes, commit_secs, completed_unix_ms });
-    if let Some(before) = written_before.filter(|b| *b != ranks && app.registration.mode == TransferMode::Mr) {
-        // The first version after a resize is complete: the old ranks' files
-        // that no agent on their node serves any more (ranks beyond the new
-        // count, ranks now mapped to another node) are dropped.
-        let count = app.agents.len() as u32;
-        let serves = |node: &str, rank: u32| {
-            rank < ranks && app.agents[decide::agent_for_rank(rank, ranks, count) as usize].node == node
-        };
-        let nodes: BTreeSet<&str> = app.agents.iter().map(|a| a.node.as_str()).collect();
-        let stale = nodes
-            .into_iter()
-            .flat_map(|node| (0..before.max(ranks)).filter(move |r| !serves(node, *r)).map(move |r| (r, node)));
-        drop_moved_ranks(&state.nodes, name, stale);
-        tracing::info!(app = name, from = before, to = ranks, epoch, "first version after a resize");
+    if let Some((before, stale)) = resized {
+        drop_moved_ranks(&state.nodes, name, stale.iter().map(|(rank, node)| (*rank, node.as_str())));
+        tracing::info!(app = name, from = before, to = app.registration.ranks, epoch, "first version after a resize");
     }
-    let history = &mut app.adaptation.commits;
-    if history.len() == COMMIT_HISTORY {
-        history.pop_front();
-    }
-    history.push_back(CommitSample { version, bytes, commit_secs, agents: app.agents.len() as u32 });
-    let interval = u64::from(app.registration.pfs_interval);
-    let due = interval > 0 && version.is_multiple_of(interval);
     // Commits may come faster than copies. Queueing a copy per version would
     // make the agents keep every one of them in memory; instead the newest
     // due version waits (it is the newest, so no agent prunes it) and an
@@ -733,18 +667,6 @@ async fn manager_answer<T>(rx: oneshot::Receiver<Result<T, String>>, limit: Dura
     tokio::time::timeout(limit, rx).await.ok().and_then(Result::ok)
 }
 
-/// What a probe does, decided under the state lock.
-enum ProbePlan {
-    /// Agents were lost: place the application again.
-    Replace(protocol::AppRegistration),
-    /// Agents on draining nodes (these indices) move elsewhere.
-    Relocate { current: u32, replace: Vec<usize> },
-    /// Algorithm 5 wants `to` agents.
-    Scale { current: u32, to: u32, scaling: decide::ScalingState },
-    /// The application resized to `units`; Algorithm 7 wants `to` agents.
-    Resize { current: u32, to: u32, units: u32 },
-}
-
 /// §6.4.2, a probe. Agents lost with their manager are replaced first (on
 /// the nodes holding the application's files when those are alive, else
 /// where the placement rules say); agents on draining nodes move next (new
@@ -857,30 +779,6 @@ async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32) -> Cl
             }
         },
     }
-}
-
-/// §7.2: an application whose mapping units changed since its agents were
-/// chosen gets Algorithm 7's count (MA-RA: the same; MA-MA: the same ratio)
-/// once a version with the new size is complete, since the new agents take
-/// over that version's ranks. `Some(Err(Unchanged))` means "wait".
-fn resize_plan(app: &mut AppEntry, config: &DynamicConfig) -> Option<Result<ProbePlan, ClientReply>> {
-    let units = decide::mapping_units(&app.registration);
-    let before = app.adaptation.sized_for;
-    if before == 0 || before == units {
-        return None;
-    }
-    if app.latest.as_ref().map(|l| l.ranks) != Some(app.registration.ranks) {
-        return Some(Err(ClientReply::Unchanged));
-    }
-    let current = app.agents.len() as u32;
-    let limit = decide::agent_limit(&app.registration, config);
-    let to = decide::agents_after_resize(config.agent_change_strategy, current, before, units, limit);
-    if to == current {
-        tracing::info!(agents = current, from = before, to = units, strategy = ?config.agent_change_strategy, "agents stay after the resize");
-        app.adaptation.sized_for = units;
-        return Some(Err(ClientReply::Unchanged));
-    }
-    Some(Ok(ProbePlan::Resize { current, to, units }))
 }
 
 /// Moves an application to `to` agents (§6.4.2): the current agents stay

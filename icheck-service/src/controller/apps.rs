@@ -1,0 +1,262 @@
+//! The controller's applications as state without I/O: what it records
+//! of each (registration, agents, versions, commit history, adaptation),
+//! the step that records a complete version, and the agent count a
+//! resized application gets.
+//!
+//! Architecture invariant: nothing here sends, sleeps or reads a clock; the
+//! time a version completed comes in as an argument, and what the
+//! controller must tell managers (ranks to drop) comes back as data.
+
+#![forbid(unsafe_code)]
+
+use std::collections::{BTreeSet, VecDeque};
+
+use icheck_core::config::DynamicConfig;
+use icheck_core::decide;
+use icheck_core::protocol::{
+    self, AgentChange, AgentInfo, ClientReply, CommitSample, TransferMode, VersionRecord, COMMIT_HISTORY,
+};
+
+use super::copies::CopyBook;
+
+/// An application as the controller knows it.
+pub(super) struct AppEntry {
+    pub(super) registration: protocol::AppRegistration,
+    /// Live agents; an agent whose thread or manager died is removed.
+    pub(super) agents: Vec<AgentInfo>,
+    /// Node of each agent slot at registration (rank-mapping order): where
+    /// the application's checkpoint files are.
+    pub(super) homes: Vec<String>,
+    pub(super) latest: Option<VersionRecord>,
+    pub(super) persisted: bool,
+    /// Its PFS copies: under way, waiting, done, failed and skipped.
+    pub(super) copies: CopyBook,
+    /// Finished with IC_CLEANUP: the newest version is being flushed to the
+    /// PFS; the agents stop (discarding memory) once it is there.
+    pub(super) finishing: bool,
+    /// Adaptation (Algorithm 5) across probes; survives re-registration.
+    pub(super) adaptation: Adaptation,
+}
+
+/// What the controller learns about an application's agent count over its
+/// commits and probes.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Adaptation {
+    /// Newest commits, oldest first.
+    pub(super) commits: VecDeque<CommitSample>,
+    /// Changes made on probes.
+    pub(super) changes: Vec<AgentChange>,
+    /// Algorithm 5's memory.
+    pub(super) scaling: decide::ScalingState,
+    /// Newest complete version when the agents last changed (or were
+    /// placed): only later commits judge the current agents.
+    pub(super) changed_after: u64,
+    /// Seconds the last placement or change took: the t_probe of eq. 6.11.
+    pub(super) reconfigure_secs: f64,
+    /// Mapping units (processes in MR, nodes in SHMR) the agent count was
+    /// chosen for; a malleable application that resized differs (§7.2).
+    pub(super) sized_for: u32,
+}
+
+impl Adaptation {
+    /// Commit seconds measured since the agents last changed, oldest first.
+    pub(super) fn since_change(&self) -> Vec<f64> {
+        self.commits.iter().filter(|c| c.version > self.changed_after).map(|c| c.commit_secs).collect()
+    }
+}
+
+/// What recording a version changed.
+#[derive(Debug, PartialEq)]
+pub(super) struct Recorded {
+    /// The version is the first after a resize from this many processes:
+    /// the old ranks' files no agent on their node serves any more are
+    /// these (rank, node) pairs, to be dropped.
+    pub(super) resized: Option<(u32, Vec<(u32, String)>)>,
+    /// The version is due for a PFS copy by the application's interval.
+    pub(super) due: bool,
+}
+
+impl AppEntry {
+    /// Records `version` of `name` as complete at `completed_unix_ms`:
+    /// refused unless newer than the recorded one; it becomes the newest
+    /// version and joins the commit history.
+    pub(super) fn record(
+        &mut self,
+        name: &str,
+        sample: CommitSample,
+        epoch: u32,
+        completed_unix_ms: u64,
+    ) -> Result<Recorded, String> {
+        let CommitSample { version, bytes, commit_secs, .. } = sample;
+        if let Some(latest) = self.latest.as_ref().filter(|l| l.version >= version) {
+            return Err(format!(
+                "version {version} of {name:?} is not newer than the recorded version {}",
+                latest.version
+            ));
+        }
+        let ranks = self.registration.ranks;
+        let written_before = self.latest.as_ref().map(|l| l.ranks);
+        self.latest = Some(VersionRecord { version, ranks, epoch, bytes, commit_secs, completed_unix_ms });
+        let resized =
+            written_before.filter(|b| *b != ranks && self.registration.mode == TransferMode::Mr).map(|before| {
+                // The old ranks' files that no agent on their node serves any
+                // more (ranks beyond the new count, ranks now mapped to
+                // another node) are dropped.
+                let count = self.agents.len() as u32;
+                let agents = &self.agents;
+                let serves = |node: &str, rank: u32| {
+                    rank < ranks && agents[decide::agent_for_rank(rank, ranks, count) as usize].node == node
+                };
+                let nodes: BTreeSet<&str> = agents.iter().map(|a| a.node.as_str()).collect();
+                let stale = nodes
+                    .into_iter()
+                    .flat_map(|node| {
+                        (0..before.max(ranks)).filter(move |r| !serves(node, *r)).map(move |r| (r, node.to_string()))
+                    })
+                    .collect();
+                (before, stale)
+            });
+        let history = &mut self.adaptation.commits;
+        if history.len() == COMMIT_HISTORY {
+            history.pop_front();
+        }
+        history.push_back(CommitSample { agents: self.agents.len() as u32, ..sample });
+        let interval = u64::from(self.registration.pfs_interval);
+        Ok(Recorded { resized, due: interval > 0 && version.is_multiple_of(interval) })
+    }
+}
+
+/// What a probe does, decided under the state lock.
+pub(super) enum ProbePlan {
+    /// Agents were lost: place the application again.
+    Replace(protocol::AppRegistration),
+    /// Agents on draining nodes (these indices) move elsewhere.
+    Relocate { current: u32, replace: Vec<usize> },
+    /// Algorithm 5 wants `to` agents.
+    Scale { current: u32, to: u32, scaling: decide::ScalingState },
+    /// The application resized to `units`; Algorithm 7 wants `to` agents.
+    Resize { current: u32, to: u32, units: u32 },
+}
+
+/// §7.2: an application whose mapping units changed since its agents were
+/// chosen gets Algorithm 7's count (MA-RA: the same; MA-MA: the same ratio)
+/// once a version with the new size is complete, since the new agents take
+/// over that version's ranks. `Some(Err(Unchanged))` means "wait".
+pub(super) fn resize_plan(app: &mut AppEntry, config: &DynamicConfig) -> Option<Result<ProbePlan, ClientReply>> {
+    let units = decide::mapping_units(&app.registration);
+    let before = app.adaptation.sized_for;
+    if before == 0 || before == units {
+        return None;
+    }
+    if app.latest.as_ref().map(|l| l.ranks) != Some(app.registration.ranks) {
+        return Some(Err(ClientReply::Unchanged));
+    }
+    let current = app.agents.len() as u32;
+    let limit = decide::agent_limit(&app.registration, config);
+    let to = decide::agents_after_resize(config.agent_change_strategy, current, before, units, limit);
+    if to == current {
+        tracing::info!(agents = current, from = before, to = units, strategy = ?config.agent_change_strategy, "agents stay after the resize");
+        app.adaptation.sized_for = units;
+        return Some(Err(ClientReply::Unchanged));
+    }
+    Some(Ok(ProbePlan::Resize { current, to, units }))
+}
+
+#[cfg(test)]
+mod tests {
+    use icheck_core::config::AgentChangeStrategy;
+    use icheck_core::fabric::{FabricAddress, RemoteRegion};
+    use icheck_core::pfs::CompressionPolicy;
+    use icheck_core::protocol::AppRegistration;
+
+    use super::*;
+
+    fn agent(id: u64, node: &str) -> AgentInfo {
+        AgentInfo {
+            id,
+            node: node.into(),
+            address: FabricAddress(vec![1]),
+            provider: "tcp".into(),
+            probe: RemoteRegion { addr: 0, key: 0, len: 0 },
+            control: "127.0.0.1:1".into(),
+        }
+    }
+
+    /// An MR application of `ranks` processes with one agent per node of `nodes`.
+    fn app(ranks: u32, nodes: &[&str], pfs_interval: u32) -> AppEntry {
+        AppEntry {
+            registration: AppRegistration {
+                name: "a".into(),
+                ranks,
+                nodes: 1,
+                ranks_per_node: ranks,
+                mode: TransferMode::Mr,
+                pfs_interval,
+                compression: CompressionPolicy::Never,
+            },
+            agents: nodes.iter().enumerate().map(|(i, n)| agent(i as u64, n)).collect(),
+            homes: nodes.iter().map(|n| n.to_string()).collect(),
+            latest: None,
+            persisted: false,
+            copies: CopyBook::new(None),
+            finishing: false,
+            adaptation: Adaptation { sized_for: ranks, ..Adaptation::default() },
+        }
+    }
+
+    fn sample(version: u64) -> CommitSample {
+        CommitSample { version, bytes: 1 << 20, commit_secs: 0.5, agents: 0 }
+    }
+
+    #[test]
+    fn only_newer_versions_are_recorded_and_the_history_is_bounded() {
+        let mut app = app(4, &["n1"], 2);
+        let first = app.record("a", sample(1), 0, 1000).unwrap();
+        assert_eq!(first, Recorded { resized: None, due: false });
+        assert!(app.record("a", sample(2), 0, 2000).unwrap().due, "every 2nd version is copied");
+        let err = app.record("a", sample(2), 0, 3000).unwrap_err();
+        assert!(err.contains("version 2 of \"a\" is not newer than the recorded version 2"), "{err}");
+        assert_eq!(app.latest.as_ref().map(|l| (l.version, l.completed_unix_ms)), Some((2, 2000)));
+        for version in 3..(3 + COMMIT_HISTORY as u64) {
+            app.record("a", sample(version), 0, version).unwrap();
+        }
+        assert_eq!(app.adaptation.commits.len(), COMMIT_HISTORY);
+        assert_eq!(app.adaptation.commits.back().map(|c| c.agents), Some(1), "samples count the agents");
+    }
+
+    #[test]
+    fn the_first_version_after_a_shrink_drops_the_ranks_no_agent_serves_any_more() {
+        // 4 ranks on two agents (n1: ranks 0-1, n2: ranks 2-3), resized to 2
+        // ranks (n1: rank 0, n2: rank 1).
+        let mut app = app(4, &["n1", "n2"], 0);
+        app.record("a", sample(1), 0, 0).unwrap();
+        app.registration.ranks = 2;
+        let recorded = app.record("a", sample(2), 1, 0).unwrap();
+        let (before, stale) = recorded.resized.expect("a resize");
+        assert_eq!(before, 4);
+        let expect = [(1, "n1"), (2, "n1"), (3, "n1"), (0, "n2"), (2, "n2"), (3, "n2")];
+        let expect: Vec<(u32, String)> = expect.iter().map(|(r, n)| (*r, n.to_string())).collect();
+        assert_eq!(stale, expect);
+        assert_eq!(app.latest.as_ref().map(|l| (l.ranks, l.epoch)), Some((2, 1)));
+        assert!(app.record("a", sample(3), 1, 0).unwrap().resized.is_none(), "only the first version after it");
+    }
+
+    #[test]
+    fn a_resized_application_gets_new_agents_once_a_version_of_its_new_size_is_complete() {
+        let config = DynamicConfig {
+            agent_change_strategy: AgentChangeStrategy::MalleableAgents,
+            max_agents_app: 64,
+            ..DynamicConfig::default()
+        };
+        let mut app = app(4, &["n1", "n2"], 0);
+        assert!(resize_plan(&mut app, &config).is_none(), "not resized");
+        app.record("a", sample(1), 0, 0).unwrap();
+        app.registration.ranks = 8;
+        assert!(matches!(resize_plan(&mut app, &config), Some(Err(ClientReply::Unchanged))), "no 8-rank version yet");
+        app.record("a", sample(2), 1, 0).unwrap();
+        let Some(Ok(ProbePlan::Resize { current, to, units })) = resize_plan(&mut app, &config) else {
+            panic!("no resize plan")
+        };
+        assert_eq!((current, to, units), (2, 4, 8), "MA-MA keeps the ratio of ranks to agents");
+    }
+}
