@@ -30,7 +30,10 @@ trait Level {
     /// The level's name, for messages.
     fn name(&self) -> &'static str;
     /// Writes `version` completely: data, then its manifest.
-    fn write(&self, version: u64, data: &[u8]);
+    fn write(&self, version: u64, data: &[u8]) {
+        self.write_data_only(version, data);
+        self.finish(version, data);
+    }
     /// Writes the data of `version` and stops before its manifest (the
     /// version being written).
     fn write_data_only(&self, version: u64, data: &[u8]);
@@ -86,11 +89,6 @@ impl Level for NodeLevel {
         "node store"
     }
 
-    fn write(&self, version: u64, data: &[u8]) {
-        self.write_data_only(version, data);
-        self.finish(version, data);
-    }
-
     fn write_data_only(&self, version: u64, data: &[u8]) {
         let mut file = self.0.create(APP, 0, version, data.len() as u64).unwrap();
         file.as_mut_slice().copy_from_slice(data);
@@ -125,11 +123,6 @@ struct PfsLevel(PfsStore);
 impl Level for PfsLevel {
     fn name(&self) -> &'static str {
         "PFS"
-    }
-
-    fn write(&self, version: u64, data: &[u8]) {
-        self.write_data_only(version, data);
-        self.finish(version, data);
     }
 
     fn write_data_only(&self, version: u64, data: &[u8]) {
