@@ -126,6 +126,72 @@ impl AppEntry {
     }
 }
 
+impl AppEntry {
+    /// §6.4.2, what a probe does. Agents lost with their manager are
+    /// replaced first; an application whose agent list (`known`) is stale
+    /// gets the current one; agents on draining nodes (their indices in
+    /// `draining`) move next; a resized application's agents follow its new
+    /// size; otherwise, when the agent count is dynamic, Algorithm 5 and
+    /// eq. 6.11/6.12 decide with `remaining` commits to go. `Err` is the
+    /// answer itself (nothing to carry out).
+    pub(super) fn probe_plan(
+        &mut self,
+        known: &[u64],
+        draining: Vec<usize>,
+        remaining: u32,
+        config: &DynamicConfig,
+    ) -> Result<ProbePlan, ClientReply> {
+        let current = self.agents.len() as u32;
+        if self.agents.len() != self.homes.len() {
+            tracing::warn!(lost = self.homes.len() - self.agents.len(), "agents were lost; placing new ones");
+            return Ok(ProbePlan::Replace(self.registration.clone()));
+        }
+        if !self.agents.iter().map(|a| a.id).eq(known.iter().copied()) {
+            return Err(ClientReply::Agents(self.agents.clone()));
+        }
+        if !draining.is_empty() {
+            return Ok(ProbePlan::Relocate { current, replace: draining });
+        }
+        if let Some(plan) = resize_plan(self, config) {
+            return plan;
+        }
+        if !config.is_dynamic_as {
+            return Err(ClientReply::Unchanged);
+        }
+        let adaptation = &mut self.adaptation;
+        let decision = decide::scaling_decision(
+            &adaptation.since_change(),
+            current,
+            adaptation.scaling,
+            config.factor,
+            decide::agent_limit(&self.registration, config),
+            adaptation.reconfigure_secs,
+            remaining,
+        );
+        match decision {
+            decide::ScalingDecision::Wait => Err(ClientReply::Unchanged),
+            decide::ScalingDecision::Keep(scaling) => {
+                if scaling.settled && !adaptation.scaling.settled {
+                    tracing::info!(agents = current, "agent count settled");
+                }
+                adaptation.scaling = scaling;
+                Err(ClientReply::Unchanged)
+            }
+            decide::ScalingDecision::NotWorthIt { wanted } => {
+                tracing::info!(
+                    agents = current,
+                    wanted,
+                    remaining,
+                    t_probe = adaptation.reconfigure_secs,
+                    "keeping the agents: the change would not pay back before the application ends (eq. 6.12)"
+                );
+                Err(ClientReply::Unchanged)
+            }
+            decide::ScalingDecision::Change { to, state } => Ok(ProbePlan::Scale { current, to, scaling: state }),
+        }
+    }
+}
+
 /// What a probe does, decided under the state lock.
 pub(super) enum ProbePlan {
     /// Agents were lost: place the application again.
@@ -258,5 +324,41 @@ mod tests {
             panic!("no resize plan")
         };
         assert_eq!((current, to, units), (2, 4, 8), "MA-MA keeps the ratio of ranks to agents");
+    }
+
+    #[test]
+    fn a_probe_replaces_lost_agents_first_then_refreshes_then_relocates() {
+        let config = DynamicConfig::default();
+        let mut app = app(4, &["n1", "n2"], 0);
+        // The application knows agents 0 and 1; nothing to do without a dynamic agent count.
+        assert!(matches!(app.probe_plan(&[0, 1], Vec::new(), 10, &config), Err(ClientReply::Unchanged)));
+        // Its list is stale: it gets the current one.
+        let Err(ClientReply::Agents(agents)) = app.probe_plan(&[0, 7], Vec::new(), 10, &config) else { panic!() };
+        assert_eq!(agents.len(), 2);
+        // n2 drains: its agent moves.
+        let plan = app.probe_plan(&[0, 1], vec![1], 10, &config);
+        assert!(matches!(plan, Ok(ProbePlan::Relocate { current: 2, ref replace }) if replace == &[1]));
+        // An agent is lost: replacing comes before everything else.
+        app.agents.pop();
+        assert!(matches!(app.probe_plan(&[0, 1], vec![0], 10, &config), Ok(ProbePlan::Replace(_))));
+    }
+
+    #[test]
+    fn a_dynamic_agent_count_waits_for_commits_then_grows_when_it_pays_back() {
+        let config = DynamicConfig { is_dynamic_as: true, ..DynamicConfig::default() };
+        let mut app = app(4, &["n1"], 0);
+        assert!(matches!(app.probe_plan(&[0], Vec::new(), 10, &config), Err(ClientReply::Unchanged)), "no commits");
+        for version in 1..=(decide::WARM_UP_COMMITS as u64 + 2) {
+            app.record("a", sample(version), 0, 0).unwrap();
+        }
+        // A change that costs 1,000 s cannot pay back within 2 commits of 0.5 s.
+        app.adaptation.reconfigure_secs = 1000.0;
+        assert!(matches!(app.probe_plan(&[0], Vec::new(), 2, &config), Err(ClientReply::Unchanged)));
+        // With no end in sight (0: unknown), Algorithm 5 grows the agents.
+        let Ok(ProbePlan::Scale { current, to, .. }) = app.probe_plan(&[0], Vec::new(), 0, &config) else {
+            panic!("no growth")
+        };
+        assert_eq!(current, 1);
+        assert!(to > 1 && to <= 4, "{to} agents for 4 ranks");
     }
 }

@@ -29,7 +29,7 @@ use icheck_core::protocol::{
 
 use crate::framing;
 use crate::ServiceError;
-use apps::{resize_plan, AppEntry, ProbePlan, Recorded};
+use apps::{AppEntry, ProbePlan, Recorded};
 use copies::{Answered, CopyBook, OnRecorded};
 use nodes::NodeBook;
 
@@ -683,53 +683,9 @@ async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32) -> Cl
         };
         let draining: Vec<usize> =
             (app.agents.iter().enumerate()).filter(|(_, a)| state.nodes.is_draining(&a.node)).map(|(i, _)| i).collect();
-        let current = app.agents.len() as u32;
-        if app.agents.len() != app.homes.len() {
-            tracing::warn!(lost = app.homes.len() - app.agents.len(), "agents were lost; placing new ones");
-            ProbePlan::Replace(app.registration.clone())
-        } else if !app.agents.iter().map(|a| a.id).eq(known.iter().copied()) {
-            return ClientReply::Agents(app.agents.clone());
-        } else if !draining.is_empty() {
-            ProbePlan::Relocate { current, replace: draining }
-        } else if let Some(plan) = resize_plan(app, &config) {
-            match plan {
-                Ok(plan) => plan,
-                Err(answer) => return answer,
-            }
-        } else if !config.is_dynamic_as {
-            return ClientReply::Unchanged;
-        } else {
-            let adaptation = &mut app.adaptation;
-            let decision = decide::scaling_decision(
-                &adaptation.since_change(),
-                current,
-                adaptation.scaling,
-                config.factor,
-                decide::agent_limit(&app.registration, &config),
-                adaptation.reconfigure_secs,
-                remaining,
-            );
-            match decision {
-                decide::ScalingDecision::Wait => return ClientReply::Unchanged,
-                decide::ScalingDecision::Keep(scaling) => {
-                    if scaling.settled && !adaptation.scaling.settled {
-                        tracing::info!(agents = current, "agent count settled");
-                    }
-                    adaptation.scaling = scaling;
-                    return ClientReply::Unchanged;
-                }
-                decide::ScalingDecision::NotWorthIt { wanted } => {
-                    tracing::info!(
-                        agents = current,
-                        wanted,
-                        remaining,
-                        t_probe = adaptation.reconfigure_secs,
-                        "keeping the agents: the change would not pay back before the application ends (eq. 6.12)"
-                    );
-                    return ClientReply::Unchanged;
-                }
-                decide::ScalingDecision::Change { to, state } => ProbePlan::Scale { current, to, scaling: state },
-            }
+        match app.probe_plan(known, draining, remaining, &config) {
+            Ok(plan) => plan,
+            Err(answer) => return answer,
         }
     };
     match plan {
