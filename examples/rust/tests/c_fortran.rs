@@ -276,3 +276,24 @@ fn synthetic_benchmark_compares_with_mpiio_and_restarts_after_a_fault() {
     let summary = stdout.lines().find(|l| l.starts_with("SUMMARY commits 4 ")).unwrap_or_else(|| panic!("{stdout}"));
     assert!(summary.contains("mpiio/icheck"), "{summary}");
 }
+
+/// libicheck's own ICHECK_LOG (it links no tracing-subscriber): a C
+/// application sees the library's events with the spans they belong to,
+/// and nothing below warnings by default.
+#[test]
+fn icheck_log_shows_the_librarys_events_with_their_spans_in_a_c_application() {
+    let installed = install("log");
+    let exe = installed.compile("mpicc", "examples/heat2d/heat2d.c", &["-std=c99"]);
+    let service = LocalService::up(&icheck_in_target(), "c-log", 1, &["--provider", "tcp"]);
+    let shm = service.dir.join("shm");
+    let args = ["--n", "64", "--iters", "40", "--every", "20", "--app", "logged"];
+    let out = mpirun_np(2, &service.config_path(), &shm, &exe, &args, &[("ICHECK_LOG", "warn,icheck_lib=info")]);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    let line = stderr.lines().find(|l| l.contains("version complete")).unwrap_or_else(|| panic!("{stderr}"));
+    assert!(line.contains("INFO icheck_lib") && line.contains("commit{app=logged rank="), "{line}");
+    let quiet =
+        mpirun_np(2, &service.config_path(), &shm, &exe, &["--n", "64", "--iters", "40", "--app", "quiet"], &[]);
+    let stderr = String::from_utf8_lossy(&quiet.stderr);
+    assert!(quiet.status.success() && !stderr.contains("version complete"), "{stderr}");
+}
