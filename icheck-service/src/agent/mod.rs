@@ -817,10 +817,6 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                     Err(damage) => Found::Damaged(damage.to_string()),
                 },
             };
-            let damage = match &found {
-                Found::Damaged(damage) => damage.clone(),
-                _ => String::new(),
-            };
             let pfs = shared.settings.pfs.as_ref();
             let has_copy = || pfs.is_some_and(|pfs| pfs.manifest(&app, version).is_ok());
             let (manifest, exposed, damaged) =
@@ -833,7 +829,7 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
                     (Serve::FromPfs { replacing }, opened) => {
                         // Unmapped before the damaged version's files go.
                         drop(opened);
-                        if replacing {
+                        if let Some(damage) = replacing {
                             tracing::warn!(version, rank, %damage, "stored version is damaged; using its PFS copy");
                             store.remove_version(&app, rank, version).map_err(|e| e.to_string())?;
                         }

@@ -188,11 +188,11 @@ pub(crate) enum Serve {
     /// version, or an error), while a lone process can still restore its
     /// intact labels.
     Damaged(String),
-    /// The PFS copy of the same version, loaded first; `replacing` the
-    /// damaged stored version, which goes.
+    /// The PFS copy of the same version, loaded first.
     FromPfs {
-        /// The stored version is damaged and is removed first.
-        replacing: bool,
+        /// What is damaged in the stored version, which the copy replaces
+        /// (it is removed first); `None` when the store lacks the version.
+        replacing: Option<String>,
     },
 }
 
@@ -209,9 +209,9 @@ impl SessionCore {
     ) -> Result<Serve, String> {
         match found {
             Found::Intact => Ok(Serve::Stored),
-            Found::Missing(_) if pfs_level => Ok(Serve::FromPfs { replacing: false }),
+            Found::Missing(_) if pfs_level => Ok(Serve::FromPfs { replacing: None }),
             Found::Missing(error) | Found::Unreadable(error) => Err(error),
-            Found::Damaged(_) if pfs_level && pfs_has_copy() => Ok(Serve::FromPfs { replacing: true }),
+            Found::Damaged(damage) if pfs_level && pfs_has_copy() => Ok(Serve::FromPfs { replacing: Some(damage) }),
             Found::Damaged(damage) => Ok(Serve::Damaged(format!(
                 "stored version {version} of rank {} is damaged ({damage}), and the PFS has no copy of it",
                 self.rank
@@ -336,12 +336,13 @@ mod tests {
         let never = || -> bool { panic!("the PFS is asked only about damaged data") };
         assert_eq!(core.serve_fetch(4, Found::Intact, true, never), Ok(Serve::Stored));
         let missing = || Found::Missing("version 4 of rank 1 is not stored".into());
-        assert_eq!(core.serve_fetch(4, missing(), true, never), Ok(Serve::FromPfs { replacing: false }));
+        assert_eq!(core.serve_fetch(4, missing(), true, never), Ok(Serve::FromPfs { replacing: None }));
         assert_eq!(core.serve_fetch(4, missing(), false, never).unwrap_err(), "version 4 of rank 1 is not stored");
         let unreadable = Found::Unreadable("bad manifest".into());
         assert_eq!(core.serve_fetch(4, unreadable, true, never).unwrap_err(), "bad manifest");
         let damaged = || Found::Damaged("label \"a\": chunk 2".into());
-        assert_eq!(core.serve_fetch(4, damaged(), true, || true), Ok(Serve::FromPfs { replacing: true }));
+        let replaced = Some("label \"a\": chunk 2".to_string());
+        assert_eq!(core.serve_fetch(4, damaged(), true, || true), Ok(Serve::FromPfs { replacing: replaced }));
         let Ok(Serve::Damaged(report)) = core.serve_fetch(4, damaged(), true, || false) else { panic!() };
         assert!(report.contains("version 4 of rank 1") && report.contains("chunk 2"), "{report}");
         assert!(matches!(core.serve_fetch(4, damaged(), false, never), Ok(Serve::Damaged(_))));

@@ -49,9 +49,10 @@ pub(crate) enum Answered {
     Waiting,
     /// Every agent answered: complete the PFS version with these entries.
     Whole(Vec<RankEntry>, PfsCopyStats),
-    /// The copy failed (counted once per version).
+    /// The copy failed (counted once per version: a later agent's failure
+    /// of the same copy is `Failed` again, not counted again).
     Failed,
-    /// No such copy is pending (it failed already, or was never asked).
+    /// A success for no pending copy (it failed already, or was never asked).
     Unknown,
 }
 
@@ -124,10 +125,9 @@ impl CopyBook {
         let (entries, stats) = match result {
             Err(reason) => {
                 // One failed agent fails the version's copy: count it once.
-                if self.pending.remove(&version).is_none() {
-                    return Answered::Unknown;
+                if self.pending.remove(&version).is_some() {
+                    self.health.record_failure(version, &reason);
                 }
-                self.health.record_failure(version, &reason);
                 return Answered::Failed;
             }
             Ok(done) => done,
@@ -233,7 +233,7 @@ mod tests {
         book.started(5, 2);
         assert!(book.is_pending(5) && book.in_flight().contains(&5));
         assert!(matches!(book.answered(5, Err("disk full".into())), Answered::Failed));
-        assert!(matches!(book.answered(5, Err("disk full".into())), Answered::Unknown));
+        assert!(matches!(book.answered(5, Err("disk full".into())), Answered::Failed), "a second agent's failure");
         assert_eq!(book.health.failed, 1);
         book.completed(4, Err("rename failed".into()), stats(0));
         assert_eq!(book.health.failed, 2);

@@ -543,13 +543,10 @@ fn pfs_copied(
     if let Err(reason) = &result {
         tracing::warn!(app = %name, version, agent, %reason, "PFS copy failed; the previous PFS version stays");
     }
-    let failed = result.is_err();
     let (entries, stats) = match app.copies.answered(version, result) {
         Answered::Whole(entries, stats) => (entries, stats),
-        Answered::Waiting => return,
-        Answered::Unknown if !failed => return,
-        // A failure, or a late failure of a copy another agent failed already.
-        Answered::Failed | Answered::Unknown => {
+        Answered::Waiting | Answered::Unknown => return,
+        Answered::Failed => {
             if app.finishing && app.copies.idle() {
                 stop_and_forget(&mut state, &name);
             }
