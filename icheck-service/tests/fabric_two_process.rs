@@ -219,7 +219,7 @@ fn loaded_libfabric_matches_the_headers() {
 /// The run is bounded (it takes seconds). libfabric 1.17's shm provider
 /// guards each peer's shared region with a spin lock; a peer killed while
 /// holding it leaves the survivor spinning inside `fi_writemsg` for good
-/// (seen once in five runs of the initiator case, stack in the issue 17
+/// (seen once in the six full test runs of 2026-11-23, stack in the issue 17
 /// note). No caller can bound a call that never returns, so for shm such a
 /// stuck run is reported and ends the test; for tcp it is a failure.
 fn survives_peers_killed_mid_transfer(provider: &str, role: &str, reachable_required: bool) {

@@ -79,7 +79,8 @@ pub(super) struct Recorded {
 impl AppEntry {
     /// Records `version` of `name` as complete at `completed_unix_ms`:
     /// refused unless newer than the recorded one; it becomes the newest
-    /// version and joins the commit history.
+    /// version and joins the commit history. The sample's `agents` is
+    /// ignored: the history counts the application's agents now.
     pub(super) fn record(
         &mut self,
         name: &str,
