@@ -104,6 +104,12 @@ pub struct StaticConfig {
     /// by agents); unset: no PFS level.
     #[serde(rename = "PfsDir", default)]
     pub pfs_dir: Option<PathBuf>,
+    /// Where the controller keeps its journal (applications, agents and
+    /// complete versions it must not forget across a restart); the
+    /// controller's `--state-dir` overrides it. Unset and no `--state-dir`:
+    /// a restarted controller forgets every version held in agent memory.
+    #[serde(rename = "ControllerStateDir", default)]
+    pub controller_state_dir: Option<PathBuf>,
     /// Host agents bind their command channel to and advertise to ranks.
     #[serde(rename = "AgentAddress", default = "default_address")]
     pub agent_address: String,

@@ -334,6 +334,14 @@ pub enum ManagerToController {
         pid: u32,
         /// Initial measurements.
         status: NodeStatus,
+        /// The agents the manager runs (after a controller restart the
+        /// controller adopts those it journaled and stops the others).
+        #[serde(default)]
+        agents: Vec<AgentInfo>,
+        /// The sealed versions its store holds, each verified against its
+        /// manifest's checksums (for the controller's reconciliation).
+        #[serde(default)]
+        stored: Vec<StoredVersion>,
     },
     /// Liveness.
     Heartbeat,
@@ -568,6 +576,11 @@ pub struct AppReport {
     /// Agent copies to the PFS that failed or were skipped.
     #[serde(default)]
     pub pfs_health: PfsCopyHealth,
+    /// Versions the controller stopped counting as complete, and why (the
+    /// journal said complete, but a rank's data was missing or damaged in
+    /// every store that reported after a restart, or its node died).
+    #[serde(default)]
+    pub dropped: Vec<String>,
 }
 
 /// What went wrong with an application's agent copies to the PFS: every
@@ -841,6 +854,43 @@ pub struct StatusReport {
     pub apps: Vec<AppReport>,
     /// The dynamic configuration in force.
     pub init_agent_count: String,
+    /// The controller's journal (absent when it runs without a state
+    /// directory, and then remembers nothing across a restart).
+    #[serde(default)]
+    pub journal: Option<Box<JournalReport>>,
+}
+
+/// The controller's journal, for operators.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JournalReport {
+    /// The file.
+    pub path: String,
+    /// Events in it.
+    pub records: u64,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// Controller processes that used it, this one included.
+    pub incarnation: u32,
+    /// What was wrong with it when this controller started, if anything
+    /// (a truncated or corrupted tail: the valid prefix was used).
+    pub damage: Option<String>,
+}
+
+/// A sealed version in a manager's store, as the manager announces it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredVersion {
+    /// Application.
+    pub app: String,
+    /// Rank (MR) or node index (SHMR): the file's writer.
+    pub rank: u32,
+    /// Version.
+    pub version: u64,
+    /// Writers of the version (the manifest's `ranks`).
+    pub writers: u32,
+    /// CRC-32C of the manifest file's bytes.
+    pub manifest_crc: u32,
+    /// Why the data does not verify against the manifest, if it does not.
+    pub damage: Option<String>,
 }
 
 #[cfg(test)]

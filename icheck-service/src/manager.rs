@@ -15,12 +15,12 @@ use tokio::sync::mpsc;
 use icheck_core::config::StaticConfig;
 use icheck_core::monitor::{read_rapl_energy, NodeActivity, PowerMeter};
 use icheck_core::protocol::{
-    self, ControllerToManager, Hello, HelloReply, ManagerToController, NodeStatus, ProtocolError, Role,
+    self, AgentInfo, ControllerToManager, Hello, HelloReply, ManagerToController, NodeStatus, ProtocolError, Role,
 };
 
 use crate::agent::{Agent, AgentSettings};
 use crate::framing;
-use crate::store::Store;
+use crate::store::{InventoryCache, Store};
 use crate::{read_meminfo, ServiceError};
 
 type Agents = Arc<Mutex<BTreeMap<u64, Agent>>>;
@@ -112,8 +112,9 @@ async fn serve(config: StaticConfig, node: String, agents: Agents) -> Result<(),
         tracing::warn!(files, bytes, "removed unsealed version files a previous manager left in the store");
     }
     let mut delay = Duration::from_millis(100);
+    let inventory = Arc::new(Mutex::new(InventoryCache::default()));
     loop {
-        match session(&config, &settings, &node, &agents).await {
+        match session(&config, &settings, &node, &agents, &inventory).await {
             Err(ServiceError::Protocol(ProtocolError::Refused { peer, reason })) => {
                 return Err(ProtocolError::Refused { peer, reason }.into());
             }
@@ -130,6 +131,7 @@ async fn session(
     settings: &AgentSettings,
     node: &str,
     agents: &Agents,
+    inventory: &Arc<Mutex<InventoryCache>>,
 ) -> Result<(), ServiceError> {
     let peer = config.controller_endpoint();
     let mut stream = TcpStream::connect(&peer)
@@ -140,10 +142,26 @@ async fn session(
     if let HelloReply::Refused(reason) = framing::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {
         return Err(ProtocolError::Refused { peer, reason }.into());
     }
+    // What the store holds, verified (reading only versions sealed since the
+    // last registration): the controller reconciles its journal with it.
+    let stored = {
+        let (store, inventory) = (settings.store.clone(), inventory.clone());
+        tokio::task::spawn_blocking(move || store.inventory(&mut inventory.lock().unwrap_or_else(|p| p.into_inner())))
+            .await
+            .unwrap_or_default()
+    };
+    let damaged = stored.iter().filter(|s| s.damage.is_some()).count();
+    if damaged > 0 {
+        tracing::warn!(damaged, "stored versions do not verify against their manifests; announcing them as damaged");
+    }
+    let running: Vec<AgentInfo> =
+        agents.lock().unwrap_or_else(|p| p.into_inner()).values().map(|a| a.info().clone()).collect();
     let register = ManagerToController::Register {
         node: node.to_string(),
         pid: std::process::id(),
         status: Monitor::new().measure(agents, &settings.store),
+        agents: running,
+        stored,
     };
     framing::send(&mut stream, &register).await?;
     match framing::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {

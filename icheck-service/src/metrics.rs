@@ -167,6 +167,30 @@ pub fn render(report: &StatusReport) -> String {
             kind: "counter",
             samples: vec![],
         },
+        Family {
+            name: "icheck_app_versions_dropped_total",
+            help: "Journaled versions no longer counted complete (a rank's data missing or damaged in the stores)",
+            kind: "counter",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_controller_incarnation",
+            help: "Controller processes that used the journal, this one included",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_journal_events",
+            help: "Events in the controller journal",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_journal_damaged",
+            help: "1 when the journal's tail was damaged at start (its valid prefix was used)",
+            kind: "gauge",
+            samples: vec![],
+        },
     ];
     let mut put = |name: &str, labels: String, value: Option<f64>| {
         if let (Some(family), Some(value)) = (families.iter_mut().find(|f| f.name == name), value) {
@@ -207,7 +231,13 @@ pub fn render(report: &StatusReport) -> String {
         put("icheck_app_pfs_compression_ratio", l.clone(), a.pfs_copy.map(|c| c.ratio()));
         put("icheck_app_pfs_copies_failed_total", l.clone(), Some(a.pfs_health.failed as f64));
         put("icheck_app_pfs_copies_skipped_total", l.clone(), Some(a.pfs_health.skipped as f64));
-        put("icheck_app_agent_changes_total", l, Some(a.agent_changes.len() as f64));
+        put("icheck_app_agent_changes_total", l.clone(), Some(a.agent_changes.len() as f64));
+        put("icheck_app_versions_dropped_total", l, Some(a.dropped.len() as f64));
+    }
+    if let Some(journal) = &report.journal {
+        put("icheck_controller_incarnation", String::new(), Some(f64::from(journal.incarnation)));
+        put("icheck_journal_events", String::new(), Some(journal.records as f64));
+        put("icheck_journal_damaged", String::new(), Some(f64::from(u8::from(journal.damage.is_some()))));
     }
     let mut text = String::new();
     for family in families.iter().filter(|f| !f.samples.is_empty()) {
@@ -293,6 +323,7 @@ mod tests {
             }],
             apps: vec![],
             init_agent_count: String::new(),
+            journal: None,
         };
         let text = render(&report);
         assert!(text.contains("icheck_node_up{node=\"n\\\"1\"} 1\n"), "{text}");

@@ -24,6 +24,7 @@ use memmap2::MmapMut;
 
 use icheck_core::fabric::StableBuffer;
 use icheck_core::format::{self, check_app_name, FormatError, Manifest};
+use icheck_core::protocol::StoredVersion;
 
 /// Name of a rank's reusable data file.
 const SPARE: &str = "spare.data";
@@ -131,6 +132,12 @@ pub struct Capacity {
     pub total: u64,
     /// Bytes free for an unprivileged writer.
     pub available: u64,
+}
+
+/// What [`Store::inventory`] verified already, by manifest file.
+#[derive(Debug, Default)]
+pub struct InventoryCache {
+    verified: std::collections::HashMap<PathBuf, ((u64, i64, i64), StoredVersion)>,
 }
 
 /// One node's checkpoint store.
@@ -399,6 +406,61 @@ impl Store {
             }
             _ => Ok(()),
         }
+    }
+
+    /// Every sealed version in the store, each verified against its
+    /// manifest's checksums (what a manager announces to the controller).
+    /// Sealed files never change, so `cache` remembers what was verified
+    /// (by manifest file identity) and only new versions are read.
+    pub fn inventory(&self, cache: &mut InventoryCache) -> Vec<StoredVersion> {
+        use std::os::unix::fs::MetadataExt;
+        let mut found = Vec::new();
+        let mut seen = BTreeSet::new();
+        let apps = fs::read_dir(&self.root).into_iter().flatten().filter_map(|e| e.ok());
+        for app_entry in apps {
+            let Ok(app) = app_entry.file_name().into_string() else { continue };
+            if check_app_name(&app).is_err() {
+                continue;
+            }
+            let ranks = fs::read_dir(app_entry.path()).into_iter().flatten().filter_map(|e| e.ok());
+            for rank_entry in ranks {
+                let name = rank_entry.file_name();
+                let Some(rank) = name.to_str().and_then(|n| n.strip_prefix("rank")).and_then(|r| r.parse().ok()) else {
+                    continue;
+                };
+                for version in self.sealed_versions(&app, rank).unwrap_or_default() {
+                    let Ok((_, meta)) = self.paths(&app, rank, version) else { continue };
+                    let Ok(stat) = fs::metadata(&meta) else { continue };
+                    let identity = (stat.ino(), stat.mtime(), stat.mtime_nsec());
+                    seen.insert(meta.clone());
+                    if let Some((known, stored)) = cache.verified.get(&meta) {
+                        if *known == identity {
+                            found.push(stored.clone());
+                            continue;
+                        }
+                    }
+                    let stored = self.verify_version(&app, rank, version, &meta);
+                    cache.verified.insert(meta, (identity, stored.clone()));
+                    found.push(stored);
+                }
+            }
+        }
+        cache.verified.retain(|path, _| seen.contains(path));
+        found
+    }
+
+    /// Reads one sealed version and checks its data against its manifest.
+    fn verify_version(&self, app: &str, rank: u32, version: u64, meta: &Path) -> StoredVersion {
+        let manifest_crc = fs::read(meta).map_or(0, |bytes| crc32c::crc32c(&bytes));
+        let mut stored = StoredVersion { app: app.to_string(), rank, version, writers: 0, manifest_crc, damage: None };
+        match self.open(app, rank, version) {
+            Ok((manifest, data)) => {
+                stored.writers = manifest.ranks;
+                stored.damage = manifest.verify(data.as_slice()).err().map(|e| e.to_string());
+            }
+            Err(err) => stored.damage = Some(err.to_string()),
+        }
+        stored
     }
 
     /// Bytes of data files under the root.

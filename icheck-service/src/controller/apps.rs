@@ -36,6 +36,12 @@ pub(super) struct AppEntry {
     pub(super) finishing: bool,
     /// Adaptation (Algorithm 5) across probes; survives re-registration.
     pub(super) adaptation: Adaptation,
+    /// Replayed from the journal and not yet reconciled with the stores:
+    /// its journaled complete versions, oldest first. No version counts
+    /// (`latest` stays empty) until the managers confirmed one.
+    pub(super) unconfirmed: Option<Vec<super::journal::JournaledVersion>>,
+    /// Versions no longer counted as complete, each with why.
+    pub(super) dropped: Vec<String>,
 }
 
 /// What the controller learns about an application's agent count over its
@@ -268,6 +274,8 @@ mod tests {
             copies: CopyBook::new(None),
             finishing: false,
             adaptation: Adaptation { sized_for: ranks, ..Adaptation::default() },
+            unconfirmed: None,
+            dropped: Vec::new(),
         }
     }
 

@@ -9,7 +9,9 @@
 
 mod apps;
 mod copies;
+pub mod journal;
 mod nodes;
+mod reconcile;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -31,7 +33,9 @@ use crate::framing;
 use crate::ServiceError;
 use apps::{AppEntry, ProbePlan, Recorded};
 use copies::{Answered, CopyBook, OnRecorded};
+use journal::{Event, Journal, JournaledApp};
 use nodes::NodeBook;
+use reconcile::Holdings;
 
 /// How far ahead the memory forecast looks, in seconds.
 const FORECAST_HORIZON_SECS: f64 = 60.0;
@@ -53,6 +57,30 @@ struct State {
     /// Take-overs under way, by (agent, rank): bytes moved or why not.
     takeovers: HashMap<(u64, u32), oneshot::Sender<Result<u64, String>>>,
     next_agent: u64,
+    /// The durable state, when the controller has a state directory.
+    journal: Option<Journal>,
+    /// What each node's store held when its manager last registered.
+    holdings: Holdings,
+    /// Until when journaled applications wait for the managers of their
+    /// nodes to register before they are reconciled with what did.
+    reconcile_by: Instant,
+    /// Journaled agents on nodes that never registered were dropped.
+    startup_settled: bool,
+}
+
+/// Ids of agents of controller incarnation `n` start here, so an agent
+/// started by an earlier controller process never shares an id with one
+/// started by this one.
+const AGENT_IDS_PER_INCARNATION: u64 = 1_000_000;
+
+/// Writes `event` to the journal (when the controller keeps one) before
+/// the caller acknowledges what it records; the error is the reply.
+fn journal(state: &mut State, event: &Event) -> Result<(), String> {
+    let Some(journal) = state.journal.as_mut() else { return Ok(()) };
+    journal.append(event).map_err(|err| {
+        tracing::error!(%err, "cannot write the controller journal");
+        format!("the controller cannot journal it, so it is not recorded: {err}")
+    })
 }
 
 struct Shared {
@@ -103,21 +131,54 @@ pub async fn run(config: StaticConfig, state_dir: Option<PathBuf>) -> Result<(),
     })?;
     let local = listener.local_addr().map_err(|error| ServiceError::Io { what: "local_addr".into(), error })?;
     tracing::info!(address = %local, "controller listening");
+    let journal_dir = state_dir.clone().or_else(|| config.controller_state_dir.clone());
+    let journal = match &journal_dir {
+        Some(dir) => Some(Journal::open(dir).map_err(|err| ServiceError::Remote(err.to_string()))?),
+        None => {
+            tracing::warn!(
+                "no ControllerStateDir and no --state-dir: a restarted controller will forget every version in agent memory"
+            );
+            None
+        }
+    };
+    let pfs = config.pfs_dir.clone().map(icheck_core::pfs::PfsStore::new);
+    let (apps, incarnation) = match &journal {
+        Some(journal) => {
+            let report = journal.report();
+            if let Some(damage) = &report.damage {
+                tracing::error!("{damage}");
+            }
+            let replayed = journal.state();
+            tracing::info!(
+                journal = %report.path,
+                incarnation = replayed.incarnation,
+                apps = replayed.apps.len(),
+                "replayed the controller journal; versions count once the managers confirm them"
+            );
+            (journaled_apps(&replayed.apps, pfs.as_ref()), replayed.incarnation)
+        }
+        None => (BTreeMap::new(), 0),
+    };
+    let reconcile_window = config.heartbeat() * config.missed_heartbeats.max(1) + Duration::from_secs(5);
     if let Some(dir) = &state_dir {
         write_address(dir, "controller.addr", &local.to_string())?;
     }
     let shared = Arc::new(Shared {
         started: Instant::now(),
         token: config.effective_token(),
-        pfs: config.pfs_dir.clone().map(icheck_core::pfs::PfsStore::new),
+        pfs,
         heartbeat: config.heartbeat(),
         missed: config.missed_heartbeats,
         state: Mutex::new(State {
             nodes: NodeBook::new(config.heartbeat(), config.missed_heartbeats),
-            apps: BTreeMap::new(),
+            startup_settled: apps.is_empty(),
+            apps,
             pending: HashMap::new(),
             takeovers: HashMap::new(),
-            next_agent: 1,
+            next_agent: u64::from(incarnation) * AGENT_IDS_PER_INCARNATION + 1,
+            journal,
+            holdings: Holdings::new(),
+            reconcile_by: Instant::now() + reconcile_window,
         }),
         dynamic: RwLock::new(dynamic),
     });
@@ -160,6 +221,100 @@ pub async fn run(config: StaticConfig, state_dir: Option<PathBuf>) -> Result<(),
     }
 }
 
+/// The applications a journal remembers, as entries waiting for
+/// reconciliation: their journaled agents count as theirs until the
+/// managers say otherwise, and no version counts until the stores confirm
+/// it ([`reconcile_pending`]).
+fn journaled_apps(
+    journaled: &BTreeMap<String, JournaledApp>,
+    pfs: Option<&icheck_core::pfs::PfsStore>,
+) -> BTreeMap<String, AppEntry> {
+    journaled
+        .iter()
+        .filter_map(|(name, app)| {
+            let registration = app.registration.clone()?;
+            let on_pfs = pfs.and_then(|pfs| pfs.latest_record(name).ok().flatten()).map(|r| r.version);
+            let adaptation = apps::Adaptation { sized_for: decide::mapping_units(&registration), ..Default::default() };
+            let entry = AppEntry {
+                homes: app.agents.iter().map(|a| a.node.clone()).collect(),
+                agents: app.agents.clone(),
+                registration,
+                latest: None,
+                persisted: app.persisted,
+                copies: CopyBook::new(on_pfs),
+                finishing: false,
+                adaptation,
+                unconfirmed: Some(app.versions.clone()),
+                dropped: Vec::new(),
+            };
+            Some((name.clone(), entry))
+        })
+        .collect()
+}
+
+/// Reconciles the journaled applications whose nodes have all registered
+/// (or all of them, once `reconcile_by` passed) with what the stores hold;
+/// once `reconcile_by` passed, journaled agents on nodes that never came
+/// back are dropped (their applications get new agents on their next
+/// registration or probe).
+fn reconcile_pending(state: &mut State, now: Instant) {
+    let state = &mut *state;
+    let late = now >= state.reconcile_by;
+    for (name, app) in state.apps.iter_mut() {
+        let waiting = app.homes.iter().any(|node| !state.holdings.contains_key(node));
+        if app.unconfirmed.is_none() || (waiting && !late) {
+            continue;
+        }
+        let versions = app.unconfirmed.take().unwrap_or_default();
+        let outcome = reconcile::reconcile(name, &versions, &state.holdings);
+        for reason in &outcome.dropped {
+            tracing::warn!(app = %name, "journaled version dropped: {reason}");
+        }
+        match &outcome.latest {
+            Some(latest) => {
+                tracing::info!(app = %name, version = latest.version, "newest complete version confirmed by the stores")
+            }
+            None if !versions.is_empty() => tracing::warn!(app = %name, "no journaled version is whole in the stores"),
+            None => {}
+        }
+        app.latest = outcome.latest;
+        app.dropped.extend(outcome.dropped);
+    }
+    if late && !state.startup_settled {
+        state.startup_settled = true;
+        for (name, app) in state.apps.iter_mut() {
+            let before = app.agents.len();
+            app.agents.retain(|agent| state.holdings.contains_key(&agent.node));
+            if app.agents.len() < before {
+                tracing::warn!(app = %name, lost = before - app.agents.len(), "journaled agents on nodes that did not come back are gone");
+            }
+        }
+    }
+}
+
+/// A manager registered running `running`: journaled agents of its node
+/// that it no longer runs are gone, and agents it runs that no application
+/// (or start under way) claims are stopped, their files kept.
+fn adopt_agents(state: &mut State, node: &str, running: &[AgentInfo]) {
+    let state = &mut *state;
+    for (name, app) in state.apps.iter_mut() {
+        let before = app.agents.len();
+        app.agents.retain(|agent| agent.node != node || running.iter().any(|r| r.id == agent.id));
+        if app.agents.len() < before {
+            tracing::warn!(app = %name, %node, lost = before - app.agents.len(), "agents the manager no longer runs are gone");
+        }
+    }
+    for agent in running {
+        let claimed = state.apps.values().any(|app| app.agents.iter().any(|a| a.id == agent.id));
+        if claimed {
+            tracing::info!(%node, agent = agent.id, "agent adopted from the manager's registration");
+        } else if !state.pending.contains_key(&agent.id) {
+            tracing::info!(%node, agent = agent.id, "stopping an agent no application uses");
+            state.nodes.send(node, ControllerToManager::StopAgent { id: agent.id, discard: false });
+        }
+    }
+}
+
 /// Re-reads the dynamic configuration every `readInterval`; a broken file is
 /// rejected with a logged reason and the previous settings stay.
 async fn reload_dynamic(shared: Arc<Shared>, path: PathBuf) {
@@ -191,7 +346,11 @@ async fn reload_dynamic(shared: Arc<Shared>, path: PathBuf) {
 async fn watch_liveness(shared: Arc<Shared>) {
     loop {
         tokio::time::sleep(shared.heartbeat).await;
-        let down = shared.state().nodes.newly_down(Instant::now());
+        let down = {
+            let mut state = shared.state();
+            reconcile_pending(&mut state, Instant::now());
+            state.nodes.newly_down(Instant::now())
+        };
         for name in down {
             tracing::warn!(node = %name, "manager missed {} heartbeats; marked down", shared.missed);
         }
@@ -214,8 +373,8 @@ async fn serve_connection(shared: Arc<Shared>, mut stream: TcpStream) -> Result<
 
 async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), ProtocolError> {
     let (mut reader, mut writer) = stream.into_split();
-    let (node, pid, status) = match framing::recv_timeout(&mut reader, HELLO_TIMEOUT).await? {
-        ManagerToController::Register { node, pid, status } => (node, pid, status),
+    let (node, pid, status, running, stored) = match framing::recv_timeout(&mut reader, HELLO_TIMEOUT).await? {
+        ManagerToController::Register { node, pid, status, agents, stored } => (node, pid, status, agents, stored),
         other => {
             let reason = format!("expected Register, got {other:?}");
             framing::send(&mut writer, &ControllerToManager::Rejected(reason.clone())).await?;
@@ -223,7 +382,23 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
         }
     };
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let admitted = shared.state().nodes.register(&node, pid, status, tx, Instant::now(), shared.clock());
+    let admitted = {
+        let mut state = shared.state();
+        let admitted = state.nodes.register(&node, pid, status, tx, Instant::now(), shared.clock());
+        if admitted.is_ok() {
+            // Queued behind the Registered sent below: the writer task starts after it.
+            adopt_agents(&mut state, &node, &running);
+            let drained = state.journal.as_ref().is_some_and(|j| j.state().drained.contains(&node));
+            if drained {
+                let _ = state.nodes.set_draining(&node, true);
+            }
+            let versions = stored.len();
+            state.holdings.insert(node.clone(), stored);
+            tracing::info!(%node, pid, agents = running.len(), versions, "manager registered");
+            reconcile_pending(&mut state, Instant::now());
+        }
+        admitted
+    };
     let connection = match admitted {
         Ok(connection) => connection,
         Err(reason) => {
@@ -231,7 +406,6 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             return Err(ProtocolError::Refused { peer: node, reason });
         }
     };
-    tracing::info!(%node, pid, "manager registered");
     framing::send(&mut writer, &ControllerToManager::Registered).await?;
     let writer_task = tokio::spawn(async move {
         while let Some(message) = rx.recv().await {
@@ -346,9 +520,11 @@ fn status_report(shared: &Shared) -> StatusReport {
                 agent_changes: a.adaptation.changes.clone(),
                 scaling_settled: a.adaptation.scaling.settled,
                 pfs_health: a.copies.health.clone(),
+                dropped: a.dropped.clone(),
             })
             .collect(),
         init_agent_count: format!("{:?}", shared.dynamic().init_agent_count),
+        journal: state.journal.as_ref().map(|j| Box::new(j.report())),
     }
 }
 
@@ -370,6 +546,15 @@ async fn register_app(
         if flushing_since.elapsed() > AGENT_START_TIMEOUT {
             return Err(format!("application {:?} is still being flushed to the PFS; try again", registration.name));
         }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A journaled application counts no version until the stores confirmed
+    // it: wait for its nodes' managers (bounded by the reconcile window).
+    while {
+        let mut state = shared.state();
+        reconcile_pending(&mut state, Instant::now());
+        state.apps.get(&registration.name).is_some_and(|a| a.unconfirmed.is_some())
+    } {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let config = shared.dynamic();
@@ -410,10 +595,18 @@ async fn register_app(
                 && app.agents.iter().all(|a| nodes.is_alive(&a.node, now));
             if all_alive {
                 tracing::info!(agents = app.agents.len(), ?latest, "application re-registered; returning its agents");
+                let agents = app.agents.clone();
+                let placed = Event::Placed { registration: registration.clone(), agents: agents.clone() };
+                let was_persisted = app.persisted;
+                journal(state, &placed)?;
+                if was_persisted {
+                    journal(state, &Event::Persisted { app: registration.name.clone(), persisted: false })?;
+                }
+                let app = state.apps.get_mut(&registration.name).expect("looked up above, under the same lock");
                 app.persisted = false;
                 app.registration = registration;
                 app.latest = latest.clone();
-                return Ok((app.agents.clone(), latest));
+                return Ok((agents, latest));
             }
         }
         // Agents of a returning application go back to the nodes that hold
@@ -442,6 +635,11 @@ async fn register_app(
     let placing = Instant::now();
     let agents = await_starts(shared, &registration.name, waiters).await?;
     let mut state = shared.state();
+    let placed = Event::Placed { registration: registration.clone(), agents: agents.clone() };
+    if let Err(reason) = journal(&mut state, &placed) {
+        tell_agents(&state.nodes, &agents, |id| ControllerToManager::StopAgent { id, discard: false });
+        return Err(reason);
+    }
     tracing::info!(agents = agents.len(), "application registered");
     let mut adaptation = state.apps.get(&registration.name).map(|a| a.adaptation.clone()).unwrap_or_default();
     adaptation.changed_after = latest.as_ref().map_or(0, |l| l.version);
@@ -450,6 +648,7 @@ async fn register_app(
         adaptation.sized_for = decide::mapping_units(&registration);
     }
     let homes = agents.iter().map(|a| a.node.clone()).collect();
+    let name = registration.name.clone();
     let entry = AppEntry {
         registration,
         agents: agents.clone(),
@@ -460,8 +659,10 @@ async fn register_app(
         copies: CopyBook::new(on_pfs),
         finishing: false,
         adaptation,
+        unconfirmed: None,
+        dropped: state.apps.get(&name).map(|a| a.dropped.clone()).unwrap_or_default(),
     };
-    state.apps.insert(entry.registration.name.clone(), entry);
+    state.apps.insert(name, entry);
     Ok((agents, latest))
 }
 
@@ -484,10 +685,22 @@ fn record_version(
     let completed_unix_ms =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
     let sample = CommitSample { version, bytes, commit_secs, agents: 0 };
+    let before = (app.latest.clone(), app.adaptation.commits.clone());
     let Recorded { resized, due } = match app.record(name, sample, epoch, completed_unix_ms) {
         Ok(recorded) => recorded,
         Err(message) => return ClientReply::Error(message),
     };
+    // Durable before the application hears the version is complete.
+    let record = app.latest.clone().expect("just recorded");
+    let event =
+        Event::VersionComplete { app: name.to_string(), record, writers: decide::mapping_units(&app.registration) };
+    if let Err(reason) = journal(state, &event) {
+        if let Some(app) = state.apps.get_mut(name) {
+            (app.latest, app.adaptation.commits) = before;
+        }
+        return ClientReply::Error(reason);
+    }
+    let app = state.apps.get_mut(name).expect("recorded above, under the same lock");
     tracing::info!(app = name, version, bytes, commit_secs, "version complete");
     if let Some((before, stale)) = resized {
         drop_moved_ranks(&state.nodes, name, stale.iter().map(|(rank, node)| (*rank, node.as_str())));
@@ -822,6 +1035,8 @@ async fn change_agents(
     let secs = changing.elapsed().as_secs_f64();
     let mut state = shared.state();
     let state = &mut *state;
+    let registration = state.apps.get(name).ok_or("the application went away")?.registration.clone();
+    journal(state, &Event::Placed { registration, agents: new.clone() })?;
     let app = state.apps.get_mut(name).ok_or("the application went away")?;
     app.agents = new.clone();
     app.homes = new.iter().map(|a| a.node.clone()).collect();
@@ -840,6 +1055,15 @@ async fn change_agents(
 /// applications' next probes) or open it again.
 fn drain_node(shared: &Shared, node: &str, drain: bool) -> ClientReply {
     let mut state = shared.state();
+    if !state.nodes.is_known(node) {
+        // set_draining names the known nodes.
+        if let Err(message) = state.nodes.set_draining(node, drain) {
+            return ClientReply::Error(message);
+        }
+    }
+    if let Err(reason) = journal(&mut state, &Event::Drained { node: node.to_string(), drain }) {
+        return ClientReply::Error(reason);
+    }
     let agents = match state.nodes.set_draining(node, drain) {
         Ok(agents) => agents,
         Err(message) => return ClientReply::Error(message),
@@ -896,14 +1120,17 @@ async fn delete_app(shared: &Arc<Shared>, name: &str) -> ClientReply {
 fn finish_app(shared: &Shared, name: &str, persist: bool) -> ClientReply {
     let mut state = shared.state();
     if persist {
-        return match state.apps.get_mut(name) {
-            Some(app) => {
-                tracing::info!(app = name, "application finished; checkpoints persist in agent memory");
-                app.persisted = true;
-                ClientReply::Ok
-            }
-            None => ClientReply::Error(format!("no application named {name:?} is registered")),
-        };
+        if !state.apps.contains_key(name) {
+            return ClientReply::Error(format!("no application named {name:?} is registered"));
+        }
+        if let Err(reason) = journal(&mut state, &Event::Persisted { app: name.to_string(), persisted: true }) {
+            return ClientReply::Error(reason);
+        }
+        tracing::info!(app = name, "application finished; checkpoints persist in agent memory");
+        if let Some(app) = state.apps.get_mut(name) {
+            app.persisted = true;
+        }
+        return ClientReply::Ok;
     }
     let state = &mut *state;
     let Some(app) = state.apps.get_mut(name) else {
@@ -930,6 +1157,10 @@ fn finish_app(shared: &Shared, name: &str, persist: bool) -> ClientReply {
 /// false if it was not registered.
 fn stop_and_forget(state: &mut State, name: &str) -> bool {
     let Some(app) = state.apps.remove(name) else { return false };
+    // Best effort: a forgotten application the journal still lists comes
+    // back after a restart without versions (its files are gone) and is
+    // placed afresh when it registers.
+    let _ = journal(state, &Event::Forgotten { app: name.to_string() });
     tell_agents(&state.nodes, &app.agents, |id| ControllerToManager::StopAgent { id, discard: true });
     true
 }

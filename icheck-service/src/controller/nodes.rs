@@ -181,6 +181,11 @@ impl<L: ManagerLink> NodeBook<L> {
         self.nodes.get(node).is_some_and(|entry| self.entry_alive(entry, now))
     }
 
+    /// Whether a manager of `node` registered since the controller started.
+    pub(crate) fn is_known(&self, node: &str) -> bool {
+        self.nodes.contains_key(node)
+    }
+
     /// Whether `node` is known and draining.
     pub(crate) fn is_draining(&self, node: &str) -> bool {
         self.nodes.get(node).is_some_and(|entry| entry.draining)

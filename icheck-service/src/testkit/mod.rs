@@ -99,6 +99,30 @@ impl LocalService {
         self.start();
     }
 
+    /// `icheck up` again in the running service's directory: starts again
+    /// just the daemons that died (as an operator would after a crash).
+    pub fn up_again(&self) -> String {
+        let mut up = Command::new(&self.icheck);
+        up.args(&self.up_args).arg("--state-dir").arg(&self.dir);
+        if let Some(spec) = &self.failpoints {
+            up.env(icheck_core::failpoint::FAILPOINTS_ENV, spec);
+        }
+        let out = up.output().expect("run icheck up");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "icheck up (again) failed: {text}");
+        text
+    }
+
+    /// A copy of the client configuration without `PfsDir`: a job using it
+    /// has no PFS level, so whatever it restores came from agent memory.
+    pub fn config_without_pfs(&self) -> PathBuf {
+        let text = std::fs::read_to_string(self.config_path()).expect("read the client configuration");
+        let kept: String = text.lines().filter(|l| !l.starts_with("PfsDir")).map(|l| format!("{l}\n")).collect();
+        let path = self.dir.join("client-no-pfs.toml");
+        std::fs::write(&path, kept).expect("write the client configuration without a PFS");
+        path
+    }
+
     /// Path of the client configuration.
     pub fn config_path(&self) -> PathBuf {
         self.dir.join("icheck.toml")

@@ -285,6 +285,12 @@ pub fn down(dir: &Path) -> Result<()> {
         fs::remove_dir_all(&store).with_context(|| format!("removing the checkpoint store {}", store.display()))?;
         println!("icheck down: removed the checkpoint store {}", store.display());
     }
+    // The journal describes that memory; without it, it would only make the
+    // next `icheck up` wait for versions that no longer exist.
+    let journal = dir.join(icheck_service::controller::journal::JOURNAL_FILE);
+    if journal.exists() {
+        fs::remove_file(&journal).with_context(|| format!("removing the controller journal {}", journal.display()))?;
+    }
     println!("icheck down: stopped");
     Ok(())
 }
@@ -401,8 +407,23 @@ pub fn print_status(report: &StatusReport) {
         if a.scaling_settled {
             println!("  {:<16} agent count settled (Algorithm 5)", "");
         }
+        for reason in &a.dropped {
+            println!("  {:<16} dropped: {reason}", "");
+        }
     }
     println!("init_agent_count in force: {}", report.init_agent_count);
+    match &report.journal {
+        Some(j) => {
+            println!(
+                "journal: {} ({} events, {} bytes, controller incarnation {})",
+                j.path, j.records, j.bytes, j.incarnation
+            );
+            if let Some(damage) = &j.damage {
+                println!("journal DAMAGED at start: {damage}");
+            }
+        }
+        None => println!("journal: none (no ControllerStateDir): a restarted controller forgets agent memory"),
+    }
 }
 
 /// `icheck versions APP`: what the controller holds in agent memory and what

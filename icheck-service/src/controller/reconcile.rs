@@ -1,0 +1,166 @@
+//! Reconciliation of the journal with the stores, as a function without
+//! I/O: which journaled version of an application is still restorable from
+//! agent memory, given what the managers announced their stores hold.
+//!
+//! The rule (all-or-nothing): a version counts as complete only if the
+//! journal says so *and* every one of its files (one per writer) is
+//! present and verified in a store that reported. The newest such version
+//! wins; every newer journaled version is dropped with the reason.
+//!
+//! Architecture invariant: nothing here reads a clock, a file or a socket;
+//! the announcements come in as data, which is what lets the tests below
+//! cover every disagreement between journal and stores.
+
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+
+use icheck_core::protocol::{StoredVersion, VersionRecord};
+
+use super::journal::JournaledVersion;
+
+/// What the managers announced, by node.
+pub(super) type Holdings = BTreeMap<String, Vec<StoredVersion>>;
+
+/// The outcome for one application.
+#[derive(Debug, PartialEq)]
+pub(super) struct Reconciled {
+    /// The newest version every store agrees is whole, if any.
+    pub(super) latest: Option<VersionRecord>,
+    /// Journaled versions newer than that one, each with why it was dropped.
+    pub(super) dropped: Vec<String>,
+}
+
+/// Why `version` of `app` is not restorable from the stores, or `None`
+/// when every file of it is present and verified somewhere.
+fn missing(app: &str, version: &JournaledVersion, holdings: &Holdings) -> Option<String> {
+    let number = version.record.version;
+    for writer in 0..version.writers {
+        let copies: Vec<(&String, &StoredVersion)> = holdings
+            .iter()
+            .flat_map(|(node, stored)| stored.iter().map(move |s| (node, s)))
+            .filter(|(_, s)| s.app == app && s.rank == writer && s.version == number)
+            .collect();
+        if copies.iter().any(|(_, s)| s.damage.is_none() && s.writers == version.writers) {
+            continue;
+        }
+        return Some(match copies.first() {
+            Some((node, stored)) => format!(
+                "version {number}: the file of rank {writer} on node {node} is damaged ({})",
+                stored.damage.as_deref().unwrap_or("written by another number of processes")
+            ),
+            None => {
+                let nodes: Vec<&str> = holdings.keys().map(String::as_str).collect();
+                format!(
+                    "version {number}: no store holds rank {writer} (nodes that reported: {})",
+                    if nodes.is_empty() { "none".to_string() } else { nodes.join(", ") }
+                )
+            }
+        });
+    }
+    None
+}
+
+/// The newest journaled version of `app` (`versions` oldest first) that
+/// the stores in `holdings` hold whole and verified.
+pub(super) fn reconcile(app: &str, versions: &[JournaledVersion], holdings: &Holdings) -> Reconciled {
+    let mut dropped = Vec::new();
+    for version in versions.iter().rev() {
+        match missing(app, version, holdings) {
+            None => return Reconciled { latest: Some(version.record.clone()), dropped },
+            Some(reason) => dropped.push(reason),
+        }
+    }
+    Reconciled { latest: None, dropped }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn journaled(version: u64, writers: u32) -> JournaledVersion {
+        JournaledVersion {
+            record: VersionRecord {
+                version,
+                ranks: writers,
+                epoch: 0,
+                bytes: 0,
+                commit_secs: 0.0,
+                completed_unix_ms: 0,
+            },
+            writers,
+        }
+    }
+
+    fn stored(rank: u32, version: u64, damage: Option<&str>) -> StoredVersion {
+        StoredVersion {
+            app: "a".into(),
+            rank,
+            version,
+            writers: 4,
+            manifest_crc: 1,
+            damage: damage.map(str::to_string),
+        }
+    }
+
+    fn holdings(nodes: &[(&str, Vec<StoredVersion>)]) -> Holdings {
+        nodes.iter().map(|(n, s)| (n.to_string(), s.clone())).collect()
+    }
+
+    #[test]
+    fn the_newest_journaled_version_held_whole_wins() {
+        let versions = [journaled(1, 4), journaled(2, 4)];
+        let held = holdings(&[
+            ("n1", vec![stored(0, 2, None), stored(1, 2, None), stored(0, 1, None)]),
+            ("n2", vec![stored(2, 2, None), stored(3, 2, None)]),
+        ]);
+        let outcome = reconcile("a", &versions, &held);
+        assert_eq!(outcome.latest.map(|l| l.version), Some(2));
+        assert!(outcome.dropped.is_empty());
+    }
+
+    #[test]
+    fn a_version_the_journal_never_recorded_does_not_count_although_every_store_holds_it() {
+        let versions = [journaled(1, 4)];
+        let all = |v| (0..4).map(|r| stored(r, v, None)).collect::<Vec<_>>();
+        let held = holdings(&[("n1", [all(1), all(2)].concat())]);
+        assert_eq!(reconcile("a", &versions, &held).latest.map(|l| l.version), Some(1));
+    }
+
+    #[test]
+    fn a_missing_or_damaged_rank_drops_the_version_and_an_older_whole_one_is_used() {
+        let versions = [journaled(1, 4), journaled(2, 4)];
+        let mut held = holdings(&[("n1", (0..4).map(|r| stored(r, 1, None)).collect())]);
+        held.get_mut("n1").unwrap().extend([stored(0, 2, None), stored(1, 2, None), stored(2, 2, None)]);
+        let outcome = reconcile("a", &versions, &held);
+        assert_eq!(outcome.latest.map(|l| l.version), Some(1));
+        assert_eq!(outcome.dropped, vec!["version 2: no store holds rank 3 (nodes that reported: n1)".to_string()]);
+
+        held.get_mut("n1").unwrap().push(stored(3, 2, Some("label \"x\": chunk 0 does not match")));
+        let outcome = reconcile("a", &versions, &held);
+        assert_eq!(outcome.latest.map(|l| l.version), Some(1));
+        assert!(outcome.dropped[0].contains("rank 3 on node n1 is damaged"), "{:?}", outcome.dropped);
+    }
+
+    #[test]
+    fn a_verified_copy_elsewhere_outweighs_a_damaged_one() {
+        let versions = [journaled(1, 1)];
+        let one = |damage| StoredVersion { writers: 1, ..stored(0, 1, damage) };
+        let held = holdings(&[("n1", vec![one(Some("bad"))]), ("n2", vec![one(None)])]);
+        assert_eq!(reconcile("a", &versions, &held).latest.map(|l| l.version), Some(1));
+    }
+
+    #[test]
+    fn nothing_held_means_no_version_and_every_one_dropped_with_its_reason() {
+        let versions = [journaled(3, 2), journaled(4, 2)];
+        let outcome = reconcile("a", &versions, &Holdings::new());
+        assert_eq!(outcome.latest, None);
+        assert_eq!(
+            outcome.dropped,
+            vec![
+                "version 4: no store holds rank 0 (nodes that reported: none)".to_string(),
+                "version 3: no store holds rank 0 (nodes that reported: none)".to_string()
+            ]
+        );
+    }
+}
