@@ -82,6 +82,10 @@ pub struct StaticConfig {
     /// Heartbeats a manager may miss before the controller marks it down.
     #[serde(rename = "MissedHeartbeats", default = "default_missed")]
     pub missed_heartbeats: u32,
+    /// Times the controller starts a dead manager again within ten minutes
+    /// (through its launcher) before it gives the node up for good.
+    #[serde(rename = "ManagerRelaunches", default = "default_relaunches")]
+    pub manager_relaunches: u32,
     /// Resource manager host (horizontal scaling; unused until that lands).
     #[serde(rename = "iRMNodeName", default)]
     pub rm_node: Option<String>,
@@ -147,6 +151,12 @@ pub struct ClientConfig {
     /// Seconds between attempts to reach the service again while writing
     /// directly to the PFS (fallback). `ICHECK_T_WAIT` overrides it.
     pub t_wait: f64,
+    /// Seconds an agent may take to answer a request that moves no data;
+    /// requests that move or check a version get one more second per
+    /// 10 MB of it. Past that, the agent counts as unreachable (a stopped,
+    /// hung or cut-off node) and the library asks the controller for new
+    /// agents. `ICHECK_REQUEST_TIMEOUT` overrides it.
+    pub request_timeout: f64,
 }
 
 impl ClientConfig {
@@ -186,6 +196,7 @@ impl Default for ClientConfig {
             pfs_interval: 0,
             compression: "auto".into(),
             t_wait: 30.0,
+            request_timeout: 30.0,
         }
     }
 }
@@ -217,6 +228,10 @@ fn default_status() -> f64 {
     2.0
 }
 fn default_missed() -> u32 {
+    3
+}
+
+fn default_relaunches() -> u32 {
     3
 }
 
@@ -253,6 +268,9 @@ impl StaticConfig {
         }
         if self.controller_address.trim().is_empty() {
             return Err(invalid("ControllerAddress", "a host name or IP address"));
+        }
+        if !(self.client.request_timeout.is_finite() && self.client.request_timeout > 0.0) {
+            return Err(invalid("client.request_timeout", "a number of seconds greater than 0"));
         }
         Ok(())
     }

@@ -545,6 +545,13 @@ pub struct NodeReport {
     /// An operator is draining it (`icheck drain`).
     #[serde(default)]
     pub draining: bool,
+    /// Times the controller started its dead manager again (last ten minutes).
+    #[serde(default)]
+    pub relaunches: u32,
+    /// The manager died more often than `ManagerRelaunches` allows: the
+    /// controller stopped starting it again (until an operator does).
+    #[serde(default)]
+    pub given_up: bool,
 }
 
 /// An application as `icheck status` shows it.

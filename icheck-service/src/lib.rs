@@ -9,6 +9,7 @@
 pub mod agent;
 pub mod controller;
 pub mod framing;
+pub mod launcher;
 pub mod manager;
 pub mod metrics;
 pub mod selftest;

@@ -121,6 +121,18 @@ pub fn render(report: &StatusReport) -> String {
             kind: "gauge",
             samples: vec![],
         },
+        Family {
+            name: "icheck_node_manager_relaunches",
+            help: "Times the controller started the node's dead manager again (last ten minutes)",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_node_given_up",
+            help: "1 when the node's manager died more often than ManagerRelaunches allows",
+            kind: "gauge",
+            samples: vec![],
+        },
         Family { name: "icheck_app_ranks", help: "Processes of the application", kind: "gauge", samples: vec![] },
         Family { name: "icheck_app_nodes", help: "Compute nodes of the application", kind: "gauge", samples: vec![] },
         Family { name: "icheck_app_agents", help: "Agents of the application", kind: "gauge", samples: vec![] },
@@ -202,6 +214,8 @@ pub fn render(report: &StatusReport) -> String {
         let s = &n.status;
         put("icheck_node_up", l.clone(), Some(f64::from(u8::from(n.alive))));
         put("icheck_node_draining", l.clone(), Some(f64::from(u8::from(n.draining))));
+        put("icheck_node_manager_relaunches", l.clone(), Some(f64::from(n.relaunches)));
+        put("icheck_node_given_up", l.clone(), Some(f64::from(u8::from(n.given_up))));
         put("icheck_node_memory_available_bytes", l.clone(), Some(s.mem_available as f64));
         put("icheck_node_memory_total_bytes", l.clone(), Some(s.mem_total as f64));
         put("icheck_node_memory_depletion_bytes_per_second", l.clone(), n.trend.mem_depletion_rate);
@@ -320,6 +334,8 @@ mod tests {
                 status,
                 trend: Default::default(),
                 draining: false,
+                relaunches: 0,
+                given_up: false,
             }],
             apps: vec![],
             init_agent_count: String::new(),

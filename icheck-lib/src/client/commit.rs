@@ -13,6 +13,10 @@ pub(super) struct Background {
     pub(super) result: Result<()>,
 }
 
+/// A joined background commit: version, start, bytes, its result, and
+/// (MR) the layout of the staged bytes.
+type Joined = (u64, Instant, u64, Result<()>, Option<Vec<LabelLayout>>);
+
 /// A background commit. Processes without a transfer of their own (SHMR
 /// non-leaders) have no thread but still complete the version in `wait`.
 pub(super) struct InFlight {
@@ -20,6 +24,9 @@ pub(super) struct InFlight {
     pub(super) started: Instant,
     pub(super) bytes: u64,
     pub(super) handle: Option<JoinHandle<Background>>,
+    /// MR: the layout of the staged bytes, so that the version can be
+    /// stored again from the staging buffer on replacement agents.
+    pub(super) layout: Option<Vec<LabelLayout>>,
 }
 
 pub(super) fn layouts(labels: &[Label], lens: &[usize]) -> Vec<LabelLayout> {
@@ -78,6 +85,7 @@ impl Icheck {
                     }
                 };
             }
+            let stored = self.store_elsewhere_on_failure(stored, |me| me.store_shmr(version, started));
             self.complete_or_fall_back(version, stored, started)?;
             return Ok(version);
         }
@@ -94,9 +102,67 @@ impl Icheck {
                 }
             };
         }
-        let stored = if self.zero_copy { self.store_zero_copy(version) } else { self.store_pipelined(version) };
+        let stored = self.store_blocking(version);
+        let stored = self.store_elsewhere_on_failure(stored, |me| me.store_blocking(version));
         self.complete_or_fall_back(version, stored, started)?;
         Ok(version)
+    }
+
+    /// A blocking MR commit's transfer, by the configured data path.
+    fn store_blocking(&mut self, version: u64) -> Result<u64> {
+        if self.zero_copy {
+            self.store_zero_copy(version)
+        } else {
+            self.store_pipelined(version)
+        }
+    }
+
+    /// §6.5.2, in the thesis's order (controller, then PFS): when some
+    /// rank's agent failed to store its part, the controller is asked for
+    /// new agents; with them, every rank stores the version again there
+    /// with `store`. Otherwise (no controller, or it has no new agents:
+    /// it does not know of a lost agent) the first outcome stands, and the
+    /// caller falls back to the PFS or reports it (*collective*).
+    pub(super) fn store_elsewhere_on_failure(
+        &mut self,
+        stored: Result<u64>,
+        store: impl FnOnce(&mut Self) -> Result<u64>,
+    ) -> Result<u64> {
+        if self.comm.all_true(stored.is_ok()) {
+            return stored;
+        }
+        if let Err(err) = &stored {
+            tracing::warn!(%err, "this rank's agent failed; asking the controller for new agents");
+        }
+        match self.ask_for_agents(0) {
+            Ok(ProbeOutcome::Reconnected { agents }) => {
+                tracing::warn!(agents, "the controller replaced the application's agents; storing the version there");
+                store(self)
+            }
+            Ok(ProbeOutcome::Unchanged) => stored,
+            Err(err) => {
+                tracing::warn!(%err, "no new agents from the controller");
+                stored
+            }
+        }
+    }
+
+    /// Async MR: stores the staged version again, from the staging buffer,
+    /// through this rank's (new) agent session.
+    fn restore_staged(&mut self, version: u64, layout: Vec<LabelLayout>) -> Result<u64> {
+        let total: u64 = layout.iter().map(|l| l.len).sum();
+        let staging = self.staging.take().ok_or(Error::Order("the staged version is gone"))?;
+        let push = self.direction == TransferDirection::Push;
+        let header = VersionHeader { version, shape: self.shape(self.comm.size()), layout, push };
+        let result = match self.link.as_mut() {
+            Some(link) => {
+                let bytes = &staging.as_slice()[..total as usize];
+                commit_buffer(link, &self.endpoint, header, Some((staging.source(), staging.remote())), bytes)
+            }
+            None => Err(Error::Order("no agent session")),
+        };
+        self.staging = Some(staging);
+        result
     }
 
     /// Completes a blocking commit; when some rank's agent failed it and a
@@ -327,6 +393,7 @@ impl Icheck {
             }
         }
         let layout = layouts(&self.labels, &lens);
+        let layout_kept = layout.clone();
         let mut link = self.link.take().ok_or(Error::Order("no agent session"))?;
         let push = self.direction == TransferDirection::Push;
         let (endpoint, shape) = (self.endpoint.clone(), self.shape(self.comm.size()));
@@ -342,13 +409,20 @@ impl Icheck {
                 Background { link, staging: Some(staging), segment_region: None, result }
             })
             .map_err(|e| Error::Unsupported(format!("cannot start the async commit thread: {e}")))?;
-        self.in_flight = Some(InFlight { version, started, bytes: total as u64, handle: Some(handle) });
+        self.in_flight =
+            Some(InFlight { version, started, bytes: total as u64, handle: Some(handle), layout: Some(layout_kept) });
         Ok(())
     }
 
     /// Joins the background commit: (version, start, bytes, its result).
     pub(super) fn finish_in_flight(&mut self) -> Option<(u64, Instant, u64, Result<()>)> {
-        let InFlight { version, started, bytes, handle } = self.in_flight.take()?;
+        let (version, started, bytes, result, _) = self.finish_in_flight_with_layout()?;
+        Some((version, started, bytes, result))
+    }
+
+    /// [`Self::finish_in_flight`], with the staged layout (MR).
+    fn finish_in_flight_with_layout(&mut self) -> Option<Joined> {
+        let InFlight { version, started, bytes, handle, layout } = self.in_flight.take()?;
         let result = match handle.map(JoinHandle::join) {
             None => Ok(()),
             Some(Ok(background)) => {
@@ -363,7 +437,7 @@ impl Icheck {
             }
             Some(Err(_)) => Err(Error::Order("the async commit thread panicked")),
         };
-        Some((version, started, bytes, result))
+        Some((version, started, bytes, result, layout))
     }
 
     /// Whether the background commit has finished its transfer (this rank
@@ -374,7 +448,19 @@ impl Icheck {
 
     /// Waits for a background commit and completes its version (*collective*).
     pub fn wait(&mut self) -> Result<()> {
-        let Some((version, started, bytes, result)) = self.finish_in_flight() else { return Ok(()) };
+        let Some((version, started, bytes, result, layout)) = self.finish_in_flight_with_layout() else {
+            return Ok(());
+        };
+        // MR: the staging buffer still holds the version; new agents can
+        // take it from there. (SHMR leaders' segments are handled like a
+        // failed blocking commit: the PFS, when there is one.)
+        let all_staged_in_buffer = self.comm.all_true(layout.is_some());
+        let result = match layout.filter(|_| all_staged_in_buffer) {
+            Some(layout) => self
+                .store_elsewhere_on_failure(result.map(|_| bytes), |me| me.restore_staged(version, layout))
+                .map(|_| ()),
+            None => result,
+        };
         self.complete(version, result, bytes, started)
     }
 }

@@ -82,7 +82,7 @@ impl Icheck {
 
     /// Opens this process's session with its agent among `agents`.
     pub(super) fn open_own_link(&self, agents: &[AgentInfo]) -> Result<Option<AgentLink>> {
-        open_link(self.comm.as_ref(), self.mode, &self.endpoint, agents, &self.token, &self.app, self.connect_timeout)
+        open_link(self.comm.as_ref(), self.mode, &self.endpoint, agents, &self.token, &self.app, self.waits())
     }
 
     /// Fallback (*collective*): tries to register with the service again;

@@ -4,11 +4,27 @@
 
 use super::*;
 
+/// The slowest an agent may move or check a version's bytes before it
+/// counts as unreachable: every wait is `request_timeout` plus one second
+/// per this many bytes the request covers.
+const SLOWEST_BYTES_PER_SEC: f64 = 10e6;
+
+/// How long a rank waits for its agent: to connect, and for an answer to
+/// a request that moves no data (`client.connect_timeout`,
+/// `client.request_timeout`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Waits {
+    pub(super) connect: Duration,
+    pub(super) request: Duration,
+}
+
 /// This rank's session with its agent.
 pub(super) struct AgentLink {
     pub(super) info: AgentInfo,
     pub(super) peer: Peer,
     pub(super) conn: BlockingConnection,
+    /// How long a request that moves no data may wait for its answer.
+    pub(super) request_timeout: Duration,
     /// The agent spilled the last sealed version to the PFS (its memory
     /// budget was used up); the controller must have it copied.
     pub(super) spilled: bool,
@@ -21,8 +37,9 @@ impl AgentLink {
         token: &str,
         app: &str,
         rank: u32,
-        timeout: Duration,
+        waits: Waits,
     ) -> Result<Self> {
+        let Waits { connect: timeout, request: request_timeout } = waits;
         let fail = |message: String| Error::Agent {
             agent: info.id,
             node: info.node.clone(),
@@ -30,9 +47,9 @@ impl AgentLink {
             message,
         };
         let mut conn = BlockingConnection::connect(&info.control, token, timeout).map_err(|e| fail(e.to_string()))?;
-        conn.set_timeout(TRANSFER_TIMEOUT);
+        conn.set_timeout(request_timeout);
         let peer = endpoint.insert_peer(&info.address)?;
-        let mut link = AgentLink { info: info.clone(), peer, conn, spilled: false };
+        let mut link = AgentLink { info: info.clone(), peer, conn, request_timeout, spilled: false };
         link.call(&AgentRequest::Open { app: app.to_string(), rank, address: endpoint.address().clone() })?;
         Ok(link)
     }
@@ -41,10 +58,26 @@ impl AgentLink {
         Error::Agent { agent: self.info.id, node: self.info.node.clone(), peer: self.info.control.clone(), message }
     }
 
+    /// Bounds the following requests' waits for requests covering `bytes`
+    /// of a version (0: requests that move no data).
+    pub(super) fn expect_bytes(&mut self, bytes: u64) -> &mut Self {
+        let extra = Duration::from_secs_f64(bytes as f64 / SLOWEST_BYTES_PER_SEC);
+        self.conn.set_timeout(self.request_timeout + extra);
+        self
+    }
+
     pub(super) fn call(&mut self, request: &AgentRequest) -> Result<AgentReply> {
         match self.conn.call::<_, AgentReply>(request) {
             Ok(AgentReply::Error(message)) => Err(self.error(message)),
             Ok(reply) => Ok(reply),
+            Err(ServiceError::Protocol(ProtocolError::Timeout(waited))) => {
+                let what = format!("{request:?}");
+                let name: String = what.chars().take_while(char::is_ascii_alphanumeric).collect();
+                Err(self.error(format!(
+                    "no answer to {name} within {waited:.1?}: the agent or its node is stopped, hung or cut off \
+                     (the bound is client.request_timeout plus 1 s per 10 MB)"
+                )))
+            }
             Err(err) => Err(self.error(err.to_string())),
         }
     }
@@ -108,7 +141,7 @@ pub(super) fn open_link(
     agents: &[AgentInfo],
     token: &str,
     app: &str,
-    timeout: Duration,
+    waits: Waits,
 ) -> Result<Option<AgentLink>> {
     let count = agents.len() as u32;
     let (who, of) = match mode {
@@ -117,7 +150,7 @@ pub(super) fn open_link(
         TransferMode::Shmr => return Ok(None),
     };
     let mine = &agents[agent_for_rank(who, of, count) as usize];
-    AgentLink::open(endpoint, mine, token, app, who, timeout).map(Some)
+    AgentLink::open(endpoint, mine, token, app, who, waits).map(Some)
 }
 
 /// One piece of a version on its way to the agent: registered local memory
@@ -198,6 +231,7 @@ pub(super) fn commit_version(
     transfer: impl FnOnce(&mut Mover<'_>) -> Result<u64>,
 ) -> Result<u64> {
     let VersionHeader { version, shape, layout, push } = header;
+    link.expect_bytes(layout.iter().map(|l| l.len).sum());
     let target = link.begin(version, shape, layout, push)?;
     let (moved, crcs) = std::thread::scope(|scope| {
         let checksums = scope.spawn(|| label_crcs(labels));

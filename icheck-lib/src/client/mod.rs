@@ -49,7 +49,7 @@ use commit::{Background, InFlight};
 pub use error::Error;
 use error::Result;
 use link::{commit_buffer, commit_version, Piece, VersionHeader};
-use link::{open_link, AgentLink, Shape};
+use link::{open_link, AgentLink, Shape, Waits};
 pub use resize::Recalc;
 use resize::Resized;
 pub use resize::{Global, Recalculate, Replicated, Resize};
@@ -62,8 +62,6 @@ pub const DEFAULT_CONFIG: &str = "/etc/icheck/icheck.toml";
 /// How long a controller request may take (it may start agents: 15 s each
 /// at most on the controller's side).
 const CONTROLLER_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long a data-path request may take (large transfers on slow fabrics).
-const TRANSFER_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// What `init` found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -151,6 +149,9 @@ pub struct Icheck {
     restart_damage: Option<String>,
     finalized: bool,
     connect_timeout: Duration,
+    /// `client.request_timeout`: the bound of agent requests that move no
+    /// data (requests that do get more by their size).
+    request_timeout: Duration,
 }
 
 fn config_path(config: Option<&Path>) -> PathBuf {
@@ -218,6 +219,15 @@ impl Icheck {
         let t_wait = Duration::from_secs_f64(t_wait);
         let token = config.effective_token();
         let connect_timeout = Duration::from_secs_f64(client.connect_timeout.max(0.1));
+        let request_timeout = match std::env::var("ICHECK_REQUEST_TIMEOUT") {
+            Ok(text) => text.parse::<f64>().ok().filter(|t| t.is_finite() && *t > 0.0).ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "environment variable ICHECK_REQUEST_TIMEOUT: {text:?} is not a number of seconds greater than 0"
+                ))
+            })?,
+            Err(_) => client.request_timeout,
+        };
+        let request_timeout = Duration::from_secs_f64(request_timeout);
         let (rank, size) = (comm.rank(), comm.size());
         let span = tracing::info_span!("icheck", app = app_name, rank);
         let _entered = span.enter();
@@ -292,23 +302,20 @@ impl Icheck {
         let link = if fallback.is_some() {
             Ok(None)
         } else {
-            open_link(comm.as_ref(), mode, &endpoint, &agents, &token, app_name, connect_timeout)
+            let waits = Waits { connect: connect_timeout, request: request_timeout };
+            open_link(comm.as_ref(), mode, &endpoint, &agents, &token, app_name, waits)
         };
         let all_ok = comm.all_true(link.is_ok());
-        let link = link?;
-        if !all_ok {
-            return Err(Error::Incomplete {
-                version: 0,
-                detail: "another rank could not reach its agent during init".into(),
-                previous: "nothing".into(),
-            });
-        }
+        let unreachable = match &link {
+            Err(err) => Some(err.to_string()),
+            Ok(_) if !all_ok => Some("another rank could not reach its agent during init".to_string()),
+            Ok(_) => None,
+        };
+        let link = link.unwrap_or(None);
         let status = match &latest {
             Some(record) => InitStatus::Restart { version: record.version },
             None => InitStatus::Fresh,
         };
-        let agent = link.as_ref().map(|l| l.info.id);
-        tracing::info!(?status, ?agent, ?direction, ?mode, zero_copy, "initialised");
         drop(_entered);
         let next_version = latest.as_ref().map_or(1, |l| l.version + 1);
         let epoch = latest.as_ref().map_or(0, |l| l.epoch + u32::from(l.ranks != size));
@@ -343,7 +350,30 @@ impl Icheck {
             restart_damage: None,
             finalized: false,
             connect_timeout,
+            request_timeout,
         };
+        let mut icheck = icheck;
+        if let Some(reason) = unreachable {
+            // §6.5.2: an agent that cannot be reached at init is replaced
+            // (the controller gives up agents whose node went silent).
+            let _entered = span.enter();
+            tracing::warn!(%reason, "an agent is unreachable at init; asking the controller for new agents");
+            match icheck.ask_for_agents(0) {
+                Ok(ProbeOutcome::Reconnected { agents }) => tracing::warn!(agents, "init continues with new agents"),
+                Ok(ProbeOutcome::Unchanged) => {
+                    return Err(Error::Incomplete {
+                        version: 0,
+                        detail: format!("{reason}; the controller has no other agents"),
+                        previous: "nothing".into(),
+                    })
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        let _entered = span.enter();
+        let agent = icheck.link.as_ref().map(|l| l.info.id);
+        tracing::info!(?status, ?agent, ?direction, ?mode, zero_copy, "initialised");
+        drop(_entered);
         Ok((icheck, status))
     }
 
@@ -413,6 +443,11 @@ impl Icheck {
         self.epoch
     }
 
+    /// How long this process waits for agents.
+    fn waits(&self) -> Waits {
+        Waits { connect: self.connect_timeout, request: self.request_timeout }
+    }
+
     fn controller_error(&self, message: String) -> Error {
         Error::Controller { peer: self.controller_peer.clone(), error: ServiceError::Remote(message) }
     }
@@ -423,12 +458,18 @@ impl Icheck {
         self.check_open()?;
         self.wait()?;
         self.release_restart();
+        self.ask_for_agents(hints.remaining_commits)
+    }
+
+    /// The probe itself (*collective*): rank 0 asks the controller, every
+    /// rank opens its session with its new agent when there are new ones.
+    fn ask_for_agents(&mut self, remaining_commits: u32) -> Result<ProbeOutcome> {
         let mut answer = Vec::new();
         if let Some(controller) = self.controller.as_mut() {
             let request = ClientRequest::Probe {
                 name: self.app.clone(),
                 agents: self.agents.iter().map(|a| a.id).collect(),
-                remaining_commits: hints.remaining_commits,
+                remaining_commits,
             };
             let result = controller.request(&request).map_err(|e| e.to_string());
             answer = protocol::encode(&result).unwrap_or_default();

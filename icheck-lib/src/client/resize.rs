@@ -361,7 +361,8 @@ impl Icheck {
             return Ok(OldRank::Local { manifest, bytes });
         }
         let agent = &self.agents[agent_for_rank(rank, written, self.agents.len() as u32) as usize];
-        let mut link = AgentLink::open(&self.endpoint, agent, &self.token, &self.app, rank, self.connect_timeout)?;
+        let mut link = AgentLink::open(&self.endpoint, agent, &self.token, &self.app, rank, self.waits())?;
+        link.expect_bytes(self.version_bytes());
         let reply = link.call(&AgentRequest::Fetch { version })?;
         let (manifest, region) = match check_fetched(reply, FetchWanted { app: &self.app, rank, version }) {
             Ok(Fetched { damaged: Some(damage), .. }) => return Err(link.error(damage)),

@@ -164,6 +164,12 @@ impl Icheck {
         unreachable!("the last candidate returns")
     }
 
+    /// Bytes of the newest complete version over all ranks (what bounds
+    /// the wait for one rank's share of it).
+    pub(super) fn version_bytes(&self) -> u64 {
+        self.latest.as_ref().map_or(0, |l| l.bytes)
+    }
+
     /// The version a restart fetches, if this run can restore it.
     pub(super) fn restart_record(&self) -> Result<VersionRecord> {
         self.latest.clone().ok_or_else(|| Error::NoCheckpoint(self.app.clone()))
@@ -171,7 +177,10 @@ impl Icheck {
 
     pub(super) fn fetch(&mut self, version: u64) -> Result<u64> {
         let wanted = FetchWanted { app: &self.app, rank: self.comm.rank(), version };
+        let bytes = self.version_bytes();
         let link = self.link.as_mut().ok_or(Error::Order("no agent session (an earlier failure closed it)"))?;
+        // The agent may check (or read from the PFS) the whole version first.
+        link.expect_bytes(bytes);
         let reply = link.call(&AgentRequest::Fetch { version })?;
         // From the agent: checked before any offset in it is used.
         let Fetched { manifest, region, damaged } =

@@ -79,7 +79,7 @@ impl Icheck {
         let Some(mut link) = self.link.take() else {
             // Not the node leader: nothing to move; async still completes in wait().
             if self.asynchronous {
-                self.in_flight = Some(InFlight { version, started, bytes: 0, handle: None });
+                self.in_flight = Some(InFlight { version, started, bytes: 0, handle: None, layout: None });
             }
             return Ok(0);
         };
@@ -114,7 +114,7 @@ impl Icheck {
                 Background { link, staging: None, segment_region: region, result }
             })
             .map_err(|e| Error::Unsupported(format!("cannot start the async commit thread: {e}")))?;
-        self.in_flight = Some(InFlight { version, started, bytes: total, handle: Some(handle) });
+        self.in_flight = Some(InFlight { version, started, bytes: total, handle: Some(handle), layout: None });
         Ok(total)
     }
 
@@ -171,8 +171,13 @@ impl Icheck {
     /// the segment; every node process then restores from there.
     pub(super) fn fetch_shmr(&mut self, version: u64) -> Result<u64> {
         let wanted = FetchWanted { app: &self.app, rank: self.comm.node_index(), version };
+        let bytes = self.version_bytes();
         let fetched: std::result::Result<(Manifest, RemoteRegion), String> = match self.link.as_mut() {
-            Some(link) => match link.call(&AgentRequest::Fetch { version }).map(|reply| check_fetched(reply, wanted)) {
+            Some(link) => match link
+                .expect_bytes(bytes)
+                .call(&AgentRequest::Fetch { version })
+                .map(|reply| check_fetched(reply, wanted))
+            {
                 Ok(Ok(Fetched { damaged: Some(damage), .. })) => Err(damage),
                 Ok(Ok(Fetched { manifest, region, damaged: None })) => Ok((manifest, region)),
                 Ok(Err(refused)) => Err(refused.to_string()),

@@ -42,6 +42,23 @@ pub(super) struct AppEntry {
     pub(super) unconfirmed: Option<Vec<super::journal::JournaledVersion>>,
     /// Versions no longer counted as complete, each with why.
     pub(super) dropped: Vec<String>,
+    /// Ranks whose files stayed on nodes that lost their agents.
+    pub(super) abandoned: Vec<Abandoned>,
+}
+
+/// Files of ranks left behind on a node whose agents were lost (the node
+/// went silent, or its manager's connection closed). They hold the
+/// newest complete version at the time; once a newer one completes on
+/// other agents they are obsolete, and are dropped so that a node that
+/// comes back (SIGCONT, a healed partition) does not keep memory for them.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Abandoned {
+    /// The node.
+    pub(super) node: String,
+    /// Newest complete version when the agents were lost.
+    pub(super) after: u64,
+    /// Ranks (mapping units) whose agent was there.
+    pub(super) ranks: BTreeSet<u32>,
 }
 
 /// What the controller learns about an application's agent count over its
@@ -134,6 +151,52 @@ impl AppEntry {
 }
 
 impl AppEntry {
+    /// The application's agents on `node` are gone: they leave its agent
+    /// list (its next probe or registration places new ones; `homes`
+    /// keeps the old slots), and the ranks they served are remembered as
+    /// [`Abandoned`] there. Returns how many agents were lost.
+    pub(super) fn lose_node(&mut self, node: &str) -> usize {
+        // The slots (`homes`) say where each rank's files are, whatever
+        // agents were lost before.
+        let (units, slots) = (decide::mapping_units(&self.registration), self.homes.len() as u32);
+        let ranks: BTreeSet<u32> = match slots {
+            0 => BTreeSet::new(),
+            _ => (0..units).filter(|r| self.homes[decide::agent_for_rank(*r, units, slots) as usize] == node).collect(),
+        };
+        let before = self.agents.len();
+        self.agents.retain(|agent| agent.node != node);
+        if !ranks.is_empty() {
+            let after = self.latest.as_ref().map_or(0, |l| l.version);
+            self.abandoned.push(Abandoned { node: node.to_string(), after, ranks });
+        }
+        before - self.agents.len()
+    }
+
+    /// Abandoned files that a newer complete version made obsolete, on
+    /// nodes `reachable` says can be told: (node, ranks) to drop there. A
+    /// rank an agent on that node serves again is kept. What cannot be
+    /// told yet stays remembered.
+    pub(super) fn take_obsolete(&mut self, reachable: impl Fn(&str) -> bool) -> Vec<(String, Vec<u32>)> {
+        let newest = self.latest.as_ref().map_or(0, |l| l.version);
+        let (units, count) = (decide::mapping_units(&self.registration), self.agents.len() as u32);
+        let agents = &self.agents;
+        let served_on = |node: &str, rank: u32| {
+            count > 0 && agents[decide::agent_for_rank(rank, units, count) as usize].node == node
+        };
+        let mut obsolete = Vec::new();
+        self.abandoned.retain(|left| {
+            if left.after >= newest || !reachable(&left.node) {
+                return true;
+            }
+            let ranks: Vec<u32> = left.ranks.iter().copied().filter(|r| !served_on(&left.node, *r)).collect();
+            if !ranks.is_empty() {
+                obsolete.push((left.node.clone(), ranks));
+            }
+            false
+        });
+        obsolete
+    }
+
     /// §6.4.2, what a probe does. Agents lost with their manager are
     /// replaced first; an application whose agent list (`known`) is stale
     /// gets the current one; agents on draining nodes (their indices in
@@ -276,11 +339,43 @@ mod tests {
             adaptation: Adaptation { sized_for: ranks, ..Adaptation::default() },
             unconfirmed: None,
             dropped: Vec::new(),
+            abandoned: Vec::new(),
         }
     }
 
     fn sample(version: u64) -> CommitSample {
         CommitSample { version, bytes: 1 << 20, commit_secs: 0.5, agents: 0 }
+    }
+
+    /// A node goes silent: its agents leave the list (so the next probe
+    /// replaces them) and its ranks' files are remembered; they are
+    /// dropped only once a newer version completed elsewhere, only where
+    /// the node can be told, and never for a rank an agent there serves.
+    #[test]
+    fn files_left_on_a_lost_node_are_dropped_once_a_newer_version_completes() {
+        let mut entry = app(4, &["n1", "n2"], 0);
+        let sample = |version| CommitSample { version, bytes: 1, commit_secs: 0.1, agents: 0 };
+        entry.record("a", sample(1), 0, 0).unwrap();
+        assert_eq!(entry.lose_node("n2"), 1);
+        assert_eq!(entry.agents.iter().map(|a| a.node.as_str()).collect::<Vec<_>>(), vec!["n1"]);
+        assert_eq!(entry.abandoned[0].ranks, BTreeSet::from([2, 3]));
+        // Nothing newer yet: the files on n2 hold the newest version.
+        assert!(entry.take_obsolete(|_| true).is_empty());
+        // New agents (one back on n2 would keep its ranks; here on n3).
+        entry.agents = vec![agent(10, "n1"), agent(11, "n3")];
+        entry.record("a", sample(2), 0, 0).unwrap();
+        assert!(entry.take_obsolete(|node| node != "n2").is_empty(), "n2 cannot be told yet");
+        assert_eq!(entry.take_obsolete(|_| true), vec![("n2".to_string(), vec![2, 3])]);
+        assert!(entry.abandoned.is_empty());
+
+        // Replaced on the same node: its ranks there are served again.
+        let mut entry = app(2, &["n1", "n2"], 0);
+        entry.record("a", sample(1), 0, 0).unwrap();
+        entry.lose_node("n2");
+        entry.agents = vec![agent(10, "n1"), agent(12, "n2")];
+        entry.record("a", sample(2), 0, 0).unwrap();
+        assert!(entry.take_obsolete(|_| true).is_empty());
+        assert!(entry.abandoned.is_empty());
     }
 
     #[test]

@@ -30,6 +30,7 @@ use icheck_core::protocol::{
 };
 
 use crate::framing;
+use crate::launcher::Launcher;
 use crate::ServiceError;
 use apps::{AppEntry, ProbePlan, Recorded};
 use copies::{Answered, CopyBook, OnRecorded};
@@ -45,6 +46,10 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 const AGENT_START_TIMEOUT: Duration = Duration::from_secs(15);
 /// Time new agents have to take over the ranks that move to them.
 const TAKE_OVER_TIMEOUT: Duration = Duration::from_secs(300);
+/// Window over which `ManagerRelaunches` counts a node's relaunches.
+const RELAUNCH_WINDOW: Duration = Duration::from_secs(600);
+/// Time a relaunched manager has to register before it counts as dead again.
+const RELAUNCH_REGISTER_TIMEOUT: Duration = Duration::from_secs(15);
 
 /// The node book over the managers' connections.
 type ManagerBook = NodeBook<mpsc::UnboundedSender<ControllerToManager>>;
@@ -90,6 +95,10 @@ struct Shared {
     pfs: Option<icheck_core::pfs::PfsStore>,
     heartbeat: Duration,
     missed: u32,
+    /// How dead managers are started again, if at all.
+    launcher: Option<Arc<dyn Launcher>>,
+    /// `ManagerRelaunches`.
+    relaunch_limit: u32,
     state: Mutex<State>,
     dynamic: RwLock<DynamicConfig>,
 }
@@ -120,7 +129,15 @@ fn write_address(dir: &std::path::Path, name: &str, address: &str) -> Result<(),
 /// Runs the controller until the process ends. With `state_dir`, the
 /// listening addresses are written to `state_dir/controller.addr` (and
 /// `metrics.addr` when `MetricsPort` is set).
-pub async fn run(config: StaticConfig, state_dir: Option<PathBuf>) -> Result<(), ServiceError> {
+///
+/// With a `launcher`, a manager whose connection closed and whose process
+/// is dead is started again through it (§6.5.2), at most
+/// `ManagerRelaunches` times in ten minutes before the node is given up.
+pub async fn run(
+    config: StaticConfig,
+    state_dir: Option<PathBuf>,
+    launcher: Option<Arc<dyn Launcher>>,
+) -> Result<(), ServiceError> {
     let dynamic = match &config.dynamic_config {
         Some(path) => DynamicConfig::load(path)?,
         None => DynamicConfig::default(),
@@ -169,6 +186,8 @@ pub async fn run(config: StaticConfig, state_dir: Option<PathBuf>) -> Result<(),
         pfs,
         heartbeat: config.heartbeat(),
         missed: config.missed_heartbeats,
+        launcher,
+        relaunch_limit: config.manager_relaunches,
         state: Mutex::new(State {
             nodes: NodeBook::new(config.heartbeat(), config.missed_heartbeats),
             startup_settled: apps.is_empty(),
@@ -246,6 +265,7 @@ fn journaled_apps(
                 adaptation,
                 unconfirmed: Some(app.versions.clone()),
                 dropped: Vec::new(),
+                abandoned: Vec::new(),
             };
             Some((name.clone(), entry))
         })
@@ -288,6 +308,21 @@ fn reconcile_pending(state: &mut State, now: Instant) {
             if app.agents.len() < before {
                 tracing::warn!(app = %name, lost = before - app.agents.len(), "journaled agents on nodes that did not come back are gone");
             }
+        }
+    }
+}
+
+/// A manager registered `node` (again) with `stored` in its store: an
+/// application whose newest complete version lost files there no longer
+/// counts it (a restart then looks on the PFS); the status says why.
+fn check_returning_node(state: &mut State, node: &str, stored: &[protocol::StoredVersion]) {
+    for (name, app) in state.apps.iter_mut().filter(|(_, a)| a.unconfirmed.is_none()) {
+        let Some(latest) = app.latest.as_ref().filter(|l| l.ranks == app.registration.ranks) else { continue };
+        let writers = decide::mapping_units(&app.registration);
+        if let Some(reason) = reconcile::check_node(name, latest.version, writers, &app.homes, node, stored) {
+            tracing::warn!(app = %name, "newest complete version dropped: {reason}");
+            app.dropped.push(reason);
+            app.latest = None;
         }
     }
 }
@@ -346,13 +381,13 @@ async fn reload_dynamic(shared: Arc<Shared>, path: PathBuf) {
 async fn watch_liveness(shared: Arc<Shared>) {
     loop {
         tokio::time::sleep(shared.heartbeat).await;
-        let down = {
-            let mut state = shared.state();
-            reconcile_pending(&mut state, Instant::now());
-            state.nodes.newly_down(Instant::now())
-        };
-        for name in down {
-            tracing::warn!(node = %name, "manager missed {} heartbeats; marked down", shared.missed);
+        let mut state = shared.state();
+        reconcile_pending(&mut state, Instant::now());
+        for node in state.nodes.newly_down(Instant::now()) {
+            // §6.5.2: a silent manager (hung, stopped, cut off) may keep its
+            // connection open; its agents are given up all the same.
+            tracing::warn!(%node, "manager missed {} heartbeats; marked down", shared.missed);
+            node_lost(&mut state, &node, "its node went silent");
         }
     }
 }
@@ -393,9 +428,15 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                 let _ = state.nodes.set_draining(&node, true);
             }
             let versions = stored.len();
+            if running.is_empty() {
+                // A new manager process (restarted, relaunched): no agent of
+                // it can be sealing a version while its store was listed.
+                check_returning_node(&mut state, &node, &stored);
+            }
             state.holdings.insert(node.clone(), stored);
             tracing::info!(%node, pid, agents = running.len(), versions, "manager registered");
             reconcile_pending(&mut state, Instant::now());
+            drop_obsolete_files(&mut state);
         }
         admitted
     };
@@ -423,7 +464,8 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
         match message {
             ManagerToController::Heartbeat => {
                 if state.nodes.heartbeat(&node, connection, Instant::now()) {
-                    tracing::info!(%node, "manager is back");
+                    tracing::info!(%node, "manager is back after missing its heartbeats");
+                    node_back(&mut state, &node);
                 }
             }
             ManagerToController::Status(status) => {
@@ -467,11 +509,95 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
     tracing::warn!(%node, "manager connection closed; marked down, its agents are gone");
     let mut state = shared.state();
     if state.nodes.disconnected(&node, connection) {
-        for app in state.apps.values_mut() {
-            app.agents.retain(|agent| agent.node != node);
-        }
+        node_lost(&mut state, &node, "its manager's connection closed");
+        drop(state);
+        tokio::spawn(relaunch_when_dead(shared.clone(), node, pid));
     }
     result
+}
+
+/// §6.5.2: a manager whose connection closed is started again through the
+/// launcher once its process is dead (a live one, even stopped or hung,
+/// reconnects by itself or stays down; it is never started twice). Gives
+/// the node up after `ManagerRelaunches` relaunches in ten minutes.
+async fn relaunch_when_dead(shared: Arc<Shared>, node: String, mut pid: u32) {
+    let Some(launcher) = shared.launcher.clone() else { return };
+    loop {
+        tokio::time::sleep(shared.heartbeat).await;
+        if shared.state().nodes.is_alive(&node, Instant::now()) {
+            return;
+        }
+        let (check, name) = (launcher.clone(), node.clone());
+        let dead = tokio::task::spawn_blocking(move || check.is_dead(&name, pid)).await.unwrap_or(false);
+        if !dead {
+            return;
+        }
+        let allowed =
+            shared.state().nodes.relaunch_allowed(&node, Instant::now(), shared.relaunch_limit, RELAUNCH_WINDOW);
+        if !allowed {
+            tracing::error!(
+                %node,
+                "manager died {} times within {RELAUNCH_WINDOW:?}; the node is given up until an operator starts it",
+                shared.relaunch_limit
+            );
+            return;
+        }
+        let (start, name) = (launcher.clone(), node.clone());
+        match tokio::task::spawn_blocking(move || start.relaunch(&name)).await {
+            Ok(Ok(started)) => {
+                tracing::warn!(%node, dead = pid, pid = started, "manager was dead; started it again");
+                pid = started;
+                let deadline = Instant::now() + RELAUNCH_REGISTER_TIMEOUT;
+                while Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    if shared.state().nodes.is_alive(&node, Instant::now()) {
+                        return;
+                    }
+                }
+            }
+            Ok(Err(reason)) => tracing::error!(%node, %reason, "cannot start the manager again"),
+            Err(err) => tracing::error!(%node, %err, "cannot start the manager again"),
+        }
+    }
+}
+
+/// The agents on `node` are gone (§6.5.2): every application with agents
+/// there is marked for an agent change, which its next commit (through
+/// the library asking for replacements) or probe carries out.
+fn node_lost(state: &mut State, node: &str, why: &str) {
+    for (name, app) in state.apps.iter_mut() {
+        let lost = app.lose_node(node);
+        if lost > 0 {
+            tracing::warn!(app = %name, %node, lost, "{why}: its agents are replaced on the application's next commit or probe");
+        }
+    }
+}
+
+/// `node` answers again after it was given up: the agents it still runs
+/// belong to no application any more (they were replaced) and stop, and
+/// files obsolete since are dropped.
+fn node_back(state: &mut State, node: &str) {
+    for id in state.nodes.running_agents(node) {
+        let claimed = state.apps.values().any(|app| app.agents.iter().any(|a| a.id == id));
+        if !claimed && !state.pending.contains_key(&id) {
+            tracing::info!(%node, agent = id, "stopping an agent that was replaced while its node was silent");
+            state.nodes.send(node, ControllerToManager::StopAgent { id, discard: false });
+        }
+    }
+    drop_obsolete_files(state);
+}
+
+/// Sends the drops of files on nodes that lost their agents which a newer
+/// complete version made obsolete ([`AppEntry::take_obsolete`]).
+fn drop_obsolete_files(state: &mut State) {
+    let state = &mut *state;
+    let now = Instant::now();
+    for (name, app) in state.apps.iter_mut() {
+        for (node, ranks) in app.take_obsolete(|node| state.nodes.is_alive(node, now)) {
+            tracing::info!(app = %name, %node, ?ranks, "dropping files a newer version on other agents made obsolete");
+            state.nodes.send(&node, ControllerToManager::DropRanks { app: name.clone(), ranks });
+        }
+    }
 }
 
 async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), ProtocolError> {
@@ -661,6 +787,7 @@ async fn register_app(
         adaptation,
         unconfirmed: None,
         dropped: state.apps.get(&name).map(|a| a.dropped.clone()).unwrap_or_default(),
+        abandoned: state.apps.get(&name).map(|a| a.abandoned.clone()).unwrap_or_default(),
     };
     state.apps.insert(name, entry);
     Ok((agents, latest))
@@ -700,6 +827,7 @@ fn record_version(
         }
         return ClientReply::Error(reason);
     }
+    drop_obsolete_files(state);
     let app = state.apps.get_mut(name).expect("recorded above, under the same lock");
     tracing::info!(app = name, version, bytes, commit_secs, "version complete");
     if let Some((before, stale)) = resized {

@@ -63,6 +63,10 @@ pub(crate) struct NodeEntry<L> {
     /// Which registration of the node this entry is: messages from an older
     /// connection of the same node are ignored.
     connection: u64,
+    /// When the controller started its manager again (the last ten minutes' worth).
+    relaunched: Vec<Instant>,
+    /// Relaunched too often: the controller no longer starts it.
+    given_up: bool,
     link: L,
 }
 
@@ -107,7 +111,10 @@ impl<L: ManagerLink> NodeBook<L> {
         let mut trend = NodeTrend::default();
         trend.sample(clock, status.mem_available, status.agents);
         let draining = self.nodes.get(node).is_some_and(|n| n.draining);
+        let relaunched = self.nodes.get(node).map(|n| n.relaunched.clone()).unwrap_or_default();
         let entry = NodeEntry {
+            relaunched,
+            given_up: false,
             pid,
             connected: true,
             last_heartbeat: now,
@@ -181,6 +188,26 @@ impl<L: ManagerLink> NodeBook<L> {
         self.nodes.get(node).is_some_and(|entry| self.entry_alive(entry, now))
     }
 
+    /// The agents `node`'s manager runs, by its last status report.
+    pub(crate) fn running_agents(&self, node: &str) -> Vec<u64> {
+        self.nodes.get(node).map(|n| n.status.agent_bandwidth.iter().map(|(id, _)| *id).collect()).unwrap_or_default()
+    }
+
+    /// The manager of `node` is dead and may be started again at `now`
+    /// unless it was already started `limit` times within `window`; then
+    /// the node is given up (until a manager registers it again). True
+    /// (and the attempt counted) when a relaunch may go ahead.
+    pub(crate) fn relaunch_allowed(&mut self, node: &str, now: Instant, limit: u32, window: Duration) -> bool {
+        let Some(entry) = self.nodes.get_mut(node) else { return false };
+        entry.relaunched.retain(|at| now.saturating_duration_since(*at) < window);
+        if entry.given_up || entry.relaunched.len() >= limit as usize {
+            entry.given_up = true;
+            return false;
+        }
+        entry.relaunched.push(now);
+        true
+    }
+
     /// Whether a manager of `node` registered since the controller started.
     pub(crate) fn is_known(&self, node: &str) -> bool {
         self.nodes.contains_key(node)
@@ -223,6 +250,8 @@ impl<L: ManagerLink> NodeBook<L> {
                 status: n.status.clone(),
                 trend: n.trend.report(horizon_secs),
                 draining: n.draining,
+                relaunches: u32::try_from(n.relaunched.len()).unwrap_or(u32::MAX),
+                given_up: n.given_up,
             })
             .collect()
     }

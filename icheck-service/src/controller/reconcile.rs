@@ -15,6 +15,7 @@
 
 use std::collections::BTreeMap;
 
+use icheck_core::decide;
 use icheck_core::protocol::{StoredVersion, VersionRecord};
 
 use super::journal::JournaledVersion;
@@ -72,6 +73,40 @@ pub(super) fn reconcile(app: &str, versions: &[JournaledVersion], holdings: &Hol
         }
     }
     Reconciled { latest: None, dropped }
+}
+
+/// A manager registered `node` again (restarted, relaunched): why the
+/// application's newest complete `version` (written as `writers` files,
+/// placed over the agent slots `homes`) is no longer whole on it, or
+/// `None` when every file the mapping puts on `node` is there, verified.
+pub(super) fn check_node(
+    app: &str,
+    version: u64,
+    writers: u32,
+    homes: &[String],
+    node: &str,
+    stored: &[StoredVersion],
+) -> Option<String> {
+    let slots = u32::try_from(homes.len()).ok().filter(|s| *s > 0)?;
+    let on_node = (0..writers).filter(|r| homes[decide::agent_for_rank(*r, writers, slots) as usize] == node);
+    for rank in on_node {
+        let file = stored.iter().find(|s| s.app == app && s.rank == rank && s.version == version);
+        match file {
+            Some(file) if file.damage.is_none() => continue,
+            Some(file) => {
+                return Some(format!(
+                    "version {version}: the file of rank {rank} on node {node} is damaged ({})",
+                    file.damage.as_deref().unwrap_or_default()
+                ))
+            }
+            None => {
+                return Some(format!(
+                    "version {version}: node {node} came back without the file of rank {rank} (its store lost it)"
+                ))
+            }
+        }
+    }
+    None
 }
 
 #[cfg(test)]
@@ -140,6 +175,20 @@ mod tests {
         let outcome = reconcile("a", &versions, &held);
         assert_eq!(outcome.latest.map(|l| l.version), Some(1));
         assert!(outcome.dropped[0].contains("rank 3 on node n1 is damaged"), "{:?}", outcome.dropped);
+    }
+
+    #[test]
+    fn a_node_that_comes_back_must_still_hold_its_ranks_of_the_newest_version() {
+        let homes = ["n1".to_string(), "n2".to_string()];
+        let all: Vec<StoredVersion> = (0..4).map(|r| stored(r, 7, None)).collect();
+        // Ranks 2 and 3 map to n2: n2's files of them decide, n1's do not matter.
+        assert_eq!(check_node("a", 7, 4, &homes, "n2", &all[2..]), None);
+        let reason = check_node("a", 7, 4, &homes, "n2", &all[..3]).expect("rank 3 is missing");
+        assert!(reason.contains("without the file of rank 3"), "{reason}");
+        let damaged = [stored(2, 7, None), stored(3, 7, Some("chunk 1 does not match"))];
+        let reason = check_node("a", 7, 4, &homes, "n2", &damaged).expect("rank 3 is damaged");
+        assert!(reason.contains("rank 3 on node n2 is damaged (chunk 1"), "{reason}");
+        assert_eq!(check_node("a", 7, 4, &homes, "n3", &[]), None, "nothing of it maps to n3");
     }
 
     #[test]

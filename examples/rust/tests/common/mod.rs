@@ -110,6 +110,11 @@ impl Job {
         }
     }
 
+    /// The stdout lines so far.
+    pub fn lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap().clone()
+    }
+
     pub fn has(&self, prefix: &str) -> bool {
         self.lines.lock().unwrap().iter().any(|l| l.starts_with(prefix))
     }

@@ -5,7 +5,6 @@
 use std::fs;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -15,9 +14,8 @@ use icheck_core::protocol::{ClientReply, ClientRequest, StatusReport};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-/// Name of the client configuration file inside a state directory.
-pub const CLIENT_CONFIG: &str = "icheck.toml";
-const PIDS: &str = "pids";
+pub use icheck_service::launcher::CLIENT_CONFIG;
+use icheck_service::launcher::{self, is_icheck_process, read_pids, PIDS};
 
 /// Options of `icheck up`.
 pub struct UpOptions {
@@ -79,56 +77,13 @@ fn write_static(dir: &Path, port: u16, token: &str, options: &UpOptions) -> Resu
     Ok(path)
 }
 
-/// Whether `pid` is a live process whose command line mentions icheck (so a
-/// recycled PID is never signalled).
-fn is_icheck_process(pid: u32) -> bool {
-    fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmd| String::from_utf8_lossy(&cmd).contains("icheck"))
-        && fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|stat| !stat.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'))
-}
-
-fn read_pids(dir: &Path) -> Vec<(String, u32)> {
-    fs::read_to_string(dir.join(PIDS))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|line| {
-            let (name, pid) = line.rsplit_once(' ')?;
-            Some((name.to_string(), pid.parse().ok()?))
-        })
-        .collect()
-}
-
 fn spawn_daemon(dir: &Path, log_name: &str, args: &[&str]) -> Result<std::process::Child> {
-    let log_path = dir.join("logs").join(log_name);
-    let log = fs::File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
-    spawn_logging_to(log, log_name, args)
+    launcher::spawn_daemon(dir, log_name, args, false).with_context(|| format!("starting {log_name}"))
 }
 
 /// [`spawn_daemon`], appending to the daemon's log instead of replacing it.
 fn spawn_daemon_appending(dir: &Path, log_name: &str, args: &[&str]) -> Result<std::process::Child> {
-    let log_path = dir.join("logs").join(log_name);
-    let log = fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&log_path)
-        .with_context(|| format!("opening {}", log_path.display()))?;
-    spawn_logging_to(log, log_name, args)
-}
-
-fn spawn_logging_to(log: fs::File, log_name: &str, args: &[&str]) -> Result<std::process::Child> {
-    let exe = std::env::current_exe().context("cannot find the icheck executable")?;
-    use std::os::unix::process::CommandExt;
-    let child = Command::new(exe)
-        .args(args)
-        .envs(icheck_core::fabric::NO_BACKTRACE_ENV)
-        .env("ICHECK_LOG", std::env::var("ICHECK_LOG").unwrap_or_else(|_| "info".into()))
-        .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .process_group(0) // not killed by the terminal's Ctrl-C meant for `up`
-        .spawn()
-        .with_context(|| format!("starting {log_name}"))?;
-    Ok(child)
+    launcher::spawn_daemon(dir, log_name, args, true).with_context(|| format!("starting {log_name}"))
 }
 
 fn log_tail(dir: &Path, log_name: &str) -> String {
@@ -157,8 +112,11 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     let config_path = write_static(dir, options.port, &token, options)?;
     let config_arg = config_path.to_string_lossy().into_owned();
     let dir_arg = dir.to_string_lossy().into_owned();
-    let mut controller_process =
-        spawn_daemon(dir, "controller.log", &["controller", "--config", &config_arg, "--state-dir", &dir_arg])?;
+    let mut controller_process = spawn_daemon(
+        dir,
+        "controller.log",
+        &["controller", "--config", &config_arg, "--state-dir", &dir_arg, "--launcher", "local"],
+    )?;
     let controller = controller_process.id();
     fs::write(dir.join(PIDS), format!("controller {controller}\n"))?;
     println!("icheck up: controller started (pid {controller}), waiting for it to listen ...");
@@ -221,18 +179,22 @@ fn restart_dead(dir: &Path, recorded: &[(String, u32)]) -> Result<PathBuf> {
     for (name, old_pid) in dead {
         let args: Vec<&str> = match name.strip_prefix("manager-") {
             Some(node) => vec!["manager", "--config", &config_arg, "--node", node],
-            None if name == "controller" => vec!["controller", "--config", &config_arg, "--state-dir", &dir_arg],
+            None if name == "controller" => {
+                vec!["controller", "--config", &config_arg, "--state-dir", &dir_arg, "--launcher", "local"]
+            }
             None => bail!("the pids file in {} names an unknown daemon {name:?}", dir.display()),
         };
         // Appends to the log, so what the dead daemon wrote last stays readable.
         let pid = spawn_daemon_appending(dir, &format!("{name}.log"), &args)?.id();
         println!("icheck up: {name} (pid {old_pid}) had died; started again (pid {pid})");
+        // Recorded at once: the controller's launcher reads it before it
+        // starts a dead manager itself.
+        launcher::record_pid(dir, name, pid)
+            .with_context(|| format!("recording {name} in {}/{PIDS}", dir.display()))?;
         if let Some(entry) = pids.iter_mut().find(|(n, _)| n == name) {
             entry.1 = pid;
         }
     }
-    let text: String = pids.iter().map(|(name, pid)| format!("{name} {pid}\n")).collect();
-    fs::write(dir.join(PIDS), text)?;
     let managers = pids.iter().filter(|(name, _)| name.starts_with("manager-")).count();
     wait_for_managers(&config, managers, dir)?;
     println!("icheck up: all {} daemons of {} are running again", pids.len(), dir.display());

@@ -120,9 +120,16 @@ enum Command_ {
         /// Static configuration file.
         #[arg(long)]
         config: PathBuf,
-        /// Where to write controller.addr (the address actually listened on).
+        /// Where to write controller.addr (the address actually listened on)
+        /// and keep the journal (overrides ControllerStateDir).
         #[arg(long)]
         state_dir: Option<PathBuf>,
+        /// How to start a manager that died: `local` starts it on this host
+        /// as `icheck up` did, recorded in --state-dir's pids file (what
+        /// `icheck up` uses). Without it, dead managers stay down until an
+        /// operator starts them.
+        #[arg(long, value_parser = ["local"], requires = "state_dir")]
+        launcher: Option<String>,
     },
     /// Run a manager daemon for one checkpoint node in the foreground.
     ///
@@ -321,10 +328,17 @@ fn run(cli: Cli) -> Result<()> {
     use icheck_core::protocol::{ClientReply, ClientRequest};
     match cli.command {
         Command_::Fabric(command) => run_fabric(command),
-        Command_::Controller { config: path, state_dir } => {
+        Command_::Controller { config: path, state_dir, launcher } => {
             let config = icheck_core::config::StaticConfig::load(&path)?;
             config.daemon_token(&path)?;
-            runtime()?.block_on(icheck_service::controller::run(config, state_dir))?;
+            let launcher: Option<std::sync::Arc<dyn icheck_service::launcher::Launcher>> =
+                match (launcher.as_deref(), &state_dir) {
+                    (Some("local"), Some(dir)) => {
+                        Some(std::sync::Arc::new(icheck_service::launcher::LocalLauncher { dir: dir.clone() }))
+                    }
+                    _ => None,
+                };
+            runtime()?.block_on(icheck_service::controller::run(config, state_dir, launcher))?;
             Ok(())
         }
         Command_::Manager { config: path, node } => {

@@ -1,0 +1,239 @@
+//! The controller's durable state (journal) and its reconciliation with
+//! the managers' stores, against real daemons (`icheck up`) and real
+//! `mpirun` jobs. The jobs use a client configuration without a PFS, so a
+//! restart restores from agent memory or not at all.
+
+mod common;
+
+use std::time::Duration;
+
+use common::Job;
+use icheck_service::testkit::{icheck_in_target, poll_until, process_running, LocalService};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+fn service(name: &str, managers: u32) -> LocalService {
+    LocalService::up(&icheck_in_target(), name, managers, &["--provider", "tcp"])
+}
+
+/// SIGKILLs the controller and waits until it is gone.
+fn kill_controller(service: &LocalService) {
+    let pid = service.pid_of("controller");
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).expect("SIGKILL the controller");
+    assert!(poll_until(Duration::from_secs(10), || !process_running(pid)), "the controller did not die");
+}
+
+/// The version in a job's last `COMMITTED version=V` line.
+fn last_committed(lines: &[String]) -> Option<u64> {
+    lines.iter().rev().find_map(|l| l.strip_prefix("COMMITTED version=")?.split(' ').next()?.parse().ok())
+}
+
+/// The version in a job's `RESTORED version=V step=S verified` line.
+fn restored(lines: &[String]) -> Option<u64> {
+    lines.iter().find_map(|l| l.strip_prefix("RESTORED version=")?.split(' ').next()?.parse().ok())
+}
+
+/// Between commits: a 4-rank job commits four versions and finishes with
+/// IC_PERSIST; the controller is SIGKILLed and started again. Its journal
+/// and the managers' announcements bring the application back with
+/// version 4, and a restart restores it bit-exact from agent memory.
+#[test]
+fn a_controller_killed_between_commits_forgets_no_version_in_agent_memory() {
+    let service = service("journal-between", 2);
+    let config = service.config_without_pfs();
+    let args = ["--app", "between", "--steps", "6", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(4, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert_eq!(last_committed(&lines), Some(4), "{lines:?}");
+
+    kill_controller(&service);
+    let said = service.up_again();
+    assert!(said.contains("controller"), "{said}");
+
+    let status = service.status();
+    let app = status.apps.iter().find(|a| a.registration.name == "between").expect("the journal remembers the app");
+    assert_eq!(app.latest.as_ref().map(|l| l.version), Some(4), "{:?}", app);
+    assert!(app.persisted && app.dropped.is_empty(), "{app:?}");
+    let journal = status.journal.expect("icheck up gives the controller a journal");
+    assert_eq!((journal.incarnation, journal.damage), (2, None));
+
+    let restart = ["--app", "between", "--steps", "8", "--every", "2", "--mib", "2"];
+    let lines = Job::start(4, &config, &restart, &[]).finish(Duration::from_secs(120));
+    assert_eq!(restored(&lines), Some(4), "{lines:?}");
+    assert!(lines.iter().any(|l| l == "DONE"), "{lines:?}");
+}
+
+/// During commits: the controller is SIGKILLed while a 4-rank job commits
+/// in a loop. The job fails (every rank names the controller), the
+/// controller is started again, and the restart restores bit-exact the
+/// newest version the job had been told was complete, or a newer one the
+/// controller journaled before it died.
+#[test]
+fn a_controller_killed_during_commits_forgets_no_version_in_agent_memory() {
+    let service = service("journal-during", 2);
+    let config = service.config_without_pfs();
+    let args = ["--app", "during", "--steps", "100000", "--every", "1", "--mib", "4", "--step-ms", "5"];
+    let mut job = Job::start(4, &config, &args, &[]);
+    job.wait_line("COMMITTED version=5", Duration::from_secs(120));
+    kill_controller(&service);
+    let (ok, output) = job.finish_any(Duration::from_secs(60));
+    assert!(!ok, "the job went on without its controller:\n{output}");
+    let lines: Vec<String> = output.lines().map(str::to_string).collect();
+    let told = last_committed(&lines).expect("COMMITTED lines");
+    assert!(output.contains("commit failed"), "{output}");
+
+    service.up_again();
+    let restart = ["--app", "during", "--steps", "0", "--every", "1", "--mib", "4"];
+    let lines = Job::start(4, &config, &restart, &[]).finish(Duration::from_secs(120));
+    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
+    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+}
+
+/// A journal whose tail is damaged (here: its last record cut short, as a
+/// crash mid-write leaves it) is used up to the damage, and the status
+/// says what was ignored.
+#[test]
+fn a_damaged_journal_tail_is_detected_and_its_valid_prefix_used() {
+    let service = service("journal-damage", 1);
+    let config = service.config_without_pfs();
+    let args = ["--app", "cut", "--steps", "4", "--every", "2", "--mib", "1", "--persist"];
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert_eq!(last_committed(&lines), Some(3), "{lines:?}");
+    kill_controller(&service);
+
+    // The last record is the finish with IC_PERSIST: cut three bytes of it.
+    let path = service.dir.join(icheck_service::controller::journal::JOURNAL_FILE);
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
+    service.up_again();
+
+    let status = service.status();
+    let damage = status.journal.and_then(|j| j.damage).expect("the damage is reported");
+    assert!(damage.contains("is truncated") && damage.contains("controller.journal"), "{damage}");
+    let app = status.apps.iter().find(|a| a.registration.name == "cut").expect("the valid prefix has the app");
+    assert_eq!(app.latest.as_ref().map(|l| l.version), Some(3), "{app:?}");
+    assert!(!app.persisted, "the cut record (IC_PERSIST) was applied: {app:?}");
+    let text =
+        std::process::Command::new(&service.icheck).args(["status", "--state-dir"]).arg(&service.dir).output().unwrap();
+    assert!(String::from_utf8_lossy(&text.stdout).contains("journal DAMAGED at start"));
+
+    let restart = ["--app", "cut", "--steps", "4", "--every", "2", "--mib", "1"];
+    let lines = Job::start(2, &config, &restart, &[]).finish(Duration::from_secs(120));
+    assert_eq!(restored(&lines), Some(3), "{lines:?}");
+}
+
+/// Sends SIGCONT to a stopped daemon when dropped, so that a failing test
+/// leaves nothing stopped behind for `icheck down`.
+struct Stopped(u32);
+
+impl Stopped {
+    fn stop(pid: u32) -> Stopped {
+        kill(Pid::from_raw(pid as i32), Signal::SIGSTOP).expect("SIGSTOP");
+        Stopped(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let _ = kill(Pid::from_raw(self.0 as i32), Signal::SIGCONT);
+    }
+}
+
+/// §6.5.2 with a silent node: a manager is SIGSTOPped while a job commits
+/// in a loop (its connection stays open). Within the heartbeat window the
+/// controller gives its agents up; the rank waiting on a frozen agent hits
+/// its bound, the library asks the controller for new agents, and the
+/// version completes there; later commits land on the live node. After
+/// SIGCONT the node is back, its stale agents are stopped and the files
+/// the newer versions made obsolete are dropped (no memory counted twice).
+#[test]
+fn a_silent_manager_loses_its_agents_and_commits_go_on_elsewhere() {
+    let service = service("silent-manager", 2);
+    let config = service.config_without_pfs();
+    let args = ["--app", "silent", "--steps", "100000", "--every", "1", "--mib", "4", "--step-ms", "20"];
+    let mut job = Job::start(2, &config, &args, &[("ICHECK_REQUEST_TIMEOUT", "3")]);
+    job.wait_line("COMMITTED version=3", Duration::from_secs(120));
+    let app = |status: &icheck_core::protocol::StatusReport| {
+        status.apps.iter().find(|a| a.registration.name == "silent").cloned().expect("the app is registered")
+    };
+    let silent = app(&service.status()).agents[0].node.clone();
+    let manager = service.pid_of(&format!("manager-{silent}"));
+    let stopped = Stopped::stop(manager);
+
+    // The job goes on: the version under way completes (on new agents) or
+    // fails cleanly; either way, later ones complete on the live node.
+    let told_before = last_committed(&job.lines()).unwrap_or(0);
+    job.wait_line(&format!("COMMITTED version={}", told_before + 3), Duration::from_secs(60));
+    let status = service.status();
+    let node = |status: &icheck_core::protocol::StatusReport, name: &str| {
+        status.nodes.iter().find(|n| n.node == name).cloned().expect("the node is known")
+    };
+    assert!(!node(&status, &silent).alive, "{:?}", node(&status, &silent));
+    let agents = app(&status).agents;
+    assert!(!agents.is_empty() && agents.iter().all(|a| a.node != silent), "{agents:?}");
+    assert!(service.log("controller.log").contains("missed 3 heartbeats"));
+
+    drop(stopped);
+    // Back: its stale agents stop, and its files of this app go.
+    let back = poll_until(Duration::from_secs(30), || {
+        let n = node(&service.status(), &silent);
+        n.alive && n.status.agents == 0 && n.status.bytes_held == 0
+    });
+    assert!(back, "after SIGCONT: {:?}\n{}", node(&service.status(), &silent), service.log("controller.log"));
+    let app_dir = service.config.agent_store_dir.join(&silent).join("silent");
+    let left: Vec<_> = std::fs::read_dir(&app_dir).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    assert!(left.is_empty(), "files left on the node that came back: {left:?}");
+
+    let told = {
+        job.kill();
+        last_committed(&job.lines()).expect("COMMITTED lines")
+    };
+    let restart = ["--app", "silent", "--steps", "0", "--every", "1", "--mib", "4"];
+    let lines = Job::start(2, &config, &restart, &[]).finish(Duration::from_secs(120));
+    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
+    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+}
+
+/// A SIGKILLed manager is started again by the controller's local
+/// launcher; its store, which outlived it on tmpfs, is announced and
+/// reconciled, so the application restarts from agent memory. Killed
+/// again after its files were lost, it comes back without them, and the
+/// controller drops the version and says why instead of promising it.
+#[test]
+fn a_killed_manager_is_relaunched_and_its_surviving_store_reconciled() {
+    let service = service("relaunch", 1);
+    let config = service.config_without_pfs();
+    let args = ["--app", "again", "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert_eq!(last_committed(&lines), Some(3), "{lines:?}");
+
+    let relaunched = |dead: u32| {
+        let back = poll_until(Duration::from_secs(30), || {
+            let pid = service.pid_of("manager-local-1");
+            pid != dead && process_running(pid) && service.status().nodes.iter().all(|n| n.alive && n.pid == pid)
+        });
+        assert!(back, "manager {dead} was not started again:\n{}", service.log("controller.log"));
+    };
+    let first = service.pid_of("manager-local-1");
+    kill(Pid::from_raw(first as i32), Signal::SIGKILL).unwrap();
+    relaunched(first);
+    assert!(service.log("controller.log").contains("manager was dead; started it again"));
+    let status = service.status();
+    assert_eq!(status.nodes[0].relaunches, 1, "{:?}", status.nodes[0]);
+    let app = status.apps.iter().find(|a| a.registration.name == "again").unwrap();
+    assert_eq!((app.latest.as_ref().map(|l| l.version), app.dropped.len()), (Some(3), 0), "{app:?}");
+    let restart = ["--app", "again", "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(2, &config, &restart, &[]).finish(Duration::from_secs(120));
+    assert_eq!(restored(&lines), Some(3), "{lines:?}");
+
+    // Killed again, and its files of the app lost before it is back.
+    let second = service.pid_of("manager-local-1");
+    kill(Pid::from_raw(second as i32), Signal::SIGKILL).unwrap();
+    assert!(poll_until(Duration::from_secs(10), || !process_running(second)));
+    std::fs::remove_dir_all(service.config.agent_store_dir.join("local-1").join("again")).unwrap();
+    relaunched(second);
+    let app = service.status().apps.into_iter().find(|a| a.registration.name == "again").unwrap();
+    assert_eq!(app.latest, None, "{app:?}");
+    assert!(app.dropped.iter().any(|d| d.contains("came back without the file of rank 0")), "{app:?}");
+    let lines = Job::start(2, &config, &restart, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "FRESH"), "{lines:?}");
+}
