@@ -465,6 +465,12 @@ pub enum ClientRequest {
         /// changed before this version (0 for a rigid application).
         #[serde(default)]
         epoch: u32,
+        /// The agents that stored it (their ids, in rank-mapping order).
+        /// The controller records it only if they are the application's
+        /// agents: a version stored on agents it gave up (their node went
+        /// silent) may exist only where it will be deleted.
+        #[serde(default)]
+        agents: Vec<u64>,
     },
     /// Have the application's agents changed? (§6.4.2)
     Probe {

@@ -64,7 +64,9 @@ fn kill_during_a_commit_restarts_from_the_previous_version() {
 #[test]
 fn agent_lost_during_a_commit_falls_back_to_the_pfs_and_the_run_goes_on() {
     use nix::sys::signal::kill;
-    let service = service("mpi-agentloss", 1, "tcp");
+    // A node that stays lost: the controller does not start its manager again.
+    let service =
+        LocalService::up(&icheck_in_target(), "mpi-agentloss", 1, &["--provider", "tcp", "--manager-relaunches", "0"]);
     let config = service.config_path();
     // The second commit stalls 4 s before sealing; its agent dies meanwhile.
     // The service is tried again every second (and stays without a node).

@@ -224,8 +224,10 @@ impl Icheck {
         let spilled = self.comm.sum(u64::from(self.link.as_ref().is_some_and(|l| l.spilled))) > 0;
         let secs = started.elapsed().as_secs_f64();
         let mut recorded = Ok(());
+        let mut moved_to = None;
         if let Some(controller) = self.controller.as_mut() {
             let request = ClientRequest::VersionComplete {
+                agents: self.agents.iter().map(|a| a.id).collect(),
                 name: self.app.clone(),
                 version,
                 bytes: total,
@@ -233,14 +235,33 @@ impl Icheck {
                 spilled,
                 epoch: self.epoch,
             };
-            recorded = controller
-                .request(&request)
-                .map(|_| ())
-                .map_err(|error| Error::Controller { peer: self.controller_peer.clone(), error });
+            recorded = match controller.request(&request) {
+                // Stored on agents the controller gave up: not recorded;
+                // these are the application's agents now.
+                Ok(ClientReply::Agents(agents)) => {
+                    moved_to = Some(agents);
+                    Err(self.incomplete(
+                        version,
+                        "it was stored on agents the controller gave up (their node went silent or died); \
+                         the next commit goes to the new agents"
+                            .into(),
+                    ))
+                }
+                Ok(_) => Ok(()),
+                Err(error) => Err(Error::Controller { peer: self.controller_peer.clone(), error }),
+            };
         }
         let all_recorded = self.comm.all_true(recorded.is_ok());
-        recorded?;
         if !all_recorded {
+            // Every rank learns whether the controller named new agents, and
+            // moves there (both collective), before the error returns.
+            let answer = self.comm.broadcast_from_root(protocol::encode(&moved_to).unwrap_or_default());
+            if let Ok(Some(agents)) = protocol::decode::<Option<Vec<AgentInfo>>>(&answer) {
+                if let Err(err) = self.switch_agents(agents) {
+                    tracing::warn!(%err, "cannot move to the new agents; the next commit asks again");
+                }
+            }
+            recorded?;
             return Err(self.incomplete(version, "rank 0 could not record it at the controller".into()));
         }
         let ranks = self.comm.size();

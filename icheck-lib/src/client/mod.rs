@@ -483,6 +483,14 @@ impl Icheck {
             Ok(other) => return Err(self.controller_error(format!("unexpected answer to Probe: {other:?}"))),
             Err(message) => return Err(self.controller_error(message)),
         };
+        self.switch_agents(agents)?;
+        Ok(ProbeOutcome::Reconnected { agents: self.agents.len() })
+    }
+
+    /// Opens every rank's session with its agent among `agents` and makes
+    /// them the application's agents (*collective*); nothing changes unless
+    /// every rank reached its new agent.
+    fn switch_agents(&mut self, agents: Vec<AgentInfo>) -> Result<()> {
         let link = self.open_own_link(&agents);
         let all_ok = self.comm.all_true(link.is_ok());
         let link = link?;
@@ -492,7 +500,7 @@ impl Icheck {
         tracing::info!(agent = ?link.as_ref().map(|l| l.info.id), "moved to new agents");
         self.link = link;
         self.agents = agents;
-        Ok(ProbeOutcome::Reconnected { agents: self.agents.len() })
+        Ok(())
     }
 
     /// Ends the application's use of the service (*collective*). With

@@ -179,6 +179,8 @@ impl Icheck {
         let wanted = FetchWanted { app: &self.app, rank: self.comm.rank(), version };
         let bytes = self.version_bytes();
         let link = self.link.as_mut().ok_or(Error::Order("no agent session (an earlier failure closed it)"))?;
+        // A crash here: the rank dies in the middle of a restart.
+        icheck_core::failpoint::hit("client.before_fetch");
         // The agent may check (or read from the PFS) the whole version first.
         link.expect_bytes(bytes);
         let reply = link.call(&AgentRequest::Fetch { version })?;

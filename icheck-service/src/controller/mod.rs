@@ -612,8 +612,9 @@ async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), 
                     Err(reason) => ClientReply::Error(reason),
                 }
             }
-            ClientRequest::VersionComplete { name, version, bytes, commit_secs, spilled, epoch } => {
-                record_version(&shared, &name, version, bytes, commit_secs, spilled, epoch)
+            ClientRequest::VersionComplete { name, version, bytes, commit_secs, spilled, epoch, agents } => {
+                let sample = CommitSample { version, bytes, commit_secs, agents: 0 };
+                record_version(&shared, &name, sample, spilled, epoch, &agents)
             }
             ClientRequest::Probe { name, agents, remaining_commits } => {
                 let span = tracing::info_span!("probe", app = %name);
@@ -798,20 +799,35 @@ async fn register_app(
 fn record_version(
     shared: &Shared,
     name: &str,
-    version: u64,
-    bytes: u64,
-    commit_secs: f64,
+    sample: CommitSample,
     spilled: bool,
     epoch: u32,
+    stored_on: &[u64],
 ) -> ClientReply {
+    let CommitSample { version, bytes, commit_secs, .. } = sample;
     let mut state = shared.state();
     let state = &mut *state;
     let Some(app) = state.apps.get_mut(name) else {
         return ClientReply::Error(format!("no application named {name:?} is registered"));
     };
+    // Only a version stored on the application's agents counts: one stored
+    // on agents given up meanwhile (a silent node) may live only where it
+    // is about to be dropped. (An empty list: a library that does not say.)
+    let agents: Vec<u64> = app.agents.iter().map(|a| a.id).collect();
+    if !stored_on.is_empty() && stored_on != agents.as_slice() {
+        if !app.agents.is_empty() && app.agents.len() == app.homes.len() {
+            // Its new agents, so that the library moves there.
+            tracing::warn!(app = name, version, ?stored_on, ?agents, "version stored on agents given up; not recorded");
+            return ClientReply::Agents(app.agents.clone());
+        }
+        return ClientReply::Error(format!(
+            "version {version} of {name:?} was stored on agents {stored_on:?}, but the application's agents are now \
+             {agents:?} (agents on a silent or dead node were given up); it is not recorded, and the next commit \
+             goes to the new agents"
+        ));
+    }
     let completed_unix_ms =
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    let sample = CommitSample { version, bytes, commit_secs, agents: 0 };
     let before = (app.latest.clone(), app.adaptation.commits.clone());
     let Recorded { resized, due } = match app.record(name, sample, epoch, completed_unix_ms) {
         Ok(recorded) => recorded,

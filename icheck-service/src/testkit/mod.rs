@@ -180,6 +180,43 @@ pub fn process_running(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z "))
 }
 
+/// `pid` and every process descended from it, parents first (from /proc).
+fn process_tree(pid: u32) -> Vec<u32> {
+    let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let child: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+            // Fields after the command name: state, then the parent's pid.
+            let parent = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
+            Some((child, parent))
+        })
+        .collect();
+    let mut tree = vec![pid];
+    let mut at = 0;
+    while at < tree.len() {
+        let parent = tree[at];
+        tree.extend(parents.iter().filter(|(_, p)| *p == parent).map(|(c, _)| *c));
+        at += 1;
+    }
+    tree
+}
+
+/// SIGKILLs `pid` and all its descendants and waits (up to 10 s) until
+/// they are gone. `mpirun` puts every rank in a process group of its own,
+/// so killing its group leaves the ranks running (and checkpointing) for a
+/// while; a test that starts the next run at once must kill them all.
+pub fn kill_process_tree(pid: u32) {
+    use nix::sys::signal::{kill, Signal};
+    let tree = process_tree(pid);
+    for member in &tree {
+        let _ = kill(nix::unistd::Pid::from_raw(*member as i32), Signal::SIGKILL);
+    }
+    poll_until(Duration::from_secs(10), || tree.iter().all(|member| !process_running(*member)));
+}
+
 /// Polls `done` every 100 ms; panics naming `what` after `timeout`.
 pub fn wait_for(what: &str, timeout: Duration, done: impl FnMut() -> bool) {
     assert!(poll_until(timeout, done), "timed out after {timeout:?} waiting for {what}");

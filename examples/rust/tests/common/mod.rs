@@ -152,8 +152,10 @@ impl Job {
         }
     }
 
-    /// SIGKILL to the job's whole process group (mpirun and its ranks).
+    /// SIGKILL to mpirun, its ranks and whatever else it started (each rank
+    /// sits in a process group of its own), waiting until they are gone.
     pub fn kill(&mut self) {
+        icheck_service::testkit::kill_process_tree(self.child.id());
         let _ = killpg(Pid::from_raw(self.child.id() as i32), Signal::SIGKILL);
         let _ = self.child.wait();
     }

@@ -27,6 +27,8 @@ pub struct UpOptions {
     pub port: u16,
     /// The agents' checkpoint store; `None`: on tmpfs, see [`store_dir`].
     pub store_dir: Option<PathBuf>,
+    /// `ManagerRelaunches` of the controller.
+    pub manager_relaunches: u32,
 }
 
 fn random_token() -> Result<String> {
@@ -53,6 +55,7 @@ fn write_static(dir: &Path, port: u16, token: &str, options: &UpOptions) -> Resu
         "# Written by `icheck up`; also the client configuration (ICHECK_CONFIG={path}).\n\
          ControllerAddress = \"127.0.0.1\"\nControllerPort = {port}\nMetricsPort = 0\nToken = \"{token}\"\n\
          HeartBeatInterval = {hb}\nStatusMessageInterval = {hb}\nDynamicConfig = \"dynamic.toml\"\n\
+         ManagerRelaunches = {relaunches}\n\
          AgentStoreDir = \"{store}\"\nPfsDir = \"{pfs}\"\n\n\
          [fabric]\nprovider = \"{provider}\"\n\n\
          # How applications move data; ICHECK_TRANSFER and ICHECK_MODE override.\n\
@@ -62,6 +65,7 @@ fn write_static(dir: &Path, port: u16, token: &str, options: &UpOptions) -> Resu
          compression = \"auto\"    # zstd from max_cp_size bytes on; or \"none\", \"zstd\", \"zstd:LEVEL\"\n",
         path = path.display(),
         hb = options.heartbeat,
+        relaunches = options.manager_relaunches,
         provider = options.provider,
         store = options
             .store_dir

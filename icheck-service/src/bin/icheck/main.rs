@@ -57,6 +57,10 @@ enum Command_ {
         /// The node's memory budget never exceeds this file system's size.
         #[arg(long)]
         store_dir: Option<PathBuf>,
+        /// Times the controller starts a dead manager again within ten
+        /// minutes before it gives the node up (ManagerRelaunches; 0: never).
+        #[arg(long, default_value_t = 3)]
+        manager_relaunches: u32,
     },
     /// Stop the service that `icheck up` started in a state directory.
     ///
@@ -354,9 +358,16 @@ fn run(cli: Cli) -> Result<()> {
             runtime()?.block_on(icheck_service::manager::run(config, node))?;
             Ok(())
         }
-        Command_::Up { managers, state_dir, provider, heartbeat, port, detach, store_dir } => {
-            let options =
-                local::UpOptions { state_dir: state_dir.clone(), managers, provider, heartbeat, port, store_dir };
+        Command_::Up { managers, state_dir, provider, heartbeat, port, detach, store_dir, manager_relaunches } => {
+            let options = local::UpOptions {
+                state_dir: state_dir.clone(),
+                managers,
+                provider,
+                heartbeat,
+                port,
+                store_dir,
+                manager_relaunches,
+            };
             let config_path = local::up(&options)?;
             let config = icheck_core::config::StaticConfig::load(&config_path)?;
             if let ClientReply::Status(report) =

@@ -1,0 +1,554 @@
+//! Fault-injection campaign with an invariant checker: a real local
+//! service (`icheck up`, two managers, a PFS level) and real `mpirun` jobs
+//! (this binary again, as the ranks), hit by one fault per round, drawn at
+//! random from a seed it prints:
+//!
+//! * SIGKILL, or SIGSTOP then SIGCONT, of one rank, of a manager or of
+//!   the controller, at a random moment of a commit loop;
+//! * a named failpoint (`exit`) in the library's seal and restart, the
+//!   agents' seal, the controller's version recording and journal, and
+//!   the PFS copy.
+//!
+//! After every fault the checker starts again what died (`icheck up`) and
+//! checks the invariants with the next round's job, which restarts:
+//! every version the library reported complete is restorable bit-exact
+//! (or a newer complete one is); no partial version is visible (a
+//! restored version's every byte matches the pattern of its step); no
+//! start, restart or commit waits past its bound; the stores hold no more
+//! files per rank than retention allows. It prints a table at the end and
+//! exits non-zero if a version was lost or anything hung.
+//!
+//! ```text
+//! cargo build --release --workspace
+//! target/release/fault-campaign --faults 200 --seed 1
+//! ```
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use icheck_core::units::ByteSize;
+use icheck_examples::{fill_bytes, first_mismatch};
+use icheck_lib::{Icheck, InitStatus, MpiComm, Region};
+use icheck_service::launcher::is_icheck_process;
+use icheck_service::testkit::LocalService;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+#[derive(Parser)]
+#[command(about = "Injects faults into a local icheck service and its MPI jobs and checks that no version is lost")]
+struct Cli {
+    /// Faults to inject (one per round).
+    #[arg(long, default_value_t = 20)]
+    faults: u32,
+    /// Seed of the fault sequence (default: from the clock; printed either way).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Processes of the job.
+    #[arg(long, default_value_t = 2)]
+    ranks: u32,
+    /// Bytes each rank checkpoints.
+    #[arg(long, default_value = "4MiB")]
+    size: ByteSize,
+    /// Seconds any start, restart or commit may take before it counts as a hang.
+    #[arg(long, default_value_t = 90)]
+    bound: u64,
+    /// On a broken invariant, leave the service's state directory (logs,
+    /// stores, journal) for inspection; its daemons are stopped.
+    #[arg(long)]
+    keep: bool,
+    /// Internal: run as one rank of the job, with this client configuration.
+    #[arg(long, hide = true)]
+    rank_of: Option<PathBuf>,
+}
+
+/// splitmix64: a seeded, printable sequence of choices.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
+    fn millis(&mut self, from: u64, to: u64) -> Duration {
+        Duration::from_millis(from + self.below(to - from))
+    }
+}
+
+const APP: &str = "campaign";
+
+/// One rank of the job: restore and verify (when there is a version), then
+/// commit the pattern of each step until killed. Rank 0 prints what the
+/// checker reads; every rank prints its PID.
+fn rank_main(config: &Path, size: usize) -> Result<()> {
+    use mpi::traits::*;
+    let universe = mpi::initialize().context("MPI initialises")?;
+    let world = universe.world();
+    let rank = world.rank() as u32;
+    let say = |line: String| {
+        if rank == 0 {
+            let _ = std::io::stdout().write_all(format!("{line}\n").as_bytes());
+        }
+    };
+    let _ = std::io::stdout().write_all(format!("PID rank={rank} pid={}\n", std::process::id()).as_bytes());
+    let complain = |what: String| -> ! {
+        let _ = std::io::stderr().write_all(format!("rank {rank}: {what}\n").as_bytes());
+        std::process::exit(5);
+    };
+    let (mut ic, status) =
+        Icheck::init(Some(config), APP, MpiComm::new(&world)).unwrap_or_else(|e| complain(format!("init: {e}")));
+    let step = Region::<i64>::zeroed(1);
+    let data = Region::<u8>::zeroed(size + rank as usize * 4096 + 13);
+    ic.add("step", &step).and_then(|_| ic.add("data", &data)).unwrap_or_else(|e| complain(format!("add: {e}")));
+    let mut current = 0;
+    match status {
+        InitStatus::Fresh => say("FRESH".into()),
+        InitStatus::Restart { .. } => {
+            let version = ic.restart().unwrap_or_else(|e| complain(format!("restart: {e}")));
+            ic.restore_all().unwrap_or_else(|e| complain(format!("restore: {e}")));
+            current = u64::try_from(step.read()[0]).unwrap_or_default();
+            if let Some(at) = first_mismatch(&data.read(), rank, current) {
+                let _ = std::io::stdout()
+                    .write_all(format!("MISMATCH rank={rank} version={version} step={current} byte={at}\n").as_bytes());
+                std::process::exit(4);
+            }
+            world.barrier();
+            say(format!("RESTORED version={version} step={current}"));
+        }
+    }
+    loop {
+        current += 1;
+        std::thread::sleep(Duration::from_millis(20));
+        fill_bytes(&mut data.write(), rank, current);
+        step.write()[0] = i64::try_from(current).unwrap_or(i64::MAX);
+        let started = Instant::now();
+        let version = ic.commit().unwrap_or_else(|e| complain(format!("commit: {e}")));
+        say(format!("COMMITTED version={version} step={current} secs={:.3}", started.elapsed().as_secs_f64()));
+    }
+}
+
+/// A running job: `mpirun` in its own process group, its stdout lines.
+struct Job {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+    stderr: Arc<Mutex<Vec<String>>>,
+    shm: PathBuf,
+}
+
+impl Job {
+    fn start(ranks: u32, config: &Path, size: u64, env: &[(&str, String)]) -> Result<Job> {
+        use std::os::unix::process::CommandExt;
+        static JOBS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let shm = PathBuf::from(format!("/dev/shm/icheck-campaign-mpi-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&shm)?;
+        let mut command = Command::new("mpirun");
+        command
+            .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &ranks.to_string()])
+            .arg(std::env::current_exe()?)
+            .arg("--rank-of")
+            .arg(config)
+            .args(["--size", &size.to_string()])
+            .env("OMPI_MCA_btl", "self,vader")
+            .env("OMPI_MCA_btl_vader_backing_directory", &shm)
+            // Short bounds, so a frozen agent is given up within a round.
+            .env("ICHECK_REQUEST_TIMEOUT", "5")
+            .env("ICHECK_PFS_INTERVAL", "3")
+            .env("ICHECK_T_WAIT", "2")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let mut child = command.spawn().context("mpirun starts (is openmpi-bin installed?)")?;
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let stderr = Arc::new(Mutex::new(Vec::new()));
+        let drain = |from: Box<dyn std::io::Read + Send>, sink: Arc<Mutex<Vec<String>>>| {
+            std::thread::spawn(move || {
+                for line in BufReader::new(from).lines().map_while(Result::ok) {
+                    sink.lock().unwrap_or_else(|p| p.into_inner()).push(line);
+                }
+            });
+        };
+        drain(Box::new(child.stdout.take().expect("piped")), lines.clone());
+        drain(Box::new(child.stderr.take().expect("piped")), stderr.clone());
+        Ok(Job { child, lines, stderr, shm })
+    }
+
+    /// The job's last lines of error output.
+    fn stderr_tail(&self) -> String {
+        let lines = self.stderr.lock().unwrap_or_else(|p| p.into_inner());
+        // The ranks' own complaints say more than mpirun's summary.
+        let ranks: Vec<&str> = lines.iter().filter(|l| l.starts_with("rank ")).map(String::as_str).collect();
+        match ranks.is_empty() {
+            true => lines[lines.len().saturating_sub(6)..].join(" | "),
+            false => ranks.join(" | "),
+        }
+    }
+
+    fn lines(&self) -> Vec<String> {
+        self.lines.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn running(&mut self) -> bool {
+        self.child.try_wait().ok().flatten().is_none()
+    }
+
+    /// Waits until `done` holds for the lines (Ok(true)), the job ends
+    /// (Ok(false)) or `bound` passes (Err: a hang).
+    fn wait_for(&mut self, bound: Duration, done: impl Fn(&[String]) -> bool) -> Result<bool, Duration> {
+        let start = Instant::now();
+        loop {
+            if done(&self.lines()) {
+                return Ok(true);
+            }
+            if !self.running() {
+                std::thread::sleep(Duration::from_millis(100));
+                return Ok(done(&self.lines()));
+            }
+            if start.elapsed() > bound {
+                return Err(start.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn rank_pids(&self) -> Vec<u32> {
+        self.lines().iter().filter_map(|l| l.strip_prefix("PID ")?.split("pid=").nth(1)?.parse().ok()).collect()
+    }
+
+    /// Kills mpirun, its ranks (each in a process group of its own) and
+    /// anything else it started, and waits until they are gone: the next
+    /// round's run must not meet this one's ranks still committing.
+    fn kill(&mut self) {
+        icheck_service::testkit::kill_process_tree(self.child.id());
+        // Only processes that still are this job's ranks (PIDs get reused).
+        let is_rank = |pid: u32| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|cmd| String::from_utf8_lossy(&cmd).contains("--rank-of"))
+        };
+        for pid in self.rank_pids().into_iter().filter(|pid| is_rank(*pid)) {
+            icheck_service::testkit::kill_process_tree(pid);
+        }
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if self.running() {
+            self.kill();
+        }
+        let _ = std::fs::remove_dir_all(&self.shm);
+    }
+}
+
+fn committed(lines: &[String]) -> Vec<u64> {
+    lines.iter().filter_map(|l| l.strip_prefix("COMMITTED version=")?.split(' ').next()?.parse().ok()).collect()
+}
+
+/// The fault kinds, as the table names them.
+const KINDS: [&str; 7] =
+    ["kill rank", "stop rank", "kill manager", "stop manager", "kill controller", "stop controller", "failpoint"];
+
+/// Failpoints: (where, name). Library ones arm the job; the others arm
+/// the daemon they live in, started again with them before the job.
+const FAILPOINTS: [(&str, &str); 7] = [
+    ("job", "client.before_seal"),
+    ("job", "client.before_fetch"),
+    ("manager", "store.before_manifest_rename"),
+    ("manager", "manager.before_pfs_copy"),
+    ("manager", "pfs.before_manifest_rename"),
+    ("controller", "controller.after_record_version"),
+    ("controller", "journal.before_append"),
+];
+
+#[derive(Default)]
+struct Tally {
+    rounds: u32,
+    faults: BTreeMap<String, u32>,
+    verified: u32,
+    lost: Vec<String>,
+    hangs: Vec<String>,
+    slowest_recovery: Duration,
+    max_files_per_rank: usize,
+    rss: BTreeMap<String, (u64, u64)>,
+}
+
+fn signal(pid: u32, sig: Signal) {
+    if is_icheck_process(pid) {
+        let _ = kill(Pid::from_raw(pid as i32), sig);
+    }
+}
+
+/// `icheck up` again in the service's directory (starts what died), with
+/// `failpoints` armed in what it starts.
+fn up_again(service: &LocalService, failpoints: Option<&str>) -> Result<()> {
+    let mut up = Command::new(&service.icheck);
+    up.args(["up", "--detach", "--managers", "2", "--heartbeat", "0.5", "--provider", "tcp", "--state-dir"])
+        .arg(&service.dir);
+    if let Some(spec) = failpoints {
+        up.env(icheck_core::failpoint::FAILPOINTS_ENV, spec);
+    }
+    let out = up.output()?;
+    let text = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() && !text.contains("are alive") {
+        bail!("icheck up failed: {}{text}", String::from_utf8_lossy(&out.stdout));
+    }
+    Ok(())
+}
+
+/// Waits until every daemon recorded in the service's pids runs and every
+/// node is alive; starts again what died (`icheck up`).
+fn heal(service: &LocalService, bound: Duration) -> Result<(), String> {
+    let start = Instant::now();
+    while start.elapsed() < bound {
+        let pids = icheck_service::launcher::read_pids(&service.dir);
+        if pids.iter().any(|(_, pid)| !is_icheck_process(*pid)) {
+            up_again(service, None).map_err(|e| e.to_string())?;
+        }
+        let healthy =
+            icheck_core::control::request_blocking(&service.config, &icheck_core::protocol::ClientRequest::Status)
+                .ok()
+                .and_then(|reply| match reply {
+                    icheck_core::protocol::ClientReply::Status(status) => Some(status),
+                    _ => None,
+                })
+                .is_some_and(|status| status.nodes.len() == 2 && status.nodes.iter().all(|n| n.alive));
+        if healthy {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Err(format!("the service did not heal within {bound:?}"))
+}
+
+/// Most files in one rank's directory of the store (retention bound).
+fn files_per_rank(store: &Path) -> usize {
+    let mut most = 0;
+    for node in std::fs::read_dir(store).into_iter().flatten().flatten() {
+        for rank in std::fs::read_dir(node.path().join(APP)).into_iter().flatten().flatten() {
+            most = most.max(std::fs::read_dir(rank.path()).map_or(0, |d| d.count()));
+        }
+    }
+    most
+}
+
+fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
+}
+
+fn campaign(cli: &Cli) -> Result<Tally> {
+    let seed = cli.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+    });
+    println!("fault campaign: seed {seed}, {} faults, {} ranks x {}", cli.faults, cli.ranks, cli.size);
+    let mut rng = Rng(seed);
+    let icheck = std::env::current_exe()?.with_file_name("icheck");
+    if !icheck.exists() {
+        bail!("{} is missing: build the workspace first (cargo build --release --workspace)", icheck.display());
+    }
+    let service = LocalService::up(&icheck, "campaign", 2, &["--provider", "tcp"]);
+    let bound = Duration::from_secs(cli.bound);
+    let config = service.config_path();
+    let mut tally = Tally::default();
+    // The newest version the library reported complete so far.
+    let mut told: Option<u64> = None;
+    let mut fault_at: Option<Instant> = None;
+    for round in 0..=cli.faults {
+        let last = round == cli.faults;
+        // A failpoint fault arms its daemon (started again with it) or the job.
+        let kind = if last { "" } else { KINDS[rng.below(KINDS.len() as u64) as usize] };
+        let failpoint = (kind == "failpoint").then(|| FAILPOINTS[rng.below(FAILPOINTS.len() as u64) as usize]);
+        let mut job_env = Vec::new();
+        let mut armed: Option<u32> = None;
+        if let Some((place, name)) = failpoint {
+            // A restart fetches once per job: only its first hit can strike.
+            let skip = if name == "client.before_fetch" { 0 } else { rng.below(4) };
+            let spec = format!("{name}={skip}*exit(86)");
+            match place {
+                "job" => job_env.push((icheck_core::failpoint::FAILPOINTS_ENV, spec.clone())),
+                daemon => {
+                    let target = if daemon == "controller" {
+                        "controller".to_string()
+                    } else {
+                        format!("manager-local-{}", 1 + rng.below(2))
+                    };
+                    let pid = service.pid_of(&target);
+                    signal(pid, Signal::SIGKILL);
+                    while is_icheck_process(pid) {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    up_again(&service, Some(&spec))?;
+                    armed = Some(service.pid_of(&target));
+                }
+            }
+            println!("round {round}: failpoint {spec} in the {place}");
+        }
+        let mut job = Job::start(cli.ranks, &config, cli.size.0, &job_env)?;
+        // Check: the restart restores the newest reported version (or newer), bit-exact.
+        match job.wait_for(bound, |l| {
+            l.iter().any(|l| l.starts_with("RESTORED") || l == "FRESH" || l.starts_with("MISMATCH"))
+        }) {
+            Err(waited) => tally.hangs.push(format!("round {round}: no restart within {waited:?}")),
+            Ok(_) => {
+                let lines = job.lines();
+                let restored = lines
+                    .iter()
+                    .find_map(|l| l.strip_prefix("RESTORED version=")?.split(' ').next()?.parse::<u64>().ok());
+                let fresh = lines.iter().any(|l| l == "FRESH");
+                match (told, restored) {
+                    _ if lines.iter().any(|l| l.starts_with("MISMATCH")) => {
+                        tally.lost.push(format!("round {round}: restored data differs: {lines:?}"))
+                    }
+                    (None, _) => {}
+                    (Some(t), Some(r)) if r >= t => tally.verified += 1,
+                    (Some(t), Some(r)) => tally
+                        .lost
+                        .push(format!("round {round}: version {t} was reported complete, the restart found {r}")),
+                    (Some(t), None) if fresh => tally
+                        .lost
+                        .push(format!("round {round}: version {t} was reported complete, the restart was fresh")),
+                    // The armed failpoint struck during the restart (the
+                    // library's fetch, the controller's journal at
+                    // registration): the next round checks again.
+                    (Some(_), None) if failpoint.is_some() => {}
+                    (Some(t), None) => tally.lost.push(format!(
+                        "round {round}: version {t} was reported complete, the restart failed: {}",
+                        job.stderr_tail()
+                    )),
+                }
+                if let (Some(at), Some(_)) = (fault_at.take(), restored) {
+                    tally.slowest_recovery = tally.slowest_recovery.max(at.elapsed());
+                }
+            }
+        }
+        if last {
+            job.kill();
+            break;
+        }
+        // Let it commit a few versions, then strike at a random moment.
+        let before = committed(&job.lines()).len();
+        let wanted = before + 1 + rng.below(3) as usize;
+        if let Err(waited) = job.wait_for(bound, |l| committed(l).len() >= wanted) {
+            tally.hangs.push(format!("round {round}: no commit within {waited:?}"));
+        }
+        std::thread::sleep(rng.millis(0, 150));
+        let pause = rng.millis(500, 4000);
+        let at = Instant::now();
+        let (what, pid) = match kind {
+            "kill rank" | "stop rank" => {
+                let pids = job.rank_pids();
+                let pid = pids.get(rng.below(pids.len().max(1) as u64) as usize).copied().unwrap_or(0);
+                (format!("rank pid {pid}"), pid)
+            }
+            "kill manager" | "stop manager" => {
+                let name = format!("manager-local-{}", 1 + rng.below(2));
+                (name.clone(), service.pid_of(&name))
+            }
+            "kill controller" | "stop controller" => ("controller".to_string(), service.pid_of("controller")),
+            _ => ("armed failpoint".to_string(), 0),
+        };
+        let raw = |pid: u32, sig| {
+            let _ = kill(Pid::from_raw(pid as i32), sig);
+        };
+        match kind {
+            "kill rank" => raw(pid, Signal::SIGKILL),
+            "stop rank" => raw(pid, Signal::SIGSTOP),
+            "kill manager" | "kill controller" => signal(pid, Signal::SIGKILL),
+            "stop manager" | "stop controller" => signal(pid, Signal::SIGSTOP),
+            _ => {}
+        }
+        *tally.faults.entry(kind.to_string()).or_default() += 1;
+        if kind.starts_with("stop") {
+            std::thread::sleep(pause);
+            raw(pid, Signal::SIGCONT);
+            println!("round {round}: {kind} ({what}) for {pause:?}");
+        } else if kind != "failpoint" {
+            println!("round {round}: {kind} ({what})");
+        }
+        // The job goes on or ends; either way it is stopped after a while.
+        let _ = job.wait_for(Duration::from_secs(3), |_| false);
+        let reported = committed(&job.lines());
+        job.kill();
+        if let Some(newest) = reported.iter().max() {
+            told = Some(told.map_or(*newest, |t| t.max(*newest)));
+        }
+        fault_at = Some(at);
+        // A daemon still armed with a failpoint is started again without it.
+        if let Some(pid) = armed {
+            signal(pid, Signal::SIGKILL);
+        }
+        if let Err(why) = heal(&service, bound) {
+            tally.hangs.push(format!("round {round}: {why}"));
+        }
+        tally.max_files_per_rank = tally.max_files_per_rank.max(files_per_rank(&service.config.agent_store_dir));
+        for (name, pid) in icheck_service::launcher::read_pids(&service.dir) {
+            if let Some(kib) = rss_kib(pid) {
+                let entry = tally.rss.entry(name).or_insert((kib, kib));
+                entry.1 = kib;
+            }
+        }
+        tally.rounds += 1;
+        let _ = std::io::stdout().flush();
+    }
+    if cli.keep && !(tally.lost.is_empty() && tally.hangs.is_empty()) {
+        let copy = service.dir.with_extension("kept");
+        let _ = std::fs::remove_dir_all(&copy);
+        std::fs::create_dir_all(&copy)?;
+        Command::new("cp").arg("-a").arg(&service.dir).arg(&service.config.agent_store_dir).arg(&copy).status()?;
+        println!("state directory and checkpoint store copied to {}", copy.display());
+    }
+    Ok(tally)
+}
+
+fn print_table(tally: &Tally) {
+    println!();
+    println!("| what | value |");
+    println!("|---|---|");
+    println!("| rounds (one fault each) | {} |", tally.rounds);
+    for kind in KINDS {
+        println!("| faults: {kind} | {} |", tally.faults.get(kind).copied().unwrap_or(0));
+    }
+    println!("| versions verified bit-exact after a fault | {} |", tally.verified);
+    println!("| versions lost (must be 0) | {} |", tally.lost.len());
+    println!("| hangs (must be 0) | {} |", tally.hangs.len());
+    println!("| slowest recovery (fault to verified restart) | {:.1} s |", tally.slowest_recovery.as_secs_f64());
+    println!("| most files in one rank's store directory | {} |", tally.max_files_per_rank);
+    for (name, (first, last)) in &tally.rss {
+        println!("| RSS of {name}, first -> last round | {} -> {} MiB |", first / 1024, last / 1024);
+    }
+    for line in tally.lost.iter().chain(&tally.hangs) {
+        println!("{line}");
+    }
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    if let Some(config) = &cli.rank_of {
+        return rank_main(config, cli.size.0 as usize);
+    }
+    let tally = campaign(&cli)?;
+    print_table(&tally);
+    // Retention keeps at most a few versions per rank (the newest complete,
+    // one in progress, one pinned by a PFS copy) and the spare file.
+    if !tally.lost.is_empty() || !tally.hangs.is_empty() || tally.max_files_per_rank > 9 {
+        bail!("the campaign broke an invariant (see above)");
+    }
+    Ok(())
+}
