@@ -30,11 +30,22 @@ pub struct NodeActivity {
     /// (time, total bytes moved) of the previous sample.
     previous_bytes: Option<(f64, u64)>,
     bandwidth: f64,
+    /// Operations counted by agents that have stopped since: the totals
+    /// are sums over the running agents, so they drop when one stops; added
+    /// back, the node's count never goes down.
+    ops_of_stopped_agents: u64,
 }
 
 impl NodeActivity {
     /// Feeds the totals read at `now` (seconds on any monotonic clock).
     pub fn sample(&mut self, now: f64, total_ops: u64, total_bytes: u64) {
+        let mut total_ops = total_ops + self.ops_of_stopped_agents;
+        if let Some(&(_, last)) = self.ops.back() {
+            if total_ops < last {
+                self.ops_of_stopped_agents += last - total_ops;
+                total_ops = last;
+            }
+        }
         if self.ops.back().is_some_and(|(_, ops)| total_ops > *ops) {
             if let Some(last) = self.last_op_at {
                 self.cop_interval = Some(now - last);
@@ -57,7 +68,7 @@ impl NodeActivity {
     /// Checkpoint operations per minute over the window (0 with one sample).
     pub fn cops_per_min(&self) -> f64 {
         match (self.ops.front(), self.ops.back()) {
-            (Some((t0, n0)), Some((t1, n1))) if t1 > t0 => (n1 - n0) as f64 * 60.0 / (t1 - t0),
+            (Some((t0, n0)), Some((t1, n1))) if t1 > t0 => n1.saturating_sub(*n0) as f64 * 60.0 / (t1 - t0),
             _ => 0.0,
         }
     }
@@ -207,6 +218,22 @@ impl NodeTrend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The totals are sums over running agents: one stopping makes them
+    /// drop. That used to underflow (and, in a debug build, panic the
+    /// manager's heartbeat task, leaving its node silent with its
+    /// connection open).
+    #[test]
+    fn an_agent_stopping_does_not_make_the_operation_count_go_back() {
+        let mut activity = NodeActivity::default();
+        activity.sample(0.0, 10, 1000);
+        activity.sample(1.0, 12, 2000);
+        activity.sample(2.0, 3, 500); // an agent with 9 operations stopped
+        activity.sample(3.0, 5, 900);
+        // 10 -> 14 operations over 3 s; the drop at 2 s is no operation.
+        assert!((activity.cops_per_min() - 4.0 * 60.0 / 3.0).abs() < 1e-9, "{}", activity.cops_per_min());
+        assert_eq!(activity.cop_interval(), Some(2.0));
+    }
 
     #[test]
     fn activity_counts_operations_intervals_and_bandwidth() {

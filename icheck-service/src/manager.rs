@@ -208,8 +208,24 @@ async fn session(
             }
         })
     };
+    let mut timers = timers;
     let result = loop {
-        let message: ControllerToManager = match framing::recv(&mut reader).await {
+        let received = tokio::select! {
+            received = framing::recv(&mut reader) => received,
+            // Heartbeats must never stop while the connection stays open:
+            // the controller would take the node for silent. If their task
+            // ends (a panic), the session ends, and a new one restarts it.
+            ended = &mut timers => {
+                let why = match ended {
+                    Err(err) if err.is_panic() => "panicked",
+                    _ => "ended",
+                };
+                tracing::error!("the heartbeat and status task {why}; reconnecting to restart it");
+                let error = std::io::Error::other(format!("it {why}"));
+                break Err(ServiceError::Io { what: "the manager's heartbeat task".into(), error });
+            }
+        };
+        let message: ControllerToManager = match received {
             Ok(message) => message,
             Err(ProtocolError::Closed) => break Ok(()),
             Err(err) => break Err(err.into()),

@@ -379,11 +379,23 @@ async fn reload_dynamic(shared: Arc<Shared>, path: PathBuf) {
 
 /// Logs managers that stop sending heartbeats (once per outage).
 async fn watch_liveness(shared: Arc<Shared>) {
+    let mut last_tick = Instant::now();
     loop {
         tokio::time::sleep(shared.heartbeat).await;
+        let now = Instant::now();
         let mut state = shared.state();
-        reconcile_pending(&mut state, Instant::now());
-        for node in state.nodes.newly_down(Instant::now()) {
+        reconcile_pending(&mut state, now);
+        // Woken far too late: the controller was stopped or starved, and
+        // the silence it saw is its own.
+        if now - last_tick > shared.heartbeat * 2 {
+            tracing::warn!(
+                paused = ?(now - last_tick),
+                "the controller did not run for a while; managers get a fresh heartbeat window"
+            );
+            state.nodes.pardon(now);
+        }
+        last_tick = now;
+        for node in state.nodes.newly_down(now) {
             // §6.5.2: a silent manager (hung, stopped, cut off) may keep its
             // connection open; its agents are given up all the same.
             tracing::warn!(%node, "manager missed {} heartbeats; marked down", shared.missed);

@@ -179,6 +179,15 @@ impl<L: ManagerLink> NodeBook<L> {
         down
     }
 
+    /// The controller itself did not run for a while (stopped, starved):
+    /// the heartbeats it missed say nothing about the managers, so every
+    /// connected node gets a fresh window from `now` to show it is alive.
+    pub(crate) fn pardon(&mut self, now: Instant) {
+        for entry in self.nodes.values_mut().filter(|entry| entry.connected) {
+            entry.last_heartbeat = entry.last_heartbeat.max(now);
+        }
+    }
+
     fn entry_alive(&self, entry: &NodeEntry<L>, now: Instant) -> bool {
         alive(entry, now, self.heartbeat, self.missed)
     }
@@ -414,6 +423,22 @@ mod tests {
         assert!(book.heartbeat("a", 1, t0 + BEAT * 12));
         assert!(!book.heartbeat("a", 1, t0 + BEAT * 12));
         assert!(book.is_alive("a", t0 + BEAT * 12));
+    }
+
+    /// A controller that was itself stopped sees every manager silent when
+    /// it wakes; pardoned, no connected node is given up for it, and one
+    /// that stays silent is down a full window later. A node whose
+    /// connection closed is not pardoned.
+    #[test]
+    fn a_controller_pause_is_not_taken_for_silent_managers() {
+        let t0 = Instant::now();
+        let (mut book, _) = book(t0, &["a", "b"]);
+        assert!(book.disconnected("b", 2));
+        let woke = t0 + BEAT * 10;
+        book.pardon(woke);
+        assert!(book.newly_down(woke).is_empty());
+        assert!(book.is_alive("a", woke) && !book.is_alive("b", woke));
+        assert_eq!(book.newly_down(woke + BEAT * 3 + Duration::from_millis(1)), vec!["a".to_string()]);
     }
 
     #[test]
