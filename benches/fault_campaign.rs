@@ -284,6 +284,7 @@ struct Tally {
     verified: u32,
     lost: Vec<String>,
     hangs: Vec<String>,
+    status_mismatches: Vec<String>,
     slowest_recovery: Duration,
     max_files_per_rank: usize,
     rss: BTreeMap<String, (u64, u64)>,
@@ -335,6 +336,54 @@ fn heal(service: &LocalService, bound: Duration) -> Result<(), String> {
         std::thread::sleep(Duration::from_millis(200));
     }
     Err(format!("the service did not heal within {bound:?}"))
+}
+
+/// Whether `icheck status` matches what runs: every node alive with the
+/// manager the pids file names, and each manager running exactly the
+/// agents the controller lists for the application on its node. Polled
+/// for a few seconds (reports come every heartbeat); the mismatch, if any.
+fn status_matches_reality(service: &LocalService) -> Result<(), String> {
+    let pids = icheck_service::launcher::read_pids(&service.dir);
+    let mut last = String::new();
+    for _ in 0..50 {
+        let status = match icheck_core::control::request_blocking(
+            &service.config,
+            &icheck_core::protocol::ClientRequest::Status,
+        ) {
+            Ok(icheck_core::protocol::ClientReply::Status(status)) => status,
+            other => {
+                last = format!("no status: {other:?}");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        let agents_on =
+            |node: &str| status.apps.iter().flat_map(|a| &a.agents).filter(|agent| agent.node == node).count() as u32;
+        let wrong: Vec<String> = status
+            .nodes
+            .iter()
+            .filter_map(|n| {
+                let pid = pids.iter().find(|(name, _)| *name == format!("manager-{}", n.node)).map(|(_, p)| *p);
+                let ok = n.alive && Some(n.pid) == pid && n.status.agents == agents_on(&n.node);
+                (!ok).then(|| {
+                    format!(
+                        "{}: alive {}, pid {} (pids file {pid:?}), {} agents running, {} listed",
+                        n.node,
+                        n.alive,
+                        n.pid,
+                        n.status.agents,
+                        agents_on(&n.node)
+                    )
+                })
+            })
+            .collect();
+        if wrong.is_empty() {
+            return Ok(());
+        }
+        last = wrong.join("; ");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Err(last)
 }
 
 /// Most files in one rank's directory of the store (retention bound).
@@ -490,12 +539,18 @@ fn campaign(cli: &Cli) -> Result<Tally> {
             told = Some(told.map_or(*newest, |t| t.max(*newest)));
         }
         fault_at = Some(at);
-        // A daemon still armed with a failpoint is started again without it.
+        // A daemon still armed with a failpoint is started again without it
+        // (gone first, so that healing sees it dead).
         if let Some(pid) = armed {
             signal(pid, Signal::SIGKILL);
+            while is_icheck_process(pid) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
         if let Err(why) = heal(&service, bound) {
             tally.hangs.push(format!("round {round}: {why}"));
+        } else if let Err(wrong) = status_matches_reality(&service) {
+            tally.status_mismatches.push(format!("round {round}: status does not match what runs: {wrong}"));
         }
         tally.max_files_per_rank = tally.max_files_per_rank.max(files_per_rank(&service.config.agent_store_dir));
         for (name, pid) in icheck_service::launcher::read_pids(&service.dir) {
@@ -507,7 +562,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         tally.rounds += 1;
         let _ = std::io::stdout().flush();
     }
-    if cli.keep && !(tally.lost.is_empty() && tally.hangs.is_empty()) {
+    if cli.keep && !(tally.lost.is_empty() && tally.hangs.is_empty() && tally.status_mismatches.is_empty()) {
         let copy = service.dir.with_extension("kept");
         let _ = std::fs::remove_dir_all(&copy);
         std::fs::create_dir_all(&copy)?;
@@ -528,12 +583,13 @@ fn print_table(tally: &Tally) {
     println!("| versions verified bit-exact after a fault | {} |", tally.verified);
     println!("| versions lost (must be 0) | {} |", tally.lost.len());
     println!("| hangs (must be 0) | {} |", tally.hangs.len());
+    println!("| status not matching what runs, after healing (must be 0) | {} |", tally.status_mismatches.len());
     println!("| slowest recovery (fault to verified restart) | {:.1} s |", tally.slowest_recovery.as_secs_f64());
     println!("| most files in one rank's store directory | {} |", tally.max_files_per_rank);
     for (name, (first, last)) in &tally.rss {
         println!("| RSS of {name}, first -> last round | {} -> {} MiB |", first / 1024, last / 1024);
     }
-    for line in tally.lost.iter().chain(&tally.hangs) {
+    for line in tally.lost.iter().chain(&tally.hangs).chain(&tally.status_mismatches) {
         println!("{line}");
     }
 }
@@ -547,7 +603,8 @@ fn main() -> Result<()> {
     print_table(&tally);
     // Retention keeps at most a few versions per rank (the newest complete,
     // one in progress, one pinned by a PFS copy) and the spare file.
-    if !tally.lost.is_empty() || !tally.hangs.is_empty() || tally.max_files_per_rank > 9 {
+    let broken = !tally.lost.is_empty() || !tally.hangs.is_empty() || !tally.status_mismatches.is_empty();
+    if broken || tally.max_files_per_rank > 9 {
         bail!("the campaign broke an invariant (see above)");
     }
     Ok(())

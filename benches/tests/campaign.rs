@@ -16,6 +16,7 @@ fn a_short_seeded_fault_campaign_loses_no_version_and_never_hangs() {
     assert!(stdout.contains("| rounds (one fault each) | 10 |"), "{stdout}");
     assert!(stdout.contains("| versions lost (must be 0) | 0 |"), "{stdout}");
     assert!(stdout.contains("| hangs (must be 0) | 0 |"), "{stdout}");
+    assert!(stdout.contains("| status not matching what runs, after healing (must be 0) | 0 |"), "{stdout}");
     let verified: u32 = stdout
         .lines()
         .find_map(|l| {

@@ -237,3 +237,24 @@ fn a_killed_manager_is_relaunched_and_its_surviving_store_reconciled() {
     let lines = Job::start(2, &config, &restart, &[]).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "FRESH"), "{lines:?}");
 }
+
+/// A restart that comes while the manager holding its files is being
+/// started again waits for it (bounded) instead of placing its agents on
+/// another node, where its newest version is not: with no PFS, that would
+/// have been a fresh start.
+#[test]
+fn a_restart_right_after_its_manager_died_waits_for_the_relaunch() {
+    let service = service("relaunch-wait", 2);
+    let config = service.config_without_pfs();
+    let args = ["--app", "soon", "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert_eq!(last_committed(&lines), Some(3), "{lines:?}");
+    let status = service.status();
+    let home = status.apps.iter().find(|a| a.registration.name == "soon").unwrap().agents[0].node.clone();
+    let manager = service.pid_of(&format!("manager-{home}"));
+    kill(Pid::from_raw(manager as i32), Signal::SIGKILL).unwrap();
+    assert!(poll_until(Duration::from_secs(10), || !process_running(manager)));
+    // At once: the controller has not started it again yet.
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert_eq!(restored(&lines), Some(3), "{lines:?}\n{}", service.log("controller.log"));
+}

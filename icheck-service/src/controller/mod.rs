@@ -48,6 +48,9 @@ const AGENT_START_TIMEOUT: Duration = Duration::from_secs(15);
 const TAKE_OVER_TIMEOUT: Duration = Duration::from_secs(300);
 /// Window over which `ManagerRelaunches` counts a node's relaunches.
 const RELAUNCH_WINDOW: Duration = Duration::from_secs(600);
+/// Time a registration waits for a home node whose manager is being started
+/// again (within the library's 30 s for a controller request).
+const RELAUNCH_WAIT: Duration = Duration::from_secs(10);
 /// Time a relaunched manager has to register before it counts as dead again.
 const RELAUNCH_REGISTER_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -532,8 +535,17 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
 /// launcher once its process is dead (a live one, even stopped or hung,
 /// reconnects by itself or stays down; it is never started twice). Gives
 /// the node up after `ManagerRelaunches` relaunches in ten minutes.
-async fn relaunch_when_dead(shared: Arc<Shared>, node: String, mut pid: u32) {
+async fn relaunch_when_dead(shared: Arc<Shared>, node: String, pid: u32) {
     let Some(launcher) = shared.launcher.clone() else { return };
+    shared.state().nodes.set_relaunching(&node, true);
+    relaunch_until_registered(&shared, launcher, &node, pid).await;
+    shared.state().nodes.set_relaunching(&node, false);
+}
+
+/// [`relaunch_when_dead`]'s loop: returns once the node is back, its
+/// process turns out alive, or the node is given up.
+async fn relaunch_until_registered(shared: &Shared, launcher: Arc<dyn Launcher>, node: &str, mut pid: u32) {
+    let node = node.to_string();
     loop {
         tokio::time::sleep(shared.heartbeat).await;
         if shared.state().nodes.is_alive(&node, Instant::now()) {
@@ -686,6 +698,17 @@ async fn register_app(
             return Err(format!("application {:?} is still being flushed to the PFS; try again", registration.name));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Its files are on a node whose dead manager is being started again:
+    // wait for it (bounded) rather than place the agents elsewhere, where
+    // the newest version is not.
+    let waiting = Instant::now();
+    while waiting.elapsed() < RELAUNCH_WAIT && {
+        let state = shared.state();
+        let homes = state.apps.get(&registration.name).map(|a| a.homes.clone()).unwrap_or_default();
+        homes.iter().any(|node| state.nodes.is_relaunching(node))
+    } {
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // A journaled application counts no version until the stores confirmed
     // it: wait for its nodes' managers (bounded by the reconcile window).

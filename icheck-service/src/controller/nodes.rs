@@ -67,6 +67,9 @@ pub(crate) struct NodeEntry<L> {
     relaunched: Vec<Instant>,
     /// Relaunched too often: the controller no longer starts it.
     given_up: bool,
+    /// Its manager died and the controller is starting it again: the
+    /// node's store (and the versions in it) is expected back.
+    relaunching: bool,
     link: L,
 }
 
@@ -115,6 +118,7 @@ impl<L: ManagerLink> NodeBook<L> {
         let entry = NodeEntry {
             relaunched,
             given_up: false,
+            relaunching: false,
             pid,
             connected: true,
             last_heartbeat: now,
@@ -215,6 +219,18 @@ impl<L: ManagerLink> NodeBook<L> {
         }
         entry.relaunched.push(now);
         true
+    }
+
+    /// Marks `node`'s manager as being started again (or no longer).
+    pub(crate) fn set_relaunching(&mut self, node: &str, relaunching: bool) {
+        if let Some(entry) = self.nodes.get_mut(node) {
+            entry.relaunching = relaunching;
+        }
+    }
+
+    /// Whether `node`'s manager is being started again.
+    pub(crate) fn is_relaunching(&self, node: &str) -> bool {
+        self.nodes.get(node).is_some_and(|entry| entry.relaunching)
     }
 
     /// Whether a manager of `node` registered since the controller started.

@@ -278,10 +278,11 @@ pub fn print_status(report: &StatusReport) {
             "  {:<12} {:>8} {:<6} {:>9.1}s {:>12} {:>7} {:>12} {:>8} {:>10} {:>9.1} {:>8}",
             n.node,
             n.pid,
-            match (n.alive, n.draining) {
-                (false, _) => "DOWN",
-                (true, true) => "DRAIN",
-                (true, false) => "up",
+            match (n.alive, n.draining, n.given_up) {
+                (false, _, true) => "GONE",
+                (false, _, false) => "DOWN",
+                (true, true, _) => "DRAIN",
+                (true, false, _) => "up",
             },
             n.last_heartbeat_secs,
             human_bytes(s.mem_available),
