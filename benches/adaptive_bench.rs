@@ -24,7 +24,6 @@
 //!    agent change and the redistribution cost.
 
 use std::io::{BufRead, BufReader};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -118,22 +117,14 @@ struct Job {
 
 impl Job {
     fn start(cluster: &NetCluster, np: u32, program: &Path, args: &[String], quiet: bool) -> Result<Job> {
-        static JOBS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let shm = PathBuf::from(format!("/dev/shm/icheck-bench-mpi-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&shm)?;
-        let mut command = Command::new("mpirun");
+        let (mut command, shm) = icheck_service::testkit::mpirun("bench", np)?;
         command
-            .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()])
             .arg(program)
             .args(args)
             .env("ICHECK_CONFIG", &cluster.client_config)
-            .env("OMPI_MCA_btl", "self,vader")
-            .env("OMPI_MCA_btl_vader_backing_directory", &shm)
             .envs(cluster.app_env())
             .stdout(if quiet { Stdio::null() } else { Stdio::piped() })
-            .stderr(Stdio::inherit())
-            .process_group(0);
+            .stderr(Stdio::inherit());
         Ok(Job { child: command.spawn().context("mpirun")?, shm })
     }
 
@@ -154,9 +145,8 @@ impl Job {
 impl Drop for Job {
     fn drop(&mut self) {
         if self.child.try_wait().ok().flatten().is_none() {
-            // The job's own group: process_group(0) made mpirun its leader.
-            let group = nix::unistd::Pid::from_raw(self.child.id() as i32);
-            let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
+            // mpirun and its ranks (each in a process group of its own).
+            icheck_service::testkit::kill_process_tree(self.child.id());
             let _ = self.child.wait();
         }
         let _ = std::fs::remove_dir_all(&self.shm);

@@ -150,27 +150,18 @@ struct Job {
 
 impl Job {
     fn start(ranks: u32, config: &Path, size: u64, env: &[(&str, String)]) -> Result<Job> {
-        use std::os::unix::process::CommandExt;
-        static JOBS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let shm = PathBuf::from(format!("/dev/shm/icheck-campaign-mpi-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&shm)?;
-        let mut command = Command::new("mpirun");
+        let (mut command, shm) = icheck_service::testkit::mpirun("campaign", ranks)?;
         command
-            .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &ranks.to_string()])
             .arg(std::env::current_exe()?)
             .arg("--rank-of")
             .arg(config)
             .args(["--size", &size.to_string()])
-            .env("OMPI_MCA_btl", "self,vader")
-            .env("OMPI_MCA_btl_vader_backing_directory", &shm)
             // Short bounds, so a frozen agent is given up within a round.
             .env("ICHECK_REQUEST_TIMEOUT", "5")
             .env("ICHECK_PFS_INTERVAL", "3")
             .env("ICHECK_T_WAIT", "2")
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
+            .stderr(Stdio::piped());
         for (key, value) in env {
             command.env(key, value);
         }

@@ -180,6 +180,26 @@ pub fn process_running(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z "))
 }
 
+/// An `mpirun` command for `np` ranks as the tests and benchmarks run
+/// them: as root, oversubscribed, unbound, in its own process group, with
+/// Open MPI's shared-memory files in a directory of the job's own (named
+/// after `label`, created, and returned: remove it when the job is done,
+/// and kill the job with [`kill_process_tree`]).
+pub fn mpirun(label: &str, np: u32) -> std::io::Result<(Command, PathBuf)> {
+    use std::os::unix::process::CommandExt;
+    static JOBS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let shm = PathBuf::from(format!("/dev/shm/icheck-{label}-mpi-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&shm)?;
+    let mut command = Command::new("mpirun");
+    command
+        .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()])
+        .env("OMPI_MCA_btl", "self,vader")
+        .env("OMPI_MCA_btl_vader_backing_directory", &shm)
+        .process_group(0);
+    Ok((command, shm))
+}
+
 /// `pid` and every process descended from it, parents first (from /proc).
 fn process_tree(pid: u32) -> Vec<u32> {
     let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")

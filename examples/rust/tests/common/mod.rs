@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -33,22 +33,9 @@ impl Job {
 
     /// [`start`](Self::start) for another program.
     pub fn start_program(program: &str, np: u32, config: &Path, args: &[&str], env: &[(&str, &str)]) -> Job {
-        use std::os::unix::process::CommandExt;
-        static JOBS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let shm_dir = PathBuf::from(format!("/dev/shm/icheck-test-mpi-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&shm_dir).expect("create the job's shared-memory directory");
-        let mut command = Command::new("mpirun");
-        command
-            .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()])
-            .arg(program)
-            .args(args)
-            .env("ICHECK_CONFIG", config)
-            .env("OMPI_MCA_btl", "self,vader")
-            .env("OMPI_MCA_btl_vader_backing_directory", &shm_dir)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
+        let (mut command, shm_dir) =
+            icheck_service::testkit::mpirun("test", np).expect("create the job's shared-memory directory");
+        command.arg(program).args(args).env("ICHECK_CONFIG", config).stdout(Stdio::piped()).stderr(Stdio::piped());
         for (key, value) in env {
             command.env(key, value);
         }
