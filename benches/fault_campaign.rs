@@ -277,6 +277,9 @@ struct Tally {
     hangs: Vec<String>,
     status_mismatches: Vec<String>,
     slowest_recovery: Duration,
+    /// The longest commit a rank reported (a commit during a fault waits
+    /// for its bounds, then completes on new agents or fails).
+    slowest_commit: f64,
     max_files_per_rank: usize,
     rss: BTreeMap<String, (u64, u64)>,
 }
@@ -419,7 +422,13 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         let mut armed: Option<u32> = None;
         if let Some((place, name)) = failpoint {
             // A restart fetches once per job: only its first hit can strike.
-            let skip = if name == "client.before_fetch" { 0 } else { rng.below(4) };
+            // A starting controller appends to its journal once (the
+            // incarnation): that hit passes, or it would never start.
+            let skip = match name {
+                "client.before_fetch" => 0,
+                "journal.before_append" => 1 + rng.below(4),
+                _ => rng.below(4),
+            };
             let spec = format!("{name}={skip}*exit(86)");
             match place {
                 "job" => job_env.push((icheck_core::failpoint::FAILPOINTS_ENV, spec.clone())),
@@ -434,7 +443,10 @@ fn campaign(cli: &Cli) -> Result<Tally> {
                     while is_icheck_process(pid) {
                         std::thread::sleep(Duration::from_millis(20));
                     }
-                    up_again(&service, Some(&spec))?;
+                    if let Err(err) = up_again(&service, Some(&spec)) {
+                        tally.hangs.push(format!("round {round}: arming {spec}: {err:#}"));
+                        break;
+                    }
                     armed = Some(service.pid_of(&target));
                 }
             }
@@ -525,6 +537,9 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         // The job goes on or ends; either way it is stopped after a while.
         let _ = job.wait_for(Duration::from_secs(3), |_| false);
         let reported = committed(&job.lines());
+        let slowest =
+            job.lines().iter().filter_map(|l| l.rsplit_once("secs=")?.1.parse::<f64>().ok()).fold(0.0, f64::max);
+        tally.slowest_commit = tally.slowest_commit.max(slowest);
         job.kill();
         if let Some(newest) = reported.iter().max() {
             told = Some(told.map_or(*newest, |t| t.max(*newest)));
@@ -576,6 +591,7 @@ fn print_table(tally: &Tally) {
     println!("| hangs (must be 0) | {} |", tally.hangs.len());
     println!("| status not matching what runs, after healing (must be 0) | {} |", tally.status_mismatches.len());
     println!("| slowest recovery (fault to verified restart) | {:.1} s |", tally.slowest_recovery.as_secs_f64());
+    println!("| slowest commit reported complete | {:.1} s |", tally.slowest_commit);
     println!("| most files in one rank's store directory | {} |", tally.max_files_per_rank);
     for (name, (first, last)) in &tally.rss {
         println!("| RSS of {name}, first -> last round | {} -> {} MiB |", first / 1024, last / 1024);
