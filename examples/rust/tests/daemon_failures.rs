@@ -147,10 +147,24 @@ impl Drop for Stopped {
 /// the newer versions made obsolete are dropped (no memory counted twice).
 #[test]
 fn a_silent_manager_loses_its_agents_and_commits_go_on_elsewhere() {
-    let service = service("silent-manager", 2);
+    silent_manager("silent-manager", &[], &[]);
+}
+
+/// The same with asynchronous commits in SHMR mode: the node leader
+/// stores the version again on the new agent from the node segment.
+#[test]
+fn a_silent_manager_loses_its_agents_and_async_shmr_commits_go_on_elsewhere() {
+    silent_manager("silent-manager-shmr", &["--async"], &[("ICHECK_MODE", "shmr")]);
+}
+
+fn silent_manager(name: &str, extra: &[&str], env: &[(&str, &str)]) {
+    let service = service(name, 2);
     let config = service.config_without_pfs();
-    let args = ["--app", "silent", "--steps", "100000", "--every", "1", "--mib", "4", "--step-ms", "20"];
-    let mut job = Job::start(2, &config, &args, &[("ICHECK_REQUEST_TIMEOUT", "3")]);
+    let mut args = vec!["--app", "silent", "--steps", "100000", "--every", "1", "--mib", "4", "--step-ms", "20"];
+    args.extend(extra);
+    let mut env = env.to_vec();
+    env.push(("ICHECK_REQUEST_TIMEOUT", "3"));
+    let mut job = Job::start(2, &config, &args, &env);
     job.wait_line("COMMITTED version=3", Duration::from_secs(120));
     let app = |status: &icheck_core::protocol::StatusReport| {
         status.apps.iter().find(|a| a.registration.name == "silent").cloned().expect("the app is registered")
@@ -188,7 +202,7 @@ fn a_silent_manager_loses_its_agents_and_commits_go_on_elsewhere() {
         last_committed(&job.lines()).expect("COMMITTED lines")
     };
     let restart = ["--app", "silent", "--steps", "0", "--every", "1", "--mib", "4"];
-    let lines = Job::start(2, &config, &restart, &[]).finish(Duration::from_secs(120));
+    let lines = Job::start(2, &config, &restart, &env).finish(Duration::from_secs(120));
     let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
     assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
 }

@@ -472,13 +472,15 @@ impl Icheck {
         let Some((version, started, bytes, result, layout)) = self.finish_in_flight_with_layout() else {
             return Ok(());
         };
-        // MR: the staging buffer still holds the version; new agents can
-        // take it from there. (SHMR leaders' segments are handled like a
-        // failed blocking commit: the PFS, when there is one.)
-        let all_staged_in_buffer = self.comm.all_true(layout.is_some());
-        let result = match layout.filter(|_| all_staged_in_buffer) {
+        // The staging buffer (MR) or the node segment (SHMR) still holds the
+        // version; new agents can take it from there.
+        let all_staged = self.comm.all_true(layout.is_some());
+        let result = match layout.filter(|_| all_staged) {
             Some(layout) => self
-                .store_elsewhere_on_failure(result.map(|_| bytes), |me| me.restore_staged(version, layout))
+                .store_elsewhere_on_failure(result.map(|_| bytes), |me| match me.mode {
+                    TransferMode::Mr => me.restore_staged(version, layout),
+                    TransferMode::Shmr => me.restore_segment(version, layout),
+                })
                 .map(|_| ()),
             None => result,
         };

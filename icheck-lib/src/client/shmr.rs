@@ -79,7 +79,9 @@ impl Icheck {
         let Some(mut link) = self.link.take() else {
             // Not the node leader: nothing to move; async still completes in wait().
             if self.asynchronous {
-                self.in_flight = Some(InFlight { version, started, bytes: 0, handle: None, layout: None });
+                // Nothing of ours to store again on new agents either.
+                let layout = Some(Vec::new());
+                self.in_flight = Some(InFlight { version, started, bytes: 0, handle: None, layout });
             }
             return Ok(0);
         };
@@ -89,6 +91,7 @@ impl Icheck {
         // completes: every later call that could do so waits first.
         let (base, len) = (segment.as_slice().as_ptr() as usize, total as usize);
         let endpoint = self.endpoint.clone();
+        let kept_layout = layout.clone();
         let send = move |link: &mut AgentLink, region: Option<&MemoryRegion>| -> Result<()> {
             // SAFETY: see above; `len` <= the mapped length (ensure_segment).
             let bytes = unsafe { std::slice::from_raw_parts(base as *const u8, len) };
@@ -114,8 +117,26 @@ impl Icheck {
                 Background { link, staging: None, segment_region: region, result }
             })
             .map_err(|e| Error::Unsupported(format!("cannot start the async commit thread: {e}")))?;
-        self.in_flight = Some(InFlight { version, started, bytes: total, handle: Some(handle), layout: None });
+        let layout = Some(kept_layout);
+        self.in_flight = Some(InFlight { version, started, bytes: total, handle: Some(handle), layout });
         Ok(total)
+    }
+
+    /// Async SHMR: the node leader stores the version again from the node
+    /// segment (untouched until the version completes) through its (new)
+    /// agent session; other node processes have nothing to move.
+    pub(super) fn restore_segment(&mut self, version: u64, layout: Vec<LabelLayout>) -> Result<u64> {
+        let push = self.direction == TransferDirection::Push;
+        let shape = self.shape(self.comm.node_counts().0);
+        let Some(link) = self.link.as_mut() else { return Ok(0) };
+        let total: u64 = layout.iter().map(|l| l.len).sum();
+        let segment = self.segment.as_ref().ok_or(Error::Order("the SHMR segment is gone"))?;
+        let bytes = &segment.as_slice()[..total as usize];
+        let registered = self.segment_region.as_ref().map(|r| (r.source(), r.remote()));
+        if registered.is_none() && total > 0 {
+            return Err(Error::Order("the SHMR segment is not registered"));
+        }
+        commit_buffer(link, &self.endpoint, VersionHeader { version, shape, layout, push }, registered, bytes)
     }
 
     /// Copies every label of every process of this node into the node
