@@ -156,8 +156,10 @@ impl Job {
             .arg("--rank-of")
             .arg(config)
             .args(["--size", &size.to_string()])
-            // Short bounds, so a frozen agent is given up within a round.
-            .env("ICHECK_REQUEST_TIMEOUT", "5")
+            // Short bounds, so a frozen agent is given up within a round, yet
+            // above the agents' 10 s transfer stall bound (an agent ending a
+            // killed rank's transfer answers its other ranks after it).
+            .env("ICHECK_REQUEST_TIMEOUT", "12")
             .env("ICHECK_PFS_INTERVAL", "3")
             .env("ICHECK_T_WAIT", "2")
             .stdout(Stdio::piped())

@@ -228,6 +228,18 @@ impl Icheck {
             Err(_) => client.request_timeout,
         };
         let request_timeout = Duration::from_secs_f64(request_timeout);
+        // An agent's transfers share its endpoint: one stalled on a dead rank
+        // holds the agent's other ranks for up to the fabric's no-progress
+        // bound. A shorter wait gives up on agents that are only finishing it.
+        let stall = TransferOptions::default().timeout;
+        if request_timeout <= stall && comm.rank() == 0 {
+            tracing::warn!(
+                ?request_timeout,
+                ?stall,
+                "client.request_timeout is not above the agents' transfer stall bound: a rank may give up on an \
+                 agent that is busy ending another rank's stalled transfer"
+            );
+        }
         let (rank, size) = (comm.rank(), comm.size());
         let span = tracing::info_span!("icheck", app = app_name, rank);
         let _entered = span.enter();
