@@ -4,6 +4,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::os::raw::c_void;
 use std::ptr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -154,6 +155,9 @@ struct EpState {
     cq: *mut sys::fid_cq,
     av: *mut sys::fid_av,
     closed: bool,
+    /// `closed`, readable without the lock (which a transfer holds for its
+    /// whole batch): what `Endpoint::is_closed` answers from.
+    closed_flag: Arc<AtomicBool>,
     peers: HashMap<Vec<u8>, Peer>,
 }
 
@@ -165,6 +169,7 @@ impl EpState {
             return;
         }
         self.closed = true;
+        self.closed_flag.store(true, Ordering::Release);
         // SAFETY: each object was opened in Endpoint::new and is closed exactly
         // once (guarded by `closed`), the endpoint before what it is bound to.
         unsafe {
@@ -184,6 +189,8 @@ impl EpState {
 pub(crate) struct EndpointShared {
     // Declared before `domain` so that it is closed first.
     state: Mutex<EpState>,
+    /// Set once the endpoint is closed (see `EpState::closed_flag`).
+    closed: Arc<AtomicBool>,
     domain: Arc<DomainInner>,
     address: FabricAddress,
 }
@@ -252,6 +259,7 @@ impl Endpoint {
             cq: ptr::null_mut(),
             av: ptr::null_mut(),
             closed: false,
+            closed_flag: Arc::new(AtomicBool::new(false)),
             peers: HashMap::new(),
         };
         let tx_size = dom.description.tx_size.max(64);
@@ -273,7 +281,8 @@ impl Endpoint {
                 return Err(err);
             }
         };
-        Ok(Endpoint { shared: Arc::new(EndpointShared { state: Mutex::new(state), domain: dom, address }) })
+        let closed = state.closed_flag.clone();
+        Ok(Endpoint { shared: Arc::new(EndpointShared { state: Mutex::new(state), closed, domain: dom, address }) })
     }
 
     /// This endpoint's address, for peers to insert.
@@ -454,8 +463,12 @@ impl Endpoint {
     }
 
     /// Whether the endpoint has been closed.
+    ///
+    /// Never waits for the endpoint lock: an agent's accept loop asks this
+    /// every turn, and must not stall behind a transfer to a dead peer
+    /// (which holds the lock until its no-progress bound).
     pub fn is_closed(&self) -> bool {
-        self.shared.lock().closed
+        self.shared.closed.load(Ordering::Acquire)
     }
 
     #[allow(clippy::too_many_arguments)]
