@@ -140,7 +140,9 @@ fn a_restarted_manager_finds_its_checkpoints() {
 
 #[test]
 fn probe_moves_to_new_agents_when_a_manager_dies() {
-    let service = LocalService::up(&icheck_in_target(), "api-probe", 2, &["--provider", "tcp"]);
+    // A manager that stays dead: the controller does not start it again.
+    let args = ["--provider", "tcp", "--manager-relaunches", "0"];
+    let service = LocalService::up(&icheck_in_target(), "api-probe", 2, &args);
     let (mut ic, _) = init(&service, "mover");
     let data = Region::from_vec((0..50_000).map(|i| i as f32).collect::<Vec<f32>>());
     ic.add("data", &data).unwrap();

@@ -134,7 +134,7 @@ impl Icheck {
         if let Err(err) = &stored {
             tracing::warn!(%err, "this rank's agent failed; asking the controller for new agents");
         }
-        match self.ask_for_agents(0) {
+        match self.ask_for_new_agents() {
             Ok(ProbeOutcome::Reconnected { agents }) => {
                 tracing::warn!(agents, "the controller replaced the application's agents; storing the version there");
                 store(self)

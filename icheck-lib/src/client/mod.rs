@@ -370,7 +370,7 @@ impl Icheck {
             // (the controller gives up agents whose node went silent).
             let _entered = span.enter();
             tracing::warn!(%reason, "an agent is unreachable at init; asking the controller for new agents");
-            match icheck.ask_for_agents(0) {
+            match icheck.ask_for_new_agents() {
                 Ok(ProbeOutcome::Reconnected { agents }) => tracing::warn!(agents, "init continues with new agents"),
                 Ok(ProbeOutcome::Unchanged) => {
                     return Err(Error::Incomplete {
@@ -471,6 +471,21 @@ impl Icheck {
         self.wait()?;
         self.release_restart();
         self.ask_for_agents(hints.remaining_commits)
+    }
+
+    /// After an agent failed: asks the controller for new agents, again
+    /// for a moment while it has none (*collective*). The controller
+    /// learns of an agent thread that died at its manager's next heartbeat,
+    /// so the first answer may come too early.
+    fn ask_for_new_agents(&mut self) -> Result<ProbeOutcome> {
+        const ATTEMPTS: u32 = 5;
+        for attempt in 1..=ATTEMPTS {
+            match self.ask_for_agents(0)? {
+                ProbeOutcome::Unchanged if attempt < ATTEMPTS => std::thread::sleep(Duration::from_millis(500)),
+                outcome => return Ok(outcome),
+            }
+        }
+        Ok(ProbeOutcome::Unchanged)
     }
 
     /// The probe itself (*collective*): rank 0 asks the controller, every
