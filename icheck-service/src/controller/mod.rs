@@ -74,7 +74,15 @@ struct State {
     reconcile_by: Instant,
     /// Journaled agents on nodes that never registered were dropped.
     startup_settled: bool,
+    /// Nodes that answered again after being given up, and until when
+    /// their reports are searched for stale agents (the report stored when
+    /// a node comes back may predate agents it started just before it fell
+    /// silent).
+    returning: HashMap<String, Instant>,
 }
+
+/// How long a returned node's reports are searched for stale agents.
+const RETURN_WINDOW: Duration = Duration::from_secs(10);
 
 /// Ids of agents of controller incarnation `n` start here, so an agent
 /// started by an earlier controller process never shares an id with one
@@ -201,6 +209,7 @@ pub async fn run(
             journal,
             holdings: Holdings::new(),
             reconcile_by: Instant::now() + reconcile_window,
+            returning: HashMap::new(),
         }),
         dynamic: RwLock::new(dynamic),
     });
@@ -485,6 +494,14 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             }
             ManagerToController::Status(status) => {
                 state.nodes.status(&node, connection, status, Instant::now(), shared.clock());
+                let returned = state.returning.get(&node).copied();
+                match returned {
+                    Some(until) if Instant::now() < until => stop_stale_agents(&mut state, &node),
+                    Some(_) => {
+                        state.returning.remove(&node);
+                    }
+                    None => {}
+                }
             }
             ManagerToController::AgentReady(info) => {
                 if let Some(waiter) = state.pending.remove(&info.id) {
@@ -601,14 +618,21 @@ fn node_lost(state: &mut State, node: &str, why: &str) {
 /// belong to no application any more (they were replaced) and stop, and
 /// files obsolete since are dropped.
 fn node_back(state: &mut State, node: &str) {
+    state.returning.insert(node.to_string(), Instant::now() + RETURN_WINDOW);
+    stop_stale_agents(state, node);
+    drop_obsolete_files(state);
+}
+
+/// Stops the agents `node` reports running that no application claims and
+/// no start under way is waiting for (each is asked once).
+fn stop_stale_agents(state: &mut State, node: &str) {
     for id in state.nodes.running_agents(node) {
         let claimed = state.apps.values().any(|app| app.agents.iter().any(|a| a.id == id));
-        if !claimed && !state.pending.contains_key(&id) {
+        if !claimed && !state.pending.contains_key(&id) && state.nodes.note_stopping(node, id) {
             tracing::info!(%node, agent = id, "stopping an agent that was replaced while its node was silent");
             state.nodes.send(node, ControllerToManager::StopAgent { id, discard: false });
         }
     }
-    drop_obsolete_files(state);
 }
 
 /// Sends the drops of files on nodes that lost their agents which a newer

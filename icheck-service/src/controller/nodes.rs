@@ -70,6 +70,8 @@ pub(crate) struct NodeEntry<L> {
     /// Its manager died and the controller is starting it again: the
     /// node's store (and the versions in it) is expected back.
     relaunching: bool,
+    /// Stale agents the controller asked this manager to stop.
+    stopping: std::collections::BTreeSet<u64>,
     link: L,
 }
 
@@ -119,6 +121,7 @@ impl<L: ManagerLink> NodeBook<L> {
             relaunched,
             given_up: false,
             relaunching: false,
+            stopping: Default::default(),
             pid,
             connected: true,
             last_heartbeat: now,
@@ -219,6 +222,12 @@ impl<L: ManagerLink> NodeBook<L> {
         }
         entry.relaunched.push(now);
         true
+    }
+
+    /// Records that agent `id` on `node` is being stopped; false if it
+    /// already was (so each stale agent is asked to stop once).
+    pub(crate) fn note_stopping(&mut self, node: &str, id: u64) -> bool {
+        self.nodes.get_mut(node).is_some_and(|entry| entry.stopping.insert(id))
     }
 
     /// Marks `node`'s manager as being started again (or no longer).
