@@ -309,6 +309,15 @@ fn up_again(service: &LocalService, failpoints: Option<&str>) -> Result<()> {
     Ok(())
 }
 
+/// The controller's status report, or why there is none.
+fn service_status(service: &LocalService) -> Result<icheck_core::protocol::StatusReport, String> {
+    use icheck_core::protocol::{ClientReply, ClientRequest};
+    match icheck_core::control::request_blocking(&service.config, &ClientRequest::Status) {
+        Ok(ClientReply::Status(status)) => Ok(status),
+        other => Err(format!("no status: {other:?}")),
+    }
+}
+
 /// Waits until every daemon recorded in the service's pids runs and every
 /// node is alive; starts again what died (`icheck up`).
 fn heal(service: &LocalService, bound: Duration) -> Result<(), String> {
@@ -319,13 +328,7 @@ fn heal(service: &LocalService, bound: Duration) -> Result<(), String> {
             up_again(service, None).map_err(|e| e.to_string())?;
         }
         let healthy =
-            icheck_core::control::request_blocking(&service.config, &icheck_core::protocol::ClientRequest::Status)
-                .ok()
-                .and_then(|reply| match reply {
-                    icheck_core::protocol::ClientReply::Status(status) => Some(status),
-                    _ => None,
-                })
-                .is_some_and(|status| status.nodes.len() == 2 && status.nodes.iter().all(|n| n.alive));
+            service_status(service).is_ok_and(|status| status.nodes.len() == 2 && status.nodes.iter().all(|n| n.alive));
         if healthy {
             return Ok(());
         }
@@ -342,13 +345,10 @@ fn status_matches_reality(service: &LocalService) -> Result<(), String> {
     let pids = icheck_service::launcher::read_pids(&service.dir);
     let mut last = String::new();
     for _ in 0..50 {
-        let status = match icheck_core::control::request_blocking(
-            &service.config,
-            &icheck_core::protocol::ClientRequest::Status,
-        ) {
-            Ok(icheck_core::protocol::ClientReply::Status(status)) => status,
-            other => {
-                last = format!("no status: {other:?}");
+        let status = match service_status(service) {
+            Ok(status) => status,
+            Err(why) => {
+                last = why;
                 std::thread::sleep(Duration::from_millis(100));
                 continue;
             }

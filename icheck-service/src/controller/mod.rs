@@ -352,8 +352,7 @@ fn adopt_agents(state: &mut State, node: &str, running: &[AgentInfo]) {
         }
     }
     for agent in running {
-        let claimed = state.apps.values().any(|app| app.agents.iter().any(|a| a.id == agent.id));
-        if claimed {
+        if claims_agent(state, agent.id) {
             tracing::info!(%node, agent = agent.id, "agent adopted from the manager's registration");
         } else if !state.pending.contains_key(&agent.id) {
             tracing::info!(%node, agent = agent.id, "stopping an agent no application uses");
@@ -623,12 +622,16 @@ fn node_back(state: &mut State, node: &str) {
     drop_obsolete_files(state);
 }
 
+/// Whether some application has agent `id` among its agents.
+fn claims_agent(state: &State, id: u64) -> bool {
+    state.apps.values().any(|app| app.agents.iter().any(|a| a.id == id))
+}
+
 /// Stops the agents `node` reports running that no application claims and
 /// no start under way is waiting for (each is asked once).
 fn stop_stale_agents(state: &mut State, node: &str) {
     for id in state.nodes.running_agents(node) {
-        let claimed = state.apps.values().any(|app| app.agents.iter().any(|a| a.id == id));
-        if !claimed && !state.pending.contains_key(&id) && state.nodes.note_stopping(node, id) {
+        if !claims_agent(state, id) && !state.pending.contains_key(&id) && state.nodes.note_stopping(node, id) {
             tracing::info!(%node, agent = id, "stopping an agent that was replaced while its node was silent");
             state.nodes.send(node, ControllerToManager::StopAgent { id, discard: false });
         }
