@@ -58,9 +58,13 @@ fn parse<T: serde::de::DeserializeOwned>(file: &Path, text: &str) -> Result<T, C
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct StaticConfig {
-    /// Host or IP the controller listens on and clients connect to.
-    #[serde(rename = "ControllerAddress", default = "default_address")]
-    pub controller_address: String,
+    /// Where the controller listens and clients and managers connect: one
+    /// host (with `ControllerPort`), or the list of controllers in the
+    /// order everyone tries them, `["host1:7777", "host2:7777"]` (a
+    /// primary and its standby; an entry without a port uses
+    /// `ControllerPort`).
+    #[serde(rename = "ControllerAddress", default)]
+    pub controller_address: ControllerAddress,
     /// Controller TCP port; 0 lets the controller pick a free one and write it
     /// to `controller.addr` in its state directory.
     #[serde(rename = "ControllerPort", default = "default_port")]
@@ -82,6 +86,12 @@ pub struct StaticConfig {
     /// Heartbeats a manager may miss before the controller marks it down.
     #[serde(rename = "MissedHeartbeats", default = "default_missed")]
     pub missed_heartbeats: u32,
+    /// Seconds a standby controller hears nothing from the primary before
+    /// it takes over (and the primary's lease: it acts only while its
+    /// standby answered within half of it). Unset: `HeartBeatInterval` ×
+    /// `MissedHeartbeats`.
+    #[serde(rename = "TakeoverAfter", default)]
+    pub takeover_after: Option<f64>,
     /// Times the controller starts a dead manager again within ten minutes
     /// (through its launcher) before it gives the node up for good.
     #[serde(rename = "ManagerRelaunches", default = "default_relaunches")]
@@ -215,6 +225,46 @@ fn default_store() -> PathBuf {
     PathBuf::from("/dev/shm/icheck")
 }
 
+/// Controllers a configuration may list: a primary and its standby (with
+/// more, two standbys could both hold the journal at one epoch and both
+/// take over).
+pub const MAX_CONTROLLERS: usize = 2;
+
+/// `ControllerAddress`: one host, or the list of controllers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ControllerAddress {
+    /// One controller on this host (at `ControllerPort`).
+    One(String),
+    /// Controllers in the order they are tried (`host` or `host:port`).
+    List(Vec<String>),
+}
+
+impl Default for ControllerAddress {
+    fn default() -> Self {
+        ControllerAddress::One(default_address())
+    }
+}
+
+impl ControllerAddress {
+    /// The entries as written.
+    pub fn entries(&self) -> Vec<&str> {
+        match self {
+            ControllerAddress::One(host) => vec![host.as_str()],
+            ControllerAddress::List(list) => list.iter().map(String::as_str).collect(),
+        }
+    }
+}
+
+/// The port of `host:port` (an IPv6 address must be bracketed: `[::1]:7777`).
+pub fn split_port(endpoint: &str) -> Option<(&str, u16)> {
+    let (host, port) = endpoint.rsplit_once(':')?;
+    if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
+        return None;
+    }
+    Some((host, port.parse().ok()?))
+}
+
 fn default_address() -> String {
     "127.0.0.1".into()
 }
@@ -266,8 +316,25 @@ impl StaticConfig {
         if self.missed_heartbeats == 0 {
             return Err(invalid("MissedHeartbeats", "at least 1"));
         }
-        if self.controller_address.trim().is_empty() {
-            return Err(invalid("ControllerAddress", "a host name or IP address"));
+        let hosts = self.controller_address.entries();
+        if hosts.is_empty() || hosts.iter().any(|h| h.trim().is_empty()) {
+            return Err(invalid(
+                "ControllerAddress",
+                "a host name or IP address, or a non-empty list of \"host:port\"",
+            ));
+        }
+        let endpoints = self.controller_endpoints();
+        if (1..endpoints.len()).any(|i| endpoints[..i].contains(&endpoints[i])) {
+            return Err(invalid("ControllerAddress", "a list of distinct controllers (an address appears twice)"));
+        }
+        if endpoints.len() > MAX_CONTROLLERS {
+            return Err(invalid(
+                "ControllerAddress",
+                &format!("at most {MAX_CONTROLLERS} controllers (a primary and its standby)"),
+            ));
+        }
+        if self.takeover_after.is_some_and(|t| !(t.is_finite() && t > 0.0)) {
+            return Err(invalid("TakeoverAfter", "a number of seconds greater than 0"));
         }
         if !(self.client.request_timeout.is_finite() && self.client.request_timeout > 0.0) {
             return Err(invalid("client.request_timeout", "a number of seconds greater than 0"));
@@ -299,9 +366,38 @@ impl StaticConfig {
         Ok(token)
     }
 
-    /// `host:port` of the controller.
+    /// `host:port` of the first controller (the only one, or the one
+    /// tried first).
     pub fn controller_endpoint(&self) -> String {
-        format!("{}:{}", self.controller_address, self.controller_port)
+        self.controller_endpoints().swap_remove(0)
+    }
+
+    /// `host:port` of every controller, in the order they are tried.
+    pub fn controller_endpoints(&self) -> Vec<String> {
+        let port = self.controller_port;
+        let mut endpoints: Vec<String> = self
+            .controller_address
+            .entries()
+            .iter()
+            .map(|entry| match split_port(entry) {
+                Some(_) => entry.to_string(),
+                // A bare IPv6 address gets its brackets.
+                None if entry.contains(':') && !entry.starts_with('[') => format!("[{entry}]:{port}"),
+                None => format!("{entry}:{port}"),
+            })
+            .collect();
+        if endpoints.is_empty() {
+            endpoints.push(format!("{}:{port}", default_address()));
+        }
+        endpoints
+    }
+
+    /// How long a standby hears nothing from the primary before it takes over.
+    pub fn takeover_after(&self) -> Duration {
+        match self.takeover_after {
+            Some(secs) => Duration::from_secs_f64(secs),
+            None => self.heartbeat() * self.missed_heartbeats.max(1),
+        }
     }
 
     /// Heartbeat interval as a Duration.
@@ -626,5 +722,33 @@ mod tests {
         let err = StaticConfig::load(&path).unwrap_err().to_string();
         assert!(err.contains("icheck.toml") && err.contains("HeartBeatInterval"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn controller_address_is_one_host_or_an_ordered_list() {
+        let parsed = |text: &str| {
+            let config: StaticConfig = parse(Path::new("icheck.toml"), text).unwrap();
+            config.validate(Path::new("icheck.toml")).map(|_| config)
+        };
+        let one = parsed("ControllerAddress = \"host1\"\nControllerPort = 7000").unwrap();
+        assert_eq!(one.controller_endpoints(), ["host1:7000"]);
+        let two = parsed("ControllerAddress = [\"a:7777\", \"b\"]\nControllerPort = 7000").unwrap();
+        assert_eq!(two.controller_endpoints(), ["a:7777", "b:7000"]);
+        let six = parsed("ControllerAddress = [\"[::1]:9\", \"::1\"]").unwrap();
+        assert_eq!(six.controller_endpoints(), ["[::1]:9", "[::1]:7777"]);
+        assert_eq!(two.controller_endpoint(), "a:7777");
+        assert_eq!(two.takeover_after(), Duration::from_secs(3), "HeartBeatInterval x MissedHeartbeats");
+        let set = parsed("ControllerAddress = [\"a:1\"]\nTakeoverAfter = 1.5").unwrap();
+        assert_eq!(set.takeover_after(), Duration::from_millis(1500));
+        for (bad, key) in [
+            ("ControllerAddress = []", "ControllerAddress"),
+            ("ControllerAddress = [\"a:1\", \"a:1\"]", "appears twice"),
+            ("ControllerAddress = [\"\"]", "ControllerAddress"),
+            ("ControllerAddress = [\"a:1\", \"b:1\", \"c:1\"]", "a primary and its standby"),
+            ("TakeoverAfter = 0", "TakeoverAfter"),
+        ] {
+            let err = parsed(bad).unwrap_err().to_string();
+            assert!(err.contains(key) && err.contains("icheck.toml"), "{bad}: {err}");
+        }
     }
 }

@@ -36,18 +36,148 @@ pub enum ServiceError {
     Remote(String),
 }
 
-/// Runs one request on a fresh connection to the controller (for commands
-/// and tests).
+/// Runs one request on a fresh connection to the primary controller
+/// (for commands and tests): the configured controllers are tried in
+/// order (see [`ControllerLink`]).
 pub fn request_blocking(config: &StaticConfig, request: &ClientRequest) -> Result<ClientReply, ServiceError> {
-    let peer = config.controller_endpoint();
-    let mut connection = BlockingConnection::connect(&peer, &config.effective_token(), protocol::REQUEST_TIMEOUT)
-        .map_err(|err| match err {
-            ServiceError::Io { error, .. } => {
-                ServiceError::Io { what: format!("cannot connect to the controller at {peer}"), error }
+    let timeout = protocol::REQUEST_TIMEOUT;
+    ControllerLink::new(config, &config.effective_token(), timeout, timeout).request(request)
+}
+
+/// Pause between passes over the controller list while none is primary.
+const FAILOVER_PAUSE: Duration = Duration::from_millis(100);
+
+/// The client side of the controllers: the configured list, tried in
+/// order; the highest fencing epoch seen; one open connection to the
+/// primary. A request that finds its controller gone, stopped, not the
+/// primary or stale is sent again to the next one that is, for the
+/// failover window (twice the takeover window, plus five seconds); with a
+/// single controller it fails at once, as before.
+///
+/// Sending a request again is safe: the controller does nothing for a
+/// request it answers `NotPrimary` to, and recording a version it already
+/// recorded is answered `Ok`.
+pub struct ControllerLink {
+    endpoints: Vec<String>,
+    token: String,
+    connect_timeout: Duration,
+    request_timeout: Duration,
+    failover: Duration,
+    epoch: u64,
+    current: Option<BlockingConnection>,
+}
+
+impl ControllerLink {
+    /// A link to the controllers of `config` (no connection yet). Every
+    /// connection attempt is bounded by `connect_timeout`, every answer by
+    /// `request_timeout`.
+    pub fn new(
+        config: &StaticConfig,
+        token: &str,
+        connect_timeout: Duration,
+        request_timeout: Duration,
+    ) -> ControllerLink {
+        let endpoints = config.controller_endpoints();
+        let failover = match endpoints.len() {
+            1 => Duration::ZERO,
+            _ => config.takeover_after() * 2 + Duration::from_secs(5),
+        };
+        ControllerLink {
+            endpoints,
+            token: token.to_string(),
+            connect_timeout,
+            request_timeout,
+            failover,
+            epoch: 0,
+            current: None,
+        }
+    }
+
+    /// The controller last talked to (or the first configured).
+    pub fn peer(&self) -> &str {
+        self.current.as_ref().map_or(self.endpoints[0].as_str(), |c| c.peer())
+    }
+
+    /// The highest controller epoch seen.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Sets how long later requests wait for their answer.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.request_timeout = timeout;
+        if let Some(connection) = self.current.as_mut() {
+            connection.set_timeout(timeout);
+        }
+    }
+
+    /// Connects to the primary if no connection is open: one pass over the
+    /// list. The error names every controller and why it was not used.
+    pub fn connect(&mut self) -> Result<(), ServiceError> {
+        if self.current.is_some() {
+            return Ok(());
+        }
+        let mut why = Vec::new();
+        let mut last = None;
+        for peer in &self.endpoints {
+            match BlockingConnection::connect_controller(peer, &self.token, self.connect_timeout, self.epoch) {
+                Ok((mut connection, epoch)) => {
+                    connection.set_timeout(self.request_timeout);
+                    self.epoch = epoch;
+                    self.current = Some(connection);
+                    return Ok(());
+                }
+                Err(err) => {
+                    why.push(format!("{peer}: {err}"));
+                    last = Some(err);
+                }
             }
-            other => other,
-        })?;
-    connection.request(request)
+        }
+        match (last, self.endpoints.len()) {
+            // One controller: its own error, as it always was.
+            (Some(ServiceError::Io { error, .. }), 1) => Err(ServiceError::Io {
+                what: format!("cannot connect to the controller at {}", self.endpoints[0]),
+                error,
+            }),
+            (Some(err), 1) => Err(err),
+            (last, _) => {
+                let reason = format!("no primary controller answered ({})", why.join("; "));
+                Err(match last {
+                    Some(ServiceError::Io { error, .. }) => ServiceError::Io { what: reason, error },
+                    _ => ServiceError::Protocol(ProtocolError::NotPrimary { peer: self.endpoints.join(", "), reason }),
+                })
+            }
+        }
+    }
+
+    /// Sends `request` to the primary and returns its answer; an error
+    /// answer becomes [`ServiceError::Remote`].
+    pub fn request(&mut self, request: &ClientRequest) -> Result<ClientReply, ServiceError> {
+        let deadline = std::time::Instant::now() + self.failover;
+        loop {
+            let error = match self.connect() {
+                Err(err) => err,
+                Ok(()) => {
+                    let connection = self.current.as_mut().expect("connected above");
+                    match connection.call(request) {
+                        Ok(ClientReply::Error(message)) => return Err(ServiceError::Remote(message)),
+                        Ok(ClientReply::NotPrimary(reason)) => {
+                            ServiceError::Protocol(ProtocolError::NotPrimary { peer: connection.peer.clone(), reason })
+                        }
+                        Ok(reply) => return Ok(reply),
+                        Err(err) => err,
+                    }
+                }
+            };
+            // The controller is gone, stopped, replaced or cut off: the
+            // next pass looks for the primary again.
+            self.current = None;
+            if std::time::Instant::now() >= deadline {
+                return Err(error);
+            }
+            std::thread::sleep(FAILOVER_PAUSE);
+        }
+    }
 }
 
 /// A blocking control-plane connection (to the controller or to an agent's
@@ -64,6 +194,32 @@ impl BlockingConnection {
     /// step is bounded by `timeout`. Later requests wait up to `timeout` for
     /// their reply (change it with [`set_timeout`](Self::set_timeout)).
     pub fn connect(peer: &str, token: &str, timeout: Duration) -> Result<BlockingConnection, ServiceError> {
+        let mut connection = Self::open(peer, timeout)?;
+        let reply: HelloReply = connection.call(&Hello::new(token, Role::Client))?;
+        match reply {
+            HelloReply::Welcome => Ok(connection),
+            HelloReply::Refused(reason) => Err(ProtocolError::Refused { peer: connection.peer, reason }.into()),
+            other => Err(ProtocolError::Unexpected { peer: connection.peer, what: format!("{other:?}") }.into()),
+        }
+    }
+
+    /// Connects to the controller at `peer` as a client that has seen
+    /// controller epoch `seen`; succeeds only if it is the primary at that
+    /// epoch or a higher one, which it returns.
+    pub fn connect_controller(
+        peer: &str,
+        token: &str,
+        timeout: Duration,
+        seen: u64,
+    ) -> Result<(BlockingConnection, u64), ServiceError> {
+        let mut connection = Self::open(peer, timeout)?;
+        let reply: HelloReply = connection.call(&Hello::with_epoch(token, Role::Client, seen))?;
+        let epoch = protocol::accept_controller(peer, reply, seen)?;
+        Ok((connection, epoch))
+    }
+
+    /// The TCP connection, before any handshake.
+    fn open(peer: &str, timeout: Duration) -> Result<BlockingConnection, ServiceError> {
         use std::net::ToSocketAddrs;
         let io = |error| ServiceError::Io { what: format!("cannot connect to {peer}"), error };
         let addresses: Vec<_> = peer.to_socket_addrs().map_err(io)?.collect();
@@ -75,11 +231,7 @@ impl BlockingConnection {
         stream.set_nodelay(true).ok();
         let mut connection = BlockingConnection { stream, peer: peer.to_string(), timeout };
         connection.set_timeout(timeout);
-        let reply: HelloReply = connection.call(&Hello::new(token, Role::Client))?;
-        match reply {
-            HelloReply::Welcome => Ok(connection),
-            HelloReply::Refused(reason) => Err(ProtocolError::Refused { peer: connection.peer, reason }.into()),
-        }
+        Ok(connection)
     }
 
     /// Sets how long requests wait for their reply.

@@ -21,7 +21,7 @@ use crate::fabric::{FabricAddress, RemoteRegion};
 pub use crate::format::{DataKind, LabelLayout, Manifest, VersionRecord};
 
 /// Version of this protocol; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// First bytes of every Hello.
 pub const MAGIC: [u8; 4] = *b"ICHK";
 /// Largest frame accepted, in bytes.
@@ -54,6 +54,26 @@ pub enum ProtocolError {
         peer: String,
         /// Their reason.
         reason: String,
+    },
+    /// A controller that is not the primary (a standby, or a primary that
+    /// cannot confirm it still is): try the next controller.
+    #[error("{peer} is not the primary controller: {reason}")]
+    NotPrimary {
+        /// Who answered.
+        peer: String,
+        /// Their reason.
+        reason: String,
+    },
+    /// A controller whose fencing epoch is older than one already seen: it
+    /// was replaced while paused or cut off, and must not be obeyed.
+    #[error("{peer} is a stale controller (epoch {epoch}; epoch {seen} was already seen)")]
+    StaleEpoch {
+        /// Who answered.
+        peer: String,
+        /// Its epoch.
+        epoch: u64,
+        /// The highest epoch seen.
+        seen: u64,
     },
     /// The peer answered something unexpected.
     #[error("unexpected answer from {peer}: {what}")]
@@ -193,6 +213,8 @@ pub enum Role {
     Manager,
     /// An application (client library) or an operator's command.
     Client,
+    /// A standby controller that follows the primary's journal.
+    Standby,
 }
 
 /// First message of every connection.
@@ -206,22 +228,67 @@ pub struct Hello {
     pub token: String,
     /// Who is connecting.
     pub role: Role,
+    /// The highest controller epoch the peer has seen (0: none). A
+    /// controller whose own epoch is lower learns it was replaced.
+    pub epoch: u64,
 }
 
 impl Hello {
     /// A Hello for this protocol version.
     pub fn new(token: &str, role: Role) -> Hello {
-        Hello { magic: MAGIC, version: PROTOCOL_VERSION, token: token.to_string(), role }
+        Hello::with_epoch(token, role, 0)
+    }
+
+    /// A Hello that carries the highest controller epoch seen.
+    pub fn with_epoch(token: &str, role: Role, epoch: u64) -> Hello {
+        Hello { magic: MAGIC, version: PROTOCOL_VERSION, token: token.to_string(), role, epoch }
     }
 }
 
 /// Answer to a Hello.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum HelloReply {
-    /// Accepted.
+    /// Accepted (by an agent).
     Welcome,
     /// Refused, with the reason.
     Refused(String),
+    /// Accepted by the primary controller, at this fencing epoch.
+    Primary {
+        /// The controller's epoch: managers and clients obey only the
+        /// highest they have seen.
+        epoch: u64,
+    },
+    /// A controller that is not the primary: try the next one.
+    NotPrimary(String),
+    /// A standby controller: not the primary; try the next one.
+    Standby {
+        /// Whether it holds a copy of the primary's journal (and so may
+        /// take over when the primary falls silent).
+        synced: bool,
+    },
+}
+
+/// The fencing rule managers and clients apply to a controller's answer
+/// to their Hello: only the primary at the highest epoch seen (`seen`) is
+/// obeyed. Returns the epoch to remember from now on.
+pub fn accept_controller(peer: &str, reply: HelloReply, seen: u64) -> Result<u64, ProtocolError> {
+    match reply {
+        HelloReply::Primary { epoch } if epoch >= seen => Ok(epoch),
+        HelloReply::Primary { epoch } => Err(ProtocolError::StaleEpoch { peer: peer.to_string(), epoch, seen }),
+        HelloReply::NotPrimary(reason) => Err(ProtocolError::NotPrimary { peer: peer.to_string(), reason }),
+        HelloReply::Standby { synced } => Err(ProtocolError::NotPrimary {
+            peer: peer.to_string(),
+            reason: format!(
+                "a standby controller ({})",
+                if synced { "following the primary" } else { "not yet synced" }
+            ),
+        }),
+        HelloReply::Refused(reason) => Err(ProtocolError::Refused { peer: peer.to_string(), reason }),
+        HelloReply::Welcome => Err(ProtocolError::Unexpected {
+            peer: peer.to_string(),
+            what: "an agent's Welcome where a controller was expected".into(),
+        }),
+    }
 }
 
 /// Checks a Hello against the expected token; returns the refusal reason.
@@ -389,6 +456,9 @@ pub enum ControllerToManager {
     Registered,
     /// Registration refused (e.g. the node name is taken by a live manager).
     Rejected(String),
+    /// Answer to a heartbeat: the controller is alive (managers that hear
+    /// nothing for the takeover window try the next controller).
+    Beat,
     /// Start an agent for an application.
     StartAgent {
         /// Agent id.
@@ -530,6 +600,9 @@ pub enum ClientReply {
     Status(StatusReport),
     /// The request failed.
     Error(String),
+    /// This controller is not (or cannot confirm it still is) the primary;
+    /// nothing was done: ask the next controller.
+    NotPrimary(String),
 }
 
 /// A node as `icheck status` shows it.
@@ -871,6 +944,42 @@ pub struct StatusReport {
     /// directory, and then remembers nothing across a restart).
     #[serde(default)]
     pub journal: Option<Box<JournalReport>>,
+    /// Which controller answered, its epoch and its standby.
+    #[serde(default)]
+    pub controller: Option<Box<ControllerReport>>,
+}
+
+/// The controller that answered a status request, for operators.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct ControllerReport {
+    /// Its address (as configured).
+    pub address: String,
+    /// Its fencing epoch (raised by every takeover).
+    pub epoch: u64,
+    /// Every configured controller, in the order they are tried.
+    pub controllers: Vec<String>,
+    /// Whether it may act now (its standby answered within the lease, or
+    /// it runs without one).
+    pub lease: bool,
+    /// Why it may act, or why not, in words.
+    pub lease_reason: String,
+    /// The standby following its journal, if one is attached.
+    pub standby: Option<StandbyReport>,
+    /// When its epoch began by a takeover (Unix ms), if it did.
+    pub took_over_unix_ms: Option<u64>,
+    /// Takeovers this journal has seen.
+    pub takeovers: u64,
+}
+
+/// A standby controller as the primary sees it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StandbyReport {
+    /// Its address.
+    pub peer: String,
+    /// Journal events sent to it and not yet acknowledged as durable.
+    pub lag_events: u64,
+    /// Seconds since it last acknowledged a heartbeat.
+    pub last_ack_secs: f64,
 }
 
 /// The controller's journal, for operators.

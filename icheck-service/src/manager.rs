@@ -15,7 +15,7 @@ use tokio::sync::mpsc;
 use icheck_core::config::StaticConfig;
 use icheck_core::monitor::{read_rapl_energy, NodeActivity, PowerMeter};
 use icheck_core::protocol::{
-    self, AgentInfo, ControllerToManager, Hello, HelloReply, ManagerToController, NodeStatus, ProtocolError, Role,
+    self, AgentInfo, ControllerToManager, Hello, ManagerToController, NodeStatus, ProtocolError, Role,
 };
 
 use crate::agent::{Agent, AgentSettings};
@@ -111,18 +111,57 @@ async fn serve(config: StaticConfig, node: String, agents: Agents) -> Result<(),
     if files > 0 {
         tracing::warn!(files, bytes, "removed unsealed version files a previous manager left in the store");
     }
-    let mut delay = Duration::from_millis(100);
     let inventory = Arc::new(Mutex::new(InventoryCache::default()));
+    let controllers = config.controller_endpoints();
+    // With a standby, a takeover must not wait for a long back-off.
+    let longest = if controllers.len() > 1 { Duration::from_millis(500) } else { Duration::from_secs(2) };
+    let mut delay = Duration::from_millis(100);
+    // The fencing epoch: the highest any controller answered with.
+    let mut epoch = 0;
     loop {
-        match session(&config, &settings, &node, &agents, &inventory).await {
-            Err(ServiceError::Protocol(ProtocolError::Refused { peer, reason })) => {
-                return Err(ProtocolError::Refused { peer, reason }.into());
+        for peer in &controllers {
+            let mut link = ControllerSession { peer, epoch, registered: false };
+            let result = link.run(&config, &settings, &node, &agents, &inventory).await;
+            epoch = link.epoch;
+            if link.registered {
+                delay = Duration::from_millis(100);
             }
-            Err(err) => tracing::warn!(%err, "controller connection lost; reconnecting"),
-            Ok(()) => tracing::warn!("controller closed the connection; reconnecting"),
+            match result {
+                Err(ServiceError::Protocol(ProtocolError::Refused { peer, reason })) => {
+                    return Err(ProtocolError::Refused { peer, reason }.into());
+                }
+                Err(ServiceError::Protocol(err @ ProtocolError::NotPrimary { .. }))
+                | Err(ServiceError::Protocol(err @ ProtocolError::StaleEpoch { .. })) => {
+                    tracing::debug!(%err, "not the primary controller; trying the next");
+                }
+                Err(err) => tracing::warn!(%peer, %err, "controller connection lost; reconnecting"),
+                Ok(()) => tracing::warn!(%peer, "controller closed the connection; reconnecting"),
+            }
         }
         tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_secs(2));
+        delay = (delay * 2).min(longest);
+    }
+}
+
+/// One connection to a controller, and what it taught.
+struct ControllerSession<'a> {
+    peer: &'a str,
+    /// The highest controller epoch seen (raised by this controller's answer).
+    epoch: u64,
+    /// The controller accepted the registration.
+    registered: bool,
+}
+
+impl ControllerSession<'_> {
+    async fn run(
+        &mut self,
+        config: &StaticConfig,
+        settings: &AgentSettings,
+        node: &str,
+        agents: &Agents,
+        inventory: &Arc<Mutex<InventoryCache>>,
+    ) -> Result<(), ServiceError> {
+        session(config, settings, node, agents, inventory, self).await
     }
 }
 
@@ -132,16 +171,20 @@ async fn session(
     node: &str,
     agents: &Agents,
     inventory: &Arc<Mutex<InventoryCache>>,
+    link: &mut ControllerSession<'_>,
 ) -> Result<(), ServiceError> {
-    let peer = config.controller_endpoint();
+    let peer = link.peer.to_string();
     let mut stream = TcpStream::connect(&peer)
         .await
         .map_err(|error| ServiceError::Io { what: format!("cannot connect to the controller at {peer}"), error })?;
     stream.set_nodelay(true).ok();
-    framing::send(&mut stream, &Hello::new(&config.effective_token(), Role::Manager)).await?;
-    if let HelloReply::Refused(reason) = framing::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {
-        return Err(ProtocolError::Refused { peer, reason }.into());
-    }
+    framing::send(&mut stream, &Hello::with_epoch(&config.effective_token(), Role::Manager, link.epoch)).await?;
+    // With a standby, a stopped controller must not hold the manager for
+    // the whole request timeout.
+    let several = config.controller_endpoints().len() > 1;
+    let answer_within = if several { config.takeover_after() } else { protocol::REQUEST_TIMEOUT };
+    let reply = framing::recv_timeout(&mut stream, answer_within).await?;
+    link.epoch = protocol::accept_controller(&peer, reply, link.epoch)?;
     // What the store holds, verified (reading only versions sealed since the
     // last registration): the controller reconciles its journal with it.
     let stored = {
@@ -165,7 +208,10 @@ async fn session(
     };
     framing::send(&mut stream, &register).await?;
     match framing::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {
-        ControllerToManager::Registered => tracing::info!(%peer, "registered with the controller"),
+        ControllerToManager::Registered => {
+            link.registered = true;
+            tracing::info!(%peer, epoch = link.epoch, "registered with the controller");
+        }
         ControllerToManager::Rejected(reason) => return Err(ProtocolError::Refused { peer, reason }.into()),
         other => return Err(ProtocolError::Unexpected { peer, what: format!("{other:?}") }.into()),
     }
@@ -209,9 +255,16 @@ async fn session(
         })
     };
     let mut timers = timers;
+    // A controller that answers no heartbeat for the takeover window (and
+    // one more heartbeat) may have been replaced: look for the primary.
+    let silence = config.takeover_after() + config.heartbeat();
     let result = loop {
         let received = tokio::select! {
             received = framing::recv(&mut reader) => received,
+            _ = tokio::time::sleep(silence), if several => {
+                tracing::warn!(%peer, ?silence, "the controller is silent; looking for the primary");
+                break Ok(());
+            }
             // Heartbeats must never stop while the connection stays open:
             // the controller would take the node for silent. If their task
             // ends (a panic), the session ends, and a new one restarts it.
@@ -296,6 +349,7 @@ async fn session(
                     }
                 });
             }
+            ControllerToManager::Beat => {}
             other => tracing::warn!(?other, "unexpected message from the controller; ignored"),
         }
     };

@@ -203,6 +203,48 @@ pub fn render(report: &StatusReport) -> String {
             kind: "gauge",
             samples: vec![],
         },
+        Family {
+            name: "icheck_controller_epoch",
+            help: "Fencing epoch of the answering controller (raised by every takeover)",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_controller_primary",
+            help: "1 while the answering controller holds its lease and acts as the primary",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_controller_takeovers_total",
+            help: "Takeovers by a standby this journal has seen",
+            kind: "counter",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_controller_last_takeover_timestamp_seconds",
+            help: "Unix time of the last takeover",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_standby_attached",
+            help: "1 while a standby follows the primary's journal",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_standby_lag_events",
+            help: "Journal events sent to the standby and not yet acknowledged as durable",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_standby_last_ack_seconds",
+            help: "Seconds since the standby acknowledged a heartbeat",
+            kind: "gauge",
+            samples: vec![],
+        },
     ];
     let mut put = |name: &str, labels: String, value: Option<f64>| {
         if let (Some(family), Some(value)) = (families.iter_mut().find(|f| f.name == name), value) {
@@ -252,6 +294,20 @@ pub fn render(report: &StatusReport) -> String {
         put("icheck_controller_incarnation", String::new(), Some(f64::from(journal.incarnation)));
         put("icheck_journal_events", String::new(), Some(journal.records as f64));
         put("icheck_journal_damaged", String::new(), Some(f64::from(u8::from(journal.damage.is_some()))));
+    }
+    if let Some(c) = &report.controller {
+        let l = format!("address=\"{}\"", escape(&c.address));
+        put("icheck_controller_epoch", l.clone(), Some(c.epoch as f64));
+        put("icheck_controller_primary", l.clone(), Some(f64::from(u8::from(c.lease))));
+        put("icheck_controller_takeovers_total", l.clone(), Some(c.takeovers as f64));
+        put(
+            "icheck_controller_last_takeover_timestamp_seconds",
+            l.clone(),
+            c.took_over_unix_ms.map(|ms| ms as f64 / 1e3),
+        );
+        put("icheck_standby_attached", l.clone(), Some(f64::from(u8::from(c.standby.is_some()))));
+        put("icheck_standby_lag_events", l.clone(), c.standby.as_ref().map(|s| s.lag_events as f64));
+        put("icheck_standby_last_ack_seconds", l, c.standby.as_ref().map(|s| s.last_ack_secs));
     }
     let mut text = String::new();
     for family in families.iter().filter(|f| !f.samples.is_empty()) {
@@ -340,6 +396,12 @@ mod tests {
             apps: vec![],
             init_agent_count: String::new(),
             journal: None,
+            controller: Some(Box::new(icheck_core::protocol::ControllerReport {
+                address: "h:1".into(),
+                epoch: 3,
+                lease: true,
+                ..Default::default()
+            })),
         };
         let text = render(&report);
         assert!(text.contains("icheck_node_up{node=\"n\\\"1\"} 1\n"), "{text}");
@@ -348,5 +410,8 @@ mod tests {
         assert!(text.contains("# TYPE icheck_node_checkpoint_operations_total counter"));
         assert!(!text.contains("icheck_node_power_watts"), "no RAPL reading: no sample\n{text}");
         assert!(!text.contains("icheck_node_memory_depletion"), "one sample: no rate\n{text}");
+        assert!(text.contains("icheck_controller_epoch{address=\"h:1\"} 3\n"), "{text}");
+        assert!(text.contains("icheck_standby_attached{address=\"h:1\"} 0\n"), "{text}");
+        assert!(!text.contains("icheck_standby_lag_events"), "no standby: no lag\n{text}");
     }
 }

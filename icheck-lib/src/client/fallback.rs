@@ -94,15 +94,12 @@ impl Icheck {
         let mut answer = Vec::new();
         let mut connection = None;
         if self.comm.rank() == 0 {
+            let mut link = ControllerLink::new(&self.config, &self.token, self.connect_timeout, CONTROLLER_TIMEOUT);
             let result: std::result::Result<ClientReply, String> =
-                BlockingConnection::connect(&self.controller_peer, &self.token, self.connect_timeout)
-                    .and_then(|mut c| {
-                        c.set_timeout(CONTROLLER_TIMEOUT);
-                        let reply = c.request(&ClientRequest::RegisterApp(self.registration.clone()))?;
-                        connection = Some(c);
-                        Ok(reply)
-                    })
-                    .map_err(|e| e.to_string());
+                link.request(&ClientRequest::RegisterApp(self.registration.clone())).map_err(|e| e.to_string());
+            if result.is_ok() {
+                connection = Some(link);
+            }
             answer = protocol::encode(&result).unwrap_or_default();
         }
         let answer = self.comm.broadcast_from_root(answer);

@@ -18,8 +18,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use icheck_core::config::{ConfigError, StaticConfig, TransferDirection};
-use icheck_core::control::BlockingConnection;
 use icheck_core::control::ServiceError;
+use icheck_core::control::{BlockingConnection, ControllerLink};
 use icheck_core::decide::agent_for_rank;
 use icheck_core::distribution::{Adapt, Attribute, GlobalLayout};
 use icheck_core::fabric::{
@@ -109,8 +109,12 @@ pub struct Icheck {
     token: String,
     comm: Box<dyn Communicator>,
     endpoint: Endpoint,
-    controller: Option<BlockingConnection>,
+    /// The controllers (the primary, and its standby if configured).
+    controller: Option<ControllerLink>,
+    /// The configured controllers, as errors name them.
     controller_peer: String,
+    /// The configuration init read (the controllers, to reach them again).
+    config: StaticConfig,
     agents: Vec<AgentInfo>,
     /// This process's agent session: every rank in MR mode, node leaders
     /// only in SHMR mode.
@@ -247,7 +251,7 @@ impl Icheck {
         let endpoint = Endpoint::new(&domain)?;
 
         // Rank 0 registers; everyone learns the outcome (or the error).
-        let controller_peer = config.controller_endpoint();
+        let controller_peer = config.controller_endpoints().join(" or ");
         let mut controller = None;
         let mut answer = Vec::new();
         let (nodes, per_node) = comm.node_counts();
@@ -261,12 +265,9 @@ impl Icheck {
             compression,
         };
         if rank == 0 {
-            let outcome = BlockingConnection::connect(&controller_peer, &token, connect_timeout).and_then(|mut c| {
-                // Registrations and probes may wait for managers to start agents.
-                c.set_timeout(CONTROLLER_TIMEOUT);
-                let reply = c.request(&ClientRequest::RegisterApp(registration.clone()))?;
-                Ok((c, reply))
-            });
+            // Registrations and probes may wait for managers to start agents.
+            let mut link = ControllerLink::new(&config, &token, connect_timeout, CONTROLLER_TIMEOUT);
+            let outcome = link.request(&ClientRequest::RegisterApp(registration.clone())).map(|reply| (link, reply));
             let result: std::result::Result<ClientReply, String> = match outcome {
                 Ok((connection, reply)) => {
                     controller = Some(connection);
@@ -274,7 +275,9 @@ impl Icheck {
                 }
                 // §6.5.1: no service, but a PFS: keep the application running
                 // by writing versions there directly (an empty agent list).
-                Err(err @ ServiceError::Io { .. }) | Err(err @ ServiceError::Protocol(ProtocolError::Timeout(_)))
+                Err(err @ ServiceError::Io { .. })
+                | Err(err @ ServiceError::Protocol(ProtocolError::Timeout(_)))
+                | Err(err @ ServiceError::Protocol(ProtocolError::NotPrimary { .. }))
                     if config.pfs_dir.is_some() =>
                 {
                     let pfs = icheck_core::pfs::PfsStore::new(config.pfs_dir.clone().expect("checked"));
@@ -338,6 +341,7 @@ impl Icheck {
             endpoint,
             controller,
             controller_peer,
+            config: config.clone(),
             agents,
             link,
             mode,

@@ -92,6 +92,15 @@ pub enum Event {
         /// Draining or open.
         drain: bool,
     },
+    /// The controller's fencing epoch (raised by every takeover).
+    Epoch {
+        /// The epoch now in force.
+        epoch: u64,
+        /// When the last takeover happened (Unix ms), if one did.
+        took_over_unix_ms: Option<u64>,
+        /// Takeovers so far.
+        takeovers: u64,
+    },
 }
 
 /// A complete version as the journal remembers it.
@@ -126,6 +135,12 @@ pub struct Replayed {
     pub apps: BTreeMap<String, JournaledApp>,
     /// Nodes an operator drained.
     pub drained: BTreeSet<String>,
+    /// The fencing epoch in force (0: none recorded yet).
+    pub epoch: u64,
+    /// When the last takeover happened (Unix ms), if one did.
+    pub took_over_unix_ms: Option<u64>,
+    /// Takeovers so far.
+    pub takeovers: u64,
 }
 
 impl Replayed {
@@ -160,6 +175,13 @@ impl Replayed {
                     self.drained.remove(node);
                 }
             }
+            Event::Epoch { epoch, took_over_unix_ms, takeovers } => {
+                if *epoch >= self.epoch {
+                    self.epoch = *epoch;
+                    self.took_over_unix_ms = *took_over_unix_ms;
+                    self.takeovers = *takeovers;
+                }
+            }
         }
     }
 
@@ -168,6 +190,13 @@ impl Replayed {
     /// nothing could restart them.
     pub fn snapshot(&self) -> Vec<Event> {
         let mut events = vec![Event::Started { incarnation: self.incarnation }];
+        if self.epoch > 0 {
+            events.push(Event::Epoch {
+                epoch: self.epoch,
+                took_over_unix_ms: self.took_over_unix_ms,
+                takeovers: self.takeovers,
+            });
+        }
         for (name, app) in &self.apps {
             let Some(registration) = &app.registration else { continue };
             events.push(Event::Placed { registration: registration.clone(), agents: app.agents.clone() });
@@ -341,6 +370,36 @@ impl Journal {
         Ok(journal)
     }
 
+    /// Replaces the journal in `dir` by `events` (a primary's snapshot, as
+    /// a standby receives it): written to a temporary file, synced and
+    /// renamed, as compaction does. Appends no [`Event::Started`]: this
+    /// process has not acted as a controller on it.
+    pub fn mirror(dir: &Path, events: &[Event]) -> Result<Journal, JournalError> {
+        let path = dir.join(JOURNAL_FILE);
+        std::fs::create_dir_all(dir).map_err(io("create its directory", dir))?;
+        let mut state = Replayed::default();
+        for event in events {
+            state.apply(event);
+        }
+        // Compaction writes the state's events and reopens the file.
+        let placeholder = File::open(dir).map_err(io("open its directory", dir))?;
+        let mut journal = Journal { file: placeholder, path, state, records: 0, since_compaction: 0, damage: None };
+        journal.compact()?;
+        Ok(journal)
+    }
+
+    /// The state of the journal in `dir` as it stands, read without
+    /// changing anything (empty if there is none or it is unreadable).
+    pub fn peek(dir: &Path) -> Replayed {
+        let mut state = Replayed::default();
+        if let Ok(bytes) = std::fs::read(dir.join(JOURNAL_FILE)) {
+            if bytes.len() >= MAGIC.len() && &bytes[..MAGIC.len()] == MAGIC {
+                parse(&bytes).events.iter().for_each(|e| state.apply(e));
+            }
+        }
+        state
+    }
+
     fn open_for_append(path: &Path) -> Result<File, JournalError> {
         OpenOptions::new().create(true).append(true).open(path).map_err(io("open it for appending", path))
     }
@@ -450,6 +509,30 @@ mod tests {
         let mut rebuilt = Replayed::default();
         state.snapshot().iter().for_each(|e| rebuilt.apply(e));
         assert_eq!(rebuilt, state);
+    }
+
+    #[test]
+    fn a_mirrored_journal_is_the_primary_s_state_and_keeps_its_epoch() {
+        let dir = dir("mirror");
+        let mut primary = Replayed::default();
+        primary.apply(&Event::Started { incarnation: 3 });
+        primary.apply(&Event::Epoch { epoch: 2, took_over_unix_ms: Some(9), takeovers: 1 });
+        primary.apply(&Event::Placed { registration: registration("a"), agents: vec![] });
+        primary.apply(&complete("a", 5));
+        // An older epoch never lowers the one in force.
+        primary.apply(&Event::Epoch { epoch: 1, took_over_unix_ms: None, takeovers: 0 });
+        assert_eq!((primary.epoch, primary.takeovers), (2, 1));
+        let mut mirror = Journal::mirror(&dir, &primary.snapshot()).unwrap();
+        assert_eq!(mirror.state(), &primary);
+        mirror.append(&complete("a", 6)).unwrap();
+        mirror.append(&Event::Epoch { epoch: 3, took_over_unix_ms: Some(10), takeovers: 2 }).unwrap();
+        drop(mirror);
+        // The standby that takes over opens it as its own: a new incarnation.
+        let reopened = Journal::open(&dir).unwrap();
+        let state = reopened.state();
+        assert_eq!((state.incarnation, state.epoch, state.takeovers), (4, 3, 2));
+        assert_eq!(state.apps["a"].versions.last().map(|v| v.record.version), Some(6));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

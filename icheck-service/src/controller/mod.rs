@@ -12,6 +12,7 @@ mod copies;
 pub mod journal;
 mod nodes;
 mod reconcile;
+mod replica;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -37,6 +38,7 @@ use copies::{Answered, CopyBook, OnRecorded};
 use journal::{Event, Journal, JournaledApp};
 use nodes::NodeBook;
 use reconcile::Holdings;
+use replica::{Lease, ToPrimary, ToStandby};
 
 /// How far ahead the memory forecast looks, in seconds.
 const FORECAST_HORIZON_SECS: f64 = 60.0;
@@ -79,6 +81,12 @@ struct State {
     /// a node comes back may predate agents it started just before it fell
     /// silent).
     returning: HashMap<String, Instant>,
+    /// The fencing epoch of this primary.
+    epoch: u64,
+    /// This primary's lease and its standby's progress.
+    lease: Lease,
+    /// The attached standby's stream: every journaled event goes there.
+    standby: Option<mpsc::UnboundedSender<ToStandby>>,
 }
 
 /// How long a returned node's reports are searched for stale agents.
@@ -91,12 +99,19 @@ const AGENT_IDS_PER_INCARNATION: u64 = 1_000_000;
 
 /// Writes `event` to the journal (when the controller keeps one) before
 /// the caller acknowledges what it records; the error is the reply.
+/// The event also goes to the standby, and the reply that acknowledges it
+/// waits for the standby's acknowledgement ([`replicated`]).
 fn journal(state: &mut State, event: &Event) -> Result<(), String> {
     let Some(journal) = state.journal.as_mut() else { return Ok(()) };
     journal.append(event).map_err(|err| {
         tracing::error!(%err, "cannot write the controller journal");
         format!("the controller cannot journal it, so it is not recorded: {err}")
-    })
+    })?;
+    let seq = state.lease.appended();
+    if let Some(standby) = &state.standby {
+        let _ = standby.send(ToStandby::Append { seq, event: event.clone() });
+    }
+    Ok(())
 }
 
 struct Shared {
@@ -112,6 +127,15 @@ struct Shared {
     relaunch_limit: u32,
     state: Mutex<State>,
     dynamic: RwLock<DynamicConfig>,
+    /// This controller's address, and every configured controller's.
+    me: String,
+    controllers: Vec<String>,
+    /// `TakeoverAfter`.
+    window: Duration,
+    /// Set when a higher epoch was seen: the primary phase ends.
+    step_down: tokio::sync::Notify,
+    /// Woken when the standby acknowledges events or goes away.
+    acked: tokio::sync::Notify,
 }
 
 impl Shared {
@@ -127,6 +151,40 @@ impl Shared {
     fn dynamic(&self) -> DynamicConfig {
         self.dynamic.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
+
+    /// Whether this primary may act now (its lease), or why not, in words
+    /// a client or manager is told.
+    fn may_act(&self) -> Result<(), String> {
+        let state = self.state();
+        state.lease.may_act(Instant::now()).map_err(|why| {
+            format!("controller {} (epoch {}) is not acting as the primary: {why}", self.me, state.epoch)
+        })
+    }
+
+    /// Ends the primary phase: a controller with a higher epoch exists.
+    fn step_down(&self, why: &str) {
+        tracing::warn!(%why, "stepping down to standby");
+        self.step_down.notify_one();
+    }
+}
+
+/// Waits until the standby acknowledged every event journaled so far (at
+/// most the lease): what a reply acknowledges is on both controllers.
+/// Without a standby nothing is waited for, but the lease must hold.
+async fn replicated(shared: &Shared) -> Result<(), String> {
+    let seq = shared.state().lease.seq();
+    loop {
+        let notified = shared.acked.notified();
+        {
+            let state = shared.state();
+            if state.lease.replicated(seq) {
+                drop(state);
+                return shared.may_act();
+            }
+        }
+        shared.may_act()?;
+        let _ = tokio::time::timeout(shared.window / 8, notified).await;
+    }
 }
 
 /// Writes `address` to `dir/name` atomically (what `icheck up` and tests read).
@@ -137,30 +195,136 @@ fn write_address(dir: &std::path::Path, name: &str, address: &str) -> Result<(),
         .map_err(|error| ServiceError::Io { what: format!("cannot write {}/{name}", dir.display()), error })
 }
 
-/// Runs the controller until the process ends. With `state_dir`, the
-/// listening addresses are written to `state_dir/controller.addr` (and
-/// `metrics.addr` when `MetricsPort` is set).
+/// How a controller process runs (`icheck controller`).
+pub struct ControllerOptions {
+    /// Where `controller.addr` and `metrics.addr` are written (by whichever
+    /// controller is primary) and, unless `journal_dir` says otherwise,
+    /// the journal is kept.
+    pub state_dir: Option<PathBuf>,
+    /// Where the journal is kept (overrides `state_dir` and
+    /// `ControllerStateDir`); two controllers on one host need two.
+    pub journal_dir: Option<PathBuf>,
+    /// How dead managers are started again, if at all.
+    pub launcher: Option<Arc<dyn Launcher>>,
+    /// Start as the standby: follow the primary's journal and take over
+    /// when it falls silent.
+    pub standby: bool,
+    /// This controller's entry of `ControllerAddress` (default: the first,
+    /// or the second with `standby`).
+    pub listen: Option<String>,
+}
+
+/// Runs a controller until the process ends: as the primary, or as the
+/// standby until it takes over, and as the standby again after it steps
+/// down. Each phase runs on a runtime of its own, so a phase that ends
+/// leaves no task, connection or listener behind.
 ///
 /// With a `launcher`, a manager whose connection closed and whose process
 /// is dead is started again through it (§6.5.2), at most
 /// `ManagerRelaunches` times in ten minutes before the node is given up.
-pub async fn run(
-    config: StaticConfig,
-    state_dir: Option<PathBuf>,
-    launcher: Option<Arc<dyn Launcher>>,
+pub fn serve(config: StaticConfig, options: ControllerOptions) -> Result<(), ServiceError> {
+    let controllers = config.controller_endpoints();
+    let me = match (&options.listen, options.standby) {
+        (Some(address), _) => address.clone(),
+        (None, false) => controllers[0].clone(),
+        (None, true) => controllers.get(1).cloned().ok_or_else(|| {
+            ServiceError::Remote(
+                "--standby needs a second controller in ControllerAddress, e.g. \
+                 ControllerAddress = [\"host1:7777\", \"host2:7777\"]"
+                    .into(),
+            )
+        })?,
+    };
+    if controllers.len() > 1 && !controllers.contains(&me) {
+        return Err(ServiceError::Remote(format!(
+            "--listen {me} is not one of the controllers in ControllerAddress ({})",
+            controllers.join(", ")
+        )));
+    }
+    let journal_dir = options
+        .journal_dir
+        .clone()
+        .or_else(|| options.state_dir.clone())
+        .or_else(|| config.controller_state_dir.clone());
+    let _lock = match &journal_dir {
+        Some(dir) => Some(lock_journal_dir(dir)?),
+        None if controllers.len() > 1 => {
+            return Err(ServiceError::Remote(
+                "a controller with a standby keeps a journal: give it --state-dir or ControllerStateDir".into(),
+            ))
+        }
+        None => None,
+    };
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|error| ServiceError::Io { what: "cannot start the async runtime".into(), error })
+    };
+    let mut standby = options.standby;
+    loop {
+        if standby {
+            let dir = journal_dir.as_deref().expect("checked: a controller with partners keeps a journal");
+            let phase = runtime()?;
+            phase.block_on(follow(&config, &me, &controllers, dir))?;
+            phase.shutdown_timeout(Duration::from_millis(200));
+        }
+        let phase = runtime()?;
+        phase.block_on(run(&config, &options, &me, journal_dir.clone(), standby))?;
+        phase.shutdown_timeout(Duration::from_millis(200));
+        standby = true;
+    }
+}
+
+/// Holds an exclusive lock on the journal directory for the process's
+/// life: two controllers writing one journal would corrupt it.
+fn lock_journal_dir(dir: &std::path::Path) -> Result<std::fs::File, ServiceError> {
+    let io = |what: String| move |error| ServiceError::Io { what, error };
+    std::fs::create_dir_all(dir).map_err(io(format!("cannot create the journal directory {}", dir.display())))?;
+    let path = dir.join("controller.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io(format!("cannot open {}", path.display())))?;
+    nix::fcntl::Flock::lock(
+        file.try_clone().map_err(io(path.display().to_string()))?,
+        nix::fcntl::FlockArg::LockExclusiveNonblock,
+    )
+    .map(std::mem::forget)
+    .map_err(|(_, errno)| {
+        ServiceError::Remote(format!(
+            "the journal directory {} is in use by another controller ({errno}); give each controller its own \
+                 (--journal-dir)",
+            dir.display()
+        ))
+    })?;
+    Ok(file)
+}
+
+/// The primary phase: runs until a controller with a higher epoch is
+/// seen. With a state directory, the listening addresses are written to
+/// `controller.addr` (and `metrics.addr` when `MetricsPort` is set).
+async fn run(
+    config: &StaticConfig,
+    options: &ControllerOptions,
+    me: &str,
+    journal_dir: Option<PathBuf>,
+    took_over: bool,
 ) -> Result<(), ServiceError> {
+    let (config, state_dir, launcher) = (config.clone(), options.state_dir.clone(), options.launcher.clone());
     let dynamic = match &config.dynamic_config {
         Some(path) => DynamicConfig::load(path)?,
         None => DynamicConfig::default(),
     };
-    let listener = TcpListener::bind(config.controller_endpoint()).await.map_err(|error| ServiceError::Io {
-        what: format!("cannot listen on {}", config.controller_endpoint()),
-        error,
-    })?;
+    let listener = TcpListener::bind(me)
+        .await
+        .map_err(|error| ServiceError::Io { what: format!("cannot listen on {me}"), error })?;
     let local = listener.local_addr().map_err(|error| ServiceError::Io { what: "local_addr".into(), error })?;
     tracing::info!(address = %local, "controller listening");
-    let journal_dir = state_dir.clone().or_else(|| config.controller_state_dir.clone());
-    let journal = match &journal_dir {
+    let mut journal = match &journal_dir {
         Some(dir) => Some(Journal::open(dir).map_err(|err| ServiceError::Remote(err.to_string()))?),
         None => {
             tracing::warn!(
@@ -169,6 +333,11 @@ pub async fn run(
             None
         }
     };
+    if let Some(journal) = journal.as_mut().filter(|j| j.state().epoch == 0) {
+        let first = Event::Epoch { epoch: 1, took_over_unix_ms: None, takeovers: 0 };
+        journal.append(&first).map_err(|err| ServiceError::Remote(err.to_string()))?;
+    }
+    let epoch = journal.as_ref().map_or(1, |j| j.state().epoch);
     let pfs = config.pfs_dir.clone().map(icheck_core::pfs::PfsStore::new);
     let (apps, incarnation) = match &journal {
         Some(journal) => {
@@ -180,6 +349,7 @@ pub async fn run(
             tracing::info!(
                 journal = %report.path,
                 incarnation = replayed.incarnation,
+                epoch,
                 apps = replayed.apps.len(),
                 "replayed the controller journal; versions count once the managers confirm them"
             );
@@ -188,9 +358,7 @@ pub async fn run(
         None => (BTreeMap::new(), 0),
     };
     let reconcile_window = config.heartbeat() * config.missed_heartbeats.max(1) + Duration::from_secs(5);
-    if let Some(dir) = &state_dir {
-        write_address(dir, "controller.addr", &local.to_string())?;
-    }
+    let controllers = config.controller_endpoints();
     let shared = Arc::new(Shared {
         started: Instant::now(),
         token: config.effective_token(),
@@ -210,14 +378,32 @@ pub async fn run(
             holdings: Holdings::new(),
             reconcile_by: Instant::now() + reconcile_window,
             returning: HashMap::new(),
+            epoch,
+            lease: {
+                let mut lease = Lease::new(config.takeover_after(), controllers.len() > 1);
+                if took_over {
+                    lease.took_over();
+                }
+                lease
+            },
+            standby: None,
         }),
         dynamic: RwLock::new(dynamic),
+        me: me.to_string(),
+        controllers,
+        window: config.takeover_after(),
+        step_down: tokio::sync::Notify::new(),
+        acked: tokio::sync::Notify::new(),
     });
+    if let Some(dir) = &state_dir {
+        write_address(dir, "controller.addr", &local.to_string())?;
+    }
     if let Some(path) = config.dynamic_config.clone() {
         tokio::spawn(reload_dynamic(shared.clone(), path));
     }
     if let Some(port) = config.metrics_port {
-        let address = format!("{}:{port}", config.controller_address);
+        let host = icheck_core::config::split_port(me).map_or(me, |(host, _)| host);
+        let address = format!("{host}:{port}");
         let metrics = TcpListener::bind(&address)
             .await
             .map_err(|error| ServiceError::Io { what: format!("cannot listen for /metrics on {address}"), error })?;
@@ -230,8 +416,15 @@ pub async fn run(
         tokio::spawn(super::metrics::serve(metrics, move || status_report(&shared)));
     }
     tokio::spawn(watch_liveness(shared.clone()));
+    if shared.controllers.len() > 1 {
+        tokio::spawn(watch_partners(shared.clone()));
+    }
     loop {
-        let (stream, peer) = match listener.accept().await {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = shared.step_down.notified() => return Ok(()),
+        };
+        let (stream, peer) = match accepted {
             Ok(accepted) => accepted,
             Err(err) => {
                 tracing::warn!(%err, "accept failed");
@@ -242,13 +435,159 @@ pub async fn run(
         stream.set_nodelay(true).ok();
         let shared = shared.clone();
         tokio::spawn(async move {
-            if let Err(err) = serve_connection(shared, stream).await {
+            if let Err(err) = serve_connection(shared, stream, peer).await {
                 match err {
                     ProtocolError::Closed => tracing::debug!(%peer, "connection closed"),
                     err => tracing::warn!(%peer, %err, "connection dropped"),
                 }
             }
         });
+    }
+}
+
+/// The standby phase: follows the primary's journal (the first other
+/// controller that answers as the primary at an epoch no older than the
+/// one this journal has seen) and returns once it took over: the primary
+/// was silent for the whole takeover window and could not be reached
+/// again. Until it holds a copy of the journal, it never takes over.
+async fn follow(
+    config: &StaticConfig,
+    me: &str,
+    controllers: &[String],
+    dir: &std::path::Path,
+) -> Result<(), ServiceError> {
+    let window = config.takeover_after();
+    let token = config.effective_token();
+    let listener = TcpListener::bind(me)
+        .await
+        .map_err(|error| ServiceError::Io { what: format!("cannot listen on {me}"), error })?;
+    let synced = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    tokio::spawn(answer_as_standby(listener, token.clone(), synced.clone()));
+    let mut epoch = Journal::peek(dir).epoch;
+    tracing::info!(%me, epoch, ?window, "standby: following the primary");
+    let mut mirror: Option<Journal> = None;
+    let mut last_heard = Instant::now();
+    loop {
+        for peer in controllers.iter().filter(|c| c.as_str() != me) {
+            let mut follower = Follower { dir, epoch, window, mirror: &mut mirror, last_heard: &mut last_heard };
+            let result = follower.follow(peer, &token, &synced).await;
+            epoch = follower.epoch;
+            match result {
+                Ok(()) => tracing::warn!(primary = %peer, "the primary ended the journal stream"),
+                Err(reason) => tracing::debug!(primary = %peer, %reason, "not following"),
+            }
+        }
+        let synced_now = synced.load(std::sync::atomic::Ordering::SeqCst);
+        if replica::takeover_due(synced_now, last_heard, Instant::now(), window) {
+            let journal = mirror.as_mut().expect("synced: the mirror exists");
+            let state = journal.state();
+            let took_over = Event::Epoch {
+                epoch: state.epoch.max(epoch) + 1,
+                took_over_unix_ms: Some(unix_ms()),
+                takeovers: state.takeovers + 1,
+            };
+            journal.append(&took_over).map_err(|err| ServiceError::Remote(err.to_string()))?;
+            tracing::warn!(
+                silent = ?last_heard.elapsed(),
+                ?took_over,
+                "the primary is silent and unreachable: taking over"
+            );
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Answers every Hello while this controller is a standby: not the
+/// primary, and whether it holds the journal.
+async fn answer_as_standby(listener: TcpListener, token: String, synced: Arc<std::sync::atomic::AtomicBool>) {
+    loop {
+        let Ok((mut stream, _)) = listener.accept().await else { continue };
+        let (token, synced) = (token.clone(), synced.clone());
+        tokio::spawn(async move {
+            let Ok(hello) = framing::recv_timeout::<_, Hello>(&mut stream, HELLO_TIMEOUT).await else { return };
+            let reply = match protocol::check_hello(&hello, &token) {
+                Err(reason) => HelloReply::Refused(reason),
+                Ok(()) => HelloReply::Standby { synced: synced.load(std::sync::atomic::Ordering::SeqCst) },
+            };
+            let _ = framing::send(&mut stream, &reply).await;
+        });
+    }
+}
+
+/// One attachment of a standby to a primary.
+struct Follower<'a> {
+    dir: &'a std::path::Path,
+    /// The highest epoch seen.
+    epoch: u64,
+    window: Duration,
+    mirror: &'a mut Option<Journal>,
+    last_heard: &'a mut Instant,
+}
+
+impl Follower<'_> {
+    /// Attaches to `peer` and follows its journal until the stream ends or
+    /// is silent for the takeover window.
+    async fn follow(&mut self, peer: &str, token: &str, synced: &std::sync::atomic::AtomicBool) -> Result<(), String> {
+        let limit = self.window / 4;
+        let attach = async {
+            let mut stream = TcpStream::connect(peer).await.map_err(|e| e.to_string())?;
+            stream.set_nodelay(true).ok();
+            framing::send(&mut stream, &Hello::with_epoch(token, Role::Standby, self.epoch))
+                .await
+                .map_err(|e| e.to_string())?;
+            let reply = framing::recv::<_, HelloReply>(&mut stream).await.map_err(|e| e.to_string())?;
+            protocol::accept_controller(peer, reply, self.epoch).map_err(|e| e.to_string()).map(|e| (stream, e))
+        };
+        let (mut stream, epoch) = tokio::time::timeout(limit, attach).await.map_err(|_| "no answer".to_string())??;
+        self.epoch = epoch;
+        let silent = |what: &str| format!("{what} for {:?}", self.window);
+        let mut events = Vec::new();
+        let seq = loop {
+            match tokio::time::timeout(self.window, framing::recv::<_, ToStandby>(&mut stream)).await {
+                Err(_) => return Err(silent("no snapshot")),
+                Ok(Err(err)) => return Err(err.to_string()),
+                Ok(Ok(ToStandby::Snapshot { events: part, done, seq, .. })) => {
+                    events.extend(part);
+                    if done {
+                        break seq;
+                    }
+                }
+                Ok(Ok(other)) => return Err(format!("expected the journal snapshot, got {other:?}")),
+            }
+        };
+        let journal = Journal::mirror(self.dir, &events).map_err(|e| e.to_string())?;
+        *self.mirror = Some(journal);
+        synced.store(true, std::sync::atomic::Ordering::SeqCst);
+        *self.last_heard = Instant::now();
+        tracing::info!(primary = %peer, epoch, events = events.len(), "standby synced with the primary's journal");
+        let (mut synced_seq, mut beat) = (seq, 0);
+        loop {
+            let message = match tokio::time::timeout(self.window, framing::recv::<_, ToStandby>(&mut stream)).await {
+                Err(_) => return Err(silent("the primary said nothing")),
+                Ok(Err(ProtocolError::Closed)) => return Ok(()),
+                Ok(Err(err)) => return Err(err.to_string()),
+                Ok(Ok(message)) => message,
+            };
+            *self.last_heard = Instant::now();
+            match message {
+                ToStandby::Append { seq, event } => {
+                    let journal = self.mirror.as_mut().expect("set above");
+                    journal.append(&event).map_err(|e| format!("cannot keep the journal copy: {e}"))?;
+                    self.epoch = self.epoch.max(journal.state().epoch);
+                    synced_seq = seq;
+                }
+                ToStandby::Beat { id } => beat = id,
+                ToStandby::Snapshot { .. } => return Err("a second snapshot on one stream".into()),
+            }
+            let ack = ToPrimary::Ack { seq: synced_seq, beat };
+            framing::send(&mut stream, &ack).await.map_err(|e| e.to_string())?;
+        }
     }
 }
 
@@ -415,17 +754,200 @@ async fn watch_liveness(shared: Arc<Shared>) {
     }
 }
 
-async fn serve_connection(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), ProtocolError> {
+async fn serve_connection(
+    shared: Arc<Shared>,
+    mut stream: TcpStream,
+    peer: std::net::SocketAddr,
+) -> Result<(), ProtocolError> {
     let hello: Hello = framing::recv_timeout(&mut stream, HELLO_TIMEOUT).await?;
     if let Err(reason) = protocol::check_hello(&hello, &shared.token) {
         tracing::warn!(%reason, "refused a peer");
         framing::send(&mut stream, &HelloReply::Refused(reason)).await?;
         return Ok(());
     }
-    framing::send(&mut stream, &HelloReply::Welcome).await?;
+    // The fencing rule: a peer that has seen a higher epoch knows of a
+    // newer primary; this one must not act, and becomes a standby.
+    let epoch = shared.state().epoch;
+    if hello.epoch > epoch {
+        let reason = format!(
+            "controller {} has epoch {epoch}, but {peer} has seen epoch {}: it was replaced",
+            shared.me, hello.epoch
+        );
+        framing::send(&mut stream, &HelloReply::NotPrimary(reason.clone())).await?;
+        shared.step_down(&reason);
+        return Ok(());
+    }
+    if hello.role == Role::Standby {
+        return replica_stream(shared, stream, peer).await;
+    }
+    if let Err(reason) = shared.may_act() {
+        framing::send(&mut stream, &HelloReply::NotPrimary(reason)).await?;
+        return Ok(());
+    }
+    framing::send(&mut stream, &HelloReply::Primary { epoch }).await?;
     match hello.role {
         Role::Manager => serve_manager(shared, stream).await,
-        Role::Client => serve_client(shared, stream).await,
+        Role::Client | Role::Standby => serve_client(shared, stream).await,
+    }
+}
+
+/// A standby attached (`Standby` Hello): it gets the journal's state, then
+/// every appended event and a heartbeat every eighth of the takeover
+/// window; its acknowledgements renew this primary's lease.
+async fn replica_stream(
+    shared: Arc<Shared>,
+    mut stream: TcpStream,
+    peer: std::net::SocketAddr,
+) -> Result<(), ProtocolError> {
+    let refused = {
+        let state = shared.state();
+        if state.journal.is_none() {
+            Some("this controller keeps no journal (no --state-dir or ControllerStateDir) to follow".to_string())
+        } else {
+            state.lease.attached().map(|other| format!("standby {other} already follows this controller"))
+        }
+    };
+    if let Some(reason) = refused {
+        framing::send(&mut stream, &HelloReply::NotPrimary(reason)).await?;
+        return Ok(());
+    }
+    let epoch = shared.state().epoch;
+    framing::send(&mut stream, &HelloReply::Primary { epoch }).await?;
+    let peer_name = peer.to_string();
+    // The snapshot and the channel are taken under one lock: every event
+    // is in the snapshot or in the channel, never in both or neither.
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (events, seq) = {
+        let mut state = shared.state();
+        let events = state.journal.as_ref().map(|j| j.state().snapshot()).unwrap_or_default();
+        state.standby = Some(tx);
+        state.lease.attach(&peer_name);
+        (events, state.lease.seq())
+    };
+    tracing::info!(standby = %peer, events = events.len(), "standby attached; sending the journal");
+    let (mut reader, mut writer) = stream.into_split();
+    let result = async {
+        let chunks: Vec<&[Event]> = events.chunks(replica::SNAPSHOT_CHUNK).collect();
+        let last = chunks.len().saturating_sub(1);
+        if chunks.is_empty() {
+            framing::send(&mut writer, &ToStandby::Snapshot { epoch, events: Vec::new(), done: true, seq }).await?;
+        }
+        for (index, chunk) in chunks.into_iter().enumerate() {
+            let part = ToStandby::Snapshot { epoch, events: chunk.to_vec(), done: index == last, seq };
+            framing::send(&mut writer, &part).await?;
+        }
+        // Acknowledgements arrive on their own task: a frame read is not
+        // cancel-safe, so it never races the sends below in a select.
+        let (ack_tx, mut acks) = mpsc::unbounded_channel();
+        let ack_reader = tokio::spawn(async move {
+            loop {
+                let ack: Result<ToPrimary, ProtocolError> = framing::recv(&mut reader).await;
+                let failed = ack.is_err();
+                if ack_tx.send(ack).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        let mut beat = tokio::time::interval(shared.window / 8);
+        let outcome = loop {
+            tokio::select! {
+                event = rx.recv() => match event {
+                    Some(event) => framing::send(&mut writer, &event).await?,
+                    None => break Ok(()),
+                },
+                _ = beat.tick() => {
+                    let id = shared.state().lease.beat_sent(Instant::now());
+                    framing::send(&mut writer, &ToStandby::Beat { id }).await?;
+                }
+                ack = acks.recv() => match ack {
+                    Some(Ok(ToPrimary::Ack { seq, beat })) => {
+                        shared.state().lease.acked(seq, beat);
+                        shared.acked.notify_waiters();
+                    }
+                    Some(Err(err)) => break Err(err),
+                    None => break Err(ProtocolError::Closed),
+                },
+            }
+        };
+        ack_reader.abort();
+        outcome
+    }
+    .await;
+    {
+        let mut state = shared.state();
+        state.standby = None;
+        state.lease.detach();
+    }
+    shared.acked.notify_waiters();
+    tracing::warn!(standby = %peer, ?result, "standby detached");
+    result
+}
+
+/// Answers a probe of a partner controller, and what this primary makes of it.
+enum PartnerSays {
+    /// Nothing listens there, or it holds no copy of the journal: it
+    /// cannot take over.
+    Inert,
+    /// A standby with the journal: it will attach.
+    Following,
+    /// A primary at this epoch.
+    Primary(u64),
+    /// A controller not acting as the primary.
+    NotActing,
+    /// No answer in time (stopped, cut off): it may be taking over.
+    Silent,
+}
+
+/// Asks the controller at `peer` what it is (a client Hello, then closed).
+async fn probe_partner(peer: &str, token: &str, epoch: u64, limit: Duration) -> PartnerSays {
+    let attempt = async {
+        let mut stream = TcpStream::connect(peer).await?;
+        framing::send(&mut stream, &Hello::with_epoch(token, Role::Client, epoch))
+            .await
+            .map_err(std::io::Error::other)?;
+        framing::recv::<_, HelloReply>(&mut stream).await.map_err(std::io::Error::other)
+    };
+    match tokio::time::timeout(limit, attempt).await {
+        Err(_) => PartnerSays::Silent,
+        Ok(Err(err)) if err.kind() == std::io::ErrorKind::ConnectionRefused => PartnerSays::Inert,
+        Ok(Err(_)) => PartnerSays::Silent,
+        Ok(Ok(HelloReply::Standby { synced: false })) => PartnerSays::Inert,
+        Ok(Ok(HelloReply::Standby { synced: true })) => PartnerSays::Following,
+        Ok(Ok(HelloReply::Primary { epoch })) => PartnerSays::Primary(epoch),
+        Ok(Ok(_)) => PartnerSays::NotActing,
+    }
+}
+
+/// While no standby is attached, asks the other controllers every quarter
+/// of the takeover window what they are: one that cannot take over lets
+/// this primary act alone; one that is primary at a higher epoch (or at
+/// the same epoch and listed before this one) makes it step down.
+async fn watch_partners(shared: Arc<Shared>) {
+    let index = |peer: &str| shared.controllers.iter().position(|c| c == peer).unwrap_or(usize::MAX);
+    let mine = index(&shared.me);
+    loop {
+        if shared.state().lease.attached().is_none() {
+            let epoch = shared.state().epoch;
+            let mut inert = true;
+            for peer in shared.controllers.iter().filter(|c| **c != shared.me) {
+                match probe_partner(peer, &shared.token, epoch, shared.window / 4).await {
+                    PartnerSays::Inert => {}
+                    PartnerSays::Primary(theirs) if theirs > epoch || (theirs == epoch && index(peer) < mine) => {
+                        shared.step_down(&format!("{peer} is the primary at epoch {theirs} (this one has {epoch})"));
+                        return;
+                    }
+                    PartnerSays::NotActing if index(peer) < mine => {
+                        shared.step_down(&format!("{peer}, listed first, is also a primary without a standby"));
+                        return;
+                    }
+                    _ => inert = false,
+                }
+            }
+            if inert {
+                shared.state().lease.partner_inert(Instant::now());
+            }
+        }
+        tokio::time::sleep(shared.window / 4).await;
     }
 }
 
@@ -486,6 +1008,11 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
         let mut state = shared.state();
         match message {
             ManagerToController::Heartbeat => {
+                // Answered only while this primary may act: a manager that
+                // hears nothing looks for the primary elsewhere.
+                if state.lease.may_act(Instant::now()).is_ok() {
+                    state.nodes.send(&node, ControllerToManager::Beat);
+                }
                 if state.nodes.heartbeat(&node, connection, Instant::now()) {
                     tracing::info!(%node, "manager is back after missing its heartbeats");
                     node_back(&mut state, &node);
@@ -654,6 +1181,14 @@ fn drop_obsolete_files(state: &mut State) {
 async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), ProtocolError> {
     loop {
         let request: ClientRequest = framing::recv(&mut stream).await?;
+        // Checked before anything is done: a primary paused past its lease
+        // finds requests queued meanwhile, and must not act on them.
+        if !matches!(request, ClientRequest::Status) {
+            if let Err(reason) = shared.may_act() {
+                framing::send(&mut stream, &ClientReply::NotPrimary(reason)).await?;
+                continue;
+            }
+        }
         let reply = match request {
             ClientRequest::Status => ClientReply::Status(status_report(&shared)),
             ClientRequest::RegisterApp(registration) => {
@@ -665,15 +1200,25 @@ async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), 
             }
             ClientRequest::VersionComplete { name, version, bytes, commit_secs, spilled, epoch, agents } => {
                 let sample = CommitSample { version, bytes, commit_secs, agents: 0 };
+                await_reconciled(&shared, &name).await;
                 record_version(&shared, &name, sample, spilled, epoch, &agents)
             }
             ClientRequest::Probe { name, agents, remaining_commits } => {
                 let span = tracing::info_span!("probe", app = %name);
+                await_reconciled(&shared, &name).await;
                 probe(&shared, &name, &agents, remaining_commits).instrument(span).await
             }
             ClientRequest::FinishApp { name, persist } => finish_app(&shared, &name, persist),
             ClientRequest::DeleteApp { name } => delete_app(&shared, &name).await,
             ClientRequest::DrainNode { node, drain } => drain_node(&shared, &node, drain),
+        };
+        // What the reply acknowledges is on the standby too, or the client
+        // hears that this controller could not make sure it was.
+        let reply = match replicated(&shared).await {
+            Err(reason) if !matches!(reply, ClientReply::Status(_)) => ClientReply::NotPrimary(format!(
+                "{reason}; what was asked may not be recorded, so ask the primary again"
+            )),
+            _ => reply,
         };
         framing::send(&mut stream, &reply).await?;
     }
@@ -703,6 +1248,32 @@ fn status_report(shared: &Shared) -> StatusReport {
             .collect(),
         init_agent_count: format!("{:?}", shared.dynamic().init_agent_count),
         journal: state.journal.as_ref().map(|j| Box::new(j.report())),
+        controller: Some(Box::new(controller_report(shared, &state, now))),
+    }
+}
+
+/// This controller, its epoch, lease and standby, for the status.
+fn controller_report(shared: &Shared, state: &State, now: Instant) -> protocol::ControllerReport {
+    let replayed = state.journal.as_ref().map(|j| j.state());
+    let lease = state.lease.may_act(now);
+    protocol::ControllerReport {
+        address: shared.me.clone(),
+        epoch: state.epoch,
+        controllers: shared.controllers.clone(),
+        lease: lease.is_ok(),
+        lease_reason: match (lease, shared.controllers.len()) {
+            (Ok(()), 1) => "no standby configured".into(),
+            (Ok(()), _) if state.lease.attached().is_some() => "the standby acknowledges its heartbeats".into(),
+            (Ok(()), _) => "the other controllers cannot take over (not running, or without the journal)".into(),
+            (Err(why), _) => why,
+        },
+        standby: state.lease.attached().map(|peer| protocol::StandbyReport {
+            peer: peer.to_string(),
+            lag_events: state.lease.lag(),
+            last_ack_secs: state.lease.last_ack_secs(now),
+        }),
+        took_over_unix_ms: replayed.and_then(|r| r.took_over_unix_ms),
+        takeovers: replayed.map_or(0, |r| r.takeovers),
     }
 }
 
@@ -737,15 +1308,7 @@ async fn register_app(
     } {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // A journaled application counts no version until the stores confirmed
-    // it: wait for its nodes' managers (bounded by the reconcile window).
-    while {
-        let mut state = shared.state();
-        reconcile_pending(&mut state, Instant::now());
-        state.apps.get(&registration.name).is_some_and(|a| a.unconfirmed.is_some())
-    } {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    await_reconciled(shared, &registration.name).await;
     let config = shared.dynamic();
     let waiters;
     let latest;
@@ -856,6 +1419,18 @@ async fn register_app(
     Ok((agents, latest))
 }
 
+/// A journaled application counts no version until the stores confirmed
+/// it: waits for its nodes' managers (bounded by the reconcile window).
+async fn await_reconciled(shared: &Shared, name: &str) {
+    while {
+        let mut state = shared.state();
+        reconcile_pending(&mut state, Instant::now());
+        state.apps.get(name).is_some_and(|a| a.unconfirmed.is_some())
+    } {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Records a complete version (all-or-nothing is the library's job: it
 /// reports only after every rank stored its data).
 fn record_version(
@@ -888,8 +1463,14 @@ fn record_version(
              goes to the new agents"
         ));
     }
-    let completed_unix_ms =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    // The library sends a request again when its controller went away
+    // before answering: a version already recorded (by this controller, or
+    // by the primary it took over from) is simply confirmed.
+    if app.latest.as_ref().is_some_and(|l| l.version == version && l.bytes == bytes && l.epoch == epoch) {
+        tracing::info!(app = name, version, "version already recorded; confirmed again");
+        return ClientReply::Ok;
+    }
+    let completed_unix_ms = unix_ms();
     let before = (app.latest.clone(), app.adaptation.commits.clone());
     let Recorded { resized, due } = match app.record(name, sample, epoch, completed_unix_ms) {
         Ok(recorded) => recorded,

@@ -29,6 +29,17 @@ pub struct UpOptions {
     pub store_dir: Option<PathBuf>,
     /// `ManagerRelaunches` of the controller.
     pub manager_relaunches: u32,
+    /// Start a standby controller beside the primary.
+    pub standby: bool,
+}
+
+/// Journal directory of the local standby controller, inside the state directory.
+pub const STANDBY_DIR: &str = "standby";
+
+/// A port nothing listens on now (the kernel's pick).
+fn free_port() -> Result<u16> {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(listener.local_addr()?.port())
 }
 
 fn random_token() -> Result<String> {
@@ -49,11 +60,18 @@ pub fn store_dir(dir: &Path) -> PathBuf {
     PathBuf::from(format!("/dev/shm/icheck-{hash:016x}"))
 }
 
-fn write_static(dir: &Path, port: u16, token: &str, options: &UpOptions) -> Result<PathBuf> {
+fn write_static(dir: &Path, port: u16, standby: Option<u16>, token: &str, options: &UpOptions) -> Result<PathBuf> {
     let path = dir.join(CLIENT_CONFIG);
+    let controllers = match standby {
+        None => "ControllerAddress = \"127.0.0.1\"".to_string(),
+        Some(second) => format!(
+            "# The primary and its standby, in the order clients and managers try them.\n\
+             ControllerAddress = [\"127.0.0.1:{port}\", \"127.0.0.1:{second}\"]"
+        ),
+    };
     let text = format!(
         "# Written by `icheck up`; also the client configuration (ICHECK_CONFIG={path}).\n\
-         ControllerAddress = \"127.0.0.1\"\nControllerPort = {port}\nMetricsPort = 0\nToken = \"{token}\"\n\
+         {controllers}\nControllerPort = {port}\nMetricsPort = 0\nToken = \"{token}\"\n\
          HeartBeatInterval = {hb}\nStatusMessageInterval = {hb}\nDynamicConfig = \"dynamic.toml\"\n\
          ManagerRelaunches = {relaunches}\n\
          AgentStoreDir = \"{store}\"\nPfsDir = \"{pfs}\"\n\n\
@@ -113,7 +131,14 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     }
     let _ = fs::remove_file(dir.join("controller.addr"));
     let token = random_token()?;
-    let config_path = write_static(dir, options.port, &token, options)?;
+    // With a standby, both addresses are in the configuration before either
+    // controller starts (each must know the other).
+    let (port, standby_port) = match options.standby {
+        false => (options.port, None),
+        true if options.port == 0 => (free_port()?, Some(free_port()?)),
+        true => (options.port, Some(free_port()?)),
+    };
+    let config_path = write_static(dir, port, standby_port, &token, options)?;
     let config_arg = config_path.to_string_lossy().into_owned();
     let dir_arg = dir.to_string_lossy().into_owned();
     let mut controller_process = spawn_daemon(
@@ -142,8 +167,14 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     };
     let port: u16 =
         addr.trim().rsplit(':').next().and_then(|p| p.parse().ok()).context("controller.addr is malformed")?;
-    let config_path = write_static(dir, port, &token, options)?;
+    let config_path = write_static(dir, port, standby_port, &token, options)?;
     let mut pids = format!("controller {controller}\n");
+    if options.standby {
+        let args = standby_args(&config_arg, &dir_arg);
+        let pid = spawn_daemon(dir, "standby.log", &args.iter().map(String::as_str).collect::<Vec<_>>())?.id();
+        pids.push_str(&format!("standby {pid}\n"));
+        println!("icheck up: standby controller started (pid {pid})");
+    }
     for index in 1..=options.managers {
         let node = format!("local-{index}");
         let pid =
@@ -155,6 +186,10 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     fs::write(dir.join(PIDS), pids)?;
     let config = StaticConfig::load(&config_path)?;
     wait_for_managers(&config, options.managers as usize, dir)?;
+    if options.standby {
+        wait_for_standby(&config, dir)?;
+        println!("icheck up: the standby follows the primary's journal");
+    }
     println!("icheck up: controller at {}, {} manager(s) ready", addr.trim(), options.managers);
     println!("icheck up: client config: {}", config_path.display());
     println!("           (export ICHECK_CONFIG={})", config_path.display());
@@ -181,14 +216,19 @@ fn restart_dead(dir: &Path, recorded: &[(String, u32)]) -> Result<PathBuf> {
     println!("icheck up: {} of the {} daemons in {} died; restarting them", dead.len(), recorded.len(), dir.display());
     let mut pids: Vec<(String, u32)> = recorded.to_vec();
     for (name, old_pid) in dead {
-        let args: Vec<&str> = match name.strip_prefix("manager-") {
-            Some(node) => vec!["manager", "--config", &config_arg, "--node", node],
-            None if name == "controller" => {
-                vec!["controller", "--config", &config_arg, "--state-dir", &dir_arg, "--launcher", "local"]
-            }
+        let args: Vec<String> = match name.strip_prefix("manager-") {
+            Some(node) => ["manager", "--config", &config_arg, "--node", node].map(String::from).to_vec(),
+            None if name == "controller" => ["controller", "--config", &config_arg, "--state-dir", &dir_arg]
+                .iter()
+                .chain(&["--launcher", "local"])
+                .map(|arg| arg.to_string())
+                .collect(),
+            // A standby started again follows whichever controller is primary.
+            None if name == "standby" => standby_args(&config_arg, &dir_arg),
             None => bail!("the pids file in {} names an unknown daemon {name:?}", dir.display()),
         };
         // Appends to the log, so what the dead daemon wrote last stays readable.
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let pid = spawn_daemon_appending(dir, &format!("{name}.log"), &args)?.id();
         println!("icheck up: {name} (pid {old_pid}) had died; started again (pid {pid})");
         // Recorded at once: the controller's launcher reads it before it
@@ -203,6 +243,37 @@ fn restart_dead(dir: &Path, recorded: &[(String, u32)]) -> Result<PathBuf> {
     wait_for_managers(&config, managers, dir)?;
     println!("icheck up: all {} daemons of {} are running again", pids.len(), dir.display());
     Ok(config_path)
+}
+
+/// The command line of the local standby controller: the second address,
+/// the same state directory (addresses, pids), a journal of its own.
+fn standby_args(config_arg: &str, dir_arg: &str) -> Vec<String> {
+    let journal = format!("{dir_arg}/{STANDBY_DIR}");
+    ["controller", "--standby", "--config", config_arg, "--state-dir", dir_arg, "--journal-dir", &journal]
+        .iter()
+        .chain(&["--launcher", "local"])
+        .map(|arg| arg.to_string())
+        .collect()
+}
+
+/// Waits until the primary reports a standby attached to its journal.
+fn wait_for_standby(config: &StaticConfig, dir: &Path) -> Result<()> {
+    let started = Instant::now();
+    loop {
+        if let Ok(ClientReply::Status(report)) = request_blocking(config, &ClientRequest::Status) {
+            if report.controller.is_some_and(|c| c.standby.is_some() && c.lease) {
+                return Ok(());
+            }
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            bail!(
+                "the standby did not attach to the primary within 20 s; its log ({}/logs/standby.log) ends with:\n{}",
+                dir.display(),
+                log_tail(dir, "standby.log")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Waits until the controller answers and `managers` nodes are alive.
@@ -253,9 +324,12 @@ pub fn down(dir: &Path) -> Result<()> {
     }
     // The journal describes that memory; without it, it would only make the
     // next `icheck up` wait for versions that no longer exist.
-    let journal = dir.join(icheck_service::controller::journal::JOURNAL_FILE);
-    if journal.exists() {
-        fs::remove_file(&journal).with_context(|| format!("removing the controller journal {}", journal.display()))?;
+    for journal_dir in [dir.to_path_buf(), dir.join(STANDBY_DIR)] {
+        let journal = journal_dir.join(icheck_service::controller::journal::JOURNAL_FILE);
+        if journal.exists() {
+            fs::remove_file(&journal)
+                .with_context(|| format!("removing the controller journal {}", journal.display()))?;
+        }
     }
     println!("icheck down: stopped");
     Ok(())
@@ -379,6 +453,22 @@ pub fn print_status(report: &StatusReport) {
         }
     }
     println!("init_agent_count in force: {}", report.init_agent_count);
+    if let Some(c) = &report.controller {
+        let standby = c.standby.as_ref().map_or("no standby attached".to_string(), |s| {
+            format!("standby {} (lag {} events, last ack {:.1}s ago)", s.peer, s.lag_events, s.last_ack_secs)
+        });
+        let takeover = c.took_over_unix_ms.map_or("no takeover".to_string(), |ms| {
+            let ago = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |now| now.as_millis().saturating_sub(u128::from(ms)) as f64 / 1000.0);
+            format!("{} takeover(s), the last {ago:.0}s ago", c.takeovers)
+        });
+        let acting = if c.lease { "PRIMARY" } else { "NOT ACTING" };
+        println!("controller: {} {acting} at epoch {}; {standby}; {takeover}", c.address, c.epoch);
+        if !c.lease || c.controllers.len() > 1 {
+            println!("  lease: {}", c.lease_reason);
+        }
+    }
     match &report.journal {
         Some(j) => {
             println!(

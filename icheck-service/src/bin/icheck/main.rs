@@ -61,6 +61,10 @@ enum Command_ {
         /// minutes before it gives the node up (ManagerRelaunches; 0: never).
         #[arg(long, default_value_t = 3)]
         manager_relaunches: u32,
+        /// Also start a standby controller that follows the primary's
+        /// journal and takes over when it is silent (TakeoverAfter).
+        #[arg(long)]
+        standby: bool,
     },
     /// Stop the service that `icheck up` started in a state directory.
     ///
@@ -119,7 +123,14 @@ enum Command_ {
     },
     /// Run the controller daemon in the foreground (logs to stderr; ICHECK_LOG sets the level).
     ///
-    /// Example: icheck controller --config config/icheck.toml
+    /// With two controllers in ControllerAddress, one runs as the primary and
+    /// the other with --standby: the standby keeps a copy of the primary's
+    /// journal and takes over (with a higher epoch) when the primary is
+    /// silent for TakeoverAfter seconds; a primary that finds a newer one
+    /// becomes its standby.
+    ///
+    /// Example: icheck controller --config config/icheck.toml --state-dir /var/lib/icheck
+    ///          icheck controller --config config/icheck.toml --state-dir /var/lib/icheck --standby
     Controller {
         /// Static configuration file.
         #[arg(long)]
@@ -134,6 +145,18 @@ enum Command_ {
         /// operator starts them.
         #[arg(long, value_parser = ["local"], requires = "state_dir")]
         launcher: Option<String>,
+        /// Start as the standby controller (the second entry of
+        /// ControllerAddress unless --listen names another).
+        #[arg(long)]
+        standby: bool,
+        /// This controller's entry of ControllerAddress ("host:port";
+        /// default: the first, or the second with --standby).
+        #[arg(long)]
+        listen: Option<String>,
+        /// Where the journal is kept (default: --state-dir, else
+        /// ControllerStateDir). Two controllers on one host need two.
+        #[arg(long)]
+        journal_dir: Option<PathBuf>,
     },
     /// Run a manager daemon for one checkpoint node in the foreground.
     ///
@@ -332,7 +355,7 @@ fn run(cli: Cli) -> Result<()> {
     use icheck_core::protocol::{ClientReply, ClientRequest};
     match cli.command {
         Command_::Fabric(command) => run_fabric(command),
-        Command_::Controller { config: path, state_dir, launcher } => {
+        Command_::Controller { config: path, state_dir, launcher, standby, listen, journal_dir } => {
             let config = icheck_core::config::StaticConfig::load(&path)?;
             config.daemon_token(&path)?;
             let launcher: Option<std::sync::Arc<dyn icheck_service::launcher::Launcher>> =
@@ -342,7 +365,9 @@ fn run(cli: Cli) -> Result<()> {
                     }
                     _ => None,
                 };
-            runtime()?.block_on(icheck_service::controller::run(config, state_dir, launcher))?;
+            let options =
+                icheck_service::controller::ControllerOptions { state_dir, journal_dir, launcher, standby, listen };
+            icheck_service::controller::serve(config, options)?;
             Ok(())
         }
         Command_::Manager { config: path, node } => {
@@ -358,7 +383,17 @@ fn run(cli: Cli) -> Result<()> {
             runtime()?.block_on(icheck_service::manager::run(config, node))?;
             Ok(())
         }
-        Command_::Up { managers, state_dir, provider, heartbeat, port, detach, store_dir, manager_relaunches } => {
+        Command_::Up {
+            managers,
+            state_dir,
+            provider,
+            heartbeat,
+            port,
+            detach,
+            store_dir,
+            manager_relaunches,
+            standby,
+        } => {
             let options = local::UpOptions {
                 state_dir: state_dir.clone(),
                 managers,
@@ -367,6 +402,7 @@ fn run(cli: Cli) -> Result<()> {
                 port,
                 store_dir,
                 manager_relaunches,
+                standby,
             };
             let config_path = local::up(&options)?;
             let config = icheck_core::config::StaticConfig::load(&config_path)?;
