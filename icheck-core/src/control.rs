@@ -152,13 +152,27 @@ impl ControllerLink {
 
     /// Sends `request` to the primary and returns its answer; an error
     /// answer becomes [`ServiceError::Remote`].
+    ///
+    /// With a standby, requests that start no agents (recording a version,
+    /// finishing, status) wait at most the failover window for one answer:
+    /// a primary that is stopped or cut off must not hold the application
+    /// for the whole request timeout when another has taken over.
     pub fn request(&mut self, request: &ClientRequest) -> Result<ClientReply, ServiceError> {
-        let deadline = std::time::Instant::now() + self.failover;
+        let starts_agents = matches!(
+            request,
+            ClientRequest::RegisterApp(_) | ClientRequest::Probe { .. } | ClientRequest::DeleteApp { .. }
+        );
+        let answer_within = match (starts_agents, self.failover.is_zero()) {
+            (false, false) => self.request_timeout.min(self.failover),
+            _ => self.request_timeout,
+        };
+        let deadline = std::time::Instant::now() + self.failover + answer_within;
         loop {
             let error = match self.connect() {
                 Err(err) => err,
                 Ok(()) => {
                     let connection = self.current.as_mut().expect("connected above");
+                    connection.set_timeout(answer_within);
                     match connection.call(request) {
                         Ok(ClientReply::Error(message)) => return Err(ServiceError::Remote(message)),
                         Ok(ClientReply::NotPrimary(reason)) => {

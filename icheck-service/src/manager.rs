@@ -174,15 +174,17 @@ async fn session(
     link: &mut ControllerSession<'_>,
 ) -> Result<(), ServiceError> {
     let peer = link.peer.to_string();
-    let mut stream = TcpStream::connect(&peer)
-        .await
-        .map_err(|error| ServiceError::Io { what: format!("cannot connect to the controller at {peer}"), error })?;
-    stream.set_nodelay(true).ok();
-    framing::send(&mut stream, &Hello::with_epoch(&config.effective_token(), Role::Manager, link.epoch)).await?;
-    // With a standby, a stopped controller must not hold the manager for
-    // the whole request timeout.
+    // With a standby, a stopped or cut-off controller must not hold the
+    // manager for the whole request timeout (or a SYN's retries).
     let several = config.controller_endpoints().len() > 1;
     let answer_within = if several { config.takeover_after() } else { protocol::REQUEST_TIMEOUT };
+    let cannot = |error| ServiceError::Io { what: format!("cannot connect to the controller at {peer}"), error };
+    let mut stream = match tokio::time::timeout(answer_within, TcpStream::connect(&peer)).await {
+        Ok(connected) => connected.map_err(cannot)?,
+        Err(_) => return Err(cannot(std::io::ErrorKind::TimedOut.into())),
+    };
+    stream.set_nodelay(true).ok();
+    framing::send(&mut stream, &Hello::with_epoch(&config.effective_token(), Role::Manager, link.epoch)).await?;
     let reply = framing::recv_timeout(&mut stream, answer_within).await?;
     link.epoch = protocol::accept_controller(&peer, reply, link.epoch)?;
     // What the store holds, verified (reading only versions sealed since the

@@ -357,7 +357,11 @@ async fn run(
         }
         None => (BTreeMap::new(), 0),
     };
-    let reconcile_window = config.heartbeat() * config.missed_heartbeats.max(1) + Duration::from_secs(5);
+    // After a takeover, managers first wait out the old primary's silence
+    // (up to twice the takeover window) before they look for this one.
+    let reconcile_window = config.heartbeat() * config.missed_heartbeats.max(1)
+        + Duration::from_secs(5)
+        + if took_over { config.takeover_after() * 2 } else { Duration::ZERO };
     let controllers = config.controller_endpoints();
     let shared = Arc::new(Shared {
         started: Instant::now(),
@@ -1010,7 +1014,7 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             ManagerToController::Heartbeat => {
                 // Answered only while this primary may act: a manager that
                 // hears nothing looks for the primary elsewhere.
-                if state.lease.may_act(Instant::now()).is_ok() {
+                if state.lease.answers_managers(Instant::now()) {
                     state.nodes.send(&node, ControllerToManager::Beat);
                 }
                 if state.nodes.heartbeat(&node, connection, Instant::now()) {

@@ -230,6 +230,15 @@ impl Lease {
         }
     }
 
+    /// Whether managers still hear from this primary: while it may act,
+    /// and for the rest of the takeover window after its lease ran out (a
+    /// standby slow to answer has not taken over: it still hears this
+    /// primary; managers that left would only be told to come back).
+    pub(super) fn answers_managers(&self, now: Instant) -> bool {
+        self.may_act(now).is_ok()
+            || self.acked_beat_sent.is_some_and(|sent| now.saturating_duration_since(sent) < self.window)
+    }
+
     /// Whether event `seq` is on the standby too (or no standby follows).
     pub(super) fn replicated(&self, seq: u64) -> bool {
         self.attached.is_none() || self.acked >= seq
@@ -273,6 +282,9 @@ mod tests {
         // before it looks at any request queued meanwhile.
         let err = lease.may_act(t0 + Duration::from_secs(2)).unwrap_err();
         assert!(err.contains("standby:1") && err.contains("lease"), "{err}");
+        // Managers keep hearing it until a takeover could have happened.
+        assert!(lease.answers_managers(t0 + Duration::from_millis(3999)));
+        assert!(!lease.answers_managers(t0 + WINDOW));
         // The standby cannot have taken over before a whole window without beats.
         assert!(!takeover_due(true, t0, t0 + Duration::from_millis(3999), WINDOW));
         assert!(takeover_due(true, t0, t0 + WINDOW, WINDOW));

@@ -35,7 +35,15 @@ pub struct NetCluster {
     store: PathBuf,
     /// Controller first, then the managers.
     daemons: Vec<ChildGuard>,
+    /// The third octet of the cluster's subnet.
+    net: u32,
+    /// With [`start_with_standby`](Self::start_with_standby): the two
+    /// controllers' addresses (primary first).
+    pub controllers: Vec<String>,
 }
+
+/// The port both namespaced controllers listen on (each in its own namespace).
+const NAMESPACED_CONTROLLER_PORT: u16 = 7777;
 
 /// Runs `ip`/`tc` with `args`; panics with its stderr on failure.
 fn run(program: &str, args: &[&str]) {
@@ -63,6 +71,25 @@ impl NetCluster {
     /// such as "100mbit") limits the traffic towards each node; `dynamic`
     /// is the dynamic configuration.
     pub fn start(icheck: &Path, name: &str, nodes: u32, rate: Option<&str>, dynamic: &str) -> NetCluster {
+        NetCluster::start_inner(icheck, name, nodes, rate, dynamic, false)
+    }
+
+    /// [`start`](Self::start) with two controllers, each in a namespace of
+    /// its own (`c1`, `c2`) behind its own veth: `c1` starts as the primary,
+    /// `c2` as its standby (`TakeoverAfter` 3 s). [`cut`](Self::cut) takes
+    /// a controller's link down: a partition.
+    pub fn start_with_standby(icheck: &Path, name: &str, nodes: u32, dynamic: &str) -> NetCluster {
+        NetCluster::start_inner(icheck, name, nodes, None, dynamic, true)
+    }
+
+    fn start_inner(
+        icheck: &Path,
+        name: &str,
+        nodes: u32,
+        rate: Option<&str>,
+        dynamic: &str,
+        standby: bool,
+    ) -> NetCluster {
         let pid = std::process::id();
         let serial = CLUSTERS.fetch_add(1, Ordering::Relaxed);
         // Third octet of the cluster's subnet and the number in its names.
@@ -79,17 +106,23 @@ impl NetCluster {
             store: PathBuf::from(format!("/dev/shm/icheck-net-{pid}-{serial}")),
             daemons: Vec::new(),
             dir,
+            net,
+            controllers: Vec::new(),
         };
         cluster.network(net, nodes, rate);
+        if standby {
+            return cluster.start_with_controllers(icheck, nodes, dynamic, pid, serial);
+        }
         std::fs::write(cluster.dir.join("dynamic.toml"), dynamic).expect("write dynamic.toml");
         let gateway = format!("10.213.{net}.1");
+        let (pfs, store) = (cluster.dir.join("pfs"), cluster.store.clone());
         let base = |port: u16, metrics: u16| {
             format!(
                 "ControllerAddress = \"{gateway}\"\nControllerPort = {port}\nMetricsPort = {metrics}\n\
                  Token = \"net-{pid}-{serial}\"\nHeartBeatInterval = 0.5\nStatusMessageInterval = 0.5\n\
                  DynamicConfig = \"dynamic.toml\"\nPfsDir = \"{}\"\nAgentStoreDir = \"{}\"\n",
-                cluster.dir.join("pfs").display(),
-                cluster.store.display()
+                pfs.display(),
+                store.display()
             )
         };
         // The controller picks its ports; the others learn them from its files.
@@ -123,17 +156,7 @@ impl NetCluster {
                 10 + i
             );
             std::fs::write(&config, text).unwrap();
-            let log = std::fs::File::create(cluster.dir.join(format!("logs/n{i}"))).unwrap();
-            let child = Command::new("ip")
-                .args(["netns", "exec", &cluster.namespaces[i as usize - 1]])
-                .arg(icheck)
-                .args(["manager", "--node", &format!("n{i}"), "--config"])
-                .arg(&config)
-                .env("ICHECK_LOG", "info")
-                .stderr(log)
-                .spawn()
-                .expect("start a manager in its namespace");
-            cluster.daemons.push(ChildGuard(child));
+            cluster.start_manager(icheck, i, &config);
         }
         wait_for("every manager to register", Duration::from_secs(20), || {
             cluster.try_status().is_some_and(|s| s.nodes.iter().filter(|n| n.alive).count() == nodes as usize)
@@ -151,27 +174,7 @@ impl NetCluster {
         run("ip", &["addr", "add", &format!("10.213.{net}.1/24"), "dev", &bridge]);
         run("ip", &["link", "set", &bridge, "up"]);
         for i in 1..=nodes {
-            let ns = format!("icheck-{}-{net}-n{i}", std::process::id());
-            remove(&["netns", "del", &ns]);
-            run("ip", &["netns", "add", &ns]);
-            self.namespaces.push(ns.clone());
-            let (host, peer) = (format!("ich{net}-{i}"), format!("icp{net}-{i}"));
-            remove(&["link", "del", &host]);
-            run("ip", &["link", "add", &host, "type", "veth", "peer", "name", &peer]);
-            self.links.push(host.clone());
-            run("ip", &["link", "set", &peer, "netns", &ns]);
-            run("ip", &["link", "set", &host, "master", &bridge]);
-            run("ip", &["link", "set", &host, "up"]);
-            let inside = |args: &[&str]| {
-                let mut all = vec!["netns", "exec", &ns, "ip"];
-                all.extend_from_slice(args);
-                run("ip", &all);
-            };
-            inside(&["link", "set", &peer, "name", "icnet0"]);
-            inside(&["addr", "add", &format!("10.213.{net}.{}/24", 10 + i), "dev", "icnet0"]);
-            inside(&["link", "set", "icnet0", "up"]);
-            inside(&["link", "set", "lo", "up"]);
-            inside(&["route", "add", "default", "via", &format!("10.213.{net}.1")]);
+            let host = self.add_namespace(net, &format!("n{i}"), &format!("{i}"), 10 + i);
             if let Some(rate) = rate {
                 run(
                     "tc",
@@ -179,6 +182,127 @@ impl NetCluster {
                 );
             }
         }
+    }
+
+    /// A namespace `label` joined to the bridge by a veth (host end
+    /// `ich<net>-<link>`) with address `10.213.<net>.<octet>`; returns the
+    /// host end.
+    fn add_namespace(&mut self, net: u32, label: &str, link: &str, octet: u32) -> String {
+        let ns = self.namespace(label);
+        remove(&["netns", "del", &ns]);
+        run("ip", &["netns", "add", &ns]);
+        self.namespaces.push(ns.clone());
+        let (host, peer) = (format!("ich{net}-{link}"), format!("icp{net}-{link}"));
+        remove(&["link", "del", &host]);
+        run("ip", &["link", "add", &host, "type", "veth", "peer", "name", &peer]);
+        self.links.push(host.clone());
+        run("ip", &["link", "set", &peer, "netns", &ns]);
+        run("ip", &["link", "set", &host, "master", &self.bridge]);
+        run("ip", &["link", "set", &host, "up"]);
+        let inside = |args: &[&str]| {
+            let mut all = vec!["netns", "exec", &ns, "ip"];
+            all.extend_from_slice(args);
+            run("ip", &all);
+        };
+        inside(&["link", "set", &peer, "name", "icnet0"]);
+        inside(&["addr", "add", &format!("10.213.{net}.{octet}/24"), "dev", "icnet0"]);
+        inside(&["link", "set", "icnet0", "up"]);
+        inside(&["link", "set", "lo", "up"]);
+        inside(&["route", "add", "default", "via", &format!("10.213.{net}.1")]);
+        host
+    }
+
+    /// The rest of [`start_with_standby`](Self::start_with_standby): the
+    /// controllers' namespaces and processes, then the managers.
+    fn start_with_controllers(mut self, icheck: &Path, nodes: u32, dynamic: &str, pid: u32, serial: u32) -> NetCluster {
+        let net = self.net;
+        let port = NAMESPACED_CONTROLLER_PORT;
+        for (index, octet) in [(1, 2), (2, 3)] {
+            let label = format!("c{index}");
+            self.add_namespace(net, &label, &label, octet);
+            self.controllers.push(format!("10.213.{net}.{octet}:{port}"));
+        }
+        std::fs::write(self.dir.join("dynamic.toml"), dynamic).expect("write dynamic.toml");
+        let base = format!(
+            "ControllerAddress = [\"{}\", \"{}\"]\nControllerPort = {port}\nMetricsPort = 0\nTakeoverAfter = 3\n\
+             Token = \"net-{pid}-{serial}\"\nHeartBeatInterval = 0.5\nStatusMessageInterval = 0.5\n\
+             DynamicConfig = \"{}\"\nPfsDir = \"{}\"\nAgentStoreDir = \"{}\"\n",
+            self.controllers[0],
+            self.controllers[1],
+            self.dir.join("dynamic.toml").display(),
+            self.dir.join("pfs").display(),
+            self.store.display()
+        );
+        let controller = self.dir.join("controller.toml");
+        std::fs::write(&controller, format!("{base}[fabric]\nprovider = \"tcp\"\n")).unwrap();
+        for (index, standby) in [(1, false), (2, true)] {
+            let label = format!("c{index}");
+            let state = self.dir.join(&label);
+            let log = std::fs::File::create(self.dir.join("logs").join(&label)).unwrap();
+            let mut command = Command::new("ip");
+            command.args(["netns", "exec", &self.namespace(&label)]).arg(icheck);
+            command.args(["controller", "--config"]).arg(&controller).arg("--state-dir").arg(&state);
+            if standby {
+                command.arg("--standby");
+            }
+            let child = command.env("ICHECK_LOG", "info").stderr(log).spawn().expect("start a controller");
+            self.daemons.push(ChildGuard(child));
+        }
+        let client = format!("{base}[fabric]\nprovider = \"tcp\"\ndomain = \"{}\"\n", self.bridge);
+        std::fs::write(&self.client_config, client).unwrap();
+        for i in 1..=nodes {
+            let config = self.dir.join(format!("n{i}.toml"));
+            let text = format!(
+                "{base}AgentAddress = \"10.213.{net}.{}\"\n[fabric]\nprovider = \"tcp\"\ndomain = \"icnet0\"\n",
+                10 + i
+            );
+            std::fs::write(&config, text).unwrap();
+            self.start_manager(icheck, i, &config);
+        }
+        wait_for("every manager to register and the standby to attach", Duration::from_secs(30), || {
+            self.try_status().is_some_and(|s| {
+                s.nodes.iter().filter(|n| n.alive).count() == nodes as usize
+                    && s.controller.is_some_and(|c| c.standby.is_some() && c.lease)
+            })
+        });
+        self
+    }
+
+    /// The namespace named `label` ("n1", "c1").
+    fn namespace(&self, label: &str) -> String {
+        format!("icheck-{}-{}-{label}", std::process::id(), self.net)
+    }
+
+    /// Starts node `i`'s manager in its namespace.
+    fn start_manager(&mut self, icheck: &Path, i: u32, config: &Path) {
+        let log = std::fs::File::create(self.dir.join(format!("logs/n{i}"))).unwrap();
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.namespace(&format!("n{i}"))])
+            .arg(icheck)
+            .args(["manager", "--node", &format!("n{i}"), "--config"])
+            .arg(config)
+            .env("ICHECK_LOG", "info")
+            .stderr(log)
+            .spawn()
+            .expect("start a manager in its namespace");
+        self.daemons.push(ChildGuard(child));
+    }
+
+    /// Takes the link of controller `label` ("c1", "c2") down: it can reach
+    /// nobody, and nobody it.
+    pub fn cut(&self, label: &str) {
+        run("ip", &["link", "set", &format!("ich{}-{label}", self.net), "down"]);
+    }
+
+    /// Brings the link of controller `label` back.
+    pub fn mend(&self, label: &str) {
+        run("ip", &["link", "set", &format!("ich{}-{label}", self.net), "up"]);
+    }
+
+    /// The PID of controller `label` as started (`ip netns exec` execs it).
+    pub fn controller_pid(&self, label: &str) -> u32 {
+        let index: usize = label.trim_start_matches('c').parse().expect("c1 or c2");
+        self.daemons[index - 1].0.id()
     }
 
     fn try_status(&self) -> Option<StatusReport> {

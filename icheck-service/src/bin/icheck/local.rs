@@ -31,6 +31,8 @@ pub struct UpOptions {
     pub manager_relaunches: u32,
     /// Start a standby controller beside the primary.
     pub standby: bool,
+    /// `TakeoverAfter` (unset: heartbeat × missed heartbeats).
+    pub takeover_after: Option<f64>,
 }
 
 /// Journal directory of the local standby controller, inside the state directory.
@@ -62,13 +64,16 @@ pub fn store_dir(dir: &Path) -> PathBuf {
 
 fn write_static(dir: &Path, port: u16, standby: Option<u16>, token: &str, options: &UpOptions) -> Result<PathBuf> {
     let path = dir.join(CLIENT_CONFIG);
-    let controllers = match standby {
+    let mut controllers = match standby {
         None => "ControllerAddress = \"127.0.0.1\"".to_string(),
         Some(second) => format!(
             "# The primary and its standby, in the order clients and managers try them.\n\
              ControllerAddress = [\"127.0.0.1:{port}\", \"127.0.0.1:{second}\"]"
         ),
     };
+    if let Some(secs) = options.takeover_after {
+        controllers.push_str(&format!("\nTakeoverAfter = {secs}"));
+    }
     let text = format!(
         "# Written by `icheck up`; also the client configuration (ICHECK_CONFIG={path}).\n\
          {controllers}\nControllerPort = {port}\nMetricsPort = 0\nToken = \"{token}\"\n\

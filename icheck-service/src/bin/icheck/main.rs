@@ -65,6 +65,10 @@ enum Command_ {
         /// journal and takes over when it is silent (TakeoverAfter).
         #[arg(long)]
         standby: bool,
+        /// Seconds the standby waits for a silent primary before it takes
+        /// over (TakeoverAfter; default: heartbeat × 3).
+        #[arg(long, requires = "standby")]
+        takeover_after: Option<f64>,
     },
     /// Stop the service that `icheck up` started in a state directory.
     ///
@@ -393,6 +397,7 @@ fn run(cli: Cli) -> Result<()> {
             store_dir,
             manager_relaunches,
             standby,
+            takeover_after,
         } => {
             let options = local::UpOptions {
                 state_dir: state_dir.clone(),
@@ -403,6 +408,7 @@ fn run(cli: Cli) -> Result<()> {
                 store_dir,
                 manager_relaunches,
                 standby,
+                takeover_after,
             };
             let config_path = local::up(&options)?;
             let config = icheck_core::config::StaticConfig::load(&config_path)?;
