@@ -258,8 +258,14 @@ pub enum HelloReply {
         /// highest they have seen.
         epoch: u64,
     },
-    /// A controller that is not the primary: try the next one.
-    NotPrimary(String),
+    /// A controller that is not acting as the primary (it cannot confirm
+    /// its lease, or it was replaced): try the next one.
+    NotPrimary {
+        /// Why, in words.
+        reason: String,
+        /// Its epoch (what another controller compares with its own).
+        epoch: u64,
+    },
     /// A standby controller: not the primary; try the next one.
     Standby {
         /// Whether it holds a copy of the primary's journal (and so may
@@ -275,7 +281,7 @@ pub fn accept_controller(peer: &str, reply: HelloReply, seen: u64) -> Result<u64
     match reply {
         HelloReply::Primary { epoch } if epoch >= seen => Ok(epoch),
         HelloReply::Primary { epoch } => Err(ProtocolError::StaleEpoch { peer: peer.to_string(), epoch, seen }),
-        HelloReply::NotPrimary(reason) => Err(ProtocolError::NotPrimary { peer: peer.to_string(), reason }),
+        HelloReply::NotPrimary { reason, .. } => Err(ProtocolError::NotPrimary { peer: peer.to_string(), reason }),
         HelloReply::Standby { synced } => Err(ProtocolError::NotPrimary {
             peer: peer.to_string(),
             reason: format!(

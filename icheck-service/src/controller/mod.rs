@@ -777,7 +777,7 @@ async fn serve_connection(
             "controller {} has epoch {epoch}, but {peer} has seen epoch {}: it was replaced",
             shared.me, hello.epoch
         );
-        framing::send(&mut stream, &HelloReply::NotPrimary(reason.clone())).await?;
+        framing::send(&mut stream, &HelloReply::NotPrimary { reason: reason.clone(), epoch }).await?;
         shared.step_down(&reason);
         return Ok(());
     }
@@ -785,7 +785,7 @@ async fn serve_connection(
         return replica_stream(shared, stream, peer).await;
     }
     if let Err(reason) = shared.may_act() {
-        framing::send(&mut stream, &HelloReply::NotPrimary(reason)).await?;
+        framing::send(&mut stream, &HelloReply::NotPrimary { reason, epoch }).await?;
         return Ok(());
     }
     framing::send(&mut stream, &HelloReply::Primary { epoch }).await?;
@@ -811,11 +811,11 @@ async fn replica_stream(
             state.lease.attached().map(|other| format!("standby {other} already follows this controller"))
         }
     };
+    let epoch = shared.state().epoch;
     if let Some(reason) = refused {
-        framing::send(&mut stream, &HelloReply::NotPrimary(reason)).await?;
+        framing::send(&mut stream, &HelloReply::NotPrimary { reason, epoch }).await?;
         return Ok(());
     }
-    let epoch = shared.state().epoch;
     framing::send(&mut stream, &HelloReply::Primary { epoch }).await?;
     let peer_name = peer.to_string();
     // The snapshot and the channel are taken under one lock: every event
@@ -896,8 +896,8 @@ enum PartnerSays {
     Following,
     /// A primary at this epoch.
     Primary(u64),
-    /// A controller not acting as the primary.
-    NotActing,
+    /// A primary not acting (it cannot confirm its lease), at this epoch.
+    NotActing(u64),
     /// No answer in time (stopped, cut off): it may be taking over.
     Silent,
 }
@@ -918,7 +918,8 @@ async fn probe_partner(peer: &str, token: &str, epoch: u64, limit: Duration) -> 
         Ok(Ok(HelloReply::Standby { synced: false })) => PartnerSays::Inert,
         Ok(Ok(HelloReply::Standby { synced: true })) => PartnerSays::Following,
         Ok(Ok(HelloReply::Primary { epoch })) => PartnerSays::Primary(epoch),
-        Ok(Ok(_)) => PartnerSays::NotActing,
+        Ok(Ok(HelloReply::NotPrimary { epoch, .. })) => PartnerSays::NotActing(epoch),
+        Ok(Ok(_)) => PartnerSays::Silent,
     }
 }
 
@@ -940,8 +941,12 @@ async fn watch_partners(shared: Arc<Shared>) {
                         shared.step_down(&format!("{peer} is the primary at epoch {theirs} (this one has {epoch})"));
                         return;
                     }
-                    PartnerSays::NotActing if index(peer) < mine => {
-                        shared.step_down(&format!("{peer}, listed first, is also a primary without a standby"));
+                    // Two primaries without a standby at one epoch (both
+                    // started as primaries): the one listed later yields.
+                    PartnerSays::NotActing(theirs) if theirs > epoch || (theirs == epoch && index(peer) < mine) => {
+                        shared.step_down(&format!(
+                            "{peer} is also a primary without a standby, at epoch {theirs} (this one has {epoch})"
+                        ));
                         return;
                     }
                     _ => inert = false,
