@@ -7,7 +7,11 @@
 //!   the controller, at a random moment of a commit loop;
 //! * a named failpoint (`exit`) in the library's seal and restart, the
 //!   agents' seal, the controller's version recording and journal, and
-//!   the PFS copy.
+//!   the PFS copy;
+//! * with `--standby` (a standby controller beside the primary), controller
+//!   takeovers: the current primary SIGKILLed, or SIGSTOPped past the
+//!   takeover window; the time from the fault to the job's next completed
+//!   commit is the takeover time the table reports.
 //!
 //! After every fault the checker starts again what died (`icheck up`) and
 //! checks the invariants with the next round's job, which restarts:
@@ -21,6 +25,7 @@
 //! ```text
 //! cargo build --release --workspace
 //! target/release/fault-campaign --faults 200 --seed 1
+//! target/release/fault-campaign --faults 100 --seed 1 --standby
 //! ```
 
 use std::collections::BTreeMap;
@@ -62,6 +67,14 @@ struct Cli {
     /// stores, journal) for inspection; its daemons are stopped.
     #[arg(long)]
     keep: bool,
+    /// Run a standby controller beside the primary (TakeoverAfter 3 s) and
+    /// add controller takeovers to the faults.
+    #[arg(long)]
+    standby: bool,
+    /// Draw faults only of these kinds (comma-separated, as the table
+    /// names them, e.g. "kill rank,takeover: kill primary"); default: all.
+    #[arg(long, value_delimiter = ',')]
+    kinds: Vec<String>,
     /// Internal: run as one rank of the job, with this client configuration.
     #[arg(long, hide = true)]
     rank_of: Option<PathBuf>,
@@ -257,6 +270,11 @@ fn committed(lines: &[String]) -> Vec<u64> {
 /// The fault kinds, as the table names them.
 const KINDS: [&str; 7] =
     ["kill rank", "stop rank", "kill manager", "stop manager", "kill controller", "stop controller", "failpoint"];
+/// With `--standby`: takeovers (the primary, wherever it runs, killed or
+/// stopped past the window).
+const TAKEOVERS: [&str; 2] = ["takeover: kill primary", "takeover: stop primary"];
+/// `TakeoverAfter` of the campaign's service with a standby.
+const TAKEOVER_AFTER: Duration = Duration::from_secs(3);
 
 /// Failpoints: (where, name). Library ones arm the job; the others arm
 /// the daemon they live in, started again with them before the job.
@@ -284,6 +302,8 @@ struct Tally {
     slowest_commit: f64,
     max_files_per_rank: usize,
     rss: BTreeMap<String, (u64, u64)>,
+    /// Fault to the job's next completed commit, per takeover, by kind.
+    takeovers: BTreeMap<&'static str, Vec<Duration>>,
 }
 
 fn signal(pid: u32, sig: Signal) {
@@ -309,26 +329,21 @@ fn up_again(service: &LocalService, failpoints: Option<&str>) -> Result<()> {
     Ok(())
 }
 
-/// The controller's status report, or why there is none.
-fn service_status(service: &LocalService) -> Result<icheck_core::protocol::StatusReport, String> {
-    use icheck_core::protocol::{ClientReply, ClientRequest};
-    match icheck_core::control::request_blocking(&service.config, &ClientRequest::Status) {
-        Ok(ClientReply::Status(status)) => Ok(status),
-        other => Err(format!("no status: {other:?}")),
-    }
-}
-
 /// Waits until every daemon recorded in the service's pids runs and every
-/// node is alive; starts again what died (`icheck up`).
-fn heal(service: &LocalService, bound: Duration) -> Result<(), String> {
+/// node is alive (and, with a standby, the standby follows the primary
+/// again); starts again what died (`icheck up`).
+fn heal(service: &LocalService, bound: Duration, standby: bool) -> Result<(), String> {
     let start = Instant::now();
     while start.elapsed() < bound {
         let pids = icheck_service::launcher::read_pids(&service.dir);
         if pids.iter().any(|(_, pid)| !is_icheck_process(*pid)) {
             up_again(service, None).map_err(|e| e.to_string())?;
         }
-        let healthy =
-            service_status(service).is_ok_and(|status| status.nodes.len() == 2 && status.nodes.iter().all(|n| n.alive));
+        let healthy = service.try_status().is_ok_and(|status| {
+            status.nodes.len() == 2
+                && status.nodes.iter().all(|n| n.alive)
+                && (!standby || status.controller.is_some_and(|c| c.lease && c.standby.is_some()))
+        });
         if healthy {
             return Ok(());
         }
@@ -345,7 +360,7 @@ fn status_matches_reality(service: &LocalService) -> Result<(), String> {
     let pids = icheck_service::launcher::read_pids(&service.dir);
     let mut last = String::new();
     for _ in 0..50 {
-        let status = match service_status(service) {
+        let status = match service.try_status() {
             Ok(status) => status,
             Err(why) => {
                 last = why;
@@ -408,7 +423,25 @@ fn campaign(cli: &Cli) -> Result<Tally> {
     if !icheck.exists() {
         bail!("{} is missing: build the workspace first (cargo build --release --workspace)", icheck.display());
     }
-    let service = LocalService::up(&icheck, "campaign", 2, &["--provider", "tcp"]);
+    let service = if cli.standby {
+        let after = TAKEOVER_AFTER.as_secs().to_string();
+        LocalService::up(&icheck, "campaign", 2, &["--provider", "tcp", "--standby", "--takeover-after", &after])
+    } else {
+        LocalService::up(&icheck, "campaign", 2, &["--provider", "tcp"])
+    };
+    let kinds: Vec<&str> = KINDS
+        .iter()
+        .chain(if cli.standby { &TAKEOVERS[..] } else { &[] })
+        .copied()
+        .filter(|kind| cli.kinds.is_empty() || cli.kinds.iter().any(|k| k == kind))
+        .collect();
+    if kinds.is_empty() {
+        bail!(
+            "--kinds {:?} names no fault kind of {:?}",
+            cli.kinds,
+            KINDS.iter().chain(&TAKEOVERS).collect::<Vec<_>>()
+        );
+    }
     let bound = Duration::from_secs(cli.bound);
     let config = service.config_path();
     let mut tally = Tally::default();
@@ -418,7 +451,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
     for round in 0..=cli.faults {
         let last = round == cli.faults;
         // A failpoint fault arms its daemon (started again with it) or the job.
-        let kind = if last { "" } else { KINDS[rng.below(KINDS.len() as u64) as usize] };
+        let kind = if last { "" } else { kinds[rng.below(kinds.len() as u64) as usize] };
         let failpoint = (kind == "failpoint").then(|| FAILPOINTS[rng.below(FAILPOINTS.len() as u64) as usize]);
         let mut job_env = Vec::new();
         let mut armed: Option<u32> = None;
@@ -503,7 +536,11 @@ fn campaign(cli: &Cli) -> Result<Tally> {
             tally.hangs.push(format!("round {round}: no commit within {waited:?}"));
         }
         std::thread::sleep(rng.millis(0, 150));
-        let pause = rng.millis(500, 4000);
+        let pause = match kind {
+            // Past the takeover window, and past the managers' silence bound.
+            "takeover: stop primary" => rng.millis(4500, 7000),
+            _ => rng.millis(500, 4000),
+        };
         let at = Instant::now();
         let (what, pid) = match kind {
             "kill rank" | "stop rank" => {
@@ -516,6 +553,10 @@ fn campaign(cli: &Cli) -> Result<Tally> {
                 (name.clone(), service.pid_of(&name))
             }
             "kill controller" | "stop controller" => ("controller".to_string(), service.pid_of("controller")),
+            "takeover: kill primary" | "takeover: stop primary" => {
+                let name = service.primary_name().unwrap_or("controller");
+                (format!("primary: {name}"), service.pid_of(name))
+            }
             _ => ("armed failpoint".to_string(), 0),
         };
         let raw = |pid: u32, sig| {
@@ -524,15 +565,31 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         match kind {
             "kill rank" => raw(pid, Signal::SIGKILL),
             "stop rank" => raw(pid, Signal::SIGSTOP),
-            "kill manager" | "kill controller" => signal(pid, Signal::SIGKILL),
-            "stop manager" | "stop controller" => signal(pid, Signal::SIGSTOP),
+            "kill manager" | "kill controller" | "takeover: kill primary" => signal(pid, Signal::SIGKILL),
+            "stop manager" | "stop controller" | "takeover: stop primary" => signal(pid, Signal::SIGSTOP),
             _ => {}
         }
         *tally.faults.entry(kind.to_string()).or_default() += 1;
-        if kind.starts_with("stop") {
+        let before_fault = committed(&job.lines()).len();
+        if kind == "takeover: stop primary" {
+            // The job commits on through the new primary while the old one sleeps.
+            match job.wait_for(bound, |l| committed(l).len() > before_fault) {
+                Ok(_) => tally.takeovers.entry(TAKEOVERS[1]).or_default().push(at.elapsed()),
+                Err(waited) => tally.hangs.push(format!("round {round}: no commit within {waited:?} of {kind}")),
+            }
+            std::thread::sleep(pause.saturating_sub(at.elapsed()));
+            raw(pid, Signal::SIGCONT);
+            println!("round {round}: {kind} ({what}) for {:?}", at.elapsed());
+        } else if kind.starts_with("stop") {
             std::thread::sleep(pause);
             raw(pid, Signal::SIGCONT);
             println!("round {round}: {kind} ({what}) for {pause:?}");
+        } else if kind == "takeover: kill primary" {
+            match job.wait_for(bound, |l| committed(l).len() > before_fault) {
+                Ok(_) => tally.takeovers.entry(TAKEOVERS[0]).or_default().push(at.elapsed()),
+                Err(waited) => tally.hangs.push(format!("round {round}: no commit within {waited:?} of {kind}")),
+            }
+            println!("round {round}: {kind} ({what}), next commit after {:?}", at.elapsed());
         } else if kind != "failpoint" {
             println!("round {round}: {kind} ({what})");
         }
@@ -555,7 +612,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
-        if let Err(why) = heal(&service, bound) {
+        if let Err(why) = heal(&service, bound, cli.standby) {
             tally.hangs.push(format!("round {round}: {why}"));
         } else if let Err(wrong) = status_matches_reality(&service) {
             tally.status_mismatches.push(format!("round {round}: status does not match what runs: {wrong}"));
@@ -585,8 +642,8 @@ fn print_table(tally: &Tally) {
     println!("| what | value |");
     println!("|---|---|");
     println!("| rounds (one fault each) | {} |", tally.rounds);
-    for kind in KINDS {
-        println!("| faults: {kind} | {} |", tally.faults.get(kind).copied().unwrap_or(0));
+    for kind in KINDS.iter().chain(TAKEOVERS.iter().filter(|k| tally.faults.contains_key(**k))) {
+        println!("| faults: {kind} | {} |", tally.faults.get(*kind).copied().unwrap_or(0));
     }
     println!("| versions verified bit-exact after a fault | {} |", tally.verified);
     println!("| versions lost (must be 0) | {} |", tally.lost.len());
@@ -595,6 +652,16 @@ fn print_table(tally: &Tally) {
     println!("| slowest recovery (fault to verified restart) | {:.1} s |", tally.slowest_recovery.as_secs_f64());
     println!("| slowest commit reported complete | {:.1} s |", tally.slowest_commit);
     println!("| most files in one rank's store directory | {} |", tally.max_files_per_rank);
+    for (kind, times) in &tally.takeovers {
+        let mut times = times.clone();
+        times.sort();
+        let median = times[times.len() / 2].as_secs_f64();
+        let max = times.last().map_or(0.0, Duration::as_secs_f64);
+        println!(
+            "| {kind}: fault to the next completed commit, median / max of {} | {median:.1} s / {max:.1} s |",
+            times.len()
+        );
+    }
     for (name, (first, last)) in &tally.rss {
         println!("| RSS of {name}, first -> last round | {} -> {} MiB |", first / 1024, last / 1024);
     }

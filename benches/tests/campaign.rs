@@ -4,16 +4,13 @@
 
 use std::process::Command;
 
-#[test]
-fn a_short_seeded_fault_campaign_loses_no_version_and_never_hangs() {
-    let out = Command::new(env!("CARGO_BIN_EXE_fault-campaign"))
-        .args(["--faults", "10", "--seed", "11"])
-        .output()
-        .expect("run fault-campaign");
-    let stdout = String::from_utf8_lossy(&out.stdout);
+/// Runs `fault-campaign` with `args` and checks its invariants; returns its output.
+fn campaign(args: &[&str], rounds: u32) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_fault-campaign")).args(args).output().expect("run fault-campaign");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert!(stdout.contains("| rounds (one fault each) | 10 |"), "{stdout}");
+    assert!(stdout.contains(&format!("| rounds (one fault each) | {rounds} |")), "{stdout}");
     assert!(stdout.contains("| versions lost (must be 0) | 0 |"), "{stdout}");
     assert!(stdout.contains("| hangs (must be 0) | 0 |"), "{stdout}");
     assert!(stdout.contains("| status not matching what runs, after healing (must be 0) | 0 |"), "{stdout}");
@@ -23,5 +20,24 @@ fn a_short_seeded_fault_campaign_loses_no_version_and_never_hangs() {
             l.strip_prefix("| versions verified bit-exact after a fault | ")?.strip_suffix(" |")?.parse().ok()
         })
         .expect("the table counts verified versions");
-    assert!(verified >= 5, "too few restarts were checked:\n{stdout}");
+    assert!(verified >= rounds / 2, "too few restarts were checked:\n{stdout}");
+    stdout
+}
+
+#[test]
+fn a_short_seeded_fault_campaign_loses_no_version_and_never_hangs() {
+    campaign(&["--faults", "10", "--seed", "11"], 10);
+}
+
+/// With a standby controller: takeovers (the primary killed, and stopped
+/// past the window) mixed with kills of the controller process whatever
+/// its role and of managers; seed 5 draws both kinds of takeover.
+#[test]
+fn a_short_campaign_with_takeovers_loses_no_version_and_never_hangs() {
+    let kinds = "takeover: kill primary,takeover: stop primary,kill controller,kill manager";
+    let stdout = campaign(&["--faults", "6", "--seed", "5", "--standby", "--kinds", kinds], 6);
+    for kind in ["takeover: kill primary", "takeover: stop primary"] {
+        let drawn = stdout.lines().any(|l| l.starts_with(&format!("| faults: {kind} | ")) && !l.contains("| 0 |"));
+        assert!(drawn, "seed 5 no longer draws a {kind}:\n{stdout}");
+    }
 }

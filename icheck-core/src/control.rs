@@ -46,6 +46,9 @@ pub fn request_blocking(config: &StaticConfig, request: &ClientRequest) -> Resul
 
 /// Pause between passes over the controller list while none is primary.
 const FAILOVER_PAUSE: Duration = Duration::from_millis(100);
+/// The least a request that starts no agents waits for its answer when a
+/// standby could take over.
+const QUICK_ANSWER: Duration = Duration::from_secs(5);
 
 /// The client side of the controllers: the configured list, tried in
 /// order; the highest fencing epoch seen; one open connection to the
@@ -65,6 +68,9 @@ pub struct ControllerLink {
     failover: Duration,
     epoch: u64,
     current: Option<BlockingConnection>,
+    /// Where the next pass over the list starts: after a controller that
+    /// failed a request, the others are tried first.
+    start_at: usize,
 }
 
 impl ControllerLink {
@@ -90,6 +96,7 @@ impl ControllerLink {
             failover,
             epoch: 0,
             current: None,
+            start_at: 0,
         }
     }
 
@@ -119,7 +126,8 @@ impl ControllerLink {
         }
         let mut why = Vec::new();
         let mut last = None;
-        for peer in &self.endpoints {
+        let count = self.endpoints.len();
+        for peer in (0..count).map(|i| &self.endpoints[(self.start_at + i) % count]) {
             match BlockingConnection::connect_controller(peer, &self.token, self.connect_timeout, self.epoch) {
                 Ok((mut connection, epoch)) => {
                     connection.set_timeout(self.request_timeout);
@@ -163,7 +171,8 @@ impl ControllerLink {
             ClientRequest::RegisterApp(_) | ClientRequest::Probe { .. } | ClientRequest::DeleteApp { .. }
         );
         let answer_within = match (starts_agents, self.failover.is_zero()) {
-            (false, false) => self.request_timeout.min(self.failover),
+            // Twice the lease-bounded wait for the standby, and then some.
+            (false, false) => self.request_timeout.min((self.failover - Duration::from_secs(5)).max(QUICK_ANSWER)),
             _ => self.request_timeout,
         };
         let deadline = std::time::Instant::now() + self.failover + answer_within;
@@ -184,8 +193,11 @@ impl ControllerLink {
                 }
             };
             // The controller is gone, stopped, replaced or cut off: the
-            // next pass looks for the primary again.
-            self.current = None;
+            // next pass looks for the primary again, starting after it.
+            if let Some(failed) = self.current.take() {
+                let index = self.endpoints.iter().position(|e| e == failed.peer()).unwrap_or(0);
+                self.start_at = (index + 1) % self.endpoints.len();
+            }
             if std::time::Instant::now() >= deadline {
                 return Err(error);
             }

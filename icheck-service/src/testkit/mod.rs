@@ -135,6 +135,23 @@ impl LocalService {
         serde_json::from_slice(&out.stdout).expect("status --json prints a StatusReport")
     }
 
+    /// The controllers' status report, or why there is none.
+    pub fn try_status(&self) -> Result<StatusReport, String> {
+        use icheck_core::protocol::{ClientReply, ClientRequest};
+        match icheck_core::control::request_blocking(&self.config, &ClientRequest::Status) {
+            Ok(ClientReply::Status(status)) => Ok(status),
+            other => Err(format!("no status: {other:?}")),
+        }
+    }
+
+    /// With `--standby`: the pids-file name of the controller acting as
+    /// the primary now ("controller" or "standby"; each keeps its address
+    /// for life).
+    pub fn primary_name(&self) -> Option<&'static str> {
+        let address = self.try_status().ok()?.controller?.address;
+        Some(if address == self.config.controller_endpoints()[0] { "controller" } else { "standby" })
+    }
+
     /// PID of a daemon by its name in the pids file ("controller", "manager-local-1").
     pub fn pid_of(&self, name: &str) -> u32 {
         let pids = std::fs::read_to_string(self.dir.join("pids")).unwrap();
