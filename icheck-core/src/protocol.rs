@@ -265,6 +265,9 @@ pub enum HelloReply {
         reason: String,
         /// Its epoch (what another controller compares with its own).
         epoch: u64,
+        /// Events its journal recorded: of two controllers at one epoch
+        /// that both cannot act, the one with fewer yields.
+        sequence: u64,
     },
     /// A standby controller: not the primary; try the next one.
     Standby {

@@ -101,6 +101,12 @@ pub enum Event {
         /// Takeovers so far.
         takeovers: u64,
     },
+    /// Events recorded so far (ends a compacted journal, whose events are
+    /// fewer than were recorded).
+    Sequence {
+        /// The count.
+        events: u64,
+    },
 }
 
 /// A complete version as the journal remembers it.
@@ -141,11 +147,15 @@ pub struct Replayed {
     pub took_over_unix_ms: Option<u64>,
     /// Takeovers so far.
     pub takeovers: u64,
+    /// Events ever recorded (through compactions): of two controllers at
+    /// one epoch, the one with more holds the newer state.
+    pub sequence: u64,
 }
 
 impl Replayed {
     /// Applies one event.
     pub fn apply(&mut self, event: &Event) {
+        self.sequence += 1;
         match event {
             Event::Started { incarnation } => self.incarnation = self.incarnation.max(*incarnation),
             Event::Placed { registration, agents } => {
@@ -175,6 +185,7 @@ impl Replayed {
                     self.drained.remove(node);
                 }
             }
+            Event::Sequence { events } => self.sequence = *events,
             Event::Epoch { epoch, took_over_unix_ms, takeovers } => {
                 if *epoch >= self.epoch {
                     self.epoch = *epoch;
@@ -212,6 +223,7 @@ impl Replayed {
             }
         }
         events.extend(self.drained.iter().map(|node| Event::Drained { node: node.clone(), drain: true }));
+        events.push(Event::Sequence { events: self.sequence });
         events
     }
 }
@@ -521,7 +533,7 @@ mod tests {
         primary.apply(&complete("a", 5));
         // An older epoch never lowers the one in force.
         primary.apply(&Event::Epoch { epoch: 1, took_over_unix_ms: None, takeovers: 0 });
-        assert_eq!((primary.epoch, primary.takeovers), (2, 1));
+        assert_eq!((primary.epoch, primary.takeovers, primary.sequence), (2, 1, 5));
         let mut mirror = Journal::mirror(&dir, &primary.snapshot()).unwrap();
         assert_eq!(mirror.state(), &primary);
         mirror.append(&complete("a", 6)).unwrap();
@@ -531,6 +543,8 @@ mod tests {
         let reopened = Journal::open(&dir).unwrap();
         let state = reopened.state();
         assert_eq!((state.incarnation, state.epoch, state.takeovers), (4, 3, 2));
+        // Counted through the snapshot: 5, then two appends, then Started.
+        assert_eq!(state.sequence, 8);
         assert_eq!(state.apps["a"].versions.last().map(|v| v.record.version), Some(6));
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -777,7 +777,11 @@ async fn serve_connection(
             "controller {} has epoch {epoch}, but {peer} has seen epoch {}: it was replaced",
             shared.me, hello.epoch
         );
-        framing::send(&mut stream, &HelloReply::NotPrimary { reason: reason.clone(), epoch }).await?;
+        framing::send(
+            &mut stream,
+            &HelloReply::NotPrimary { reason: reason.clone(), epoch, sequence: sequence(&shared) },
+        )
+        .await?;
         shared.step_down(&reason);
         return Ok(());
     }
@@ -785,7 +789,7 @@ async fn serve_connection(
         return replica_stream(shared, stream, peer).await;
     }
     if let Err(reason) = shared.may_act() {
-        framing::send(&mut stream, &HelloReply::NotPrimary { reason, epoch }).await?;
+        framing::send(&mut stream, &HelloReply::NotPrimary { reason, epoch, sequence: sequence(&shared) }).await?;
         return Ok(());
     }
     framing::send(&mut stream, &HelloReply::Primary { epoch }).await?;
@@ -813,11 +817,15 @@ async fn replica_stream(
     };
     let epoch = shared.state().epoch;
     if let Some(reason) = refused {
-        framing::send(&mut stream, &HelloReply::NotPrimary { reason, epoch }).await?;
+        framing::send(&mut stream, &HelloReply::NotPrimary { reason, epoch, sequence: sequence(&shared) }).await?;
         return Ok(());
     }
     framing::send(&mut stream, &HelloReply::Primary { epoch }).await?;
-    let peer_name = peer.to_string();
+    // At most two controllers: the standby is the other one.
+    let peer_name = match shared.controllers.iter().find(|c| **c != shared.me) {
+        Some(standby) => format!("{standby} (from {peer})"),
+        None => peer.to_string(),
+    };
     // The snapshot and the channel are taken under one lock: every event
     // is in the snapshot or in the channel, never in both or neither.
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -887,6 +895,11 @@ async fn replica_stream(
     result
 }
 
+/// Events this controller's journal recorded (0 without one).
+fn sequence(shared: &Shared) -> u64 {
+    shared.state().journal.as_ref().map_or(0, |j| j.state().sequence)
+}
+
 /// Answers a probe of a partner controller, and what this primary makes of it.
 enum PartnerSays {
     /// Nothing listens there, or it holds no copy of the journal: it
@@ -896,8 +909,9 @@ enum PartnerSays {
     Following,
     /// A primary at this epoch.
     Primary(u64),
-    /// A primary not acting (it cannot confirm its lease), at this epoch.
-    NotActing(u64),
+    /// A primary not acting (it cannot confirm its lease), at this epoch
+    /// and journal sequence: it cannot take over (only a synced standby can).
+    NotActing(u64, u64),
     /// No answer in time (stopped, cut off): it may be taking over.
     Silent,
 }
@@ -918,37 +932,46 @@ async fn probe_partner(peer: &str, token: &str, epoch: u64, limit: Duration) -> 
         Ok(Ok(HelloReply::Standby { synced: false })) => PartnerSays::Inert,
         Ok(Ok(HelloReply::Standby { synced: true })) => PartnerSays::Following,
         Ok(Ok(HelloReply::Primary { epoch })) => PartnerSays::Primary(epoch),
-        Ok(Ok(HelloReply::NotPrimary { epoch, .. })) => PartnerSays::NotActing(epoch),
+        Ok(Ok(HelloReply::NotPrimary { epoch, sequence, .. })) => PartnerSays::NotActing(epoch, sequence),
         Ok(Ok(_)) => PartnerSays::Silent,
     }
 }
 
 /// While no standby is attached, asks the other controllers every quarter
-/// of the takeover window what they are: one that cannot take over lets
-/// this primary act alone; one that is primary at a higher epoch (or at
-/// the same epoch and listed before this one) makes it step down.
+/// of the takeover window what they are. One that cannot take over (not
+/// running, without the journal, or a primary that cannot act either) lets
+/// this primary act alone. This one steps down for a primary acting at
+/// its epoch or a higher one, and for one that cannot act either but is
+/// at a higher epoch, or at the same epoch with a longer journal (or as
+/// long and listed first): of two controllers at one epoch, the one that
+/// recorded more holds the newer state.
 async fn watch_partners(shared: Arc<Shared>) {
     let index = |peer: &str| shared.controllers.iter().position(|c| c == peer).unwrap_or(usize::MAX);
     let mine = index(&shared.me);
     loop {
         if shared.state().lease.attached().is_none() {
+            // Two statements: the state lock is not reentrant.
             let epoch = shared.state().epoch;
+            let sequence = sequence(&shared);
             let mut inert = true;
             for peer in shared.controllers.iter().filter(|c| **c != shared.me) {
                 match probe_partner(peer, &shared.token, epoch, shared.window / 4).await {
                     PartnerSays::Inert => {}
-                    PartnerSays::Primary(theirs) if theirs > epoch || (theirs == epoch && index(peer) < mine) => {
+                    PartnerSays::Primary(theirs) if theirs >= epoch => {
                         shared.step_down(&format!("{peer} is the primary at epoch {theirs} (this one has {epoch})"));
                         return;
                     }
-                    // Two primaries without a standby at one epoch (both
-                    // started as primaries): the one listed later yields.
-                    PartnerSays::NotActing(theirs) if theirs > epoch || (theirs == epoch && index(peer) < mine) => {
+                    PartnerSays::NotActing(theirs, longer)
+                        if (theirs, longer, std::cmp::Reverse(index(peer)))
+                            > (epoch, sequence, std::cmp::Reverse(mine)) =>
+                    {
                         shared.step_down(&format!(
-                            "{peer} is also a primary without a standby, at epoch {theirs} (this one has {epoch})"
+                            "{peer} cannot act as the primary either, but it is at epoch {theirs} with {longer} \
+                             journaled events (this one: epoch {epoch}, {sequence} events)"
                         ));
                         return;
                     }
+                    PartnerSays::NotActing(..) => {}
                     _ => inert = false,
                 }
             }
