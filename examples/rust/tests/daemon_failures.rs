@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::Job;
+use common::{committed, restored, Job};
 use icheck_service::testkit::{icheck_in_target, poll_until, process_running, LocalService};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -23,16 +23,6 @@ fn kill_controller(service: &LocalService) {
     assert!(poll_until(Duration::from_secs(10), || !process_running(pid)), "the controller did not die");
 }
 
-/// The version in a job's last `COMMITTED version=V` line.
-fn last_committed(lines: &[String]) -> Option<u64> {
-    lines.iter().rev().find_map(|l| l.strip_prefix("COMMITTED version=")?.split(' ').next()?.parse().ok())
-}
-
-/// The version in a job's `RESTORED version=V step=S verified` line.
-fn restored(lines: &[String]) -> Option<u64> {
-    lines.iter().find_map(|l| l.strip_prefix("RESTORED version=")?.split(' ').next()?.parse().ok())
-}
-
 /// Between commits: a 4-rank job commits four versions and finishes with
 /// IC_PERSIST; the controller is SIGKILLed and started again. Its journal
 /// and the managers' announcements bring the application back with
@@ -43,7 +33,7 @@ fn a_controller_killed_between_commits_forgets_no_version_in_agent_memory() {
     let config = service.config_without_pfs();
     let args = ["--app", "between", "--steps", "6", "--every", "2", "--mib", "2", "--persist"];
     let lines = Job::start(4, &config, &args, &[]).finish(Duration::from_secs(120));
-    assert_eq!(last_committed(&lines), Some(4), "{lines:?}");
+    assert_eq!(committed(&lines).last().copied(), Some(4), "{lines:?}");
 
     kill_controller(&service);
     let said = service.up_again();
@@ -78,7 +68,7 @@ fn a_controller_killed_during_commits_forgets_no_version_in_agent_memory() {
     let (ok, output) = job.finish_any(Duration::from_secs(60));
     assert!(!ok, "the job went on without its controller:\n{output}");
     let lines: Vec<String> = output.lines().map(str::to_string).collect();
-    let told = last_committed(&lines).expect("COMMITTED lines");
+    let told = committed(&lines).last().copied().expect("COMMITTED lines");
     assert!(output.contains("commit failed"), "{output}");
 
     service.up_again();
@@ -97,7 +87,7 @@ fn a_damaged_journal_tail_is_detected_and_its_valid_prefix_used() {
     let config = service.config_without_pfs();
     let args = ["--app", "cut", "--steps", "4", "--every", "2", "--mib", "1", "--persist"];
     let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
-    assert_eq!(last_committed(&lines), Some(3), "{lines:?}");
+    assert_eq!(committed(&lines).last().copied(), Some(3), "{lines:?}");
     kill_controller(&service);
 
     // The last record is the finish with IC_PERSIST: cut three bytes of it.
@@ -175,7 +165,7 @@ fn silent_manager(name: &str, extra: &[&str], env: &[(&str, &str)]) {
 
     // The job goes on: the version under way completes (on new agents) or
     // fails cleanly; either way, later ones complete on the live node.
-    let told_before = last_committed(&job.lines()).unwrap_or(0);
+    let told_before = committed(&job.lines()).last().copied().unwrap_or(0);
     job.wait_line(&format!("COMMITTED version={}", told_before + 3), Duration::from_secs(60));
     let status = service.status();
     let node = |status: &icheck_core::protocol::StatusReport, name: &str| {
@@ -199,7 +189,7 @@ fn silent_manager(name: &str, extra: &[&str], env: &[(&str, &str)]) {
 
     let told = {
         job.kill();
-        last_committed(&job.lines()).expect("COMMITTED lines")
+        committed(&job.lines()).last().copied().expect("COMMITTED lines")
     };
     let restart = ["--app", "silent", "--steps", "0", "--every", "1", "--mib", "4"];
     let lines = Job::start(2, &config, &restart, &env).finish(Duration::from_secs(120));
@@ -218,7 +208,7 @@ fn a_killed_manager_is_relaunched_and_its_surviving_store_reconciled() {
     let config = service.config_without_pfs();
     let args = ["--app", "again", "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
     let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
-    assert_eq!(last_committed(&lines), Some(3), "{lines:?}");
+    assert_eq!(committed(&lines).last().copied(), Some(3), "{lines:?}");
 
     let relaunched = |dead: u32| {
         let back = poll_until(Duration::from_secs(30), || {
@@ -262,7 +252,7 @@ fn a_restart_right_after_its_manager_died_waits_for_the_relaunch() {
     let config = service.config_without_pfs();
     let args = ["--app", "soon", "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
     let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
-    assert_eq!(last_committed(&lines), Some(3), "{lines:?}");
+    assert_eq!(committed(&lines).last().copied(), Some(3), "{lines:?}");
     let status = service.status();
     let home = status.apps.iter().find(|a| a.registration.name == "soon").unwrap().agents[0].node.clone();
     let manager = service.pid_of(&format!("manager-{home}"));

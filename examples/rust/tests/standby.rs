@@ -1,17 +1,15 @@
 //! A standby controller takes over without losing a version or splitting
-//! the brain: real daemons (`icheck up --standby`, namespaced controllers),
-//! real `mpirun` jobs. The jobs use a client configuration without a PFS, so
+//! the brain: real daemons (`icheck up --standby`), real `mpirun` jobs (the
+//! partition test, on namespaced controllers, is in `multi_host.rs`). The jobs use a client configuration without a PFS, so
 //! whatever they restore came from agent memory.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
-use common::Job;
-use icheck_core::config::StaticConfig;
+use common::{committed, primaries, records, restored, wait_for_more_commits, Job};
 use icheck_core::control::BlockingConnection;
 use icheck_core::protocol::{ClientReply, ClientRequest};
-use icheck_service::testkit::netns::NetCluster;
 use icheck_service::testkit::{icheck_in_target, poll_until, process_running, LocalService};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -25,44 +23,6 @@ fn service(name: &str) -> LocalService {
 
 fn signal(pid: u32, signal: Signal) {
     kill(Pid::from_raw(pid as i32), signal).unwrap_or_else(|e| panic!("{signal} to {pid}: {e}"));
-}
-
-/// The versions in a job's `COMMITTED version=V` lines, in order.
-fn committed(lines: &[String]) -> Vec<u64> {
-    lines.iter().filter_map(|l| l.strip_prefix("COMMITTED version=")?.split(' ').next()?.parse().ok()).collect()
-}
-
-/// The version in a job's `RESTORED version=V step=S verified` line.
-fn restored(lines: &[String]) -> Option<u64> {
-    lines.iter().find_map(|l| l.strip_prefix("RESTORED version=")?.split(' ').next()?.parse().ok())
-}
-
-/// Waits until the job has committed `count` more versions than `after`.
-fn wait_for_more_commits(job: &Job, after: u64, count: u64, timeout: Duration) -> u64 {
-    let ok = poll_until(timeout, || committed(&job.lines()).last().is_some_and(|v| *v >= after + count));
-    let last = committed(&job.lines()).last().copied().unwrap_or(0);
-    assert!(ok, "the job stopped committing at version {last} (waited for {}):\n{}", after + count, job.output());
-    last
-}
-
-/// How many of `config`'s controllers answer a Hello as the primary, and
-/// the epochs they answer with.
-fn primaries(config: &StaticConfig) -> Vec<(String, u64)> {
-    config
-        .controller_endpoints()
-        .iter()
-        .filter_map(|peer| {
-            BlockingConnection::connect_controller(peer, &config.effective_token(), Duration::from_secs(2), 0)
-                .ok()
-                .map(|(_, epoch)| (peer.clone(), epoch))
-        })
-        .collect()
-}
-
-/// Lines of a controller log that record something (a version, a
-/// registration) — what a replaced primary must never write again.
-fn records(log: &str) -> usize {
-    log.lines().filter(|l| l.contains("version complete") || l.contains("application registered")).count()
 }
 
 /// The restart of a killed job restores the newest version it was told
@@ -186,45 +146,4 @@ fn a_primary_paused_past_the_window_records_nothing_when_it_wakes_and_steps_down
     job.kill();
     let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
     restart_restores(&config, "stopp", told);
-}
-
-/// A partition: the controllers and the checkpoint nodes are network
-/// namespaces; the primary's link goes down while a job commits. The
-/// standby takes over, the job goes on, and when the link comes back the
-/// old primary has recorded nothing, steps down and follows the new one.
-#[test]
-fn a_partitioned_primary_is_replaced_and_steps_down_when_its_link_returns() {
-    let cluster = NetCluster::start_with_standby(&icheck_in_target(), "partition", 2, "");
-    let config = StaticConfig::load(&cluster.client_config).expect("the cluster's client configuration");
-    let args = ["--app", "cutp", "--steps", "100000", "--every", "1", "--mib", "2", "--step-ms", "20"];
-    let mut job = Job::start(4, &cluster.client_config, &args, &cluster.app_env());
-    job.wait_line("COMMITTED version=5", Duration::from_secs(120));
-    let recorded_before = records(&cluster.log("c1"));
-
-    cluster.cut("c1");
-    let cut = committed(&job.lines()).last().copied().unwrap_or(5);
-    let took_over = poll_until(WINDOW * 5, || {
-        primaries(&config).iter().any(|(peer, epoch)| *peer == cluster.controllers[1] && *epoch == 2)
-    });
-    assert!(took_over, "the standby did not take over; its log:\n{}", cluster.log("c2"));
-    let during = wait_for_more_commits(&job, cut, 3, Duration::from_secs(90));
-
-    cluster.mend("c1");
-    let stepped_down = poll_until(WINDOW * 5, || cluster.log("c1").contains("stepping down to standby"));
-    assert!(stepped_down, "the reconnected primary did not step down:\n{}", cluster.log("c1"));
-    assert!(poll_until(WINDOW * 5, || cluster.status().controller.is_some_and(|c| c.standby.is_some())));
-    wait_for_more_commits(&job, during, 3, Duration::from_secs(60));
-    assert_eq!(records(&cluster.log("c1")), recorded_before, "{}", cluster.log("c1"));
-    let answering = primaries(&config);
-    assert_eq!(
-        answering.iter().map(|(peer, epoch)| (peer.as_str(), *epoch)).collect::<Vec<_>>(),
-        [(cluster.controllers[1].as_str(), 2)]
-    );
-
-    job.kill();
-    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
-    let restart = ["--app", "cutp", "--steps", "0", "--every", "1", "--mib", "2"];
-    let lines = Job::start(4, &cluster.client_config, &restart, &cluster.app_env()).finish(Duration::from_secs(120));
-    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
-    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
 }

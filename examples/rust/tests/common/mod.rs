@@ -9,7 +9,9 @@ use std::process::{Child, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use icheck_service::testkit::LocalService;
+use icheck_core::config::StaticConfig;
+use icheck_core::control::BlockingConnection;
+use icheck_service::testkit::{poll_until, LocalService};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
@@ -168,4 +170,42 @@ pub fn without_a_controller(service: &LocalService) -> PathBuf {
     );
     std::fs::write(&path, text).unwrap();
     path
+}
+
+/// The versions in a job's `COMMITTED version=V` lines, in order.
+pub fn committed(lines: &[String]) -> Vec<u64> {
+    lines.iter().filter_map(|l| l.strip_prefix("COMMITTED version=")?.split(' ').next()?.parse().ok()).collect()
+}
+
+/// The version in a job's `RESTORED version=V step=S verified` line.
+pub fn restored(lines: &[String]) -> Option<u64> {
+    lines.iter().find_map(|l| l.strip_prefix("RESTORED version=")?.split(' ').next()?.parse().ok())
+}
+
+/// Waits until the job has committed `count` more versions than `after`.
+pub fn wait_for_more_commits(job: &Job, after: u64, count: u64, timeout: Duration) -> u64 {
+    let ok = poll_until(timeout, || committed(&job.lines()).last().is_some_and(|v| *v >= after + count));
+    let last = committed(&job.lines()).last().copied().unwrap_or(0);
+    assert!(ok, "the job stopped committing at version {last} (waited for {}):\n{}", after + count, job.output());
+    last
+}
+
+/// How many of `config`'s controllers answer a Hello as the primary, and
+/// the epochs they answer with.
+pub fn primaries(config: &StaticConfig) -> Vec<(String, u64)> {
+    config
+        .controller_endpoints()
+        .iter()
+        .filter_map(|peer| {
+            BlockingConnection::connect_controller(peer, &config.effective_token(), Duration::from_secs(2), 0)
+                .ok()
+                .map(|(_, epoch)| (peer.clone(), epoch))
+        })
+        .collect()
+}
+
+/// Lines of a controller log that record something (a version, a
+/// registration) — what a replaced primary must never write again.
+pub fn records(log: &str) -> usize {
+    log.lines().filter(|l| l.contains("version complete") || l.contains("application registered")).count()
 }
