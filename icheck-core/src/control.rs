@@ -175,7 +175,12 @@ impl ControllerLink {
             (false, false) => self.request_timeout.min((self.failover - Duration::from_secs(5)).max(QUICK_ANSWER)),
             _ => self.request_timeout,
         };
-        let deadline = std::time::Instant::now() + self.failover + answer_within;
+        // One controller: one attempt, as before standbys existed.
+        let deadline = if self.failover.is_zero() {
+            std::time::Instant::now()
+        } else {
+            std::time::Instant::now() + self.failover + answer_within
+        };
         loop {
             let error = match self.connect() {
                 Err(err) => err,

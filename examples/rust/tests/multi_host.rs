@@ -138,6 +138,9 @@ fn a_partitioned_primary_is_replaced_and_steps_down_when_its_link_returns() {
 
     job.kill();
     let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
+    // An agent pulling from a killed rank waits out the stall bound before
+    // it is replaced; a restart within it would be handed that agent.
+    std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
     let restart = ["--app", "cutp", "--steps", "0", "--every", "1", "--mib", "2"];
     let lines = Job::start(4, &cluster.client_config, &restart, &cluster.app_env()).finish(Duration::from_secs(120));
     let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));

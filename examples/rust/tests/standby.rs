@@ -27,7 +27,15 @@ fn signal(pid: u32, signal: Signal) {
 
 /// The restart of a killed job restores the newest version it was told
 /// was complete (or the next, recorded as it was killed) bit-exact.
+///
+/// The job was killed in the middle of a transfer: an agent pulling from a
+/// dead rank waits out the fabric's stall bound, then stops and is
+/// replaced. A restart registered within that window is handed the doomed
+/// agent (a limit of the library's init, not of the standby), so the
+/// restart waits the bound out first.
 fn restart_restores(config: &std::path::Path, app: &str, told: u64) {
+    let stall = icheck_core::fabric::TransferOptions::default().timeout;
+    std::thread::sleep(stall + Duration::from_secs(2));
     let restart = ["--app", app, "--steps", "0", "--every", "1", "--mib", "4"];
     let lines = Job::start(4, config, &restart, &[]).finish(Duration::from_secs(120));
     let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
