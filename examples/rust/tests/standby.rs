@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use common::{committed, primaries, records, restored, wait_for_more_commits, Job};
 use icheck_core::control::BlockingConnection;
 use icheck_core::protocol::{ClientReply, ClientRequest};
-use icheck_service::testkit::{icheck_in_target, poll_until, process_running, LocalService};
+use icheck_service::testkit::{icheck_in_target, poll_until, process_running, process_stopped, LocalService};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
@@ -108,6 +108,7 @@ fn a_primary_paused_past_the_window_records_nothing_when_it_wakes_and_steps_down
     early.set_timeout(Duration::from_secs(120));
     let primary = service.pid_of("controller");
     signal(primary, Signal::SIGSTOP);
+    assert!(poll_until(Duration::from_secs(5), || process_stopped(primary)), "SIGSTOP did not stop the primary");
     let recorded_before = records(&service.log("controller.log"));
     let queued = std::thread::spawn(move || {
         let ghost = ClientRequest::VersionComplete {

@@ -101,7 +101,17 @@ const AGENT_IDS_PER_INCARNATION: u64 = 1_000_000;
 /// the caller acknowledges what it records; the error is the reply.
 /// The event also goes to the standby, and the reply that acknowledges it
 /// waits for the standby's acknowledgement ([`replicated`]).
+///
+/// The lease is checked again right before the write: a request that was
+/// admitted just before this process was paused must not be recorded
+/// after it wakes, when another controller may have taken over.
 fn journal(state: &mut State, event: &Event) -> Result<(), String> {
+    if let Err(why) = state.lease.may_act(Instant::now()) {
+        return Err(format!(
+            "this controller (epoch {}) may no longer be the primary, so it is not recorded: {why}",
+            state.epoch
+        ));
+    }
     let Some(journal) = state.journal.as_mut() else { return Ok(()) };
     journal.append(event).map_err(|err| {
         tracing::error!(%err, "cannot write the controller journal");
@@ -1975,6 +1985,12 @@ fn finish_app(shared: &Shared, name: &str, persist: bool) -> ClientReply {
 /// Stops an application's agents (deleting their memory) and forgets it;
 /// false if it was not registered.
 fn stop_and_forget(state: &mut State, name: &str) -> bool {
+    // Deleting memory is an act of the primary: a controller that lost its
+    // lease (a PFS flush finishing late) leaves it to whoever is primary.
+    if let Err(why) = state.lease.may_act(Instant::now()) {
+        tracing::warn!(app = name, %why, "not stopping the application's agents: this controller may not be the primary");
+        return false;
+    }
     let Some(app) = state.apps.remove(name) else { return false };
     // Best effort: a forgotten application the journal still lists comes
     // back after a restart without versions (its files are gone) and is

@@ -197,6 +197,16 @@ pub fn process_running(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z "))
 }
 
+/// Whether every thread of `pid` is stopped (SIGSTOP takes effect thread
+/// by thread; a test that needs the whole process paused waits for this).
+pub fn process_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    tasks.flatten().all(|task| {
+        std::fs::read_to_string(task.path().join("stat"))
+            .is_ok_and(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T')))
+    })
+}
+
 /// An `mpirun` command for `np` ranks as the tests and benchmarks run
 /// them: as root, oversubscribed, unbound, in its own process group, with
 /// Open MPI's shared-memory files in a directory of the job's own (named
