@@ -177,15 +177,19 @@ fn silent_manager(name: &str, extra: &[&str], env: &[(&str, &str)]) {
     assert!(service.log("controller.log").contains("missed 3 heartbeats"));
 
     drop(stopped);
-    // Back: its stale agents stop, and its files of this app go.
+    // Back: its stale agents stop, and its files of this app go (the
+    // report may say nothing is held a moment before the rank's directory
+    // itself is removed, so both are polled).
+    let app_dir = service.config.agent_store_dir.join(&silent).join("silent");
+    let left = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(&app_dir).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default()
+    };
     let back = poll_until(Duration::from_secs(30), || {
         let n = node(&service.status(), &silent);
-        n.alive && n.status.agents == 0 && n.status.bytes_held == 0
+        n.alive && n.status.agents == 0 && n.status.bytes_held == 0 && left().is_empty()
     });
     assert!(back, "after SIGCONT: {:?}\n{}", node(&service.status(), &silent), service.log("controller.log"));
-    let app_dir = service.config.agent_store_dir.join(&silent).join("silent");
-    let left: Vec<_> = std::fs::read_dir(&app_dir).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
-    assert!(left.is_empty(), "files left on the node that came back: {left:?}");
+    assert!(left().is_empty(), "files left on the node that came back: {:?}", left());
 
     let told = {
         job.kill();
