@@ -342,7 +342,7 @@ fn heal(service: &LocalService, bound: Duration, standby: bool) -> Result<(), St
         let healthy = service.try_status().is_ok_and(|status| {
             status.nodes.len() == 2
                 && status.nodes.iter().all(|n| n.alive)
-                && (!standby || status.controller.is_some_and(|c| c.lease && c.standby.is_some()))
+                && (!standby || status.controller.is_some_and(|c| c.standby_follows()))
         });
         if healthy {
             return Ok(());

@@ -141,7 +141,7 @@ fn inject(service: &LocalService, takeovers: usize, completed: &Mutex<Vec<Instan
         // The dead one comes back and follows the new primary.
         service.up_again();
         let attached = Instant::now();
-        while !service.try_status().is_ok_and(|s| s.controller.is_some_and(|c| c.lease && c.standby.is_some())) {
+        while !service.try_status().is_ok_and(|s| s.controller.is_some_and(|c| c.standby_follows())) {
             if attached.elapsed() > Duration::from_secs(60) {
                 bail!("round {round}: the restarted controller did not follow the new primary");
             }

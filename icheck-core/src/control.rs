@@ -65,7 +65,8 @@ pub struct ControllerLink {
     token: String,
     connect_timeout: Duration,
     request_timeout: Duration,
-    failover: Duration,
+    /// `TakeoverAfter` with a standby configured; zero with one controller.
+    takeover: Duration,
     epoch: u64,
     current: Option<BlockingConnection>,
     /// Where the next pass over the list starts: after a controller that
@@ -84,37 +85,16 @@ impl ControllerLink {
         request_timeout: Duration,
     ) -> ControllerLink {
         let endpoints = config.controller_endpoints();
-        let failover = match endpoints.len() {
-            1 => Duration::ZERO,
-            _ => config.takeover_after() * 2 + Duration::from_secs(5),
-        };
+        let takeover = if endpoints.len() > 1 { config.takeover_after() } else { Duration::ZERO };
         ControllerLink {
             endpoints,
             token: token.to_string(),
             connect_timeout,
             request_timeout,
-            failover,
+            takeover,
             epoch: 0,
             current: None,
             start_at: 0,
-        }
-    }
-
-    /// The controller last talked to (or the first configured).
-    pub fn peer(&self) -> &str {
-        self.current.as_ref().map_or(self.endpoints[0].as_str(), |c| c.peer())
-    }
-
-    /// The highest controller epoch seen.
-    pub fn epoch(&self) -> u64 {
-        self.epoch
-    }
-
-    /// Sets how long later requests wait for their answer.
-    pub fn set_timeout(&mut self, timeout: Duration) {
-        self.request_timeout = timeout;
-        if let Some(connection) = self.current.as_mut() {
-            connection.set_timeout(timeout);
         }
     }
 
@@ -170,16 +150,18 @@ impl ControllerLink {
             request,
             ClientRequest::RegisterApp(_) | ClientRequest::Probe { .. } | ClientRequest::DeleteApp { .. }
         );
-        let answer_within = match (starts_agents, self.failover.is_zero()) {
+        let standby = !self.takeover.is_zero();
+        let answer_within = match (starts_agents, standby) {
             // Twice the lease-bounded wait for the standby, and then some.
-            (false, false) => self.request_timeout.min((self.failover - Duration::from_secs(5)).max(QUICK_ANSWER)),
+            (false, true) => self.request_timeout.min((self.takeover * 2).max(QUICK_ANSWER)),
             _ => self.request_timeout,
         };
-        // One controller: one attempt, as before standbys existed.
-        let deadline = if self.failover.is_zero() {
-            std::time::Instant::now()
+        // One controller: one attempt, as before standbys existed. With a
+        // standby: the failover window (twice the takeover window, plus 5 s).
+        let deadline = if standby {
+            std::time::Instant::now() + self.takeover * 2 + Duration::from_secs(5) + answer_within
         } else {
-            std::time::Instant::now() + self.failover + answer_within
+            std::time::Instant::now()
         };
         loop {
             let error = match self.connect() {

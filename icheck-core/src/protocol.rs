@@ -980,6 +980,14 @@ pub struct ControllerReport {
     pub takeovers: u64,
 }
 
+impl ControllerReport {
+    /// A standby follows this primary's journal and the primary holds its
+    /// lease: a takeover could happen now without losing anything.
+    pub fn standby_follows(&self) -> bool {
+        self.lease && self.standby.is_some()
+    }
+}
+
 /// A standby controller as the primary sees it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct StandbyReport {

@@ -121,7 +121,7 @@ async fn serve(config: StaticConfig, node: String, agents: Agents) -> Result<(),
     loop {
         for peer in &controllers {
             let mut link = ControllerSession { peer, epoch, registered: false };
-            let result = link.run(&config, &settings, &node, &agents, &inventory).await;
+            let result = session(&config, &settings, &node, &agents, &inventory, &mut link).await;
             epoch = link.epoch;
             if link.registered {
                 delay = Duration::from_millis(100);
@@ -150,19 +150,6 @@ struct ControllerSession<'a> {
     epoch: u64,
     /// The controller accepted the registration.
     registered: bool,
-}
-
-impl ControllerSession<'_> {
-    async fn run(
-        &mut self,
-        config: &StaticConfig,
-        settings: &AgentSettings,
-        node: &str,
-        agents: &Agents,
-        inventory: &Arc<Mutex<InventoryCache>>,
-    ) -> Result<(), ServiceError> {
-        session(config, settings, node, agents, inventory, self).await
-    }
 }
 
 async fn session(

@@ -288,8 +288,9 @@ pub fn serve(config: StaticConfig, options: ControllerOptions) -> Result<(), Ser
 }
 
 /// Holds an exclusive lock on the journal directory for the process's
-/// life: two controllers writing one journal would corrupt it.
-fn lock_journal_dir(dir: &std::path::Path) -> Result<std::fs::File, ServiceError> {
+/// life (the returned guard): two controllers writing one journal would
+/// corrupt it.
+fn lock_journal_dir(dir: &std::path::Path) -> Result<nix::fcntl::Flock<std::fs::File>, ServiceError> {
     let io = |what: String| move |error| ServiceError::Io { what, error };
     std::fs::create_dir_all(dir).map_err(io(format!("cannot create the journal directory {}", dir.display())))?;
     let path = dir.join("controller.lock");
@@ -299,19 +300,13 @@ fn lock_journal_dir(dir: &std::path::Path) -> Result<std::fs::File, ServiceError
         .write(true)
         .open(&path)
         .map_err(io(format!("cannot open {}", path.display())))?;
-    nix::fcntl::Flock::lock(
-        file.try_clone().map_err(io(path.display().to_string()))?,
-        nix::fcntl::FlockArg::LockExclusiveNonblock,
-    )
-    .map(std::mem::forget)
-    .map_err(|(_, errno)| {
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|(_, errno)| {
         ServiceError::Remote(format!(
             "the journal directory {} is in use by another controller ({errno}); give each controller its own \
-                 (--journal-dir)",
+             (--journal-dir)",
             dir.display()
         ))
-    })?;
-    Ok(file)
+    })
 }
 
 /// The primary phase: runs until a controller with a higher epoch is
@@ -521,7 +516,11 @@ fn unix_ms() -> u64 {
 /// primary, and whether it holds the journal.
 async fn answer_as_standby(listener: TcpListener, token: String, synced: Arc<std::sync::atomic::AtomicBool>) {
     loop {
-        let Ok((mut stream, _)) = listener.accept().await else { continue };
+        let Ok((mut stream, _)) = listener.accept().await else {
+            // As the primary's accept loop: no spin on a lasting error.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
         let (token, synced) = (token.clone(), synced.clone());
         tokio::spawn(async move {
             let Ok(hello) = framing::recv_timeout::<_, Hello>(&mut stream, HELLO_TIMEOUT).await else { return };
@@ -787,11 +786,7 @@ async fn serve_connection(
             "controller {} has epoch {epoch}, but {peer} has seen epoch {}: it was replaced",
             shared.me, hello.epoch
         );
-        framing::send(
-            &mut stream,
-            &HelloReply::NotPrimary { reason: reason.clone(), epoch, sequence: sequence(&shared) },
-        )
-        .await?;
+        framing::send(&mut stream, &not_primary(&shared, reason.clone())).await?;
         shared.step_down(&reason);
         return Ok(());
     }
@@ -799,7 +794,7 @@ async fn serve_connection(
         return replica_stream(shared, stream, peer).await;
     }
     if let Err(reason) = shared.may_act() {
-        framing::send(&mut stream, &HelloReply::NotPrimary { reason, epoch, sequence: sequence(&shared) }).await?;
+        framing::send(&mut stream, &not_primary(&shared, reason)).await?;
         return Ok(());
     }
     framing::send(&mut stream, &HelloReply::Primary { epoch }).await?;
@@ -825,11 +820,11 @@ async fn replica_stream(
             state.lease.attached().map(|other| format!("standby {other} already follows this controller"))
         }
     };
-    let epoch = shared.state().epoch;
     if let Some(reason) = refused {
-        framing::send(&mut stream, &HelloReply::NotPrimary { reason, epoch, sequence: sequence(&shared) }).await?;
+        framing::send(&mut stream, &not_primary(&shared, reason)).await?;
         return Ok(());
     }
+    let epoch = shared.state().epoch;
     framing::send(&mut stream, &HelloReply::Primary { epoch }).await?;
     // At most two controllers: the standby is the other one.
     let peer_name = match shared.controllers.iter().find(|c| **c != shared.me) {
@@ -908,6 +903,13 @@ async fn replica_stream(
 /// Events this controller's journal recorded (0 without one).
 fn sequence(shared: &Shared) -> u64 {
     shared.state().journal.as_ref().map_or(0, |j| j.state().sequence)
+}
+
+/// The answer of a controller that is not acting as the primary: why, and
+/// its epoch and journal length (what a partner compares with its own).
+fn not_primary(shared: &Shared, reason: String) -> HelloReply {
+    let epoch = shared.state().epoch;
+    HelloReply::NotPrimary { reason, epoch, sequence: sequence(shared) }
 }
 
 /// Answers a probe of a partner controller, and what this primary makes of it.
@@ -1224,8 +1226,10 @@ async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), 
     loop {
         let request: ClientRequest = framing::recv(&mut stream).await?;
         // Checked before anything is done: a primary paused past its lease
-        // finds requests queued meanwhile, and must not act on them.
-        if !matches!(request, ClientRequest::Status) {
+        // finds requests queued meanwhile, and must not act on them. A
+        // status report acts on nothing: it is always answered.
+        let acts = !matches!(request, ClientRequest::Status);
+        if acts {
             if let Err(reason) = shared.may_act() {
                 framing::send(&mut stream, &ClientReply::NotPrimary(reason)).await?;
                 continue;
@@ -1256,11 +1260,15 @@ async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), 
         };
         // What the reply acknowledges is on the standby too, or the client
         // hears that this controller could not make sure it was.
-        let reply = match replicated(&shared).await {
-            Err(reason) if !matches!(reply, ClientReply::Status(_)) => ClientReply::NotPrimary(format!(
-                "{reason}; what was asked may not be recorded, so ask the primary again"
-            )),
-            _ => reply,
+        let reply = if acts {
+            match replicated(&shared).await {
+                Err(reason) => ClientReply::NotPrimary(format!(
+                    "{reason}; what was asked may not be recorded, so ask the primary again"
+                )),
+                Ok(()) => reply,
+            }
+        } else {
+            reply
         };
         framing::send(&mut stream, &reply).await?;
     }

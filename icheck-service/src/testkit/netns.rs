@@ -262,7 +262,7 @@ impl NetCluster {
         wait_for("every manager to register and the standby to attach", Duration::from_secs(30), || {
             self.try_status().is_some_and(|s| {
                 s.nodes.iter().filter(|n| n.alive).count() == nodes as usize
-                    && s.controller.is_some_and(|c| c.standby.is_some() && c.lease)
+                    && s.controller.is_some_and(|c| c.standby_follows())
             })
         });
         self

@@ -266,7 +266,7 @@ fn wait_for_standby(config: &StaticConfig, dir: &Path) -> Result<()> {
     let started = Instant::now();
     loop {
         if let Ok(ClientReply::Status(report)) = request_blocking(config, &ClientRequest::Status) {
-            if report.controller.is_some_and(|c| c.standby.is_some() && c.lease) {
+            if report.controller.is_some_and(|c| c.standby_follows()) {
                 return Ok(());
             }
         }
