@@ -22,6 +22,7 @@ module icheck
   integer(c_int), parameter, public :: ICHECK_ERR_CORRUPT = -12, ICHECK_ERR_INCOMPLETE = -13
   integer(c_int), parameter, public :: ICHECK_ERR_RANKS = -14, ICHECK_ERR_UNSUPPORTED = -15
   integer(c_int), parameter, public :: ICHECK_ERR_INTERNAL = -16, ICHECK_ERR_ADAPT = -17
+  integer(c_int), parameter, public :: ICHECK_ERR_ACCESS = -18
   integer(c_int), parameter, public :: ICHECK_CHAR = 1, ICHECK_INT = 2, ICHECK_LONG = 3
   integer(c_int), parameter, public :: ICHECK_FLOAT = 4, ICHECK_DOUBLE = 5, ICHECK_BINARY = 6
   ! Fortran names are case-insensitive, so the C constant ICHECK_RESTART would

@@ -41,6 +41,7 @@ extern "C" {
 #define ICHECK_ERR_UNSUPPORTED   (-15) /* not supported */
 #define ICHECK_ERR_INTERNAL      (-16) /* internal error (a bug) */
 #define ICHECK_ERR_ADAPT         (-17) /* malleable label cannot be stored or restored as declared */
+#define ICHECK_ERR_ACCESS        (-18) /* the application's capability cannot be read or kept */
 
 /* Element types for icheck_add. ICHECK_LONG is a 64-bit integer. */
 #define ICHECK_CHAR   1

@@ -131,7 +131,7 @@ int main(int argc, char **argv)
     }
     expect(icheck_finalize(IC_CLEANUP), ICHECK_SUCCESS, "finalize (cleanup)");
 
-    for (int code = ICHECK_ERR_ADAPT - 1; code <= 0; code++) {
+    for (int code = ICHECK_ERR_ACCESS - 1; code <= 0; code++) {
         const char *text = icheck_strerror(code);
         if (!text || !*text) {
             printf("FAILED: icheck_strerror(%d) is empty\n", code);

@@ -13,6 +13,32 @@ use crate::fabric::FabricConfig;
 
 /// Environment variable that overrides the `Token` key.
 pub const TOKEN_ENV: &str = "ICHECK_TOKEN";
+/// Environment variable that overrides the `AdminToken` key.
+pub const ADMIN_TOKEN_ENV: &str = "ICHECK_ADMIN_TOKEN";
+/// Environment variable that overrides the `NodeToken` key.
+pub const NODE_TOKEN_ENV: &str = "ICHECK_NODE_TOKEN";
+/// Environment variable that overrides `client.capability_dir`.
+pub const CAPABILITY_DIR_ENV: &str = "ICHECK_CAPABILITY_DIR";
+
+/// The secrets a daemon runs with, each checked (not empty, not a
+/// placeholder, all different).
+#[derive(Clone, PartialEq, Eq)]
+pub struct DaemonTokens {
+    /// Admits applications (registration) and agent sessions' Hellos.
+    pub client: String,
+    /// Admits operators' commands (delete, drain, full status, `/metrics`).
+    pub admin: String,
+    /// Admits managers and standby controllers.
+    pub node: String,
+    /// Admits a Prometheus scraper to `/metrics` (read-only), if set.
+    pub metrics: Option<String>,
+}
+
+impl std::fmt::Debug for DaemonTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DaemonTokens(..)")
+    }
+}
 
 /// Why a configuration file was rejected. Every variant names the file.
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +132,20 @@ pub struct StaticConfig {
     /// in the environment overrides it.
     #[serde(rename = "Token", default)]
     pub token: Option<String>,
+    /// The operators' secret: `icheck delete`, `drain`, the full status
+    /// and `/metrics`. `ICHECK_ADMIN_TOKEN` overrides it. It opens no
+    /// application's data.
+    #[serde(rename = "AdminToken", default)]
+    pub admin_token: Option<String>,
+    /// The checkpoint nodes' secret: managers and standby controllers join
+    /// with it, and agents present it to each other. `ICHECK_NODE_TOKEN`
+    /// overrides it. Applications never need it.
+    #[serde(rename = "NodeToken", default)]
+    pub node_token: Option<String>,
+    /// A read-only secret for Prometheus (`Authorization: Bearer ...` on
+    /// `/metrics`); the admin token works there too.
+    #[serde(rename = "MetricsToken", default)]
+    pub metrics_token: Option<String>,
     /// Path of the dynamic configuration file (relative to this file).
     #[serde(rename = "DynamicConfig", default)]
     pub dynamic_config: Option<PathBuf>,
@@ -167,6 +207,11 @@ pub struct ClientConfig {
     /// hung or cut-off node) and the library asks the controller for new
     /// agents. `ICHECK_REQUEST_TIMEOUT` overrides it.
     pub request_timeout: f64,
+    /// Where the library keeps each application's capability (the secret
+    /// that proves a restarted job owns its checkpoints), in files only
+    /// their owner can read. `ICHECK_CAPABILITY_DIR` overrides it; unset:
+    /// `$HOME/.icheck/capabilities`.
+    pub capability_dir: Option<PathBuf>,
 }
 
 impl ClientConfig {
@@ -207,6 +252,7 @@ impl Default for ClientConfig {
             compression: "auto".into(),
             t_wait: 30.0,
             request_timeout: 30.0,
+            capability_dir: None,
         }
     }
 }
@@ -347,23 +393,100 @@ impl StaticConfig {
         std::env::var(TOKEN_ENV).ok().or_else(|| self.token.clone()).unwrap_or_default()
     }
 
-    /// The token a daemon runs with: [`effective_token`](Self::effective_token),
-    /// refused when empty, because an empty token would let anyone who can
-    /// reach the ports read, overwrite and delete every application's
-    /// checkpoints. `file` is the configuration the daemon was started with.
-    pub fn daemon_token(&self, file: &Path) -> Result<String, ConfigError> {
-        let token = self.effective_token();
-        if token.trim().is_empty() {
-            return Err(ConfigError::Invalid {
-                file: file.to_path_buf(),
-                key: "Token",
-                expected: format!(
-                    "a non-empty shared secret (or {TOKEN_ENV} in the environment): daemons do not run \
-                     without authentication; `icheck up` writes a random one"
-                ),
-            });
+    /// The admin token in force: `ICHECK_ADMIN_TOKEN`, else `AdminToken`.
+    pub fn admin_token(&self) -> Option<String> {
+        std::env::var(ADMIN_TOKEN_ENV).ok().or_else(|| self.admin_token.clone()).filter(|t| !t.is_empty())
+    }
+
+    /// The node token in force: `ICHECK_NODE_TOKEN`, else `NodeToken`.
+    pub fn node_token(&self) -> Option<String> {
+        std::env::var(NODE_TOKEN_ENV).ok().or_else(|| self.node_token.clone()).filter(|t| !t.is_empty())
+    }
+
+    /// The token an operator's command presents: the admin token where one
+    /// is configured, else the client token (which the controller answers
+    /// with what a client may see).
+    pub fn operator_token(&self) -> String {
+        self.admin_token().unwrap_or_else(|| self.effective_token())
+    }
+
+    /// Where the client library keeps capabilities: `ICHECK_CAPABILITY_DIR`,
+    /// else `client.capability_dir`, else `$HOME/.icheck/capabilities`.
+    pub fn capability_dir(&self) -> PathBuf {
+        std::env::var_os(CAPABILITY_DIR_ENV)
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| self.client.capability_dir.clone())
+            .unwrap_or_else(crate::credentials::CapabilityStore::default_dir)
+    }
+
+    /// The secrets a daemon runs with, refused when one is missing, empty
+    /// or a placeholder (`change-me`), or when two are equal: a weak or
+    /// shared secret would let anyone who can reach the ports act as an
+    /// operator or a checkpoint node. `file` is the configuration the
+    /// daemon was started with.
+    pub fn daemon_tokens(&self, file: &Path) -> Result<DaemonTokens, ConfigError> {
+        let (client, node) = self.manager_tokens(file)?;
+        let admin = self.checked_token(file, "AdminToken", ADMIN_TOKEN_ENV, self.admin_token())?;
+        let metrics = match self.metrics_token.clone().filter(|t| !t.is_empty()) {
+            Some(token) => Some(self.checked_token(file, "MetricsToken", "MetricsToken", Some(token))?),
+            None => None,
+        };
+        let same = |key: &'static str, other: &str| self.same_token(file, key, other);
+        if crate::credentials::secrets_equal(&admin, &client) {
+            return Err(same("AdminToken", "Token"));
         }
-        Ok(token)
+        if crate::credentials::secrets_equal(&node, &admin) {
+            return Err(same("NodeToken", "AdminToken"));
+        }
+        let shared = |m: &str| [&client, &admin, &node].iter().any(|t| crate::credentials::secrets_equal(m, t));
+        if metrics.as_deref().is_some_and(shared) {
+            return Err(same("MetricsToken", "the other tokens"));
+        }
+        Ok(DaemonTokens { client, admin, node, metrics })
+    }
+
+    /// The secrets a manager runs with: the client token (its agents admit
+    /// ranks with it) and the node token (it joins the controller, and its
+    /// agents admit each other, with it), checked as in
+    /// [`daemon_tokens`](Self::daemon_tokens). A checkpoint node needs no
+    /// admin token.
+    pub fn manager_tokens(&self, file: &Path) -> Result<(String, String), ConfigError> {
+        let client = self.checked_token(file, "Token", TOKEN_ENV, Some(self.effective_token()))?;
+        let node = self.checked_token(file, "NodeToken", NODE_TOKEN_ENV, self.node_token())?;
+        if crate::credentials::secrets_equal(&node, &client) {
+            return Err(self.same_token(file, "NodeToken", "Token"));
+        }
+        Ok((client, node))
+    }
+
+    fn checked_token(
+        &self,
+        file: &Path,
+        key: &'static str,
+        env: &str,
+        value: Option<String>,
+    ) -> Result<String, ConfigError> {
+        let value = value.unwrap_or_default();
+        match crate::credentials::weak_token(&value) {
+            None => Ok(value),
+            Some(why) => Err(ConfigError::Invalid {
+                file: file.to_path_buf(),
+                key,
+                expected: format!(
+                    "a random secret (or {env} in the environment); the value {why}: daemons do not run without \
+                     authentication (`icheck up` writes random ones; `openssl rand -hex 16` makes one)"
+                ),
+            }),
+        }
+    }
+
+    fn same_token(&self, file: &Path, key: &'static str, other: &str) -> ConfigError {
+        ConfigError::Invalid {
+            file: file.to_path_buf(),
+            key,
+            expected: format!("a secret different from {other}: each token admits different peers"),
+        }
     }
 
     /// `host:port` of the first controller (the only one, or the one
@@ -638,6 +761,29 @@ mod tests {
         assert_eq!(config.client.transfer, TransferDirection::Pull);
         assert_eq!(config.agent_store_dir, PathBuf::from("/dev/shm/icheck"));
         DynamicConfig::parse(Path::new("config/dynamic.toml"), include_str!("../../config/dynamic.toml")).unwrap();
+    }
+
+    #[test]
+    fn daemons_refuse_placeholder_missing_and_shared_tokens() {
+        let text = |tokens: &str| format!("{tokens}\n[fabric]\nprovider = \"tcp\"\n");
+        let load = |tokens: &str| parse::<StaticConfig>(Path::new("s.toml"), &text(tokens)).unwrap();
+        // The shipped sample's placeholders are refused, naming the file and key.
+        let sample: StaticConfig =
+            parse(Path::new("config/icheck.toml"), include_str!("../../config/icheck.toml")).unwrap();
+        let err = sample.daemon_tokens(Path::new("config/icheck.toml")).unwrap_err().to_string();
+        assert!(err.contains("config/icheck.toml") && err.contains("Token") && err.contains("placeholder"), "{err}");
+        let missing = load("Token = \"a1\"\nNodeToken = \"n1\"");
+        let err = missing.daemon_tokens(Path::new("s.toml")).unwrap_err().to_string();
+        assert!(err.contains("AdminToken") && err.contains("empty"), "{err}");
+        // A manager needs no admin token.
+        assert!(missing.manager_tokens(Path::new("s.toml")).is_ok());
+        let shared = load("Token = \"a1\"\nAdminToken = \"a1\"\nNodeToken = \"n1\"");
+        let err = shared.daemon_tokens(Path::new("s.toml")).unwrap_err().to_string();
+        assert!(err.contains("AdminToken") && err.contains("different from Token"), "{err}");
+        let good = load("Token = \"a1\"\nAdminToken = \"b2\"\nNodeToken = \"c3\"\nMetricsToken = \"d4\"");
+        let tokens = good.daemon_tokens(Path::new("s.toml")).unwrap();
+        assert_eq!((tokens.admin.as_str(), tokens.metrics.as_deref()), ("b2", Some("d4")));
+        assert_eq!(format!("{tokens:?}"), "DaemonTokens(..)", "secrets never printed");
     }
 
     #[test]

@@ -37,11 +37,12 @@ pub enum ServiceError {
 }
 
 /// Runs one request on a fresh connection to the primary controller
-/// (for commands and tests): the configured controllers are tried in
+/// (for commands and tests) with the operator's token (the admin token
+/// where one is configured): the configured controllers are tried in
 /// order (see [`ControllerLink`]).
 pub fn request_blocking(config: &StaticConfig, request: &ClientRequest) -> Result<ClientReply, ServiceError> {
     let timeout = protocol::REQUEST_TIMEOUT;
-    ControllerLink::new(config, &config.effective_token(), timeout, timeout).request(request)
+    ControllerLink::new(config, &config.operator_token(), timeout, timeout).request(request)
 }
 
 /// Pause between passes over the controller list while none is primary.
@@ -148,7 +149,7 @@ impl ControllerLink {
     pub fn request(&mut self, request: &ClientRequest) -> Result<ClientReply, ServiceError> {
         let starts_agents = matches!(
             request,
-            ClientRequest::RegisterApp(_) | ClientRequest::Probe { .. } | ClientRequest::DeleteApp { .. }
+            ClientRequest::RegisterApp { .. } | ClientRequest::Probe { .. } | ClientRequest::DeleteApp { .. }
         );
         let standby = !self.takeover.is_zero();
         let answer_within = match (starts_agents, standby) {

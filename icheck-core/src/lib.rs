@@ -7,6 +7,8 @@
 //!   its blocking client side.
 //! * [`pfs`] is the PFS level's on-disk format, read by restarting
 //!   applications and written by agents and the library's fallback.
+//! * [`credentials`] is who may do what: tokens, per-application
+//!   capabilities and the client's capability store.
 //! * [`config`], [`decide`], [`distribution`], [`monitor`] and [`units`] are
 //!   configuration and pure logic.
 //!
@@ -19,6 +21,7 @@
 
 pub mod config;
 pub mod control;
+pub mod credentials;
 pub mod decide;
 pub mod distribution;
 pub mod fabric;

@@ -21,7 +21,7 @@ use crate::fabric::{FabricAddress, RemoteRegion};
 pub use crate::format::{DataKind, LabelLayout, Manifest, VersionRecord};
 
 /// Version of this protocol; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 /// First bytes of every Hello.
 pub const MAGIC: [u8; 4] = *b"ICHK";
 /// Largest frame accepted, in bytes.
@@ -300,8 +300,24 @@ pub fn accept_controller(peer: &str, reply: HelloReply, seen: u64) -> Result<u64
     }
 }
 
-/// Checks a Hello against the expected token; returns the refusal reason.
-pub fn check_hello(hello: &Hello, token: &str) -> Result<(), String> {
+/// What a peer's token admits it to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Privilege {
+    /// An application: it may register, then act on its own application
+    /// with that application's capability.
+    Client,
+    /// A checkpoint node (manager, standby controller, an agent taking a
+    /// rank over from another agent).
+    Node,
+    /// An operator: delete, drain, the full status.
+    Admin,
+}
+
+/// Checks a Hello's magic and version, then which of `accepted` tokens it
+/// presents (compared in constant time). Managers and standby controllers
+/// must present a [`Privilege::Node`] token. Returns the privilege or the
+/// refusal reason.
+pub fn admit_hello(hello: &Hello, accepted: &[(Privilege, &str)]) -> Result<Privilege, String> {
     if hello.magic != MAGIC {
         return Err("not an icheck peer (bad magic)".into());
     }
@@ -311,16 +327,28 @@ pub fn check_hello(hello: &Hello, token: &str) -> Result<(), String> {
             hello.version
         ));
     }
-    // Compare without an early exit, so timing does not reveal a prefix.
-    let (a, b) = (hello.token.as_bytes(), token.as_bytes());
-    let mut diff = a.len() ^ b.len();
-    for (i, byte) in b.iter().enumerate() {
-        diff |= usize::from(a.get(i).copied().unwrap_or(0) ^ byte);
+    // Every token is compared, so timing tells nothing about which matched.
+    let mut admitted = None;
+    for (privilege, token) in accepted {
+        if crate::credentials::secrets_equal(&hello.token, token) && admitted.is_none() {
+            admitted = Some(*privilege);
+        }
     }
-    if diff != 0 {
-        return Err("wrong token (set Token in the configuration file or ICHECK_TOKEN)".into());
+    match (admitted, hello.role) {
+        (None, Role::Client) => Err("wrong token (set Token in the configuration file or ICHECK_TOKEN)".into()),
+        (None, Role::Manager | Role::Standby)
+        | (Some(Privilege::Client | Privilege::Admin), Role::Manager | Role::Standby) => Err(format!(
+            "a {:?} must present the node token (NodeToken in the configuration file or ICHECK_NODE_TOKEN)",
+            hello.role
+        )),
+        (Some(privilege), _) => Ok(privilege),
     }
-    Ok(())
+}
+
+/// Checks a Hello against the one expected token; returns the refusal reason.
+pub fn check_hello(hello: &Hello, token: &str) -> Result<(), String> {
+    let privilege = if hello.role == Role::Client { Privilege::Client } else { Privilege::Node };
+    admit_hello(hello, &[(privilege, token)]).map(|_| ())
 }
 
 /// How the application moves data (thesis §6.2.1).
@@ -477,6 +505,12 @@ pub enum ControllerToManager {
         /// Bytes of checkpoint memory the node may hold (`max_mem_node`);
         /// a version that does not fit is spilled to the PFS.
         mem_budget: u64,
+        /// Who owns the application: the agent admits only sessions that
+        /// present its capability.
+        owner: crate::credentials::Owner,
+        /// The application's newest complete version the controller
+        /// recorded: the agent never overwrites or retires it on a rank's word.
+        complete: Option<u64>,
     },
     /// Copy the agent's ranks of a complete version to the PFS.
     CopyToPfs {
@@ -523,8 +557,17 @@ pub enum ControllerToManager {
 /// Requests of clients (applications and operators).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum ClientRequest {
-    /// Register an application and get its agents.
-    RegisterApp(AppRegistration),
+    /// Register an application and get its agents. A known application
+    /// must present its capability, from the Unix user that registered it.
+    RegisterApp {
+        /// The application.
+        registration: AppRegistration,
+        /// Its capability, if it has one (a restart).
+        capability: Option<String>,
+        /// The Unix user id of the process (checked against the socket's
+        /// owner where the controller can see it).
+        uid: u32,
+    },
     /// Every rank of `name` has stored `version` at its agents: record it as
     /// the newest complete version.
     VersionComplete {
@@ -550,6 +593,8 @@ pub enum ClientRequest {
         /// silent) may exist only where it will be deleted.
         #[serde(default)]
         agents: Vec<u64>,
+        /// The application's capability.
+        capability: String,
     },
     /// Have the application's agents changed? (§6.4.2)
     Probe {
@@ -561,6 +606,8 @@ pub enum ClientRequest {
         /// eq. 6.11/6.12 weigh a change's cost against them.
         #[serde(default)]
         remaining_commits: u32,
+        /// The application's capability.
+        capability: String,
     },
     /// The application is done. Without `persist` its agents stop and
     /// delete its checkpoints; with it (IC_PERSIST) both stay for the next run.
@@ -569,9 +616,19 @@ pub enum ClientRequest {
         name: String,
         /// Keep checkpoints in agent memory.
         persist: bool,
+        /// The application's capability.
+        capability: String,
     },
-    /// The whole status.
+    /// The whole status (an operator's; a client sees only the
+    /// controller's own part).
     Status,
+    /// One application's status, for its owner (or an operator).
+    AppStatus {
+        /// Application name.
+        name: String,
+        /// The application's capability (unused with the admin token).
+        capability: String,
+    },
     /// Delete an application's checkpoints everywhere (agent memory and
     /// PFS) and forget it (operators).
     DeleteApp {
@@ -600,6 +657,10 @@ pub enum ClientReply {
         agents: Vec<AgentInfo>,
         /// Newest complete version, if a checkpoint exists.
         latest: Option<VersionRecord>,
+        /// The application's capability: new at a first registration, the
+        /// one presented otherwise. Keep it secret; every later request and
+        /// agent session presents it.
+        capability: String,
     },
     /// Answer to a probe when nothing changed.
     Unchanged,
@@ -607,6 +668,8 @@ pub enum ClientReply {
     Ok,
     /// The status.
     Status(StatusReport),
+    /// One application's status (`None`: the controller does not know it).
+    AppStatus(Option<Box<AppReport>>),
     /// The request failed.
     Error(String),
     /// This controller is not (or cannot confirm it still is) the primary;
@@ -788,6 +851,9 @@ pub enum AgentRequest {
         rank: u32,
         /// Fabric address of the rank's endpoint.
         address: FabricAddress,
+        /// The application's capability (empty on a session of another
+        /// agent, which presented the node token instead).
+        capability: String,
     },
     /// Starts writing `version`; replies [`AgentReply::Target`].
     Begin {
@@ -1069,7 +1135,7 @@ mod tests {
 
     #[test]
     fn round_trip_and_trailing_bytes() {
-        let msg = ClientRequest::RegisterApp(AppRegistration {
+        let registration = AppRegistration {
             name: "heat2d".into(),
             ranks: 4,
             nodes: 2,
@@ -1077,7 +1143,8 @@ mod tests {
             mode: TransferMode::Mr,
             pfs_interval: 0,
             compression: crate::pfs::CompressionPolicy::Never,
-        });
+        };
+        let msg = ClientRequest::RegisterApp { registration, capability: Some("00ff".repeat(8)), uid: 1000 };
         let mut bytes = encode(&msg).unwrap();
         assert_eq!(decode::<ClientRequest>(&bytes).unwrap(), msg);
         bytes.push(0);
@@ -1181,6 +1248,20 @@ mod tests {
         bytes.push(0xff); // varint marker for u64
         bytes.extend_from_slice(&(1u64 << 60).to_le_bytes());
         assert!(decode::<ClientRequest>(&bytes).is_err());
+    }
+
+    #[test]
+    fn tokens_decide_the_privilege_and_nodes_need_the_node_token() {
+        let accepted = [(Privilege::Client, "c"), (Privilege::Admin, "a"), (Privilege::Node, "n")];
+        assert_eq!(admit_hello(&Hello::new("c", Role::Client), &accepted), Ok(Privilege::Client));
+        assert_eq!(admit_hello(&Hello::new("a", Role::Client), &accepted), Ok(Privilege::Admin));
+        assert_eq!(admit_hello(&Hello::new("n", Role::Manager), &accepted), Ok(Privilege::Node));
+        assert_eq!(admit_hello(&Hello::new("n", Role::Standby), &accepted), Ok(Privilege::Node));
+        // A fake manager with the client (or admin) token is refused.
+        let refused = admit_hello(&Hello::new("c", Role::Manager), &accepted).unwrap_err();
+        assert!(refused.contains("node token"), "{refused}");
+        assert!(admit_hello(&Hello::new("a", Role::Standby), &accepted).is_err());
+        assert!(admit_hello(&Hello::new("x", Role::Client), &accepted).unwrap_err().contains("wrong token"));
     }
 
     #[test]

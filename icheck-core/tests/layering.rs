@@ -17,11 +17,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("monitor", &[]),
     ("pattern", &[]),
     ("units", &[]),
+    ("credentials", &[]),
     ("format", &["distribution"]),
     ("pfs", &["distribution", "failpoint", "format"]),
-    ("protocol", &["distribution", "fabric", "format", "monitor", "pfs"]),
-    ("config", &["fabric", "pfs", "protocol", "units"]),
-    ("control", &["config", "fabric", "protocol"]),
+    ("protocol", &["credentials", "distribution", "fabric", "format", "monitor", "pfs"]),
+    ("config", &["credentials", "fabric", "pfs", "protocol", "units"]),
+    ("control", &["config", "credentials", "fabric", "protocol"]),
     ("decide", &["config", "distribution", "pfs", "protocol"]),
 ];
 

@@ -65,6 +65,10 @@ pub const ICHECK_ERR_INTERNAL: c_int = -16;
 /// asked: a local part that does not fit its distribution, global sizes that
 /// differ across ranks, a label added with plain `icheck_add`.
 pub const ICHECK_ERR_ADAPT: c_int = -17;
+/// The application's capability (the secret proving it owns its
+/// checkpoints) could not be read or kept: a capability file others can
+/// read, or a capability directory that cannot be written.
+pub const ICHECK_ERR_ACCESS: c_int = -18;
 
 /// Element types of `icheck_add` (`ICHECK_CHAR` ... `ICHECK_BINARY`).
 fn kind_of(code: c_int) -> Option<DataKind> {
@@ -125,6 +129,7 @@ impl From<Error> for Failure {
             Error::Controller { .. } => ICHECK_ERR_CONTROLLER,
             Error::Agent { .. } => ICHECK_ERR_AGENT,
             Error::Fabric(_) => ICHECK_ERR_FABRIC,
+            Error::Credentials(_) => ICHECK_ERR_ACCESS,
             Error::UnknownLabel { .. } => ICHECK_ERR_LABEL,
             Error::BadLabel(_) => ICHECK_ERR_ARG,
             Error::SizeMismatch { .. } => ICHECK_ERR_SIZE,
@@ -709,6 +714,7 @@ pub extern "C" fn icheck_strerror(code: c_int) -> *const c_char {
         ICHECK_ERR_UNSUPPORTED => c"not supported",
         ICHECK_ERR_INTERNAL => c"internal error",
         ICHECK_ERR_ADAPT => c"malleable label cannot be stored or restored as declared",
+        ICHECK_ERR_ACCESS => c"the application's capability cannot be read or kept",
         _ => c"unknown icheck error code",
     };
     text.as_ptr()

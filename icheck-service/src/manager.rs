@@ -65,7 +65,8 @@ impl Monitor {
 pub fn agent_settings(config: &StaticConfig, node: &str) -> AgentSettings {
     AgentSettings {
         fabric: config.fabric.clone(),
-        token: config.effective_token(),
+        client_token: config.effective_token(),
+        node_token: config.node_token().unwrap_or_default(),
         host: config.agent_address.clone(),
         store: Store::new(config.agent_store_dir.join(node)),
         pfs: config.pfs_dir.clone().map(icheck_core::pfs::PfsStore::new),
@@ -171,7 +172,8 @@ async fn session(
         Err(_) => return Err(cannot(std::io::ErrorKind::TimedOut.into())),
     };
     stream.set_nodelay(true).ok();
-    framing::send(&mut stream, &Hello::with_epoch(&config.effective_token(), Role::Manager, link.epoch)).await?;
+    let token = config.node_token().unwrap_or_default();
+    framing::send(&mut stream, &Hello::with_epoch(&token, Role::Manager, link.epoch)).await?;
     let reply = framing::recv_timeout(&mut stream, answer_within).await?;
     link.epoch = protocol::accept_controller(&peer, reply, link.epoch)?;
     // What the store holds, verified (reading only versions sealed since the
@@ -273,11 +275,12 @@ async fn session(
             Err(err) => break Err(err.into()),
         };
         match message {
-            ControllerToManager::StartAgent { id, app, mem_budget } => {
+            ControllerToManager::StartAgent { id, app, mem_budget, owner, complete } => {
                 let (tx, agents, settings, node) = (tx.clone(), agents.clone(), settings.clone(), node.to_string());
                 tokio::task::spawn_blocking(move || {
                     icheck_core::failpoint::hit("manager.before_agent_start");
-                    let reply = match Agent::start(&settings, &node, id, &app, mem_budget) {
+                    let task = crate::agent::AgentTask { app: app.clone(), mem_budget, owner, complete };
+                    let reply = match Agent::start(&settings, &node, id, &task) {
                         Ok(agent) => {
                             let info = agent.info().clone();
                             agents.lock().unwrap_or_else(|p| p.into_inner()).insert(id, agent);

@@ -326,23 +326,42 @@ fn escape(value: &str) -> String {
 }
 
 /// Serves `GET /metrics` on `listener` with whatever `report` returns at
-/// the time of each request; other paths get 404, malformed requests 400.
-pub async fn serve(listener: TcpListener, report: impl Fn() -> StatusReport + Send + Sync + Clone + 'static) {
+/// the time of each request, to requests whose `Authorization: Bearer`
+/// secret is one of `tokens` (the admin and the metrics token: the page
+/// names applications and nodes); others get 401, other paths 404,
+/// malformed requests 400.
+pub async fn serve(
+    listener: TcpListener,
+    tokens: Vec<String>,
+    report: impl Fn() -> StatusReport + Send + Sync + Clone + 'static,
+) {
+    let tokens = std::sync::Arc::new(tokens);
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let report = report.clone();
+        let (report, tokens) = (report.clone(), tokens.clone());
         tokio::spawn(async move {
-            if let Err(err) = answer(stream, report).await {
+            if let Err(err) = answer(stream, &tokens, report).await {
                 tracing::debug!(%peer, %err, "metrics request failed");
             }
         });
     }
 }
 
-async fn answer(mut stream: TcpStream, report: impl Fn() -> StatusReport) -> std::io::Result<()> {
+/// The bearer secret of a request head, if it carries one.
+fn bearer(head: &str) -> Option<&str> {
+    head.lines().find_map(|line| {
+        let (name, value) = line.split_once(':')?;
+        let value = value.trim();
+        let (scheme, secret) = value.split_once(' ')?;
+        (name.trim().eq_ignore_ascii_case("authorization") && scheme.eq_ignore_ascii_case("bearer"))
+            .then(|| secret.trim())
+    })
+}
+
+async fn answer(mut stream: TcpStream, tokens: &[String], report: impl Fn() -> StatusReport) -> std::io::Result<()> {
     let mut head = Vec::new();
     let mut buf = [0u8; 1024];
     let read_head = async {
@@ -356,10 +375,18 @@ async fn answer(mut stream: TcpStream, report: impl Fn() -> StatusReport) -> std
         Ok::<_, std::io::Error>(())
     };
     tokio::time::timeout(REQUEST_TIMEOUT, read_head).await.map_err(|_| std::io::ErrorKind::TimedOut)??;
-    let line = head.split(|b| *b == b'\n').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
+    let head = String::from_utf8_lossy(&head);
+    let line = head.lines().next().unwrap_or_default();
     let mut parts = line.split_whitespace();
+    let authorized =
+        bearer(&head).is_some_and(|secret| tokens.iter().any(|t| icheck_core::credentials::secrets_equal(secret, t)));
     let (status, content_type, body) = match (parts.next(), parts.next()) {
+        (Some("GET"), Some("/metrics")) if !authorized => (
+            "401 Unauthorized\r\nWWW-Authenticate: Bearer realm=\"icheck\"",
+            "text/plain",
+            "send `Authorization: Bearer <MetricsToken or AdminToken>` (Prometheus: `authorization: {credentials_file: ...}`)\n"
+                .to_string(),
+        ),
         (Some("GET"), Some("/metrics")) => ("200 OK", "text/plain; version=0.0.4", render(&report())),
         (Some(_), Some(_)) => ("404 Not Found", "text/plain", "only /metrics is served here\n".to_string()),
         _ => ("400 Bad Request", "text/plain", "malformed request\n".to_string()),
@@ -376,6 +403,14 @@ async fn answer(mut stream: TcpStream, report: impl Fn() -> StatusReport) -> std
 mod tests {
     use super::*;
     use icheck_core::protocol::{NodeReport, NodeStatus};
+
+    #[test]
+    fn the_bearer_secret_is_read_from_the_head() {
+        assert_eq!(bearer("GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3 \r\n\r\n"), Some("s3"));
+        assert_eq!(bearer("GET /metrics HTTP/1.1\r\nauthorization: bearer s3\r\n"), Some("s3"));
+        assert_eq!(bearer("GET /metrics HTTP/1.1\r\nAuthorization: Basic czM=\r\n"), None);
+        assert_eq!(bearer("GET /metrics HTTP/1.1\r\n\r\n"), None);
+    }
 
     #[test]
     fn unavailable_metrics_are_left_out_and_labels_escaped() {

@@ -18,7 +18,9 @@ use icheck_service::testkit::{wait_for, LocalService};
 
 const ICHECK: &str = env!("CARGO_BIN_EXE_icheck");
 
-struct Service(LocalService);
+/// A local service, and the capabilities its registrations were given
+/// (a re-registration presents its application's, as a restarted job does).
+struct Service(LocalService, std::sync::Mutex<std::collections::HashMap<String, String>>);
 
 impl std::ops::Deref for Service {
     type Target = LocalService;
@@ -29,7 +31,7 @@ impl std::ops::Deref for Service {
 
 impl Service {
     fn up(name: &str, managers: u32) -> Service {
-        Service(LocalService::up(Path::new(ICHECK), name, managers, &[]))
+        Service(LocalService::up(Path::new(ICHECK), name, managers, &[]), Default::default())
     }
 
     fn register(&self, name: &str, ranks: u32, nodes: u32) -> Result<Vec<protocol::AgentInfo>, String> {
@@ -42,8 +44,17 @@ impl Service {
             pfs_interval: 0,
             compression: icheck_core::pfs::CompressionPolicy::Never,
         };
-        match request_blocking(&self.config, &ClientRequest::RegisterApp(app)) {
-            Ok(ClientReply::Registered { agents, .. }) => Ok(agents),
+        let held = self.1.lock().unwrap().get(name).cloned();
+        let request = ClientRequest::RegisterApp {
+            registration: app,
+            capability: held,
+            uid: icheck_core::credentials::current_uid(),
+        };
+        match request_blocking(&self.config, &request) {
+            Ok(ClientReply::Registered { agents, capability, .. }) => {
+                self.1.lock().unwrap().insert(name.to_string(), capability);
+                Ok(agents)
+            }
             Ok(other) => Err(format!("unexpected {other:?}")),
             Err(err) => Err(err.to_string()),
         }
@@ -120,14 +131,17 @@ fn killed_manager_is_marked_down() {
 #[test]
 fn a_starting_agent_counts_against_the_node_limit() {
     let dynamic = "max_agents_node = 1\n";
-    let service = Service(LocalService::up_with_failpoints(
-        Path::new(ICHECK),
-        "starting",
-        1,
-        &[],
-        Some(dynamic),
-        Some("manager.before_agent_start=sleep(5000)"),
-    ));
+    let service = Service(
+        LocalService::up_with_failpoints(
+            Path::new(ICHECK),
+            "starting",
+            1,
+            &[],
+            Some(dynamic),
+            Some("manager.before_agent_start=sleep(5000)"),
+        ),
+        Default::default(),
+    );
     let first = std::thread::scope(|scope| {
         let first = scope.spawn(|| service.register("first", 1, 1));
         // Long enough for at least one status report from the manager
@@ -162,6 +176,7 @@ fn wrong_token_and_garbage_are_refused_and_the_daemon_survives() {
     // Wrong token: refused with a reason.
     let mut bad = service.config.clone();
     bad.token = Some("not-the-token".into());
+    bad.admin_token = None;
     std::env::remove_var(icheck_core::config::TOKEN_ENV);
     let err = request_blocking(&bad, &ClientRequest::Status).unwrap_err().to_string();
     assert!(err.contains("wrong token"), "{err}");

@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{without_a_controller, Job};
-use icheck_service::testkit::{icheck_in_target, metric_sample as sample, scrape_metrics, LocalService};
+use icheck_service::testkit::{icheck_in_target, metric_sample as sample, LocalService};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
@@ -225,8 +225,7 @@ fn versions_beyond_the_memory_budget_spill_to_the_pfs_and_restart_bit_exact() {
 
 /// `GET /metrics` from the controller's Prometheus endpoint.
 fn scrape(service: &LocalService) -> String {
-    let address = std::fs::read_to_string(service.dir.join("metrics.addr")).expect("icheck up enables /metrics");
-    scrape_metrics(address.trim())
+    service.metrics()
 }
 
 #[test]

@@ -155,7 +155,9 @@ fn an_agent_whose_rank_stops_responding_mid_commit_is_replaced() {
     let mut conn = BlockingConnection::connect(&agent.control, &token, Duration::from_secs(5)).unwrap();
     conn.set_timeout(Duration::from_secs(60));
     let mut call = |request: &AgentRequest| conn.call::<_, AgentReply>(request).unwrap();
-    let open = AgentRequest::Open { app: "hung".into(), rank: 0, address: endpoint.address().clone() };
+    // The application's own capability, as its job kept it.
+    let capability = icheck_service::testkit::kept_capability(&service.config, "hung").expect("the job kept it");
+    let open = AgentRequest::Open { app: "hung".into(), rank: 0, address: endpoint.address().clone(), capability };
     assert_eq!(call(&open), AgentReply::Ok);
     let label = LabelLayout { label: "x".into(), kind: DataKind::Binary, offset: 0, len: len as u64, adapt: None };
     let begin = AgentRequest::Begin { version: 4, ranks: 2, epoch: 0, labels: vec![label], push: false };
@@ -300,9 +302,7 @@ fn fast_commits_never_lose_a_pfs_copy_half_way() {
     let health = &status.apps[0].pfs_health;
     assert_eq!(health.failed, 0, "{health:?}");
     // Skipped copies are counted where operators look.
-    let text = icheck_service::testkit::scrape_metrics(
-        std::fs::read_to_string(service.dir.join("metrics.addr")).unwrap().trim(),
-    );
+    let text = service.metrics();
     let skipped = icheck_service::testkit::metric_sample(&text, "icheck_app_pfs_copies_skipped_total{app=\"copies\"}");
     assert_eq!(skipped, Some(health.skipped as f64), "{text}");
     assert_eq!(

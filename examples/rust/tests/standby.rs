@@ -110,6 +110,8 @@ fn a_primary_paused_past_the_window_records_nothing_when_it_wakes_and_steps_down
     signal(primary, Signal::SIGSTOP);
     assert!(poll_until(Duration::from_secs(5), || process_stopped(primary)), "SIGSTOP did not stop the primary");
     let recorded_before = records(&service.log("controller.log"));
+    // The job's own capability: what is refused below is refused for the lease.
+    let capability = icheck_service::testkit::kept_capability(&service.config, "stopp").expect("the job kept it");
     let queued = std::thread::spawn(move || {
         let ghost = ClientRequest::VersionComplete {
             name: "stopp".into(),
@@ -119,6 +121,7 @@ fn a_primary_paused_past_the_window_records_nothing_when_it_wakes_and_steps_down
             spilled: false,
             epoch: 0,
             agents: Vec::new(),
+            capability,
         };
         early.call::<_, ClientReply>(&ghost)
     });

@@ -234,6 +234,7 @@ impl Icheck {
                 commit_secs: secs,
                 spilled,
                 epoch: self.epoch,
+                capability: self.access.capability.clone(),
             };
             recorded = match controller.request(&request) {
                 // Stored on agents the controller gave up: not recorded;

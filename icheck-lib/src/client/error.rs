@@ -29,6 +29,9 @@ pub enum Error {
         /// What happened.
         message: String,
     },
+    /// The application's capability could not be read or kept.
+    #[error("capability store: {0}")]
+    Credentials(#[from] icheck_core::credentials::CredentialError),
     /// Fabric failure on this process's side.
     #[error(transparent)]
     Fabric(#[from] FabricError),

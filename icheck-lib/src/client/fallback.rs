@@ -82,7 +82,7 @@ impl Icheck {
 
     /// Opens this process's session with its agent among `agents`.
     pub(super) fn open_own_link(&self, agents: &[AgentInfo]) -> Result<Option<AgentLink>> {
-        open_link(self.comm.as_ref(), self.mode, &self.endpoint, agents, &self.token, &self.app, self.waits())
+        open_link(self.comm.as_ref(), self.mode, &self.endpoint, agents, &self.access, &self.app, self.waits())
     }
 
     /// Fallback (*collective*): tries to register with the service again;
@@ -94,9 +94,20 @@ impl Icheck {
         let mut answer = Vec::new();
         let mut connection = None;
         if self.comm.rank() == 0 {
-            let mut link = ControllerLink::new(&self.config, &self.token, self.connect_timeout, CONTROLLER_TIMEOUT);
-            let result: std::result::Result<ClientReply, String> =
-                link.request(&ClientRequest::RegisterApp(self.registration.clone())).map_err(|e| e.to_string());
+            let mut link =
+                ControllerLink::new(&self.config, &self.access.token, self.connect_timeout, CONTROLLER_TIMEOUT);
+            let request = ClientRequest::RegisterApp {
+                registration: self.registration.clone(),
+                capability: self.access.presented(),
+                uid: icheck_core::credentials::current_uid(),
+            };
+            let mut result: std::result::Result<ClientReply, String> =
+                link.request(&request).map_err(|e| e.to_string());
+            if let Ok(ClientReply::Registered { capability, .. }) = &result {
+                if let Err(err) = self.keep_capability(capability) {
+                    result = Err(err.to_string());
+                }
+            }
             if result.is_ok() {
                 connection = Some(link);
             }
@@ -104,7 +115,14 @@ impl Icheck {
         }
         let answer = self.comm.broadcast_from_root(answer);
         let agents = match protocol::decode::<std::result::Result<ClientReply, String>>(&answer) {
-            Ok(Ok(ClientReply::Registered { agents, .. })) if !agents.is_empty() => agents,
+            Ok(Ok(ClientReply::Registered { agents, capability, .. })) if !agents.is_empty() => {
+                self.access.capability = capability;
+                agents
+            }
+            Ok(Err(refused)) if refused.contains("capability") => {
+                tracing::error!(%refused, "the service refused this application; staying on the PFS");
+                return;
+            }
             _ => return, // still unreachable: keep writing to the PFS
         };
         let link = self.open_own_link(&agents);

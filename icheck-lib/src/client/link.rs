@@ -34,7 +34,7 @@ impl AgentLink {
     pub(super) fn open(
         endpoint: &Endpoint,
         info: &AgentInfo,
-        token: &str,
+        access: &ServiceAccess,
         app: &str,
         rank: u32,
         waits: Waits,
@@ -46,11 +46,17 @@ impl AgentLink {
             peer: info.control.clone(),
             message,
         };
-        let mut conn = BlockingConnection::connect(&info.control, token, timeout).map_err(|e| fail(e.to_string()))?;
+        let mut conn =
+            BlockingConnection::connect(&info.control, &access.token, timeout).map_err(|e| fail(e.to_string()))?;
         conn.set_timeout(request_timeout);
         let peer = endpoint.insert_peer(&info.address)?;
         let mut link = AgentLink { info: info.clone(), peer, conn, request_timeout, spilled: false };
-        link.call(&AgentRequest::Open { app: app.to_string(), rank, address: endpoint.address().clone() })?;
+        link.call(&AgentRequest::Open {
+            app: app.to_string(),
+            rank,
+            address: endpoint.address().clone(),
+            capability: access.capability.clone(),
+        })?;
         Ok(link)
     }
 
@@ -131,6 +137,23 @@ pub(super) struct Shape {
     pub(super) epoch: u32,
 }
 
+/// What the library presents to the service: the client token (in every
+/// Hello) and the application's capability (in every agent session and
+/// every controller request about the application; empty until the
+/// controller handed one out).
+#[derive(Clone)]
+pub(super) struct ServiceAccess {
+    pub(super) token: String,
+    pub(super) capability: String,
+}
+
+impl ServiceAccess {
+    /// The capability to present at registration, if there is one.
+    pub(super) fn presented(&self) -> Option<String> {
+        (!self.capability.is_empty()).then(|| self.capability.clone())
+    }
+}
+
 /// Opens this process's session with its agent: in MR mode every rank's
 /// (agent by rank), in SHMR mode only the node leader's (agent by node, and
 /// the node index stands in for the rank).
@@ -139,7 +162,7 @@ pub(super) fn open_link(
     mode: TransferMode,
     endpoint: &Endpoint,
     agents: &[AgentInfo],
-    token: &str,
+    access: &ServiceAccess,
     app: &str,
     waits: Waits,
 ) -> Result<Option<AgentLink>> {
@@ -150,7 +173,7 @@ pub(super) fn open_link(
         TransferMode::Shmr => return Ok(None),
     };
     let mine = &agents[agent_for_rank(who, of, count) as usize];
-    AgentLink::open(endpoint, mine, token, app, who, waits).map(Some)
+    AgentLink::open(endpoint, mine, access, app, who, waits).map(Some)
 }
 
 /// One piece of a version on its way to the agent: registered local memory

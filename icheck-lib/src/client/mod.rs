@@ -49,7 +49,7 @@ use commit::{Background, InFlight};
 pub use error::Error;
 use error::Result;
 use link::{commit_buffer, commit_version, Piece, VersionHeader};
-use link::{open_link, AgentLink, Shape, Waits};
+use link::{open_link, AgentLink, ServiceAccess, Shape, Waits};
 pub use resize::Recalc;
 use resize::Resized;
 pub use resize::{Global, Recalculate, Replicated, Resize};
@@ -106,7 +106,10 @@ struct Label {
 /// A checkpointing application process.
 pub struct Icheck {
     app: String,
-    token: String,
+    /// The client token and the application's capability.
+    access: ServiceAccess,
+    /// Where rank 0 keeps the capability between runs.
+    capabilities: icheck_core::credentials::CapabilityStore,
     comm: Box<dyn Communicator>,
     endpoint: Endpoint,
     /// The controllers (the primary, and its standby if configured).
@@ -156,6 +159,34 @@ pub struct Icheck {
     /// `client.request_timeout`: the bound of agent requests that move no
     /// data (requests that do get more by their size).
     request_timeout: Duration,
+}
+
+/// Saves `app`'s capability as the controller answered it, unless the
+/// store holds it already (`held`). A capability that cannot be kept fails
+/// init: a restarted job could not prove it owns its checkpoints.
+fn keep_capability(
+    store: &icheck_core::credentials::CapabilityStore,
+    service: &str,
+    app: &str,
+    answered: &str,
+    held: Option<&str>,
+) -> std::result::Result<(), icheck_core::credentials::CredentialError> {
+    if answered.is_empty() || held == Some(answered) {
+        return Ok(());
+    }
+    let capability = icheck_core::credentials::Capability::parse(answered, "the controller's answer")?;
+    let path = store.save(service, app, &capability)?;
+    tracing::info!(path = %path.display(), "kept the application's capability (a restart presents it)");
+    Ok(())
+}
+
+impl Icheck {
+    /// Rank 0 keeps the capability a (re-)registration answered.
+    pub(super) fn keep_capability(&self, answered: &str) -> Result<()> {
+        let service = icheck_core::credentials::service_key(&self.access.token);
+        let held = self.access.presented();
+        keep_capability(&self.capabilities, &service, &self.app, answered, held.as_deref()).map_err(Error::from)
+    }
 }
 
 fn config_path(config: Option<&Path>) -> PathBuf {
@@ -264,20 +295,42 @@ impl Icheck {
             pfs_interval,
             compression,
         };
+        let capabilities = icheck_core::credentials::CapabilityStore::new(config.capability_dir());
+        let service = icheck_core::credentials::service_key(&token);
         if rank == 0 {
+            // A restart presents the capability the first run was given.
+            let held = capabilities.load(&service, app_name);
             // Registrations and probes may wait for managers to start agents.
             let mut link = ControllerLink::new(&config, &token, connect_timeout, CONTROLLER_TIMEOUT);
-            let outcome = link.request(&ClientRequest::RegisterApp(registration.clone())).map(|reply| (link, reply));
+            let outcome = match &held {
+                Err(err) => Err(err.to_string()),
+                Ok(held) => {
+                    let request = ClientRequest::RegisterApp {
+                        registration: registration.clone(),
+                        capability: held.as_ref().map(|c| c.expose().to_string()),
+                        uid: icheck_core::credentials::current_uid(),
+                    };
+                    Ok(link.request(&request).map(|reply| (link, reply)))
+                }
+            };
             let result: std::result::Result<ClientReply, String> = match outcome {
-                Ok((connection, reply)) => {
+                Err(unreadable) => Err(unreadable),
+                Ok(Ok((connection, reply))) => {
+                    let kept = match &reply {
+                        ClientReply::Registered { capability, .. } => {
+                            let fresh = held.as_ref().ok().and_then(Option::as_ref).map(|c| c.expose());
+                            keep_capability(&capabilities, &service, app_name, capability, fresh)
+                        }
+                        _ => Ok(()),
+                    };
                     controller = Some(connection);
-                    Ok(reply)
+                    kept.map(|()| reply).map_err(|e| e.to_string())
                 }
                 // §6.5.1: no service, but a PFS: keep the application running
                 // by writing versions there directly (an empty agent list).
-                Err(err @ ServiceError::Io { .. })
-                | Err(err @ ServiceError::Protocol(ProtocolError::Timeout(_)))
-                | Err(err @ ServiceError::Protocol(ProtocolError::NotPrimary { .. }))
+                Ok(Err(err @ ServiceError::Io { .. }))
+                | Ok(Err(err @ ServiceError::Protocol(ProtocolError::Timeout(_))))
+                | Ok(Err(err @ ServiceError::Protocol(ProtocolError::NotPrimary { .. })))
                     if config.pfs_dir.is_some() =>
                 {
                     let pfs = icheck_core::pfs::PfsStore::new(config.pfs_dir.clone().expect("checked"));
@@ -287,20 +340,23 @@ impl Icheck {
                         pfs = %config.pfs_dir.as_ref().expect("checked").display(),
                         "controller unreachable: checkpoints go directly to the PFS"
                     );
+                    let capability = held.ok().flatten().map(|c| c.expose().to_string()).unwrap_or_default();
                     pfs.latest_record(app_name)
-                        .map(|latest| ClientReply::Registered { agents: Vec::new(), latest })
+                        .map(|latest| ClientReply::Registered { agents: Vec::new(), latest, capability })
                         .map_err(|e| e.to_string())
                 }
-                Err(err) => Err(err.to_string()),
+                Ok(Err(err)) => Err(err.to_string()),
             };
             answer = protocol::encode(&result).unwrap_or_default();
         }
         let answer = comm.broadcast_from_root(answer);
         let result: std::result::Result<ClientReply, String> =
             protocol::decode(&answer).unwrap_or_else(|e| Err(format!("undecodable registration answer: {e}")));
-        let (agents, latest) = match result {
-            Ok(ClientReply::Registered { agents, latest }) if !agents.is_empty() || config.pfs_dir.is_some() => {
-                (agents, latest)
+        let (agents, latest, capability) = match result {
+            Ok(ClientReply::Registered { agents, latest, capability })
+                if !agents.is_empty() || config.pfs_dir.is_some() =>
+            {
+                (agents, latest, capability)
             }
             Ok(other) => {
                 return Err(Error::Controller {
@@ -312,13 +368,14 @@ impl Icheck {
                 return Err(Error::Controller { peer: controller_peer, error: ServiceError::Remote(message) })
             }
         };
+        let access = ServiceAccess { token, capability };
         let fallback =
             agents.is_empty().then(|| icheck_core::pfs::PfsStore::new(config.pfs_dir.clone().expect("checked")));
         let link = if fallback.is_some() {
             Ok(None)
         } else {
             let waits = Waits { connect: connect_timeout, request: request_timeout };
-            open_link(comm.as_ref(), mode, &endpoint, &agents, &token, app_name, waits)
+            open_link(comm.as_ref(), mode, &endpoint, &agents, &access, app_name, waits)
         };
         let all_ok = comm.all_true(link.is_ok());
         let unreachable = match &link {
@@ -336,7 +393,8 @@ impl Icheck {
         let epoch = latest.as_ref().map_or(0, |l| l.epoch + u32::from(l.ranks != size));
         let icheck = Icheck {
             app: app_name.to_string(),
-            token,
+            access,
+            capabilities,
             comm,
             endpoint,
             controller,
@@ -501,6 +559,7 @@ impl Icheck {
                 name: self.app.clone(),
                 agents: self.agents.iter().map(|a| a.id).collect(),
                 remaining_commits,
+                capability: self.access.capability.clone(),
             };
             let result = controller.request(&request).map_err(|e| e.to_string());
             answer = protocol::encode(&result).unwrap_or_default();
@@ -548,10 +607,21 @@ impl Icheck {
         self.link = None;
         let mut result = Ok(());
         if let Some(mut controller) = self.controller.take() {
+            let request = ClientRequest::FinishApp {
+                name: self.app.clone(),
+                persist,
+                capability: self.access.capability.clone(),
+            };
             result = controller
-                .request(&ClientRequest::FinishApp { name: self.app.clone(), persist })
+                .request(&request)
                 .map(|_| ())
                 .map_err(|error| Error::Controller { peer: self.controller_peer.clone(), error });
+            // Without IC_PERSIST the controller forgot the application: its
+            // capability opens nothing any more.
+            if result.is_ok() && !persist && self.comm.rank() == 0 {
+                let service = icheck_core::credentials::service_key(&self.access.token);
+                self.capabilities.forget(&service, &self.app);
+            }
         }
         waited?;
         result

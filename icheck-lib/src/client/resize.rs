@@ -361,7 +361,7 @@ impl Icheck {
             return Ok(OldRank::Local { manifest, bytes });
         }
         let agent = &self.agents[agent_for_rank(rank, written, self.agents.len() as u32) as usize];
-        let mut link = AgentLink::open(&self.endpoint, agent, &self.token, &self.app, rank, self.waits())?;
+        let mut link = AgentLink::open(&self.endpoint, agent, &self.access, &self.app, rank, self.waits())?;
         link.expect_bytes(self.version_bytes());
         let reply = link.call(&AgentRequest::Fetch { version })?;
         let (manifest, region) = match check_fetched(reply, FetchWanted { app: &self.app, rank, version }) {

@@ -25,6 +25,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use icheck_core::control::BlockingConnection;
+use icheck_core::credentials::Owner;
 use icheck_core::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, Peer, ProgressMode, ProgressThread,
     RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
@@ -32,7 +33,7 @@ use icheck_core::fabric::{
 use icheck_core::pattern::fill_pattern;
 use icheck_core::protocol::{
     self, check_fetched, AgentInfo, AgentReply, AgentRequest, FetchWanted, Fetched, Hello, HelloReply, Manifest,
-    PfsCopyStats, ProtocolError,
+    PfsCopyStats, Privilege, ProtocolError,
 };
 
 use crate::store::{MappedFile, Store, StoreError};
@@ -59,8 +60,11 @@ pub fn probe_seed(agent_id: u64) -> u64 {
 pub struct AgentSettings {
     /// Fabric provider and domain.
     pub fabric: FabricConfig,
-    /// Token ranks present on the command channel.
-    pub token: String,
+    /// Token ranks present on the command channel (each session then
+    /// presents its application's capability).
+    pub client_token: String,
+    /// Token agents present to each other (a take-over's session).
+    pub node_token: String,
     /// Host the command channel binds and advertises.
     pub host: String,
     /// The node's checkpoint store.
@@ -101,6 +105,13 @@ impl AgentCounters {
 struct Shared {
     id: u64,
     app: String,
+    /// The application's owner: sessions present its capability.
+    owner: Owner,
+    /// The controller's newest complete version at the start, and since
+    /// then each rank's newest version its Complete (or a take-over)
+    /// confirmed: Begin never overwrites one, Complete never goes back.
+    recorded: Option<u64>,
+    completed: Mutex<std::collections::HashMap<u32, u64>>,
     endpoint: Endpoint,
     settings: AgentSettings,
     /// Bytes of checkpoint memory this node may hold (0 = no limit).
@@ -117,6 +128,19 @@ struct Shared {
 }
 
 impl Shared {
+    /// The newest complete version of `rank` this agent knows of.
+    fn complete(&self, rank: u32) -> Option<u64> {
+        let completed = self.completed.lock().unwrap_or_else(|p| p.into_inner()).get(&rank).copied();
+        completed.max(self.recorded)
+    }
+
+    /// `version` of `rank` is complete.
+    fn completed(&self, rank: u32, version: u64) {
+        let mut completed = self.completed.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = completed.entry(rank).or_insert(version);
+        *entry = (*entry).max(version);
+    }
+
     /// Shuts every open session's socket down, so session threads waiting
     /// for their rank (up to `SESSION_IDLE_TIMEOUT`) end now.
     fn end_sessions(&self) {
@@ -157,6 +181,20 @@ impl Drop for PinnedVersion {
     }
 }
 
+/// What an agent serves: the controller's `StartAgent`.
+#[derive(Clone, Debug)]
+pub struct AgentTask {
+    /// The application.
+    pub app: String,
+    /// Bytes of checkpoint memory the node may hold (0: no limit); versions
+    /// beyond it are spilled to the PFS.
+    pub mem_budget: u64,
+    /// Its owner: sessions must present the capability this checks.
+    pub owner: Owner,
+    /// Its newest complete version the controller recorded.
+    pub complete: Option<u64>,
+}
+
 /// A running agent.
 pub struct Agent {
     info: AgentInfo,
@@ -168,14 +206,9 @@ impl Agent {
     /// Opens an endpoint, registers the probe region, binds the command
     /// channel and starts the agent's threads. Versions that would take the
     /// node's store beyond `mem_budget` bytes are spilled to the PFS.
-    pub fn start(
-        settings: &AgentSettings,
-        node: &str,
-        id: u64,
-        app: &str,
-        mem_budget: u64,
-    ) -> Result<Agent, FabricError> {
-        let mem_budget = store_budget(mem_budget, &settings.store);
+    pub fn start(settings: &AgentSettings, node: &str, id: u64, task: &AgentTask) -> Result<Agent, FabricError> {
+        let AgentTask { app, mem_budget, owner, complete } = task;
+        let mem_budget = store_budget(*mem_budget, &settings.store);
         let domain = Domain::open(&settings.fabric)?;
         let endpoint = Endpoint::new(&domain)?;
         let mut probe = AlignedBuffer::zeroed(PROBE_LEN);
@@ -196,6 +229,9 @@ impl Agent {
         let shared = Arc::new(Shared {
             id,
             app: app.to_string(),
+            owner: *owner,
+            recorded: *complete,
+            completed: Mutex::default(),
             endpoint,
             settings: settings.clone(),
             mem_budget,
@@ -485,14 +521,21 @@ fn advance_handshake(
     if stream.set_nonblocking(false).is_err() || stream.set_write_timeout(Some(Duration::from_secs(1))).is_err() {
         return HandshakeStep::Dropped;
     }
+    let accepted = [
+        (Privilege::Client, shared.settings.client_token.as_str()),
+        (Privilege::Node, shared.settings.node_token.as_str()),
+    ];
     let checked = protocol::decode::<Hello>(&payload)
         .map_err(|err| err.to_string())
-        .and_then(|hello| protocol::check_hello(&hello, &shared.settings.token));
-    if let Err(reason) = checked {
-        tracing::warn!(%peer, %reason, "refused a connection");
-        let _ = protocol::send_blocking(&mut stream, &HelloReply::Refused(reason));
-        return HandshakeStep::Dropped;
-    }
+        .and_then(|hello| protocol::admit_hello(&hello, &accepted));
+    let privilege = match checked {
+        Ok(privilege) => privilege,
+        Err(reason) => {
+            tracing::warn!(%peer, %reason, "refused a connection");
+            let _ = protocol::send_blocking(&mut stream, &HelloReply::Refused(reason));
+            return HandshakeStep::Dropped;
+        }
+    };
     let _ = stream.set_nodelay(true);
     let _ = stream.set_write_timeout(None);
     let Some(registration) = SessionRegistration::new(shared, &stream) else {
@@ -502,7 +545,7 @@ fn advance_handshake(
     let spawned = std::thread::Builder::new().name(format!("icheck-agent-{}-session", shared.id)).spawn(move || {
         let _registration = registration;
         let _span = tracing::info_span!("session", agent = session_shared.id, %peer).entered();
-        match serve_session(&session_shared, stream) {
+        match serve_session(&session_shared, stream, privilege) {
             Ok(()) | Err(SessionEnd::Closed) => tracing::debug!("session ended"),
             Err(SessionEnd::Failed(err)) => tracing::warn!(%err, "session dropped"),
         }
@@ -639,14 +682,21 @@ impl Drop for Session {
     }
 }
 
-/// Serves one authenticated rank (its Hello was accepted by the accept loop).
-fn serve_session(shared: &Shared, mut stream: TcpStream) -> Result<(), SessionEnd> {
+/// Serves one authenticated rank (its Hello was accepted by the accept
+/// loop with `privilege`).
+fn serve_session(shared: &Shared, mut stream: TcpStream, privilege: Privilege) -> Result<(), SessionEnd> {
     let _ = stream.set_read_timeout(Some(SESSION_IDLE_TIMEOUT));
     protocol::send_blocking(&mut stream, &HelloReply::Welcome)?;
+    // The Unix user behind a local rank's socket (None: another host).
+    let seen_uid = match (stream.local_addr(), stream.peer_addr()) {
+        (Ok(local), Ok(peer)) => crate::peercred::socket_owner(local, peer),
+        _ => None,
+    };
+    let caller = Caller { privilege, seen_uid };
     let mut session: Option<Session> = None;
     loop {
         let request: AgentRequest = protocol::recv_blocking(&mut stream, SESSION_IDLE_TIMEOUT)?;
-        let reply = match handle(shared, &mut session, request) {
+        let reply = match handle(shared, &mut session, request, caller) {
             Ok(reply) => reply,
             Err(message) => {
                 tracing::warn!(%message, "request failed");
@@ -660,9 +710,29 @@ fn serve_session(shared: &Shared, mut stream: TcpStream) -> Result<(), SessionEn
     }
 }
 
-fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest) -> Result<AgentReply, String> {
-    if let AgentRequest::Open { app, rank, address } = request {
+/// Who is on the other end of a session: what its token admitted it to,
+/// and its Unix user where the socket shows it.
+#[derive(Clone, Copy, Debug)]
+struct Caller {
+    privilege: Privilege,
+    seen_uid: Option<u32>,
+}
+
+fn handle(
+    shared: &Shared,
+    session: &mut Option<Session>,
+    request: AgentRequest,
+    caller: Caller,
+) -> Result<AgentReply, String> {
+    if let AgentRequest::Open { app, rank, address, capability } = request {
         let core = SessionCore::open(&shared.app, shared.id, app, rank)?;
+        if let Err(reason) =
+            session::admit_session(&shared.app, &shared.owner, caller.privilege, &capability, caller.seen_uid)
+        {
+            tracing::warn!(rank, %reason, "refused a session");
+            *session = None;
+            return Err(reason);
+        }
         let peer = shared.endpoint.insert_peer(&address).map_err(|e| e.to_string())?;
         *session = Some(Session {
             store: shared.settings.store.clone(),
@@ -685,7 +755,9 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
         AgentRequest::Begin { version, ranks, epoch, labels, push } => {
             let begun = Instant::now();
             session.abandon_writing();
-            let checked = session.core.begin(version, ranks, epoch, labels)?;
+            let rank = session.core.rank();
+            let stored = |v: u64| store.sealed_versions(&shared.app, rank).is_ok_and(|sealed| sealed.contains(&v));
+            let checked = session.core.begin(version, ranks, epoch, labels, shared.complete(rank), stored)?;
             let (app, rank, total_len) = (session.core.app(), session.core.rank(), checked.total_len);
             let reusable = session.spare.take().filter(|spare| spare.len() as u64 == total_len.max(4096));
             let needed = if reusable.is_some() { 0 } else { total_len };
@@ -784,6 +856,10 @@ fn handle(shared: &Shared, session: &mut Option<Session>, request: AgentRequest)
             Ok(if spilled { AgentReply::Spilled(manifest) } else { AgentReply::Sealed(manifest) })
         }
         AgentRequest::Complete { version } => {
+            let rank = session.core.rank();
+            let sealed = store.sealed_versions(&shared.app, rank).is_ok_and(|sealed| sealed.contains(&version));
+            session.core.complete(version, shared.complete(rank), sealed)?;
+            shared.completed(rank, version);
             let pruning = Instant::now();
             let pinned = shared.pinned_versions();
             let pruned =
@@ -945,7 +1021,7 @@ fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Resu
             from.id, from.node, from.control
         )
     };
-    let mut conn = BlockingConnection::connect(&from.control, &shared.settings.token, TAKE_OVER_CONNECT_TIMEOUT)
+    let mut conn = BlockingConnection::connect(&from.control, &shared.settings.node_token, TAKE_OVER_CONNECT_TIMEOUT)
         .map_err(|e| fail(e.to_string()))?;
     conn.set_timeout(TAKE_OVER_TIMEOUT);
     let mut call = |request: &AgentRequest| match conn.call::<_, AgentReply>(request) {
@@ -955,7 +1031,14 @@ fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Resu
     };
     let endpoint = &shared.endpoint;
     let peer = endpoint.insert_peer(&from.address).map_err(|e| fail(e.to_string()))?;
-    call(&AgentRequest::Open { app: shared.app.clone(), rank, address: endpoint.address().clone() })?;
+    // The node token admitted this session: it needs no capability.
+    let open = AgentRequest::Open {
+        app: shared.app.clone(),
+        rank,
+        address: endpoint.address().clone(),
+        capability: String::new(),
+    };
+    call(&open)?;
     // From a peer: checked before any of its offsets or sizes is used.
     let reply = call(&AgentRequest::Fetch { version })?;
     let (manifest, region) = match check_fetched(reply, FetchWanted { app: &shared.app, rank, version }) {
@@ -974,6 +1057,8 @@ fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Resu
     }
     manifest.verify(file.as_slice()).map_err(|e| fail(e.to_string()))?;
     store.seal(&manifest).map_err(|e| fail(e.to_string()))?;
+    // The controller's newest complete version, now held here.
+    shared.completed(rank, version);
     call(&AgentRequest::FetchDone)?;
     tracing::info!(
         rank,

@@ -15,9 +15,10 @@
 
 use std::time::Instant;
 
+use icheck_core::credentials::Owner;
 use icheck_core::fabric::RmaOp;
 use icheck_core::format::{check_layout, CHUNK_SIZE};
-use icheck_core::protocol::{LabelLayout, Manifest, PullSegment};
+use icheck_core::protocol::{LabelLayout, Manifest, Privilege, PullSegment};
 
 /// The version a rank is writing, as the session knows it.
 #[derive(Debug)]
@@ -68,6 +69,8 @@ pub(crate) struct SessionCore {
     app: String,
     rank: u32,
     writing: Option<Begun>,
+    /// The version this session sealed last (in the store or spilled).
+    last_sealed: Option<u64>,
 }
 
 impl SessionCore {
@@ -77,7 +80,7 @@ impl SessionCore {
         if app != serving {
             return Err(format!("agent {agent} serves {serving:?}, not {app:?}"));
         }
-        Ok(SessionCore { app, rank, writing: None })
+        Ok(SessionCore { app, rank, writing: None, last_sealed: None })
     }
 
     /// The application.
@@ -97,20 +100,54 @@ impl SessionCore {
     }
 
     /// Checks a Begin of `version` of resize epoch `epoch`, written by
-    /// `ranks` processes with `labels`. The caller abandons the version
-    /// being written first.
+    /// `ranks` processes with `labels`, while `complete` is the rank's
+    /// newest complete version here and `sealed` says whether the store
+    /// holds a version sealed. A Begin never overwrites a complete version:
+    /// one at or below `complete` that is still stored is refused. The
+    /// caller abandons the version being written first.
     pub(crate) fn begin(
         &self,
         version: u64,
         ranks: u32,
         epoch: u32,
         labels: Vec<LabelLayout>,
+        complete: Option<u64>,
+        sealed: impl FnOnce(u64) -> bool,
     ) -> Result<BeginChecked, String> {
         let total_len = check_layout(&labels)?;
         if version == 0 || ranks == 0 || self.rank >= ranks {
             return Err(format!("bad version {version} or rank {} of {ranks}", self.rank));
         }
+        if let Some(complete) = complete.filter(|c| version <= *c) {
+            if sealed(version) {
+                return Err(format!(
+                    "version {version} of rank {} is stored and complete (the newest complete version is \
+                     {complete}): it is never overwritten; begin a newer version",
+                    self.rank
+                ));
+            }
+        }
         Ok(BeginChecked { version, ranks, epoch, labels, total_len })
+    }
+
+    /// Checks a Complete of `version`: the rank sealed it (`sealed`: in the
+    /// store, or this session sealed or spilled it last) and it is not
+    /// older than the rank's newest complete version `complete`. Only then
+    /// may older versions go.
+    pub(crate) fn complete(&self, version: u64, complete: Option<u64>, sealed: bool) -> Result<(), String> {
+        if !(sealed || self.last_sealed == Some(version)) {
+            return Err(format!(
+                "Complete of version {version} of rank {}: no such version was sealed here",
+                self.rank
+            ));
+        }
+        if let Some(complete) = complete.filter(|c| version < *c) {
+            return Err(format!(
+                "Complete of version {version} of rank {}: version {complete} is complete already",
+                self.rank
+            ));
+        }
+        Ok(())
     }
 
     /// The version [`begin`](Self::begin) checked has its destination
@@ -159,6 +196,7 @@ impl SessionCore {
             sealed_unix_ms: unix_ms,
         };
         manifest.validate().map_err(|e| format!("Seal refused: {e}"))?;
+        self.last_sealed = Some(manifest.version);
         let transfer_secs = now.saturating_duration_since(begun.started).as_secs_f64();
         Ok(Sealed { manifest, transfer_secs })
     }
@@ -220,6 +258,29 @@ impl SessionCore {
     }
 }
 
+/// Who may open a session: a peer admitted with the node token (another
+/// agent taking a rank over), or one that presents the application's
+/// capability from the owner's Unix user where the socket's owner can be
+/// seen (`seen_uid`; `None` for a peer on another host).
+pub(crate) fn admit_session(
+    app: &str,
+    owner: &Owner,
+    privilege: Privilege,
+    presented: &str,
+    seen_uid: Option<u32>,
+) -> Result<(), String> {
+    if privilege == Privilege::Node {
+        return Ok(());
+    }
+    if !owner.verifier.admits(presented) {
+        return Err(format!("application {app:?}: wrong or missing capability"));
+    }
+    if let Some(uid) = seen_uid.filter(|uid| *uid != owner.uid) {
+        return Err(format!("application {app:?} belongs to uid {}, this session to uid {uid}", owner.uid));
+    }
+    Ok(())
+}
+
 /// Whether `needed` new bytes fit the node's checkpoint memory `budget`
 /// (0: no limit) beside the `held` bytes its store holds. The agent decides
 /// and creates the file under one lock per node, so that two ranks
@@ -250,9 +311,47 @@ mod tests {
 
     /// Begins `version` of two labels (8 + 16 bytes) at `now`.
     fn begin(core: &mut SessionCore, version: u64, now: Instant) {
-        let checked = core.begin(version, 2, 0, vec![label("a", 0, 8), label("b", 8, 16)]).unwrap();
+        let checked = core.begin(version, 2, 0, vec![label("a", 0, 8), label("b", 8, 16)], None, |_| false).unwrap();
         assert_eq!(checked.total_len, 24);
         core.begun(checked, true, now);
+    }
+
+    #[test]
+    fn a_complete_version_is_never_overwritten_nor_retired_on_a_made_up_version() {
+        let mut core = session(0);
+        let stored = |v: u64| v == 7;
+        // Version 7 is complete and stored: a Begin of 7 (or older, stored) is refused.
+        let err = core.begin(7, 2, 0, vec![label("a", 0, 8)], Some(7), stored).unwrap_err();
+        assert!(err.contains("never overwritten"), "{err}");
+        // An older version that is gone, and a newer one, may begin.
+        assert!(core.begin(5, 2, 0, vec![label("a", 0, 8)], Some(7), stored).is_ok());
+        assert!(core.begin(8, 2, 0, vec![label("a", 0, 8)], Some(7), stored).is_ok());
+        // Unknown completeness (an agent started without a record): a stored,
+        // never-completed version may be written again.
+        assert!(core.begin(7, 2, 0, vec![label("a", 0, 8)], None, stored).is_ok());
+        // Complete only of a sealed version, never of an older one.
+        let err = core.complete(1000, Some(7), false).unwrap_err();
+        assert!(err.contains("no such version was sealed"), "{err}");
+        assert!(core.complete(6, Some(7), true).unwrap_err().contains("complete already"));
+        assert!(core.complete(7, Some(7), true).is_ok());
+        // What this session sealed (spilled versions are not in the store) may complete.
+        begin(&mut core, 9, Instant::now());
+        let crcs = label_crcs(&[&[0u8; 8], &[0u8; 16]]);
+        core.seal(crcs, Instant::now(), 0).unwrap();
+        assert!(core.complete(9, Some(7), false).is_ok());
+    }
+
+    #[test]
+    fn sessions_need_the_capability_from_the_owner_or_the_node_token() {
+        let capability = icheck_core::credentials::Capability::generate().unwrap();
+        let owner = Owner { verifier: capability.verifier(), uid: 1000 };
+        let key = capability.expose();
+        assert!(admit_session("a", &owner, Privilege::Client, key, Some(1000)).is_ok());
+        assert!(admit_session("a", &owner, Privilege::Client, key, None).is_ok());
+        let err = admit_session("a", &owner, Privilege::Client, "", None).unwrap_err();
+        assert!(err.contains("wrong or missing capability"), "{err}");
+        assert!(admit_session("a", &owner, Privilege::Client, key, Some(0)).unwrap_err().contains("uid 0"));
+        assert!(admit_session("a", &owner, Privilege::Node, "", None).is_ok(), "an agent taking a rank over");
     }
 
     #[test]
@@ -273,11 +372,14 @@ mod tests {
     fn a_begin_must_name_a_version_a_shape_and_a_layout() {
         let core = session(3);
         let labels = || vec![label("a", 0, 8)];
-        assert!(core.begin(0, 4, 0, labels()).unwrap_err().contains("bad version 0"));
-        assert!(core.begin(1, 3, 0, labels()).unwrap_err().contains("rank 3 of 3"));
-        assert!(core.begin(1, 0, 0, labels()).is_err());
-        assert!(core.begin(1, 4, 0, vec![label("a", 0, 8), label("b", 9, 8)]).unwrap_err().contains("instead of 8"));
-        assert!(core.begin(1, 4, 0, vec![label("a", 0, u64::MAX), label("b", u64::MAX, 8)]).is_err());
+        assert!(core.begin(0, 4, 0, labels(), None, |_| false).unwrap_err().contains("bad version 0"));
+        assert!(core.begin(1, 3, 0, labels(), None, |_| false).unwrap_err().contains("rank 3 of 3"));
+        assert!(core.begin(1, 0, 0, labels(), None, |_| false).is_err());
+        assert!(core
+            .begin(1, 4, 0, vec![label("a", 0, 8), label("b", 9, 8)], None, |_| false)
+            .unwrap_err()
+            .contains("instead of 8"));
+        assert!(core.begin(1, 4, 0, vec![label("a", 0, u64::MAX), label("b", u64::MAX, 8)], None, |_| false).is_err());
     }
 
     #[test]
@@ -312,7 +414,7 @@ mod tests {
         begin(&mut core, 1, t0);
         assert_eq!(core.abandon(), Some(Abandoned { version: 1, in_memory: true }));
         begin(&mut core, 2, t0);
-        let checked = core.begin(3, 2, 0, Vec::new()).unwrap();
+        let checked = core.begin(3, 2, 0, Vec::new(), None, |_| false).unwrap();
         core.begun(checked, false, t0);
         assert_eq!(core.abandon(), Some(Abandoned { version: 3, in_memory: false }));
     }
@@ -359,7 +461,7 @@ mod tests {
         let mut placed = Vec::new();
         for rank in [0u32, 1] {
             let mut core = session(rank);
-            let checked = core.begin(1, 2, 0, vec![label("x", 0, 60)]).unwrap();
+            let checked = core.begin(1, 2, 0, vec![label("x", 0, 60)], None, |_| false).unwrap();
             let fits = admit(budget, held, checked.total_len).is_ok();
             if fits {
                 held += checked.total_len; // the file now exists in the store

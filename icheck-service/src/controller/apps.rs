@@ -18,10 +18,66 @@ use icheck_core::protocol::{
 };
 
 use super::copies::CopyBook;
+use icheck_core::credentials::{Capability, Owner};
+
+/// What a registering client proves: the capability it presents (if any)
+/// and its Unix user (`reported` by the client, `seen` as the socket's
+/// owner when the controller can tell).
+#[derive(Clone, Debug)]
+pub(super) struct Claim<'a> {
+    pub(super) presented: Option<&'a str>,
+    pub(super) reported: u32,
+    pub(super) seen: Option<u32>,
+}
+
+/// The ownership check of a registration. A new application (no `owner`)
+/// gets a fresh capability, owned by the registering user. A known one
+/// must present its capability, from the user that registered it.
+/// Returns the capability to hand back and the owner to record.
+pub(super) fn admit_owner(app: &str, owner: Option<&Owner>, claim: &Claim<'_>) -> Result<(Capability, Owner), String> {
+    if let Some(seen) = claim.seen.filter(|seen| *seen != claim.reported) {
+        return Err(format!(
+            "the client registering {app:?} says it runs as uid {}, but its connection belongs to uid {seen}",
+            claim.reported
+        ));
+    }
+    let uid = claim.seen.unwrap_or(claim.reported);
+    let Some(owner) = owner else {
+        let capability = Capability::generate().map_err(|e| e.to_string())?;
+        let owner = Owner { verifier: capability.verifier(), uid };
+        return Ok((capability, owner));
+    };
+    let Some(presented) = claim.presented else {
+        return Err(format!(
+            "application {app:?} exists and this client presented no capability: the name belongs to another \
+             job, or the capability file of this one is gone (see client.capability_dir / ICHECK_CAPABILITY_DIR); \
+             an administrator can `icheck delete {app}`"
+        ));
+    };
+    if !owner.verifier.admits(presented) {
+        return Err(format!("application {app:?}: the capability presented is not this application's"));
+    }
+    if owner.uid != uid {
+        return Err(format!("application {app:?} belongs to uid {}, not to uid {uid}", owner.uid));
+    }
+    let capability = Capability::parse(presented, "the presented capability").map_err(|e| e.to_string())?;
+    Ok((capability, *owner))
+}
+
+/// Whether `presented` is the capability of `app` (owned by `owner`): the
+/// check of every request about a registered application.
+pub(super) fn check_capability(app: &str, owner: Option<&Owner>, presented: &str) -> Result<(), String> {
+    match owner {
+        Some(owner) if owner.verifier.admits(presented) => Ok(()),
+        _ => Err(format!("application {app:?}: wrong or missing capability")),
+    }
+}
 
 /// An application as the controller knows it.
 pub(super) struct AppEntry {
     pub(super) registration: protocol::AppRegistration,
+    /// Who owns it: every request about it must present its capability.
+    pub(super) owner: Option<Owner>,
     /// Live agents; an agent whose thread or manager died is removed.
     pub(super) agents: Vec<AgentInfo>,
     /// Node of each agent slot at registration (rank-mapping order): where
@@ -318,9 +374,38 @@ mod tests {
         }
     }
 
+    #[test]
+    fn only_the_owner_with_its_capability_registers_a_known_application() {
+        let fresh = Claim { presented: None, reported: 1000, seen: Some(1000) };
+        let (capability, owner) = admit_owner("a", None, &fresh).unwrap();
+        assert_eq!(owner.uid, 1000);
+        assert!(owner.verifier.admits(capability.expose()));
+        // The owner again, with its capability.
+        let again = Claim { presented: Some(capability.expose()), ..fresh.clone() };
+        assert_eq!(admit_owner("a", Some(&owner), &again).unwrap().0, capability);
+        // No capability, another one, or another user: refused.
+        let none = admit_owner("a", Some(&owner), &fresh).unwrap_err();
+        assert!(none.contains("no capability") && none.contains("icheck delete a"), "{none}");
+        let other = Capability::generate().unwrap();
+        let wrong = Claim { presented: Some(other.expose()), ..fresh.clone() };
+        assert!(admit_owner("a", Some(&owner), &wrong).unwrap_err().contains("not this application's"));
+        let stranger = Claim { presented: Some(capability.expose()), reported: 1001, seen: Some(1001) };
+        assert!(admit_owner("a", Some(&owner), &stranger).unwrap_err().contains("belongs to uid 1000"));
+        // A client lying about its user, where the socket tells.
+        let liar = Claim { presented: Some(capability.expose()), reported: 1000, seen: Some(1001) };
+        assert!(admit_owner("a", Some(&owner), &liar).unwrap_err().contains("connection belongs to uid 1001"));
+        // Where the socket cannot be seen (another host), the report counts.
+        let remote = Claim { presented: Some(capability.expose()), reported: 1000, seen: None };
+        assert!(admit_owner("a", Some(&owner), &remote).is_ok());
+        assert!(check_capability("a", Some(&owner), capability.expose()).is_ok());
+        assert!(check_capability("a", Some(&owner), other.expose()).is_err());
+        assert!(check_capability("a", None, capability.expose()).is_err());
+    }
+
     /// An MR application of `ranks` processes with one agent per node of `nodes`.
     fn app(ranks: u32, nodes: &[&str], pfs_interval: u32) -> AppEntry {
         AppEntry {
+            owner: None,
             registration: AppRegistration {
                 name: "a".into(),
                 ranks,

@@ -34,6 +34,7 @@ use std::path::{Path, PathBuf};
 use bincode::Options;
 use serde::{Deserialize, Serialize};
 
+use icheck_core::credentials::Owner;
 use icheck_core::protocol::{AgentInfo, AppRegistration, JournalReport, VersionRecord};
 
 /// File name of the journal in the controller's state directory.
@@ -63,6 +64,8 @@ pub enum Event {
         registration: AppRegistration,
         /// Its agents, in rank-mapping order.
         agents: Vec<AgentInfo>,
+        /// Who owns it (the digest of its capability, never the capability).
+        owner: Option<Owner>,
     },
     /// A version of an application completed.
     VersionComplete {
@@ -130,6 +133,8 @@ pub struct JournaledApp {
     pub versions: Vec<JournaledVersion>,
     /// Finished with IC_PERSIST.
     pub persisted: bool,
+    /// Who owns it.
+    pub owner: Option<Owner>,
 }
 
 /// The state the events describe.
@@ -158,10 +163,11 @@ impl Replayed {
         self.sequence += 1;
         match event {
             Event::Started { incarnation } => self.incarnation = self.incarnation.max(*incarnation),
-            Event::Placed { registration, agents } => {
+            Event::Placed { registration, agents, owner } => {
                 let app = self.apps.entry(registration.name.clone()).or_default();
                 app.registration = Some(registration.clone());
                 app.agents = agents.clone();
+                app.owner = owner.or(app.owner);
             }
             Event::VersionComplete { app, record, writers } => {
                 let entry = self.apps.entry(app.clone()).or_default();
@@ -210,7 +216,11 @@ impl Replayed {
         }
         for (name, app) in &self.apps {
             let Some(registration) = &app.registration else { continue };
-            events.push(Event::Placed { registration: registration.clone(), agents: app.agents.clone() });
+            events.push(Event::Placed {
+                registration: registration.clone(),
+                agents: app.agents.clone(),
+                owner: app.owner,
+            });
             for version in &app.versions {
                 events.push(Event::VersionComplete {
                     app: name.clone(),
@@ -506,8 +516,8 @@ mod tests {
     #[test]
     fn replay_keeps_the_newest_versions_and_forgets_what_was_forgotten() {
         let mut state = Replayed::default();
-        state.apply(&Event::Placed { registration: registration("a"), agents: vec![] });
-        state.apply(&Event::Placed { registration: registration("b"), agents: vec![] });
+        state.apply(&Event::Placed { registration: registration("a"), agents: vec![], owner: None });
+        state.apply(&Event::Placed { registration: registration("b"), agents: vec![], owner: None });
         for version in 1..=6 {
             state.apply(&complete("a", version));
         }
@@ -529,7 +539,7 @@ mod tests {
         let mut primary = Replayed::default();
         primary.apply(&Event::Started { incarnation: 3 });
         primary.apply(&Event::Epoch { epoch: 2, took_over_unix_ms: Some(9), takeovers: 1 });
-        primary.apply(&Event::Placed { registration: registration("a"), agents: vec![] });
+        primary.apply(&Event::Placed { registration: registration("a"), agents: vec![], owner: None });
         primary.apply(&complete("a", 5));
         // An older epoch never lowers the one in force.
         primary.apply(&Event::Epoch { epoch: 1, took_over_unix_ms: None, takeovers: 0 });
@@ -554,7 +564,7 @@ mod tests {
         let dir = dir("reopen");
         {
             let mut journal = Journal::open(&dir).unwrap();
-            journal.append(&Event::Placed { registration: registration("a"), agents: vec![] }).unwrap();
+            journal.append(&Event::Placed { registration: registration("a"), agents: vec![], owner: None }).unwrap();
             journal.append(&complete("a", 1)).unwrap();
         }
         let journal = Journal::open(&dir).unwrap();
@@ -572,7 +582,7 @@ mod tests {
         let dir = dir("damage");
         {
             let mut journal = Journal::open(&dir).unwrap();
-            journal.append(&Event::Placed { registration: registration("a"), agents: vec![] }).unwrap();
+            journal.append(&Event::Placed { registration: registration("a"), agents: vec![], owner: None }).unwrap();
             journal.append(&complete("a", 1)).unwrap();
             journal.append(&complete("a", 2)).unwrap();
         }
@@ -619,7 +629,7 @@ mod tests {
     fn compaction_keeps_the_state_and_shrinks_the_file() {
         let dir = dir("compact");
         let mut journal = Journal::open(&dir).unwrap();
-        journal.append(&Event::Placed { registration: registration("a"), agents: vec![] }).unwrap();
+        journal.append(&Event::Placed { registration: registration("a"), agents: vec![], owner: None }).unwrap();
         for version in 1..=200 {
             journal.append(&complete("a", version)).unwrap();
         }

@@ -23,11 +23,12 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 
-use icheck_core::config::{DynamicConfig, StaticConfig};
+use icheck_core::config::{DaemonTokens, DynamicConfig, StaticConfig};
+use icheck_core::credentials::Capability;
 use icheck_core::decide;
 use icheck_core::protocol::{
     self, AgentChange, AgentInfo, AppReport, ClientReply, ClientRequest, CommitSample, ControllerToManager, Hello,
-    HelloReply, ManagerToController, PfsCopyStats, ProtocolError, Role, StatusReport, VersionRecord,
+    HelloReply, ManagerToController, PfsCopyStats, Privilege, ProtocolError, Role, StatusReport, VersionRecord,
 };
 
 use crate::framing;
@@ -127,7 +128,8 @@ fn journal(state: &mut State, event: &Event) -> Result<(), String> {
 struct Shared {
     /// When the controller started: the clock of the derived metrics.
     started: Instant,
-    token: String,
+    /// The secrets peers present: which one decides what a peer may ask.
+    tokens: DaemonTokens,
     pfs: Option<icheck_core::pfs::PfsStore>,
     heartbeat: Duration,
     missed: u32,
@@ -222,6 +224,8 @@ pub struct ControllerOptions {
     /// This controller's entry of `ControllerAddress` (default: the first,
     /// or the second with `standby`).
     pub listen: Option<String>,
+    /// The secrets it admits peers with (checked: `StaticConfig::daemon_tokens`).
+    pub tokens: DaemonTokens,
 }
 
 /// Runs a controller until the process ends: as the primary, or as the
@@ -277,7 +281,7 @@ pub fn serve(config: StaticConfig, options: ControllerOptions) -> Result<(), Ser
         if standby {
             let dir = journal_dir.as_deref().expect("checked: a controller with partners keeps a journal");
             let phase = runtime()?;
-            phase.block_on(follow(&config, &me, &controllers, dir))?;
+            phase.block_on(follow(&config, &options.tokens, &me, &controllers, dir))?;
             phase.shutdown_timeout(Duration::from_millis(200));
         }
         let phase = runtime()?;
@@ -320,6 +324,7 @@ async fn run(
     took_over: bool,
 ) -> Result<(), ServiceError> {
     let (config, state_dir, launcher) = (config.clone(), options.state_dir.clone(), options.launcher.clone());
+    let tokens = &options.tokens;
     let dynamic = match &config.dynamic_config {
         Some(path) => DynamicConfig::load(path)?,
         None => DynamicConfig::default(),
@@ -370,7 +375,7 @@ async fn run(
     let controllers = config.controller_endpoints();
     let shared = Arc::new(Shared {
         started: Instant::now(),
-        token: config.effective_token(),
+        tokens: tokens.clone(),
         pfs,
         heartbeat: config.heartbeat(),
         missed: config.missed_heartbeats,
@@ -422,7 +427,8 @@ async fn run(
             write_address(dir, "metrics.addr", &local.to_string())?;
         }
         let shared = shared.clone();
-        tokio::spawn(super::metrics::serve(metrics, move || status_report(&shared)));
+        let readers = std::iter::once(tokens.admin.clone()).chain(tokens.metrics.clone()).collect();
+        tokio::spawn(super::metrics::serve(metrics, readers, move || status_report(&shared, Privilege::Admin)));
     }
     tokio::spawn(watch_liveness(shared.clone()));
     if shared.controllers.len() > 1 {
@@ -461,17 +467,17 @@ async fn run(
 /// again. Until it holds a copy of the journal, it never takes over.
 async fn follow(
     config: &StaticConfig,
+    tokens: &DaemonTokens,
     me: &str,
     controllers: &[String],
     dir: &std::path::Path,
 ) -> Result<(), ServiceError> {
     let window = config.takeover_after();
-    let token = config.effective_token();
     let listener = TcpListener::bind(me)
         .await
         .map_err(|error| ServiceError::Io { what: format!("cannot listen on {me}"), error })?;
     let synced = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    tokio::spawn(answer_as_standby(listener, token.clone(), synced.clone()));
+    tokio::spawn(answer_as_standby(listener, tokens.clone(), synced.clone()));
     let mut epoch = Journal::peek(dir).epoch;
     tracing::info!(%me, epoch, ?window, "standby: following the primary");
     let mut mirror: Option<Journal> = None;
@@ -479,7 +485,7 @@ async fn follow(
     loop {
         for peer in controllers.iter().filter(|c| c.as_str() != me) {
             let mut follower = Follower { dir, epoch, window, mirror: &mut mirror, last_heard: &mut last_heard };
-            let result = follower.follow(peer, &token, &synced).await;
+            let result = follower.follow(peer, &tokens.node, &synced).await;
             epoch = follower.epoch;
             match result {
                 Ok(()) => tracing::warn!(primary = %peer, "the primary ended the journal stream"),
@@ -514,19 +520,19 @@ fn unix_ms() -> u64 {
 
 /// Answers every Hello while this controller is a standby: not the
 /// primary, and whether it holds the journal.
-async fn answer_as_standby(listener: TcpListener, token: String, synced: Arc<std::sync::atomic::AtomicBool>) {
+async fn answer_as_standby(listener: TcpListener, tokens: DaemonTokens, synced: Arc<std::sync::atomic::AtomicBool>) {
     loop {
         let Ok((mut stream, _)) = listener.accept().await else {
             // As the primary's accept loop: no spin on a lasting error.
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let (token, synced) = (token.clone(), synced.clone());
+        let (tokens, synced) = (tokens.clone(), synced.clone());
         tokio::spawn(async move {
             let Ok(hello) = framing::recv_timeout::<_, Hello>(&mut stream, HELLO_TIMEOUT).await else { return };
-            let reply = match protocol::check_hello(&hello, &token) {
+            let reply = match protocol::admit_hello(&hello, &accepted_tokens(&tokens)) {
                 Err(reason) => HelloReply::Refused(reason),
-                Ok(()) => HelloReply::Standby { synced: synced.load(std::sync::atomic::Ordering::SeqCst) },
+                Ok(_) => HelloReply::Standby { synced: synced.load(std::sync::atomic::Ordering::SeqCst) },
             };
             let _ = framing::send(&mut stream, &reply).await;
         });
@@ -621,6 +627,7 @@ fn journaled_apps(
             let entry = AppEntry {
                 homes: app.agents.iter().map(|a| a.node.clone()).collect(),
                 agents: app.agents.clone(),
+                owner: app.owner,
                 registration,
                 latest: None,
                 persisted: app.persisted,
@@ -773,11 +780,14 @@ async fn serve_connection(
     peer: std::net::SocketAddr,
 ) -> Result<(), ProtocolError> {
     let hello: Hello = framing::recv_timeout(&mut stream, HELLO_TIMEOUT).await?;
-    if let Err(reason) = protocol::check_hello(&hello, &shared.token) {
-        tracing::warn!(%reason, "refused a peer");
-        framing::send(&mut stream, &HelloReply::Refused(reason)).await?;
-        return Ok(());
-    }
+    let privilege = match protocol::admit_hello(&hello, &accepted_tokens(&shared.tokens)) {
+        Ok(privilege) => privilege,
+        Err(reason) => {
+            tracing::warn!(%peer, role = ?hello.role, %reason, "refused a peer");
+            framing::send(&mut stream, &HelloReply::Refused(reason)).await?;
+            return Ok(());
+        }
+    };
     // The fencing rule: a peer that has seen a higher epoch knows of a
     // newer primary; this one must not act, and becomes a standby.
     let epoch = shared.state().epoch;
@@ -800,8 +810,13 @@ async fn serve_connection(
     framing::send(&mut stream, &HelloReply::Primary { epoch }).await?;
     match hello.role {
         Role::Manager => serve_manager(shared, stream).await,
-        Role::Client | Role::Standby => serve_client(shared, stream).await,
+        Role::Client | Role::Standby => serve_client(shared, stream, privilege, peer).await,
     }
+}
+
+/// The tokens a controller admits, with what each allows.
+fn accepted_tokens(tokens: &DaemonTokens) -> [(Privilege, &str); 3] {
+    [(Privilege::Client, &tokens.client), (Privilege::Admin, &tokens.admin), (Privilege::Node, &tokens.node)]
 }
 
 /// A standby attached (`Standby` Hello): it gets the journal's state, then
@@ -967,7 +982,7 @@ async fn watch_partners(shared: Arc<Shared>) {
             let sequence = sequence(&shared);
             let mut inert = true;
             for peer in shared.controllers.iter().filter(|c| **c != shared.me) {
-                match probe_partner(peer, &shared.token, epoch, shared.window / 4).await {
+                match probe_partner(peer, &shared.tokens.node, epoch, shared.window / 4).await {
                     PartnerSays::Inert => {}
                     PartnerSays::Primary(theirs) if theirs >= epoch => {
                         shared.step_down(&format!("{peer} is the primary at epoch {theirs} (this one has {epoch})"));
@@ -1222,39 +1237,61 @@ fn drop_obsolete_files(state: &mut State) {
     }
 }
 
-async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), ProtocolError> {
+async fn serve_client(
+    shared: Arc<Shared>,
+    mut stream: TcpStream,
+    privilege: Privilege,
+    peer: std::net::SocketAddr,
+) -> Result<(), ProtocolError> {
+    // The Unix user behind a local client's socket (None: another host).
+    let seen_uid = stream.local_addr().ok().and_then(|local| crate::peercred::socket_owner(local, peer));
     loop {
         let request: ClientRequest = framing::recv(&mut stream).await?;
         // Checked before anything is done: a primary paused past its lease
         // finds requests queued meanwhile, and must not act on them. A
         // status report acts on nothing: it is always answered.
-        let acts = !matches!(request, ClientRequest::Status);
+        let acts = !matches!(request, ClientRequest::Status | ClientRequest::AppStatus { .. });
         if acts {
             if let Err(reason) = shared.may_act() {
                 framing::send(&mut stream, &ClientReply::NotPrimary(reason)).await?;
                 continue;
             }
         }
+        if let Err(reason) = authorize(&shared, &request, privilege) {
+            tracing::warn!(%peer, ?privilege, %reason, "refused a request");
+            framing::send(&mut stream, &ClientReply::Error(reason)).await?;
+            continue;
+        }
         let reply = match request {
-            ClientRequest::Status => ClientReply::Status(status_report(&shared)),
-            ClientRequest::RegisterApp(registration) => {
+            ClientRequest::Status => ClientReply::Status(status_report(&shared, privilege)),
+            ClientRequest::AppStatus { name, .. } => {
+                let state = shared.state();
+                ClientReply::AppStatus(state.apps.get(&name).map(|a| Box::new(app_report(a))))
+            }
+            ClientRequest::RegisterApp { registration, capability, uid } => {
                 let span = tracing::info_span!("register", app = %registration.name);
-                match register_app(&shared, registration).instrument(span).await {
-                    Ok((agents, latest)) => ClientReply::Registered { agents, latest },
-                    Err(reason) => ClientReply::Error(reason),
+                let claim = apps::Claim { presented: capability.as_deref(), reported: uid, seen: seen_uid };
+                match register_app(&shared, registration, &claim).instrument(span).await {
+                    Ok((agents, latest, capability)) => {
+                        ClientReply::Registered { agents, latest, capability: capability.expose().to_string() }
+                    }
+                    Err(reason) => {
+                        tracing::warn!(%peer, %reason, "registration refused");
+                        ClientReply::Error(reason)
+                    }
                 }
             }
-            ClientRequest::VersionComplete { name, version, bytes, commit_secs, spilled, epoch, agents } => {
+            ClientRequest::VersionComplete { name, version, bytes, commit_secs, spilled, epoch, agents, .. } => {
                 let sample = CommitSample { version, bytes, commit_secs, agents: 0 };
                 await_reconciled(&shared, &name).await;
                 record_version(&shared, &name, sample, spilled, epoch, &agents)
             }
-            ClientRequest::Probe { name, agents, remaining_commits } => {
+            ClientRequest::Probe { name, agents, remaining_commits, capability } => {
                 let span = tracing::info_span!("probe", app = %name);
                 await_reconciled(&shared, &name).await;
-                probe(&shared, &name, &agents, remaining_commits).instrument(span).await
+                probe(&shared, &name, &agents, remaining_commits, &capability).instrument(span).await
             }
-            ClientRequest::FinishApp { name, persist } => finish_app(&shared, &name, persist),
+            ClientRequest::FinishApp { name, persist, .. } => finish_app(&shared, &name, persist),
             ClientRequest::DeleteApp { name } => delete_app(&shared, &name).await,
             ClientRequest::DrainNode { node, drain } => drain_node(&shared, &node, drain),
         };
@@ -1274,31 +1311,69 @@ async fn serve_client(shared: Arc<Shared>, mut stream: TcpStream) -> Result<(), 
     }
 }
 
-fn status_report(shared: &Shared) -> StatusReport {
+/// Whether a peer admitted with `privilege` may make `request`: operators'
+/// commands need the admin token; requests about an application need its
+/// capability (checked here for applications the controller knows; for
+/// others the request fails on its own).
+fn authorize(shared: &Shared, request: &ClientRequest, privilege: Privilege) -> Result<(), String> {
+    let (name, capability) = match request {
+        ClientRequest::Status | ClientRequest::RegisterApp { .. } => return Ok(()),
+        ClientRequest::DeleteApp { .. } | ClientRequest::DrainNode { .. } => {
+            return match privilege {
+                Privilege::Admin => Ok(()),
+                _ => Err("this command needs the admin token (AdminToken, or ICHECK_ADMIN_TOKEN)".into()),
+            }
+        }
+        ClientRequest::AppStatus { .. } if privilege == Privilege::Admin => return Ok(()),
+        ClientRequest::AppStatus { name, capability }
+        | ClientRequest::VersionComplete { name, capability, .. }
+        | ClientRequest::Probe { name, capability, .. }
+        | ClientRequest::FinishApp { name, capability, .. } => (name, capability),
+    };
+    let state = shared.state();
+    match state.apps.get(name) {
+        Some(app) => apps::check_capability(name, app.owner.as_ref(), capability),
+        None => Ok(()),
+    }
+}
+
+/// The status; a client (not an operator) sees only the controller's own
+/// part, never other applications or the nodes.
+fn status_report(shared: &Shared, privilege: Privilege) -> StatusReport {
     let state = shared.state();
     let now = Instant::now();
+    if privilege == Privilege::Client {
+        return StatusReport {
+            nodes: Vec::new(),
+            apps: Vec::new(),
+            init_agent_count: String::new(),
+            journal: None,
+            controller: Some(Box::new(controller_report(shared, &state, now))),
+        };
+    }
     StatusReport {
         nodes: state.nodes.report(now, FORECAST_HORIZON_SECS),
-        apps: state
-            .apps
-            .values()
-            .map(|a| AppReport {
-                registration: a.registration.clone(),
-                agents: a.agents.clone(),
-                latest: a.latest.clone(),
-                persisted: a.persisted,
-                pfs_version: a.copies.copied,
-                pfs_copy: a.copies.last,
-                commits: a.adaptation.commits.iter().copied().collect(),
-                agent_changes: a.adaptation.changes.clone(),
-                scaling_settled: a.adaptation.scaling.settled,
-                pfs_health: a.copies.health.clone(),
-                dropped: a.dropped.clone(),
-            })
-            .collect(),
+        apps: state.apps.values().map(app_report).collect(),
         init_agent_count: format!("{:?}", shared.dynamic().init_agent_count),
         journal: state.journal.as_ref().map(|j| Box::new(j.report())),
         controller: Some(Box::new(controller_report(shared, &state, now))),
+    }
+}
+
+/// One application, as the status shows it.
+fn app_report(a: &AppEntry) -> AppReport {
+    AppReport {
+        registration: a.registration.clone(),
+        agents: a.agents.clone(),
+        latest: a.latest.clone(),
+        persisted: a.persisted,
+        pfs_version: a.copies.copied,
+        pfs_copy: a.copies.last,
+        commits: a.adaptation.commits.iter().copied().collect(),
+        agent_changes: a.adaptation.changes.clone(),
+        scaling_settled: a.adaptation.scaling.settled,
+        pfs_health: a.copies.health.clone(),
+        dropped: a.dropped.clone(),
     }
 }
 
@@ -1333,11 +1408,19 @@ fn controller_report(shared: &Shared, state: &State, now: Instant) -> protocol::
 async fn register_app(
     shared: &Shared,
     registration: protocol::AppRegistration,
-) -> Result<(Vec<AgentInfo>, Option<VersionRecord>), String> {
+    claim: &apps::Claim<'_>,
+) -> Result<(Vec<AgentInfo>, Option<VersionRecord>, Capability), String> {
     icheck_core::format::check_app_name(&registration.name).map_err(|e| e.to_string())?;
     if registration.ranks == 0 || registration.nodes == 0 {
         return Err(format!("application {:?} registered with 0 ranks or 0 nodes", registration.name));
     }
+    // Before anything else: only its owner may register a known application.
+    let known_owner = shared.state().apps.get(&registration.name).map(|a| a.owner);
+    let (capability, owner) = match known_owner {
+        // Known, but journaled before owners were: the first to return owns it.
+        Some(None) | None => apps::admit_owner(&registration.name, None, claim)?,
+        Some(Some(owner)) => apps::admit_owner(&registration.name, Some(&owner), claim)?,
+    };
     // A run that finished with IC_CLEANUP may still be flushing to the PFS:
     // let it finish, so the new run starts from the flushed version.
     let flushing_since = Instant::now();
@@ -1398,7 +1481,8 @@ async fn register_app(
             if all_alive {
                 tracing::info!(agents = app.agents.len(), ?latest, "application re-registered; returning its agents");
                 let agents = app.agents.clone();
-                let placed = Event::Placed { registration: registration.clone(), agents: agents.clone() };
+                let placed =
+                    Event::Placed { registration: registration.clone(), agents: agents.clone(), owner: Some(owner) };
                 let was_persisted = app.persisted;
                 journal(state, &placed)?;
                 if was_persisted {
@@ -1407,8 +1491,9 @@ async fn register_app(
                 let app = state.apps.get_mut(&registration.name).expect("looked up above, under the same lock");
                 app.persisted = false;
                 app.registration = registration;
+                app.owner = Some(owner);
                 app.latest = latest.clone();
-                return Ok((agents, latest));
+                return Ok((agents, latest, capability));
             }
         }
         // Agents of a returning application go back to the nodes that hold
@@ -1432,12 +1517,15 @@ async fn register_app(
         } else {
             decide::choose_nodes(&snapshot, count, &config).map_err(|e| e.to_string())?
         };
-        waiters = send_starts(state, &registration.name, nodes, config.max_mem_node_bytes());
+        let complete = latest.as_ref().map(|l| l.version);
+        let spec =
+            nodes::StartSpec { app: &registration.name, mem_budget: config.max_mem_node_bytes(), owner, complete };
+        waiters = send_starts(state, &spec, nodes);
     }
     let placing = Instant::now();
     let agents = await_starts(shared, &registration.name, waiters).await?;
     let mut state = shared.state();
-    let placed = Event::Placed { registration: registration.clone(), agents: agents.clone() };
+    let placed = Event::Placed { registration: registration.clone(), agents: agents.clone(), owner: Some(owner) };
     if let Err(reason) = journal(&mut state, &placed) {
         tell_agents(&state.nodes, &agents, |id| ControllerToManager::StopAgent { id, discard: false });
         return Err(reason);
@@ -1453,6 +1541,7 @@ async fn register_app(
     let name = registration.name.clone();
     let entry = AppEntry {
         registration,
+        owner: Some(owner),
         agents: agents.clone(),
         homes,
         latest: latest.clone(),
@@ -1466,7 +1555,7 @@ async fn register_app(
         abandoned: state.apps.get(&name).map(|a| a.abandoned.clone()).unwrap_or_default(),
     };
     state.apps.insert(name, entry);
-    Ok((agents, latest))
+    Ok((agents, latest, capability))
 }
 
 /// A journaled application counts no version until the stores confirmed
@@ -1667,7 +1756,7 @@ type StartWaiter = (u64, String, oneshot::Receiver<Result<AgentInfo, String>>);
 
 /// Asks the managers of `nodes` to start one agent each for `app` (under
 /// the state lock; [`await_starts`] collects the answers after it).
-fn send_starts(state: &mut State, app: &str, nodes: Vec<String>, mem_budget: u64) -> Vec<StartWaiter> {
+fn send_starts(state: &mut State, spec: &nodes::StartSpec<'_>, nodes: Vec<String>) -> Vec<StartWaiter> {
     let mut waiters = Vec::with_capacity(nodes.len());
     for node in nodes {
         let id = state.next_agent;
@@ -1675,7 +1764,7 @@ fn send_starts(state: &mut State, app: &str, nodes: Vec<String>, mem_budget: u64
         let (tx, rx) = oneshot::channel();
         state.pending.insert(id, tx);
         // Counted from now on, so parallel placements spread out.
-        state.nodes.start_agent(&node, id, app, mem_budget);
+        state.nodes.start_agent(&node, id, spec);
         waiters.push((id, node, rx));
     }
     waiters
@@ -1720,7 +1809,7 @@ async fn manager_answer<T>(rx: oneshot::Receiver<Result<T, String>>, limit: Dura
 /// locations). Otherwise Algorithm 5 and eq. 6.11/6.12 decide whether the
 /// agent count changes. The answer is `Unchanged` or the new agents, which
 /// already hold every rank's newest complete version.
-async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32) -> ClientReply {
+async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32, capability: &str) -> ClientReply {
     let config = shared.dynamic();
     let plan = {
         let mut state = shared.state();
@@ -1736,10 +1825,15 @@ async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32) -> Cl
         }
     };
     match plan {
-        ProbePlan::Replace(registration) => match register_app(shared, registration).await {
-            Ok((agents, _)) => ClientReply::Agents(agents),
-            Err(reason) => ClientReply::Error(reason),
-        },
+        ProbePlan::Replace(registration) => {
+            // Authorized already (`authorize`): the owner asks, with its capability.
+            let uid = shared.state().apps.get(name).and_then(|a| a.owner).map_or(0, |o| o.uid);
+            let claim = apps::Claim { presented: Some(capability), reported: uid, seen: None };
+            match register_app(shared, registration, &claim).await {
+                Ok((agents, ..)) => ClientReply::Agents(agents),
+                Err(reason) => ClientReply::Error(reason),
+            }
+        }
         ProbePlan::Relocate { current, replace } => {
             tracing::info!(agents = replace.len(), "moving agents off draining nodes");
             match change_agents(shared, name, current, &replace, &config).await {
@@ -1801,22 +1895,25 @@ async fn change_agents(
     config: &DynamicConfig,
 ) -> Result<Vec<AgentInfo>, String> {
     let changing = Instant::now();
-    let (old, units, latest, waiters) = {
+    let (old, units, latest, owner, waiters) = {
         let mut state = shared.state();
         let now = Instant::now();
         let snapshot = state.nodes.snapshot(now);
         let app = state.apps.get(name).ok_or("the application went away")?;
         let (old, units, latest) =
             (app.agents.clone(), decide::mapping_units(&app.registration), app.latest.as_ref().map(|l| l.version));
+        let owner = app.owner.ok_or("the application has no recorded owner")?;
         let kept = (0..old.len().min(to as usize)).filter(|i| !replace.contains(i)).count() as u32;
         let waiters = match to - kept {
             0 => Vec::new(),
             missing => {
                 let nodes = decide::choose_nodes(&snapshot, missing, config).map_err(|e| e.to_string())?;
-                send_starts(&mut state, name, nodes, config.max_mem_node_bytes())
+                let spec =
+                    nodes::StartSpec { app: name, mem_budget: config.max_mem_node_bytes(), owner, complete: latest };
+                send_starts(&mut state, &spec, nodes)
             }
         };
-        (old, units, latest, waiters)
+        (old, units, latest, owner, waiters)
     };
     let current = old.len() as u32;
     let started = await_starts(shared, name, waiters).await?;
@@ -1873,7 +1970,7 @@ async fn change_agents(
     let mut state = shared.state();
     let state = &mut *state;
     let registration = state.apps.get(name).ok_or("the application went away")?.registration.clone();
-    journal(state, &Event::Placed { registration, agents: new.clone() })?;
+    journal(state, &Event::Placed { registration, agents: new.clone(), owner: Some(owner) })?;
     let app = state.apps.get_mut(name).ok_or("the application went away")?;
     app.agents = new.clone();
     app.homes = new.iter().map(|a| a.node.clone()).collect();

@@ -23,6 +23,17 @@ use icheck_core::monitor::NodeTrend;
 use icheck_core::monitor::TrendReport;
 use icheck_core::protocol::{ControllerToManager, NodeReport, NodeStatus};
 
+/// What an agent is started for: its application, the node's memory
+/// budget, the application's owner (whose capability its sessions must
+/// present) and its newest complete version.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StartSpec<'a> {
+    pub(crate) app: &'a str,
+    pub(crate) mem_budget: u64,
+    pub(crate) owner: icheck_core::credentials::Owner,
+    pub(crate) complete: Option<u64>,
+}
+
 /// Where the controller's messages to one manager go.
 pub(crate) trait ManagerLink {
     /// Queues `message` for the manager; false when the connection is gone.
@@ -299,9 +310,15 @@ impl<L: ManagerLink> NodeBook<L> {
     /// Asks `node`'s manager to start agent `id` of `app`, and counts the
     /// start against the node until it is answered. False when the node is
     /// unknown or its connection is gone (nothing is counted then).
-    pub(crate) fn start_agent(&mut self, node: &str, id: u64, app: &str, mem_budget: u64) -> bool {
+    pub(crate) fn start_agent(&mut self, node: &str, id: u64, spec: &StartSpec<'_>) -> bool {
         let Some(entry) = self.nodes.get_mut(node) else { return false };
-        let sent = entry.link.send(ControllerToManager::StartAgent { id, app: app.to_string(), mem_budget });
+        let sent = entry.link.send(ControllerToManager::StartAgent {
+            id,
+            app: spec.app.to_string(),
+            mem_budget: spec.mem_budget,
+            owner: spec.owner,
+            complete: spec.complete,
+        });
         // Counted even if the connection just closed: the answer (a failure,
         // or the controller's timeout) uncounts it, like any other start.
         entry.starting += 1;
@@ -352,6 +369,16 @@ mod tests {
 
     use super::*;
 
+    fn spec(app: &str) -> StartSpec<'_> {
+        let owner = icheck_core::credentials::Capability::generate().unwrap();
+        StartSpec {
+            app,
+            mem_budget: 0,
+            owner: icheck_core::credentials::Owner { verifier: owner.verifier(), uid: 0 },
+            complete: None,
+        }
+    }
+
     /// A manager connection that records what the controller sends.
     #[derive(Clone, Default)]
     struct Recorder {
@@ -397,7 +424,7 @@ mod tests {
         let config = one_agent_per_node();
         // First placement takes one node and sends the start.
         let first = decide::choose_nodes(&book.snapshot(t0), 1, &config).unwrap();
-        assert!(book.start_agent(&first[0], 1, "app", 0));
+        assert!(book.start_agent(&first[0], 1, &spec("app")));
         // The manager's periodic report, sent before it saw the start,
         // overtakes the answer: it still says 0 agents.
         let conn = 1 + u64::from(first[0] == "b");
@@ -405,7 +432,7 @@ mod tests {
         // A racing placement must not put a second agent there.
         let second = decide::choose_nodes(&book.snapshot(t0 + BEAT), 1, &config).unwrap();
         assert_ne!(second, first, "the starting agent was forgotten by the report");
-        assert!(book.start_agent(&second[0], 2, "other", 0));
+        assert!(book.start_agent(&second[0], 2, &spec("other")));
         // Both nodes are now full: a third agent has no room.
         assert!(decide::choose_nodes(&book.snapshot(t0 + BEAT), 1, &config).is_err());
         // The start is answered; until the next report the agent counts as running.
@@ -423,7 +450,7 @@ mod tests {
         let t0 = Instant::now();
         let (mut book, _) = book(t0, &["a"]);
         let config = one_agent_per_node();
-        assert!(book.start_agent("a", 1, "app", 0));
+        assert!(book.start_agent("a", 1, &spec("app")));
         assert!(decide::choose_nodes(&book.snapshot(t0), 1, &config).is_err());
         book.start_answered("a", false);
         assert_eq!(decide::choose_nodes(&book.snapshot(t0), 1, &config).unwrap(), vec!["a".to_string()]);

@@ -179,7 +179,23 @@ impl Drop for LocalService {
     fn drop(&mut self) {
         let _ = Command::new(&self.icheck).args(["down", "--state-dir"]).arg(&self.dir).output();
         let _ = std::fs::remove_dir_all(&self.dir);
+        forget_capabilities(&self.config);
     }
+}
+
+/// Removes the capabilities jobs kept for the service of `config` (its
+/// tokens are random per test, so the directory is this test's alone).
+pub fn forget_capabilities(config: &StaticConfig) {
+    let store = icheck_core::credentials::CapabilityStore::new(config.capability_dir());
+    let service = icheck_core::credentials::service_key(&config.effective_token());
+    let _ = std::fs::remove_dir_all(store.dir().join(service));
+}
+
+/// The capability a job of `app` kept for the service of `config`.
+pub fn kept_capability(config: &StaticConfig, app: &str) -> Option<String> {
+    let store = icheck_core::credentials::CapabilityStore::new(config.capability_dir());
+    let service = icheck_core::credentials::service_key(&config.effective_token());
+    store.load(&service, app).ok().flatten().map(|c| c.expose().to_string())
 }
 
 /// A process a test started; killed (by its PID) and reaped on drop.
@@ -292,15 +308,37 @@ pub fn icheck_in_target() -> PathBuf {
     icheck
 }
 
-/// The body of `GET /metrics` at `address` (host:port).
-pub fn scrape_metrics(address: &str) -> String {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(address).expect("connect to /metrics");
-    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: icheck\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
+impl LocalService {
+    /// The address of the controller's `/metrics` (`metrics.addr`).
+    pub fn metrics_address(&self) -> String {
+        let address = std::fs::read_to_string(self.dir.join("metrics.addr")).expect("icheck up enables /metrics");
+        address.trim().to_string()
+    }
+
+    /// The body of the controller's `GET /metrics`, asked with the admin token.
+    pub fn metrics(&self) -> String {
+        scrape_metrics(&self.metrics_address(), &self.config.admin_token().expect("icheck up writes AdminToken"))
+    }
+}
+
+/// The body of `GET /metrics` at `address` (host:port), asked with the
+/// bearer secret `token` (the admin or metrics token).
+pub fn scrape_metrics(address: &str, token: &str) -> String {
+    let response = http_get_metrics(address, Some(token));
     assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
     response.split_once("\r\n\r\n").map(|(_, body)| body.to_string()).unwrap_or_default()
+}
+
+/// The whole response to `GET /metrics` at `address`, with a bearer
+/// secret or without one.
+pub fn http_get_metrics(address: &str, token: Option<&str>) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(address).expect("connect to /metrics");
+    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    stream.write_all(format!("GET /metrics HTTP/1.1\r\nHost: icheck\r\n{auth}\r\n").as_bytes()).unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response
 }
 
 /// The value of the sample `name{labels}` in a Prometheus text body.

@@ -119,7 +119,7 @@ impl NetCluster {
         let base = |port: u16, metrics: u16| {
             format!(
                 "ControllerAddress = \"{gateway}\"\nControllerPort = {port}\nMetricsPort = {metrics}\n\
-                 Token = \"net-{pid}-{serial}\"\nHeartBeatInterval = 0.5\nStatusMessageInterval = 0.5\n\
+                 Token = \"net-{pid}-{serial}\"\nAdminToken = \"admin-{pid}-{serial}\"\nNodeToken = \"node-{pid}-{serial}\"\nHeartBeatInterval = 0.5\nStatusMessageInterval = 0.5\n\
                  DynamicConfig = \"dynamic.toml\"\nPfsDir = \"{}\"\nAgentStoreDir = \"{}\"\n",
                 pfs.display(),
                 store.display()
@@ -225,7 +225,7 @@ impl NetCluster {
         std::fs::write(self.dir.join("dynamic.toml"), dynamic).expect("write dynamic.toml");
         let base = format!(
             "ControllerAddress = [\"{}\", \"{}\"]\nControllerPort = {port}\nMetricsPort = 0\nTakeoverAfter = 3\n\
-             Token = \"net-{pid}-{serial}\"\nHeartBeatInterval = 0.5\nStatusMessageInterval = 0.5\n\
+             Token = \"net-{pid}-{serial}\"\nAdminToken = \"admin-{pid}-{serial}\"\nNodeToken = \"node-{pid}-{serial}\"\nHeartBeatInterval = 0.5\nStatusMessageInterval = 0.5\n\
              DynamicConfig = \"{}\"\nPfsDir = \"{}\"\nAgentStoreDir = \"{}\"\n",
             self.controllers[0],
             self.controllers[1],
@@ -323,7 +323,8 @@ impl NetCluster {
     /// The body of the controller's `GET /metrics`.
     pub fn metrics(&self) -> String {
         let address = std::fs::read_to_string(self.dir.join("metrics.addr")).expect("metrics.addr");
-        super::scrape_metrics(address.trim())
+        let config = icheck_core::config::StaticConfig::load(&self.client_config).expect("client.toml");
+        super::scrape_metrics(address.trim(), &config.admin_token().expect("AdminToken"))
     }
 
     /// Replaces the dynamic configuration (the controller re-reads it).
@@ -352,6 +353,9 @@ impl Drop for NetCluster {
     fn drop(&mut self) {
         // Daemons first (by PID), then their network and files.
         self.daemons.clear();
+        if let Ok(config) = icheck_core::config::StaticConfig::load(&self.client_config) {
+            super::forget_capabilities(&config);
+        }
         // A deleted namespace lingers while sockets in it wind down (and its
         // veth with it): delete the links themselves.
         for link in &self.links {

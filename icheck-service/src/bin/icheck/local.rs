@@ -3,7 +3,6 @@
 //! logs, pids and the controller's address.
 
 use std::fs;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -44,10 +43,18 @@ fn free_port() -> Result<u16> {
     Ok(listener.local_addr()?.port())
 }
 
-fn random_token() -> Result<String> {
-    let mut bytes = [0u8; 16];
-    fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
-    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+/// The three secrets of a local service, drawn fresh at every `icheck up`.
+struct Tokens {
+    client: String,
+    admin: String,
+    node: String,
+}
+
+impl Tokens {
+    fn random() -> Result<Tokens> {
+        let draw = || icheck_core::credentials::random_hex(16).context("drawing a random token");
+        Ok(Tokens { client: draw()?, admin: draw()?, node: draw()? })
+    }
 }
 
 /// The agents' checkpoint store of the service in `dir`: on tmpfs, named
@@ -62,7 +69,7 @@ pub fn store_dir(dir: &Path) -> PathBuf {
     PathBuf::from(format!("/dev/shm/icheck-{hash:016x}"))
 }
 
-fn write_static(dir: &Path, port: u16, standby: Option<u16>, token: &str, options: &UpOptions) -> Result<PathBuf> {
+fn write_static(dir: &Path, port: u16, standby: Option<u16>, tokens: &Tokens, options: &UpOptions) -> Result<PathBuf> {
     let path = dir.join(CLIENT_CONFIG);
     let mut controllers = match standby {
         None => "ControllerAddress = \"127.0.0.1\"".to_string(),
@@ -76,7 +83,10 @@ fn write_static(dir: &Path, port: u16, standby: Option<u16>, token: &str, option
     }
     let text = format!(
         "# Written by `icheck up`; also the client configuration (ICHECK_CONFIG={path}).\n\
-         {controllers}\nControllerPort = {port}\nMetricsPort = 0\nToken = \"{token}\"\n\
+         # Only its owner may read it (mode 0600): it holds the service's secrets. Give other\n\
+         # users a copy without AdminToken and NodeToken (their jobs need only Token).\n\
+         {controllers}\nControllerPort = {port}\nMetricsPort = 0\nToken = \"{client}\"\n\
+         AdminToken = \"{admin}\"\nNodeToken = \"{node}\"\n\
          HeartBeatInterval = {hb}\nStatusMessageInterval = {hb}\nDynamicConfig = \"dynamic.toml\"\n\
          ManagerRelaunches = {relaunches}\n\
          AgentStoreDir = \"{store}\"\nPfsDir = \"{pfs}\"\n\n\
@@ -87,6 +97,9 @@ fn write_static(dir: &Path, port: u16, standby: Option<u16>, token: &str, option
          pfs_interval = 0          # agents copy every Nth version to PfsDir (0: never)\n\
          compression = \"auto\"    # zstd from max_cp_size bytes on; or \"none\", \"zstd\", \"zstd:LEVEL\"\n",
         path = path.display(),
+        client = tokens.client,
+        admin = tokens.admin,
+        node = tokens.node,
         hb = options.heartbeat,
         relaunches = options.manager_relaunches,
         provider = options.provider,
@@ -97,10 +110,7 @@ fn write_static(dir: &Path, port: u16, standby: Option<u16>, token: &str, option
             .display(),
         pfs = dir.join("pfs").display(),
     );
-    let tmp = dir.join(format!("{CLIENT_CONFIG}.tmp"));
-    fs::write(&tmp, text)
-        .and_then(|_| fs::rename(&tmp, &path))
-        .with_context(|| format!("writing {}", path.display()))?;
+    icheck_core::credentials::write_private(&path, text.as_bytes())?;
     Ok(path)
 }
 
@@ -135,7 +145,7 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
         fs::write(&dynamic, include_str!("../../../../config/dynamic.toml")).context("writing dynamic.toml")?;
     }
     let _ = fs::remove_file(dir.join("controller.addr"));
-    let token = random_token()?;
+    let tokens = Tokens::random()?;
     // With a standby, both addresses are in the configuration before either
     // controller starts (each must know the other).
     let (port, standby_port) = match options.standby {
@@ -143,7 +153,7 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
         true if options.port == 0 => (free_port()?, Some(free_port()?)),
         true => (options.port, Some(free_port()?)),
     };
-    let config_path = write_static(dir, port, standby_port, &token, options)?;
+    let config_path = write_static(dir, port, standby_port, &tokens, options)?;
     let config_arg = config_path.to_string_lossy().into_owned();
     let dir_arg = dir.to_string_lossy().into_owned();
     let mut controller_process = spawn_daemon(
@@ -172,7 +182,7 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     };
     let port: u16 =
         addr.trim().rsplit(':').next().and_then(|p| p.parse().ok()).context("controller.addr is malformed")?;
-    let config_path = write_static(dir, port, standby_port, &token, options)?;
+    let config_path = write_static(dir, port, standby_port, &tokens, options)?;
     let mut pids = format!("controller {controller}\n");
     if options.standby {
         let args = standby_args(&config_arg, &dir_arg);
@@ -490,10 +500,41 @@ pub fn print_status(report: &StatusReport) {
 
 /// `icheck versions APP`: what the controller holds in agent memory and what
 /// the PFS directory holds.
+/// What the controller knows of `app`: with the admin token, from the
+/// whole status; otherwise asked with the capability the application's
+/// jobs kept for this user.
+fn app_report(config: &StaticConfig, app: &str) -> Result<Option<icheck_core::protocol::AppReport>, String> {
+    if config.admin_token().is_some() {
+        return match request_blocking(config, &ClientRequest::Status) {
+            Ok(ClientReply::Status(report)) => Ok(report.apps.into_iter().find(|a| a.registration.name == app)),
+            Ok(other) => Err(format!("unexpected answer from the controller: {other:?}")),
+            Err(err) => Err(format!("controller unreachable ({err})")),
+        };
+    }
+    let store = icheck_core::credentials::CapabilityStore::new(config.capability_dir());
+    let service = icheck_core::credentials::service_key(&config.effective_token());
+    let capability = match store.load(&service, app) {
+        Ok(Some(capability)) => capability.expose().to_string(),
+        Ok(None) => {
+            return Err(format!(
+                "not shown: this needs the admin token or {app}'s capability, and none is kept at {}",
+                store.path(&service, app).display()
+            ))
+        }
+        Err(err) => return Err(err.to_string()),
+    };
+    match request_blocking(config, &ClientRequest::AppStatus { name: app.to_string(), capability }) {
+        Ok(ClientReply::AppStatus(report)) => Ok(report.map(|r| *r)),
+        Ok(ClientReply::Error(reason)) => Err(reason),
+        Ok(other) => Err(format!("unexpected answer from the controller: {other:?}")),
+        Err(err) => Err(format!("controller unreachable ({err})")),
+    }
+}
+
 pub fn print_versions(config: &StaticConfig, app: &str) -> Result<()> {
     println!("{app}");
-    match request_blocking(config, &ClientRequest::Status) {
-        Ok(ClientReply::Status(report)) => match report.apps.iter().find(|a| a.registration.name == app) {
+    match app_report(config, app) {
+        Ok(report) => match report {
             Some(a) => {
                 let agents: Vec<String> = a.agents.iter().map(|g| format!("{}@{}", g.id, g.node)).collect();
                 match &a.latest {
@@ -509,8 +550,7 @@ pub fn print_versions(config: &StaticConfig, app: &str) -> Result<()> {
             }
             None => println!("  agent memory: not registered with the controller"),
         },
-        Ok(other) => bail!("unexpected answer from the controller: {other:?}"),
-        Err(err) => println!("  agent memory: controller unreachable ({err})"),
+        Err(why) => println!("  agent memory: {why}"),
     }
     let Some(dir) = &config.pfs_dir else {
         println!("  PFS: no PfsDir configured");

@@ -361,7 +361,7 @@ fn run(cli: Cli) -> Result<()> {
         Command_::Fabric(command) => run_fabric(command),
         Command_::Controller { config: path, state_dir, launcher, standby, listen, journal_dir } => {
             let config = icheck_core::config::StaticConfig::load(&path)?;
-            config.daemon_token(&path)?;
+            let tokens = config.daemon_tokens(&path)?;
             let launcher: Option<std::sync::Arc<dyn icheck_service::launcher::Launcher>> =
                 match (launcher.as_deref(), &state_dir) {
                     (Some("local"), Some(dir)) => {
@@ -369,14 +369,20 @@ fn run(cli: Cli) -> Result<()> {
                     }
                     _ => None,
                 };
-            let options =
-                icheck_service::controller::ControllerOptions { state_dir, journal_dir, launcher, standby, listen };
+            let options = icheck_service::controller::ControllerOptions {
+                state_dir,
+                journal_dir,
+                launcher,
+                standby,
+                listen,
+                tokens,
+            };
             icheck_service::controller::serve(config, options)?;
             Ok(())
         }
         Command_::Manager { config: path, node } => {
             let config = icheck_core::config::StaticConfig::load(&path)?;
-            config.daemon_token(&path)?;
+            config.manager_tokens(&path)?;
             icheck_core::fabric::check_provider(&config.fabric)
                 .with_context(|| format!("configuration file {}: [fabric]", path.display()))?;
             let node = node.unwrap_or_else(|| {
