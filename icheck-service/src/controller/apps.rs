@@ -64,11 +64,20 @@ pub(super) fn admit_owner(app: &str, owner: Option<&Owner>, claim: &Claim<'_>) -
     Ok((capability, *owner))
 }
 
-/// Whether `presented` is the capability of `app` (owned by `owner`): the
-/// check of every request about a registered application.
-pub(super) fn check_capability(app: &str, owner: Option<&Owner>, presented: &str) -> Result<(), String> {
+/// Whether `presented` is the capability of `app` (owned by `owner`), from
+/// the owner's Unix user where the connection's owner is seen
+/// (`seen_uid`): the check of every request about a registered application.
+pub(super) fn check_capability(
+    app: &str,
+    owner: Option<&Owner>,
+    presented: &str,
+    seen_uid: Option<u32>,
+) -> Result<(), String> {
     match owner {
-        Some(owner) if owner.verifier.admits(presented) => Ok(()),
+        Some(owner) if owner.verifier.admits(presented) => match seen_uid.filter(|uid| *uid != owner.uid) {
+            Some(uid) => Err(format!("application {app:?} belongs to uid {}, this client to uid {uid}", owner.uid)),
+            None => Ok(()),
+        },
         _ => Err(format!("application {app:?}: wrong or missing capability")),
     }
 }
@@ -397,9 +406,13 @@ mod tests {
         // Where the socket cannot be seen (another host), the report counts.
         let remote = Claim { presented: Some(capability.expose()), reported: 1000, seen: None };
         assert!(admit_owner("a", Some(&owner), &remote).is_ok());
-        assert!(check_capability("a", Some(&owner), capability.expose()).is_ok());
-        assert!(check_capability("a", Some(&owner), other.expose()).is_err());
-        assert!(check_capability("a", None, capability.expose()).is_err());
+        assert!(check_capability("a", Some(&owner), capability.expose(), Some(1000)).is_ok());
+        assert!(check_capability("a", Some(&owner), capability.expose(), None).is_ok());
+        assert!(check_capability("a", Some(&owner), other.expose(), Some(1000)).is_err());
+        assert!(check_capability("a", None, capability.expose(), None).is_err());
+        // A stolen capability, used from another user's socket.
+        let stolen = check_capability("a", Some(&owner), capability.expose(), Some(1001)).unwrap_err();
+        assert!(stolen.contains("this client to uid 1001"), "{stolen}");
     }
 
     /// An MR application of `ranks` processes with one agent per node of `nodes`.

@@ -1257,7 +1257,7 @@ async fn serve_client(
                 continue;
             }
         }
-        if let Err(reason) = authorize(&shared, &request, privilege) {
+        if let Err(reason) = authorize(&shared, &request, privilege, seen_uid) {
             tracing::warn!(%peer, ?privilege, %reason, "refused a request");
             framing::send(&mut stream, &ClientReply::Error(reason)).await?;
             continue;
@@ -1313,9 +1313,15 @@ async fn serve_client(
 
 /// Whether a peer admitted with `privilege` may make `request`: operators'
 /// commands need the admin token; requests about an application need its
-/// capability (checked here for applications the controller knows; for
+/// capability, from its owner's Unix user where the socket shows it
+/// (`seen_uid`) (checked here for applications the controller knows; for
 /// others the request fails on its own).
-fn authorize(shared: &Shared, request: &ClientRequest, privilege: Privilege) -> Result<(), String> {
+fn authorize(
+    shared: &Shared,
+    request: &ClientRequest,
+    privilege: Privilege,
+    seen_uid: Option<u32>,
+) -> Result<(), String> {
     let (name, capability) = match request {
         ClientRequest::Status | ClientRequest::RegisterApp { .. } => return Ok(()),
         ClientRequest::DeleteApp { .. } | ClientRequest::DrainNode { .. } => {
@@ -1332,7 +1338,7 @@ fn authorize(shared: &Shared, request: &ClientRequest, privilege: Privilege) -> 
     };
     let state = shared.state();
     match state.apps.get(name) {
-        Some(app) => apps::check_capability(name, app.owner.as_ref(), capability),
+        Some(app) => apps::check_capability(name, app.owner.as_ref(), capability, seen_uid),
         None => Ok(()),
     }
 }

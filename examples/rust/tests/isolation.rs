@@ -1,0 +1,252 @@
+//! One application's checkpoints are closed to everyone else: another job
+//! with the service's client token (the one a shared cluster hands every
+//! user), a fake manager, a client of another Unix user holding a stolen
+//! capability, and even the application's own sessions asking for made-up
+//! versions. Real daemons (`icheck up`), real MPI jobs, and `intruder`, a
+//! hostile client that tries every door and prints one line per attempt.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::Job;
+use icheck_core::control::BlockingConnection;
+use icheck_core::fabric::{Domain, Endpoint};
+use icheck_core::protocol::{AgentReply, AgentRequest, DataKind, LabelLayout};
+use icheck_service::testkit::{http_get_metrics, icheck_in_target, kept_capability, LocalService};
+
+const INTRUDER: &str = env!("CARGO_BIN_EXE_intruder");
+
+fn service(name: &str) -> LocalService {
+    LocalService::up(&icheck_in_target(), name, 1, &["--provider", "tcp"])
+}
+
+/// A directory for the test, readable by every user (the other user's
+/// client configuration and a copy of `intruder` live there); removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("icheck-scratch-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The service's configuration as an ordinary user gets it: the client
+/// token only (no admin or node token), readable by everyone.
+fn client_only_config(service: &LocalService, dir: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(service.config_path()).unwrap();
+    let text: String = text
+        .lines()
+        .filter(|l| !l.starts_with("AdminToken") && !l.starts_with("NodeToken"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let path = dir.join("client.toml");
+    std::fs::write(&path, text).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    path
+}
+
+/// The victim: two ranks commit versions 1 to 3 and finish with IC_PERSIST.
+fn victim_commits(service: &LocalService) {
+    let args = ["--app", "alpha", "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(2, &service.config_path(), &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+}
+
+/// The victim restarts from version 3, bit-exact, and goes on.
+fn victim_restarts_bit_exact(service: &LocalService) {
+    let args = ["--app", "alpha", "--steps", "6", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(2, &service.config_path(), &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
+}
+
+/// Every attempt of an intruder run was refused; returns its lines.
+fn all_refused(output: std::process::Output) -> Vec<String> {
+    let text = String::from_utf8_lossy(&output.stdout).to_string();
+    assert!(output.status.success(), "intruder failed: {text}\n{}", String::from_utf8_lossy(&output.stderr));
+    let lines: Vec<String> = text.lines().map(str::to_string).collect();
+    let allowed: Vec<&String> =
+        lines.iter().filter(|l| !l.starts_with("REFUSED") && !l.starts_with("STATUS")).collect();
+    assert!(allowed.is_empty(), "attempts that were not refused: {allowed:?}\n{text}");
+    assert!(lines.iter().any(|l| l == "STATUS apps=0 nodes=0"), "a client's status names nothing: {text}");
+    lines
+}
+
+/// The line of `attempt`.
+fn line<'a>(lines: &'a [String], attempt: &str) -> &'a str {
+    let prefix = format!("REFUSED {attempt}:");
+    lines.iter().find(|l| l.starts_with(&prefix)).map_or_else(|| panic!("no {attempt} in {lines:?}"), |l| l.as_str())
+}
+
+#[test]
+fn another_job_with_the_client_token_cannot_touch_an_applications_checkpoints() {
+    let service = service("iso-token");
+    let scratch = Scratch::new("iso-token");
+    victim_commits(&service);
+    let agent = service.status().apps[0].agents[0].control.clone();
+    let config = client_only_config(&service, &scratch.0);
+
+    // Another job (same Unix user, only the client token): every door.
+    let output = Command::new(INTRUDER)
+        .args(["--config"])
+        .arg(&config)
+        .args(["--app", "alpha", "--agent", &agent])
+        .output()
+        .unwrap();
+    let lines = all_refused(output);
+    assert!(line(&lines, "register-without-capability").contains("presented no capability"), "{lines:?}");
+    assert!(line(&lines, "register-with-capability").contains("not this application's"), "{lines:?}");
+    for attempt in ["probe", "record-version", "versions", "finish"] {
+        assert!(line(&lines, attempt).contains("wrong or missing capability"), "{attempt}: {lines:?}");
+    }
+    for attempt in ["delete", "drain"] {
+        assert!(line(&lines, attempt).contains("admin token"), "{attempt}: {lines:?}");
+    }
+    assert!(line(&lines, "fake-manager").contains("node token"), "{lines:?}");
+    assert!(line(&lines, "agent-open").contains("wrong or missing capability"), "{lines:?}");
+    for attempt in ["agent-fetch-3", "agent-complete", "agent-begin", "agent-seal"] {
+        assert!(line(&lines, attempt).contains("wrong or missing capability"), "{attempt}: {lines:?}");
+    }
+    // /metrics names applications and nodes: not without the admin (or metrics) token.
+    let address = service.metrics_address();
+    assert!(http_get_metrics(&address, None).starts_with("HTTP/1.1 401"));
+    assert!(http_get_metrics(&address, Some(&service.config.effective_token())).starts_with("HTTP/1.1 401"));
+    assert!(service.metrics().contains("icheck_app_latest_version{app=\"alpha\"} 3"));
+
+    // The application's own session, asking for made-up versions: it may
+    // neither retire its complete version nor write over it.
+    let capability = kept_capability(&service.config, "alpha").expect("the victim's job kept its capability");
+    let domain = Domain::open(&service.config.fabric).unwrap();
+    let endpoint = Endpoint::new(&domain).unwrap();
+    let mut conn =
+        BlockingConnection::connect(&agent, &service.config.effective_token(), Duration::from_secs(5)).unwrap();
+    conn.set_timeout(Duration::from_secs(20));
+    let mut call = |request: &AgentRequest| conn.call::<_, AgentReply>(request).unwrap();
+    let open = AgentRequest::Open { app: "alpha".into(), rank: 0, address: endpoint.address().clone(), capability };
+    assert_eq!(call(&open), AgentReply::Ok);
+    match call(&AgentRequest::Complete { version: 1000 }) {
+        AgentReply::Error(reason) => assert!(reason.contains("no such version was sealed"), "{reason}"),
+        other => panic!("Complete of a made-up version was accepted: {other:?}"),
+    }
+    let label = LabelLayout { label: "x".into(), kind: DataKind::Binary, offset: 0, len: 8, adapt: None };
+    match call(&AgentRequest::Begin { version: 3, ranks: 2, epoch: 0, labels: vec![label], push: false }) {
+        AgentReply::Error(reason) => assert!(reason.contains("never overwritten"), "{reason}"),
+        other => panic!("a Begin over the complete version was accepted: {other:?}"),
+    }
+    drop(conn);
+
+    // Refusals are logged on the daemons' side, naming the application.
+    let controller = service.log("controller.log");
+    assert!(controller.contains("registration refused") && controller.contains("refused a peer"), "{controller}");
+    let manager = service.log("manager-local-1.log");
+    assert!(manager.contains("refused a session"), "{manager}");
+
+    victim_restarts_bit_exact(&service);
+}
+
+/// A Unix user created for the test, deleted on drop.
+struct TestUser {
+    name: String,
+    uid: u32,
+}
+
+impl TestUser {
+    fn create() -> TestUser {
+        let name = format!("ickiso{}", std::process::id());
+        let status = Command::new("useradd")
+            .args(["--system", "--no-create-home", "--shell", "/usr/sbin/nologin", &name])
+            .status()
+            .expect("useradd runs (the tests run as root)");
+        assert!(status.success(), "useradd {name}");
+        let id = Command::new("id").args(["-u", &name]).output().unwrap();
+        let uid = String::from_utf8_lossy(&id.stdout).trim().parse().expect("a uid");
+        TestUser { name, uid }
+    }
+
+    /// `program args` as this user, with its own home and capability directory.
+    fn command(&self, program: &Path, home: &Path) -> Command {
+        let mut command = Command::new("setpriv");
+        command
+            .args([
+                &format!("--reuid={}", self.uid),
+                &format!("--regid={}", self.uid),
+                "--clear-groups",
+                "--inh-caps=-all",
+            ])
+            .arg(program)
+            .env("HOME", home)
+            .env("ICHECK_CAPABILITY_DIR", home.join("capabilities"))
+            .env_remove("ICHECK_ADMIN_TOKEN")
+            .env_remove("ICHECK_NODE_TOKEN");
+        command
+    }
+}
+
+impl Drop for TestUser {
+    fn drop(&mut self) {
+        let _ = Command::new("userdel").arg(&self.name).status();
+    }
+}
+
+#[test]
+fn a_client_of_another_unix_user_cannot_read_a_root_applications_checkpoint() {
+    assert!(nix::unistd::geteuid().is_root(), "this test creates a user: run it as root (CI does)");
+    let service = service("iso-user");
+    let scratch = Scratch::new("iso-user");
+    victim_commits(&service);
+    let agent = service.status().apps[0].agents[0].control.clone();
+    let config = client_only_config(&service, &scratch.0);
+    let user = TestUser::create();
+    let home = scratch.0.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    nix::unistd::chown(&home, Some(user.uid.into()), Some(user.uid.into())).unwrap();
+    // The binary where the other user may run it.
+    let intruder = scratch.0.join("intruder");
+    std::fs::copy(INTRUDER, &intruder).unwrap();
+    std::fs::set_permissions(&intruder, std::fs::Permissions::from_mode(0o755)).unwrap();
+
+    // The root application's capability file is its owner's alone.
+    let store = icheck_core::credentials::CapabilityStore::new(service.config.capability_dir());
+    let service_key = icheck_core::credentials::service_key(&service.config.effective_token());
+    let capability_file = store.path(&service_key, "alpha");
+    let mode = std::fs::metadata(&capability_file).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "{}", capability_file.display());
+    let stolen = kept_capability(&service.config, "alpha").unwrap();
+
+    // Even holding the stolen capability, and even claiming uid 0, the other
+    // user is refused: the controller and the agent see who owns the socket.
+    for claim in [None, Some("0")] {
+        let mut command = user.command(&intruder, &home);
+        command.arg("--config").arg(&config).args(["--app", "alpha", "--agent", &agent, "--capability", &stolen]);
+        command.arg("--steal").arg(&capability_file);
+        if let Some(uid) = claim {
+            command.args(["--claim-uid", uid]);
+        }
+        let lines = all_refused(command.output().unwrap());
+        let register = line(&lines, "register-with-capability");
+        match claim {
+            None => assert!(register.contains(&format!("not to uid {}", user.uid)), "{lines:?}"),
+            Some(_) => assert!(register.contains(&format!("belongs to uid {}", user.uid)), "{lines:?}"),
+        }
+        for attempt in ["probe", "record-version", "versions", "finish"] {
+            assert!(line(&lines, attempt).contains(&format!("this client to uid {}", user.uid)), "{lines:?}");
+        }
+        assert!(line(&lines, "agent-open").contains(&format!("this session to uid {}", user.uid)), "{lines:?}");
+        assert!(line(&lines, "steal-capability-file").contains("Permission denied"), "{lines:?}");
+    }
+    victim_restarts_bit_exact(&service);
+}
