@@ -3,8 +3,9 @@
 //!
 //! `ICHECK_FAILPOINTS="name=[N*]action;name2=..."` arms failpoints in a
 //! process: the first N hits pass, later hits run the action:
-//! `sleep(MS)`, `exit(CODE)` or `abort`. Unset, a failpoint costs one
-//! atomic load.
+//! `sleep(MS)`, `exit(CODE)`, `abort`, or `error` (the code at the
+//! failpoint fails the operation, where it asks with [`fails`]). Unset, a
+//! failpoint costs one atomic load.
 
 #![forbid(unsafe_code)]
 
@@ -21,6 +22,7 @@ enum Action {
     Sleep(Duration),
     Exit(i32),
     Abort,
+    Error,
 }
 
 #[derive(Debug)]
@@ -45,8 +47,10 @@ fn parse(spec: &str) -> Result<HashMap<String, Point>, String> {
             Action::Exit(code.parse().map_err(|_| format!("{item:?}: bad exit code"))?)
         } else if action == "abort" {
             Action::Abort
+        } else if action == "error" {
+            Action::Error
         } else {
-            return Err(format!("{item:?}: unknown action (sleep(MS), exit(CODE), abort)"));
+            return Err(format!("{item:?}: unknown action (sleep(MS), exit(CODE), abort, error)"));
         };
         points.insert(name.trim().to_string(), Point { skip, action, hits: AtomicU64::new(0) });
     }
@@ -66,20 +70,28 @@ fn points() -> &'static HashMap<String, Point> {
 
 /// Passes failpoint `name`, running its action if it is armed and due.
 pub fn hit(name: &str) {
+    let _ = fails(name);
+}
+
+/// [`hit`], and whether the operation at the failpoint must fail (the
+/// `error` action is armed and due).
+pub fn fails(name: &str) -> bool {
     let points = points();
     if points.is_empty() {
-        return;
+        return false;
     }
-    let Some(point) = points.get(name) else { return };
+    let Some(point) = points.get(name) else { return false };
     if point.hits.fetch_add(1, Ordering::Relaxed) < point.skip {
-        return;
+        return false;
     }
     tracing::warn!(failpoint = name, action = ?point.action, "failpoint triggered");
     match point.action {
         Action::Sleep(pause) => std::thread::sleep(pause),
         Action::Exit(code) => std::process::exit(code),
         Action::Abort => std::process::abort(),
+        Action::Error => return true,
     }
+    false
 }
 
 #[cfg(test)]
@@ -92,6 +104,7 @@ mod tests {
         assert_eq!(points["a"].action, Action::Sleep(Duration::from_millis(5)));
         assert_eq!((points["b"].skip, &points["b"].action), (2, &Action::Exit(3)));
         assert_eq!(points["c"].action, Action::Abort);
+        assert_eq!(parse("d=error").unwrap()["d"].action, Action::Error);
         assert!(parse("x=explode").unwrap_err().contains("\"x=explode\""));
         assert!(parse("x").is_err());
         assert!(parse("x=z*sleep(1)").is_err());

@@ -703,6 +703,11 @@ pub struct NodeReport {
     /// controller stopped starting it again (until an operator does).
     #[serde(default)]
     pub given_up: bool,
+    /// Why its manager failed to start an agent lately, while the
+    /// controller places no agents there (until the quarantine ends or the
+    /// manager registers again).
+    #[serde(default)]
+    pub start_failure: Option<String>,
 }
 
 /// An application as `icheck status` shows it.

@@ -280,7 +280,11 @@ async fn session(
                 tokio::task::spawn_blocking(move || {
                     icheck_core::failpoint::hit("manager.before_agent_start");
                     let task = crate::agent::AgentTask { app: app.clone(), mem_budget, owner, complete };
-                    let reply = match Agent::start(&settings, &node, id, &task) {
+                    let started = match icheck_core::failpoint::fails("manager.agent_start") {
+                        true => Err(icheck_core::fabric::FabricError::Config("failpoint manager.agent_start".into())),
+                        false => Agent::start(&settings, &node, id, &task),
+                    };
+                    let reply = match started {
                         Ok(agent) => {
                             let info = agent.info().clone();
                             agents.lock().unwrap_or_else(|p| p.into_inner()).insert(id, agent);

@@ -427,6 +427,7 @@ mod tests {
                 draining: false,
                 relaunches: 0,
                 given_up: false,
+                start_failure: None,
             }],
             apps: vec![],
             init_agent_count: String::new(),

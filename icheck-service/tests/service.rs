@@ -400,3 +400,31 @@ fn daemons_keep_no_crash_handlers_of_libfabrics_dependencies() {
     let status = child.0.wait().unwrap();
     assert!(status.success(), "the manager ended with {status} on SIGTERM");
 }
+
+/// A manager that fails to start the agents it is asked for fails one
+/// registration; the controller then places nothing there and says why.
+#[test]
+fn a_node_that_fails_to_start_agents_takes_no_more_and_status_says_why() {
+    let service = Service(
+        LocalService::up_with_failpoints(
+            Path::new(ICHECK),
+            "quarantine",
+            1,
+            &[],
+            None,
+            Some("manager.agent_start=error"),
+        ),
+        Default::default(),
+    );
+    let err = service.register("first", 1, 1).unwrap_err();
+    assert!(err.contains("failed to start agent"), "{err}");
+    let status = service.status();
+    let failure = status.nodes[0].start_failure.clone().unwrap_or_default();
+    assert!(failure.contains("failpoint manager.agent_start"), "{status:?}");
+    // The next application is not sent there to fail again.
+    let err = service.register("second", 1, 1).unwrap_err();
+    assert!(!err.contains("failed to start agent"), "{err}");
+    let printed = Command::new(ICHECK).args(["status", "--state-dir"]).arg(&service.dir).output().unwrap();
+    let printed = String::from_utf8_lossy(&printed.stdout);
+    assert!(printed.contains("takes no new agents for now"), "{printed}");
+}

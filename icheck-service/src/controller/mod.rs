@@ -1782,17 +1782,25 @@ async fn await_starts(shared: &Shared, app: &str, waiters: Vec<StartWaiter>) -> 
     let mut agents = Vec::new();
     let mut failure = None;
     for (id, node, rx) in waiters {
-        match manager_answer(rx, AGENT_START_TIMEOUT).await {
-            Some(Ok(info)) => agents.push(info),
-            Some(Err(reason)) => failure = Some(reason),
+        let failed = match manager_answer(rx, AGENT_START_TIMEOUT).await {
+            Some(Ok(info)) => {
+                agents.push(info);
+                continue;
+            }
+            Some(Err(reason)) => format!("manager on {node} failed to start agent {id}: {reason}"),
             None => {
                 let mut state = shared.state();
                 if state.pending.remove(&id).is_some() {
                     state.nodes.start_answered(&node, false);
                 }
-                failure = Some(format!("manager on {node} did not start agent {id} within {AGENT_START_TIMEOUT:?}"));
+                format!("manager on {node} did not start agent {id} within {AGENT_START_TIMEOUT:?}")
             }
-        }
+        };
+        // No more agents go there for a while: a broken (or hostile) node
+        // must not take every new application down with it.
+        tracing::warn!(%node, reason = %failed, "placing no agents on this node for {:?}", nodes::START_QUARANTINE);
+        shared.state().nodes.start_failed(&node, &failed, Instant::now());
+        failure = Some(failed);
     }
     match failure {
         None => Ok(agents),

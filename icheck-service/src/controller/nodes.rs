@@ -83,8 +83,16 @@ pub(crate) struct NodeEntry<L> {
     relaunching: bool,
     /// Stale agents the controller asked this manager to stop.
     stopping: std::collections::BTreeSet<u64>,
+    /// Its manager failed to start an agent: why, and until when no
+    /// agents are placed there.
+    start_failure: Option<(String, Instant)>,
     link: L,
 }
+
+/// How long a node whose manager failed to start an agent takes no new
+/// agents (a registration that waited for it failed after the start
+/// timeout; the next ones go elsewhere).
+pub(crate) const START_QUARANTINE: Duration = Duration::from_secs(60);
 
 /// The nodes, by name.
 pub(crate) struct NodeBook<L> {
@@ -133,6 +141,7 @@ impl<L: ManagerLink> NodeBook<L> {
             given_up: false,
             relaunching: false,
             stopping: Default::default(),
+            start_failure: None,
             pid,
             connected: true,
             last_heartbeat: now,
@@ -263,8 +272,24 @@ impl<L: ManagerLink> NodeBook<L> {
         self.nodes.get(node).is_some_and(|entry| entry.draining)
     }
 
+    /// `node`'s manager failed to start an agent at `now` (it answered with
+    /// a failure, or not within the start timeout): it takes no agents for
+    /// [`START_QUARANTINE`], and the status says why.
+    pub(crate) fn start_failed(&mut self, node: &str, reason: &str, now: Instant) {
+        if let Some(entry) = self.nodes.get_mut(node) {
+            entry.start_failure = Some((reason.to_string(), now + START_QUARANTINE));
+        }
+    }
+
+    /// Why `node` takes no agents now after a failed start, if it does not.
+    fn quarantined(entry: &NodeEntry<L>, now: Instant) -> Option<&str> {
+        entry.start_failure.as_ref().filter(|(_, until)| now < *until).map(|(reason, _)| reason.as_str())
+    }
+
     /// The nodes as placement sees them at `now`: an agent start counts from
-    /// the moment it is sent, whatever reports arrive meanwhile.
+    /// the moment it is sent, whatever reports arrive meanwhile. A node
+    /// quarantined after a failed start counts as draining (no new agents;
+    /// its running agents stay, since only operators' drains move them).
     pub(crate) fn snapshot(&self, now: Instant) -> Vec<NodeSnapshot> {
         self.nodes
             .iter()
@@ -277,7 +302,7 @@ impl<L: ManagerLink> NodeBook<L> {
                 cops_per_min: n.status.cops_per_min,
                 power_watts: n.status.power_watts,
                 bytes_held: n.status.bytes_held,
-                draining: n.draining,
+                draining: n.draining || Self::quarantined(n, now).is_some(),
             })
             .collect()
     }
@@ -297,6 +322,7 @@ impl<L: ManagerLink> NodeBook<L> {
                 draining: n.draining,
                 relaunches: u32::try_from(n.relaunched.len()).unwrap_or(u32::MAX),
                 given_up: n.given_up,
+                start_failure: Self::quarantined(n, now).map(str::to_string),
             })
             .collect()
     }
@@ -454,6 +480,28 @@ mod tests {
         assert!(decide::choose_nodes(&book.snapshot(t0), 1, &config).is_err());
         book.start_answered("a", false);
         assert_eq!(decide::choose_nodes(&book.snapshot(t0), 1, &config).unwrap(), vec!["a".to_string()]);
+    }
+
+    #[test]
+    fn a_node_that_fails_to_start_agents_takes_none_for_a_while_and_says_why() {
+        let t0 = Instant::now();
+        let (mut book, links) = book(t0, &["a", "b"]);
+        let config = DynamicConfig::default();
+        book.start_failed("a", "manager on a did not start agent 1 within 15s", t0);
+        // Placement goes to b only; the status names the failure.
+        assert_eq!(decide::choose_nodes(&book.snapshot(t0), 1, &config).unwrap(), vec!["b".to_string()]);
+        let report = book.report(t0, 60.0);
+        assert!(report[0].start_failure.as_deref().is_some_and(|r| r.contains("did not start")), "{report:?}");
+        assert_eq!(report[1].start_failure, None);
+        // Its running agents are not moved: it is not draining.
+        assert!(!book.is_draining("a"));
+        // After the quarantine, or once its manager registers again, it takes agents.
+        let later = t0 + START_QUARANTINE + Duration::from_secs(1);
+        assert!(book.snapshot(later).iter().all(|n| !n.draining));
+        book.start_failed("a", "again", t0);
+        book.disconnected("a", 1);
+        book.register("a", 2, status(0), links[0].clone(), t0, 0.0).unwrap();
+        assert!(book.snapshot(t0).iter().all(|n| !n.draining));
     }
 
     #[test]

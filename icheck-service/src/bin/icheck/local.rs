@@ -390,6 +390,12 @@ pub fn print_status(report: &StatusReport) {
         let fill = t.agent_fill_rate.map_or("n/a".into(), |f| format!("{f:.3}/s"));
         let dcop = s.last_cop_interval.map_or("n/a".into(), |d| format!("{d:.1}s"));
         println!("  {:<12} memory depletion {rate}, forecast {forecast}, agent fill {fill}, Δcop {dcop}", "");
+        if let Some(failure) = &n.start_failure {
+            println!("  {:<12} takes no new agents for now: {failure}", "");
+        }
+    }
+    if report.nodes.is_empty() && report.apps.is_empty() && report.journal.is_none() {
+        println!("  (not shown: nodes and applications need the admin token, AdminToken or ICHECK_ADMIN_TOKEN)");
     }
     println!("APPLICATIONS");
     if report.apps.is_empty() {
