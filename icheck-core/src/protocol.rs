@@ -26,6 +26,11 @@ pub const PROTOCOL_VERSION: u32 = 3;
 pub const MAGIC: [u8; 4] = *b"ICHK";
 /// Largest frame accepted, in bytes.
 pub const MAX_FRAME: usize = 1 << 20;
+/// Largest Hello any port accepts: a token and a few fields.
+pub const MAX_HELLO: usize = 4096;
+/// Largest request a client (application or operator) may send the
+/// controller: names, a few numbers and agent ids.
+pub const MAX_CLIENT_REQUEST: usize = 64 << 10;
 /// Default time a request may take before the caller gives up.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 

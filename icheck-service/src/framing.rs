@@ -20,13 +20,23 @@ pub async fn send<W: AsyncWriteExt + Unpin, T: Serialize>(writer: &mut W, messag
 
 /// Reads one frame and decodes it.
 pub async fn recv<R: AsyncReadExt + Unpin, T: DeserializeOwned>(reader: &mut R) -> Result<T, ProtocolError> {
+    recv_limited(reader, MAX_FRAME).await
+}
+
+/// Reads one frame of at most `limit` bytes (the bound of the message
+/// type expected: [`protocol::MAX_HELLO`], [`protocol::MAX_CLIENT_REQUEST`])
+/// and decodes it; a longer one is refused before anything is allocated.
+pub async fn recv_limited<R: AsyncReadExt + Unpin, T: DeserializeOwned>(
+    reader: &mut R,
+    limit: usize,
+) -> Result<T, ProtocolError> {
     let mut prefix = [0u8; 4];
     match reader.read_exact(&mut prefix).await {
         Ok(_) => {}
         Err(err) if err.kind() == std::io::ErrorKind::UnexpectedEof => return Err(ProtocolError::Closed),
         Err(err) => return Err(err.into()),
     }
-    let mut payload = vec![0u8; protocol::frame_len(prefix, MAX_FRAME)?];
+    let mut payload = vec![0u8; protocol::frame_len(prefix, limit)?];
     reader.read_exact(&mut payload).await?;
     protocol::decode(&payload)
 }
@@ -37,4 +47,14 @@ pub async fn recv_timeout<R: AsyncReadExt + Unpin, T: DeserializeOwned>(
     timeout: Duration,
 ) -> Result<T, ProtocolError> {
     tokio::time::timeout(timeout, recv(reader)).await.map_err(|_| ProtocolError::Timeout(timeout))?
+}
+
+/// A Hello, within `timeout` and [`protocol::MAX_HELLO`] bytes: what every
+/// listening port reads first from a peer it knows nothing about.
+pub async fn recv_hello<R: AsyncReadExt + Unpin>(
+    reader: &mut R,
+    timeout: Duration,
+) -> Result<protocol::Hello, ProtocolError> {
+    let hello = recv_limited(reader, protocol::MAX_HELLO);
+    tokio::time::timeout(timeout, hello).await.map_err(|_| ProtocolError::Timeout(timeout))?
 }

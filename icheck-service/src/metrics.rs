@@ -18,6 +18,8 @@ use icheck_core::protocol::StatusReport;
 
 /// Longest request head accepted.
 const MAX_REQUEST: usize = 8192;
+/// Connections served at once.
+const MAX_CONNECTIONS: usize = 32;
 /// Time a client has to send its request.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -336,13 +338,18 @@ pub async fn serve(
     report: impl Fn() -> StatusReport + Send + Sync + Clone + 'static,
 ) {
     let tokens = std::sync::Arc::new(tokens);
+    // Scrapers are few: a flood of connections holds at most this many
+    // descriptors, each for REQUEST_TIMEOUT at most; more are closed at once.
+    let open = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
+        let Ok(permit) = open.clone().try_acquire_owned() else { continue };
         let (report, tokens) = (report.clone(), tokens.clone());
         tokio::spawn(async move {
+            let _permit = permit;
             if let Err(err) = answer(stream, &tokens, report).await {
                 tracing::debug!(%peer, %err, "metrics request failed");
             }

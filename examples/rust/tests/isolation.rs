@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::Job;
+use common::{connect_and_reset, descriptors_and_threads, resident_bytes, Job};
 use icheck_core::control::BlockingConnection;
 use icheck_core::fabric::{Domain, Endpoint};
 use icheck_core::protocol::{AgentReply, AgentRequest, DataKind, LabelLayout};
@@ -248,5 +248,75 @@ fn a_client_of_another_unix_user_cannot_read_a_root_applications_checkpoint() {
         assert!(line(&lines, "agent-open").contains(&format!("this session to uid {}", user.uid)), "{lines:?}");
         assert!(line(&lines, "steal-capability-file").contains("Permission denied"), "{lines:?}");
     }
+    victim_restarts_bit_exact(&service);
+}
+
+/// Bytes a hostile peer sends: frames announcing 4 GiB, frames of random
+/// bytes, an HTTP request with a huge header, and nothing at all.
+fn garbage(seed: &mut u64) -> Vec<u8> {
+    *seed ^= *seed << 13;
+    *seed ^= *seed >> 7;
+    *seed ^= *seed << 17;
+    match *seed % 4 {
+        0 => u32::MAX.to_le_bytes().to_vec(),
+        1 => (0..(*seed % 3000)).map(|i| (i as u8).wrapping_mul(*seed as u8)).collect(),
+        2 => format!("GET /metrics HTTP/1.1\r\nX: {}\r\n", "a".repeat(20_000)).into_bytes(),
+        _ => Vec::new(),
+    }
+}
+
+#[test]
+fn garbage_idle_and_half_open_connections_on_every_port_leave_the_daemons_as_they_were() {
+    use std::io::Write;
+    let service = service("iso-flood");
+    victim_commits(&service);
+    let ports = [
+        service.config.controller_endpoint(),
+        service.metrics_address(),
+        service.status().apps[0].agents[0].control.clone(),
+    ];
+    let daemons = [service.pid_of("controller"), service.pid_of("manager-local-1")];
+    let before: Vec<(usize, u64)> =
+        daemons.iter().map(|pid| (descriptors_and_threads(*pid).0, resident_bytes(*pid))).collect();
+
+    // An application commits through the whole flood.
+    let args = ["--app", "beta", "--steps", "40", "--every", "2", "--mib", "2", "--step-ms", "50"];
+    let job = Job::start(2, &service.config_path(), &args, &[]);
+    let mut seed = 0x5eed_f100_d000_0001u64;
+    let mut idle = Vec::new();
+    for port in &ports {
+        for _ in 0..3000 {
+            connect_and_reset(port);
+        }
+        for _ in 0..300 {
+            let Ok(mut stream) = std::net::TcpStream::connect(port) else { continue };
+            let _ = stream.write_all(&garbage(&mut seed));
+            // Some close at once (half-open from the daemon's side until it
+            // reads the end), the rest stay connected and idle.
+            if seed.is_multiple_of(2) {
+                idle.push(stream);
+            }
+        }
+    }
+    // Every port closes what does not authenticate in time, while the
+    // peers still hold their ends.
+    for (pid, (fds_before, _)) in daemons.iter().zip(&before) {
+        let settled = icheck_service::testkit::poll_until(Duration::from_secs(30), || {
+            descriptors_and_threads(*pid).0 <= fds_before + 8
+        });
+        assert!(settled, "pid {pid} holds {} descriptors, {fds_before} before", descriptors_and_threads(*pid).0);
+    }
+    drop(idle);
+    let lines = job.finish(Duration::from_secs(180));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=21 step=40")), "{lines:?}");
+    for (pid, (fds_before, rss_before)) in daemons.iter().zip(&before) {
+        let (fds, rss) = (descriptors_and_threads(*pid).0, resident_bytes(*pid));
+        assert!(fds <= fds_before + 8, "pid {pid}: descriptors {fds_before} -> {fds}");
+        // The flood allocated nothing it kept (64 MiB of slack covers the
+        // second application's agent and its allocator's caches).
+        assert!(rss <= rss_before + (64 << 20), "pid {pid}: resident memory {rss_before} -> {rss} bytes");
+    }
+    let controller = service.log("controller.log");
+    assert!(controller.contains("too many connections without a Hello"), "{controller}");
     victim_restarts_bit_exact(&service);
 }

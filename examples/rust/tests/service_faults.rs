@@ -5,10 +5,9 @@
 mod common;
 
 use std::net::TcpStream;
-use std::path::Path;
 use std::time::Duration;
 
-use common::Job;
+use common::{connect_and_reset, descriptors_and_threads, Job};
 use icheck_service::testkit::{icheck_in_target, poll_until, process_running, LocalService};
 
 fn service(name: &str, managers: u32) -> LocalService {
@@ -21,21 +20,6 @@ fn commit_three_persisted_versions(service: &LocalService, app: &str, mib: &str)
     let args = ["--app", app, "--steps", "4", "--every", "2", "--mib", mib, "--persist"];
     let lines = Job::start(2, &service.config_path(), &args, &[]).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{app}: {lines:?}");
-}
-
-/// Open descriptors and threads of a process, from /proc.
-fn descriptors_and_threads(pid: u32) -> (usize, usize) {
-    let count = |what: &str| std::fs::read_dir(Path::new("/proc").join(pid.to_string()).join(what)).unwrap().count();
-    (count("fd"), count("task"))
-}
-
-/// Connects and closes at once with a reset, as a port scanner does (and
-/// leaving no TIME_WAIT behind on this side, so 20,000 of them do not use up
-/// the loopback's ephemeral ports).
-fn connect_and_reset(address: &str) {
-    use nix::sys::socket::{setsockopt, sockopt::Linger};
-    let stream = TcpStream::connect(address).unwrap();
-    setsockopt(&stream, Linger, &nix::libc::linger { l_onoff: 1, l_linger: 0 }).unwrap();
 }
 
 /// Item 1 of the faults issue: an agent's command port kept a descriptor per

@@ -372,8 +372,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// is dropped: a rank sends its Hello right after connecting, so only
 /// idle (or hostile) sockets ever get old.
 const MAX_HANDSHAKES: usize = 64;
-/// Largest Hello frame accepted (a token and a few fields).
-const MAX_HELLO: usize = 4096;
+/// Most sessions an agent serves at once (a thread each); more are refused.
+/// Ranks open one each: this is far above any job an agent serves.
+const MAX_SESSIONS: usize = 1024;
 
 /// A connection that has not sent its Hello yet. It holds no thread: the
 /// accept loop polls every waiting connection without blocking.
@@ -461,7 +462,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener, _probe: RegisteredB
                             tracing::warn!(evicted, "too many connections without a Hello; dropping the oldest");
                         }
                     }
-                    let frame = protocol::FrameAssembler::new(MAX_HELLO);
+                    let frame = protocol::FrameAssembler::new(protocol::MAX_HELLO);
                     handshakes.push_back(Handshake { stream, peer, since: Instant::now(), frame });
                 }
                 Err(err) if err.kind() == ErrorKind::WouldBlock => break,
@@ -536,6 +537,13 @@ fn advance_handshake(
             return HandshakeStep::Dropped;
         }
     };
+    let open_sessions = shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).len();
+    if open_sessions >= MAX_SESSIONS {
+        tracing::warn!(%peer, open_sessions, "too many sessions; refusing a new one");
+        let _ =
+            protocol::send_blocking(&mut stream, &HelloReply::Refused("this agent serves too many sessions".into()));
+        return HandshakeStep::Dropped;
+    }
     let _ = stream.set_nodelay(true);
     let _ = stream.set_write_timeout(None);
     let Some(registration) = SessionRegistration::new(shared, &stream) else {
@@ -685,7 +693,9 @@ impl Drop for Session {
 /// Serves one authenticated rank (its Hello was accepted by the accept
 /// loop with `privilege`).
 fn serve_session(shared: &Shared, mut stream: TcpStream, privilege: Privilege) -> Result<(), SessionEnd> {
-    let _ = stream.set_read_timeout(Some(SESSION_IDLE_TIMEOUT));
+    // The first request (Open) comes right after the Hello: a session that
+    // does not open within the handshake bound holds its thread no longer.
+    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     protocol::send_blocking(&mut stream, &HelloReply::Welcome)?;
     // The Unix user behind a local rank's socket (None: another host).
     let seen_uid = match (stream.local_addr(), stream.peer_addr()) {
@@ -704,9 +714,12 @@ fn serve_session(shared: &Shared, mut stream: TcpStream, privilege: Privilege) -
             }
         };
         protocol::send_blocking(&mut stream, &reply)?;
-        if let Some(session) = session.as_mut() {
-            session.retired.clear();
-        }
+        let Some(session) = session.as_mut() else {
+            // A session that is not open (a refused or missing Open) serves nothing.
+            return Err(SessionEnd::Failed("closed: the session was not opened".into()));
+        };
+        session.retired.clear();
+        let _ = stream.set_read_timeout(Some(SESSION_IDLE_TIMEOUT));
     }
 }
 

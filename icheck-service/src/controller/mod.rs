@@ -45,6 +45,8 @@ use replica::{Lease, ToPrimary, ToStandby};
 const FORECAST_HORIZON_SECS: f64 = 60.0;
 /// Time a peer has to send its Hello.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+/// Connections that have not authenticated yet, at most (see `run`'s accept loop).
+const MAX_UNAUTHENTICATED: usize = 128;
 /// Time managers have to start the agents of one registration.
 const AGENT_START_TIMEOUT: Duration = Duration::from_secs(15);
 /// Time new agents have to take over the ranks that move to them.
@@ -434,6 +436,8 @@ async fn run(
     if shared.controllers.len() > 1 {
         tokio::spawn(watch_partners(shared.clone()));
     }
+    let waiting = Arc::new(tokio::sync::Semaphore::new(MAX_UNAUTHENTICATED));
+    let mut turned_away = 0u64;
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
@@ -447,10 +451,20 @@ async fn run(
                 continue;
             }
         };
+        // A flood of connections that never authenticate holds at most
+        // MAX_UNAUTHENTICATED descriptors, each for HELLO_TIMEOUT at most;
+        // beyond that, new ones are closed at once.
+        let Ok(permit) = waiting.clone().try_acquire_owned() else {
+            turned_away += 1;
+            if turned_away.is_power_of_two() {
+                tracing::warn!(turned_away, %peer, "too many connections without a Hello; closing new ones at once");
+            }
+            continue;
+        };
         stream.set_nodelay(true).ok();
         let shared = shared.clone();
         tokio::spawn(async move {
-            if let Err(err) = serve_connection(shared, stream, peer).await {
+            if let Err(err) = serve_connection(shared, stream, peer, permit).await {
                 match err {
                     ProtocolError::Closed => tracing::debug!(%peer, "connection closed"),
                     err => tracing::warn!(%peer, %err, "connection dropped"),
@@ -521,15 +535,19 @@ fn unix_ms() -> u64 {
 /// Answers every Hello while this controller is a standby: not the
 /// primary, and whether it holds the journal.
 async fn answer_as_standby(listener: TcpListener, tokens: DaemonTokens, synced: Arc<std::sync::atomic::AtomicBool>) {
+    let waiting = Arc::new(tokio::sync::Semaphore::new(MAX_UNAUTHENTICATED));
     loop {
         let Ok((mut stream, _)) = listener.accept().await else {
             // As the primary's accept loop: no spin on a lasting error.
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
+        // As the primary's accept loop: a bounded number of waiting peers.
+        let Ok(permit) = waiting.clone().try_acquire_owned() else { continue };
         let (tokens, synced) = (tokens.clone(), synced.clone());
         tokio::spawn(async move {
-            let Ok(hello) = framing::recv_timeout::<_, Hello>(&mut stream, HELLO_TIMEOUT).await else { return };
+            let _permit = permit;
+            let Ok(hello) = framing::recv_hello(&mut stream, HELLO_TIMEOUT).await else { return };
             let reply = match protocol::admit_hello(&hello, &accepted_tokens(&tokens)) {
                 Err(reason) => HelloReply::Refused(reason),
                 Ok(_) => HelloReply::Standby { synced: synced.load(std::sync::atomic::Ordering::SeqCst) },
@@ -778,8 +796,9 @@ async fn serve_connection(
     shared: Arc<Shared>,
     mut stream: TcpStream,
     peer: std::net::SocketAddr,
+    unauthenticated: tokio::sync::OwnedSemaphorePermit,
 ) -> Result<(), ProtocolError> {
-    let hello: Hello = framing::recv_timeout(&mut stream, HELLO_TIMEOUT).await?;
+    let hello = framing::recv_hello(&mut stream, HELLO_TIMEOUT).await?;
     let privilege = match protocol::admit_hello(&hello, &accepted_tokens(&shared.tokens)) {
         Ok(privilege) => privilege,
         Err(reason) => {
@@ -788,6 +807,8 @@ async fn serve_connection(
             return Ok(());
         }
     };
+    // Authenticated: it no longer counts against the waiting connections.
+    drop(unauthenticated);
     // The fencing rule: a peer that has seen a higher epoch knows of a
     // newer primary; this one must not act, and becomes a standby.
     let epoch = shared.state().epoch;
@@ -1246,7 +1267,7 @@ async fn serve_client(
     // The Unix user behind a local client's socket (None: another host).
     let seen_uid = stream.local_addr().ok().and_then(|local| crate::peercred::socket_owner(local, peer));
     loop {
-        let request: ClientRequest = framing::recv(&mut stream).await?;
+        let request: ClientRequest = framing::recv_limited(&mut stream, protocol::MAX_CLIENT_REQUEST).await?;
         // Checked before anything is done: a primary paused past its lease
         // finds requests queued meanwhile, and must not act on them. A
         // status report acts on nothing: it is always answered.
