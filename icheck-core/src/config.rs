@@ -340,7 +340,13 @@ impl Default for StaticConfig {
 impl StaticConfig {
     /// Reads and validates `file`.
     pub fn load(file: &Path) -> Result<StaticConfig, ConfigError> {
-        let mut config: StaticConfig = parse(file, &read(file)?)?;
+        StaticConfig::from_text(file, &read(file)?)
+    }
+
+    /// Parses and validates `text`, the contents of `file` (which errors
+    /// name; relative paths in it are relative to its directory).
+    pub fn from_text(file: &Path, text: &str) -> Result<StaticConfig, ConfigError> {
+        let mut config: StaticConfig = parse(file, text)?;
         config.validate(file)?;
         if let Some(dynamic) = &config.dynamic_config {
             if dynamic.is_relative() {

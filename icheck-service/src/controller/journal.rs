@@ -291,12 +291,13 @@ pub struct Parsed {
     pub damage: Option<String>,
 }
 
-/// Parses a journal's bytes (after the magic was checked).
+/// Parses a journal's bytes (after the magic was checked; bytes shorter
+/// than the magic hold no event).
 pub fn parse(bytes: &[u8]) -> Parsed {
     let mut events = Vec::new();
     let mut at = MAGIC.len();
     let damage = loop {
-        let rest = &bytes[at..];
+        let rest = bytes.get(at..).unwrap_or_default();
         if rest.is_empty() {
             break None;
         }
@@ -641,5 +642,80 @@ mod tests {
         let reopened = Journal::open(&dir).unwrap();
         assert_eq!(reopened.state().apps, state.apps);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// A valid journal of a few events, and the events.
+        fn journal() -> (Vec<u8>, Vec<Event>) {
+            let events = vec![
+                Event::Started { incarnation: 1 },
+                Event::Placed { registration: registration("a"), agents: vec![], owner: None },
+                complete("a", 1),
+                complete("a", 2),
+                Event::Drained { node: "n".into(), drain: true },
+            ];
+            let mut bytes = MAGIC.to_vec();
+            for event in &events {
+                bytes.extend(encode_record(event).unwrap());
+            }
+            (bytes, events)
+        }
+
+        fn cases() -> ProptestConfig {
+            let cases = std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(500);
+            ProptestConfig { cases, failure_persistence: None, ..ProptestConfig::default() }
+        }
+
+        proptest! {
+            #![proptest_config(cases())]
+
+            /// Random bytes after the magic: no panic, no event without a
+            /// valid checksum.
+            #[test]
+            fn random_journals_never_panic(tail in proptest::collection::vec(any::<u8>(), 0..4096)) {
+                let mut bytes = MAGIC.to_vec();
+                bytes.extend(tail);
+                let parsed = parse(&bytes);
+                prop_assert!(parsed.valid_len <= bytes.len());
+            }
+
+            /// A damaged journal yields a prefix of what was written, never
+            /// an altered event.
+            #[test]
+            fn a_damaged_journal_replays_a_prefix_of_its_events(
+                edits in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..4),
+                cut in proptest::option::of(any::<usize>()),
+            ) {
+                let (mut bytes, events) = journal();
+                for (at, byte) in &edits {
+                    let len = bytes.len() - MAGIC.len();
+                    bytes[MAGIC.len() + at % len] = *byte;
+                }
+                if let Some(cut) = cut {
+                    bytes.truncate(cut % (bytes.len() + 1));
+                }
+                let parsed = parse(&bytes);
+                prop_assert!(parsed.events.len() <= events.len());
+                prop_assert_eq!(&parsed.events[..], &events[..parsed.events.len()]);
+            }
+
+            /// Any file where the journal should be: open either refuses it
+            /// or replays it; it never panics.
+            #[test]
+            fn open_survives_any_file(bytes in proptest::collection::vec(any::<u8>(), 0..512), magic in any::<bool>()) {
+                let dir = std::env::temp_dir().join(format!("icheck-journal-fuzz-{}", std::process::id()));
+                let _ = std::fs::remove_dir_all(&dir);
+                std::fs::create_dir_all(&dir).unwrap();
+                let mut file = if magic { MAGIC.to_vec() } else { Vec::new() };
+                file.extend(bytes);
+                std::fs::write(dir.join(JOURNAL_FILE), &file).unwrap();
+                let _ = Journal::open(&dir);
+                let _ = Journal::peek(&dir);
+                let _ = std::fs::remove_dir_all(&dir);
+            }
+        }
     }
 }

@@ -261,6 +261,22 @@ mod tests {
 
     const WINDOW: Duration = Duration::from_secs(4);
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(500),
+            failure_persistence: None,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// The journal stream's frames from a peer: random bytes decode to a
+        /// message or a typed error, never a panic.
+        #[test]
+        fn stream_frames_never_panic(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2048)) {
+            let _ = icheck_core::protocol::decode::<ToStandby>(&bytes);
+            let _ = icheck_core::protocol::decode::<ToPrimary>(&bytes);
+        }
+    }
+
     #[test]
     fn without_partners_the_lease_always_holds() {
         let lease = Lease::new(WINDOW, false);
