@@ -30,7 +30,7 @@ use proptest::prelude::*;
 
 /// A valid manifest of one rank: two labels of 100 and 28 bytes.
 fn manifest() -> Manifest {
-    let data = vec![7u8; 128];
+    let data = [7u8; 128];
     Manifest {
         app: "app".into(),
         rank: 0,
