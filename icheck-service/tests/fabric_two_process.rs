@@ -290,3 +290,26 @@ fn shm_target_survives_initiators_killed_mid_transfer() {
     // after initiators were killed mid-transfer under load.
     survives_peers_killed_mid_transfer("shm", "target", false);
 }
+
+/// Where the provider lets the application choose memory keys (tcp: no
+/// FI_MR_PROV_KEY), each domain's keys start at a random value: a peer
+/// holding one region's key cannot guess another's by counting.
+#[test]
+fn application_chosen_memory_keys_are_random_per_domain_and_unique_within_one() {
+    let config = FabricConfig::provider("tcp");
+    let keys = |count: usize| {
+        let domain = Domain::open(&config).unwrap();
+        assert!(!domain.info().mr_mode.prov_key, "tcp lets the application choose keys");
+        let endpoint = Endpoint::new(&domain).unwrap();
+        let regions: Vec<_> =
+            (0..count).map(|_| endpoint.register(AlignedBuffer::zeroed(4096), Access::REMOTE_READ).unwrap()).collect();
+        regions.iter().map(|r| r.remote().key).collect::<Vec<u64>>()
+    };
+    let (first, second) = (keys(3), keys(3));
+    assert_ne!(first[0], second[0], "two domains drew the same start: {first:?} {second:?}");
+    let mut unique = first.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), first.len(), "keys repeat within a domain: {first:?}");
+    assert_ne!(first[0], 1, "keys still count from 1");
+}

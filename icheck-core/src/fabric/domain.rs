@@ -95,6 +95,8 @@ pub struct ProviderInfo {
     pub max_msg_size: u64,
     /// Transmit queue depth.
     pub tx_size: usize,
+    /// Bytes of a memory key (`fi_domain_attr::mr_key_size`).
+    pub mr_key_size: usize,
 }
 
 /// Which libfabric API icheck was compiled against and which library it runs on.
@@ -224,6 +226,7 @@ unsafe fn describe(info: *const sys::fi_info) -> ProviderInfo {
             mr_mode: MrMode::from_bits((*i.domain_attr).mr_mode),
             max_msg_size: (*i.ep_attr).max_msg_size as u64,
             tx_size: (*i.tx_attr).size,
+            mr_key_size: (*i.domain_attr).mr_key_size,
         }
     }
 }
@@ -287,9 +290,26 @@ unsafe impl Send for DomainInner {}
 unsafe impl Sync for DomainInner {}
 
 impl DomainInner {
-    /// A key no other region of this domain uses (for providers without PROV_KEY).
+    /// A key no other region of this domain uses (for providers without
+    /// PROV_KEY): a random start drawn when the domain opened, counted up,
+    /// within the provider's key size. A peer cannot guess another
+    /// region's key from its own (on providers that check keys).
     pub(crate) fn unique_key(&self) -> u64 {
-        self.next_key.fetch_add(1, Ordering::Relaxed)
+        let mask = match self.description.mr_key_size {
+            0 | 8.. => u64::MAX,
+            bytes => (1u64 << (8 * bytes)) - 1,
+        };
+        self.next_key.fetch_add(1, Ordering::Relaxed) & mask
+    }
+}
+
+/// Where a domain's keys start: random (a counter from 1 where the
+/// operating system's random source fails, which only makes keys guessable).
+fn random_key_start() -> u64 {
+    let mut bytes = [0u8; 8];
+    match getrandom::fill(&mut bytes) {
+        Ok(()) => u64::from_le_bytes(bytes),
+        Err(_) => 1,
     }
 }
 
@@ -367,7 +387,7 @@ impl Domain {
             domain: ptr::null_mut(),
             mr_mode: description.mr_mode,
             description,
-            next_key: AtomicU64::new(1),
+            next_key: AtomicU64::new(random_key_start()),
         };
         // SAFETY: fabric_attr is valid; `inner.fabric` receives the new object,
         // which DomainInner::drop closes (also on the error path below).
