@@ -173,10 +173,26 @@ impl LocalService {
     pub fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.join("logs").join(name)).unwrap_or_default()
     }
+
+    /// Prints the last `lines` lines of every daemon's log to stderr.
+    fn print_log_tails(&self, lines: usize) {
+        let Ok(entries) = std::fs::read_dir(self.dir.join("logs")) else { return };
+        for entry in entries.flatten() {
+            let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+            let all: Vec<&str> = text.lines().collect();
+            let tail = all[all.len().saturating_sub(lines)..].join("\n");
+            eprintln!("---- last lines of {} ----\n{tail}", entry.path().display());
+        }
+    }
 }
 
 impl Drop for LocalService {
     fn drop(&mut self) {
+        // A failing test leaves the daemons' last words behind, since the
+        // directory holding their logs goes next.
+        if std::thread::panicking() {
+            self.print_log_tails(40);
+        }
         let _ = Command::new(&self.icheck).args(["down", "--state-dir"]).arg(&self.dir).output();
         let _ = std::fs::remove_dir_all(&self.dir);
         forget_capabilities(&self.config);
