@@ -19,6 +19,11 @@ pub const ADMIN_TOKEN_ENV: &str = "ICHECK_ADMIN_TOKEN";
 pub const NODE_TOKEN_ENV: &str = "ICHECK_NODE_TOKEN";
 /// Environment variable that overrides `client.capability_dir`.
 pub const CAPABILITY_DIR_ENV: &str = "ICHECK_CAPABILITY_DIR";
+/// Environment variable that overrides `client.encryption`.
+pub const ENCRYPTION_ENV: &str = "ICHECK_ENCRYPTION";
+/// Environment variable holding a user-supplied key for encrypted PFS
+/// copies (64 hex digits) instead of the one derived from the capability.
+pub const ENCRYPTION_KEY_ENV: &str = "ICHECK_ENCRYPTION_KEY";
 
 /// The secrets a daemon runs with, each checked (not empty, not a
 /// placeholder, all different).
@@ -212,9 +217,24 @@ pub struct ClientConfig {
     /// their owner can read. `ICHECK_CAPABILITY_DIR` overrides it; unset:
     /// `$HOME/.icheck/capabilities`.
     pub capability_dir: Option<PathBuf>,
+    /// PFS copies: `"none"` (stored as they are) or `"aes-256-gcm"`
+    /// (encrypted with the application's key: derived from its capability,
+    /// or `ICHECK_ENCRYPTION_KEY`). `ICHECK_ENCRYPTION` overrides it.
+    pub encryption: String,
 }
 
 impl ClientConfig {
+    /// The `encryption` key (or `ICHECK_ENCRYPTION`): whether PFS copies
+    /// are encrypted.
+    pub fn encrypted(&self) -> Result<bool, String> {
+        let value = std::env::var(ENCRYPTION_ENV).unwrap_or_else(|_| self.encryption.clone());
+        match value.trim().to_ascii_lowercase().as_str() {
+            "" | "none" => Ok(false),
+            "aes-256-gcm" => Ok(true),
+            other => Err(format!("encryption {other:?}: expected \"none\" or \"aes-256-gcm\"")),
+        }
+    }
+
     /// The `compression` key: `none`, `zstd[:LEVEL]` (every copy) or
     /// `auto[:LEVEL]` (copies of versions of at least `max_cp_size`).
     pub fn compression(&self) -> Result<crate::pfs::CompressionPolicy, String> {
@@ -253,6 +273,7 @@ impl Default for ClientConfig {
             t_wait: 30.0,
             request_timeout: 30.0,
             capability_dir: None,
+            encryption: "none".into(),
         }
     }
 }

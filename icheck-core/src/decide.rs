@@ -386,6 +386,7 @@ mod tests {
             mode,
             pfs_interval: 0,
             compression: crate::pfs::CompressionPolicy::Never,
+            encrypted: false,
         }
     }
 

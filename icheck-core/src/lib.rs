@@ -5,7 +5,8 @@
 //! * [`format`] is the stored format (manifests, checksums, names), a leaf.
 //! * [`protocol`] is the control plane's messages and framing; [`control`]
 //!   its blocking client side.
-//! * [`pfs`] is the PFS level's on-disk format, read by restarting
+//! * [`pfs`] is the PFS level's on-disk format (its copies encrypted by
+//!   [`cipher`] where the application asks), read by restarting
 //!   applications and written by agents and the library's fallback.
 //! * [`credentials`] is who may do what: tokens, per-application
 //!   capabilities and the client's capability store.
@@ -19,6 +20,7 @@
 //!
 //! See ARCHITECTURE.md at the repository root for the bird's-eye view.
 
+pub mod cipher;
 pub mod config;
 pub mod control;
 pub mod credentials;

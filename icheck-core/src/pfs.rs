@@ -4,8 +4,11 @@
 //!
 //! ```text
 //! <pfs_dir>/<app>/v<V>.partial/       a version being written (never read)
-//! <pfs_dir>/<app>/v<V>/rank<R>.data   one process's (MR) or node's (SHMR) bytes, raw or zstd
+//! <pfs_dir>/<app>/v<V>/rank<R>.data   one process's (MR) or node's (SHMR) bytes, raw or zstd,
+//!                                     then encrypted when the store has a key (see `cipher`)
 //! <pfs_dir>/<app>/v<V>/MANIFEST       PfsManifest (bincode), written last
+//! <pfs_dir>/<app>/OWNER               who owns the application (its capability's verifier
+//!                                     and uid, never the capability), mode 0600
 //! ```
 //!
 //! Architecture invariant: a version directory without the `.partial`
@@ -26,6 +29,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::cipher::{self, CipherError, Encryption, PfsKey, Place, Sealer};
+use crate::credentials::Owner;
 use crate::format::{self, check_app_name, FormatError, Manifest, VersionRecord};
 
 /// Complete versions kept per application: the newest, and the one before
@@ -34,6 +39,8 @@ pub const KEEP_VERSIONS: usize = 2;
 
 /// Name of the file that makes a version directory complete.
 pub const MANIFEST: &str = "MANIFEST";
+/// Name of the file recording an application's owner.
+pub const OWNER: &str = "OWNER";
 
 /// How a rank's bytes are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -92,6 +99,8 @@ pub struct RankEntry {
     pub compression: Compression,
     /// crc32c of the file's bytes as stored.
     pub file_crc: u32,
+    /// How the stored bytes are encrypted (after compression), if they are.
+    pub encryption: Option<Encryption>,
 }
 
 /// A complete version on the PFS.
@@ -162,6 +171,15 @@ pub enum PfsError {
     /// The application name cannot be a directory name.
     #[error(transparent)]
     Name(#[from] FormatError),
+    /// An encrypted file cannot be decrypted: no key, another key, or
+    /// ciphertext that was changed.
+    #[error("{path}: {source}")]
+    Encrypted {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: CipherError,
+    },
     /// The version has no file for this rank.
     #[error("version {version} in {dir} has no data for rank {rank}")]
     MissingRank {
@@ -189,6 +207,9 @@ pub struct SpillFile {
     tmp: PathBuf,
     path: PathBuf,
     entry: PathBuf,
+    /// Encrypts the finished file (pieces arrive at any offset, so the
+    /// file is sealed in one pass at the end).
+    key: Option<PfsKey>,
 }
 
 impl SpillFile {
@@ -224,9 +245,76 @@ impl SpillFile {
                 reason: format!("{len} bytes, the manifest says {}", manifest.total_len),
             });
         }
-        fs::rename(&self.tmp, &self.path).map_err(io("cannot rename into", &self.path))?;
         let file = self.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        record_raw_entry(&self.entry, manifest, file, len, crc)
+        let Some(key) = &self.key else {
+            fs::rename(&self.tmp, &self.path).map_err(io("cannot rename into", &self.path))?;
+            return record_raw_entry(&self.entry, manifest, file, len, crc, None);
+        };
+        // Sealed into a second file in one streaming pass, then the plain one goes.
+        let place = Place { app: &manifest.app, version: manifest.version, rank: manifest.rank };
+        let sealing = self.tmp.with_extension("sealing");
+        let mut reader =
+            std::io::BufReader::with_capacity(4 << 20, File::open(&self.tmp).map_err(io("cannot read", &self.tmp))?);
+        let mut out = Counted::new(std::io::BufWriter::with_capacity(
+            4 << 20,
+            File::create(&sealing).map_err(io("cannot create", &sealing))?,
+        ));
+        let mut sealer =
+            Sealer::new(key, place).map_err(|e| PfsError::Encrypted { path: sealing.clone(), source: e })?;
+        loop {
+            let buf = std::io::BufRead::fill_buf(&mut reader).map_err(io("cannot read", &self.tmp))?;
+            if buf.is_empty() {
+                break;
+            }
+            sealer.push(buf, &mut out).map_err(io("cannot write", &sealing))?;
+            let n = buf.len();
+            std::io::BufRead::consume(&mut reader, n);
+        }
+        let encryption = sealer.finish(&mut out).map_err(io("cannot write", &sealing))?;
+        let (stored_len, stored_crc) = out.close(&sealing)?;
+        fs::rename(&sealing, &self.path).map_err(io("cannot rename into", &self.path))?;
+        let _ = fs::remove_file(&self.tmp);
+        record_raw_entry(&self.entry, manifest, file, stored_len, stored_crc, Some(encryption))
+    }
+}
+
+/// A writer that counts and checksums what passes through it.
+struct Counted<W: Write> {
+    inner: W,
+    crc: u32,
+    len: u64,
+}
+
+impl<W: Write> Counted<W> {
+    fn new(inner: W) -> Counted<W> {
+        Counted { inner, crc: 0, len: 0 }
+    }
+}
+
+impl<W: Write> Write for Counted<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.crc = crc32c::crc32c_append(self.crc, &buf[..n]);
+        self.len += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+impl Counted<std::io::BufWriter<File>> {
+    /// Flushes and syncs the file at `path`; its length and checksum.
+    fn close(self, path: &Path) -> Result<(u64, u32)> {
+        let (len, crc) = (self.len, self.crc);
+        let file = self.inner.into_inner().map_err(|e| PfsError::Io {
+            what: "cannot write",
+            path: path.to_path_buf(),
+            error: e.into_error(),
+        })?;
+        file.sync_all().map_err(io("cannot sync", path))?;
+        Ok((len, crc))
     }
 }
 
@@ -234,12 +322,27 @@ impl SpillFile {
 #[derive(Clone, Debug)]
 pub struct PfsStore {
     root: PathBuf,
+    /// Encrypts what this store writes and decrypts what it reads (an
+    /// application's key; never stored).
+    key: Option<PfsKey>,
 }
 
 impl PfsStore {
     /// The PFS level under `root` (created on first write).
     pub fn new(root: impl Into<PathBuf>) -> PfsStore {
-        PfsStore { root: root.into() }
+        PfsStore { root: root.into(), key: None }
+    }
+
+    /// The same level, writing encrypted copies with `key` (and reading
+    /// them back with it); `None`: plain copies, and encrypted ones refused.
+    pub fn with_key(mut self, key: Option<PfsKey>) -> PfsStore {
+        self.key = key;
+        self
+    }
+
+    /// Whether this store encrypts what it writes.
+    pub fn encrypts(&self) -> bool {
+        self.key.is_some()
     }
 
     /// The directory the level lives in.
@@ -282,6 +385,17 @@ impl PfsStore {
                 &compressed
             }
         };
+        let sealed;
+        let (stored, encryption): (&[u8], _) = match &self.key {
+            None => (stored, None),
+            Some(key) => {
+                let place = Place { app: &manifest.app, version: manifest.version, rank: manifest.rank };
+                let (bytes, encryption) = cipher::encrypt(key, place, stored)
+                    .map_err(|e| PfsError::Encrypted { path: path.clone(), source: e })?;
+                sealed = bytes;
+                (&sealed, Some(encryption))
+            }
+        };
         let compress = started.elapsed();
         let started = Instant::now();
         let tmp = dir.join(format!("{file}.tmp"));
@@ -296,6 +410,7 @@ impl PfsStore {
             stored_len: stored.len() as u64,
             compression,
             file_crc: crc32c::crc32c(stored),
+            encryption,
         };
         Ok((entry, stats))
     }
@@ -311,23 +426,33 @@ impl PfsStore {
         let path = dir.join(&file);
         let started = Instant::now();
         let tmp = dir.join(format!("{file}.tmp"));
-        let mut out =
-            std::io::BufWriter::with_capacity(4 << 20, File::create(&tmp).map_err(io("cannot create", &tmp))?);
-        let (mut crc, mut len) = (0u32, 0u64);
-        for part in parts {
-            out.write_all(part).map_err(io("cannot write", &tmp))?;
-            crc = crc32c::crc32c_append(crc, part);
-            len += part.len() as u64;
-        }
-        let out = out.into_inner().map_err(|e| PfsError::Io {
-            what: "cannot write",
-            path: tmp.clone(),
-            error: e.into_error(),
-        })?;
-        out.sync_all().map_err(io("cannot sync", &tmp))?;
+        let mut out = Counted::new(std::io::BufWriter::with_capacity(
+            4 << 20,
+            File::create(&tmp).map_err(io("cannot create", &tmp))?,
+        ));
+        let raw: u64 = parts.iter().map(|p| p.len() as u64).sum();
+        let encryption = match &self.key {
+            None => {
+                for part in parts {
+                    out.write_all(part).map_err(io("cannot write", &tmp))?;
+                }
+                None
+            }
+            Some(key) => {
+                let place = Place { app: &manifest.app, version: manifest.version, rank: manifest.rank };
+                let mut sealer =
+                    Sealer::new(key, place).map_err(|e| PfsError::Encrypted { path: tmp.clone(), source: e })?;
+                for part in parts {
+                    sealer.push(part, &mut out).map_err(io("cannot write", &tmp))?;
+                }
+                Some(sealer.finish(&mut out).map_err(io("cannot write", &tmp))?)
+            }
+        };
+        let (len, crc) = out.close(&tmp)?;
         fs::rename(&tmp, &path).map_err(io("cannot rename into", &path))?;
-        let entry = record_raw_entry(&dir.join(format!("rank{}.entry", manifest.rank)), manifest, file, len, crc)?;
-        let stats = WriteStats { raw: len, stored: len, compress: Duration::ZERO, write: started.elapsed() };
+        let entry_path = dir.join(format!("rank{}.entry", manifest.rank));
+        let entry = record_raw_entry(&entry_path, manifest, file, len, crc, encryption)?;
+        let stats = WriteStats { raw, stored: len, compress: Duration::ZERO, write: started.elapsed() };
         Ok((entry, stats))
     }
 
@@ -341,7 +466,7 @@ impl PfsStore {
         let tmp = dir.join(format!("rank{rank}.data.tmp"));
         let file = File::create(&tmp).map_err(io("cannot create", &tmp))?;
         file.set_len(len).map_err(io("cannot size", &tmp))?;
-        Ok(SpillFile { file, tmp, path, entry: dir.join(format!("rank{rank}.entry")) })
+        Ok(SpillFile { file, tmp, path, entry: dir.join(format!("rank{rank}.entry")), key: self.key.clone() })
     }
 
     /// A rank's entry left in a partial version (by a spilling agent or a
@@ -365,7 +490,7 @@ impl PfsStore {
         let dir = self.partial_dir(app, version)?;
         let path = dir.join(format!("rank{rank}.entry"));
         let bytes = fs::read(&path).map_err(io("cannot read", &path))?;
-        read_entry(&dir, &decode_entry(&path, &bytes)?)
+        read_entry(&dir, &decode_entry(&path, &bytes)?, self.key.as_ref())
     }
 
     /// The entries `write_rank_parts` left for ranks `0..ranks` of a partial version.
@@ -519,7 +644,47 @@ impl PfsStore {
             version: manifest.version,
             rank,
         })?;
-        read_entry(&dir, entry)
+        read_entry(&dir, entry, self.key.as_ref())
+    }
+
+    /// Who owns `app`'s copies, if the controller recorded it: so that a
+    /// controller that forgot the application (a new journal) still admits
+    /// only its owner to them, and the owner keeps its capability (and the
+    /// key of its encrypted copies, derived from it).
+    pub fn owner(&self, app: &str) -> Result<Option<Owner>> {
+        let path = self.app_dir(app)?.join(OWNER);
+        match fs::read(&path) {
+            Ok(bytes) => {
+                format::decode_stored(&bytes).map(Some).map_err(|e| PfsError::Damaged { path, reason: e.to_string() })
+            }
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(err) => Err(io("cannot read", &path)(err)),
+        }
+    }
+
+    /// Records `app`'s owner beside its versions (mode 0600).
+    pub fn set_owner(&self, app: &str, owner: &Owner) -> Result<()> {
+        let dir = self.app_dir(app)?;
+        fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
+        let path = dir.join(OWNER);
+        let bytes = format::encode_stored(owner)
+            .map_err(|e| PfsError::Damaged { path: path.clone(), reason: format!("cannot encode: {e}") })?;
+        crate::credentials::write_private(&path, &bytes)
+            .map_err(|e| PfsError::Damaged { path: path.clone(), reason: e.to_string() })
+    }
+
+    /// Removes `app`'s owner record (nothing of it is left on the PFS),
+    /// so the name is free for anyone.
+    pub fn release_owner(&self, app: &str) -> Result<()> {
+        let path = self.app_dir(app)?.join(OWNER);
+        match fs::remove_file(&path) {
+            Err(err) if err.kind() != std::io::ErrorKind::NotFound => Err(io("cannot remove", &path)(err)),
+            _ => {
+                // The application's directory, if it holds nothing else now.
+                let _ = fs::remove_dir(self.app_dir(app)?);
+                Ok(())
+            }
+        }
     }
 
     /// Deletes every version of `app`.
@@ -537,9 +702,22 @@ impl PfsStore {
 /// The entry of an uncompressed rank file of `len` bytes with file
 /// checksum `crc`, written to `path` (`rank<R>.entry`) for whoever
 /// completes the version.
-fn record_raw_entry(path: &Path, manifest: &Manifest, file: String, len: u64, crc: u32) -> Result<RankEntry> {
-    let entry =
-        RankEntry { manifest: manifest.clone(), file, stored_len: len, compression: Compression::None, file_crc: crc };
+fn record_raw_entry(
+    path: &Path,
+    manifest: &Manifest,
+    file: String,
+    len: u64,
+    crc: u32,
+    encryption: Option<Encryption>,
+) -> Result<RankEntry> {
+    let entry = RankEntry {
+        manifest: manifest.clone(),
+        file,
+        stored_len: len,
+        compression: Compression::None,
+        file_crc: crc,
+        encryption,
+    };
     let bytes = format::encode_stored(&entry)
         .map_err(|e| PfsError::Damaged { path: path.to_path_buf(), reason: format!("cannot encode: {e}") })?;
     fs::write(path, bytes).map_err(io("cannot write", path))?;
@@ -570,8 +748,9 @@ fn check_entry(entry: &RankEntry, app: &str, version: u64) -> std::result::Resul
 }
 
 /// Reads and verifies the file of `entry` in `dir`: the stored checksum,
-/// the decompressed length, and every label's chunk checksums.
-fn read_entry(dir: &Path, entry: &RankEntry) -> Result<(Manifest, Vec<u8>)> {
+/// the authentication tags of an encrypted file (with `key`), the
+/// decompressed length, and every label's chunk checksums.
+fn read_entry(dir: &Path, entry: &RankEntry, key: Option<&PfsKey>) -> Result<(Manifest, Vec<u8>)> {
     let path = dir.join(&entry.file);
     let damaged = |reason: String| PfsError::Damaged { path: path.clone(), reason };
     // Sizes come from the manifest, which a damaged file may contradict:
@@ -586,6 +765,15 @@ fn read_entry(dir: &Path, entry: &RankEntry) -> Result<(Manifest, Vec<u8>)> {
     if crc32c::crc32c(&stored) != entry.file_crc {
         return Err(damaged("its checksum does not match the manifest".into()));
     }
+    let stored = match &entry.encryption {
+        None => stored,
+        Some(encryption) => {
+            let m = &entry.manifest;
+            let place = Place { app: &m.app, version: m.version, rank: m.rank };
+            cipher::decrypt(key, place, encryption, &stored)
+                .map_err(|source| PfsError::Encrypted { path: path.clone(), source })?
+        }
+    };
     let total = entry.manifest.total_len;
     let data = match entry.compression {
         Compression::None => stored,
@@ -718,6 +906,55 @@ mod tests {
         assert!(matches!(pfs.read_rank(&manifest, 5), Err(PfsError::MissingRank { rank: 5, .. })));
         pfs.remove_app("app").unwrap();
         assert_eq!(pfs.latest("app").unwrap(), None);
+    }
+
+    /// Every writer (an agent's copy, the library's parts, a spill)
+    /// encrypts with the store's key; reading needs the same key, and
+    /// changed ciphertext is refused even when the MANIFEST's file
+    /// checksum was fixed to match.
+    #[test]
+    fn encrypted_copies_read_back_only_with_their_key_and_refuse_changed_ciphertext() {
+        let key = PfsKey::new([5; 32]);
+        let pfs = scratch("encrypted").with_key(Some(key.clone()));
+        let data: Vec<u8> = (0..(3u32 << 20) + 11).map(|i| (i % 251) as u8).collect();
+        let (a, _) = pfs.write_rank(&manifest("app", 1, 0, &data), &data, Compression::Zstd { level: 1 }).unwrap();
+        let (b, _) = pfs.write_rank_parts(&manifest("app", 1, 1, &data), &[&data[..1000], &data[1000..]]).unwrap();
+        pfs.complete("app", 1, 2, "test", vec![a, b]).unwrap();
+        let spill = pfs.create_spill("app", 2, 0, data.len() as u64).unwrap();
+        spill.write_at(1000, &data[1000..]).unwrap();
+        spill.write_at(0, &data[..1000]).unwrap();
+        let spilled = spill.finish(&manifest("app", 2, 0, &data)).unwrap();
+        pfs.complete("app", 2, 1, "test", vec![spilled]).unwrap();
+        for (version, ranks) in [(1, 2), (2, 1)] {
+            let manifest = pfs.manifest("app", version).unwrap();
+            for rank in 0..ranks {
+                assert!(manifest.entries[rank as usize].encryption.is_some());
+                assert_eq!(pfs.read_rank(&manifest, rank).unwrap().1, data, "version {version} rank {rank}");
+            }
+            // The stored bytes are not the data.
+            let file = pfs.version_dir("app", version).unwrap().join(&manifest.entries[0].file);
+            let stored = fs::read(&file).unwrap();
+            assert!(!stored.windows(64).any(|w| w == &data[4096..4160]), "plaintext on the PFS");
+        }
+        let manifest = pfs.manifest("app", 1).unwrap();
+        let err = |store: &PfsStore| store.read_rank(&manifest, 0).unwrap_err().to_string();
+        let plain = PfsStore::new(pfs.root());
+        assert!(err(&plain).contains("no key was given"), "{}", err(&plain));
+        let other = PfsStore::new(pfs.root()).with_key(Some(PfsKey::new([6; 32])));
+        assert!(err(&other).contains("another key"), "{}", err(&other));
+        // A tamperer who flips a bit and fixes the file checksum in the MANIFEST.
+        let dir = pfs.version_dir("app", 1).unwrap();
+        let file = dir.join(&manifest.entries[0].file);
+        let mut stored = fs::read(&file).unwrap();
+        stored[100] ^= 0x20;
+        fs::write(&file, &stored).unwrap();
+        let mut forged = manifest.clone();
+        forged.entries[0].file_crc = crc32c::crc32c(&stored);
+        fs::write(dir.join(MANIFEST), format::encode_stored(&forged).unwrap()).unwrap();
+        let forged = pfs.manifest("app", 1).unwrap();
+        let refused = pfs.read_rank(&forged, 0).unwrap_err().to_string();
+        assert!(refused.contains("authentication tag"), "{refused}");
+        let _ = fs::remove_dir_all(pfs.root());
     }
 
     #[test]

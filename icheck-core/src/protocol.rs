@@ -383,6 +383,9 @@ pub struct AppRegistration {
     pub pfs_interval: u32,
     /// How the PFS copies are stored.
     pub compression: crate::pfs::CompressionPolicy,
+    /// PFS copies are encrypted (AES-256-GCM) with the application's key,
+    /// which only its ranks hold (agents get it at `Open`).
+    pub encrypted: bool,
 }
 
 /// An agent as the application sees it.
@@ -516,6 +519,9 @@ pub enum ControllerToManager {
         /// The application's newest complete version the controller
         /// recorded: the agent never overwrites or retires it on a rank's word.
         complete: Option<u64>,
+        /// Its PFS copies must be encrypted: without the key (from a rank's
+        /// `Open`) the agent writes none.
+        encrypted: bool,
     },
     /// Copy the agent's ranks of a complete version to the PFS.
     CopyToPfs {
@@ -864,6 +870,9 @@ pub enum AgentRequest {
         /// The application's capability (empty on a session of another
         /// agent, which presented the node token instead).
         capability: String,
+        /// The key of the application's encrypted PFS copies (kept in the
+        /// agent's memory only, for copies, spills and PFS restarts).
+        pfs_key: Option<[u8; 32]>,
     },
     /// Starts writing `version`; replies [`AgentReply::Target`].
     Begin {
@@ -1153,6 +1162,7 @@ mod tests {
             mode: TransferMode::Mr,
             pfs_interval: 0,
             compression: crate::pfs::CompressionPolicy::Never,
+            encrypted: false,
         };
         let msg = ClientRequest::RegisterApp { registration, capability: Some("00ff".repeat(8)), uid: 1000 };
         let mut bytes = encode(&msg).unwrap();

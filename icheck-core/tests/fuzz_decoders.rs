@@ -69,6 +69,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         mode: TransferMode::Mr,
         pfs_interval: 2,
         compression: icheck_core::pfs::CompressionPolicy::Never,
+        encrypted: false,
     };
     let cap = "00112233445566778899aabbccddeeff".to_string();
     let enc = |bytes: Result<Vec<u8>, protocol::ProtocolError>| bytes.expect("seeds encode");

@@ -275,11 +275,11 @@ async fn session(
             Err(err) => break Err(err.into()),
         };
         match message {
-            ControllerToManager::StartAgent { id, app, mem_budget, owner, complete } => {
+            ControllerToManager::StartAgent { id, app, mem_budget, owner, complete, encrypted } => {
                 let (tx, agents, settings, node) = (tx.clone(), agents.clone(), settings.clone(), node.to_string());
                 tokio::task::spawn_blocking(move || {
                     icheck_core::failpoint::hit("manager.before_agent_start");
-                    let task = crate::agent::AgentTask { app: app.clone(), mem_budget, owner, complete };
+                    let task = crate::agent::AgentTask { app: app.clone(), mem_budget, owner, complete, encrypted };
                     let started = match icheck_core::failpoint::fails("manager.agent_start") {
                         true => Err(icheck_core::fabric::FabricError::Config("failpoint manager.agent_start".into())),
                         false => Agent::start(&settings, &node, id, &task),

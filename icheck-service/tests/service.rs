@@ -43,6 +43,7 @@ impl Service {
             mode: TransferMode::Mr,
             pfs_interval: 0,
             compression: icheck_core::pfs::CompressionPolicy::Never,
+            encrypted: false,
         };
         let held = self.1.lock().unwrap().get(name).cloned();
         let request = ClientRequest::RegisterApp {

@@ -136,7 +136,13 @@ fn another_job_with_the_client_token_cannot_touch_an_applications_checkpoints() 
         BlockingConnection::connect(&agent, &service.config.effective_token(), Duration::from_secs(5)).unwrap();
     conn.set_timeout(Duration::from_secs(20));
     let mut call = |request: &AgentRequest| conn.call::<_, AgentReply>(request).unwrap();
-    let open = AgentRequest::Open { app: "alpha".into(), rank: 0, address: endpoint.address().clone(), capability };
+    let open = AgentRequest::Open {
+        app: "alpha".into(),
+        rank: 0,
+        address: endpoint.address().clone(),
+        capability,
+        pfs_key: None,
+    };
     assert_eq!(call(&open), AgentReply::Ok);
     match call(&AgentRequest::Complete { version: 1000 }) {
         AgentReply::Error(reason) => assert!(reason.contains("no such version was sealed"), "{reason}"),
@@ -319,4 +325,75 @@ fn garbage_idle_and_half_open_connections_on_every_port_leave_the_daemons_as_the
     let controller = service.log("controller.log");
     assert!(controller.contains("too many connections without a Hello"), "{controller}");
     victim_restarts_bit_exact(&service);
+}
+
+/// Encrypted PFS copies (`encryption = "aes-256-gcm"`): the key derives
+/// from the application's capability, so the copies on the PFS are
+/// ciphertext only its owner can read; a restart from them is bit-exact;
+/// a wrong key and changed ciphertext (even with the MANIFEST's checksum
+/// forged to match) are refused, naming why.
+#[test]
+fn encrypted_pfs_copies_restore_with_the_key_and_refuse_a_wrong_key_or_changed_ciphertext() {
+    use icheck_core::cipher::PfsKey;
+    use icheck_core::pfs::{PfsStore, MANIFEST};
+    let mut service = service("iso-crypt");
+    let encrypted = [("ICHECK_ENCRYPTION", "aes-256-gcm"), ("ICHECK_PFS_INTERVAL", "1")];
+    let args = ["--app", "sec", "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(2, &service.config_path(), &args, &encrypted).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    let root = service.config.pfs_dir.clone().expect("icheck up configures a PFS level");
+    let plain = PfsStore::new(&root);
+    icheck_service::testkit::wait_for("the encrypted copy of version 3", Duration::from_secs(30), || {
+        plain.latest("sec").ok().flatten() == Some(3)
+    });
+    let manifest = plain.manifest("sec", 3).unwrap();
+    assert!(manifest.entries.iter().all(|e| e.encryption.is_some()), "{manifest:?}");
+    // Without the key, the copy is unreadable; with the capability's key it verifies.
+    let err = plain.read_rank(&manifest, 0).unwrap_err().to_string();
+    assert!(err.contains("no key was given"), "{err}");
+    let capability = kept_capability(&service.config, "sec").expect("the job kept its capability");
+    let capability = icheck_core::credentials::Capability::parse(&capability, "kept").unwrap();
+    let key = PfsKey::new(capability.derive_key("pfs"));
+    let keyed = PfsStore::new(&root).with_key(Some(key.clone()));
+    assert!(keyed.read_rank(&manifest, 0).is_ok());
+    assert!(!format!("{:?}", service.status()).contains(&hex(key.bytes())), "the key is nowhere in the status");
+
+    // Every daemon and the agents' memory gone: the restart reads the
+    // encrypted copy back through new agents (the ranks give them the key).
+    service.relaunch();
+    let restart = ["--app", "sec", "--steps", "6", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(2, &service.config_path(), &restart, &encrypted).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+
+    // A wrong key, straight from the PFS (no controller): refused, by name.
+    let no_controller = common::without_a_controller(&service);
+    let wrong = "11".repeat(32);
+    let with_key = |key: &str| {
+        let env = [("ICHECK_ENCRYPTION", "aes-256-gcm"), ("ICHECK_ENCRYPTION_KEY", key)];
+        Job::start(2, &no_controller, &restart, &env).finish_any(Duration::from_secs(120))
+    };
+    let (ok, output) = with_key(&wrong);
+    assert!(!ok && output.contains("another key"), "{output}");
+
+    // Changed ciphertext in every kept version, each MANIFEST's checksum
+    // forged to match: refused by the authentication tags.
+    for version in plain.versions("sec").unwrap() {
+        let dir = plain.version_dir("sec", version).unwrap();
+        let mut forged = plain.manifest("sec", version).unwrap();
+        for entry in &mut forged.entries {
+            let file = dir.join(&entry.file);
+            let mut bytes = std::fs::read(&file).unwrap();
+            let middle = bytes.len() / 2;
+            bytes[middle] ^= 0x01;
+            std::fs::write(&file, &bytes).unwrap();
+            entry.file_crc = crc32c::crc32c(&bytes);
+        }
+        std::fs::write(dir.join(MANIFEST), icheck_core::format::encode_stored(&forged).unwrap()).unwrap();
+    }
+    let (ok, output) = with_key(&hex(key.bytes()));
+    assert!(!ok && output.contains("authentication tag"), "{output}");
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

@@ -141,7 +141,13 @@ fn an_agent_whose_rank_stops_responding_mid_commit_is_replaced() {
     let mut call = |request: &AgentRequest| conn.call::<_, AgentReply>(request).unwrap();
     // The application's own capability, as its job kept it.
     let capability = icheck_service::testkit::kept_capability(&service.config, "hung").expect("the job kept it");
-    let open = AgentRequest::Open { app: "hung".into(), rank: 0, address: endpoint.address().clone(), capability };
+    let open = AgentRequest::Open {
+        app: "hung".into(),
+        rank: 0,
+        address: endpoint.address().clone(),
+        capability,
+        pfs_key: None,
+    };
     assert_eq!(call(&open), AgentReply::Ok);
     let label = LabelLayout { label: "x".into(), kind: DataKind::Binary, offset: 0, len: len as u64, adapt: None };
     let begin = AgentRequest::Begin { version: 4, ranks: 2, epoch: 0, labels: vec![label], push: false };

@@ -56,6 +56,7 @@ impl AgentLink {
             rank,
             address: endpoint.address().clone(),
             capability: access.capability.clone(),
+            pfs_key: access.pfs_key.as_ref().map(|k| *k.bytes()),
         })?;
         Ok(link)
     }
@@ -145,6 +146,9 @@ pub(super) struct Shape {
 pub(super) struct ServiceAccess {
     pub(super) token: String,
     pub(super) capability: String,
+    /// The key of the application's encrypted PFS copies (its agents get
+    /// it at `Open`); `None`: copies are not encrypted.
+    pub(super) pfs_key: Option<icheck_core::cipher::PfsKey>,
 }
 
 impl ServiceAccess {

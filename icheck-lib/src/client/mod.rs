@@ -189,6 +189,29 @@ impl Icheck {
     }
 }
 
+/// The key of the application's encrypted PFS copies, when it asked for
+/// them: `ICHECK_ENCRYPTION_KEY`, else derived from its capability (so a
+/// restart needs nothing but the capability it kept).
+fn pfs_key(encrypted: bool, capability: &str) -> Result<Option<icheck_core::cipher::PfsKey>> {
+    use icheck_core::config::ENCRYPTION_KEY_ENV;
+    if !encrypted {
+        return Ok(None);
+    }
+    if let Ok(hex) = std::env::var(ENCRYPTION_KEY_ENV) {
+        let key = icheck_core::cipher::PfsKey::parse_hex(&hex)
+            .map_err(|why| Error::Unsupported(format!("environment variable {ENCRYPTION_KEY_ENV}: {why}")))?;
+        return Ok(Some(key));
+    }
+    if capability.is_empty() {
+        return Err(Error::Unsupported(format!(
+            "encrypted PFS copies need the application's key: it derives from the capability, which this \
+             application does not have yet (the service was never reached), and {ENCRYPTION_KEY_ENV} is not set"
+        )));
+    }
+    let capability = icheck_core::credentials::Capability::parse(capability, "the application's capability")?;
+    Ok(Some(icheck_core::cipher::PfsKey::new(capability.derive_key("pfs"))))
+}
+
 fn config_path(config: Option<&Path>) -> PathBuf {
     match config {
         Some(path) => path.to_path_buf(),
@@ -245,6 +268,11 @@ impl Icheck {
             key: "client.compression (or ICHECK_COMPRESSION)",
             expected,
         })?;
+        let encrypted = client.encrypted().map_err(|expected| ConfigError::Invalid {
+            file: path.clone(),
+            key: "client.encryption (or ICHECK_ENCRYPTION)",
+            expected,
+        })?;
         let t_wait = match std::env::var("ICHECK_T_WAIT") {
             Ok(text) => text.parse::<f64>().ok().filter(|t| *t >= 0.0).ok_or_else(|| {
                 Error::Unsupported(format!("environment variable ICHECK_T_WAIT: {text:?} is not a number of seconds"))
@@ -294,6 +322,7 @@ impl Icheck {
             mode,
             pfs_interval,
             compression,
+            encrypted,
         };
         let capabilities = icheck_core::credentials::CapabilityStore::new(config.capability_dir());
         let service = icheck_core::credentials::service_key(&token);
@@ -368,9 +397,11 @@ impl Icheck {
                 return Err(Error::Controller { peer: controller_peer, error: ServiceError::Remote(message) })
             }
         };
-        let access = ServiceAccess { token, capability };
-        let fallback =
-            agents.is_empty().then(|| icheck_core::pfs::PfsStore::new(config.pfs_dir.clone().expect("checked")));
+        let pfs_key = pfs_key(encrypted, &capability)?;
+        let access = ServiceAccess { token, capability, pfs_key: pfs_key.clone() };
+        let fallback = agents.is_empty().then(|| {
+            icheck_core::pfs::PfsStore::new(config.pfs_dir.clone().expect("checked")).with_key(pfs_key.clone())
+        });
         let link = if fallback.is_some() {
             Ok(None)
         } else {
@@ -405,7 +436,7 @@ impl Icheck {
             mode,
             fallback,
             fallback_tried: Instant::now(),
-            pfs: config.pfs_dir.clone().map(icheck_core::pfs::PfsStore::new),
+            pfs: config.pfs_dir.clone().map(|dir| icheck_core::pfs::PfsStore::new(dir).with_key(pfs_key.clone())),
             t_wait,
             registration,
             segment: None,
@@ -616,12 +647,6 @@ impl Icheck {
                 .request(&request)
                 .map(|_| ())
                 .map_err(|error| Error::Controller { peer: self.controller_peer.clone(), error });
-            // Without IC_PERSIST the controller forgot the application: its
-            // capability opens nothing any more.
-            if result.is_ok() && !persist && self.comm.rank() == 0 {
-                let service = icheck_core::credentials::service_key(&self.access.token);
-                self.capabilities.forget(&service, &self.app);
-            }
         }
         waited?;
         result

@@ -112,6 +112,10 @@ struct Shared {
     /// confirmed: Begin never overwrites one, Complete never goes back.
     recorded: Option<u64>,
     completed: Mutex<std::collections::HashMap<u32, u64>>,
+    /// The application's PFS copies are encrypted, with the key its ranks
+    /// gave at `Open` (kept in memory only; `None` until one did).
+    encrypted: bool,
+    pfs_key: Mutex<Option<icheck_core::cipher::PfsKey>>,
     endpoint: Endpoint,
     settings: AgentSettings,
     /// Bytes of checkpoint memory this node may hold (0 = no limit).
@@ -128,6 +132,23 @@ struct Shared {
 }
 
 impl Shared {
+    /// The PFS level as this application's copies use it: with its key
+    /// when they are encrypted (and an error while no rank gave it).
+    fn pfs(&self) -> Result<icheck_core::pfs::PfsStore, String> {
+        let pfs = self.settings.pfs.clone().ok_or("no PfsDir is configured")?;
+        if !self.encrypted {
+            return Ok(pfs);
+        }
+        match self.pfs_key.lock().unwrap_or_else(|p| p.into_inner()).clone() {
+            Some(key) => Ok(pfs.with_key(Some(key))),
+            None => Err(format!(
+                "{:?}'s PFS copies are encrypted and none of its ranks has given this agent the key since it \
+                 started (they do at their next session)",
+                self.app
+            )),
+        }
+    }
+
     /// The newest complete version of `rank` this agent knows of.
     fn complete(&self, rank: u32) -> Option<u64> {
         let completed = self.completed.lock().unwrap_or_else(|p| p.into_inner()).get(&rank).copied();
@@ -193,6 +214,8 @@ pub struct AgentTask {
     pub owner: Owner,
     /// Its newest complete version the controller recorded.
     pub complete: Option<u64>,
+    /// Its PFS copies are encrypted: none is written without the key.
+    pub encrypted: bool,
 }
 
 /// A running agent.
@@ -207,7 +230,7 @@ impl Agent {
     /// channel and starts the agent's threads. Versions that would take the
     /// node's store beyond `mem_budget` bytes are spilled to the PFS.
     pub fn start(settings: &AgentSettings, node: &str, id: u64, task: &AgentTask) -> Result<Agent, FabricError> {
-        let AgentTask { app, mem_budget, owner, complete } = task;
+        let AgentTask { app, mem_budget, owner, complete, encrypted } = task;
         let mem_budget = store_budget(*mem_budget, &settings.store);
         let domain = Domain::open(&settings.fabric)?;
         let endpoint = Endpoint::new(&domain)?;
@@ -232,6 +255,8 @@ impl Agent {
             owner: *owner,
             recorded: *complete,
             completed: Mutex::default(),
+            encrypted: *encrypted,
+            pfs_key: Mutex::default(),
             endpoint,
             settings: settings.clone(),
             mem_budget,
@@ -280,7 +305,7 @@ impl Agent {
         let pin = PinnedVersion::new(&shared, version);
         move || {
             let _pin = pin;
-            let pfs = shared.settings.pfs.as_ref().ok_or("no PfsDir is configured")?;
+            let pfs = &shared.pfs()?;
             let mut entries = Vec::new();
             let mut total = PfsCopyStats { version, ..PfsCopyStats::default() };
             for rank in ranks {
@@ -737,7 +762,7 @@ fn handle(
     request: AgentRequest,
     caller: Caller,
 ) -> Result<AgentReply, String> {
-    if let AgentRequest::Open { app, rank, address, capability } = request {
+    if let AgentRequest::Open { app, rank, address, capability, pfs_key } = request {
         let core = SessionCore::open(&shared.app, shared.id, app, rank)?;
         if let Err(reason) =
             session::admit_session(&shared.app, &shared.owner, caller.privilege, &capability, caller.seen_uid)
@@ -745,6 +770,9 @@ fn handle(
             tracing::warn!(rank, %reason, "refused a session");
             *session = None;
             return Err(reason);
+        }
+        if let Some(key) = pfs_key.filter(|_| shared.encrypted) {
+            *shared.pfs_key.lock().unwrap_or_else(|p| p.into_inner()) = Some(icheck_core::cipher::PfsKey::new(key));
         }
         let peer = shared.endpoint.insert_peer(&address).map_err(|e| e.to_string())?;
         *session = Some(Session {
@@ -987,7 +1015,7 @@ enum Loaded {
 /// store was wiped) back from the PFS copy, verified, into the store; or,
 /// when the store has no room for it, hands the verified bytes back.
 fn load_from_pfs(shared: &Shared, app: &str, rank: u32, version: u64) -> Result<Loaded, String> {
-    let pfs = shared.settings.pfs.as_ref().ok_or("no PfsDir is configured")?;
+    let pfs = &shared.pfs()?;
     // Several sessions may want the same old rank at once (processes of a
     // resized run): one loads it, the others find it loaded. Loading
     // rewrites the version's files, so two loads must never overlap.
@@ -1050,6 +1078,7 @@ fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Resu
         rank,
         address: endpoint.address().clone(),
         capability: String::new(),
+        pfs_key: None,
     };
     call(&open)?;
     // From a peer: checked before any of its offsets or sizes is used.
@@ -1135,7 +1164,7 @@ fn spill_destination(
     full: &str,
     push: bool,
 ) -> Result<Destination, String> {
-    let pfs = shared.settings.pfs.as_ref().ok_or_else(|| format!("{full}, and no PfsDir is configured to spill to"))?;
+    let pfs = shared.pfs().map_err(|why| format!("{full}, and it cannot spill: {why}"))?;
     if push {
         return Err(format!("{full}; agents spill only versions they pull ([client] transfer = \"pull\")"));
     }

@@ -427,6 +427,7 @@ mod tests {
                 mode: TransferMode::Mr,
                 pfs_interval,
                 compression: CompressionPolicy::Never,
+                encrypted: false,
             },
             agents: nodes.iter().enumerate().map(|(i, n)| agent(i as u64, n)).collect(),
             homes: nodes.iter().map(|n| n.to_string()).collect(),

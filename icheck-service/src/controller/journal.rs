@@ -497,6 +497,7 @@ mod tests {
             mode: TransferMode::Mr,
             pfs_interval: 0,
             compression: icheck_core::pfs::CompressionPolicy::Never,
+            encrypted: false,
         }
     }
 

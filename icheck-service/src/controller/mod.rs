@@ -1442,12 +1442,14 @@ async fn register_app(
         return Err(format!("application {:?} registered with 0 ranks or 0 nodes", registration.name));
     }
     // Before anything else: only its owner may register a known application.
-    let known_owner = shared.state().apps.get(&registration.name).map(|a| a.owner);
-    let (capability, owner) = match known_owner {
-        // Known, but journaled before owners were: the first to return owns it.
-        Some(None) | None => apps::admit_owner(&registration.name, None, claim)?,
-        Some(Some(owner)) => apps::admit_owner(&registration.name, Some(&owner), claim)?,
+    let known_owner = shared.state().apps.get(&registration.name).and_then(|a| a.owner);
+    let recorded = match known_owner {
+        Some(owner) => Some(owner),
+        // Not known here (a new journal, or an application that finished):
+        // its copies on the PFS may name an owner.
+        None => pfs_owner(shared, &registration.name)?,
     };
+    let (capability, owner) = apps::admit_owner(&registration.name, recorded.as_ref(), claim)?;
     // A run that finished with IC_CLEANUP may still be flushing to the PFS:
     // let it finish, so the new run starts from the flushed version.
     let flushing_since = Instant::now();
@@ -1545,8 +1547,13 @@ async fn register_app(
             decide::choose_nodes(&snapshot, count, &config).map_err(|e| e.to_string())?
         };
         let complete = latest.as_ref().map(|l| l.version);
-        let spec =
-            nodes::StartSpec { app: &registration.name, mem_budget: config.max_mem_node_bytes(), owner, complete };
+        let spec = nodes::StartSpec {
+            app: &registration.name,
+            mem_budget: config.max_mem_node_bytes(),
+            owner,
+            complete,
+            encrypted: registration.encrypted,
+        };
         waiters = send_starts(state, &spec, nodes);
     }
     let placing = Instant::now();
@@ -1566,6 +1573,7 @@ async fn register_app(
     }
     let homes = agents.iter().map(|a| a.node.clone()).collect();
     let name = registration.name.clone();
+    let registration_name = name.clone();
     let entry = AppEntry {
         registration,
         owner: Some(owner),
@@ -1582,7 +1590,29 @@ async fn register_app(
         abandoned: state.apps.get(&name).map(|a| a.abandoned.clone()).unwrap_or_default(),
     };
     state.apps.insert(name, entry);
+    drop(state);
+    // A new owner is recorded beside the copies once its registration
+    // succeeded (a failed one hands out no capability to match it).
+    if recorded.is_none() {
+        if let Some(pfs) = &shared.pfs {
+            if let Err(err) = pfs.set_owner(&registration_name, &owner) {
+                tracing::warn!(%err, "cannot record the application's owner on the PFS");
+            }
+        }
+    }
     Ok((agents, latest, capability))
+}
+
+/// The owner the PFS level recorded for `name`, if any. A damaged record
+/// refuses the registration: it may be the only thing between the
+/// application's copies and someone else.
+fn pfs_owner(shared: &Shared, name: &str) -> Result<Option<icheck_core::credentials::Owner>, String> {
+    match &shared.pfs {
+        None => Ok(None),
+        Some(pfs) => pfs.owner(name).map_err(|err| {
+            format!("cannot tell who owns {name:?}: {err}; an administrator can `icheck delete {name}`")
+        }),
+    }
 }
 
 /// A journaled application counts no version until the stores confirmed
@@ -1938,13 +1968,14 @@ async fn change_agents(
         let (old, units, latest) =
             (app.agents.clone(), decide::mapping_units(&app.registration), app.latest.as_ref().map(|l| l.version));
         let owner = app.owner.ok_or("the application has no recorded owner")?;
+        let encrypted = app.registration.encrypted;
         let kept = (0..old.len().min(to as usize)).filter(|i| !replace.contains(i)).count() as u32;
         let waiters = match to - kept {
             0 => Vec::new(),
             missing => {
                 let nodes = decide::choose_nodes(&snapshot, missing, config).map_err(|e| e.to_string())?;
-                let spec =
-                    nodes::StartSpec { app: name, mem_budget: config.max_mem_node_bytes(), owner, complete: latest };
+                let mem_budget = config.max_mem_node_bytes();
+                let spec = nodes::StartSpec { app: name, mem_budget, owner, complete: latest, encrypted };
                 send_starts(&mut state, &spec, nodes)
             }
         };
@@ -2119,6 +2150,14 @@ fn finish_app(shared: &Shared, name: &str, persist: bool) -> ClientReply {
     }
     tracing::info!(app = name, "application finished; stopping its agents and deleting its checkpoints");
     stop_and_forget(state, name);
+    // Nothing of it is left anywhere: the name is free for anyone again.
+    if let Some(pfs) = &shared.pfs {
+        if pfs.versions(name).is_ok_and(|v| v.is_empty()) {
+            if let Err(err) = pfs.release_owner(name) {
+                tracing::warn!(app = name, %err, "cannot remove the application's owner record from the PFS");
+            }
+        }
+    }
     ClientReply::Ok
 }
 

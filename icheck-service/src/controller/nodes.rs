@@ -32,6 +32,7 @@ pub(crate) struct StartSpec<'a> {
     pub(crate) mem_budget: u64,
     pub(crate) owner: icheck_core::credentials::Owner,
     pub(crate) complete: Option<u64>,
+    pub(crate) encrypted: bool,
 }
 
 /// Where the controller's messages to one manager go.
@@ -344,6 +345,7 @@ impl<L: ManagerLink> NodeBook<L> {
             mem_budget: spec.mem_budget,
             owner: spec.owner,
             complete: spec.complete,
+            encrypted: spec.encrypted,
         });
         // Counted even if the connection just closed: the answer (a failure,
         // or the controller's timeout) uncounts it, like any other start.
@@ -402,6 +404,7 @@ mod tests {
             mem_budget: 0,
             owner: icheck_core::credentials::Owner { verifier: owner.verifier(), uid: 0 },
             complete: None,
+            encrypted: false,
         }
     }
 

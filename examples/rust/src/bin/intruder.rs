@@ -86,6 +86,7 @@ fn main() {
         mode: TransferMode::Mr,
         pfs_interval: 0,
         compression: icheck_core::pfs::CompressionPolicy::Never,
+        encrypted: false,
     };
 
     // Through the controller.
@@ -155,6 +156,7 @@ fn main() {
                     rank: 0,
                     address: endpoint.address().clone(),
                     capability: capability.clone(),
+                    pfs_key: None,
                 })?;
             }
             call(&request)
@@ -164,6 +166,7 @@ fn main() {
             rank: 0,
             address: endpoint.address().clone(),
             capability: capability.clone(),
+            pfs_key: None,
         };
         report("agent-open", attempt(open, false));
         for version in [1, 2, 3] {

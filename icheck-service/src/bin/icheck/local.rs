@@ -55,6 +55,25 @@ impl Tokens {
         let draw = || icheck_core::credentials::random_hex(16).context("drawing a random token");
         Ok(Tokens { client: draw()?, admin: draw()?, node: draw()? })
     }
+
+    /// The secrets of the service that last ran in `dir`, if its
+    /// configuration holds them: a service started again keeps its
+    /// secrets, so its users' capabilities (filed under the client token)
+    /// still open their applications' copies on the PFS.
+    fn kept_or_random(dir: &Path) -> Result<Tokens> {
+        let kept = StaticConfig::load(&dir.join(CLIENT_CONFIG)).ok().and_then(|config| {
+            let strong = |t: Option<String>| t.filter(|t| icheck_core::credentials::weak_token(t).is_none());
+            Some(Tokens {
+                client: strong(config.token)?,
+                admin: strong(config.admin_token)?,
+                node: strong(config.node_token)?,
+            })
+        });
+        match kept {
+            Some(tokens) => Ok(tokens),
+            None => Tokens::random(),
+        }
+    }
 }
 
 /// The agents' checkpoint store of the service in `dir`: on tmpfs, named
@@ -145,7 +164,7 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
         fs::write(&dynamic, include_str!("../../../../config/dynamic.toml")).context("writing dynamic.toml")?;
     }
     let _ = fs::remove_file(dir.join("controller.addr"));
-    let tokens = Tokens::random()?;
+    let tokens = Tokens::kept_or_random(dir)?;
     // With a standby, both addresses are in the configuration before either
     // controller starts (each must know the other).
     let (port, standby_port) = match options.standby {
@@ -414,6 +433,8 @@ pub fn print_status(report: &StatusReport) {
             format!("{} ({}, committed in {:.3}s{resized})", v.version, human_bytes(v.bytes), v.commit_secs)
         });
         let persisted = if a.persisted { "  [finished, persisted]" } else { "" };
+        let persisted =
+            if r.encrypted { format!("{persisted}  [PFS copies encrypted]") } else { persisted.to_string() };
         println!(
             "  {:<16} ranks {:<4} nodes {:<3} mode {:?}  agents [{}]  latest complete version: {version}{persisted}",
             r.name,
