@@ -327,8 +327,17 @@ impl Icheck {
         let capabilities = icheck_core::credentials::CapabilityStore::new(config.capability_dir());
         let service = icheck_core::credentials::service_key(&token);
         if rank == 0 {
-            // A restart presents the capability the first run was given.
-            let held = capabilities.load(&service, app_name);
+            // A restart presents the capability the first run kept; a first
+            // run draws one and keeps it before it asks, so a reply lost on
+            // the way (a timeout) cannot leave the application without it.
+            let held = capabilities.load(&service, app_name).and_then(|held| match held {
+                Some(held) => Ok(Some(held)),
+                None => {
+                    let drawn = icheck_core::credentials::Capability::generate()?;
+                    capabilities.save(&service, app_name, &drawn)?;
+                    Ok(Some(drawn))
+                }
+            });
             // Registrations and probes may wait for managers to start agents.
             let mut link = ControllerLink::new(&config, &token, connect_timeout, CONTROLLER_TIMEOUT);
             let outcome = match &held {

@@ -31,9 +31,11 @@ pub(super) struct Claim<'a> {
 }
 
 /// The ownership check of a registration. A new application (no `owner`)
-/// gets a fresh capability, owned by the registering user. A known one
-/// must present its capability, from the user that registered it.
-/// Returns the capability to hand back and the owner to record.
+/// is owned by the registering user, with the capability the client
+/// presents (the library draws it and keeps it before it asks, so a reply
+/// lost on the way cannot orphan the application) or a fresh one. A known
+/// application must present its capability, from the user that registered
+/// it. Returns the capability to hand back and the owner to record.
 pub(super) fn admit_owner(app: &str, owner: Option<&Owner>, claim: &Claim<'_>) -> Result<(Capability, Owner), String> {
     if let Some(seen) = claim.seen.filter(|seen| *seen != claim.reported) {
         return Err(format!(
@@ -43,7 +45,10 @@ pub(super) fn admit_owner(app: &str, owner: Option<&Owner>, claim: &Claim<'_>) -
     }
     let uid = claim.seen.unwrap_or(claim.reported);
     let Some(owner) = owner else {
-        let capability = Capability::generate().map_err(|e| e.to_string())?;
+        let capability = match claim.presented {
+            Some(presented) => Capability::parse(presented, "the presented capability").map_err(|e| e.to_string())?,
+            None => Capability::generate().map_err(|e| e.to_string())?,
+        };
         let owner = Owner { verifier: capability.verifier(), uid };
         return Ok((capability, owner));
     };
@@ -389,6 +394,12 @@ mod tests {
         let (capability, owner) = admit_owner("a", None, &fresh).unwrap();
         assert_eq!(owner.uid, 1000);
         assert!(owner.verifier.admits(capability.expose()));
+        // A new application may bring the capability its library drew.
+        let drawn = Capability::generate().unwrap();
+        let bringing = Claim { presented: Some(drawn.expose()), ..fresh.clone() };
+        assert_eq!(admit_owner("b", None, &bringing).unwrap().0, drawn);
+        let malformed = Claim { presented: Some("short"), ..fresh.clone() };
+        assert!(admit_owner("b", None, &malformed).is_err());
         // The owner again, with its capability.
         let again = Claim { presented: Some(capability.expose()), ..fresh.clone() };
         assert_eq!(admit_owner("a", Some(&owner), &again).unwrap().0, capability);
