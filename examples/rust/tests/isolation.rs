@@ -397,3 +397,52 @@ fn encrypted_pfs_copies_restore_with_the_key_and_refuse_a_wrong_key_or_changed_c
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// An agent exposes a version's memory to the fabric only while it is
+/// written (Begin to Seal) or read (Fetch to FetchDone): the region a rank
+/// wrote into is gone from the fabric once the version is sealed, so its
+/// key opens nothing afterwards.
+#[test]
+fn a_sealed_versions_memory_is_no_longer_exposed_to_the_fabric() {
+    use icheck_core::fabric::{Access, AlignedBuffer, RmaOp, TransferOptions};
+    let service = service("iso-exposure");
+    victim_commits(&service);
+    let agent = service.status().apps[0].agents[0].clone();
+    let capability = kept_capability(&service.config, "alpha").expect("the victim's job kept its capability");
+    let domain = Domain::open(&service.config.fabric).unwrap();
+    let endpoint = Endpoint::new(&domain).unwrap();
+    let peer = endpoint.insert_peer(&agent.address).unwrap();
+    let mut conn =
+        BlockingConnection::connect(&agent.control, &service.config.effective_token(), Duration::from_secs(5)).unwrap();
+    conn.set_timeout(Duration::from_secs(20));
+    let mut call = |request: &AgentRequest| conn.call::<_, AgentReply>(request).unwrap();
+    let open = AgentRequest::Open {
+        app: "alpha".into(),
+        rank: 0,
+        address: endpoint.address().clone(),
+        capability,
+        pfs_key: None,
+    };
+    assert_eq!(call(&open), AgentReply::Ok);
+    let len = 64 << 10;
+    let label = LabelLayout { label: "x".into(), kind: DataKind::Binary, offset: 0, len: len as u64, adapt: None };
+    let begin = AgentRequest::Begin { version: 4, ranks: 2, epoch: 0, labels: vec![label], push: true };
+    let AgentReply::Target(region) = call(&begin) else { panic!("no target for the push") };
+    // While the version is written, its region takes the rank's bytes.
+    let mut data = endpoint.register(AlignedBuffer::zeroed(len), Access::LOCAL).unwrap();
+    data.as_mut_slice().fill(0x5a);
+    let op = [RmaOp { local_offset: 0, remote: region, remote_offset: 0, len }];
+    endpoint.write(&peer, data.source(), &op, &TransferOptions::default()).expect("the open version takes writes");
+    let crcs = icheck_core::format::label_crcs(&[data.as_slice()]);
+    assert!(matches!(call(&AgentRequest::Seal { crcs }), AgentReply::Sealed(_)));
+    // Sealed: the same region and key read nothing.
+    let quick = TransferOptions { timeout: Duration::from_secs(3), ..TransferOptions::default() };
+    let probe = Endpoint::new(&domain).unwrap();
+    let probe_peer = probe.insert_peer(&agent.address).unwrap();
+    let mut back = probe.register(AlignedBuffer::zeroed(len), Access::LOCAL).unwrap();
+    let read = probe.read(&probe_peer, back.target(), &op, &quick);
+    assert!(read.is_err(), "the sealed version's memory is still readable with its key");
+    assert!(back.as_slice().iter().all(|b| *b == 0), "sealed bytes leaked to the reader");
+    drop(conn);
+    victim_restarts_bit_exact(&service);
+}

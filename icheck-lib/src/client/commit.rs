@@ -152,6 +152,7 @@ impl Icheck {
     fn restore_staged(&mut self, version: u64, layout: Vec<LabelLayout>) -> Result<u64> {
         let total: u64 = layout.iter().map(|l| l.len).sum();
         let staging = self.staging.take().ok_or(Error::Order("the staged version is gone"))?;
+        let staging = self.endpoint.register(staging, Access::REMOTE_READ)?;
         let push = self.direction == TransferDirection::Push;
         let header = VersionHeader { version, shape: self.shape(self.comm.size()), layout, push };
         let result = match self.link.as_mut() {
@@ -161,7 +162,7 @@ impl Icheck {
             }
             None => Err(Error::Order("no agent session")),
         };
-        self.staging = Some(staging);
+        self.staging = Some(staging.into_inner());
         result
     }
 
@@ -313,12 +314,14 @@ impl Icheck {
         Ok(moved)
     }
 
-    /// A registered staging buffer of at least `len` bytes.
+    /// A staging buffer of at least `len` bytes, registered for this
+    /// transfer (the caller hands it back unregistered with `into_inner`).
     pub(super) fn staging(&mut self, len: usize) -> Result<RegisteredBuffer> {
-        match self.staging.take() {
-            Some(buffer) if buffer.len() >= len => Ok(buffer),
-            _ => Ok(self.endpoint.register(AlignedBuffer::zeroed(len.max(4096)), Access::REMOTE_READ)?),
-        }
+        let buffer = match self.staging.take() {
+            Some(buffer) if icheck_core::fabric::StableBuffer::len(&buffer) >= len => buffer,
+            _ => AlignedBuffer::zeroed(len.max(4096)),
+        };
+        Ok(self.endpoint.register(buffer, Access::REMOTE_READ)?)
     }
 
     /// Streams the labels through the two halves of the bounded staging
@@ -326,7 +329,7 @@ impl Icheck {
     pub(super) fn store_pipelined(&mut self, version: u64) -> Result<u64> {
         let mut staging = self.staging(self.staging_size)?;
         let result = self.pipeline(version, &mut staging);
-        self.staging = Some(staging);
+        self.staging = Some(staging.into_inner());
         result
     }
 
@@ -449,8 +452,8 @@ impl Icheck {
             None => Ok(()),
             Some(Ok(background)) => {
                 self.link = Some(background.link);
-                if background.staging.is_some() {
-                    self.staging = background.staging;
+                if let Some(staging) = background.staging {
+                    self.staging = Some(staging.into_inner());
                 }
                 if background.segment_region.is_some() {
                     self.segment_region = background.segment_region;

@@ -148,7 +148,10 @@ pub struct Icheck {
     direction: TransferDirection,
     zero_copy: bool,
     staging_size: usize,
-    staging: Option<RegisteredBuffer>,
+    /// The staging buffer between commits: kept (an async commit's bytes
+    /// may be stored again on new agents) but not registered; it is
+    /// exposed to the fabric only during a transfer.
+    staging: Option<AlignedBuffer>,
     asynchronous: bool,
     in_flight: Option<InFlight>,
     restored: Option<Restored>,

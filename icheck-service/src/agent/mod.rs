@@ -28,7 +28,7 @@ use icheck_core::control::BlockingConnection;
 use icheck_core::credentials::Owner;
 use icheck_core::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, Peer, ProgressMode, ProgressThread,
-    RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
+    RegisteredBuffer, RemoteRegion, RmaOp, StableBuffer, TransferOptions,
 };
 use icheck_core::pattern::fill_pattern;
 use icheck_core::protocol::{
@@ -682,9 +682,12 @@ struct Session {
     /// Mappings of versions this session sealed, oldest first; kept so a
     /// pruned version's memory can take the next version without being
     /// mapped and registered again.
-    sealed: Vec<(u64, RegisteredBuffer<MappedFile>)>,
+    /// They are not registered: a version's memory is exposed to the
+    /// fabric only while it is written (Begin to Seal) or read (Fetch to
+    /// FetchDone).
+    sealed: Vec<(u64, MappedFile)>,
     /// The mapping of the rank's spare file, ready for the next version.
-    spare: Option<RegisteredBuffer<MappedFile>>,
+    spare: Option<MappedFile>,
     /// Fetches the rank is done with, released after the reply is sent
     /// (unmapping takes time the rank need not wait for).
     retired: Vec<Fetching>,
@@ -813,7 +816,8 @@ fn handle(
                 (Ok(()), Some(spare))
                     if store.reuse_spare(app, rank, version, total_len).map_err(|e| e.to_string())? =>
                 {
-                    Ok(spare)
+                    // Registered again for this version only.
+                    shared.endpoint.register(spare, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string())
                 }
                 (Ok(()), _) => match store.create(app, rank, version, total_len) {
                     // Registered for both directions so the mapping can be
@@ -874,7 +878,8 @@ fn handle(
             let spilled = match destination {
                 Destination::Memory(file) => {
                     store.seal(&manifest).map_err(|e| e.to_string())?;
-                    session.sealed.push((version, file));
+                    // Deregistered at once: sealed memory is no peer's to touch.
+                    session.sealed.push((version, file.into_inner()));
                     false
                 }
                 Destination::Spill { file, .. } => {
