@@ -80,6 +80,10 @@ fn assert_agents_reachable(agents: &[protocol::AgentInfo], provider_config: &Sta
 #[test]
 fn up_status_register_and_reach_agents() {
     let service = Service::up("register", 2);
+    // The configuration holds the service's secrets: its owner's alone.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(service.config_path()).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "{}", service.config_path().display());
     let status = service.status();
     assert_eq!(status.nodes.len(), 2, "{status:?}");
     assert!(status.nodes.iter().all(|n| n.alive && n.status.mem_total > 0), "{status:?}");
@@ -319,6 +323,19 @@ fn daemons_refuse_an_empty_token_and_up_refuses_an_unknown_provider() {
         assert!(!out.status.success(), "{daemon:?} started without a token");
         assert!(stderr.contains("`Token`") && stderr.contains(empty_arg), "{daemon:?}: {stderr}");
     }
+
+    // The shipped sample's placeholder secrets, and a manager posing with
+    // the client token as its node token, are refused naming the key.
+    let placeholder = dir.join("placeholder.toml");
+    std::fs::write(&placeholder, include_str!("../../config/icheck.toml")).unwrap();
+    let out = icheck_bounded(&["controller", "--config", placeholder.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("placeholder") && stderr.contains("Token"), "{stderr}");
+    let shared = dir.join("shared.toml");
+    std::fs::write(&shared, "Token = \"abc123\"\nNodeToken = \"abc123\"\n").unwrap();
+    let out = icheck_bounded(&["manager", "--config", shared.to_str().unwrap(), "--node", "n1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("NodeToken") && stderr.contains("different"), "{stderr}");
 
     let state = dir.join("state");
     let out = icheck_bounded(&["up", "--detach", "--provider", "nosuchprov", "--state-dir", state.to_str().unwrap()]);
