@@ -37,6 +37,9 @@ pub struct UpOptions {
 /// Journal directory of the local standby controller, inside the state directory.
 pub const STANDBY_DIR: &str = "standby";
 
+/// How long `up` waits for a live controller to listen and write its address.
+const CONTROLLER_START_LIMIT: Duration = Duration::from_secs(60);
+
 /// A port nothing listens on now (the kernel's pick).
 fn free_port() -> Result<u16> {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
@@ -184,18 +187,26 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     fs::write(dir.join(PIDS), format!("controller {controller}\n"))?;
     println!("icheck up: controller started (pid {controller}), waiting for it to listen ...");
     let started = Instant::now();
+    let mut told = false;
     let addr = loop {
         if let Ok(addr) = fs::read_to_string(dir.join("controller.addr")) {
             break addr;
         }
         // Our own child: ask its handle (its /proc entry can read empty mid-exec).
         let exited = controller_process.try_wait()?.is_some();
-        if exited || started.elapsed() > Duration::from_secs(15) {
+        // A live controller may be slow to open its journal (each step is
+        // synced to disk, and a loaded disk takes seconds): wait for it.
+        if exited || started.elapsed() > CONTROLLER_START_LIMIT {
             bail!(
-                "the controller did not start; its log ({}/logs/controller.log) ends with:\n{}",
+                "the controller did not start{}; its log ({}/logs/controller.log) ends with:\n{}",
+                if exited { "" } else { " within a minute" },
                 dir.display(),
                 log_tail(dir, "controller.log")
             );
+        }
+        if !told && started.elapsed() > Duration::from_secs(5) {
+            println!("icheck up: the controller is still opening its journal in {} ...", dir.display());
+            told = true;
         }
         std::thread::sleep(Duration::from_millis(50));
     };
