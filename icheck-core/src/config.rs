@@ -437,14 +437,20 @@ impl StaticConfig {
         self.admin_token().unwrap_or_else(|| self.effective_token())
     }
 
-    /// Where the client library keeps capabilities: `ICHECK_CAPABILITY_DIR`,
-    /// else `client.capability_dir`, else `$HOME/.icheck/capabilities`.
-    pub fn capability_dir(&self) -> PathBuf {
+    /// The directory of [`capability_store`](Self::capability_store).
+    fn capability_dir(&self) -> PathBuf {
         std::env::var_os(CAPABILITY_DIR_ENV)
             .filter(|d| !d.is_empty())
             .map(PathBuf::from)
             .or_else(|| self.client.capability_dir.clone())
             .unwrap_or_else(crate::credentials::CapabilityStore::default_dir)
+    }
+
+    /// The capabilities this configuration's jobs keep: under
+    /// `ICHECK_CAPABILITY_DIR`, else `client.capability_dir`, else
+    /// `$HOME/.icheck/capabilities`, for the service its client token admits to.
+    pub fn capability_store(&self) -> crate::credentials::CapabilityStore {
+        crate::credentials::CapabilityStore::for_service(self.capability_dir(), &self.effective_token())
     }
 
     /// The secrets a daemon runs with, refused when one is missing, empty

@@ -193,7 +193,7 @@ pub struct Owner {
 /// A short name for the service a client talks to, derived from its client
 /// token: capabilities of different services (or of tests running side by
 /// side) never share a file.
-pub fn service_key(client_token: &str) -> String {
+fn service_key(client_token: &str) -> String {
     digest(b"icheck service", client_token.as_bytes())[..8].iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -215,17 +215,18 @@ pub fn write_private(path: &Path, bytes: &[u8]) -> Result<(), CredentialError> {
     std::fs::rename(&tmp, path).map_err(|e| io("cannot rename into place", e))
 }
 
-/// Where applications keep their capabilities, one file per service and
-/// application, readable by their owner only.
+/// Where applications keep their capabilities for one service: a
+/// directory per service (named after its client token) under the
+/// capability directory, a file per application, readable by their owner only.
 #[derive(Clone, Debug)]
 pub struct CapabilityStore {
     dir: PathBuf,
 }
 
 impl CapabilityStore {
-    /// A store under `dir`.
-    pub fn new(dir: impl Into<PathBuf>) -> CapabilityStore {
-        CapabilityStore { dir: dir.into() }
+    /// The store of the service admitting `client_token`, under `base`.
+    pub fn for_service(base: impl Into<PathBuf>, client_token: &str) -> CapabilityStore {
+        CapabilityStore { dir: base.into().join(service_key(client_token)) }
     }
 
     /// The default directory: `$HOME/.icheck/capabilities`, or
@@ -235,20 +236,20 @@ impl CapabilityStore {
         base.join(".icheck").join("capabilities")
     }
 
-    /// The store's directory.
+    /// The service's directory.
     pub fn dir(&self) -> &Path {
         &self.dir
     }
 
-    /// The file of `app`'s capability at the service `service` ([`service_key`]).
-    pub fn path(&self, service: &str, app: &str) -> PathBuf {
-        self.dir.join(service).join(format!("{app}.capability"))
+    /// The file of `app`'s capability.
+    pub fn path(&self, app: &str) -> PathBuf {
+        self.dir.join(format!("{app}.capability"))
     }
 
     /// `app`'s capability, if one was saved. A file others can read is
     /// refused: it no longer proves ownership.
-    pub fn load(&self, service: &str, app: &str) -> Result<Option<Capability>, CredentialError> {
-        let path = self.path(service, app);
+    pub fn load(&self, app: &str) -> Result<Option<Capability>, CredentialError> {
+        let path = self.path(app);
         let io = |action, source| CredentialError::Io { action, path: path.clone(), source };
         let text = match std::fs::read_to_string(&path) {
             Ok(text) => text,
@@ -263,21 +264,15 @@ impl CapabilityStore {
     }
 
     /// Saves `app`'s capability (directories 0700, the file 0600).
-    pub fn save(&self, service: &str, app: &str, capability: &Capability) -> Result<PathBuf, CredentialError> {
-        let path = self.path(service, app);
-        let dir = path.parent().unwrap_or(&self.dir).to_path_buf();
-        std::fs::DirBuilder::new().recursive(true).mode(0o700).create(&dir).map_err(|source| CredentialError::Io {
-            action: "cannot create",
-            path: dir,
-            source,
-        })?;
+    pub fn save(&self, app: &str, capability: &Capability) -> Result<PathBuf, CredentialError> {
+        let path = self.path(app);
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.dir)
+            .map_err(|source| CredentialError::Io { action: "cannot create", path: self.dir.clone(), source })?;
         write_private(&path, format!("{}\n", capability.expose()).as_bytes())?;
         Ok(path)
-    }
-
-    /// Removes `app`'s capability (the application finished for good).
-    pub fn forget(&self, service: &str, app: &str) {
-        let _ = std::fs::remove_file(self.path(service, app));
     }
 }
 
@@ -325,20 +320,18 @@ mod tests {
     #[test]
     fn the_store_keeps_capabilities_private_and_refuses_exposed_ones() {
         let dir = std::env::temp_dir().join(format!("icheck-cap-test-{}", std::process::id()));
-        let store = CapabilityStore::new(&dir);
-        let service = service_key("token");
-        assert!(store.load(&service, "app").unwrap().is_none());
+        let store = CapabilityStore::for_service(&dir, "token");
+        assert!(store.load("app").unwrap().is_none());
         let cap = Capability::generate().unwrap();
-        let path = store.save(&service, "app", &cap).unwrap();
+        let path = store.save("app", &cap).unwrap();
         assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
         assert_eq!(std::fs::metadata(path.parent().unwrap()).unwrap().permissions().mode() & 0o777, 0o700);
-        assert_eq!(store.load(&service, "app").unwrap(), Some(cap.clone()));
-        assert!(store.load(&service_key("other"), "app").unwrap().is_none(), "per service");
+        assert_eq!(store.load("app").unwrap(), Some(cap.clone()));
+        let other = CapabilityStore::for_service(&dir, "other");
+        assert!(other.load("app").unwrap().is_none(), "per service");
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let err = store.load(&service, "app").unwrap_err().to_string();
+        let err = store.load("app").unwrap_err().to_string();
         assert!(err.contains("others can read") && err.contains("app.capability"), "{err}");
-        store.forget(&service, "app");
-        assert!(store.load(&service, "app").unwrap().is_none());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -226,9 +226,7 @@ fn a_client_of_another_unix_user_cannot_read_a_root_applications_checkpoint() {
     std::fs::set_permissions(&intruder, std::fs::Permissions::from_mode(0o755)).unwrap();
 
     // The root application's capability file is its owner's alone.
-    let store = icheck_core::credentials::CapabilityStore::new(service.config.capability_dir());
-    let service_key = icheck_core::credentials::service_key(&service.config.effective_token());
-    let capability_file = store.path(&service_key, "alpha");
+    let capability_file = service.config.capability_store().path("alpha");
     let mode = std::fs::metadata(&capability_file).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "{}", capability_file.display());
     let stolen = kept_capability(&service.config, "alpha").unwrap();

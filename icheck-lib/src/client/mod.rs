@@ -169,7 +169,6 @@ pub struct Icheck {
 /// init: a restarted job could not prove it owns its checkpoints.
 fn keep_capability(
     store: &icheck_core::credentials::CapabilityStore,
-    service: &str,
     app: &str,
     answered: &str,
     held: Option<&str>,
@@ -178,7 +177,7 @@ fn keep_capability(
         return Ok(());
     }
     let capability = icheck_core::credentials::Capability::parse(answered, "the controller's answer")?;
-    let path = store.save(service, app, &capability)?;
+    let path = store.save(app, &capability)?;
     tracing::info!(path = %path.display(), "kept the application's capability (a restart presents it)");
     Ok(())
 }
@@ -186,9 +185,8 @@ fn keep_capability(
 impl Icheck {
     /// Rank 0 keeps the capability a (re-)registration answered.
     pub(super) fn keep_capability(&self, answered: &str) -> Result<()> {
-        let service = icheck_core::credentials::service_key(&self.access.token);
         let held = self.access.presented();
-        keep_capability(&self.capabilities, &service, &self.app, answered, held.as_deref()).map_err(Error::from)
+        keep_capability(&self.capabilities, &self.app, answered, held.as_deref()).map_err(Error::from)
     }
 }
 
@@ -327,17 +325,16 @@ impl Icheck {
             compression,
             encrypted,
         };
-        let capabilities = icheck_core::credentials::CapabilityStore::new(config.capability_dir());
-        let service = icheck_core::credentials::service_key(&token);
+        let capabilities = config.capability_store();
         if rank == 0 {
             // A restart presents the capability the first run kept; a first
             // run draws one and keeps it before it asks, so a reply lost on
             // the way (a timeout) cannot leave the application without it.
-            let held = capabilities.load(&service, app_name).and_then(|held| match held {
+            let held = capabilities.load(app_name).and_then(|held| match held {
                 Some(held) => Ok(Some(held)),
                 None => {
                     let drawn = icheck_core::credentials::Capability::generate()?;
-                    capabilities.save(&service, app_name, &drawn)?;
+                    capabilities.save(app_name, &drawn)?;
                     Ok(Some(drawn))
                 }
             });
@@ -360,7 +357,7 @@ impl Icheck {
                     let kept = match &reply {
                         ClientReply::Registered { capability, .. } => {
                             let fresh = held.as_ref().ok().and_then(Option::as_ref).map(|c| c.expose());
-                            keep_capability(&capabilities, &service, app_name, capability, fresh)
+                            keep_capability(&capabilities, app_name, capability, fresh)
                         }
                         _ => Ok(()),
                     };

@@ -202,16 +202,12 @@ impl Drop for LocalService {
 /// Removes the capabilities jobs kept for the service of `config` (its
 /// tokens are random per test, so the directory is this test's alone).
 pub fn forget_capabilities(config: &StaticConfig) {
-    let store = icheck_core::credentials::CapabilityStore::new(config.capability_dir());
-    let service = icheck_core::credentials::service_key(&config.effective_token());
-    let _ = std::fs::remove_dir_all(store.dir().join(service));
+    let _ = std::fs::remove_dir_all(config.capability_store().dir());
 }
 
 /// The capability a job of `app` kept for the service of `config`.
 pub fn kept_capability(config: &StaticConfig, app: &str) -> Option<String> {
-    let store = icheck_core::credentials::CapabilityStore::new(config.capability_dir());
-    let service = icheck_core::credentials::service_key(&config.effective_token());
-    store.load(&service, app).ok().flatten().map(|c| c.expose().to_string())
+    config.capability_store().load(app).ok().flatten().map(|c| c.expose().to_string())
 }
 
 /// A process a test started; killed (by its PID) and reaped on drop.

@@ -549,14 +549,13 @@ fn app_report(config: &StaticConfig, app: &str) -> Result<Option<icheck_core::pr
             Err(err) => Err(format!("controller unreachable ({err})")),
         };
     }
-    let store = icheck_core::credentials::CapabilityStore::new(config.capability_dir());
-    let service = icheck_core::credentials::service_key(&config.effective_token());
-    let capability = match store.load(&service, app) {
+    let store = config.capability_store();
+    let capability = match store.load(app) {
         Ok(Some(capability)) => capability.expose().to_string(),
         Ok(None) => {
             return Err(format!(
                 "not shown: this needs the admin token or {app}'s capability, and none is kept at {}",
-                store.path(&service, app).display()
+                store.path(app).display()
             ))
         }
         Err(err) => return Err(err.to_string()),
