@@ -350,12 +350,6 @@ pub fn admit_hello(hello: &Hello, accepted: &[(Privilege, &str)]) -> Result<Priv
     }
 }
 
-/// Checks a Hello against the one expected token; returns the refusal reason.
-pub fn check_hello(hello: &Hello, token: &str) -> Result<(), String> {
-    let privilege = if hello.role == Role::Client { Privilege::Client } else { Privilege::Node };
-    admit_hello(hello, &[(privilege, token)]).map(|_| ())
-}
-
 /// How the application moves data (thesis §6.2.1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -1286,6 +1280,7 @@ mod tests {
 
     #[test]
     fn hello_checks_magic_version_and_token() {
+        let check_hello = |hello: &Hello, token: &str| admit_hello(hello, &[(Privilege::Client, token)]);
         assert!(check_hello(&Hello::new("s3cret", Role::Client), "s3cret").is_ok());
         assert!(check_hello(&Hello::new("wrong", Role::Client), "s3cret").unwrap_err().contains("wrong token"));
         assert!(check_hello(&Hello::new("s3cret1", Role::Client), "s3cret").is_err());
