@@ -12,8 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::{connect_and_reset, descriptors_and_threads, resident_bytes, Job};
-use icheck_core::control::BlockingConnection;
+use common::{connect_and_reset, descriptors_and_threads, open_own_session, resident_bytes, Job};
 use icheck_core::fabric::{Domain, Endpoint};
 use icheck_core::protocol::{AgentReply, AgentRequest, DataKind, LabelLayout};
 use icheck_service::testkit::{http_get_metrics, icheck_in_target, kept_capability, LocalService};
@@ -129,21 +128,10 @@ fn another_job_with_the_client_token_cannot_touch_an_applications_checkpoints() 
 
     // The application's own session, asking for made-up versions: it may
     // neither retire its complete version nor write over it.
-    let capability = kept_capability(&service.config, "alpha").expect("the victim's job kept its capability");
     let domain = Domain::open(&service.config.fabric).unwrap();
     let endpoint = Endpoint::new(&domain).unwrap();
-    let mut conn =
-        BlockingConnection::connect(&agent, &service.config.effective_token(), Duration::from_secs(5)).unwrap();
-    conn.set_timeout(Duration::from_secs(20));
+    let mut conn = open_own_session(&service, "alpha", &agent, &endpoint, Duration::from_secs(20));
     let mut call = |request: &AgentRequest| conn.call::<_, AgentReply>(request).unwrap();
-    let open = AgentRequest::Open {
-        app: "alpha".into(),
-        rank: 0,
-        address: endpoint.address().clone(),
-        capability,
-        pfs_key: None,
-    };
-    assert_eq!(call(&open), AgentReply::Ok);
     match call(&AgentRequest::Complete { version: 1000 }) {
         AgentReply::Error(reason) => assert!(reason.contains("no such version was sealed"), "{reason}"),
         other => panic!("Complete of a made-up version was accepted: {other:?}"),
@@ -406,22 +394,11 @@ fn a_sealed_versions_memory_is_no_longer_exposed_to_the_fabric() {
     let service = service("iso-exposure");
     victim_commits(&service);
     let agent = service.status().apps[0].agents[0].clone();
-    let capability = kept_capability(&service.config, "alpha").expect("the victim's job kept its capability");
     let domain = Domain::open(&service.config.fabric).unwrap();
     let endpoint = Endpoint::new(&domain).unwrap();
     let peer = endpoint.insert_peer(&agent.address).unwrap();
-    let mut conn =
-        BlockingConnection::connect(&agent.control, &service.config.effective_token(), Duration::from_secs(5)).unwrap();
-    conn.set_timeout(Duration::from_secs(20));
+    let mut conn = open_own_session(&service, "alpha", &agent.control, &endpoint, Duration::from_secs(20));
     let mut call = |request: &AgentRequest| conn.call::<_, AgentReply>(request).unwrap();
-    let open = AgentRequest::Open {
-        app: "alpha".into(),
-        rank: 0,
-        address: endpoint.address().clone(),
-        capability,
-        pfs_key: None,
-    };
-    assert_eq!(call(&open), AgentReply::Ok);
     let len = 64 << 10;
     let label = LabelLayout { label: "x".into(), kind: DataKind::Binary, offset: 0, len: len as u64, adapt: None };
     let begin = AgentRequest::Begin { version: 4, ranks: 2, epoch: 0, labels: vec![label], push: true };

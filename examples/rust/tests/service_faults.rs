@@ -120,7 +120,6 @@ fn applications_killed_at_random_points_of_commits_always_restart() {
 /// gets a new agent on the same node, which serves the stored versions.
 #[test]
 fn an_agent_whose_rank_stops_responding_mid_commit_is_replaced() {
-    use icheck_core::control::BlockingConnection;
     use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint};
     use icheck_core::protocol::{AgentReply, AgentRequest, DataKind, LabelLayout, ProtocolError, PullSegment};
 
@@ -135,20 +134,8 @@ fn an_agent_whose_rank_stops_responding_mid_commit_is_replaced() {
     let endpoint = Endpoint::new(&domain).unwrap();
     let len = 4 << 20;
     let memory = endpoint.register(AlignedBuffer::zeroed(len), Access::REMOTE_READ).unwrap();
-    let token = service.config.effective_token();
-    let mut conn = BlockingConnection::connect(&agent.control, &token, Duration::from_secs(5)).unwrap();
-    conn.set_timeout(Duration::from_secs(60));
+    let mut conn = common::open_own_session(&service, "hung", &agent.control, &endpoint, Duration::from_secs(60));
     let mut call = |request: &AgentRequest| conn.call::<_, AgentReply>(request).unwrap();
-    // The application's own capability, as its job kept it.
-    let capability = icheck_service::testkit::kept_capability(&service.config, "hung").expect("the job kept it");
-    let open = AgentRequest::Open {
-        app: "hung".into(),
-        rank: 0,
-        address: endpoint.address().clone(),
-        capability,
-        pfs_key: None,
-    };
-    assert_eq!(call(&open), AgentReply::Ok);
     let label = LabelLayout { label: "x".into(), kind: DataKind::Binary, offset: 0, len: len as u64, adapt: None };
     let begin = AgentRequest::Begin { version: 4, ranks: 2, epoch: 0, labels: vec![label], push: false };
     assert!(matches!(call(&begin), AgentReply::Target(_)));

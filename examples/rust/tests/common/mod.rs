@@ -231,3 +231,25 @@ pub fn connect_and_reset(address: &str) {
     let stream = std::net::TcpStream::connect(address).unwrap();
     setsockopt(&stream, Linger, &nix::libc::linger { l_onoff: 1, l_linger: 0 }).unwrap();
 }
+
+/// A session with the agent at `control` as rank 0 of `app` opens it: the
+/// client token in the Hello, then `Open` with the capability `app`'s jobs
+/// kept; each answer waited for at most `timeout`.
+pub fn open_own_session(
+    service: &LocalService,
+    app: &str,
+    control: &str,
+    endpoint: &icheck_core::fabric::Endpoint,
+    timeout: Duration,
+) -> BlockingConnection {
+    use icheck_core::protocol::{AgentReply, AgentRequest};
+    let capability =
+        icheck_service::testkit::kept_capability(&service.config, app).expect("the job kept its capability");
+    let token = service.config.effective_token();
+    let mut conn = BlockingConnection::connect(control, &token, Duration::from_secs(5)).unwrap();
+    conn.set_timeout(timeout);
+    let open =
+        AgentRequest::Open { app: app.into(), rank: 0, address: endpoint.address().clone(), capability, pfs_key: None };
+    assert_eq!(conn.call::<_, AgentReply>(&open).unwrap(), AgentReply::Ok);
+    conn
+}
