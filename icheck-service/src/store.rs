@@ -291,11 +291,10 @@ impl Store {
     /// went away mid-commit). A sealed version is left alone. True if a
     /// file was deleted.
     pub fn discard_unsealed(&self, app: &str, rank: u32, version: u64) -> Result<bool> {
-        let (data, meta) = self.paths(app, rank, version)?;
-        if meta.exists() {
+        if self.is_sealed(app, rank, version) {
             return Ok(false);
         }
-        remove_if_present(&data)
+        remove_if_present(&self.paths(app, rank, version)?.0)
     }
 
     /// Deletes one stored version (manifest first, so it can no longer be
@@ -328,6 +327,11 @@ impl Store {
         }
         let mapped = map(&file, &data, manifest.total_len)?;
         Ok((manifest, mapped))
+    }
+
+    /// Whether `version` of a rank is sealed (its manifest is in place).
+    pub fn is_sealed(&self, app: &str, rank: u32, version: u64) -> bool {
+        self.paths(app, rank, version).is_ok_and(|(_, meta)| meta.exists())
     }
 
     /// Versions of a rank that have a manifest, ascending.

@@ -800,7 +800,7 @@ fn handle(
             let begun = Instant::now();
             session.abandon_writing();
             let rank = session.core.rank();
-            let stored = |v: u64| store.sealed_versions(&shared.app, rank).is_ok_and(|sealed| sealed.contains(&v));
+            let stored = |v: u64| store.is_sealed(&shared.app, rank, v);
             let checked = session.core.begin(version, ranks, epoch, labels, shared.complete(rank), stored)?;
             let (app, rank, total_len) = (session.core.app(), session.core.rank(), checked.total_len);
             let reusable = session.spare.take().filter(|spare| spare.len() as u64 == total_len.max(4096));
@@ -903,7 +903,7 @@ fn handle(
         }
         AgentRequest::Complete { version } => {
             let rank = session.core.rank();
-            let sealed = store.sealed_versions(&shared.app, rank).is_ok_and(|sealed| sealed.contains(&version));
+            let sealed = || store.is_sealed(&shared.app, rank, version);
             session.core.complete(version, shared.complete(rank), sealed)?;
             shared.completed(rank, version);
             let pruning = Instant::now();

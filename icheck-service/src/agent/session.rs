@@ -130,12 +130,18 @@ impl SessionCore {
         Ok(BeginChecked { version, ranks, epoch, labels, total_len })
     }
 
-    /// Checks a Complete of `version`: the rank sealed it (`sealed`: in the
-    /// store, or this session sealed or spilled it last) and it is not
-    /// older than the rank's newest complete version `complete`. Only then
-    /// may older versions go.
-    pub(crate) fn complete(&self, version: u64, complete: Option<u64>, sealed: bool) -> Result<(), String> {
-        if !(sealed || self.last_sealed == Some(version)) {
+    /// Checks a Complete of `version`: the rank sealed it (this session
+    /// sealed or spilled it last, or else `sealed` says the store holds it:
+    /// asked only then, it reads the store's directory) and it is not older
+    /// than the rank's newest complete version `complete`. Only then may
+    /// older versions go.
+    pub(crate) fn complete(
+        &self,
+        version: u64,
+        complete: Option<u64>,
+        sealed: impl FnOnce() -> bool,
+    ) -> Result<(), String> {
+        if !(self.last_sealed == Some(version) || sealed()) {
             return Err(format!(
                 "Complete of version {version} of rank {}: no such version was sealed here",
                 self.rank
@@ -330,15 +336,15 @@ mod tests {
         // never-completed version may be written again.
         assert!(core.begin(7, 2, 0, vec![label("a", 0, 8)], None, stored).is_ok());
         // Complete only of a sealed version, never of an older one.
-        let err = core.complete(1000, Some(7), false).unwrap_err();
+        let err = core.complete(1000, Some(7), || false).unwrap_err();
         assert!(err.contains("no such version was sealed"), "{err}");
-        assert!(core.complete(6, Some(7), true).unwrap_err().contains("complete already"));
-        assert!(core.complete(7, Some(7), true).is_ok());
+        assert!(core.complete(6, Some(7), || true).unwrap_err().contains("complete already"));
+        assert!(core.complete(7, Some(7), || true).is_ok());
         // What this session sealed (spilled versions are not in the store) may complete.
         begin(&mut core, 9, Instant::now());
         let crcs = label_crcs(&[&[0u8; 8], &[0u8; 16]]);
         core.seal(crcs, Instant::now(), 0).unwrap();
-        assert!(core.complete(9, Some(7), false).is_ok());
+        assert!(core.complete(9, Some(7), || false).is_ok());
     }
 
     #[test]
