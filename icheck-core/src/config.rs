@@ -123,6 +123,12 @@ pub struct StaticConfig {
     /// `MissedHeartbeats`.
     #[serde(rename = "TakeoverAfter", default)]
     pub takeover_after: Option<f64>,
+    /// Seconds an authenticated client connection (to the controller, or a
+    /// rank's session with its agent) may wait idle before the daemon closes
+    /// it. The library notices a closed connection and opens a new one, so
+    /// this bounds what idle clients hold, not how long jobs compute.
+    #[serde(rename = "ClientIdleTimeout", default = "default_client_idle")]
+    pub client_idle_timeout: f64,
     /// Times the controller starts a dead manager again within ten minutes
     /// (through its launcher) before it gives the node up for good.
     #[serde(rename = "ManagerRelaunches", default = "default_relaunches")]
@@ -348,6 +354,10 @@ fn default_missed() -> u32 {
     3
 }
 
+fn default_client_idle() -> f64 {
+    600.0
+}
+
 fn default_relaunches() -> u32 {
     3
 }
@@ -408,6 +418,9 @@ impl StaticConfig {
         }
         if self.takeover_after.is_some_and(|t| !(t.is_finite() && t > 0.0)) {
             return Err(invalid("TakeoverAfter", "a number of seconds greater than 0"));
+        }
+        if !(self.client_idle_timeout.is_finite() && self.client_idle_timeout > 0.0) {
+            return Err(invalid("ClientIdleTimeout", "a number of seconds greater than 0"));
         }
         if !(self.client.request_timeout.is_finite() && self.client.request_timeout > 0.0) {
             return Err(invalid("client.request_timeout", "a number of seconds greater than 0"));
@@ -554,6 +567,11 @@ impl StaticConfig {
             Some(secs) => Duration::from_secs_f64(secs),
             None => self.heartbeat() * self.missed_heartbeats.max(1),
         }
+    }
+
+    /// How long a daemon keeps an idle authenticated client connection.
+    pub fn client_idle_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.client_idle_timeout)
     }
 
     /// Heartbeat interval as a Duration.
@@ -919,12 +937,16 @@ mod tests {
         assert_eq!(two.takeover_after(), Duration::from_secs(3), "HeartBeatInterval x MissedHeartbeats");
         let set = parsed("ControllerAddress = [\"a:1\"]\nTakeoverAfter = 1.5").unwrap();
         assert_eq!(set.takeover_after(), Duration::from_millis(1500));
+        assert_eq!(two.client_idle_timeout(), Duration::from_secs(600), "the default");
+        let idle = parsed("ClientIdleTimeout = 2.5").unwrap();
+        assert_eq!(idle.client_idle_timeout(), Duration::from_millis(2500));
         for (bad, key) in [
             ("ControllerAddress = []", "ControllerAddress"),
             ("ControllerAddress = [\"a:1\", \"a:1\"]", "appears twice"),
             ("ControllerAddress = [\"\"]", "ControllerAddress"),
             ("ControllerAddress = [\"a:1\", \"b:1\", \"c:1\"]", "a primary and its standby"),
             ("TakeoverAfter = 0", "TakeoverAfter"),
+            ("ClientIdleTimeout = -1", "ClientIdleTimeout"),
         ] {
             let err = parsed(bad).unwrap_err().to_string();
             assert!(err.contains(key) && err.contains("icheck.toml"), "{bad}: {err}");

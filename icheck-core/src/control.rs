@@ -102,8 +102,15 @@ impl ControllerLink {
     /// Connects to the primary if no connection is open: one pass over the
     /// list. The error names every controller and why it was not used.
     pub fn connect(&mut self) -> Result<(), ServiceError> {
-        if self.current.is_some() {
-            return Ok(());
+        if let Some(current) = &self.current {
+            if !current.is_stale() {
+                return Ok(());
+            }
+            // Idle past the controller's `ClientIdleTimeout` (or the
+            // controller restarted): nothing was asked on it, so a new
+            // connection loses nothing.
+            tracing::debug!(controller = %current.peer(), "the controller closed the idle connection; connecting again");
+            self.current = None;
         }
         let mut why = Vec::new();
         let mut last = None;
@@ -258,6 +265,23 @@ impl BlockingConnection {
     /// The peer's address.
     pub fn peer(&self) -> &str {
         &self.peer
+    }
+
+    /// Whether this connection can no longer carry a request: the peer
+    /// closed it (a daemon closes idle client connections after
+    /// `ClientIdleTimeout`) or sent something nobody asked for, which
+    /// leaves the stream out of step. Looks without waiting or consuming.
+    pub fn is_stale(&self) -> bool {
+        if self.stream.set_nonblocking(true).is_err() {
+            return true;
+        }
+        let mut byte = [0u8; 1];
+        let stale = match self.stream.peek(&mut byte) {
+            // End of stream, or an unasked-for byte.
+            Ok(_) => true,
+            Err(err) => err.kind() != std::io::ErrorKind::WouldBlock,
+        };
+        stale || self.stream.set_nonblocking(false).is_err()
     }
 
     /// Sends a request and waits for its reply.

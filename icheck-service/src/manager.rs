@@ -70,6 +70,7 @@ pub fn agent_settings(config: &StaticConfig, node: &str) -> AgentSettings {
         host: config.agent_address.clone(),
         store: Store::new(config.agent_store_dir.join(node)),
         pfs: config.pfs_dir.clone().map(icheck_core::pfs::PfsStore::new),
+        idle_timeout: config.client_idle_timeout(),
     }
 }
 

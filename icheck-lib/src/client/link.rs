@@ -25,6 +25,11 @@ pub(super) struct AgentLink {
     pub(super) conn: BlockingConnection,
     /// How long a request that moves no data may wait for its answer.
     pub(super) request_timeout: Duration,
+    /// What opening the session again takes (after the agent closed it
+    /// idle): the token, the connect bound and the `Open` request.
+    token: String,
+    connect_timeout: Duration,
+    open: AgentRequest,
     /// The agent spilled the last sealed version to the PFS (its memory
     /// budget was used up); the controller must have it copied.
     pub(super) spilled: bool,
@@ -50,15 +55,58 @@ impl AgentLink {
             BlockingConnection::connect(&info.control, &access.token, timeout).map_err(|e| fail(e.to_string()))?;
         conn.set_timeout(request_timeout);
         let peer = endpoint.insert_peer(&info.address)?;
-        let mut link = AgentLink { info: info.clone(), peer, conn, request_timeout, spilled: false };
-        link.call(&AgentRequest::Open {
+        let open = AgentRequest::Open {
             app: app.to_string(),
             rank,
             address: endpoint.address().clone(),
             capability: access.capability.clone(),
             pfs_key: access.pfs_key.as_ref().map(|k| *k.bytes()),
-        })?;
+        };
+        let mut link = AgentLink {
+            info: info.clone(),
+            peer,
+            conn,
+            request_timeout,
+            token: access.token.clone(),
+            connect_timeout: timeout,
+            open: open.clone(),
+            spilled: false,
+        };
+        link.call(&open)?;
         Ok(link)
+    }
+
+    /// Opens the session again if the agent closed it while it was idle
+    /// (`ClientIdleTimeout`: a job may compute for hours between commits).
+    /// Called only where a request starts a new exchange (Begin, Fetch), so
+    /// no half-done commit or restart is ever continued on a new session.
+    fn reopen_if_closed(&mut self) -> Result<()> {
+        if !self.conn.is_stale() {
+            return Ok(());
+        }
+        tracing::info!(agent = self.info.id, peer = %self.info.control, "the agent closed this idle session; opening a new one");
+        let mut conn = BlockingConnection::connect(&self.info.control, &self.token, self.connect_timeout)
+            .map_err(|e| self.error(e.to_string()))?;
+        conn.set_timeout(self.request_timeout);
+        self.conn = conn;
+        let open = self.open.clone();
+        self.call(&open).map(|_| ())
+    }
+
+    /// Asks for `version` to restart from (on a session opened again if the
+    /// agent closed the idle one).
+    pub(super) fn fetch(&mut self, version: u64) -> Result<AgentReply> {
+        self.reopen_if_closed()?;
+        self.call(&AgentRequest::Fetch { version })
+    }
+
+    /// Tells the agent the restart data is no longer needed. A session the
+    /// agent closed meanwhile released it already.
+    pub(super) fn fetch_done(&mut self) -> Result<()> {
+        if self.conn.is_stale() {
+            return Ok(());
+        }
+        self.call(&AgentRequest::FetchDone).map(|_| ())
     }
 
     pub(super) fn error(&self, message: String) -> Error {
@@ -97,6 +145,7 @@ impl AgentLink {
         push: bool,
     ) -> Result<RemoteRegion> {
         let Shape { ranks, epoch } = shape;
+        self.reopen_if_closed()?;
         match self.call(&AgentRequest::Begin { version, ranks, epoch, labels, push })? {
             AgentReply::Target(region) => Ok(region),
             other => Err(self.error(format!("unexpected answer to Begin: {other:?}"))),

@@ -91,7 +91,7 @@ impl OldRank {
 impl Drop for OldRank {
     fn drop(&mut self) {
         if let OldRank::Agent { link, .. } = self {
-            if let Err(err) = link.call(&AgentRequest::FetchDone) {
+            if let Err(err) = link.fetch_done() {
                 tracing::debug!(%err, "agent did not acknowledge the end of a read of an old rank");
             }
         }

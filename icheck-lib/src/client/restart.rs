@@ -183,7 +183,7 @@ impl Icheck {
         icheck_core::failpoint::hit("client.before_fetch");
         // The agent may check (or read from the PFS) the whole version first.
         link.expect_bytes(bytes);
-        let reply = link.call(&AgentRequest::Fetch { version })?;
+        let reply = link.fetch(version)?;
         // From the agent: checked before any offset in it is used.
         let Fetched { manifest, region, damaged } =
             check_fetched(reply, wanted).map_err(|e| link.error(format!("version {version}: {e}")))?;
@@ -196,7 +196,7 @@ impl Icheck {
     pub(super) fn release_restart(&mut self) {
         if self.restored.take().is_some_and(|r| matches!(r.data, RestoredData::Agent(_))) {
             if let Some(link) = self.link.as_mut() {
-                if let Err(err) = link.call(&AgentRequest::FetchDone) {
+                if let Err(err) = link.fetch_done() {
                     tracing::warn!(%err, "agent did not acknowledge the end of a restart");
                 }
             }

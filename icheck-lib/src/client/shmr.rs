@@ -194,11 +194,7 @@ impl Icheck {
         let wanted = FetchWanted { app: &self.app, rank: self.comm.node_index(), version };
         let bytes = self.version_bytes();
         let fetched: std::result::Result<(Manifest, RemoteRegion), String> = match self.link.as_mut() {
-            Some(link) => match link
-                .expect_bytes(bytes)
-                .call(&AgentRequest::Fetch { version })
-                .map(|reply| check_fetched(reply, wanted))
-            {
+            Some(link) => match link.expect_bytes(bytes).fetch(version).map(|reply| check_fetched(reply, wanted)) {
                 Ok(Ok(Fetched { damaged: Some(damage), .. })) => Err(damage),
                 Ok(Ok(Fetched { manifest, region, damaged: None })) => Ok((manifest, region)),
                 Ok(Err(refused)) => Err(refused.to_string()),
@@ -243,7 +239,7 @@ impl Icheck {
                     }
                 }
             }
-            if let Err(err) = link.call(&AgentRequest::FetchDone) {
+            if let Err(err) = link.fetch_done() {
                 tracing::warn!(%err, "agent did not acknowledge the end of a restart");
             }
         }

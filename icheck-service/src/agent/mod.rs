@@ -41,8 +41,6 @@ use session::{admit, Abandoned, Found, Sealed, Serve, SessionCore};
 
 /// Bytes of the probe region every agent exposes for reachability checks.
 pub const PROBE_LEN: usize = 4096;
-/// How long a session waits for the rank's next request before giving up on it.
-const SESSION_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 /// Bytes of the registered buffer a spilling session pulls through.
 const SPILL_STAGING: u64 = 16 << 20;
 /// Time to reach the agent a rank is taken over from.
@@ -72,6 +70,9 @@ pub struct AgentSettings {
     /// The PFS level, if configured: copies go there, and versions missing
     /// from the store are loaded from there.
     pub pfs: Option<icheck_core::pfs::PfsStore>,
+    /// How long a session waits for its rank's next request before it is
+    /// closed (`ClientIdleTimeout`; the library then opens a new one).
+    pub idle_timeout: Duration,
 }
 
 /// Counters an agent keeps for the manager's status reports.
@@ -163,7 +164,7 @@ impl Shared {
     }
 
     /// Shuts every open session's socket down, so session threads waiting
-    /// for their rank (up to `SESSION_IDLE_TIMEOUT`) end now.
+    /// for their rank (up to `ClientIdleTimeout`) end now.
     fn end_sessions(&self) {
         for (_, session) in self.sessions.lock().unwrap_or_else(|p| p.into_inner()).drain() {
             let _ = session.shutdown(Shutdown::Both);
@@ -580,6 +581,7 @@ fn advance_handshake(
         let _span = tracing::info_span!("session", agent = session_shared.id, %peer).entered();
         match serve_session(&session_shared, stream, privilege) {
             Ok(()) | Err(SessionEnd::Closed) => tracing::debug!("session ended"),
+            Err(SessionEnd::Idle(waited)) => tracing::info!(?waited, "closed an idle session"),
             Err(SessionEnd::Failed(err)) => tracing::warn!(%err, "session dropped"),
         }
     });
@@ -620,7 +622,11 @@ impl Drop for SessionRegistration {
 }
 
 enum SessionEnd {
+    /// The rank closed it.
     Closed,
+    /// The rank sent nothing for `ClientIdleTimeout`; it opens a new
+    /// session when it needs one.
+    Idle(Duration),
     Failed(String),
 }
 
@@ -732,8 +738,12 @@ fn serve_session(shared: &Shared, mut stream: TcpStream, privilege: Privilege) -
     };
     let caller = Caller { privilege, seen_uid };
     let mut session: Option<Session> = None;
+    let mut wait = HANDSHAKE_TIMEOUT;
     loop {
-        let request: AgentRequest = protocol::recv_blocking(&mut stream, SESSION_IDLE_TIMEOUT)?;
+        let request: AgentRequest = match protocol::recv_blocking(&mut stream, wait) {
+            Err(ProtocolError::Timeout(_)) if session.is_some() => return Err(SessionEnd::Idle(wait)),
+            request => request?,
+        };
         let reply = match handle(shared, &mut session, request, caller) {
             Ok(reply) => reply,
             Err(message) => {
@@ -747,7 +757,8 @@ fn serve_session(shared: &Shared, mut stream: TcpStream, privilege: Privilege) -
             return Err(SessionEnd::Failed("closed: the session was not opened".into()));
         };
         session.retired.clear();
-        let _ = stream.set_read_timeout(Some(SESSION_IDLE_TIMEOUT));
+        wait = shared.settings.idle_timeout;
+        let _ = stream.set_read_timeout(Some(wait));
     }
 }
 

@@ -135,6 +135,8 @@ struct Shared {
     pfs: Option<icheck_core::pfs::PfsStore>,
     heartbeat: Duration,
     missed: u32,
+    /// `ClientIdleTimeout`: a client connection silent this long is closed.
+    client_idle: Duration,
     /// How dead managers are started again, if at all.
     launcher: Option<Arc<dyn Launcher>>,
     /// `ManagerRelaunches`.
@@ -381,6 +383,7 @@ async fn run(
         pfs,
         heartbeat: config.heartbeat(),
         missed: config.missed_heartbeats,
+        client_idle: config.client_idle_timeout(),
         launcher,
         relaunch_limit: config.manager_relaunches,
         state: Mutex::new(State {
@@ -1267,7 +1270,16 @@ async fn serve_client(
     // The Unix user behind a local client's socket (None: another host).
     let seen_uid = stream.local_addr().ok().and_then(|local| crate::peercred::socket_owner(local, peer));
     loop {
-        let request: ClientRequest = framing::recv_limited(&mut stream, protocol::MAX_CLIENT_REQUEST).await?;
+        // An idle client holds a descriptor and a task: after
+        // `ClientIdleTimeout` it is closed (the library opens a new
+        // connection when it next needs one). A frame read cut short leaves
+        // the stream mid-frame, which is why the connection ends here.
+        let next = framing::recv_limited(&mut stream, protocol::MAX_CLIENT_REQUEST);
+        let Ok(request) = tokio::time::timeout(shared.client_idle, next).await else {
+            tracing::debug!(%peer, idle = ?shared.client_idle, "closed an idle client connection");
+            return Ok(());
+        };
+        let request: ClientRequest = request?;
         // Checked before anything is done: a primary paused past its lease
         // finds requests queued meanwhile, and must not act on them. A
         // status report acts on nothing: it is always answered.

@@ -32,6 +32,8 @@ pub struct UpOptions {
     pub standby: bool,
     /// `TakeoverAfter` (unset: heartbeat × missed heartbeats).
     pub takeover_after: Option<f64>,
+    /// `ClientIdleTimeout`: seconds daemons keep an idle client connection.
+    pub client_idle_timeout: f64,
 }
 
 /// Journal directory of the local standby controller, inside the state directory.
@@ -110,7 +112,7 @@ fn write_static(dir: &Path, port: u16, standby: Option<u16>, tokens: &Tokens, op
          {controllers}\nControllerPort = {port}\nMetricsPort = 0\nToken = \"{client}\"\n\
          AdminToken = \"{admin}\"\nNodeToken = \"{node}\"\n\
          HeartBeatInterval = {hb}\nStatusMessageInterval = {hb}\nDynamicConfig = \"dynamic.toml\"\n\
-         ManagerRelaunches = {relaunches}\n\
+         ManagerRelaunches = {relaunches}\nClientIdleTimeout = {idle}\n\
          AgentStoreDir = \"{store}\"\nPfsDir = \"{pfs}\"\n\n\
          [fabric]\nprovider = \"{provider}\"\n\n\
          # How applications move data; ICHECK_TRANSFER and ICHECK_MODE override.\n\
@@ -124,6 +126,7 @@ fn write_static(dir: &Path, port: u16, standby: Option<u16>, tokens: &Tokens, op
         node = tokens.node,
         hb = options.heartbeat,
         relaunches = options.manager_relaunches,
+        idle = options.client_idle_timeout,
         provider = options.provider,
         store = options
             .store_dir

@@ -69,6 +69,11 @@ enum Command_ {
         /// over (TakeoverAfter; default: heartbeat × 3).
         #[arg(long, requires = "standby")]
         takeover_after: Option<f64>,
+        /// Seconds the controller and the agents keep an idle client
+        /// connection open (ClientIdleTimeout). Jobs open a new one when
+        /// they next commit, so this bounds what idle clients hold.
+        #[arg(long, default_value_t = 600.0)]
+        client_idle_timeout: f64,
     },
     /// Stop the service that `icheck up` started in a state directory.
     ///
@@ -404,6 +409,7 @@ fn run(cli: Cli) -> Result<()> {
             manager_relaunches,
             standby,
             takeover_after,
+            client_idle_timeout,
         } => {
             let options = local::UpOptions {
                 state_dir: state_dir.clone(),
@@ -415,6 +421,7 @@ fn run(cli: Cli) -> Result<()> {
                 manager_relaunches,
                 standby,
                 takeover_after,
+                client_idle_timeout,
             };
             let config_path = local::up(&options)?;
             let config = icheck_core::config::StaticConfig::load(&config_path)?;
