@@ -9,7 +9,6 @@ use super::*;
 pub(super) struct Background {
     pub(super) link: AgentLink,
     pub(super) staging: Option<RegisteredBuffer>,
-    pub(super) segment_region: Option<MemoryRegion>,
     pub(super) result: Result<()>,
 }
 
@@ -431,7 +430,7 @@ impl Icheck {
                 let header = VersionHeader { version, shape, layout, push };
                 let registered = Some((staging.source(), staging.remote()));
                 let result = commit_buffer(&mut link, &endpoint, header, registered, bytes).map(|_| ());
-                Background { link, staging: Some(staging), segment_region: None, result }
+                Background { link, staging: Some(staging), result }
             })
             .map_err(|e| Error::Unsupported(format!("cannot start the async commit thread: {e}")))?;
         self.in_flight =
@@ -454,9 +453,6 @@ impl Icheck {
                 self.link = Some(background.link);
                 if let Some(staging) = background.staging {
                     self.staging = Some(staging.into_inner());
-                }
-                if background.segment_region.is_some() {
-                    self.segment_region = background.segment_region;
                 }
                 background.result
             }

@@ -134,9 +134,6 @@ pub struct Icheck {
     t_wait: Duration,
     /// What registration needs, to try the service again.
     registration: AppRegistration,
-    /// SHMR, node leader: the segment's registration (renewed when it
-    /// grows). Declared before `segment` so it is dropped first.
-    segment_region: Option<MemoryRegion>,
     /// SHMR: this node's shared segment (mapped by every node process).
     segment: Option<NodeSegment>,
     labels: Vec<Label>,
@@ -180,6 +177,18 @@ fn keep_capability(
     let path = store.save(app, &capability)?;
     tracing::info!(path = %path.display(), "kept the application's capability (a restart presents it)");
     Ok(())
+}
+
+impl Drop for Icheck {
+    /// An asynchronous commit still running reads the SHMR segment through
+    /// raw pointers: it must end before the segment is unmapped, so a
+    /// handle dropped without `wait` or `finalize` still waits for it (its
+    /// version stays incomplete).
+    fn drop(&mut self) {
+        if let Some(handle) = self.in_flight.take().and_then(|in_flight| in_flight.handle) {
+            let _ = handle.join();
+        }
+    }
 }
 
 impl Icheck {
@@ -449,7 +458,6 @@ impl Icheck {
             t_wait,
             registration,
             segment: None,
-            segment_region: None,
             labels: Vec::new(),
             latest,
             epoch,

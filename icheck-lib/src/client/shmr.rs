@@ -45,22 +45,32 @@ impl Icheck {
         if segment.len() >= len {
             return Ok(());
         }
-        self.segment_region = None;
         let grown = if leader { segment.grow_file(len) } else { Ok(()) };
         let all_grown = self.comm.node_broadcast(vec![u8::from(grown.is_ok())]) == [1];
         grown.map_err(|e| shmr_error("cannot grow", e))?;
         if !all_grown {
             return Err(Error::Unsupported("SHMR segment: the node leader could not grow it".into()));
         }
-        segment.remap().map_err(|e| shmr_error("cannot map", e))?;
-        if leader && segment.len() > 0 {
-            // SAFETY: the mapping stays in place until `segment_region`
-            // is dropped (before any remap, and before `segment` itself).
-            let region =
-                unsafe { self.endpoint.register_raw(segment.as_mut_ptr(), segment.len(), Access::REMOTE_READ_WRITE)? };
-            self.segment_region = Some(region);
+        segment.remap().map_err(|e| shmr_error("cannot map", e))
+    }
+
+    /// Registers the first `len` bytes of the node segment for one commit
+    /// (node leader): the agent reads them (pull), or the leader writes
+    /// from them (push). Peers never write into the segment. Dropping the
+    /// region ends its exposure to the fabric, so the node's data is
+    /// reachable only while a commit moves it.
+    fn register_segment(&mut self, len: usize) -> Result<Option<MemoryRegion>> {
+        let segment = self.segment.as_mut().ok_or(Error::Order("the SHMR segment is gone"))?;
+        if len == 0 {
+            return Ok(None);
         }
-        Ok(())
+        // SAFETY: `ensure_segment` mapped at least `len` bytes, and the
+        // mapping stays in place while the region lives: only
+        // `ensure_segment` remaps it, and every caller of that (commit,
+        // restart, finalize) first waits for the commit holding the region;
+        // `Icheck`'s drop waits for it too.
+        let region = unsafe { self.endpoint.register_raw(segment.as_mut_ptr(), len, Access::REMOTE_READ)? };
+        Ok(Some(region))
     }
 
     /// SHMR commit: every node process copies its labels into the node
@@ -85,7 +95,13 @@ impl Icheck {
             }
             return Ok(0);
         };
-        let region = self.segment_region.take();
+        let region = match self.register_segment(total as usize) {
+            Ok(region) => region,
+            Err(err) => {
+                self.link = Some(link);
+                return Err(err);
+            }
+        };
         let segment = self.segment.as_ref().expect("ensured");
         // The segment is neither remapped nor written until this version
         // completes: every later call that could do so waits first.
@@ -105,7 +121,7 @@ impl Icheck {
         if !self.asynchronous {
             let result = send(&mut link, region.as_ref());
             self.link = Some(link);
-            self.segment_region = region;
+            // The region is dropped here: the segment leaves the fabric.
             return result.map(|_| total);
         }
         let span = tracing::Span::current();
@@ -114,7 +130,9 @@ impl Icheck {
             .spawn(move || {
                 let _entered = span.enter();
                 let result = send(&mut link, region.as_ref());
-                Background { link, staging: None, segment_region: region, result }
+                // Deregistered before the commit counts as finished.
+                drop(region);
+                Background { link, staging: None, result }
             })
             .map_err(|e| Error::Unsupported(format!("cannot start the async commit thread: {e}")))?;
         let layout = Some(kept_layout);
@@ -128,11 +146,15 @@ impl Icheck {
     pub(super) fn restore_segment(&mut self, version: u64, layout: Vec<LabelLayout>) -> Result<u64> {
         let push = self.direction == TransferDirection::Push;
         let shape = self.shape(self.comm.node_counts().0);
-        let Some(link) = self.link.as_mut() else { return Ok(0) };
+        if self.link.is_none() {
+            return Ok(0);
+        }
         let total: u64 = layout.iter().map(|l| l.len).sum();
+        let region = self.register_segment(total as usize)?;
         let segment = self.segment.as_ref().ok_or(Error::Order("the SHMR segment is gone"))?;
         let bytes = &segment.as_slice()[..total as usize];
-        let registered = self.segment_region.as_ref().map(|r| (r.source(), r.remote()));
+        let link = self.link.as_mut().expect("checked above");
+        let registered = region.as_ref().map(|r| (r.source(), r.remote()));
         if registered.is_none() && total > 0 {
             return Err(Error::Order("the SHMR segment is not registered"));
         }
