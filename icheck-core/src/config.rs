@@ -21,6 +21,8 @@ pub const NODE_TOKEN_ENV: &str = "ICHECK_NODE_TOKEN";
 pub const CAPABILITY_DIR_ENV: &str = "ICHECK_CAPABILITY_DIR";
 /// Environment variable that overrides `client.encryption`.
 pub const ENCRYPTION_ENV: &str = "ICHECK_ENCRYPTION";
+/// Environment variable that overrides `client.redundancy`.
+pub const REDUNDANCY_ENV: &str = "ICHECK_REDUNDANCY";
 /// Environment variable holding a user-supplied key for encrypted PFS
 /// copies (64 hex digits) instead of the one derived from the capability.
 pub const ENCRYPTION_KEY_ENV: &str = "ICHECK_ENCRYPTION_KEY";
@@ -227,9 +229,22 @@ pub struct ClientConfig {
     /// (encrypted with the application's key: derived from its capability,
     /// or `ICHECK_ENCRYPTION_KEY`). `ICHECK_ENCRYPTION` overrides it.
     pub encryption: String,
+    /// Protection against lost checkpoint nodes this application asks for:
+    /// `"none"`, `"partner"`, `"partner:C"` or `"rs:K+M"`; unset: the
+    /// service's default (the dynamic configuration's `redundancy`).
+    /// `ICHECK_REDUNDANCY` overrides it.
+    pub redundancy: Option<String>,
 }
 
 impl ClientConfig {
+    /// The `redundancy` key (or `ICHECK_REDUNDANCY`); `None`: the service decides.
+    pub fn redundancy(&self) -> Result<Option<crate::redundancy::Redundancy>, String> {
+        match std::env::var(REDUNDANCY_ENV).ok().or_else(|| self.redundancy.clone()) {
+            None => Ok(None),
+            Some(text) => text.parse().map(Some).map_err(|e: crate::redundancy::RedundancyError| e.to_string()),
+        }
+    }
+
     /// The `encryption` key (or `ICHECK_ENCRYPTION`): whether PFS copies
     /// are encrypted.
     pub fn encrypted(&self) -> Result<bool, String> {
@@ -280,6 +295,7 @@ impl Default for ClientConfig {
             request_timeout: 30.0,
             capability_dir: None,
             encryption: "none".into(),
+            redundancy: None,
         }
     }
 }
@@ -706,6 +722,31 @@ pub struct DynamicConfig {
     /// version with the new size.
     #[serde(default = "default_agent_change_strategy")]
     pub agent_change_strategy: AgentChangeStrategy,
+    /// Protection of versions against lost checkpoint nodes for
+    /// applications that do not ask for their own (`client.redundancy`):
+    /// `"none"`, `"partner"`, `"partner:C"` or `"rs:K+M"`. With
+    /// `force_config`, it applies to every application.
+    #[serde(default)]
+    pub redundancy: crate::redundancy::Redundancy,
+    /// Probability that a checkpoint node fails before the next version,
+    /// for the exposure `icheck status` prints (the data-loss model).
+    #[serde(default = "default_node_failure")]
+    pub node_failure_probability: f64,
+}
+
+fn default_node_failure() -> f64 {
+    0.001
+}
+
+impl DynamicConfig {
+    /// The redundancy `registration` gets: its own, unless this
+    /// configuration forces its own or the application asks for none.
+    pub fn redundancy_for(&self, registration: &crate::protocol::AppRegistration) -> crate::redundancy::Redundancy {
+        match registration.redundancy {
+            Some(asked) if !self.force_config => asked,
+            _ => self.redundancy,
+        }
+    }
 }
 
 fn default_agent_change_strategy() -> AgentChangeStrategy {
@@ -782,6 +823,9 @@ impl DynamicConfig {
         }
         if config.factor < 2 {
             return Err(invalid("factor", "at least 2"));
+        }
+        if !(0.0..=1.0).contains(&config.node_failure_probability) {
+            return Err(invalid("node_failure_probability", "a probability from 0 to 1"));
         }
         Ok(config)
     }

@@ -387,6 +387,7 @@ mod tests {
             pfs_interval: 0,
             compression: crate::pfs::CompressionPolicy::Never,
             encrypted: false,
+            redundancy: None,
         }
     }
 

@@ -33,4 +33,5 @@ pub mod monitor;
 pub mod pattern;
 pub mod pfs;
 pub mod protocol;
+pub mod redundancy;
 pub mod units;

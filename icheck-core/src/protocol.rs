@@ -380,6 +380,11 @@ pub struct AppRegistration {
     /// PFS copies are encrypted (AES-256-GCM) with the application's key,
     /// which only its ranks hold (agents get it at `Open`).
     pub encrypted: bool,
+    /// The redundancy the application asks for (`client.redundancy`,
+    /// `ICHECK_REDUNDANCY`); `None`: the service's default (the dynamic
+    /// configuration's `redundancy`).
+    #[serde(default)]
+    pub redundancy: Option<crate::redundancy::Redundancy>,
 }
 
 /// An agent as the application sees it.
@@ -477,13 +482,25 @@ pub enum ManagerToController {
         result: Result<(Vec<crate::pfs::RankEntry>, PfsCopyStats), String>,
     },
     /// An agent took over a rank's newest version from another agent
-    /// (after a change of the application's agents).
+    /// (after a change of the application's agents), or rebuilt it from
+    /// redundancy.
     TookOver {
         /// The agent that now holds the rank.
         agent: u64,
         /// Rank (MR) or node index (SHMR).
         rank: u32,
         /// Bytes it moved, or why it could not.
+        result: Result<u64, String>,
+    },
+    /// An agent built (or could not build) a piece of redundancy.
+    Protected {
+        /// The agent.
+        agent: u64,
+        /// The version it protects.
+        version: u64,
+        /// The piece.
+        piece: crate::redundancy::PieceId,
+        /// Bytes it holds, or why it could not.
         result: Result<u64, String>,
     },
 }
@@ -556,6 +573,34 @@ pub enum ControllerToManager {
         id: u64,
         /// Also delete the application's checkpoints from the node's store.
         discard: bool,
+    },
+    /// Build a piece of redundancy for a complete version at `agent`, from
+    /// the primaries of the ranks it protects (agent to agent, by RMA).
+    Protect {
+        /// The agent that builds and keeps it.
+        agent: u64,
+        /// What to build.
+        task: PieceTask,
+    },
+    /// Rebuild `rank`'s `version` at `agent` (its primary was lost with its
+    /// node) from copies or the surviving shards of its group.
+    Rebuild {
+        /// The agent that serves the rank now.
+        agent: u64,
+        /// Rank (MR) or node index (SHMR).
+        rank: u32,
+        /// The version.
+        version: u64,
+        /// Where it is rebuilt from.
+        source: RebuildSource,
+    },
+    /// Delete the application's pieces of redundancy for versions older
+    /// than `below` (a newer one is protected).
+    DropPieces {
+        /// Application.
+        app: String,
+        /// The newest protected version.
+        below: u64,
     },
 }
 
@@ -749,6 +794,26 @@ pub struct AppReport {
     /// every store that reported after a restart, or its node died).
     #[serde(default)]
     pub dropped: Vec<String>,
+    /// Its redundancy policy across checkpoint nodes.
+    #[serde(default)]
+    pub redundancy: crate::redundancy::Redundancy,
+    /// Newest version whose redundancy is in place (every copy or parity
+    /// shard built), if any.
+    #[serde(default)]
+    pub protected: Option<u64>,
+    /// The version whose redundancy is being built.
+    #[serde(default)]
+    pub protecting: Option<u64>,
+    /// A rebuild after a lost node is under way.
+    #[serde(default)]
+    pub rebuilding: bool,
+    /// Why the newest version is not protected (or cannot be rebuilt).
+    #[serde(default)]
+    pub protection_problem: Option<String>,
+    /// Probability that the newest version is lost, from the data-loss
+    /// model with the configured `node_failure_probability`.
+    #[serde(default)]
+    pub exposure: Option<f64>,
 }
 
 /// What went wrong with an application's agent copies to the PFS: every
@@ -903,6 +968,113 @@ pub enum AgentRequest {
     },
     /// The rank has read what Fetch exposed.
     FetchDone,
+    /// Another agent (node token only) reads a piece of redundancy this
+    /// agent holds for `version`; replies [`AgentReply::Piece`]. Ended,
+    /// like a Fetch, by `FetchDone`.
+    FetchPiece {
+        /// Version number.
+        version: u64,
+        /// Which piece.
+        piece: crate::redundancy::PieceId,
+    },
+}
+
+/// What a stored piece of redundancy is: written beside its data, and all
+/// a rebuild needs besides the survivors' bytes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PieceMeta {
+    /// A whole copy of a rank's version; the data verifies against it.
+    Copy(Manifest),
+    /// A parity shard of a Reed-Solomon group.
+    Parity(ParityMeta),
+}
+
+/// A parity shard's description.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParityMeta {
+    /// Application.
+    pub app: String,
+    /// Version.
+    pub version: u64,
+    /// The group, in the plan's order.
+    pub group: u32,
+    /// This shard's index among the group's parity shards.
+    pub index: u8,
+    /// Parity shards of the group (M).
+    pub parity: u8,
+    /// Bytes of every shard of the group (the longest member, rounded up
+    /// to even; shorter members count as zero-padded).
+    pub shard_len: u64,
+    /// Each member's manifest in shard order (`None`: a shard of zeros):
+    /// what a member rebuilt from the shards is verified against.
+    pub members: Vec<Option<Manifest>>,
+    /// crc32c of each [`STRIPE`] of this shard's bytes.
+    pub crcs: Vec<u32>,
+}
+
+/// Bytes of each shard coded at once: parity is built and decoded a stripe
+/// at a time, through buffers of this size.
+pub const STRIPE: u64 = 1 << 20;
+
+impl ParityMeta {
+    /// Checks what a peer or a file says before its lengths are used: K
+    /// and M in range, every member a valid manifest of this version no
+    /// longer than the shard, one checksum per stripe.
+    pub fn validate(&self) -> Result<(), String> {
+        let k = self.members.len();
+        if k == 0 || k > usize::from(crate::redundancy::MAX_DATA_SHARDS) {
+            return Err(format!("{k} data shards"));
+        }
+        if self.parity == 0 || self.parity > crate::redundancy::MAX_PARITY_SHARDS || self.index >= self.parity {
+            return Err(format!("parity shard {} of {}", self.index, self.parity));
+        }
+        if !self.shard_len.is_multiple_of(2) || self.shard_len == 0 {
+            return Err(format!("shard length {} is not a positive even number", self.shard_len));
+        }
+        for member in self.members.iter().flatten() {
+            member.validate().map_err(|e| e.to_string())?;
+            if member.app != self.app || member.version != self.version || member.total_len > self.shard_len {
+                return Err(format!("member rank {} does not belong to this group", member.rank));
+            }
+        }
+        if self.crcs.len() as u64 != self.shard_len.div_ceil(STRIPE) {
+            return Err(format!("{} stripe checksums for {} bytes", self.crcs.len(), self.shard_len));
+        }
+        Ok(())
+    }
+}
+
+/// A piece of redundancy to build at an agent ([`ControllerToManager::Protect`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PieceTask {
+    /// The complete version it protects.
+    pub version: u64,
+    /// The piece.
+    pub piece: crate::redundancy::PieceId,
+    /// The ranks it is made of, in shard order, each with the agent holding
+    /// its primary copy (`None`: a shard of zeros). A copy has one.
+    pub members: Vec<Option<(u32, AgentInfo)>>,
+    /// Parity shards of the group (M; 0 for a copy).
+    pub parity: u8,
+}
+
+/// Where a lost rank's version is rebuilt from ([`ControllerToManager::Rebuild`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RebuildSource {
+    /// Copies of the rank, at these agents (tried in order).
+    Copies(Vec<AgentInfo>),
+    /// The rank's Reed-Solomon group.
+    Decode {
+        /// The group, in the plan's order.
+        group: u32,
+        /// The rank's shard index in the group.
+        shard: u8,
+        /// The group's members in shard order with the agents holding their
+        /// primaries: `None` for zeros, and no agent for a lost one.
+        members: Vec<Option<(u32, Option<AgentInfo>)>>,
+        /// The agents holding each parity shard (`None`: lost).
+        parity: Vec<Option<AgentInfo>>,
+    },
 }
 
 /// What a Fetch is for: the version asked for, and the application and
@@ -1017,6 +1189,13 @@ pub enum AgentReply {
     },
     /// The request failed.
     Error(String),
+    /// A piece of redundancy and the registered memory holding its data.
+    Piece {
+        /// What the piece is.
+        meta: PieceMeta,
+        /// Its data, readable by the asking agent.
+        region: RemoteRegion,
+    },
 }
 
 /// Everything the controller knows, for `icheck status`.
@@ -1157,6 +1336,7 @@ mod tests {
             pfs_interval: 0,
             compression: crate::pfs::CompressionPolicy::Never,
             encrypted: false,
+            redundancy: None,
         };
         let msg = ClientRequest::RegisterApp { registration, capability: Some("00ff".repeat(8)), uid: 1000 };
         let mut bytes = encode(&msg).unwrap();

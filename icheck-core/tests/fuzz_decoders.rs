@@ -70,6 +70,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         pfs_interval: 2,
         compression: icheck_core::pfs::CompressionPolicy::Never,
         encrypted: false,
+        redundancy: None,
     };
     let cap = "00112233445566778899aabbccddeeff".to_string();
     let enc = |bytes: Result<Vec<u8>, protocol::ProtocolError>| bytes.expect("seeds encode");

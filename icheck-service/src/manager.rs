@@ -346,6 +346,37 @@ async fn session(
                     }
                 });
             }
+            ControllerToManager::Protect { agent, task } => {
+                let (version, piece) = (task.version, task.piece);
+                let job = agent_job(agents, agent, |a| a.protect_job(task));
+                let tx = tx.clone();
+                tokio::task::spawn_blocking(move || {
+                    let result = job.and_then(|job| job());
+                    if let Err(reason) = &result {
+                        tracing::warn!(agent, version, %piece, %reason, "building a piece of redundancy failed");
+                    }
+                    let _ = tx.send(ManagerToController::Protected { agent, version, piece, result });
+                });
+            }
+            ControllerToManager::Rebuild { agent, rank, version, source } => {
+                let job = agent_job(agents, agent, |a| a.rebuild_job(rank, version, source));
+                let tx = tx.clone();
+                tokio::task::spawn_blocking(move || {
+                    let result = job.and_then(|job| job());
+                    if let Err(reason) = &result {
+                        tracing::warn!(agent, rank, version, %reason, "rebuilding a lost rank failed");
+                    }
+                    let _ = tx.send(ManagerToController::TookOver { agent, rank, result });
+                });
+            }
+            ControllerToManager::DropPieces { app, below } => {
+                let store = settings.store.clone();
+                tokio::task::spawn_blocking(move || match store.drop_pieces_below(&app, below) {
+                    Ok(0) => {}
+                    Ok(removed) => tracing::debug!(%app, below, removed, "older pieces of redundancy deleted"),
+                    Err(err) => tracing::warn!(%app, below, %err, "cannot delete older pieces of redundancy"),
+                });
+            }
             ControllerToManager::Beat => {}
             other => tracing::warn!(?other, "unexpected message from the controller; ignored"),
         }

@@ -7,6 +7,8 @@
 //! ```text
 //! <root>/<app>/rank<R>/v<V>.data   the rank's bytes, labels back to back
 //! <root>/<app>/rank<R>/v<V>.meta   its Manifest (bincode), written last via rename
+//! <root>/<app>/pieces/v<V>.copy<R>.data|.meta         a copy of another node's rank
+//! <root>/<app>/pieces/v<V>.parity<G>-<J>.data|.meta   parity shard J of group G
 //! ```
 //!
 //! Architecture invariant: a version counts as stored only when its `.meta`
@@ -24,10 +26,14 @@ use memmap2::MmapMut;
 
 use icheck_core::fabric::StableBuffer;
 use icheck_core::format::{self, check_app_name, FormatError, Manifest};
-use icheck_core::protocol::StoredVersion;
+use icheck_core::protocol::{PieceMeta, StoredVersion};
+use icheck_core::redundancy::PieceId;
 
 /// Name of a rank's reusable data file.
 const SPARE: &str = "spare.data";
+/// Directory of an application's pieces of redundancy (copies of other
+/// nodes' ranks, parity shards), beside its `rank<R>` directories.
+const PIECES: &str = "pieces";
 
 /// Why the store refused or failed.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +51,16 @@ pub enum StoreError {
     /// The application name cannot be a directory name.
     #[error(transparent)]
     BadName(#[from] FormatError),
+    /// The piece of redundancy is not stored here.
+    #[error("the {piece} for version {version} of {app:?} is not stored at this agent")]
+    MissingPiece {
+        /// Application.
+        app: String,
+        /// Version.
+        version: u64,
+        /// The piece.
+        piece: PieceId,
+    },
     /// The version is not stored here.
     #[error("version {version} of rank {rank} of {app:?} is not stored at this agent")]
     Missing {
@@ -410,6 +426,94 @@ impl Store {
             }
             _ => Ok(()),
         }
+    }
+
+    fn piece_paths(&self, app: &str, version: u64, piece: PieceId) -> Result<(PathBuf, PathBuf)> {
+        check_app_name(app)?;
+        let dir = self.root.join(app).join(PIECES);
+        let stem = match piece {
+            PieceId::Copy { rank } => format!("v{version}.copy{rank}"),
+            PieceId::Parity { group, index } => format!("v{version}.parity{group}-{index}"),
+        };
+        Ok((dir.join(format!("{stem}.data")), dir.join(format!("{stem}.meta"))))
+    }
+
+    /// Creates the data file of a piece of redundancy and maps it.
+    pub fn create_piece(&self, app: &str, version: u64, piece: PieceId, len: u64) -> Result<MappedFile> {
+        let (data, meta) = self.piece_paths(app, version, piece)?;
+        let dir = data.parent().expect("a piece's file is inside the pieces directory");
+        fs::create_dir_all(dir).map_err(io("cannot create", dir))?;
+        let _ = fs::remove_file(&meta);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&data)
+            .map_err(io("cannot create", &data))?;
+        let size = len.max(4096);
+        file.set_len(size).map_err(io("cannot size", &data))?;
+        self.reserve(&file, &data, size)?;
+        map(&file, &data, len)
+    }
+
+    /// Writes the description of a piece whose data is complete (atomically,
+    /// as [`seal`](Self::seal) does for versions).
+    pub fn seal_piece(&self, app: &str, version: u64, piece: PieceId, meta: &PieceMeta) -> Result<()> {
+        let (data, path) = self.piece_paths(app, version, piece)?;
+        File::open(&data).and_then(|f| f.sync_data()).map_err(io("cannot flush", &data))?;
+        let bytes = format::encode_stored(meta)
+            .map_err(|e| StoreError::BadManifest { path: path.clone(), reason: e.to_string() })?;
+        let tmp = path.with_extension("meta.tmp");
+        fs::write(&tmp, bytes).map_err(io("cannot write", &tmp))?;
+        fs::rename(&tmp, &path).map_err(io("cannot rename into", &path))
+    }
+
+    /// Opens a sealed piece: its description (checked) and its mapped data.
+    pub fn open_piece(&self, app: &str, version: u64, piece: PieceId) -> Result<(PieceMeta, MappedFile)> {
+        let (data, path) = self.piece_paths(app, version, piece)?;
+        let missing = || StoreError::MissingPiece { app: app.to_string(), version, piece };
+        let bytes = fs::read(&path).map_err(|_| missing())?;
+        let bad = |reason: String| StoreError::BadManifest { path: path.clone(), reason };
+        let meta: PieceMeta = format::decode_stored(&bytes).map_err(|e| bad(e.to_string()))?;
+        let len = match (&meta, piece) {
+            (PieceMeta::Copy(manifest), PieceId::Copy { rank })
+                if manifest.app == app && manifest.rank == rank && manifest.version == version =>
+            {
+                manifest.validate().map_err(|e| bad(e.to_string()))?;
+                manifest.total_len
+            }
+            (PieceMeta::Parity(parity), PieceId::Parity { group, index })
+                if parity.app == app && parity.version == version && parity.group == group && parity.index == index =>
+            {
+                parity.validate().map_err(bad)?;
+                parity.shard_len
+            }
+            _ => return Err(bad("it describes another piece".into())),
+        };
+        let file = OpenOptions::new().read(true).write(true).open(&data).map_err(|_| missing())?;
+        let on_disk = file.metadata().map_err(io("cannot stat", &data))?.len();
+        if on_disk < len {
+            return Err(bad(format!("data file holds {on_disk} bytes, the description says {len}")));
+        }
+        let mapped = map(&file, &data, len)?;
+        Ok((meta, mapped))
+    }
+
+    /// Deletes the application's pieces of versions older than `below`.
+    /// Returns how many files went.
+    pub fn drop_pieces_below(&self, app: &str, below: u64) -> Result<usize> {
+        check_app_name(app)?;
+        let dir = self.root.join(app).join(PIECES);
+        let mut removed = 0;
+        for entry in fs::read_dir(&dir).into_iter().flatten().filter_map(|e| e.ok()) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let version = name.strip_prefix('v').and_then(|rest| rest.split('.').next()).and_then(|v| v.parse().ok());
+            if version.is_some_and(|v: u64| v < below) && remove_if_present(&entry.path())? {
+                removed += 1;
+            }
+        }
+        Ok(removed)
     }
 
     /// Every sealed version in the store, each verified against its

@@ -44,6 +44,7 @@ impl Service {
             pfs_interval: 0,
             compression: icheck_core::pfs::CompressionPolicy::Never,
             encrypted: false,
+            redundancy: None,
         };
         let held = self.1.lock().unwrap().get(name).cloned();
         let request = ClientRequest::RegisterApp {

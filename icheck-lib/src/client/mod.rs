@@ -283,6 +283,11 @@ impl Icheck {
             key: "client.encryption (or ICHECK_ENCRYPTION)",
             expected,
         })?;
+        let redundancy = client.redundancy().map_err(|expected| ConfigError::Invalid {
+            file: path.clone(),
+            key: "client.redundancy (or ICHECK_REDUNDANCY)",
+            expected,
+        })?;
         let t_wait = match std::env::var("ICHECK_T_WAIT") {
             Ok(text) => text.parse::<f64>().ok().filter(|t| *t >= 0.0).ok_or_else(|| {
                 Error::Unsupported(format!("environment variable ICHECK_T_WAIT: {text:?} is not a number of seconds"))
@@ -333,6 +338,7 @@ impl Icheck {
             pfs_interval,
             compression,
             encrypted,
+            redundancy,
         };
         let capabilities = config.capability_store();
         if rank == 0 {

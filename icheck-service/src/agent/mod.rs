@@ -15,6 +15,7 @@
 
 #![forbid(unsafe_code)]
 
+mod redundancy;
 mod session;
 
 use std::io::ErrorKind;
@@ -24,7 +25,6 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use icheck_core::control::BlockingConnection;
 use icheck_core::credentials::Owner;
 use icheck_core::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricConfig, FabricError, Peer, ProgressMode, ProgressThread,
@@ -32,8 +32,8 @@ use icheck_core::fabric::{
 };
 use icheck_core::pattern::fill_pattern;
 use icheck_core::protocol::{
-    self, check_fetched, AgentInfo, AgentReply, AgentRequest, FetchWanted, Fetched, Hello, HelloReply, Manifest,
-    PfsCopyStats, Privilege, ProtocolError,
+    self, AgentInfo, AgentReply, AgentRequest, Hello, HelloReply, Manifest, PfsCopyStats, PieceMeta, Privilege,
+    ProtocolError,
 };
 
 use crate::store::{MappedFile, Store, StoreError};
@@ -359,6 +359,26 @@ impl Agent {
     ) -> impl FnOnce() -> Result<u64, String> + Send + 'static {
         let shared = self.shared.clone();
         move || take_over(&shared, rank, version, &from)
+    }
+
+    /// A job that builds a piece of redundancy for a complete version
+    /// (a copy of another node's rank, or a parity shard), for a blocking
+    /// thread. Returns the bytes the piece holds.
+    pub fn protect_job(&self, task: protocol::PieceTask) -> impl FnOnce() -> Result<u64, String> + Send + 'static {
+        let shared = self.shared.clone();
+        move || redundancy::protect(&shared, &task)
+    }
+
+    /// A job that rebuilds `rank`'s `version`, lost with its node, from
+    /// `source` into this agent's store, for a blocking thread.
+    pub fn rebuild_job(
+        &self,
+        rank: u32,
+        version: u64,
+        source: protocol::RebuildSource,
+    ) -> impl FnOnce() -> Result<u64, String> + Send + 'static {
+        let shared = self.shared.clone();
+        move || redundancy::rebuild(&shared, rank, version, &source)
     }
 
     /// Whether the thread is still running.
@@ -984,6 +1004,37 @@ fn handle(
             session.retired.extend(session.fetching.take());
             Ok(AgentReply::Ok)
         }
+        AgentRequest::FetchPiece { version, piece } => {
+            // Pieces hold other nodes' ranks: only another agent reads them.
+            if caller.privilege != Privilege::Node {
+                return Err("pieces of redundancy are read by agents only (the node token)".into());
+            }
+            session.fetching = None;
+            let (meta, file) = store.open_piece(&shared.app, version, piece).map_err(|e| e.to_string())?;
+            // Checked before it is exposed: a damaged piece is refused, and
+            // the rebuild goes on without it.
+            match &meta {
+                PieceMeta::Copy(manifest) => manifest
+                    .verify(file.as_slice())
+                    .map_err(|e| format!("the {piece} of version {version} is damaged: {e}"))?,
+                PieceMeta::Parity(parity) => {
+                    let stripes = file.as_slice().chunks(protocol::STRIPE as usize);
+                    if let Some(bad) = stripes.zip(&parity.crcs).position(|(bytes, crc)| crc32c::crc32c(bytes) != *crc)
+                    {
+                        return Err(format!(
+                            "the {piece} of version {version} is damaged at bytes {}..",
+                            bad as u64 * protocol::STRIPE
+                        ));
+                    }
+                }
+            }
+            let exposed = expose_file(shared, file)?;
+            let Exposed::Stored(registered) = &exposed else { unreachable!("expose_file exposes the stored file") };
+            let region = registered.remote();
+            let progress = ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin).map_err(|e| e.to_string())?;
+            session.fetching = Some(Fetching { _exposed: exposed, _progress: progress });
+            Ok(AgentReply::Piece { meta, region })
+        }
     }
 }
 
@@ -1072,52 +1123,19 @@ fn load_from_pfs(shared: &Shared, app: &str, rank: u32, version: u64) -> Result<
 /// against the rank's own checksums, and seals it in this node's store.
 fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Result<u64, String> {
     let started = Instant::now();
-    let fail = |what: String| {
-        format!(
-            "taking over rank {rank} version {version} from agent {} on {} ({}): {what}",
-            from.id, from.node, from.control
-        )
-    };
-    let mut conn = BlockingConnection::connect(&from.control, &shared.settings.node_token, TAKE_OVER_CONNECT_TIMEOUT)
-        .map_err(|e| fail(e.to_string()))?;
-    conn.set_timeout(TAKE_OVER_TIMEOUT);
-    let mut call = |request: &AgentRequest| match conn.call::<_, AgentReply>(request) {
-        Ok(AgentReply::Error(message)) => Err(fail(message)),
-        Ok(reply) => Ok(reply),
-        Err(err) => Err(fail(err.to_string())),
-    };
-    let endpoint = &shared.endpoint;
-    let peer = endpoint.insert_peer(&from.address).map_err(|e| fail(e.to_string()))?;
-    // The node token admitted this session: it needs no capability.
-    let open = AgentRequest::Open {
-        app: shared.app.clone(),
-        rank,
-        address: endpoint.address().clone(),
-        capability: String::new(),
-        pfs_key: None,
-    };
-    call(&open)?;
-    // From a peer: checked before any of its offsets or sizes is used.
-    let reply = call(&AgentRequest::Fetch { version })?;
-    let (manifest, region) = match check_fetched(reply, FetchWanted { app: &shared.app, rank, version }) {
-        Ok(Fetched { damaged: Some(damage), .. }) => return Err(fail(damage)),
-        Ok(Fetched { manifest, region, damaged: None }) => (manifest, region),
-        Err(refused) => return Err(fail(refused.to_string())),
-    };
+    let fail = |what: String| format!("taking over rank {rank} version {version}: {what}");
+    let mut session = redundancy::PeerSession::open(shared, from, rank).map_err(fail)?;
+    let (manifest, region) = session.fetch(shared, rank, version).map_err(fail)?;
     let store = &shared.settings.store;
     let file =
         store.create(&shared.app, rank, manifest.version, manifest.total_len).map_err(|e| fail(e.to_string()))?;
-    let mut file = endpoint.register(file, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
+    let mut file = shared.endpoint.register(file, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
     let total = manifest.total_len as usize;
-    if total > 0 {
-        let ops = [RmaOp { local_offset: 0, remote: region, remote_offset: 0, len: total }];
-        endpoint.read(&peer, file.target(), &ops, &TransferOptions::default()).map_err(|e| fail(e.to_string()))?;
-    }
+    session.read_whole(shared, region, &mut file, total).map_err(fail)?;
     manifest.verify(file.as_slice()).map_err(|e| fail(e.to_string()))?;
     store.seal(&manifest).map_err(|e| fail(e.to_string()))?;
     // The controller's newest complete version, now held here.
     shared.completed(rank, version);
-    call(&AgentRequest::FetchDone)?;
     tracing::info!(
         rank,
         version,

@@ -114,6 +114,8 @@ pub(super) struct AppEntry {
     pub(super) dropped: Vec<String>,
     /// Ranks whose files stayed on nodes that lost their agents.
     pub(super) abandoned: Vec<Abandoned>,
+    /// Its redundancy across nodes: which version is protected, by whom.
+    pub(super) protection: super::protection::ProtectionBook,
 }
 
 /// Files of ranks left behind on a node whose agents were lost (the node
@@ -439,6 +441,7 @@ mod tests {
                 pfs_interval,
                 compression: CompressionPolicy::Never,
                 encrypted: false,
+                redundancy: None,
             },
             agents: nodes.iter().enumerate().map(|(i, n)| agent(i as u64, n)).collect(),
             homes: nodes.iter().map(|n| n.to_string()).collect(),
@@ -450,6 +453,7 @@ mod tests {
             unconfirmed: None,
             dropped: Vec::new(),
             abandoned: Vec::new(),
+            protection: Default::default(),
         }
     }
 

@@ -498,6 +498,7 @@ mod tests {
             pfs_interval: 0,
             compression: icheck_core::pfs::CompressionPolicy::Never,
             encrypted: false,
+            redundancy: None,
         }
     }
 

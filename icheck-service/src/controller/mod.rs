@@ -11,6 +11,8 @@ mod apps;
 mod copies;
 pub mod journal;
 mod nodes;
+mod protection;
+mod rebuild;
 mod reconcile;
 mod replica;
 
@@ -658,6 +660,7 @@ fn journaled_apps(
                 unconfirmed: Some(app.versions.clone()),
                 dropped: Vec::new(),
                 abandoned: Vec::new(),
+                protection: Default::default(),
             };
             Some((name.clone(), entry))
         })
@@ -790,7 +793,8 @@ async fn watch_liveness(shared: Arc<Shared>) {
             // §6.5.2: a silent manager (hung, stopped, cut off) may keep its
             // connection open; its agents are given up all the same.
             tracing::warn!(%node, "manager missed {} heartbeats; marked down", shared.missed);
-            node_lost(&mut state, &node, "its node went silent");
+            let rebuilds = node_lost(&mut state, &node, "its node went silent");
+            rebuild::spawn(&shared, rebuilds);
         }
     }
 }
@@ -1142,6 +1146,23 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                 drop(state);
                 pfs_copied(&shared, agent, version, result);
             }
+            ManagerToController::Protected { agent, version, piece, result } => {
+                if let Err(reason) = &result {
+                    tracing::warn!(%node, agent, version, %piece, %reason, "a piece of redundancy could not be built");
+                }
+                let state = &mut *state;
+                for (name, app) in state.apps.iter_mut() {
+                    if let Some(done) = app.protection.piece_done(agent, version, piece, result.clone()) {
+                        tracing::info!(app = %name, version = done, policy = %app.protection.policy, "version protected");
+                        for holder in app.protection.nodes() {
+                            state
+                                .nodes
+                                .send(&holder, ControllerToManager::DropPieces { app: name.clone(), below: done });
+                        }
+                        break;
+                    }
+                }
+            }
         }
     };
     writer_task.abort();
@@ -1150,8 +1171,9 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
     tracing::warn!(%node, "manager connection closed; marked down, its agents are gone");
     let mut state = shared.state();
     if state.nodes.disconnected(&node, connection) {
-        node_lost(&mut state, &node, "its manager's connection closed");
+        let rebuilds = node_lost(&mut state, &node, "its manager's connection closed");
         drop(state);
+        rebuild::spawn(&shared, rebuilds);
         tokio::spawn(relaunch_when_dead(shared.clone(), node, pid));
     }
     result
@@ -1214,13 +1236,22 @@ async fn relaunch_until_registered(shared: &Shared, launcher: Arc<dyn Launcher>,
 /// The agents on `node` are gone (§6.5.2): every application with agents
 /// there is marked for an agent change, which its next commit (through
 /// the library asking for replacements) or probe carries out.
-fn node_lost(state: &mut State, node: &str, why: &str) {
+/// Gives up the agents on `node`. Returns the applications whose protected
+/// version had a primary or a piece there: they are rebuilt at once.
+fn node_lost(state: &mut State, node: &str, why: &str) -> Vec<String> {
+    let mut rebuilds = Vec::new();
     for (name, app) in state.apps.iter_mut() {
         let lost = app.lose_node(node);
-        if lost > 0 {
+        if app.protection.nodes().contains(node) {
+            tracing::warn!(app = %name, %node, lost, "{why}: rebuilding its protected version on the other nodes");
+            // Until the rebuild protects it again, the status says so.
+            app.protection.problem = Some(format!("node {node} was lost ({why}); its ranks are being rebuilt"));
+            rebuilds.push(name.clone());
+        } else if lost > 0 {
             tracing::warn!(app = %name, %node, lost, "{why}: its agents are replaced on the application's next commit or probe");
         }
     }
+    rebuilds
 }
 
 /// `node` answers again after it was given up: the agents it still runs
@@ -1298,8 +1329,9 @@ async fn serve_client(
         let reply = match request {
             ClientRequest::Status => ClientReply::Status(status_report(&shared, privilege)),
             ClientRequest::AppStatus { name, .. } => {
+                let node_failure = shared.dynamic().node_failure_probability;
                 let state = shared.state();
-                ClientReply::AppStatus(state.apps.get(&name).map(|a| Box::new(app_report(a))))
+                ClientReply::AppStatus(state.apps.get(&name).map(|a| Box::new(app_report(a, node_failure))))
             }
             ClientRequest::RegisterApp { registration, capability, uid } => {
                 let span = tracing::info_span!("register", app = %registration.name);
@@ -1392,7 +1424,10 @@ fn status_report(shared: &Shared, privilege: Privilege) -> StatusReport {
     }
     StatusReport {
         nodes: state.nodes.report(now, FORECAST_HORIZON_SECS),
-        apps: state.apps.values().map(app_report).collect(),
+        apps: {
+            let node_failure = shared.dynamic().node_failure_probability;
+            state.apps.values().map(|a| app_report(a, node_failure)).collect()
+        },
         init_agent_count: format!("{:?}", shared.dynamic().init_agent_count),
         journal: state.journal.as_ref().map(|j| Box::new(j.report())),
         controller: Some(Box::new(controller_report(shared, &state, now))),
@@ -1400,8 +1435,16 @@ fn status_report(shared: &Shared, privilege: Privilege) -> StatusReport {
 }
 
 /// One application, as the status shows it.
-fn app_report(a: &AppEntry) -> AppReport {
+fn app_report(a: &AppEntry, node_failure: f64) -> AppReport {
+    let units = decide::mapping_units(&a.registration);
+    let latest = a.latest.as_ref().map(|l| l.version);
     AppReport {
+        redundancy: a.protection.policy,
+        protected: a.protection.protected.as_ref().map(|p| p.version),
+        protecting: a.protection.protecting(),
+        rebuilding: a.protection.rebuilding,
+        protection_problem: a.protection.problem.clone(),
+        exposure: a.protection.exposure(latest, units, &a.agents, node_failure),
         registration: a.registration.clone(),
         agents: a.agents.clone(),
         latest: a.latest.clone(),
@@ -1509,8 +1552,21 @@ async fn register_app(
                 ))
             }
         };
+        let lost = state.apps.get(&registration.name).and_then(|a| a.protection.lost.clone());
         latest = match (in_memory, pfs_record) {
             (Some(memory), Some(pfs)) if pfs.version > memory.version => Some(pfs),
+            // A lost node took ranks of the newest version with it and the
+            // redundancy could not rebuild them: the PFS copy, if any.
+            (Some(memory), pfs) if lost.as_ref().is_some_and(|(v, _)| *v == memory.version) => {
+                let (_, why) = lost.expect("matched above");
+                match pfs {
+                    Some(pfs) => {
+                        tracing::warn!(%why, pfs = pfs.version, "restarting from the PFS copy");
+                        Some(pfs)
+                    }
+                    None => return Err(format!("{why}; no PFS copy of {:?} exists", registration.name)),
+                }
+            }
             (memory, pfs) => memory.or(pfs),
         };
         let state = &mut *state;
@@ -1546,6 +1602,13 @@ async fn register_app(
             n => n.min(decide::agent_limit(&registration, &config)),
         };
         let snapshot = state.nodes.snapshot(now);
+        // Redundancy across nodes wants the agents on that many distinct
+        // nodes, where they exist.
+        let wanted = config.redundancy_for(&registration).wanted_nodes();
+        let live = snapshot.iter().filter(|n| n.alive && !n.draining).count();
+        let count = count.max(wanted.min(live) as u32).min(decide::agent_limit(&registration, &config).max(1));
+        let mut config = config;
+        config.candidate_count = config.candidate_count.max(count);
         // Survivors of the old placement stop; their files stay for the new agents.
         if let Some(app) = state.apps.get(&registration.name) {
             tell_agents(&state.nodes, &app.agents, |id| ControllerToManager::StopAgent { id, discard: false });
@@ -1600,8 +1663,11 @@ async fn register_app(
         unconfirmed: None,
         dropped: state.apps.get(&name).map(|a| a.dropped.clone()).unwrap_or_default(),
         abandoned: state.apps.get(&name).map(|a| a.abandoned.clone()).unwrap_or_default(),
+        protection: Default::default(),
     };
-    state.apps.insert(name, entry);
+    state.apps.insert(name.clone(), entry);
+    // New agents: the version they serve is protected again on them.
+    start_protection(shared, &mut state, &name);
     drop(state);
     // A new owner is recorded beside the copies once its registration
     // succeeded (a failed one hands out no capability to match it).
@@ -1630,12 +1696,42 @@ fn pfs_owner(shared: &Shared, name: &str) -> Result<Option<icheck_core::credenti
 /// A journaled application counts no version until the stores confirmed
 /// it: waits for its nodes' managers (bounded by the reconcile window).
 async fn await_reconciled(shared: &Shared, name: &str) {
+    let since = Instant::now();
     while {
         let mut state = shared.state();
         reconcile_pending(&mut state, Instant::now());
-        state.apps.get(name).is_some_and(|a| a.unconfirmed.is_some())
+        // A rebuild after a lost node replaces agents: what the application
+        // asks next is answered with the rebuilt ones (bounded: a rebuild
+        // that hangs must not hold the application for ever).
+        let rebuilding =
+            since.elapsed() < rebuild::REBUILD_WAIT && state.apps.get(name).is_some_and(|a| a.protection.rebuilding);
+        rebuilding || state.apps.get(name).is_some_and(|a| a.unconfirmed.is_some())
     } {
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Starts protecting `name`'s newest version on its agents (its policy's
+/// pieces requested from them), replacing any protection under way.
+fn start_protection(shared: &Shared, state: &mut State, name: &str) {
+    let policy = {
+        let Some(app) = state.apps.get(name) else { return };
+        shared.dynamic().redundancy_for(&app.registration)
+    };
+    let Some(app) = state.apps.get_mut(name) else { return };
+    app.protection.policy = policy;
+    let Some(version) = app.latest.as_ref().map(|l| l.version) else { return };
+    if !policy.is_none() && app.agents.len() != app.homes.len() {
+        app.protection.problem = Some(format!("version {version} is not protected: some of its agents are lost"));
+        return;
+    }
+    let units = decide::mapping_units(&app.registration);
+    let requests = app.protection.begin(version, units, &app.agents, &|_| None);
+    if let Some(problem) = &app.protection.problem {
+        tracing::warn!(app = name, %policy, %problem, "redundancy cannot be placed");
+    }
+    for (agent, node, task) in requests {
+        state.nodes.send(&node, ControllerToManager::Protect { agent, task });
     }
 }
 
@@ -1717,6 +1813,7 @@ fn record_version(
         }
         OnRecorded::Nothing => {}
     }
+    start_protection(shared, state, name);
     // A crash here: the version is recorded, but neither the application
     // nor its agents hear so (no Complete, so the agents keep the older one).
     icheck_core::failpoint::hit("controller.after_record_version");
@@ -2026,18 +2123,9 @@ async fn change_agents(
                 })
                 .collect()
         };
-        let mut failure = None;
-        for (agent, rank, rx) in waiters {
-            match manager_answer(rx, TAKE_OVER_TIMEOUT).await {
-                Some(Ok(bytes)) => moved_bytes += bytes,
-                Some(Err(reason)) => failure = Some(reason),
-                None => {
-                    shared.state().takeovers.remove(&(agent, rank));
-                    failure = Some(format!("agent {agent} did not take over rank {rank} within {TAKE_OVER_TIMEOUT:?}"));
-                }
-            }
-        }
-        if let Some(reason) = failure {
+        let (bytes, failures) = await_ranks(shared, waiters).await;
+        moved_bytes = bytes;
+        if let Some((_, reason)) = failures.into_iter().last() {
             let state = shared.state();
             tell_agents(&state.nodes, &started, |id| ControllerToManager::StopAgent { id, discard: false });
             drop_moved_ranks(&state.nodes, name, moves.iter().map(|(rank, _, to)| (*rank, to.node.as_str())));
@@ -2061,6 +2149,29 @@ async fn change_agents(
     drop_moved_ranks(&state.nodes, name, moves.iter().map(|(rank, from, _)| (*rank, from.node.as_str())));
     tracing::info!(from = current, to, moved = moves.len(), moved_bytes, secs, "agents changed");
     Ok(new)
+}
+
+/// A rank an agent was asked to take over or rebuild: the agent, the rank
+/// and where its answer arrives.
+type RankWaiter = (u64, u32, oneshot::Receiver<Result<u64, String>>);
+
+/// Waits for every rank of `waiters` (each at most `TAKE_OVER_TIMEOUT`).
+/// Returns the bytes moved and, per rank that failed, why.
+async fn await_ranks(shared: &Shared, waiters: Vec<RankWaiter>) -> (u64, Vec<(u32, String)>) {
+    let mut moved = 0;
+    let mut failures = Vec::new();
+    for (agent, rank, rx) in waiters {
+        match manager_answer(rx, TAKE_OVER_TIMEOUT).await {
+            Some(Ok(bytes)) => moved += bytes,
+            Some(Err(reason)) => failures.push((rank, reason)),
+            None => {
+                shared.state().takeovers.remove(&(agent, rank));
+                failures
+                    .push((rank, format!("agent {agent} did not answer for rank {rank} within {TAKE_OVER_TIMEOUT:?}")));
+            }
+        }
+    }
+    (moved, failures)
 }
 
 /// Operators: drain a node (no new agents; its agents move away on their

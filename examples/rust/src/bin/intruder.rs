@@ -87,6 +87,7 @@ fn main() {
         pfs_interval: 0,
         compression: icheck_core::pfs::CompressionPolicy::Never,
         encrypted: false,
+        redundancy: None,
     };
 
     // Through the controller.

@@ -469,6 +469,7 @@ pub fn print_status(report: &StatusReport) {
                 copy.write_secs
             );
         }
+        println!("  {:<16} {}", "", protection_line(a));
         let health = &a.pfs_health;
         if health.failed > 0 || health.skipped > 0 {
             println!(
@@ -615,4 +616,21 @@ pub fn print_versions(config: &StaticConfig, app: &str) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// One application's redundancy across nodes, for `icheck status`: the
+/// policy, which version is protected (or being protected or rebuilt), why
+/// not, and the data-loss model's exposure of the newest version.
+fn protection_line(a: &icheck_core::protocol::AppReport) -> String {
+    let state = match (a.rebuilding, a.protecting, a.protected, &a.protection_problem) {
+        (true, ..) => "rebuilding after a lost node".to_string(),
+        (_, _, _, Some(problem)) => format!("NOT PROTECTED: {problem}"),
+        (_, Some(v), Some(p), _) => format!("protected: version {p}; protecting version {v}"),
+        (_, Some(v), None, _) => format!("protecting version {v}"),
+        (_, None, Some(p), _) => format!("protected: version {p}"),
+        (_, None, None, _) if a.redundancy.is_none() => "primary copies only".to_string(),
+        (_, None, None, _) => "nothing protected yet".to_string(),
+    };
+    let exposure = a.exposure.map_or(String::new(), |p| format!("; chance the newest version is lost: {p:.2e}"));
+    format!("redundancy {}: {state}{exposure}", a.redundancy)
 }

@@ -1,0 +1,587 @@
+//! Redundancy across checkpoint nodes, as pure logic: the policy an
+//! application asks for, where its copies and parity shards go (the
+//! [`Plan`]), the data-loss model, and the Reed-Solomon coding of one
+//! stripe.
+//!
+//! A rank's version stays whole at its agent (its primary copy). On top:
+//! * `partner:C` keeps C−1 more copies of every rank, each on another node;
+//! * `rs:K+M` groups the ranks K at a time, each member's primary on a
+//!   distinct node, and keeps M parity shards of every group on M further
+//!   nodes. Members are zero-padded to the longest; a group with fewer than
+//!   K ranks counts the missing ones as zeros. Any M lost nodes of a group
+//!   are survived, at M/K of the data in memory.
+//!
+//! Architecture invariant: nothing here performs I/O; placement works on
+//! agent slots (index, node, failure domain) and returns data.
+
+#![forbid(unsafe_code)]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// Most copies `partner` keeps (the primary included).
+pub const MAX_COPIES: u8 = 4;
+/// Most data shards of a Reed-Solomon group.
+pub const MAX_DATA_SHARDS: u8 = 32;
+/// Most parity shards of a Reed-Solomon group.
+pub const MAX_PARITY_SHARDS: u8 = 8;
+
+/// How an application's versions are protected against lost checkpoint nodes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Redundancy {
+    /// The primary copy only: a lost node loses its ranks' versions.
+    #[default]
+    None,
+    /// `copies` copies of every rank (the primary included), each on a
+    /// distinct node.
+    Partner {
+        /// Copies, 2 to [`MAX_COPIES`].
+        copies: u8,
+    },
+    /// Reed-Solomon over groups of `data` ranks with `parity` parity shards,
+    /// every shard of a group on a distinct node.
+    ReedSolomon {
+        /// Data shards (ranks) per group.
+        data: u8,
+        /// Parity shards per group.
+        parity: u8,
+    },
+}
+
+/// Why a policy or a placement cannot be had.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RedundancyError {
+    /// The policy text is not one of the forms.
+    #[error("redundancy {given:?} is not understood: use \"none\", \"partner\", \"partner:C\" (C copies, 2 to {MAX_COPIES}) or \"rs:K+M\" (K data and M parity shards, K up to {MAX_DATA_SHARDS}, M up to {MAX_PARITY_SHARDS})")]
+    Syntax {
+        /// What was given.
+        given: String,
+    },
+    /// Too few distinct nodes hold the application's agents.
+    #[error("redundancy {policy} needs {needed} checkpoint nodes holding the application's agents; it has {have}")]
+    TooFewNodes {
+        /// The policy.
+        policy: Redundancy,
+        /// Distinct nodes it needs.
+        needed: usize,
+        /// Distinct nodes there are.
+        have: usize,
+    },
+    /// Shards that cannot be coded (lengths differ or are odd, too few survive).
+    #[error("Reed-Solomon coding: {0}")]
+    Coding(String),
+}
+
+impl Redundancy {
+    /// Whether versions get anything beyond their primary copy.
+    pub fn is_none(&self) -> bool {
+        *self == Redundancy::None
+    }
+
+    /// Node losses a protected version survives.
+    pub fn tolerates(&self) -> usize {
+        match *self {
+            Redundancy::None => 0,
+            Redundancy::Partner { copies } => usize::from(copies) - 1,
+            Redundancy::ReedSolomon { parity, .. } => usize::from(parity),
+        }
+    }
+
+    /// Memory beyond the primary copies, as a fraction of the version.
+    pub fn overhead(&self) -> f64 {
+        match *self {
+            Redundancy::None => 0.0,
+            Redundancy::Partner { copies } => f64::from(copies) - 1.0,
+            Redundancy::ReedSolomon { data, parity } => f64::from(parity) / f64::from(data),
+        }
+    }
+
+    /// Distinct nodes the application's agents should span for the policy
+    /// to hold at its stated overhead (placement asks for this many agents
+    /// where nodes allow).
+    pub fn wanted_nodes(&self) -> usize {
+        match *self {
+            Redundancy::None => 1,
+            Redundancy::Partner { copies } => usize::from(copies),
+            Redundancy::ReedSolomon { data, parity } => usize::from(data) + usize::from(parity),
+        }
+    }
+
+    /// Distinct nodes without which the policy cannot hold at all.
+    pub fn needed_nodes(&self) -> usize {
+        match *self {
+            Redundancy::None => 1,
+            Redundancy::Partner { copies } => usize::from(copies),
+            // One member (the others counted as zeros) and its parity.
+            Redundancy::ReedSolomon { parity, .. } => 1 + usize::from(parity),
+        }
+    }
+}
+
+impl fmt::Display for Redundancy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Redundancy::None => write!(f, "none"),
+            Redundancy::Partner { copies } => write!(f, "partner:{copies}"),
+            Redundancy::ReedSolomon { data, parity } => write!(f, "rs:{data}+{parity}"),
+        }
+    }
+}
+
+impl FromStr for Redundancy {
+    type Err = RedundancyError;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        let bad = || RedundancyError::Syntax { given: text.to_string() };
+        let text = text.trim();
+        let lower = text.to_ascii_lowercase();
+        if lower == "none" {
+            return Ok(Redundancy::None);
+        }
+        if lower == "partner" {
+            return Ok(Redundancy::Partner { copies: 2 });
+        }
+        if let Some(copies) = lower.strip_prefix("partner:") {
+            let copies: u8 = copies.parse().map_err(|_| bad())?;
+            if !(2..=MAX_COPIES).contains(&copies) {
+                return Err(bad());
+            }
+            return Ok(Redundancy::Partner { copies });
+        }
+        let (data, parity) = lower.strip_prefix("rs:").and_then(|s| s.split_once('+')).ok_or_else(bad)?;
+        let data: u8 = data.parse().map_err(|_| bad())?;
+        let parity: u8 = parity.parse().map_err(|_| bad())?;
+        if !(1..=MAX_DATA_SHARDS).contains(&data) || !(1..=MAX_PARITY_SHARDS).contains(&parity) {
+            return Err(bad());
+        }
+        Ok(Redundancy::ReedSolomon { data, parity })
+    }
+}
+
+impl Serialize for Redundancy {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for Redundancy {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// One agent slot as placement sees it: its node and failure domain
+/// (`NodeGroup`, e.g. a rack), in the application's rank-mapping order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Slot {
+    /// Node the agent runs on.
+    pub node: String,
+    /// The node's failure domain, where the configuration names one.
+    pub group: Option<String>,
+}
+
+/// A Reed-Solomon group: up to K ranks, each with its primary on a distinct
+/// node, and the agent slots holding its parity shards (index = shard).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Group {
+    /// The member ranks in shard order; `None`: a shard of zeros.
+    pub members: Vec<Option<u32>>,
+    /// The slot holding each parity shard.
+    pub parity: Vec<usize>,
+}
+
+/// Where a version's redundancy goes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Plan {
+    /// `partner`: per rank, the slots holding its extra copies.
+    pub copies: BTreeMap<u32, Vec<usize>>,
+    /// `rs`: the groups.
+    pub groups: Vec<Group>,
+}
+
+impl Plan {
+    /// The group `rank` is a member of, with its shard index.
+    pub fn group_of(&self, rank: u32) -> Option<(usize, usize)> {
+        self.groups
+            .iter()
+            .enumerate()
+            .find_map(|(g, group)| group.members.iter().position(|m| *m == Some(rank)).map(|shard| (g, shard)))
+    }
+
+    /// Every piece the plan places, with the slot that holds it.
+    pub fn pieces(&self) -> Vec<(usize, PieceId)> {
+        let mut pieces = Vec::new();
+        for (rank, holders) in &self.copies {
+            pieces.extend(holders.iter().map(|slot| (*slot, PieceId::Copy { rank: *rank })));
+        }
+        for (g, group) in self.groups.iter().enumerate() {
+            for (index, slot) in group.parity.iter().enumerate() {
+                pieces.push((*slot, PieceId::Parity { group: g as u32, index: index as u8 }));
+            }
+        }
+        pieces
+    }
+
+    /// The sets of nodes whose simultaneous loss each unit survives only up
+    /// to its tolerance: (nodes of the unit, losses it survives). A version
+    /// is lost when some unit loses more of its nodes than it tolerates.
+    pub fn units(&self, policy: Redundancy, ranks: u32, slots: &[Slot]) -> Vec<(BTreeSet<String>, usize)> {
+        let primary =
+            |rank: u32| slots[crate::decide::agent_for_rank(rank, ranks, slots.len() as u32) as usize].node.clone();
+        match policy {
+            Redundancy::None => (0..ranks).map(|r| (BTreeSet::from([primary(r)]), 0)).collect(),
+            Redundancy::Partner { .. } => (0..ranks)
+                .map(|r| {
+                    let mut nodes = BTreeSet::from([primary(r)]);
+                    nodes.extend(self.copies.get(&r).into_iter().flatten().map(|s| slots[*s].node.clone()));
+                    let tolerated = nodes.len() - 1;
+                    (nodes, tolerated)
+                })
+                .collect(),
+            Redundancy::ReedSolomon { parity, .. } => self
+                .groups
+                .iter()
+                .map(|group| {
+                    let mut nodes: BTreeSet<String> = group.members.iter().flatten().map(|r| primary(*r)).collect();
+                    nodes.extend(group.parity.iter().map(|s| slots[*s].node.clone()));
+                    (nodes, usize::from(parity))
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A piece of redundancy an agent holds for a version.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum PieceId {
+    /// A whole copy of a rank's version.
+    Copy {
+        /// The rank (node index in SHMR mode).
+        rank: u32,
+    },
+    /// Parity shard `index` of group `group`.
+    Parity {
+        /// The group, in the plan's order.
+        group: u32,
+        /// The parity shard.
+        index: u8,
+    },
+}
+
+impl fmt::Display for PieceId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PieceId::Copy { rank } => write!(f, "copy of rank {rank}"),
+            PieceId::Parity { group, index } => write!(f, "parity shard {index} of group {group}"),
+        }
+    }
+}
+
+/// Places `policy`'s redundancy for `ranks` ranks whose agents are `slots`
+/// (rank r's primary is at `slots[agent_for_rank(r)]`). Every piece goes to
+/// a node other than those it protects, preferring other failure domains,
+/// and the load is spread over the slots.
+pub fn plan(policy: Redundancy, ranks: u32, slots: &[Slot]) -> Result<Plan, RedundancyError> {
+    let distinct: BTreeSet<&str> = slots.iter().map(|s| s.node.as_str()).collect();
+    if policy.is_none() || ranks == 0 || slots.is_empty() {
+        return Ok(Plan::default());
+    }
+    let too_few = || RedundancyError::TooFewNodes { policy, needed: policy.needed_nodes(), have: distinct.len() };
+    if distinct.len() < policy.needed_nodes() {
+        return Err(too_few());
+    }
+    let count = slots.len() as u32;
+    let primary = |rank: u32| crate::decide::agent_for_rank(rank, ranks, count) as usize;
+    // Pieces each slot holds so far: new ones go to the least loaded.
+    let mut load = vec![0usize; slots.len()];
+    let pick = |avoid_nodes: &BTreeSet<&str>, avoid_groups: &BTreeSet<Option<&str>>, load: &mut Vec<usize>| {
+        let candidates = (0..slots.len()).filter(|s| !avoid_nodes.contains(slots[*s].node.as_str()));
+        // Another failure domain first, then the lightest load, then order.
+        let best = candidates.min_by_key(|s| {
+            let same_group = slots[*s].group.is_some() && avoid_groups.contains(&slots[*s].group.as_deref());
+            (same_group, load[*s], *s)
+        })?;
+        load[best] += 1;
+        Some(best)
+    };
+    let mut plan = Plan::default();
+    match policy {
+        Redundancy::None => {}
+        Redundancy::Partner { copies } => {
+            for rank in 0..ranks {
+                let home = &slots[primary(rank)];
+                let mut nodes = BTreeSet::from([home.node.as_str()]);
+                let mut groups = BTreeSet::from([home.group.as_deref()]);
+                let mut holders = Vec::new();
+                for _ in 1..copies {
+                    let slot = pick(&nodes, &groups, &mut load).ok_or_else(too_few)?;
+                    nodes.insert(slots[slot].node.as_str());
+                    groups.insert(slots[slot].group.as_deref());
+                    holders.push(slot);
+                }
+                plan.copies.insert(rank, holders);
+            }
+        }
+        Redundancy::ReedSolomon { data, parity } => {
+            // The ranks of each node, in order: a group takes one rank from
+            // each of the K nodes with the most left.
+            let mut by_node: BTreeMap<&str, std::collections::VecDeque<u32>> = BTreeMap::new();
+            for rank in 0..ranks {
+                by_node.entry(slots[primary(rank)].node.as_str()).or_default().push_back(rank);
+            }
+            while by_node.values().any(|q| !q.is_empty()) {
+                let mut fullest: Vec<&str> = by_node.iter().filter(|(_, q)| !q.is_empty()).map(|(n, _)| *n).collect();
+                fullest.sort_by_key(|n| std::cmp::Reverse(by_node[n].len()));
+                // Narrower groups where the nodes leave no room for the
+                // parity beside K members (the rest of the K are zeros).
+                fullest.truncate(usize::from(data).min(distinct.len() - usize::from(parity)));
+                let mut members: Vec<Option<u32>> =
+                    fullest.iter().map(|n| by_node.get_mut(n).and_then(|q| q.pop_front())).collect();
+                members.sort();
+                let present: Vec<Option<u32>> = members.into_iter().flatten().map(Some).collect();
+                let mut members = present;
+                members.resize(usize::from(data), None);
+                let mut nodes: BTreeSet<&str> =
+                    members.iter().flatten().map(|r| slots[primary(*r)].node.as_str()).collect();
+                let mut groups: BTreeSet<Option<&str>> =
+                    members.iter().flatten().map(|r| slots[primary(*r)].group.as_deref()).collect();
+                let mut holders = Vec::new();
+                for _ in 0..parity {
+                    let slot = pick(&nodes, &groups, &mut load).ok_or_else(too_few)?;
+                    nodes.insert(slots[slot].node.as_str());
+                    groups.insert(slots[slot].group.as_deref());
+                    holders.push(slot);
+                }
+                plan.groups.push(Group { members, parity: holders });
+            }
+        }
+    }
+    Ok(plan)
+}
+
+/// Probability that a version is lost when every node fails independently
+/// with probability `p`: some unit of `units` (see [`Plan::units`]) loses
+/// more nodes than it tolerates. Exact over every failure pattern of up to
+/// 20 distinct nodes; beyond that, units are taken as independent (which
+/// overstates the loss slightly when units share nodes).
+pub fn loss_probability(units: &[(BTreeSet<String>, usize)], p: f64) -> f64 {
+    let p = p.clamp(0.0, 1.0);
+    let nodes: Vec<&String> = units.iter().flat_map(|(n, _)| n).collect::<BTreeSet<_>>().into_iter().collect();
+    if nodes.is_empty() {
+        return 0.0;
+    }
+    if nodes.len() > 20 {
+        let survive: f64 = units.iter().map(|(n, t)| 1.0 - more_than(n.len(), *t, p)).product();
+        return 1.0 - survive;
+    }
+    let index: BTreeMap<&String, usize> = nodes.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+    let masks: Vec<(u32, usize)> =
+        units.iter().map(|(n, t)| (n.iter().map(|node| 1u32 << index[node]).sum(), *t)).collect();
+    let n = nodes.len();
+    let mut lost = 0.0;
+    for failed in 0u32..(1u32 << n) {
+        if masks.iter().any(|(mask, tolerated)| (failed & mask).count_ones() as usize > *tolerated) {
+            let down = failed.count_ones() as i32;
+            lost += p.powi(down) * (1.0 - p).powi(n as i32 - down);
+        }
+    }
+    lost
+}
+
+/// Probability that more than `t` of `n` independent nodes fail.
+fn more_than(n: usize, t: usize, p: f64) -> f64 {
+    let mut at_most = 0.0;
+    let mut choose = 1.0;
+    for k in 0..=t.min(n) {
+        if k > 0 {
+            choose = choose * (n - k + 1) as f64 / k as f64;
+        }
+        at_most += choose * p.powi(k as i32) * (1.0 - p).powi((n - k) as i32);
+    }
+    (1.0 - at_most).max(0.0)
+}
+
+/// The probability that a version is lost with `policy` on `nodes`
+/// checkpoint nodes (one agent and one rank per node, the canonical
+/// placement), each failing independently with probability `p`.
+pub fn exposure(policy: Redundancy, nodes: usize, p: f64) -> Result<f64, RedundancyError> {
+    let slots: Vec<Slot> = (0..nodes).map(|i| Slot { node: format!("n{i}"), group: None }).collect();
+    let plan = plan(policy, nodes as u32, &slots)?;
+    Ok(loss_probability(&plan.units(policy, nodes as u32, &slots), p))
+}
+
+/// The parity shards of one stripe: `originals` are the K data shards
+/// (equal, even lengths); returns the M parity shards.
+pub fn encode(parity: usize, originals: &[&[u8]]) -> Result<Vec<Vec<u8>>, RedundancyError> {
+    reed_solomon_simd::encode(originals.len(), parity, originals).map_err(|e| RedundancyError::Coding(e.to_string()))
+}
+
+/// Rebuilds the missing data shards of one stripe from any K of the K+M:
+/// `originals[i]` and `parity[j]` are the surviving shards (`None`: lost).
+/// Returns every missing data shard by index.
+pub fn decode(
+    originals: &[Option<&[u8]>],
+    parity: &[Option<&[u8]>],
+) -> Result<BTreeMap<usize, Vec<u8>>, RedundancyError> {
+    let coding = |e: reed_solomon_simd::Error| RedundancyError::Coding(e.to_string());
+    let missing: Vec<usize> = (0..originals.len()).filter(|i| originals[*i].is_none()).collect();
+    if missing.is_empty() {
+        return Ok(BTreeMap::new());
+    }
+    let survivors = originals.iter().flatten().count() + parity.iter().flatten().count();
+    if survivors < originals.len() {
+        return Err(RedundancyError::Coding(format!(
+            "{} of {} data shards are lost and only {} parity shards survive",
+            missing.len(),
+            originals.len(),
+            parity.iter().flatten().count()
+        )));
+    }
+    let restored = reed_solomon_simd::decode(
+        originals.len(),
+        parity.len(),
+        originals.iter().enumerate().filter_map(|(i, s)| s.map(|s| (i, s))),
+        parity.iter().enumerate().filter_map(|(i, s)| s.map(|s| (i, s))),
+    )
+    .map_err(coding)?;
+    Ok(restored.into_iter().filter(|(i, _)| missing.contains(i)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slots(nodes: &[&str]) -> Vec<Slot> {
+        nodes.iter().map(|n| Slot { node: n.to_string(), group: None }).collect()
+    }
+
+    #[test]
+    fn policies_parse_print_and_refuse_nonsense() {
+        for (text, policy) in [
+            ("none", Redundancy::None),
+            ("partner", Redundancy::Partner { copies: 2 }),
+            ("partner:3", Redundancy::Partner { copies: 3 }),
+            ("rs:2+1", Redundancy::ReedSolomon { data: 2, parity: 1 }),
+            ("RS:4+2", Redundancy::ReedSolomon { data: 4, parity: 2 }),
+        ] {
+            assert_eq!(text.parse::<Redundancy>().unwrap(), policy, "{text}");
+            assert_eq!(policy.to_string().parse::<Redundancy>().unwrap(), policy);
+        }
+        for bad in ["", "partner:1", "partner:9", "rs:0+1", "rs:2+0", "rs:2", "xor", "rs:2+1+1"] {
+            let err = bad.parse::<Redundancy>().unwrap_err().to_string();
+            assert!(err.contains(&format!("{bad:?}")) && err.contains("rs:K+M"), "{bad}: {err}");
+        }
+        assert_eq!(Redundancy::ReedSolomon { data: 4, parity: 2 }.overhead(), 0.5);
+        assert_eq!(Redundancy::Partner { copies: 2 }.tolerates(), 1);
+    }
+
+    #[test]
+    fn partner_copies_go_to_other_nodes_and_spread() {
+        let plan = plan(Redundancy::Partner { copies: 2 }, 4, &slots(&["a", "b", "c", "d"])).unwrap();
+        for (rank, holders) in &plan.copies {
+            assert_eq!(holders.len(), 1);
+            assert_ne!(holders[0], *rank as usize, "rank {rank}'s copy is on its own node");
+        }
+        let mut load: Vec<usize> = plan.copies.values().flatten().copied().collect();
+        load.sort();
+        assert_eq!(load, [0, 1, 2, 3], "one copy per node");
+        let three = plan_three();
+        assert!(three.copies.values().all(|h| h.len() == 2 && h[0] != h[1]));
+    }
+
+    fn plan_three() -> Plan {
+        plan(Redundancy::Partner { copies: 3 }, 6, &slots(&["a", "b", "c"])).unwrap()
+    }
+
+    #[test]
+    fn too_few_nodes_is_an_error_naming_the_policy() {
+        let err = plan(Redundancy::Partner { copies: 2 }, 4, &slots(&["a", "a"])).unwrap_err().to_string();
+        assert!(err.contains("partner:2") && err.contains("needs 2") && err.contains("has 1"), "{err}");
+        let err = plan(Redundancy::ReedSolomon { data: 2, parity: 2 }, 4, &slots(&["a", "b"])).unwrap_err();
+        assert!(matches!(err, RedundancyError::TooFewNodes { needed: 3, have: 2, .. }), "{err}");
+    }
+
+    #[test]
+    fn reed_solomon_groups_span_distinct_nodes_and_parity_lies_elsewhere() {
+        // Eight ranks on four agents (two each), rs:2+1.
+        let s = slots(&["a", "b", "c", "d"]);
+        let plan = plan(Redundancy::ReedSolomon { data: 2, parity: 1 }, 8, &s).unwrap();
+        let home = |r: u32| s[crate::decide::agent_for_rank(r, 8, 4) as usize].node.clone();
+        let mut covered = BTreeSet::new();
+        for group in &plan.groups {
+            let nodes: BTreeSet<String> = group.members.iter().flatten().map(|r| home(*r)).collect();
+            assert_eq!(nodes.len(), group.members.iter().flatten().count(), "members on distinct nodes: {group:?}");
+            for slot in &group.parity {
+                assert!(!nodes.contains(&s[*slot].node), "parity beside a member: {group:?}");
+            }
+            covered.extend(group.members.iter().flatten().copied());
+        }
+        assert_eq!(covered, (0..8).collect(), "every rank is in a group");
+        assert_eq!(plan.groups.len(), 4, "8 ranks in groups of 2");
+        // One agent only: groups of one rank (the rest zeros), parity elsewhere.
+        let lone = plan_lone();
+        assert!(lone.groups.iter().all(|g| g.members.iter().flatten().count() == 1));
+    }
+
+    fn plan_lone() -> Plan {
+        plan(Redundancy::ReedSolomon { data: 2, parity: 1 }, 2, &slots(&["a", "b"])).unwrap()
+    }
+
+    #[test]
+    fn failure_domains_are_preferred_when_named() {
+        let s = vec![
+            Slot { node: "a".into(), group: Some("rack1".into()) },
+            Slot { node: "b".into(), group: Some("rack1".into()) },
+            Slot { node: "c".into(), group: Some("rack2".into()) },
+        ];
+        let plan = plan(Redundancy::Partner { copies: 2 }, 3, &s).unwrap();
+        assert_eq!(plan.copies[&0], [2], "rank 0 on rack1: its copy on rack2");
+        assert_eq!(plan.copies[&1], [2]);
+        assert_ne!(s[plan.copies[&2][0]].node, "c");
+    }
+
+    #[test]
+    fn the_loss_model_matches_closed_forms() {
+        let p = 0.01;
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(exposure(Redundancy::None, 4, p).unwrap(), 1.0 - (1.0 - p).powi(4)));
+        assert!(close(exposure(Redundancy::Partner { copies: 2 }, 2, p).unwrap(), p * p));
+        // rs:2+1 on three nodes: lost when two or three fail.
+        let two_of_three = 3.0 * p * p * (1.0 - p) + p.powi(3);
+        assert!(close(exposure(Redundancy::ReedSolomon { data: 2, parity: 1 }, 3, p).unwrap(), two_of_three));
+        // More protection, less exposure.
+        let none = exposure(Redundancy::None, 6, p).unwrap();
+        let partner = exposure(Redundancy::Partner { copies: 2 }, 6, p).unwrap();
+        let rs42 = exposure(Redundancy::ReedSolomon { data: 4, parity: 2 }, 6, p).unwrap();
+        assert!(rs42 < partner && partner < none, "{rs42} {partner} {none}");
+        assert_eq!(exposure(Redundancy::None, 3, 0.0).unwrap(), 0.0);
+        // Past 20 nodes the independent approximation stays close.
+        let wide = exposure(Redundancy::Partner { copies: 2 }, 24, p).unwrap();
+        assert!(wide > 0.0 && wide < 24.0 * p * p * 1.01, "{wide}");
+    }
+
+    #[test]
+    fn any_m_lost_shards_are_rebuilt_bit_exact() {
+        let data: Vec<Vec<u8>> =
+            (0..4u8).map(|i| (0..4096).map(|b| (b as u8).wrapping_mul(31) ^ i).collect()).collect();
+        let originals: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+        let parity = encode(2, &originals).unwrap();
+        for lost in [[0, 1], [2, 3], [0, 3]] {
+            let survivors: Vec<Option<&[u8]>> =
+                originals.iter().enumerate().map(|(i, s)| (!lost.contains(&i)).then_some(*s)).collect();
+            let parity: Vec<Option<&[u8]>> = parity.iter().map(|p| Some(p.as_slice())).collect();
+            let rebuilt = decode(&survivors, &parity).unwrap();
+            for i in lost {
+                assert_eq!(rebuilt[&i], data[i], "shard {i}");
+            }
+        }
+        let one_parity: Vec<Option<&[u8]>> = vec![Some(parity[0].as_slice()), None];
+        let three_lost = [None, None, None, Some(originals[3])];
+        let err = decode(&three_lost, &one_parity).unwrap_err().to_string();
+        assert!(err.contains("3 of 4 data shards are lost"), "{err}");
+    }
+}

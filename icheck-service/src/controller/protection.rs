@@ -1,0 +1,302 @@
+//! An application's redundancy as the controller tracks it, without I/O:
+//! which version is protected (every piece of its plan in place) and by
+//! which agents, which one is being protected, and what the rebuild after
+//! a lost node must fetch from where.
+//!
+//! Architecture invariant: nothing here sends or waits. The controller
+//! asks [`ProtectionBook::begin`] for the pieces to request and reports each
+//! answer to [`ProtectionBook::piece_done`]; a version counts as protected
+//! only when every piece of its plan was built.
+
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeSet;
+
+use icheck_core::decide;
+use icheck_core::protocol::{AgentInfo, PieceTask, RebuildSource};
+use icheck_core::redundancy::{self, PieceId, Plan, Redundancy, Slot};
+
+/// A version whose pieces are all in place.
+#[derive(Clone, Debug)]
+pub(super) struct Protected {
+    pub(super) version: u64,
+    pub(super) plan: Plan,
+    /// The application's agents when it was protected (rank-mapping order):
+    /// the primaries and the pieces' holders.
+    pub(super) agents: Vec<AgentInfo>,
+    /// Ranks (or SHMR nodes) of the version.
+    pub(super) units: u32,
+}
+
+#[derive(Clone, Debug)]
+struct Protecting {
+    version: u64,
+    plan: Plan,
+    agents: Vec<AgentInfo>,
+    units: u32,
+    outstanding: BTreeSet<(u64, PieceId)>,
+}
+
+/// What the controller knows of one application's redundancy.
+#[derive(Clone, Debug, Default)]
+pub(super) struct ProtectionBook {
+    pub(super) policy: Redundancy,
+    protecting: Option<Protecting>,
+    pub(super) protected: Option<Protected>,
+    /// Why the newest version is not protected (or was lost), for the status.
+    pub(super) problem: Option<String>,
+    /// A rebuild after a lost node runs: registrations and probes wait.
+    pub(super) rebuilding: bool,
+    /// Another node was lost while the rebuild ran: it runs again.
+    pub(super) look_again: bool,
+    /// A version a lost node took with it (a rebuild failed): the version
+    /// and why, which a registration reports when no PFS copy replaces it.
+    pub(super) lost: Option<(u64, String)>,
+}
+
+/// A piece to request: the agent to build it (id and node) and the task.
+pub(super) type PieceRequest = (u64, String, PieceTask);
+
+impl ProtectionBook {
+    /// Starts protecting `version`, stored on `agents` (rank-mapping order,
+    /// `units` ranks): the pieces to request, or none (policy `none`, or
+    /// the plan cannot be had, which [`problem`](Self::problem) says).
+    pub(super) fn begin(
+        &mut self,
+        version: u64,
+        units: u32,
+        agents: &[AgentInfo],
+        groups: &dyn Fn(&str) -> Option<String>,
+    ) -> Vec<PieceRequest> {
+        self.protecting = None;
+        if self.policy.is_none() || agents.is_empty() {
+            self.problem = None;
+            return Vec::new();
+        }
+        let slots: Vec<Slot> = agents.iter().map(|a| Slot { node: a.node.clone(), group: groups(&a.node) }).collect();
+        let plan = match redundancy::plan(self.policy, units, &slots) {
+            Ok(plan) => plan,
+            Err(err) => {
+                self.problem = Some(format!("version {version} is not protected: {err}"));
+                return Vec::new();
+            }
+        };
+        let count = agents.len() as u32;
+        let primary = |rank: u32| agents[decide::agent_for_rank(rank, units, count) as usize].clone();
+        let parity = match self.policy {
+            Redundancy::ReedSolomon { parity, .. } => parity,
+            _ => 0,
+        };
+        let mut requests = Vec::new();
+        for (slot, piece) in plan.pieces() {
+            let members = match piece {
+                PieceId::Copy { rank } => vec![Some((rank, primary(rank)))],
+                PieceId::Parity { group, .. } => {
+                    plan.groups[group as usize].members.iter().map(|m| m.map(|rank| (rank, primary(rank)))).collect()
+                }
+            };
+            let holder = &agents[slot];
+            requests.push((holder.id, holder.node.clone(), PieceTask { version, piece, members, parity }));
+        }
+        let outstanding = requests.iter().map(|(agent, _, task)| (*agent, task.piece)).collect();
+        self.protecting = Some(Protecting { version, plan, agents: agents.to_vec(), units, outstanding });
+        requests
+    }
+
+    /// One piece was built (or not). Returns the version that just became
+    /// protected, if this was its last piece.
+    pub(super) fn piece_done(
+        &mut self,
+        agent: u64,
+        version: u64,
+        piece: PieceId,
+        result: Result<u64, String>,
+    ) -> Option<u64> {
+        let protecting = self.protecting.as_mut().filter(|p| p.version == version)?;
+        if !protecting.outstanding.remove(&(agent, piece)) {
+            return None;
+        }
+        if let Err(reason) = result {
+            self.problem = Some(format!("version {version} is not protected: {reason}"));
+            self.protecting = None;
+            return None;
+        }
+        if !protecting.outstanding.is_empty() {
+            return None;
+        }
+        let Protecting { version, plan, agents, units, .. } = self.protecting.take().expect("matched above");
+        self.protected = Some(Protected { version, plan, agents, units });
+        self.problem = None;
+        self.lost = None;
+        Some(version)
+    }
+
+    /// The version being protected, if any.
+    pub(super) fn protecting(&self) -> Option<u64> {
+        self.protecting.as_ref().map(|p| p.version)
+    }
+
+    /// Nodes holding the protected version's primaries or pieces.
+    pub(super) fn nodes(&self) -> BTreeSet<String> {
+        self.protected.iter().flat_map(|p| p.agents.iter().map(|a| a.node.clone())).collect()
+    }
+
+    /// Probability that the newest version is lost when every node fails
+    /// independently with `p`: its plan's when it is protected, else every
+    /// primary's node alone (`agents`, `units` as stored now).
+    pub(super) fn exposure(&self, latest: Option<u64>, units: u32, agents: &[AgentInfo], p: f64) -> Option<f64> {
+        let latest = latest?;
+        let slots = |agents: &[AgentInfo]| -> Vec<Slot> {
+            agents.iter().map(|a| Slot { node: a.node.clone(), group: None }).collect()
+        };
+        match &self.protected {
+            Some(protected) if protected.version == latest => {
+                let slots = slots(&protected.agents);
+                Some(redundancy::loss_probability(&protected.plan.units(self.policy, protected.units, &slots), p))
+            }
+            _ if agents.is_empty() || units == 0 => None,
+            _ => {
+                let slots = slots(agents);
+                Some(redundancy::loss_probability(&Plan::default().units(Redundancy::None, units, &slots), p))
+            }
+        }
+    }
+}
+
+/// What rebuilding the protected version after losing `dead` nodes takes:
+/// for every rank whose primary was there, where to rebuild it from.
+/// An error names every rank that cannot be rebuilt and the lost nodes.
+pub(super) fn rebuild_sources(
+    protected: &Protected,
+    policy: Redundancy,
+    dead: &BTreeSet<String>,
+) -> Result<Vec<(u32, usize, RebuildSource)>, String> {
+    let Protected { plan, agents, units, version } = protected;
+    let count = agents.len() as u32;
+    let slot_of = |rank: u32| decide::agent_for_rank(rank, *units, count) as usize;
+    let alive = |slot: usize| !dead.contains(&agents[slot].node);
+    let mut sources = Vec::new();
+    let mut lost = Vec::new();
+    for rank in 0..*units {
+        let slot = slot_of(rank);
+        if alive(slot) {
+            continue;
+        }
+        let source = match policy {
+            Redundancy::None => None,
+            Redundancy::Partner { .. } => {
+                let holders: Vec<AgentInfo> = plan
+                    .copies
+                    .get(&rank)
+                    .into_iter()
+                    .flatten()
+                    .filter(|s| alive(**s))
+                    .map(|s| agents[*s].clone())
+                    .collect();
+                (!holders.is_empty()).then_some(RebuildSource::Copies(holders))
+            }
+            Redundancy::ReedSolomon { .. } => plan.group_of(rank).and_then(|(g, shard)| {
+                let group = &plan.groups[g];
+                let members: Vec<Option<(u32, Option<AgentInfo>)>> = group
+                    .members
+                    .iter()
+                    .map(|m| m.map(|r| (r, alive(slot_of(r)).then(|| agents[slot_of(r)].clone()))))
+                    .collect();
+                let parity: Vec<Option<AgentInfo>> =
+                    group.parity.iter().map(|s| alive(*s).then(|| agents[*s].clone())).collect();
+                let survivors = members.iter().filter(|m| m.as_ref().is_none_or(|(_, a)| a.is_some())).count()
+                    + parity.iter().flatten().count();
+                (survivors >= group.members.len()).then_some(RebuildSource::Decode {
+                    group: g as u32,
+                    shard: shard as u8,
+                    members,
+                    parity,
+                })
+            }),
+        };
+        match source {
+            Some(source) => sources.push((rank, slot, source)),
+            None => lost.push(rank),
+        }
+    }
+    if lost.is_empty() {
+        return Ok(sources);
+    }
+    let dead: Vec<&str> = dead.iter().map(String::as_str).collect();
+    Err(format!(
+        "version {version} cannot be rebuilt: ranks {lost:?} were on lost nodes {dead:?}, and redundancy {policy} \
+         keeps too little of them on the surviving nodes (it survives {} lost node(s) per rank or group)",
+        policy.tolerates()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use icheck_core::fabric::{FabricAddress, RemoteRegion};
+
+    fn agent(id: u64, node: &str) -> AgentInfo {
+        AgentInfo {
+            id,
+            node: node.into(),
+            address: FabricAddress(Vec::new()),
+            provider: "tcp".into(),
+            probe: RemoteRegion { addr: 0, len: 0, key: 0 },
+            control: format!("{node}:1"),
+        }
+    }
+
+    fn book(policy: &str) -> ProtectionBook {
+        ProtectionBook { policy: policy.parse().unwrap(), ..ProtectionBook::default() }
+    }
+
+    #[test]
+    fn a_version_is_protected_once_every_piece_is_built() {
+        let agents = [agent(1, "a"), agent(2, "b"), agent(3, "c")];
+        let mut book = book("rs:2+1");
+        let requests = book.begin(7, 4, &agents, &|_| None);
+        assert!(!requests.is_empty());
+        assert_eq!(book.protecting(), Some(7));
+        let (last, rest) = requests.split_last().unwrap();
+        for (agent, _, task) in rest {
+            assert_eq!(book.piece_done(*agent, 7, task.piece, Ok(10)), None);
+        }
+        assert_eq!(book.piece_done(99, 7, last.2.piece, Ok(10)), None, "an agent that was not asked");
+        assert_eq!(book.piece_done(last.0, 6, last.2.piece, Ok(10)), None, "an older version");
+        assert_eq!(book.piece_done(last.0, 7, last.2.piece, Ok(10)), Some(7));
+        assert_eq!(book.protected.as_ref().map(|p| p.version), Some(7));
+        assert!(book.exposure(Some(7), 4, &agents, 0.01).unwrap() < book.exposure(Some(8), 4, &agents, 0.01).unwrap());
+    }
+
+    #[test]
+    fn a_failed_piece_leaves_the_version_unprotected_and_says_why() {
+        let agents = [agent(1, "a"), agent(2, "b")];
+        let mut book = book("partner");
+        let requests = book.begin(3, 2, &agents, &|_| None);
+        let (agent, _, task) = &requests[0];
+        assert_eq!(book.piece_done(*agent, 3, task.piece, Err("no room".into())), None);
+        assert!(book.problem.as_deref().unwrap().contains("no room"));
+        assert!(book.protected.is_none());
+        let too_few = book.begin(4, 2, &agents[..1], &|_| None);
+        assert!(too_few.is_empty());
+        assert!(book.problem.as_deref().unwrap().contains("needs 2"), "{:?}", book.problem);
+    }
+
+    #[test]
+    fn rebuild_sources_name_survivors_or_the_missing_ranks() {
+        let agents = vec![agent(1, "a"), agent(2, "b"), agent(3, "c"), agent(4, "d")];
+        for policy in ["partner", "rs:2+1"] {
+            let mut book = book(policy);
+            for (agent, _, task) in book.begin(5, 4, &agents, &|_| None) {
+                book.piece_done(agent, 5, task.piece, Ok(1));
+            }
+            let protected = book.protected.clone().unwrap();
+            let one: BTreeSet<String> = ["b".to_string()].into();
+            let sources = rebuild_sources(&protected, book.policy, &one).unwrap();
+            assert_eq!(sources.iter().map(|s| s.0).collect::<Vec<_>>(), [1], "{policy}: rank 1 was on b");
+            let two: BTreeSet<String> = ["a".to_string(), "b".to_string(), "c".to_string()].into();
+            let err = rebuild_sources(&protected, book.policy, &two).unwrap_err();
+            assert!(err.contains("ranks [") && err.contains("\"a\""), "{policy}: {err}");
+        }
+    }
+}

@@ -1,0 +1,174 @@
+//! Rebuild after a lost checkpoint node: the application's protected
+//! version gets a replacement agent on another live node for every slot
+//! that was there, each lost rank is rebuilt on it from copies or from its
+//! group's surviving shards (agent to agent), the application's agents
+//! become the rebuilt set, and the version is protected again on them.
+//! The application is not involved; its registrations and probes wait
+//! (bounded) until the rebuild ends, and then get the rebuilt agents.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use icheck_core::protocol::{AgentInfo, ControllerToManager};
+use tokio::sync::oneshot;
+
+use super::journal::Event;
+use super::{
+    await_ranks, await_starts, journal, nodes, protection, send_starts, start_protection, tell_agents, RankWaiter,
+    Shared,
+};
+
+/// Longest a registration or probe waits for a rebuild under way.
+pub(super) const REBUILD_WAIT: Duration = Duration::from_secs(180);
+
+/// Starts a rebuild of each of `apps` (those whose protected version lost
+/// a node), each on its own task.
+pub(super) fn spawn(shared: &Arc<Shared>, apps: Vec<String>) {
+    for name in apps {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            // One rebuild per application at a time; a loss noticed while
+            // one runs makes it look again when it ends.
+            {
+                let mut state = shared.state();
+                let Some(app) = state.apps.get_mut(&name) else { return };
+                if app.protection.rebuilding {
+                    app.protection.look_again = true;
+                    return;
+                }
+                app.protection.rebuilding = true;
+            }
+            loop {
+                rebuild_once(&shared, &name).await;
+                let mut state = shared.state();
+                let Some(app) = state.apps.get_mut(&name) else { return };
+                if !std::mem::take(&mut app.protection.look_again) {
+                    app.protection.rebuilding = false;
+                    return;
+                }
+            }
+        });
+    }
+}
+
+/// One pass of [`after_loss`], with its outcome logged and recorded.
+async fn rebuild_once(shared: &Shared, name: &str) {
+    let started = Instant::now();
+    match after_loss(shared, name).await {
+        Ok(Some(ranks)) => {
+            tracing::info!(app = %name, ranks, secs = started.elapsed().as_secs_f64(), "rebuilt after a lost node")
+        }
+        Ok(None) => {}
+        Err(reason) => {
+            tracing::error!(app = %name, %reason, "rebuild after a lost node failed");
+            if let Some(app) = shared.state().apps.get_mut(name) {
+                // Agents are still missing: the newest version is
+                // incomplete in agent memory.
+                if app.agents.len() != app.homes.len() {
+                    app.protection.lost = app.latest.as_ref().map(|l| (l.version, reason.clone()));
+                }
+                app.protection.problem = Some(reason);
+            }
+        }
+    }
+}
+
+/// Rebuilds `name`'s protected version after its nodes died; `Ok(None)`
+/// when there is nothing to do (no protected version, or no node of it is
+/// down). Returns the ranks rebuilt.
+async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String> {
+    let (protected, policy, dead, spec_parts, waiters, lost_slots) = {
+        let mut state = shared.state();
+        let state = &mut *state;
+        let now = Instant::now();
+        let Some(app) = state.apps.get_mut(name) else { return Ok(None) };
+        let Some(protected) = app.protection.protected.clone() else { return Ok(None) };
+        let dead: BTreeSet<String> =
+            protected.agents.iter().map(|a| a.node.clone()).filter(|n| !state.nodes.is_alive(n, now)).collect();
+        if dead.is_empty() {
+            return Ok(None);
+        }
+        let latest = app.latest.as_ref().map(|l| l.version);
+        if latest != Some(protected.version) {
+            return Err(format!(
+                "version {:?} was not protected yet when nodes {dead:?} were lost (version {} was); it may be \
+                 lost, and a restart falls back to what the PFS holds",
+                latest, protected.version
+            ));
+        }
+        let policy = app.protection.policy;
+        let owner = app.owner.ok_or("the application has no recorded owner")?;
+        let encrypted = app.registration.encrypted;
+        // Checked before anything starts: which ranks can be rebuilt.
+        protection::rebuild_sources(&protected, policy, &dead)?;
+        let lost_slots: Vec<usize> =
+            (0..protected.agents.len()).filter(|s| dead.contains(&protected.agents[*s].node)).collect();
+        let survivors: BTreeSet<&str> =
+            protected.agents.iter().filter(|a| !dead.contains(&a.node)).map(|a| a.node.as_str()).collect();
+        // A replacement goes to a live node holding none of the version,
+        // the emptiest first; only without one does it share a node.
+        let mut candidates: Vec<_> = state
+            .nodes
+            .snapshot(now)
+            .into_iter()
+            .filter(|n| n.alive && !n.draining && !dead.contains(&n.node))
+            .collect();
+        candidates.sort_by_key(|n| (survivors.contains(n.node.as_str()), n.agents, n.node.clone()));
+        if candidates.is_empty() {
+            return Err(format!("no live checkpoint node is left to rebuild on after losing {dead:?}"));
+        }
+        let places: Vec<String> =
+            (0..lost_slots.len()).map(|i| candidates[i % candidates.len()].node.clone()).collect();
+        let config = shared.dynamic();
+        let spec =
+            nodes::StartSpec { app: name, mem_budget: config.max_mem_node_bytes(), owner, complete: latest, encrypted };
+        let waiters = send_starts(state, &spec, places);
+        (protected, policy, dead, (owner,), waiters, lost_slots)
+    };
+    tracing::warn!(app = name, version = protected.version, lost = ?dead, slots = ?lost_slots, "rebuilding on other nodes");
+    let started = await_starts(shared, name, waiters).await?;
+    let mut agents: Vec<AgentInfo> = protected.agents.clone();
+    for (slot, agent) in lost_slots.iter().zip(&started) {
+        agents[*slot] = agent.clone();
+    }
+    let sources = protection::rebuild_sources(&protected, policy, &dead)?;
+    let waiters: Vec<RankWaiter> = {
+        let mut state = shared.state();
+        sources
+            .into_iter()
+            .map(|(rank, slot, source)| {
+                let to = &agents[slot];
+                let (tx, rx) = oneshot::channel();
+                state.takeovers.insert((to.id, rank), tx);
+                let message = ControllerToManager::Rebuild { agent: to.id, rank, version: protected.version, source };
+                state.nodes.send(&to.node, message);
+                (to.id, rank, rx)
+            })
+            .collect()
+    };
+    let rebuilt = waiters.len();
+    let (_, failed) = await_ranks(shared, waiters).await;
+    let failed_ranks: Vec<u32> = failed.iter().map(|(rank, _)| *rank).collect();
+    let failures: Vec<String> = failed.iter().map(|(rank, why)| format!("rank {rank}: {why}")).collect();
+    let mut state = shared.state();
+    let state = &mut *state;
+    if !failures.is_empty() {
+        // Their node may hold other slots' files: nothing is discarded.
+        tell_agents(&state.nodes, &started, |id| ControllerToManager::StopAgent { id, discard: false });
+        return Err(format!(
+            "version {} could not be rebuilt after losing nodes {dead:?}: ranks {failed_ranks:?} failed ({})",
+            protected.version,
+            failures.join("; ")
+        ));
+    }
+    let (owner,) = spec_parts;
+    let registration = state.apps.get(name).ok_or("the application went away")?.registration.clone();
+    journal(state, &Event::Placed { registration, agents: agents.clone(), owner: Some(owner) })?;
+    let app = state.apps.get_mut(name).ok_or("the application went away")?;
+    // The old agents on the lost nodes are gone; the survivors stay.
+    app.agents = agents.clone();
+    app.homes = agents.iter().map(|a| a.node.clone()).collect();
+    start_protection(shared, state, name);
+    Ok(Some(rebuilt))
+}
