@@ -38,7 +38,7 @@ module icheck
 
   public :: icheck_init, icheck_add, icheck_commit, icheck_enable_asynchronous, icheck_wait
   public :: icheck_restart, icheck_restore, icheck_restart_all, icheck_probe_agents
-  public :: icheck_finalize, icheck_strerror
+  public :: icheck_finalize, icheck_strerror, icheck_protected_version, icheck_wait_protected
   public :: icheck_add_adapt, icheck_add_adapt_default, icheck_add_adapt_volatile
   public :: icheck_pmap_create, icheck_add_processor_mapping, icheck_pmap_free
   public :: icheck_add_adapt_global, icheck_local_count, icheck_redistribute
@@ -83,6 +83,18 @@ module icheck
     integer(c_int) function c_probe(hints) bind(C, name="icheck_probe_agents")
       import :: c_int, c_ptr
       type(c_ptr), value :: hints
+    end function
+    ! Collective: the newest version whose redundancy on other checkpoint
+    ! nodes is in place (0: none yet).
+    integer(c_int) function icheck_protected_version(version) bind(C, name="icheck_protected_version")
+      import :: c_int, c_int64_t
+      integer(c_int64_t), intent(out) :: version
+    end function
+    ! Collective: waits until version (or a newer one) is protected.
+    integer(c_int) function icheck_wait_protected(version, timeout_secs) bind(C, name="icheck_wait_protected")
+      import :: c_int, c_int64_t, c_double
+      integer(c_int64_t), value :: version
+      real(c_double), value :: timeout_secs
     end function
     integer(c_int) function icheck_finalize(mode) bind(C, name="icheck_finalize")
       import :: c_int

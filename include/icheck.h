@@ -92,6 +92,12 @@ int icheck_restart_all(void);
  * next commit goes there; the newest version is already with them). hints
  * may be NULL. Returns 0 if nothing changed, else the new agent count. */
 int icheck_probe_agents(const icheck_hints *hints);
+/* Collective: the newest version whose copies or parity shards on other
+ * checkpoint nodes are in place (0: none yet), written to *version. */
+int icheck_protected_version(int64_t *version);
+/* Collective: waits until version (or a newer one) is protected, at most
+ * timeout_secs seconds; an error (icheck_last_error) says why it is not. */
+int icheck_wait_protected(int64_t version, double timeout_secs);
 /* Collective: IC_PERSIST or IC_CLEANUP. */
 int icheck_finalize(int mode);
 /*

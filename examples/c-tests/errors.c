@@ -104,6 +104,16 @@ int main(int argc, char **argv)
     expect(icheck_add("step", &step, 1, ICHECK_LONG), ICHECK_SUCCESS, "add step");
     expect(icheck_commit(), ICHECK_SUCCESS, "commit");
     expect(icheck_probe_agents(NULL), ICHECK_SUCCESS, "probe with NULL hints");
+    /* Redundancy: the service's default is "none", so nothing is protected. */
+    int64_t protected_version = -1;
+    expect(icheck_protected_version(NULL), ICHECK_ERR_NULL, "protected_version with NULL");
+    expect(icheck_protected_version(&protected_version), ICHECK_SUCCESS, "protected_version");
+    expect((int)protected_version, 0, "protected version without redundancy");
+    expect(icheck_wait_protected(0, 1.0), ICHECK_ERR_ARG, "wait_protected for version 0");
+    if (icheck_wait_protected(1, 1.0) == ICHECK_SUCCESS || !strstr(icheck_last_error(), "\"none\"")) {
+        printf("FAILED: waiting for protection under \"none\" does not say why: %s\n", icheck_last_error());
+        failures++;
+    }
     expect(icheck_finalize(7), ICHECK_ERR_ARG, "finalize with an unknown mode");
     expect(icheck_finalize(IC_PERSIST), ICHECK_SUCCESS, "finalize (persist)");
     expect(icheck_finalize(IC_PERSIST), ICHECK_ERR_ORDER, "double finalize");

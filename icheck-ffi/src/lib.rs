@@ -668,6 +668,41 @@ pub unsafe extern "C" fn icheck_probe_agents(hints: *const IcheckHints) -> c_int
     })
 }
 
+/// The newest version whose redundancy across checkpoint nodes is in place
+/// (collective): written to `*version` (0: none yet). Returns ICHECK_SUCCESS.
+///
+/// # Safety
+/// `version` must point to an `int64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn icheck_protected_version(version: *mut i64) -> c_int {
+    entry("icheck_protected_version", |instance| {
+        if version.is_null() {
+            return Err(Failure::new(ICHECK_ERR_NULL, "icheck_protected_version: version is NULL"));
+        }
+        let protected = initialised(instance)?.protection()?.protected.unwrap_or(0);
+        // SAFETY: non-NULL and pointing to an int64_t per the contract.
+        unsafe { version.write(i64::try_from(protected).unwrap_or(i64::MAX)) };
+        Ok(ICHECK_SUCCESS)
+    })
+}
+
+/// Waits until `version` (or a newer one) is protected, at most
+/// `timeout_secs` seconds (collective). An error says why it is not.
+#[no_mangle]
+pub extern "C" fn icheck_wait_protected(version: i64, timeout_secs: f64) -> c_int {
+    entry("icheck_wait_protected", |instance| {
+        if version < 1 || !(timeout_secs.is_finite() && timeout_secs >= 0.0) {
+            return Err(Failure::new(
+                ICHECK_ERR_ARG,
+                format!("icheck_wait_protected: version {version} or timeout {timeout_secs} s is out of range"),
+            ));
+        }
+        let timeout = std::time::Duration::from_secs_f64(timeout_secs);
+        initialised(instance)?.wait_protected(version as u64, timeout)?;
+        Ok(ICHECK_SUCCESS)
+    })
+}
+
 /// Ends icheck in this process (collective): `IC_PERSIST` keeps the
 /// checkpoints in agent memory, `IC_CLEANUP` deletes them.
 #[no_mangle]

@@ -35,7 +35,7 @@ mod region;
 mod segment;
 
 pub use client::{
-    Error, Global, Icheck, InitStatus, ProbeHints, ProbeOutcome, Recalc, Recalculate, Replicated, Resize,
+    Error, Global, Icheck, InitStatus, ProbeHints, ProbeOutcome, Protection, Recalc, Recalculate, Replicated, Resize,
 };
 #[cfg(feature = "mpi")]
 pub use comm::MpiComm;
