@@ -131,6 +131,11 @@ pub struct StaticConfig {
     /// this bounds what idle clients hold, not how long jobs compute.
     #[serde(rename = "ClientIdleTimeout", default = "default_client_idle")]
     pub client_idle_timeout: f64,
+    /// Failure domains of the checkpoint nodes (a rack, a power group):
+    /// node name → group. Redundancy places an application's copies and
+    /// parity shards in other groups than the data they protect where it can.
+    #[serde(rename = "NodeGroup", default)]
+    pub node_groups: std::collections::BTreeMap<String, String>,
     /// Times the controller starts a dead manager again within ten minutes
     /// (through its launcher) before it gives the node up for good.
     #[serde(rename = "ManagerRelaunches", default = "default_relaunches")]
@@ -984,6 +989,8 @@ mod tests {
         assert_eq!(two.client_idle_timeout(), Duration::from_secs(600), "the default");
         let idle = parsed("ClientIdleTimeout = 2.5").unwrap();
         assert_eq!(idle.client_idle_timeout(), Duration::from_millis(2500));
+        let groups = parsed("[NodeGroup]\ncp1 = \"rack1\"\ncp2 = \"rack2\"").unwrap();
+        assert_eq!(groups.node_groups.get("cp2").map(String::as_str), Some("rack2"));
         for (bad, key) in [
             ("ControllerAddress = []", "ControllerAddress"),
             ("ControllerAddress = [\"a:1\", \"a:1\"]", "appears twice"),

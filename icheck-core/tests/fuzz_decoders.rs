@@ -24,8 +24,10 @@ use icheck_core::format::{self, label_crcs, DataKind, LabelLayout, Manifest, CHU
 use icheck_core::pfs::{Compression, PfsStore};
 use icheck_core::protocol::{
     self, AgentInfo, AgentReply, AgentRequest, AppRegistration, ClientReply, ClientRequest, ControllerToManager,
-    FetchWanted, Hello, HelloReply, ManagerToController, NodeStatus, PullSegment, Role, TransferMode,
+    FetchWanted, Hello, HelloReply, ManagerToController, NodeStatus, ParityMeta, PieceMeta, PieceTask, PullSegment,
+    Role, TransferMode,
 };
+use icheck_core::redundancy::PieceId;
 use proptest::prelude::*;
 
 /// A valid manifest of one rank: two labels of 100 and 28 bytes.
@@ -133,7 +135,44 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
         ("manifest", format::encode_stored(&manifest()).expect("encodes")),
         ("config", include_bytes!("../../config/icheck.toml").to_vec()),
         ("dynamic", include_bytes!("../../config/dynamic.toml").to_vec()),
+        (
+            "controller",
+            enc(protocol::encode(&ControllerToManager::Protect {
+                agent: 3,
+                task: PieceTask {
+                    version: 4,
+                    piece: PieceId::Parity { group: 1, index: 0 },
+                    members: vec![Some((0, agent())), None],
+                    parity: 2,
+                },
+            })),
+        ),
+        (
+            "agent-reply",
+            enc(protocol::encode(&AgentReply::Piece {
+                meta: PieceMeta::Parity(parity()),
+                region: RemoteRegion { addr: 0, key: 1, len: 1 << 20 },
+            })),
+        ),
+        ("piece", format::encode_stored(&PieceMeta::Parity(parity())).expect("encodes")),
+        ("piece", format::encode_stored(&PieceMeta::Copy(manifest())).expect("encodes")),
     ]
+}
+
+/// A parity shard's description as an agent stores and serves it.
+fn parity() -> ParityMeta {
+    let mut member = manifest();
+    member.app = "app".into();
+    ParityMeta {
+        app: "app".into(),
+        version: member.version,
+        group: 1,
+        index: 0,
+        parity: 2,
+        shard_len: 1 << 20,
+        members: vec![Some(member), None],
+        crcs: vec![7],
+    }
 }
 
 /// Runs `bytes` through every decoder; panics only if one does.
@@ -150,6 +189,17 @@ fn feed(bytes: &[u8]) {
         if let Ok(fetched) = protocol::check_fetched(reply, FetchWanted { app: "app", rank: 0, version: 1 }) {
             let data = vec![7u8; usize::try_from(fetched.manifest.total_len).expect("checked length")];
             let _ = fetched.manifest.verify(&data);
+        }
+    }
+    // A piece of redundancy, from a peer or from disk: checked before any
+    // length in it is used.
+    if let Ok(AgentReply::Piece { meta: PieceMeta::Parity(parity), .. }) = protocol::decode::<AgentReply>(bytes) {
+        let _ = parity.validate();
+    }
+    if let Ok(PieceMeta::Parity(parity)) = format::decode_stored::<PieceMeta>(bytes) {
+        if parity.validate().is_ok() && parity.shard_len <= 1 << 22 {
+            let data = vec![7u8; usize::try_from(parity.shard_len).expect("small")];
+            let _ = data.chunks(protocol::STRIPE as usize).zip(&parity.crcs).all(|(c, crc)| crc32c::crc32c(c) == *crc);
         }
     }
     // A manifest as stored: validated before any offset is used, then verified.

@@ -188,6 +188,24 @@ pub fn render(report: &StatusReport) -> String {
             samples: vec![],
         },
         Family {
+            name: "icheck_app_protected_version",
+            help: "Newest version whose copies or parity shards on other checkpoint nodes are in place",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_app_rebuilding",
+            help: "1 while the application's version is rebuilt after a lost checkpoint node",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
+            name: "icheck_app_loss_probability",
+            help: "Probability that the newest version is lost (data-loss model, node_failure_probability)",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
             name: "icheck_controller_incarnation",
             help: "Controller processes that used the journal, this one included",
             kind: "gauge",
@@ -290,6 +308,9 @@ pub fn render(report: &StatusReport) -> String {
         put("icheck_app_pfs_copies_failed_total", l.clone(), Some(a.pfs_health.failed as f64));
         put("icheck_app_pfs_copies_skipped_total", l.clone(), Some(a.pfs_health.skipped as f64));
         put("icheck_app_agent_changes_total", l.clone(), Some(a.agent_changes.len() as f64));
+        put("icheck_app_protected_version", l.clone(), a.protected.map(|v| v as f64));
+        put("icheck_app_rebuilding", l.clone(), Some(f64::from(u8::from(a.rebuilding))));
+        put("icheck_app_loss_probability", l.clone(), a.exposure);
         put("icheck_app_versions_dropped_total", l, Some(a.dropped.len() as f64));
     }
     if let Some(journal) = &report.journal {

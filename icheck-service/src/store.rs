@@ -714,6 +714,36 @@ mod tests {
     }
 
     #[test]
+    fn pieces_are_kept_apart_from_ranks_and_dropped_by_version() {
+        let dir = std::env::temp_dir().join(format!("icheck-store-pieces-{}", std::process::id()));
+        let store = Store::new(&dir);
+        let copy = PieceId::Copy { rank: 3 };
+        for version in [4u64, 5] {
+            let mut file = store.create_piece("app", version, copy, 10).unwrap();
+            file.as_mut_slice().fill(version as u8);
+            assert!(store.open_piece("app", version, copy).is_err(), "an unsealed piece must not open");
+            let meta = PieceMeta::Copy(manifest("app", 3, version, file.as_slice()));
+            store.seal_piece("app", version, copy, &meta).unwrap();
+        }
+        let (meta, data) = store.open_piece("app", 5, copy).unwrap();
+        assert!(matches!(meta, PieceMeta::Copy(ref m) if m.rank == 3 && m.version == 5));
+        assert_eq!(data.as_slice(), &[5u8; 10]);
+        // Another piece's description under this name is refused.
+        let other = PieceId::Copy { rank: 4 };
+        std::fs::copy(dir.join("app/pieces/v5.copy3.meta"), dir.join("app/pieces/v5.copy4.meta")).unwrap();
+        std::fs::copy(dir.join("app/pieces/v5.copy3.data"), dir.join("app/pieces/v5.copy4.data")).unwrap();
+        let Err(err) = store.open_piece("app", 5, other) else { panic!("another piece's description was accepted") };
+        let err = err.to_string();
+        assert!(err.contains("another piece"), "{err}");
+        // Pieces are not ranks: the inventory a manager reports ignores them.
+        assert!(store.inventory(&mut InventoryCache::default()).is_empty());
+        assert_eq!(store.drop_pieces_below("app", 5).unwrap(), 2, "version 4's data and description");
+        assert!(store.open_piece("app", 4, copy).is_err());
+        assert!(store.open_piece("app", 5, copy).is_ok());
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn names_that_escape_the_root_are_refused() {
         for bad in ["", "..", "../x", "a/b", ".hidden", "x\0y"] {
             assert!(check_app_name(bad).is_err(), "{bad:?}");

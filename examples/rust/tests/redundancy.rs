@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::Job;
 use icheck_core::protocol::AppReport;
-use icheck_service::testkit::{icheck_in_target, poll_until, LocalService};
+use icheck_service::testkit::{icheck_in_target, metric_sample, poll_until, LocalService};
 
 fn service(name: &str, managers: u32) -> LocalService {
     LocalService::up(&icheck_in_target(), name, managers, &["--provider", "tcp", "--manager-relaunches", "0"])
@@ -86,6 +86,8 @@ fn partner_copies_rebuild_a_lost_node_and_survive_a_second_loss() {
     let report = wait_protected(&service, "pa", 3);
     assert_eq!(report.redundancy.to_string(), "partner:2");
     assert!(report.exposure.unwrap() < 1e-3, "two copies: {:?}", report.exposure);
+    let metrics = service.metrics();
+    assert_eq!(metric_sample(&metrics, "icheck_app_protected_version{app=\"pa\"}"), Some(3.0), "{metrics}");
     let first = report.agents[0].node.clone();
     lose_node(&service, &first);
     let rebuilt = wait_protected(&service, "pa", 3);

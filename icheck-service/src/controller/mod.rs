@@ -139,6 +139,8 @@ struct Shared {
     missed: u32,
     /// `ClientIdleTimeout`: a client connection silent this long is closed.
     client_idle: Duration,
+    /// `NodeGroup`: each node's failure domain, for redundancy placement.
+    node_groups: BTreeMap<String, String>,
     /// How dead managers are started again, if at all.
     launcher: Option<Arc<dyn Launcher>>,
     /// `ManagerRelaunches`.
@@ -386,6 +388,7 @@ async fn run(
         heartbeat: config.heartbeat(),
         missed: config.missed_heartbeats,
         client_idle: config.client_idle_timeout(),
+        node_groups: config.node_groups.clone(),
         launcher,
         relaunch_limit: config.manager_relaunches,
         state: Mutex::new(State {
@@ -1726,7 +1729,7 @@ fn start_protection(shared: &Shared, state: &mut State, name: &str) {
         return;
     }
     let units = decide::mapping_units(&app.registration);
-    let requests = app.protection.begin(version, units, &app.agents, &|_| None);
+    let requests = app.protection.begin(version, units, &app.agents, &|node| shared.node_groups.get(node).cloned());
     if let Some(problem) = &app.protection.problem {
         tracing::warn!(app = name, %policy, %problem, "redundancy cannot be placed");
     }
