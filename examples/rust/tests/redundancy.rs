@@ -157,3 +157,19 @@ fn a_damaged_parity_shard_is_refused_and_the_rank_decoded_from_the_others() {
     let managers: String = report.agents.iter().map(|a| service.log(&format!("manager-{}.log", a.node))).collect();
     assert!(managers.contains("is damaged at bytes"), "the damaged shard was not detected");
 }
+
+#[test]
+fn rs_4_2_survives_two_lost_nodes_at_once() {
+    let service = service("red-rs42", 6);
+    commit_three(&service, "r42", "rs:4+2");
+    let report = wait_protected(&service, "r42", 3);
+    assert_eq!(report.agents.len(), 6, "rs:4+2 spreads the agents over six nodes: {:?}", report.agents);
+    // The nodes of ranks 0 and 1: two members of one group, so both of its
+    // parity shards are needed to decode them.
+    let (a, b) = (report.agents[0].node.clone(), report.agents[1].node.clone());
+    lose_nodes(&service, &[&a, &b]);
+    let rebuilt = wait_protected(&service, "r42", 3);
+    assert!(rebuilt.agents.iter().all(|agent| agent.node != a && agent.node != b), "{:?}", rebuilt.agents);
+    restart_bit_exact(&service, "r42", "rs:4+2", 6);
+    pfs_untouched(&service, "r42");
+}

@@ -361,11 +361,14 @@ fn decode_member(
     // Parity first: its description carries every member's manifest.
     let mut meta: Option<ParityMeta> = None;
     let mut parity_sources: Vec<Option<ShardSource>> = Vec::with_capacity(parity.len());
+    // Each parity shard's own stripe checksums.
+    let mut parity_crcs: Vec<Vec<u32>> = Vec::with_capacity(parity.len());
     for (index, holder) in parity.iter().enumerate() {
         let piece = PieceId::Parity { group, index: index as u8 };
         let Some(holder) = holder else {
             lost.push(format!("parity shard {index} (its node is lost)"));
             parity_sources.push(None);
+            parity_crcs.push(Vec::new());
             continue;
         };
         let fetched = PeerSession::open(shared, holder, rank).and_then(|mut session| {
@@ -379,8 +382,10 @@ fn decode_member(
                 if meta.as_ref().is_some_and(|m| m.shard_len != len || m.members != parity_meta.members) {
                     lost.push(format!("parity shard {index} (it disagrees with the others)"));
                     parity_sources.push(None);
+                    parity_crcs.push(Vec::new());
                     continue;
                 }
+                parity_crcs.push(parity_meta.crcs.clone());
                 meta.get_or_insert(parity_meta);
                 parity_sources.push(Some(ShardSource::with(shared, Some(session), region, len)?));
             }
@@ -388,6 +393,7 @@ fn decode_member(
                 tracing::warn!(group, index, %err, "a parity shard cannot be read; decoding without it");
                 lost.push(format!("parity shard {index} ({err})"));
                 parity_sources.push(None);
+                parity_crcs.push(Vec::new());
             }
         }
     }
@@ -457,7 +463,7 @@ fn decode_member(
             recovery.push(match source {
                 Some(source) => {
                     let bytes = source.load(shared, offset, n)?.to_vec();
-                    if crc32c::crc32c(&bytes) != meta.crcs[stripe] {
+                    if parity_crcs[index].get(stripe) != Some(&crc32c::crc32c(&bytes)) {
                         return Err(format!("parity shard {index} of group {group} is damaged at bytes {offset}.."));
                     }
                     Some(bytes)

@@ -1609,7 +1609,8 @@ async fn register_app(
         // nodes, where they exist.
         let wanted = config.redundancy_for(&registration).wanted_nodes();
         let live = snapshot.iter().filter(|n| n.alive && !n.draining).count();
-        let count = count.max(wanted.min(live) as u32).min(decide::agent_limit(&registration, &config).max(1));
+        // (Beyond one agent per rank: the extra agents hold pieces only.)
+        let count = count.max((wanted.min(live) as u32).min(config.max_agents_app));
         let mut config = config;
         config.candidate_count = config.candidate_count.max(count);
         // Survivors of the old placement stop; their files stay for the new agents.

@@ -1,0 +1,362 @@
+//! Redundancy benchmark, from one run: for `none`, `partner`, `rs:2+1` and
+//! `rs:4+2`, on the same data (4 ranks × 256 MiB under `mpirun`, and one
+//! rank × 1 GiB), through a local service of six checkpoint nodes:
+//!
+//! * the commit time the application sees, as a ratio to `none`;
+//! * the time from the commit's return until the version is protected
+//!   (every copy or parity shard built by the agents), against FTI L2's
+//!   partner copy of the same data on this machine kind (2.31 s);
+//! * the checkpoint memory the nodes hold, per byte of one version (a
+//!   rank's previous version stays as its spare file in every policy);
+//! * after a node is lost (its manager killed, its store deleted): the
+//!   rebuild time and the restart time, against a restart with no loss.
+//!
+//! memcpy of the same bytes is measured in the same run.
+//!
+//! ```text
+//! cargo build --release --workspace
+//! target/release/redundancy-bench --rank-size 256MiB --size 1GiB
+//! ```
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use icheck_core::fabric::AlignedBuffer;
+use icheck_core::units::ByteSize;
+use icheck_lib::{Communicator, Icheck, MpiComm, Region, SingleProcess};
+use icheck_service::selftest::fill_pattern;
+use icheck_service::testkit::{poll_until, LocalService};
+use serde::{Deserialize, Serialize};
+
+/// FTI L2 (partner copy) of 4 ranks × 256 MiB on this machine kind, from the issue.
+const FTI_L2_SECS: f64 = 2.31;
+const POLICIES: [&str; 4] = ["none", "partner", "rs:2+1", "rs:4+2"];
+
+#[derive(Parser)]
+#[command(about = "Commit, protection, memory and restart-after-loss cost of each redundancy policy")]
+struct Cli {
+    /// Bytes per rank of the four-rank case (0 skips it).
+    #[arg(long, default_value = "256MiB")]
+    rank_size: ByteSize,
+    /// Bytes of the one-rank case (0 skips it).
+    #[arg(long, default_value = "1GiB")]
+    size: ByteSize,
+    /// Commits timed per case; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Fabric provider.
+    #[arg(long, default_value = "tcp")]
+    provider: String,
+    /// Internal: run as one rank of the four-rank case.
+    #[arg(long, hide = true)]
+    mpi_rank: Option<PathBuf>,
+    /// Internal: "commit" or "restart".
+    #[arg(long, hide = true, default_value = "commit")]
+    phase: String,
+    /// Internal: the application name.
+    #[arg(long, hide = true, default_value = "bench")]
+    app: String,
+}
+
+/// What the ranks measured (rank 0's view; collective steps).
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Measured {
+    commit_secs: Vec<f64>,
+    protect_secs: Vec<f64>,
+    restart_secs: f64,
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
+/// The rank's data after `commits` commits: a pattern with one byte per
+/// commit flipped (so every version differs and a restart can be checked).
+fn expected(rank: u32, size: usize, commits: usize) -> Vec<u8> {
+    let mut data = vec![0u8; size];
+    fill_pattern(&mut data, u64::from(rank) + 11);
+    for i in 0..commits {
+        data[i * 4099 % size] ^= 0x5a;
+    }
+    data
+}
+
+/// Commits `runs + 1` versions (the first warms up), waiting for each to be
+/// protected, then finishes with IC_PERSIST.
+fn commit_phase<C: Communicator + 'static>(
+    config: &Path,
+    app: &str,
+    comm: C,
+    size: usize,
+    runs: usize,
+) -> Result<Measured> {
+    let rank = comm.rank();
+    let (mut ic, _) = Icheck::init(Some(config), app, comm)?;
+    let data = Region::<u8>::zeroed(size);
+    data.write().copy_from_slice(&expected(rank, size, 0));
+    ic.add("data", &data)?;
+    let mut measured = Measured::default();
+    let protects = ic.protection()?.policy != "none";
+    for i in 0..=runs {
+        data.write()[i * 4099 % size] ^= 0x5a;
+        let started = Instant::now();
+        let version = ic.commit()?;
+        let committed = started.elapsed().as_secs_f64();
+        let started = Instant::now();
+        if protects {
+            ic.wait_protected(version, Duration::from_secs(300))?;
+        }
+        let protected = started.elapsed().as_secs_f64();
+        if i > 0 {
+            measured.commit_secs.push(committed);
+            measured.protect_secs.push(protected);
+        }
+    }
+    ic.finalize(true)?;
+    Ok(measured)
+}
+
+/// Restarts from the newest version and checks every byte.
+fn restart_phase<C: Communicator + 'static>(
+    config: &Path,
+    app: &str,
+    comm: C,
+    size: usize,
+    runs: usize,
+) -> Result<Measured> {
+    let rank = comm.rank();
+    let data = Region::<u8>::zeroed(size);
+    let started = Instant::now();
+    let (mut ic, _) = Icheck::init(Some(config), app, comm)?;
+    ic.add("data", &data)?;
+    ic.restart()?;
+    ic.restore_all()?;
+    let restart_secs = started.elapsed().as_secs_f64();
+    if *data.read() != expected(rank, size, runs + 1)[..] {
+        bail!("rank {rank}: the restored data differs from the last commit");
+    }
+    ic.finalize(true)?;
+    Ok(Measured { restart_secs, ..Measured::default() })
+}
+
+fn mpi_rank(cli: &Cli, config: &Path) -> Result<()> {
+    let universe = mpi::initialize().context("MPI init")?;
+    let world = universe.world();
+    let size = usize::try_from(cli.rank_size.0)?;
+    let comm = MpiComm::new(&world);
+    let rank = comm.rank();
+    let measured = match cli.phase.as_str() {
+        "commit" => commit_phase(config, &cli.app, comm, size, cli.runs),
+        _ => restart_phase(config, &cli.app, comm, size, cli.runs),
+    };
+    match measured {
+        Ok(measured) if rank == 0 => println!("RESULT {}", serde_json::to_string(&measured)?),
+        Ok(_) => {}
+        Err(err) => {
+            eprintln!("rank {rank}: {err}");
+            std::process::exit(3);
+        }
+    }
+    Ok(())
+}
+
+/// One dataset: ranks and bytes per rank.
+#[derive(Clone, Copy)]
+struct Dataset {
+    ranks: u32,
+    per_rank: usize,
+}
+
+impl Dataset {
+    fn label(&self) -> String {
+        format!("{} × {}", self.ranks, ByteSize(self.per_rank as u64))
+    }
+
+    fn bytes(&self) -> f64 {
+        f64::from(self.ranks) * self.per_rank as f64
+    }
+
+    /// Runs `phase` of the case: in this process (one rank) or under mpirun.
+    fn run(&self, cli: &Cli, config: &Path, app: &str, phase: &str) -> Result<Measured> {
+        if self.ranks == 1 {
+            return match phase {
+                "commit" => commit_phase(config, app, SingleProcess, self.per_rank, cli.runs),
+                _ => restart_phase(config, app, SingleProcess, self.per_rank, cli.runs),
+            };
+        }
+        let out = Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &self.ranks.to_string()])
+            .arg(std::env::current_exe()?)
+            .args(["--rank-size", &self.per_rank.to_string(), "--runs", &cli.runs.to_string()])
+            .args(["--phase", phase, "--app", app, "--mpi-rank"])
+            .arg(config)
+            .output()
+            .context("running mpirun")?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let Some(json) = stdout.lines().find_map(|l| l.strip_prefix("RESULT ")) else {
+            bail!("{phase} printed no result:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        };
+        Ok(serde_json::from_str(json)?)
+    }
+}
+
+/// What one policy cost on one dataset.
+struct Row {
+    policy: &'static str,
+    commit: f64,
+    protect: f64,
+    memory: f64,
+    restart: f64,
+    rebuild: Option<f64>,
+    restart_after_loss: Option<f64>,
+}
+
+fn icheck_binary() -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("the benchmark's directory")?;
+    let icheck = dir.join("icheck");
+    if !icheck.exists() {
+        bail!("{} is missing: build the workspace first (cargo build --release --workspace)", icheck.display());
+    }
+    Ok(icheck)
+}
+
+fn case(cli: &Cli, data: Dataset, policy: &'static str) -> Result<Row> {
+    let name = format!("red-{}-{}", data.ranks, policy.replace([':', '+'], "-"));
+    // One agent per rank, on nodes of its own, in every policy: the
+    // policies differ in their redundancy only (rs:4+2 adds agents).
+    let dynamic = format!("init_agent_count = {}\ncandidate_count = 6\nreadInterval = 5\n", data.ranks);
+    let args = ["--provider", cli.provider.as_str(), "--manager-relaunches", "0"];
+    let service = LocalService::up_with_dynamic(&icheck_binary()?, &name, 6, &args, Some(&dynamic));
+    let config = service.dir.join("bench.toml");
+    let text = std::fs::read_to_string(service.config_path())?;
+    std::fs::write(&config, format!("{text}redundancy = \"{policy}\"\n"))?;
+    let app = "bench";
+    let committed = data.run(cli, &config, app, "commit")?;
+    // The managers measure their stores every status interval (0.5 s here).
+    std::thread::sleep(Duration::from_millis(1500));
+    let report = service.status();
+    let held: u64 = report.nodes.iter().map(|n| n.status.bytes_held).sum();
+    let restart = data.run(cli, &config, app, "restart")?.restart_secs;
+    // A node holding a primary is lost: manager killed, store deleted.
+    let app_report = report.apps.iter().find(|a| a.registration.name == app).context("the application")?;
+    let latest = app_report.latest.as_ref().map(|l| l.version);
+    let node = app_report.agents[0].node.clone();
+    let pid = service.pid_of(&format!("manager-{node}"));
+    let lost_at = Instant::now();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(i32::try_from(pid)?), nix::sys::signal::Signal::SIGKILL)?;
+    poll_until(Duration::from_secs(10), || !icheck_service::testkit::process_running(pid));
+    std::fs::remove_dir_all(service.config.agent_store_dir.join(&node))?;
+    let (rebuild, restart_after_loss) = if policy == "none" {
+        (None, None)
+    } else {
+        let rebuilt = poll_until(Duration::from_secs(300), || {
+            service.status().apps.iter().any(|a| {
+                a.registration.name == app
+                    && a.protected == latest
+                    && !a.rebuilding
+                    && a.protection_problem.is_none()
+                    && a.agents.iter().all(|agent| agent.node != node)
+            })
+        });
+        if !rebuilt {
+            let now = service.status().apps.into_iter().find(|a| a.registration.name == app);
+            let why = now.map(|a| {
+                format!(
+                    "protected {:?}, problem {:?}, agents {:?}",
+                    a.protected,
+                    a.protection_problem,
+                    a.agents.iter().map(|g| g.node.clone()).collect::<Vec<_>>()
+                )
+            });
+            bail!("{policy}: the version was not protected again after losing {node}: {why:?}");
+        }
+        let rebuild = lost_at.elapsed().as_secs_f64();
+        (Some(rebuild), Some(data.run(cli, &config, app, "restart")?.restart_secs))
+    };
+    eprintln!("{} {policy}: commit {:?}, protect {:?}", data.label(), committed.commit_secs, committed.protect_secs);
+    Ok(Row {
+        policy,
+        commit: median(committed.commit_secs),
+        protect: median(committed.protect_secs),
+        memory: held as f64 / data.bytes(),
+        restart,
+        rebuild,
+        restart_after_loss,
+    })
+}
+
+fn memcpy_secs(bytes: usize) -> f64 {
+    let mut src = AlignedBuffer::zeroed(bytes);
+    fill_pattern(src.as_mut_slice(), 7);
+    let mut dst = AlignedBuffer::zeroed(bytes);
+    dst.as_mut_slice().fill(1);
+    median(
+        (0..3)
+            .map(|_| {
+                let start = Instant::now();
+                dst.as_mut_slice().copy_from_slice(src.as_slice());
+                start.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    if let Some(config) = &cli.mpi_rank {
+        return mpi_rank(&cli, config);
+    }
+    let mut datasets = Vec::new();
+    if cli.rank_size.0 > 0 {
+        datasets.push(Dataset { ranks: 4, per_rank: usize::try_from(cli.rank_size.0)? });
+    }
+    if cli.size.0 > 0 {
+        datasets.push(Dataset { ranks: 1, per_rank: usize::try_from(cli.size.0)? });
+    }
+    let ms = |secs: f64| format!("{:.0}", secs * 1e3);
+    let mut out = Vec::new();
+    for data in datasets {
+        let memcpy = memcpy_secs(data.ranks as usize * data.per_rank);
+        let mut rows = Vec::new();
+        for policy in POLICIES {
+            rows.push(case(&cli, data, policy)?);
+        }
+        let none = rows[0].commit;
+        out.push(format!(
+            "\n**{}** ({} provider; memcpy of the same bytes: {} ms)\n",
+            data.label(),
+            cli.provider,
+            ms(memcpy)
+        ));
+        out.push("| policy | commit (ms) | ÷ none | until protected (ms) | FTI L2 2.31 s ÷ this | memory held (× one version) | restart (ms) | rebuild after a lost node (ms) | restart after the loss (ms) | its speed ÷ no loss |".into());
+        out.push("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|".into());
+        for r in rows {
+            let (protect, vs_fti) = match r.policy {
+                "none" => ("–".to_string(), "–".to_string()),
+                _ => (ms(r.protect), format!("{:.1}", FTI_L2_SECS / r.protect)),
+            };
+            let (rebuild, after, speed) = match (r.rebuild, r.restart_after_loss) {
+                (Some(b), Some(a)) => (ms(b), ms(a), format!("{:.2}", r.restart / a)),
+                _ => ("lost".into(), "lost".into(), "–".into()),
+            };
+            out.push(format!(
+                "| {} | {} | {:.2} | {protect} | {vs_fti} | {:.2} | {} | {rebuild} | {after} | {speed} |",
+                r.policy,
+                ms(r.commit),
+                r.commit / none,
+                r.memory,
+                ms(r.restart),
+            ));
+        }
+    }
+    println!("Redundancy across six local checkpoint nodes, median of {} commits per case; one run.", cli.runs);
+    for line in out {
+        println!("{line}");
+    }
+    Ok(())
+}
