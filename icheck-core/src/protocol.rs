@@ -810,6 +810,10 @@ pub struct AppReport {
     /// Why the newest version is not protected (or cannot be rebuilt).
     #[serde(default)]
     pub protection_problem: Option<String>,
+    /// The newest protections: version and seconds from the version's
+    /// record to its last piece built, oldest first.
+    #[serde(default)]
+    pub protection_secs: Vec<(u64, f64)>,
     /// Probability that the newest version is lost, from the data-loss
     /// model with the configured `node_failure_probability`.
     #[serde(default)]

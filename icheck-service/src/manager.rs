@@ -350,13 +350,20 @@ async fn session(
                 let (version, piece) = (task.version, task.piece);
                 let job = agent_job(agents, agent, |a| a.protect_job(task));
                 let tx = tx.clone();
-                tokio::task::spawn_blocking(move || {
+                // Background work, like a PFS copy: at nice 19 on a thread of
+                // its own, so that encoding never starves the node's commits
+                // or this manager's heartbeats.
+                let build = move || {
+                    lower_thread_priority();
                     let result = job.and_then(|job| job());
                     if let Err(reason) = &result {
                         tracing::warn!(agent, version, %piece, %reason, "building a piece of redundancy failed");
                     }
                     let _ = tx.send(ManagerToController::Protected { agent, version, piece, result });
-                });
+                };
+                if let Err(err) = std::thread::Builder::new().name("icheck-protect".into()).spawn(build) {
+                    tracing::error!(agent, version, %err, "cannot start a thread to build a piece of redundancy");
+                }
             }
             ControllerToManager::Rebuild { agent, rank, version, source } => {
                 let job = agent_job(agents, agent, |a| a.rebuild_job(rank, version, source));
@@ -394,8 +401,8 @@ fn agent_job<J>(agents: &Agents, id: u64, build: impl FnOnce(&Agent) -> J) -> Re
 }
 
 /// Makes the calling thread yield the CPU to everything else (nice 19):
-/// PFS copies run in the background and must not slow the commits and
-/// restarts the node's agents serve meanwhile.
+/// PFS copies and redundancy run in the background and must not slow the
+/// commits and restarts the node's agents serve meanwhile.
 fn lower_thread_priority() {
     // SAFETY: gettid and setpriority take no pointers and only change the
     // scheduling priority of the calling thread (on Linux, PRIO_PROCESS

@@ -223,20 +223,36 @@ impl ShardSource {
     ) -> Result<ShardSource, String> {
         let buffer = shared
             .endpoint
-            .register(AlignedBuffer::zeroed(STRIPE as usize), Access::LOCAL)
+            .register(AlignedBuffer::zeroed(BLOCK as usize), Access::LOCAL)
             .map_err(|e| e.to_string())?;
         Ok(ShardSource { session, region, len, buffer })
     }
 
-    /// Loads stripe `[offset, offset + n)` into the buffer.
-    fn load(&mut self, shared: &Shared, offset: u64, n: usize) -> Result<&[u8], String> {
+    /// Loads block `[offset, offset + n)` of the shard into the buffer: one
+    /// read of its real bytes (the fabric pipelines it), zeros after them.
+    fn load(&mut self, shared: &Shared, offset: u64, n: usize) -> Result<(), String> {
         let real = self.len.saturating_sub(offset).min(n as u64) as usize;
         if let Some(session) = &self.session {
             session.read(shared, self.region, offset, &mut self.buffer, real)?;
         }
         self.buffer.as_mut_slice()[real..n].fill(0);
-        Ok(&self.buffer.as_slice()[..n])
+        Ok(())
     }
+
+    /// `n` bytes of the loaded block from `at`.
+    fn bytes(&self, at: usize, n: usize) -> &[u8] {
+        &self.buffer.as_slice()[at..at + n]
+    }
+}
+
+/// Bytes of each shard read at once (a whole number of stripes): one RMA
+/// read per member per block keeps the fabric busy, where one per stripe
+/// would wait a round trip every megabyte.
+const BLOCK: u64 = 8 * STRIPE;
+
+/// The stripes of block `[offset, offset + block)`: (offset in the block, bytes).
+fn stripes_of(block: u64) -> impl Iterator<Item = (usize, usize)> {
+    (0..block).step_by(STRIPE as usize).map(move |at| (at as usize, (block - at).min(STRIPE) as usize))
 }
 
 /// Bytes of every shard of a group whose longest member is `longest`.
@@ -272,17 +288,19 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
     let mut crcs = Vec::new();
     let mut offset = 0;
     while offset < shard_len {
-        let n = (shard_len - offset).min(STRIPE) as usize;
-        let mut stripes = Vec::with_capacity(sources.len());
+        let block = (shard_len - offset).min(BLOCK);
         for source in &mut sources {
-            stripes.push(source.load(shared, offset, n)?.to_vec());
+            source.load(shared, offset, block as usize)?;
         }
-        let originals: Vec<&[u8]> = stripes.iter().map(Vec::as_slice).collect();
-        let parity = redundancy::encode(usize::from(task.parity), &originals).map_err(|e| e.to_string())?;
-        let mine = &parity[usize::from(index)];
-        file.as_mut_slice()[offset as usize..offset as usize + n].copy_from_slice(mine);
-        crcs.push(crc32c::crc32c(mine));
-        offset += n as u64;
+        for (at, n) in stripes_of(block) {
+            let originals: Vec<&[u8]> = sources.iter().map(|source| source.bytes(at, n)).collect();
+            let parity = redundancy::encode(usize::from(task.parity), &originals).map_err(|e| e.to_string())?;
+            let mine = &parity[usize::from(index)];
+            let start = offset as usize + at;
+            file.as_mut_slice()[start..start + n].copy_from_slice(mine);
+            crcs.push(crc32c::crc32c(mine));
+        }
+        offset += block;
     }
     drop(sources);
     let meta = ParityMeta {
@@ -448,37 +466,34 @@ fn decode_member(
     let store = &shared.settings.store;
     let mut file = store.create(&shared.app, rank, version, manifest.total_len).map_err(|e| e.to_string())?;
     let mut offset = 0;
-    let mut stripe = 0;
     while offset < manifest.total_len {
-        let n = (meta.shard_len - offset).min(STRIPE) as usize;
-        let mut originals: Vec<Option<Vec<u8>>> = Vec::with_capacity(k);
-        for source in &mut data_sources {
-            originals.push(match source {
-                Some(source) => Some(source.load(shared, offset, n)?.to_vec()),
-                None => None,
-            });
+        let block = (meta.shard_len - offset).min(BLOCK);
+        for source in data_sources.iter_mut().chain(parity_sources.iter_mut()).flatten() {
+            source.load(shared, offset, block as usize)?;
         }
-        let mut recovery: Vec<Option<Vec<u8>>> = Vec::with_capacity(parity_sources.len());
-        for (index, source) in parity_sources.iter_mut().enumerate() {
-            recovery.push(match source {
-                Some(source) => {
-                    let bytes = source.load(shared, offset, n)?.to_vec();
-                    if parity_crcs[index].get(stripe) != Some(&crc32c::crc32c(&bytes)) {
-                        return Err(format!("parity shard {index} of group {group} is damaged at bytes {offset}.."));
-                    }
-                    Some(bytes)
+        for (at, n) in stripes_of(block) {
+            let stripe = (offset as usize + at) / STRIPE as usize;
+            let originals: Vec<Option<&[u8]>> =
+                data_sources.iter().map(|s| s.as_ref().map(|s| s.bytes(at, n))).collect();
+            let mut recovery: Vec<Option<&[u8]>> = Vec::with_capacity(parity_sources.len());
+            for (index, source) in parity_sources.iter().enumerate() {
+                let bytes = source.as_ref().map(|s| s.bytes(at, n));
+                if bytes.is_some_and(|bytes| parity_crcs[index].get(stripe) != Some(&crc32c::crc32c(bytes))) {
+                    let from = offset as usize + at;
+                    return Err(format!("parity shard {index} of group {group} is damaged at bytes {from}.."));
                 }
-                None => None,
-            });
+                recovery.push(bytes);
+            }
+            let restored = redundancy::decode(&originals, &recovery).map_err(|e| e.to_string())?;
+            let mine = restored.get(&shard).ok_or("the decoder did not restore the shard")?;
+            let start = offset + at as u64;
+            if start >= manifest.total_len {
+                break;
+            }
+            let real = (manifest.total_len - start).min(n as u64) as usize;
+            file.as_mut_slice()[start as usize..start as usize + real].copy_from_slice(&mine[..real]);
         }
-        let originals_ref: Vec<Option<&[u8]>> = originals.iter().map(|o| o.as_deref()).collect();
-        let recovery_ref: Vec<Option<&[u8]>> = recovery.iter().map(|o| o.as_deref()).collect();
-        let restored = redundancy::decode(&originals_ref, &recovery_ref).map_err(|e| e.to_string())?;
-        let mine = restored.get(&shard).ok_or("the decoder did not restore the shard")?;
-        let real = (manifest.total_len - offset).min(n as u64) as usize;
-        file.as_mut_slice()[offset as usize..offset as usize + real].copy_from_slice(&mine[..real]);
-        offset += n as u64;
-        stripe += 1;
+        offset += block;
     }
     manifest
         .verify(file.as_slice())

@@ -1156,7 +1156,16 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                 let state = &mut *state;
                 for (name, app) in state.apps.iter_mut() {
                     if let Some(done) = app.protection.piece_done(agent, version, piece, result.clone()) {
-                        tracing::info!(app = %name, version = done, policy = %app.protection.policy, "version protected");
+                        let book = &mut app.protection;
+                        let secs =
+                            book.began.take().filter(|(v, _)| *v == done).map(|(_, at)| at.elapsed().as_secs_f64());
+                        if let Some(secs) = secs {
+                            book.history.push_back((done, secs));
+                            if book.history.len() > protection::PROTECTION_HISTORY {
+                                book.history.pop_front();
+                            }
+                        }
+                        tracing::info!(app = %name, version = done, policy = %book.policy, ?secs, "version protected");
                         for holder in app.protection.nodes() {
                             state
                                 .nodes
@@ -1447,6 +1456,7 @@ fn app_report(a: &AppEntry, node_failure: f64) -> AppReport {
         protecting: a.protection.protecting(),
         rebuilding: a.protection.rebuilding,
         protection_problem: a.protection.problem.clone(),
+        protection_secs: a.protection.history.iter().copied().collect(),
         exposure: a.protection.exposure(latest, units, &a.agents, node_failure),
         registration: a.registration.clone(),
         agents: a.agents.clone(),
@@ -1607,12 +1617,15 @@ async fn register_app(
         let snapshot = state.nodes.snapshot(now);
         // Redundancy across nodes wants the agents on that many distinct
         // nodes, where they exist.
-        let wanted = config.redundancy_for(&registration).wanted_nodes();
+        let policy = config.redundancy_for(&registration);
         let live = snapshot.iter().filter(|n| n.alive && !n.draining).count();
         // (Beyond one agent per rank: the extra agents hold pieces only.)
-        let count = count.max((wanted.min(live) as u32).min(config.max_agents_app));
+        let count = count.max((policy.wanted_nodes().min(live) as u32).min(config.max_agents_app));
         let mut config = config;
-        config.candidate_count = config.candidate_count.max(count);
+        if !policy.is_none() {
+            // Candidates enough for every agent to get a node of its own.
+            config.candidate_count = config.candidate_count.max(count);
+        }
         // Survivors of the old placement stop; their files stay for the new agents.
         if let Some(app) = state.apps.get(&registration.name) {
             tell_agents(&state.nodes, &app.agents, |id| ControllerToManager::StopAgent { id, discard: false });
@@ -1731,6 +1744,7 @@ fn start_protection(shared: &Shared, state: &mut State, name: &str) {
     }
     let units = decide::mapping_units(&app.registration);
     let requests = app.protection.begin(version, units, &app.agents, &|node| shared.node_groups.get(node).cloned());
+    app.protection.began = (!requests.is_empty()).then(|| (version, Instant::now()));
     if let Some(problem) = &app.protection.problem {
         tracing::warn!(app = name, %policy, %problem, "redundancy cannot be placed");
     }

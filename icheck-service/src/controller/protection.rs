@@ -52,7 +52,16 @@ pub(super) struct ProtectionBook {
     /// A version a lost node took with it (a rebuild failed): the version
     /// and why, which a registration reports when no PFS copy replaces it.
     pub(super) lost: Option<(u64, String)>,
+    /// When the controller asked for the pieces of the version under way
+    /// (its clock, passed in): what the protection took, once done.
+    pub(super) began: Option<(u64, std::time::Instant)>,
+    /// The newest protections: version and seconds from its record to its
+    /// last piece, oldest first (at most [`PROTECTION_HISTORY`]).
+    pub(super) history: std::collections::VecDeque<(u64, f64)>,
 }
+
+/// Protections remembered for the status.
+pub(super) const PROTECTION_HISTORY: usize = 16;
 
 /// A piece to request: the agent to build it (id and node) and the task.
 pub(super) type PieceRequest = (u64, String, PieceTask);

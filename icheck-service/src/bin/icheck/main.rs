@@ -17,7 +17,7 @@ use std::path::PathBuf;
 
 /// icheck: an RDMA checkpoint service for MPI applications.
 #[derive(Parser)]
-#[command(name = "icheck", version, propagate_version = true)]
+#[command(name = "icheck", version, propagate_version = true, args_override_self = true)]
 struct Cli {
     #[command(subcommand)]
     command: Command_,

@@ -1,0 +1,125 @@
+//! Reed-Solomon coders on this machine, from one run: `reed-solomon-simd`
+//! (what the agents use) against `reed-solomon-erasure` (pure Rust, as
+//! built by default), encoding K data shards into M parity shards and
+//! rebuilding M lost data shards, a 1 MiB stripe at a time as the agents
+//! do, next to memcpy of the same bytes.
+//!
+//! ```text
+//! cargo build --release -p icheck-benches
+//! target/release/coding-bench --data 256MiB
+//! ```
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use icheck_core::units::ByteSize;
+
+#[derive(Parser)]
+#[command(about = "Reed-Solomon encode and decode throughput: reed-solomon-simd against reed-solomon-erasure")]
+struct Cli {
+    /// Bytes of data per group (split over its K data shards).
+    #[arg(long, default_value = "256MiB")]
+    data: ByteSize,
+    /// Bytes of each shard coded at once (the agents' stripe).
+    #[arg(long, default_value = "1MiB")]
+    stripe: ByteSize,
+}
+
+/// Seconds to run `f` over every stripe of `k` shards of `shard` bytes.
+fn timed(stripes: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+    let started = Instant::now();
+    for s in 0..stripes {
+        f(s)?;
+    }
+    Ok(started.elapsed().as_secs_f64())
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let stripe = usize::try_from(cli.stripe.0)?;
+    let data = usize::try_from(cli.data.0)?;
+    let mut rows = Vec::new();
+    let src: Vec<u8> = (0..data).map(|i| (i as u8).wrapping_mul(151) ^ (i >> 13) as u8).collect();
+    let mut dst = vec![0u8; data];
+    let started = Instant::now();
+    dst.copy_from_slice(&src);
+    let memcpy = started.elapsed().as_secs_f64();
+    std::hint::black_box(&dst);
+    for (k, m) in [(2usize, 1usize), (4, 2), (8, 2)] {
+        let shard = data / k;
+        let stripes = shard / stripe;
+        let piece = |s: usize, i: usize| &src[i * shard + s * stripe..i * shard + (s + 1) * stripe];
+        // reed-solomon-simd
+        let mut parity_simd = Vec::new();
+        let enc_simd = timed(stripes, |s| {
+            let originals: Vec<&[u8]> = (0..k).map(|i| piece(s, i)).collect();
+            let parity = reed_solomon_simd::encode(k, m, &originals)?;
+            if s == 0 {
+                parity_simd = parity;
+            }
+            Ok(())
+        })?;
+        let dec_simd = timed(stripes, |s| {
+            let kept = (m..k).map(|i| (i, piece(s, i)));
+            let recovery = parity_simd.iter().enumerate().map(|(i, p)| (i, p.as_slice()));
+            let restored = reed_solomon_simd::decode(k, m, kept, recovery)?;
+            // Only stripe 0's parity was kept: check that one.
+            if s == 0 {
+                for i in 0..m {
+                    anyhow::ensure!(restored.get(&i).map(Vec::as_slice) == Some(piece(0, i)), "simd decode differs");
+                }
+            }
+            Ok(())
+        })?;
+        // reed-solomon-erasure
+        let coder = reed_solomon_erasure::galois_8::ReedSolomon::new(k, m).context("reed-solomon-erasure")?;
+        let mut first: Vec<Vec<u8>> = Vec::new();
+        let enc_erasure = timed(stripes, |s| {
+            let mut shards: Vec<Vec<u8>> = (0..k).map(|i| piece(s, i).to_vec()).collect();
+            shards.extend((0..m).map(|_| vec![0u8; stripe]));
+            coder.encode(&mut shards)?;
+            if s == 0 {
+                first = shards;
+            }
+            Ok(())
+        })?;
+        let dec_erasure = timed(stripes, |s| {
+            let mut shards: Vec<Option<Vec<u8>>> = first.iter().cloned().map(Some).collect();
+            for lost in shards.iter_mut().take(m) {
+                *lost = None;
+            }
+            if s > 0 {
+                // Same work per stripe; stripe 0's shards are decoded again.
+                std::hint::black_box(s);
+            }
+            coder.reconstruct_data(&mut shards)?;
+            for i in 0..m {
+                anyhow::ensure!(shards[i].as_deref() == Some(piece(0, i)), "erasure decode differs");
+            }
+            Ok(())
+        })?;
+        let gbs = |secs: f64| (stripes * stripe * k) as f64 / secs / 1e9;
+        rows.push(format!(
+            "| {k}+{m} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} |",
+            gbs(enc_simd),
+            gbs(enc_erasure),
+            gbs(dec_simd),
+            gbs(dec_erasure),
+            enc_erasure / enc_simd
+        ));
+    }
+    println!(
+        "Reed-Solomon over {} of data per group, {} stripes; memcpy of the same bytes: {:.2} GB/s (one run)",
+        cli.data,
+        cli.stripe,
+        data as f64 / memcpy / 1e9
+    );
+    println!();
+    println!("| K+M | simd encode GB/s | erasure encode GB/s | simd decode (M lost) GB/s | erasure decode GB/s | encode simd ÷ erasure |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for row in rows {
+        println!("{row}");
+    }
+    Ok(())
+}
