@@ -357,21 +357,7 @@ pub fn is_alive(since_last: Duration, heartbeat: Duration, missed_allowed: u32) 
     since_last <= heartbeat * missed_allowed
 }
 
-/// Which of `agents` agents serves `rank` of `ranks` (§7.2.1): contiguous
-/// blocks of ranks per agent, the first `ranks mod agents` agents taking one
-/// rank more. With `ranks` nodes instead of processes this is the SHMR (N:M)
-/// mapping.
-pub fn agent_for_rank(rank: u32, ranks: u32, agents: u32) -> u32 {
-    assert!(agents > 0 && rank < ranks, "agent_for_rank({rank}, {ranks}, {agents})");
-    let (base, extra) = (ranks / agents, ranks % agents);
-    // The first `extra` agents serve base+1 ranks each.
-    let big = extra * (base + 1);
-    if rank < big {
-        rank / (base + 1)
-    } else {
-        extra + (rank - big) / base.max(1)
-    }
-}
+pub use crate::distribution::agent_for_rank;
 
 #[cfg(test)]
 mod tests {

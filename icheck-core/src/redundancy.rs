@@ -231,7 +231,7 @@ impl Plan {
     /// is lost when some unit loses more of its nodes than it tolerates.
     pub fn units(&self, policy: Redundancy, ranks: u32, slots: &[Slot]) -> Vec<(BTreeSet<String>, usize)> {
         let primary =
-            |rank: u32| slots[crate::decide::agent_for_rank(rank, ranks, slots.len() as u32) as usize].node.clone();
+            |rank: u32| slots[crate::distribution::agent_for_rank(rank, ranks, slots.len() as u32) as usize].node.clone();
         match policy {
             Redundancy::None => (0..ranks).map(|r| (BTreeSet::from([primary(r)]), 0)).collect(),
             Redundancy::Partner { .. } => (0..ranks)
@@ -295,7 +295,7 @@ pub fn plan(policy: Redundancy, ranks: u32, slots: &[Slot]) -> Result<Plan, Redu
         return Err(too_few());
     }
     let count = slots.len() as u32;
-    let primary = |rank: u32| crate::decide::agent_for_rank(rank, ranks, count) as usize;
+    let primary = |rank: u32| crate::distribution::agent_for_rank(rank, ranks, count) as usize;
     // Pieces each slot holds so far: new ones go to the least loaded.
     let mut load = vec![0usize; slots.len()];
     let pick = |avoid_nodes: &BTreeSet<&str>, avoid_groups: &BTreeSet<Option<&str>>, load: &mut Vec<usize>| {
@@ -510,7 +510,7 @@ mod tests {
         // Eight ranks on four agents (two each), rs:2+1.
         let s = slots(&["a", "b", "c", "d"]);
         let plan = plan(Redundancy::ReedSolomon { data: 2, parity: 1 }, 8, &s).unwrap();
-        let home = |r: u32| s[crate::decide::agent_for_rank(r, 8, 4) as usize].node.clone();
+        let home = |r: u32| s[crate::distribution::agent_for_rank(r, 8, 4) as usize].node.clone();
         let mut covered = BTreeSet::new();
         for group in &plan.groups {
             let nodes: BTreeSet<String> = group.members.iter().flatten().map(|r| home(*r)).collect();

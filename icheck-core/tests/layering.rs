@@ -19,10 +19,11 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("units", &[]),
     ("credentials", &[]),
     ("cipher", &[]),
+    ("redundancy", &["distribution"]),
     ("format", &["distribution"]),
     ("pfs", &["cipher", "credentials", "distribution", "failpoint", "format"]),
-    ("protocol", &["credentials", "distribution", "fabric", "format", "monitor", "pfs"]),
-    ("config", &["credentials", "fabric", "pfs", "protocol", "units"]),
+    ("protocol", &["credentials", "distribution", "fabric", "format", "monitor", "pfs", "redundancy"]),
+    ("config", &["credentials", "fabric", "pfs", "protocol", "redundancy", "units"]),
     ("control", &["config", "credentials", "fabric", "protocol"]),
     ("decide", &["config", "distribution", "pfs", "protocol"]),
 ];
