@@ -230,8 +230,9 @@ impl Plan {
     /// to its tolerance: (nodes of the unit, losses it survives). A version
     /// is lost when some unit loses more of its nodes than it tolerates.
     pub fn units(&self, policy: Redundancy, ranks: u32, slots: &[Slot]) -> Vec<(BTreeSet<String>, usize)> {
-        let primary =
-            |rank: u32| slots[crate::distribution::agent_for_rank(rank, ranks, slots.len() as u32) as usize].node.clone();
+        let primary = |rank: u32| {
+            slots[crate::distribution::agent_for_rank(rank, ranks, slots.len() as u32) as usize].node.clone()
+        };
         match policy {
             Redundancy::None => (0..ranks).map(|r| (BTreeSet::from([primary(r)]), 0)).collect(),
             Redundancy::Partner { .. } => (0..ranks)
