@@ -993,6 +993,30 @@ pub enum PieceMeta {
     Parity(ParityMeta),
 }
 
+impl PieceMeta {
+    /// Checks that this describes `piece` of `app`'s `version` (from a file
+    /// or a peer, before any length in it is used) and returns the bytes of
+    /// its data.
+    pub fn check(&self, app: &str, version: u64, piece: crate::redundancy::PieceId) -> Result<u64, String> {
+        use crate::redundancy::PieceId;
+        match (self, piece) {
+            (PieceMeta::Copy(manifest), PieceId::Copy { rank })
+                if manifest.app == app && manifest.rank == rank && manifest.version == version =>
+            {
+                manifest.validate().map_err(|e| e.to_string())?;
+                Ok(manifest.total_len)
+            }
+            (PieceMeta::Parity(parity), PieceId::Parity { group, index })
+                if parity.app == app && parity.version == version && parity.group == group && parity.index == index =>
+            {
+                parity.validate()?;
+                Ok(parity.shard_len)
+            }
+            _ => Err("it describes another piece".into()),
+        }
+    }
+}
+
 /// A parity shard's description.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ParityMeta {

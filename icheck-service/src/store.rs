@@ -197,18 +197,37 @@ impl Store {
         if spare.exists() {
             fs::rename(&spare, &data).map_err(io("cannot reuse", &spare))?;
         }
+        // The spare's pages are kept: it is not truncated.
+        self.create_mapped(&data, len, false)
+    }
+
+    /// Opens (creating it) the data file `data`, gives it `len` bytes with
+    /// every page backed now, and maps them.
+    fn create_mapped(&self, data: &Path, len: u64, truncate: bool) -> Result<MappedFile> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
-            .truncate(false)
-            .open(&data)
-            .map_err(io("cannot create", &data))?;
+            .truncate(truncate)
+            .open(data)
+            .map_err(io("cannot create", data))?;
         // An empty mapping is not allowed; give empty versions one page.
         let size = len.max(4096);
-        file.set_len(size).map_err(io("cannot size", &data))?;
-        self.reserve(&file, &data, size)?;
-        map(&file, &data, len)
+        file.set_len(size).map_err(io("cannot size", data))?;
+        self.reserve(&file, data, size)?;
+        map(&file, data, len)
+    }
+
+    /// Flushes the data file `data` and writes `value` (a manifest or a
+    /// piece's description) beside it as `meta`'s temporary file. Returns
+    /// that file: renamed onto `meta`, it makes the data count as stored.
+    fn write_description<T: serde::Serialize>(data: &Path, meta: &Path, value: &T) -> Result<PathBuf> {
+        File::open(data).and_then(|f| f.sync_data()).map_err(io("cannot flush", data))?;
+        let bytes = format::encode_stored(value)
+            .map_err(|e| StoreError::BadManifest { path: meta.to_path_buf(), reason: e.to_string() })?;
+        let tmp = meta.with_extension("meta.tmp");
+        fs::write(&tmp, bytes).map_err(io("cannot write", &tmp))?;
+        Ok(tmp)
     }
 
     /// Gives every page of `file` its backing now. A page of a mapped file
@@ -293,11 +312,7 @@ impl Store {
     /// Writes the manifest of a version whose data is complete (atomically).
     pub fn seal(&self, manifest: &Manifest) -> Result<()> {
         let (data, meta) = self.paths(&manifest.app, manifest.rank, manifest.version)?;
-        File::open(&data).and_then(|f| f.sync_data()).map_err(io("cannot flush", &data))?;
-        let bytes = format::encode_stored(manifest)
-            .map_err(|e| StoreError::BadManifest { path: meta.clone(), reason: e.to_string() })?;
-        let tmp = meta.with_extension("meta.tmp");
-        fs::write(&tmp, bytes).map_err(io("cannot write", &tmp))?;
+        let tmp = Self::write_description(&data, &meta, manifest)?;
         // A crash here leaves data and a temporary manifest: never served.
         icheck_core::failpoint::hit("store.before_manifest_rename");
         fs::rename(&tmp, &meta).map_err(io("cannot rename into", &meta))
@@ -444,28 +459,14 @@ impl Store {
         let dir = data.parent().expect("a piece's file is inside the pieces directory");
         fs::create_dir_all(dir).map_err(io("cannot create", dir))?;
         let _ = fs::remove_file(&meta);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&data)
-            .map_err(io("cannot create", &data))?;
-        let size = len.max(4096);
-        file.set_len(size).map_err(io("cannot size", &data))?;
-        self.reserve(&file, &data, size)?;
-        map(&file, &data, len)
+        self.create_mapped(&data, len, true)
     }
 
     /// Writes the description of a piece whose data is complete (atomically,
     /// as [`seal`](Self::seal) does for versions).
     pub fn seal_piece(&self, app: &str, version: u64, piece: PieceId, meta: &PieceMeta) -> Result<()> {
         let (data, path) = self.piece_paths(app, version, piece)?;
-        File::open(&data).and_then(|f| f.sync_data()).map_err(io("cannot flush", &data))?;
-        let bytes = format::encode_stored(meta)
-            .map_err(|e| StoreError::BadManifest { path: path.clone(), reason: e.to_string() })?;
-        let tmp = path.with_extension("meta.tmp");
-        fs::write(&tmp, bytes).map_err(io("cannot write", &tmp))?;
+        let tmp = Self::write_description(&data, &path, meta)?;
         fs::rename(&tmp, &path).map_err(io("cannot rename into", &path))
     }
 
@@ -476,21 +477,7 @@ impl Store {
         let bytes = fs::read(&path).map_err(|_| missing())?;
         let bad = |reason: String| StoreError::BadManifest { path: path.clone(), reason };
         let meta: PieceMeta = format::decode_stored(&bytes).map_err(|e| bad(e.to_string()))?;
-        let len = match (&meta, piece) {
-            (PieceMeta::Copy(manifest), PieceId::Copy { rank })
-                if manifest.app == app && manifest.rank == rank && manifest.version == version =>
-            {
-                manifest.validate().map_err(|e| bad(e.to_string()))?;
-                manifest.total_len
-            }
-            (PieceMeta::Parity(parity), PieceId::Parity { group, index })
-                if parity.app == app && parity.version == version && parity.group == group && parity.index == index =>
-            {
-                parity.validate().map_err(bad)?;
-                parity.shard_len
-            }
-            _ => return Err(bad("it describes another piece".into())),
-        };
+        let len = meta.check(app, version, piece).map_err(bad)?;
         let file = OpenOptions::new().read(true).write(true).open(&data).map_err(|_| missing())?;
         let on_disk = file.metadata().map_err(io("cannot stat", &data))?.len();
         if on_disk < len {

@@ -95,24 +95,8 @@ impl PeerSession {
         let AgentReply::Piece { meta, region } = reply else {
             return Err(self.fail(format!("unexpected answer to FetchPiece: {reply:?}")));
         };
-        let len = match (&meta, piece) {
-            (PieceMeta::Copy(manifest), PieceId::Copy { rank })
-                if manifest.app == shared.app && manifest.rank == rank && manifest.version == version =>
-            {
-                manifest.validate().map_err(|e| self.fail(e))?;
-                manifest.total_len
-            }
-            (PieceMeta::Parity(parity), PieceId::Parity { group, index })
-                if parity.app == shared.app
-                    && parity.version == version
-                    && parity.group == group
-                    && parity.index == index =>
-            {
-                parity.validate().map_err(|e| self.fail(e))?;
-                parity.shard_len
-            }
-            _ => return Err(self.fail(format!("the {piece} it sent describes another piece"))),
-        };
+        let len =
+            meta.check(&shared.app, version, piece).map_err(|e| self.fail(format!("the {piece} it sent: {e}")))?;
         if region.len < len {
             return Err(self.fail(format!("the {piece} exposes {} of its {len} bytes", region.len)));
         }
@@ -120,12 +104,12 @@ impl PeerSession {
     }
 
     /// Reads `len` bytes at `offset` of `region` into the start of `into`.
-    fn read(
+    fn read<B: icheck_core::fabric::StableBuffer>(
         &self,
         shared: &Shared,
         region: RemoteRegion,
         offset: u64,
-        into: &mut RegisteredBuffer,
+        into: &mut RegisteredBuffer<B>,
         len: usize,
     ) -> Result<(), String> {
         if len == 0 {
@@ -147,15 +131,7 @@ impl PeerSession {
         into: &mut RegisteredBuffer<B>,
         len: usize,
     ) -> Result<(), String> {
-        if len == 0 {
-            return Ok(());
-        }
-        let ops = [RmaOp { local_offset: 0, remote: region, remote_offset: 0, len }];
-        shared
-            .endpoint
-            .read(&self.peer, into.target(), &ops, &TransferOptions::default())
-            .map(|_| ())
-            .map_err(|e| self.fail(e))
+        self.read(shared, region, 0, into, len)
     }
 }
 
