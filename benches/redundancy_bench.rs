@@ -149,16 +149,28 @@ fn restart_phase<C: Communicator + 'static>(
     Ok(Measured { restart_secs, ..Measured::default() })
 }
 
+/// Runs `phase` ("commit", else restart) as one rank of `comm`.
+fn run_phase<C: Communicator + 'static>(
+    phase: &str,
+    config: &Path,
+    app: &str,
+    comm: C,
+    size: usize,
+    runs: usize,
+) -> Result<Measured> {
+    match phase {
+        "commit" => commit_phase(config, app, comm, size, runs),
+        _ => restart_phase(config, app, comm, size, runs),
+    }
+}
+
 fn mpi_rank(cli: &Cli, config: &Path) -> Result<()> {
     let universe = mpi::initialize().context("MPI init")?;
     let world = universe.world();
     let size = usize::try_from(cli.rank_size.0)?;
     let comm = MpiComm::new(&world);
     let rank = comm.rank();
-    let measured = match cli.phase.as_str() {
-        "commit" => commit_phase(config, &cli.app, comm, size, cli.runs),
-        _ => restart_phase(config, &cli.app, comm, size, cli.runs),
-    };
+    let measured = run_phase(&cli.phase, config, &cli.app, comm, size, cli.runs);
     match measured {
         Ok(measured) if rank == 0 => println!("RESULT {}", serde_json::to_string(&measured)?),
         Ok(_) => {}
@@ -189,10 +201,7 @@ impl Dataset {
     /// Runs `phase` of the case: in this process (one rank) or under mpirun.
     fn run(&self, cli: &Cli, config: &Path, app: &str, phase: &str) -> Result<Measured> {
         if self.ranks == 1 {
-            return match phase {
-                "commit" => commit_phase(config, app, SingleProcess, self.per_rank, cli.runs),
-                _ => restart_phase(config, app, SingleProcess, self.per_rank, cli.runs),
-            };
+            return run_phase(phase, config, app, SingleProcess, self.per_rank, cli.runs);
         }
         let out = Command::new("mpirun")
             .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &self.ranks.to_string()])

@@ -299,32 +299,34 @@ pub fn plan(policy: Redundancy, ranks: u32, slots: &[Slot]) -> Result<Plan, Redu
     let primary = |rank: u32| crate::distribution::agent_for_rank(rank, ranks, count) as usize;
     // Pieces each slot holds so far: new ones go to the least loaded.
     let mut load = vec![0usize; slots.len()];
-    let pick = |avoid_nodes: &BTreeSet<&str>, avoid_groups: &BTreeSet<Option<&str>>, load: &mut Vec<usize>| {
-        let candidates = (0..slots.len()).filter(|s| !avoid_nodes.contains(slots[*s].node.as_str()));
-        // Another failure domain first, then the lightest load, then order.
-        let best = candidates.min_by_key(|s| {
-            let same_group = slots[*s].group.is_some() && avoid_groups.contains(&slots[*s].group.as_deref());
-            (same_group, load[*s], *s)
-        })?;
-        load[best] += 1;
-        Some(best)
+    // `count` holders on nodes other than `protected` (the slots whose data
+    // they protect) and other than each other.
+    let mut holders = |protected: &mut dyn Iterator<Item = usize>, count: u8| {
+        let (mut nodes, mut groups): (BTreeSet<&str>, BTreeSet<Option<&str>>) =
+            protected.map(|s| (slots[s].node.as_str(), slots[s].group.as_deref())).unzip();
+        let mut chosen = Vec::with_capacity(usize::from(count));
+        for _ in 0..count {
+            let candidates = (0..slots.len()).filter(|s| !nodes.contains(slots[*s].node.as_str()));
+            // Another failure domain first, then the lightest load, then order.
+            let best = candidates
+                .min_by_key(|s| {
+                    let same_group = slots[*s].group.is_some() && groups.contains(&slots[*s].group.as_deref());
+                    (same_group, load[*s], *s)
+                })
+                .ok_or_else(too_few)?;
+            load[best] += 1;
+            nodes.insert(slots[best].node.as_str());
+            groups.insert(slots[best].group.as_deref());
+            chosen.push(best);
+        }
+        Ok(chosen)
     };
     let mut plan = Plan::default();
     match policy {
         Redundancy::None => {}
         Redundancy::Partner { copies } => {
             for rank in 0..ranks {
-                let home = &slots[primary(rank)];
-                let mut nodes = BTreeSet::from([home.node.as_str()]);
-                let mut groups = BTreeSet::from([home.group.as_deref()]);
-                let mut holders = Vec::new();
-                for _ in 1..copies {
-                    let slot = pick(&nodes, &groups, &mut load).ok_or_else(too_few)?;
-                    nodes.insert(slots[slot].node.as_str());
-                    groups.insert(slots[slot].group.as_deref());
-                    holders.push(slot);
-                }
-                plan.copies.insert(rank, holders);
+                plan.copies.insert(rank, holders(&mut std::iter::once(primary(rank)), copies - 1)?);
             }
         }
         Redundancy::ReedSolomon { data, parity } => {
@@ -340,24 +342,13 @@ pub fn plan(policy: Redundancy, ranks: u32, slots: &[Slot]) -> Result<Plan, Redu
                 // Narrower groups where the nodes leave no room for the
                 // parity beside K members (the rest of the K are zeros).
                 fullest.truncate(usize::from(data).min(distinct.len() - usize::from(parity)));
-                let mut members: Vec<Option<u32>> =
-                    fullest.iter().map(|n| by_node.get_mut(n).and_then(|q| q.pop_front())).collect();
-                members.sort();
-                let present: Vec<Option<u32>> = members.into_iter().flatten().map(Some).collect();
-                let mut members = present;
+                let mut taken: Vec<u32> =
+                    fullest.iter().filter_map(|n| by_node.get_mut(n).and_then(|q| q.pop_front())).collect();
+                taken.sort();
+                let parity_slots = holders(&mut taken.iter().map(|r| primary(*r)), parity)?;
+                let mut members: Vec<Option<u32>> = taken.into_iter().map(Some).collect();
                 members.resize(usize::from(data), None);
-                let mut nodes: BTreeSet<&str> =
-                    members.iter().flatten().map(|r| slots[primary(*r)].node.as_str()).collect();
-                let mut groups: BTreeSet<Option<&str>> =
-                    members.iter().flatten().map(|r| slots[primary(*r)].group.as_deref()).collect();
-                let mut holders = Vec::new();
-                for _ in 0..parity {
-                    let slot = pick(&nodes, &groups, &mut load).ok_or_else(too_few)?;
-                    nodes.insert(slots[slot].node.as_str());
-                    groups.insert(slots[slot].group.as_deref());
-                    holders.push(slot);
-                }
-                plan.groups.push(Group { members, parity: holders });
+                plan.groups.push(Group { members, parity: parity_slots });
             }
         }
     }

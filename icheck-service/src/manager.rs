@@ -324,14 +324,7 @@ async fn session(
             }
             ControllerToManager::TakeOver { agent, rank, version, from } => {
                 let job = agent_job(agents, agent, |a| a.take_over_job(rank, version, from));
-                let tx = tx.clone();
-                tokio::task::spawn_blocking(move || {
-                    let result = job.and_then(|job| job());
-                    if let Err(reason) = &result {
-                        tracing::warn!(agent, rank, version, %reason, "take-over failed");
-                    }
-                    let _ = tx.send(ManagerToController::TookOver { agent, rank, result });
-                });
+                fill_rank(tx.clone(), agent, rank, version, job, "take-over failed");
             }
             ControllerToManager::DropRanks { app, ranks } => {
                 let store = settings.store.clone();
@@ -367,14 +360,7 @@ async fn session(
             }
             ControllerToManager::Rebuild { agent, rank, version, source } => {
                 let job = agent_job(agents, agent, |a| a.rebuild_job(rank, version, source));
-                let tx = tx.clone();
-                tokio::task::spawn_blocking(move || {
-                    let result = job.and_then(|job| job());
-                    if let Err(reason) = &result {
-                        tracing::warn!(agent, rank, version, %reason, "rebuilding a lost rank failed");
-                    }
-                    let _ = tx.send(ManagerToController::TookOver { agent, rank, result });
-                });
+                fill_rank(tx.clone(), agent, rank, version, job, "rebuilding a lost rank failed");
             }
             ControllerToManager::DropPieces { app, below } => {
                 let store = settings.store.clone();
@@ -391,6 +377,26 @@ async fn session(
     timers.abort();
     writer_task.abort();
     result
+}
+
+/// Runs `job`, which gives `agent` the rank's version (a take-over or a
+/// rebuild), on a blocking thread and reports it as `TookOver`; a failure
+/// is logged as `failed`.
+fn fill_rank(
+    tx: mpsc::UnboundedSender<ManagerToController>,
+    agent: u64,
+    rank: u32,
+    version: u64,
+    job: Result<impl FnOnce() -> Result<u64, String> + Send + 'static, String>,
+    failed: &'static str,
+) {
+    tokio::task::spawn_blocking(move || {
+        let result = job.and_then(|job| job());
+        if let Err(reason) = &result {
+            tracing::warn!(agent, rank, version, %reason, "{failed}");
+        }
+        let _ = tx.send(ManagerToController::TookOver { agent, rank, result });
+    });
 }
 
 /// A job built from agent `id` (taken under the agents' lock, run after

@@ -371,7 +371,7 @@ pub(super) fn resize_plan(app: &mut AppEntry, config: &DynamicConfig) -> Option<
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use icheck_core::config::AgentChangeStrategy;
     use icheck_core::fabric::{FabricAddress, RemoteRegion};
     use icheck_core::pfs::CompressionPolicy;
@@ -379,7 +379,8 @@ mod tests {
 
     use super::*;
 
-    fn agent(id: u64, node: &str) -> AgentInfo {
+    /// An agent on `node`, as the controller's pure tests need one.
+    pub(in crate::controller) fn agent(id: u64, node: &str) -> AgentInfo {
         AgentInfo {
             id,
             node: node.into(),

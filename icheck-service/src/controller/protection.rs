@@ -241,19 +241,8 @@ pub(super) fn rebuild_sources(
 
 #[cfg(test)]
 mod tests {
+    use super::super::apps::tests::agent;
     use super::*;
-    use icheck_core::fabric::{FabricAddress, RemoteRegion};
-
-    fn agent(id: u64, node: &str) -> AgentInfo {
-        AgentInfo {
-            id,
-            node: node.into(),
-            address: FabricAddress(Vec::new()),
-            provider: "tcp".into(),
-            probe: RemoteRegion { addr: 0, len: 0, key: 0 },
-            control: format!("{node}:1"),
-        }
-    }
 
     fn book(policy: &str) -> ProtectionBook {
         ProtectionBook { policy: policy.parse().unwrap(), ..ProtectionBook::default() }

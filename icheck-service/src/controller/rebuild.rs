@@ -78,7 +78,7 @@ async fn rebuild_once(shared: &Shared, name: &str) {
 /// when there is nothing to do (no protected version, or no node of it is
 /// down). Returns the ranks rebuilt.
 async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String> {
-    let (protected, policy, dead, spec_parts, waiters, lost_slots) = {
+    let (protected, policy, dead, owner, waiters, lost_slots) = {
         let mut state = shared.state();
         let state = &mut *state;
         let now = Instant::now();
@@ -124,7 +124,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         let spec =
             nodes::StartSpec { app: name, mem_budget: config.max_mem_node_bytes(), owner, complete: latest, encrypted };
         let waiters = send_starts(state, &spec, places);
-        (protected, policy, dead, (owner,), waiters, lost_slots)
+        (protected, policy, dead, owner, waiters, lost_slots)
     };
     tracing::warn!(app = name, version = protected.version, lost = ?dead, slots = ?lost_slots, "rebuilding on other nodes");
     let started = await_starts(shared, name, waiters).await?;
@@ -162,7 +162,6 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
             failures.join("; ")
         ));
     }
-    let (owner,) = spec_parts;
     let registration = state.apps.get(name).ok_or("the application went away")?.registration.clone();
     journal(state, &Event::Placed { registration, agents: agents.clone(), owner: Some(owner) })?;
     let app = state.apps.get_mut(name).ok_or("the application went away")?;
