@@ -9,6 +9,7 @@
 //! <root>/<app>/rank<R>/v<V>.meta   its Manifest (bincode), written last via rename
 //! <root>/<app>/pieces/v<V>.copy<R>.data|.meta         a copy of another node's rank
 //! <root>/<app>/pieces/v<V>.parity<G>-<J>.data|.meta   parity shard J of group G
+//! <root>/<app>/pieces/spare.<piece>.data              a dropped version's piece, reused
 //! ```
 //!
 //! Architecture invariant: a version counts as stored only when its `.meta`
@@ -20,6 +21,7 @@
 
 use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use memmap2::MmapMut;
@@ -34,6 +36,8 @@ const SPARE: &str = "spare.data";
 /// Directory of an application's pieces of redundancy (copies of other
 /// nodes' ranks, parity shards), beside its `rank<R>` directories.
 const PIECES: &str = "pieces";
+/// Prefix of a piece's spare data file in the pieces directory.
+const SPARE_PREFIX: &str = "spare.";
 
 /// Why the store refused or failed.
 #[derive(Debug, thiserror::Error)]
@@ -235,6 +239,12 @@ impl Store {
     /// for a store on a full tmpfs used to kill the manager (inside
     /// libfabric's copy); reserved up front, a full store is an error here.
     fn reserve(&self, file: &File, path: &Path, size: u64) -> Result<()> {
+        // A reused file (a spare) whose blocks already cover the size needs
+        // nothing: walking its pages again costs tens of milliseconds per
+        // 256 MiB on tmpfs, on the path of every commit and copy.
+        if file.metadata().is_ok_and(|m| m.blocks().saturating_mul(512) >= size) {
+            return Ok(());
+        }
         let len = i64::try_from(size).unwrap_or(i64::MAX);
         match nix::fcntl::posix_fallocate(file, 0, len) {
             Ok(()) => Ok(()),
@@ -453,13 +463,29 @@ impl Store {
         Ok((dir.join(format!("{stem}.data")), dir.join(format!("{stem}.meta"))))
     }
 
-    /// Creates the data file of a piece of redundancy and maps it.
+    /// The spare data file of `piece`: an older version's piece, kept when
+    /// it was dropped so that the next version's piece reuses its pages.
+    fn piece_spare(&self, app: &str, piece: PieceId) -> Result<PathBuf> {
+        let (data, _) = self.piece_paths(app, 0, piece)?;
+        let name = data.file_name().expect("a piece's file has a name").to_string_lossy();
+        let stem = name.strip_prefix("v0.").expect("piece files are named v<version>.<piece>");
+        Ok(data.with_file_name(format!("{SPARE_PREFIX}{stem}")))
+    }
+
+    /// Creates the data file of a piece of redundancy and maps it. The
+    /// piece's spare file (the same piece of a dropped version) is reused
+    /// when there is one: allocating and zeroing a fresh file's pages is
+    /// most of what building a copy costs on a busy node.
     pub fn create_piece(&self, app: &str, version: u64, piece: PieceId, len: u64) -> Result<MappedFile> {
         let (data, meta) = self.piece_paths(app, version, piece)?;
         let dir = data.parent().expect("a piece's file is inside the pieces directory");
         fs::create_dir_all(dir).map_err(io("cannot create", dir))?;
         let _ = fs::remove_file(&meta);
-        self.create_mapped(&data, len, true)
+        let spare = self.piece_spare(app, piece)?;
+        let reused = fs::rename(&spare, &data).is_ok();
+        // A reused file keeps its pages (it is not truncated; set_len
+        // gives it the new length).
+        self.create_mapped(&data, len, !reused)
     }
 
     /// Writes the description of a piece whose data is complete (atomically,
@@ -487,16 +513,34 @@ impl Store {
         Ok((meta, mapped))
     }
 
-    /// Deletes the application's pieces of versions older than `below`.
-    /// Returns how many files went.
+    /// Deletes the application's pieces of versions older than `below`,
+    /// keeping the newest data file of each piece as its spare (see
+    /// [`create_piece`](Self::create_piece)). Returns how many files went.
     pub fn drop_pieces_below(&self, app: &str, below: u64) -> Result<usize> {
         check_app_name(app)?;
         let dir = self.root.join(app).join(PIECES);
-        let mut removed = 0;
+        let mut dropped: Vec<(u64, PathBuf, String)> = Vec::new();
         for entry in fs::read_dir(&dir).into_iter().flatten().filter_map(|e| e.ok()) {
             let name = entry.file_name().to_string_lossy().into_owned();
-            let version = name.strip_prefix('v').and_then(|rest| rest.split('.').next()).and_then(|v| v.parse().ok());
-            if version.is_some_and(|v: u64| v < below) && remove_if_present(&entry.path())? {
+            let Some((version, rest)) = name.strip_prefix('v').and_then(|rest| rest.split_once('.')) else { continue };
+            let Ok(version) = version.parse::<u64>() else { continue };
+            if version < below {
+                dropped.push((version, entry.path(), rest.to_string()));
+            }
+        }
+        // Newest first: the first data file of each piece becomes its spare.
+        dropped.sort_by_key(|d| std::cmp::Reverse(d.0));
+        let mut removed = 0;
+        for (_, path, rest) in dropped {
+            if let Some(stem) = rest.strip_suffix(".data") {
+                let spare = dir.join(format!("{SPARE_PREFIX}{stem}.data"));
+                if !spare.exists() {
+                    fs::rename(&path, &spare).map_err(io("cannot keep as spare", &path))?;
+                    removed += 1;
+                    continue;
+                }
+            }
+            if remove_if_present(&path)? {
                 removed += 1;
             }
         }
@@ -727,6 +771,27 @@ mod tests {
         assert_eq!(store.drop_pieces_below("app", 5).unwrap(), 2, "version 4's data and description");
         assert!(store.open_piece("app", 4, copy).is_err());
         assert!(store.open_piece("app", 5, copy).is_ok());
+        // Version 4's data became the piece's spare, and version 6 reuses it
+        // (and only it: version 5's piece stays intact).
+        assert!(dir.join("app/pieces/spare.copy3.data").exists(), "the dropped piece's file is kept as spare");
+        let mut file = store.create_piece("app", 6, copy, 12).unwrap();
+        assert_eq!(&file.as_slice()[..10], &[4u8; 10], "the spare's pages are reused, not reallocated");
+        file.as_mut_slice().fill(6);
+        assert!(!dir.join("app/pieces/spare.copy3.data").exists());
+        assert_eq!(store.open_piece("app", 5, copy).unwrap().1.as_slice(), &[5u8; 10]);
+        // With a spare already kept, older versions' files are deleted.
+        store.seal_piece("app", 6, copy, &PieceMeta::Copy(manifest("app", 3, 6, file.as_slice()))).unwrap();
+        // Versions 5 (copies of ranks 3 and 4) and 6 (rank 3): 6 files.
+        assert_eq!(store.drop_pieces_below("app", 7).unwrap(), 6);
+        let mut left: Vec<_> = fs::read_dir(dir.join("app/pieces"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["spare.copy3.data", "spare.copy4.data"], "one spare per piece is left");
+        let mut file = store.create_piece("app", 7, copy, 12).unwrap();
+        assert_eq!(file.as_mut_slice(), &[6u8; 12], "the newest dropped piece is the one kept");
         let _ = fs::remove_dir_all(&dir);
     }
 
