@@ -407,14 +407,15 @@ fn agent_job<J>(agents: &Agents, id: u64, build: impl FnOnce(&Agent) -> J) -> Re
 }
 
 /// Makes the calling thread yield the CPU to everything else (nice 19):
-/// PFS copies and redundancy run in the background and must not slow the
-/// commits and restarts the node's agents serve meanwhile.
-fn lower_thread_priority() {
+/// PFS copies, redundancy and the progress that serves other agents run
+/// in the background and must not slow the commits and restarts the node's
+/// agents serve meanwhile.
+pub(crate) fn lower_thread_priority() {
     // SAFETY: gettid and setpriority take no pointers and only change the
     // scheduling priority of the calling thread (on Linux, PRIO_PROCESS
     // with a thread id addresses that thread alone).
     let failed = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19) } != 0;
     if failed {
-        tracing::debug!(err = %std::io::Error::last_os_error(), "cannot lower the PFS copy's priority");
+        tracing::debug!(err = %std::io::Error::last_os_error(), "cannot lower a background thread's priority");
     }
 }

@@ -27,10 +27,21 @@ pub struct ProgressThread {
 impl ProgressThread {
     /// Starts polling `endpoint` (a clone of it is kept until the thread stops).
     pub fn spawn(endpoint: &Endpoint, mode: ProgressMode) -> std::io::Result<ProgressThread> {
+        Self::spawn_with(endpoint, mode, || {})
+    }
+
+    /// Like [`spawn`](Self::spawn), running `setup` on the new thread first
+    /// (to lower its scheduling priority, for example).
+    pub fn spawn_with(
+        endpoint: &Endpoint,
+        mode: ProgressMode,
+        setup: impl FnOnce() + Send + 'static,
+    ) -> std::io::Result<ProgressThread> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let endpoint = endpoint.clone();
         let handle = std::thread::Builder::new().name("icheck-fabric-progress".into()).spawn(move || {
+            setup();
             while !flag.load(Ordering::Relaxed) {
                 endpoint.progress();
                 match mode {

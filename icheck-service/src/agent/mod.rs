@@ -996,7 +996,7 @@ fn handle(
                 Exposed::Loaded(buffer) => buffer.remote(),
             };
             region.len = manifest.total_len.min(region.len);
-            let progress = ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin).map_err(|e| e.to_string())?;
+            let progress = serve_reads(shared, caller)?;
             session.fetching = Some(Fetching { _exposed: exposed, _progress: progress });
             Ok(AgentReply::Fetch { manifest, region, damaged })
         }
@@ -1031,11 +1031,25 @@ fn handle(
             let exposed = expose_file(shared, file)?;
             let Exposed::Stored(registered) = &exposed else { unreachable!("expose_file exposes the stored file") };
             let region = registered.remote();
-            let progress = ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin).map_err(|e| e.to_string())?;
+            let progress = serve_reads(shared, caller)?;
             session.fetching = Some(Fetching { _exposed: exposed, _progress: progress });
             Ok(AgentReply::Piece { meta, region })
         }
     }
+}
+
+/// Drives this endpoint's progress while a caller reads what it exposed. A
+/// rank restarting waits for it, so it spins at full priority; another
+/// agent's read (a copy, a rebuild, a take-over) is background work and
+/// runs at nice 19 like the reader's side, or its spinning would starve
+/// that reader on a busy node.
+fn serve_reads(shared: &Shared, caller: Caller) -> Result<ProgressThread, String> {
+    let spawned = if caller.privilege == Privilege::Node {
+        ProgressThread::spawn_with(&shared.endpoint, ProgressMode::Spin, crate::manager::lower_thread_priority)
+    } else {
+        ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin)
+    };
+    spawned.map_err(|e| e.to_string())
 }
 
 /// Serialises the budget check and file creation of `Begin` over every agent

@@ -135,11 +135,19 @@ impl PeerSession {
     }
 }
 
-impl Drop for PeerSession {
-    fn drop(&mut self) {
-        if self.fetching {
+impl PeerSession {
+    /// Tells the peer its exposure is read (it stops driving progress for
+    /// it), as soon as the bytes are here rather than after they are checked.
+    pub(super) fn done_reading(&mut self) {
+        if std::mem::take(&mut self.fetching) {
             let _ = self.conn.call::<_, AgentReply>(&AgentRequest::FetchDone);
         }
+    }
+}
+
+impl Drop for PeerSession {
+    fn drop(&mut self) {
+        self.done_reading();
     }
 }
 
@@ -158,16 +166,30 @@ pub(super) fn protect(shared: &Shared, task: &PieceTask) -> Result<u64, String> 
             }
             let mut session = PeerSession::open(shared, from, rank).map_err(fail)?;
             let (manifest, region) = session.fetch(shared, rank, version).map_err(fail)?;
+            let fetched = started.elapsed();
             let store = &shared.settings.store;
             let file = store
                 .create_piece(&shared.app, version, task.piece, manifest.total_len)
                 .map_err(|e| fail(e.to_string()))?;
             let mut file = shared.endpoint.register(file, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
+            let created = started.elapsed();
             session.read_whole(shared, region, &mut file, manifest.total_len as usize).map_err(fail)?;
+            session.done_reading();
+            let read = started.elapsed();
             manifest.verify(file.as_slice()).map_err(|e| fail(e.to_string()))?;
+            let verified = started.elapsed();
             store
                 .seal_piece(&shared.app, version, task.piece, &PieceMeta::Copy(manifest.clone()))
                 .map_err(|e| fail(e.to_string()))?;
+            tracing::debug!(
+                version,
+                rank,
+                fetch_ms = fetched.as_secs_f64() * 1e3,
+                create_ms = (created - fetched).as_secs_f64() * 1e3,
+                read_ms = (read - created).as_secs_f64() * 1e3,
+                verify_ms = (verified - read).as_secs_f64() * 1e3,
+                "copy's steps"
+            );
             manifest.total_len
         }
         PieceId::Parity { group, index } => build_parity(shared, task, group, index).map_err(fail)?,
@@ -331,6 +353,7 @@ fn rebuild_from_copy(shared: &Shared, rank: u32, version: u64, holder: &AgentInf
     let file = store.create(&shared.app, rank, version, manifest.total_len).map_err(|e| e.to_string())?;
     let mut file = shared.endpoint.register(file, Access::LOCAL).map_err(|e| e.to_string())?;
     session.read_whole(shared, region, &mut file, manifest.total_len as usize)?;
+    session.done_reading();
     manifest.verify(file.as_slice()).map_err(|e| format!("the copy on {} fails its checksums: {e}", holder.node))?;
     store.seal(&manifest).map_err(|e| e.to_string())?;
     Ok(manifest)
