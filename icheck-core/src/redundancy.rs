@@ -7,9 +7,11 @@
 //! * `partner:C` keeps C−1 more copies of every rank, each on another node;
 //! * `rs:K+M` groups the ranks K at a time, each member's primary on a
 //!   distinct node, and keeps M parity shards of every group on M further
-//!   nodes. Members are zero-padded to the longest; a group with fewer than
-//!   K ranks counts the missing ones as zeros. Any M lost nodes of a group
-//!   are survived, at M/K of the data in memory.
+//!   nodes. Members are zero-padded to the longest. A group with fewer
+//!   than K ranks (too few ranks or nodes) is coded over the ranks it has:
+//!   zero shards would cost encoding time and protect nothing, and the
+//!   parity takes the same memory either way. Any M lost nodes of a group
+//!   are survived, at M/K of the data in memory (more in a narrower group).
 //!
 //! Architecture invariant: nothing here performs I/O; placement works on
 //! agent slots (index, node, failure domain) and returns data.
@@ -115,7 +117,7 @@ impl Redundancy {
         match *self {
             Redundancy::None => 1,
             Redundancy::Partner { copies } => usize::from(copies),
-            // One member (the others counted as zeros) and its parity.
+            // A group of one member and its parity.
             Redundancy::ReedSolomon { parity, .. } => 1 + usize::from(parity),
         }
     }
@@ -188,7 +190,8 @@ pub struct Slot {
 /// node, and the agent slots holding its parity shards (index = shard).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Group {
-    /// The member ranks in shard order; `None`: a shard of zeros.
+    /// The member ranks in shard order (at most K; `None`, a shard of
+    /// zeros, is understood but no longer planned).
     pub members: Vec<Option<u32>>,
     /// The slot holding each parity shard.
     pub parity: Vec<usize>,
@@ -340,14 +343,13 @@ pub fn plan(policy: Redundancy, ranks: u32, slots: &[Slot]) -> Result<Plan, Redu
                 let mut fullest: Vec<&str> = by_node.iter().filter(|(_, q)| !q.is_empty()).map(|(n, _)| *n).collect();
                 fullest.sort_by_key(|n| std::cmp::Reverse(by_node[n].len()));
                 // Narrower groups where the nodes leave no room for the
-                // parity beside K members (the rest of the K are zeros).
+                // parity beside K members, or the ranks run out.
                 fullest.truncate(usize::from(data).min(distinct.len() - usize::from(parity)));
                 let mut taken: Vec<u32> =
                     fullest.iter().filter_map(|n| by_node.get_mut(n).and_then(|q| q.pop_front())).collect();
                 taken.sort();
                 let parity_slots = holders(&mut taken.iter().map(|r| primary(*r)), parity)?;
-                let mut members: Vec<Option<u32>> = taken.into_iter().map(Some).collect();
-                members.resize(usize::from(data), None);
+                let members: Vec<Option<u32>> = taken.into_iter().map(Some).collect();
                 plan.groups.push(Group { members, parity: parity_slots });
             }
         }
@@ -514,9 +516,14 @@ mod tests {
         }
         assert_eq!(covered, (0..8).collect(), "every rank is in a group");
         assert_eq!(plan.groups.len(), 4, "8 ranks in groups of 2");
-        // One agent only: groups of one rank (the rest zeros), parity elsewhere.
+        // One agent only: groups of one rank, no zero shards, parity elsewhere.
         let lone = plan_lone();
-        assert!(lone.groups.iter().all(|g| g.members.iter().flatten().count() == 1));
+        assert!(lone.groups.iter().all(|g| g.members == [Some(g.members[0].unwrap())]), "{lone:?}");
+        // Six ranks in groups of four: the last group has the two left over.
+        let s = slots(&["a", "b", "c", "d", "e", "f", "g", "h"]);
+        let wide = super::plan(Redundancy::ReedSolomon { data: 4, parity: 2 }, 6, &s).unwrap();
+        let sizes: Vec<usize> = wide.groups.iter().map(|g| g.members.len()).collect();
+        assert_eq!(sizes, [4, 2], "{wide:?}");
     }
 
     fn plan_lone() -> Plan {
