@@ -8,7 +8,10 @@
 //!   ranks compute), against FTI L2's partner copy of the same data on
 //!   this machine kind (2.31 s);
 //! * the checkpoint memory the nodes hold, per byte of one version (a
-//!   rank's previous version stays as its spare file in every policy);
+//!   rank's previous version stays as its spare file in every policy, and
+//!   each piece's previous version as the piece's spare);
+//! * commit + until protected: when, after the commit starts, the version
+//!   is protected (FTI's L2 checkpoint returns with its copy made);
 //! * after a node is lost (its manager killed, its store deleted): the
 //!   rebuild time and the restart time, against a restart with no loss.
 //!
@@ -34,7 +37,6 @@ use serde::{Deserialize, Serialize};
 
 /// FTI L2 (partner copy) of 4 ranks × 256 MiB on this machine kind, from the issue.
 const FTI_L2_SECS: f64 = 2.31;
-const POLICIES: [&str; 4] = ["none", "partner", "rs:2+1", "rs:4+2"];
 
 #[derive(Parser)]
 #[command(about = "Commit, protection, memory and restart-after-loss cost of each redundancy policy")]
@@ -51,6 +53,13 @@ struct Cli {
     /// Fabric provider.
     #[arg(long, default_value = "tcp")]
     provider: String,
+    /// Policies to compare (`none` first: the others' ratios are to it).
+    #[arg(long, value_delimiter = ',', default_value = "none,partner,rs:2+1,rs:4+2")]
+    policies: Vec<String>,
+    /// Copy each case's daemon logs under this directory before the
+    /// service goes (to see where a case's time went).
+    #[arg(long)]
+    keep_logs: Option<PathBuf>,
     /// Internal: run as one rank of the four-rank case.
     #[arg(long, hide = true)]
     mpi_rank: Option<PathBuf>,
@@ -221,11 +230,15 @@ impl Dataset {
 
 /// What one policy cost on one dataset.
 struct Row {
-    policy: &'static str,
+    policy: String,
     /// Timed versions that were protected before the next one completed.
     protected_count: usize,
     commit: f64,
     protect: f64,
+    /// Median over versions of commit + until protected: how long after the
+    /// commit starts the version is protected (FTI's checkpoint call returns
+    /// with its partner copy made).
+    commit_and_protect: Option<f64>,
     memory: f64,
     restart: f64,
     rebuild: Option<f64>,
@@ -242,7 +255,7 @@ fn icheck_binary() -> Result<PathBuf> {
     Ok(icheck)
 }
 
-fn case(cli: &Cli, data: Dataset, policy: &'static str) -> Result<Row> {
+fn case(cli: &Cli, data: Dataset, policy: &str) -> Result<Row> {
     let name = format!("red-{}-{}", data.ranks, policy.replace([':', '+'], "-"));
     // One agent per rank, on nodes of its own, in every policy: the
     // policies differ in their redundancy only (rs:4+2 adds agents).
@@ -307,9 +320,19 @@ fn case(cli: &Cli, data: Dataset, policy: &'static str) -> Result<Row> {
         (Some(rebuild), Some(data.run(cli, &config, app, "restart")?.restart_secs))
     };
     eprintln!("{} {policy}: commit {:?}, protect {:?}", data.label(), committed.commit_secs, committed.protect_secs);
+    if let Some(dir) = &cli.keep_logs {
+        let into = dir.join(&name);
+        std::fs::create_dir_all(&into)?;
+        for entry in std::fs::read_dir(service.dir.join("logs"))?.flatten() {
+            std::fs::copy(entry.path(), into.join(entry.file_name()))?;
+        }
+    }
+    let commit_and_protect = (committed.commit_secs.len() == committed.protect_secs.len())
+        .then(|| median(committed.commit_secs.iter().zip(&committed.protect_secs).map(|(c, p)| c + p).collect()));
     Ok(Row {
-        policy,
+        policy: policy.to_string(),
         protected_count,
+        commit_and_protect,
         commit: median(committed.commit_secs),
         protect: median(committed.protect_secs),
         memory: held as f64 / data.bytes(),
@@ -352,7 +375,7 @@ fn main() -> Result<()> {
     for data in datasets {
         let memcpy = memcpy_secs(data.ranks as usize * data.per_rank);
         let mut rows = Vec::new();
-        for policy in POLICIES {
+        for policy in &cli.policies {
             rows.push(case(&cli, data, policy)?);
         }
         let none = rows[0].commit;
@@ -362,10 +385,10 @@ fn main() -> Result<()> {
             cli.provider,
             ms(memcpy)
         ));
-        out.push("| policy | commit (ms) | ÷ none | until protected (ms) | FTI L2 2.31 s ÷ this | memory held (× one version) | restart (ms) | rebuild after a lost node (ms) | restart after the loss (ms) | its speed ÷ no loss |".into());
-        out.push("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|".into());
+        out.push("| policy | commit (ms) | ÷ none | until protected (ms) | FTI L2 2.31 s ÷ this | commit + until protected (ms) | FTI L2 ÷ that | memory held (× one version) | restart (ms) | rebuild after a lost node (ms) | restart after the loss (ms) | its speed ÷ no loss |".into());
+        out.push("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|".into());
         for r in rows {
-            let (protect, vs_fti) = match r.policy {
+            let (protect, vs_fti) = match r.policy.as_str() {
                 "none" => ("–".to_string(), "–".to_string()),
                 _ if r.protected_count < cli.runs => (
                     format!(
@@ -382,8 +405,12 @@ fn main() -> Result<()> {
                 (Some(b), Some(a)) => (ms(b), ms(a), format!("{:.2}", r.restart / a)),
                 _ => ("lost".into(), "lost".into(), "–".into()),
             };
+            let (whole, whole_vs_fti) = match r.commit_and_protect {
+                Some(secs) if r.policy != "none" => (ms(secs), format!("{:.1}", FTI_L2_SECS / secs)),
+                _ => ("–".to_string(), "–".to_string()),
+            };
             out.push(format!(
-                "| {} | {} | {:.2} | {protect} | {vs_fti} | {:.2} | {} | {rebuild} | {after} | {speed} |",
+                "| {} | {} | {:.2} | {protect} | {vs_fti} | {whole} | {whole_vs_fti} | {:.2} | {} | {rebuild} | {after} | {speed} |",
                 r.policy,
                 ms(r.commit),
                 r.commit / none,
