@@ -22,6 +22,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::str::FromStr;
 
+use reed_solomon_simd::ReedSolomonEncoder;
 use serde::{Deserialize, Serialize};
 
 /// Most copies `partner` keeps (the primary included).
@@ -414,6 +415,53 @@ pub fn encode(parity: usize, originals: &[&[u8]]) -> Result<Vec<Vec<u8>>, Redund
     reed_solomon_simd::encode(originals.len(), parity, originals).map_err(|e| RedundancyError::Coding(e.to_string()))
 }
 
+/// Encodes stripe after stripe with one coder, whose working space is
+/// allocated once and reused (reset only when the shape changes), and
+/// hands each parity shard to the caller without copying it.
+#[derive(Default)]
+pub struct StripeEncoder {
+    coder: Option<(reed_solomon_simd::ReedSolomonEncoder, (usize, usize, usize))>,
+}
+
+impl fmt::Debug for StripeEncoder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StripeEncoder").field("shape", &self.coder.as_ref().map(|c| c.1)).finish()
+    }
+}
+
+impl StripeEncoder {
+    /// Encodes one stripe of `originals` (the K data shards, of equal even
+    /// lengths) into `parity` shards; `each(j, shard)` receives shard j.
+    pub fn encode(
+        &mut self,
+        parity: usize,
+        originals: &[&[u8]],
+        mut each: impl FnMut(usize, &[u8]),
+    ) -> Result<(), RedundancyError> {
+        let coding = |e: reed_solomon_simd::Error| RedundancyError::Coding(e.to_string());
+        let shape = (originals.len(), parity, originals.first().map_or(0, |o| o.len()));
+        let coder = match &mut self.coder {
+            Some((coder, current)) if *current == shape => coder,
+            Some((coder, current)) => {
+                coder.reset(shape.0, shape.1, shape.2).map_err(coding)?;
+                *current = shape;
+                coder
+            }
+            None => {
+                &mut self.coder.insert((ReedSolomonEncoder::new(shape.0, shape.1, shape.2).map_err(coding)?, shape)).0
+            }
+        };
+        for original in originals {
+            coder.add_original_shard(original).map_err(coding)?;
+        }
+        let result = coder.encode().map_err(coding)?;
+        for (j, shard) in result.recovery_iter().enumerate() {
+            each(j, shard);
+        }
+        Ok(())
+    }
+}
+
 /// Rebuilds the missing data shards of one stripe from any K of the K+M:
 /// `originals[i]` and `parity[j]` are the surviving shards (`None`: lost).
 /// Returns every missing data shard by index.
@@ -582,5 +630,18 @@ mod tests {
         let three_lost = [None, None, None, Some(originals[3])];
         let err = decode(&three_lost, &one_parity).unwrap_err().to_string();
         assert!(err.contains("3 of 4 data shards are lost"), "{err}");
+    }
+
+    #[test]
+    fn a_reused_encoder_codes_like_a_fresh_one_across_shapes() {
+        let data: Vec<Vec<u8>> = (0..4u8).map(|i| (0..8192).map(|b| (b as u8).wrapping_mul(7) ^ i).collect()).collect();
+        let mut encoder = StripeEncoder::default();
+        // Full stripes, a short last stripe, a narrower group, then back.
+        for (k, m, len) in [(4, 2, 8192), (4, 2, 8192), (4, 2, 1024), (2, 1, 8192), (4, 2, 8192)] {
+            let originals: Vec<&[u8]> = data[..k].iter().map(|d| &d[..len]).collect();
+            let mut got = vec![Vec::new(); m];
+            encoder.encode(m, &originals, |j, shard| got[j] = shard.to_vec()).unwrap();
+            assert_eq!(got, encode(m, &originals).unwrap(), "{k}+{m} over {len} bytes");
+        }
     }
 }
