@@ -981,6 +981,24 @@ pub enum AgentRequest {
         /// Which piece.
         piece: crate::redundancy::PieceId,
     },
+    /// The agent encoding a Reed-Solomon group (node token only) writes
+    /// this agent's parity shard of `version`: the agent creates `len`
+    /// bytes for it and replies [`AgentReply::Target`], writable by the
+    /// encoder until `SealPiece` (or the session's end, which discards it).
+    PutPiece {
+        /// Version number.
+        version: u64,
+        /// Which piece (a parity shard).
+        piece: crate::redundancy::PieceId,
+        /// Bytes of the shard.
+        len: u64,
+    },
+    /// The piece `PutPiece` opened is written: the agent checks its bytes
+    /// against `meta` and keeps both; replies [`AgentReply::Ok`].
+    SealPiece {
+        /// What the piece is (its stripe checksums, as the encoder computed them).
+        meta: PieceMeta,
+    },
 }
 
 /// What a stored piece of redundancy is: written beside its data, and all
@@ -1084,6 +1102,10 @@ pub struct PieceTask {
     pub members: Vec<Option<(u32, AgentInfo)>>,
     /// Parity shards of the group (M; 0 for a copy).
     pub parity: u8,
+    /// For parity shard 0 of a group with M > 1: the holders of shards
+    /// 1..M, in order. Its agent encodes the group once and writes their
+    /// shards to them, instead of every holder reading all K members.
+    pub also: Vec<AgentInfo>,
 }
 
 /// Where a lost rank's version is rebuilt from ([`ControllerToManager::Rebuild`]).

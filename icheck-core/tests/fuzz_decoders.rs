@@ -144,6 +144,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                     piece: PieceId::Parity { group: 1, index: 0 },
                     members: vec![Some((0, agent())), None],
                     parity: 2,
+                    also: vec![agent()],
                 },
             })),
         ),
@@ -154,6 +155,15 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 region: RemoteRegion { addr: 0, key: 1, len: 1 << 20 },
             })),
         ),
+        (
+            "agent-request",
+            enc(protocol::encode(&AgentRequest::PutPiece {
+                version: 4,
+                piece: PieceId::Parity { group: 1, index: 1 },
+                len: 1 << 20,
+            })),
+        ),
+        ("agent-request", enc(protocol::encode(&AgentRequest::SealPiece { meta: PieceMeta::Parity(parity()) }))),
         ("piece", format::encode_stored(&PieceMeta::Parity(parity())).expect("encodes")),
         ("piece", format::encode_stored(&PieceMeta::Copy(manifest())).expect("encodes")),
     ]

@@ -18,7 +18,7 @@ use icheck_core::protocol::{
     self, AgentInfo, ControllerToManager, Hello, ManagerToController, NodeStatus, ProtocolError, Role,
 };
 
-use crate::agent::{Agent, AgentSettings};
+use crate::agent::{Agent, AgentSettings, PieceOutcome};
 use crate::framing;
 use crate::store::{InventoryCache, Store};
 use crate::{read_meminfo, ServiceError};
@@ -340,19 +340,22 @@ async fn session(
                 });
             }
             ControllerToManager::Protect { agent, task } => {
-                let (version, piece) = (task.version, task.piece);
-                let job = agent_job(agents, agent, |a| a.protect_job(task));
+                let version = task.version;
+                let failed = |why: String| PieceOutcome::all_failed(agent, &task, &why);
+                let job = agent_job(agents, agent, |a| a.protect_job(task.clone())).map_err(failed);
                 let tx = tx.clone();
                 // Background work, like a PFS copy: at nice 19 on a thread of
                 // its own, so that encoding never starves the node's commits
                 // or this manager's heartbeats.
                 let build = move || {
                     lower_thread_priority();
-                    let result = job.and_then(|job| job());
-                    if let Err(reason) = &result {
-                        tracing::warn!(agent, version, %piece, %reason, "building a piece of redundancy failed");
+                    // An encoder answers for the shards it wrote elsewhere too.
+                    for PieceOutcome { agent, piece, result } in job.map_or_else(|failed| failed, |job| job()) {
+                        if let Err(reason) = &result {
+                            tracing::warn!(agent, version, %piece, %reason, "building a piece of redundancy failed");
+                        }
+                        let _ = tx.send(ManagerToController::Protected { agent, version, piece, result });
                     }
-                    let _ = tx.send(ManagerToController::Protected { agent, version, piece, result });
                 };
                 if let Err(err) = std::thread::Builder::new().name("icheck-protect".into()).spawn(build) {
                     tracing::error!(agent, version, %err, "cannot start a thread to build a piece of redundancy");

@@ -488,6 +488,16 @@ impl Store {
         self.create_mapped(&data, len, !reused)
     }
 
+    /// Deletes a piece's data file that was never sealed (its writer went
+    /// away or wrote bytes that fail their checksums).
+    pub fn discard_piece(&self, app: &str, version: u64, piece: PieceId) -> Result<()> {
+        let (data, meta) = self.piece_paths(app, version, piece)?;
+        if !meta.exists() {
+            remove_if_present(&data)?;
+        }
+        Ok(())
+    }
+
     /// Writes the description of a piece whose data is complete (atomically,
     /// as [`seal`](Self::seal) does for versions).
     pub fn seal_piece(&self, app: &str, version: u64, piece: PieceId, meta: &PieceMeta) -> Result<()> {

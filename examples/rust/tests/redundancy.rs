@@ -173,3 +173,95 @@ fn rs_4_2_survives_two_lost_nodes_at_once() {
     restart_bit_exact(&service, "r42", "rs:4+2", 6);
     pfs_untouched(&service, "r42");
 }
+
+#[test]
+fn a_parity_shard_written_by_another_agent_is_kept_only_when_its_bytes_match() {
+    use icheck_core::control::BlockingConnection;
+    use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint, RmaOp, TransferOptions};
+    use icheck_core::protocol::{AgentReply, AgentRequest, ParityMeta, PieceMeta, STRIPE};
+    use icheck_core::redundancy::PieceId;
+
+    let service = service("red-put", 3);
+    commit_three(&service, "pp", "rs:2+1");
+    let report = wait_protected(&service, "pp", 3);
+    let agent = report.agents[0].clone();
+    let domain = Domain::open(&service.config.fabric).unwrap();
+    let endpoint = Endpoint::new(&domain).unwrap();
+    let peer = endpoint.insert_peer(&agent.address).unwrap();
+    let open = |token: &str, capability: String| {
+        let mut conn = BlockingConnection::connect(&agent.control, token, Duration::from_secs(5)).unwrap();
+        conn.set_timeout(Duration::from_secs(20));
+        let open = AgentRequest::Open {
+            app: "pp".into(),
+            rank: 0,
+            address: endpoint.address().clone(),
+            capability,
+            pfs_key: None,
+        };
+        assert_eq!(conn.call::<_, AgentReply>(&open).unwrap(), AgentReply::Ok);
+        conn
+    };
+    let piece = PieceId::Parity { group: 7, index: 1 };
+    let len = 2 * STRIPE;
+    let put = AgentRequest::PutPiece { version: 9, piece, len };
+    let error = |reply: AgentReply| match reply {
+        AgentReply::Error(reason) => reason,
+        other => panic!("accepted: {other:?}"),
+    };
+
+    // The application itself (client token, its own capability) may not.
+    let capability = icheck_service::testkit::kept_capability(&service.config, "pp").unwrap();
+    let mut own = open(&service.config.effective_token(), capability);
+    assert!(error(own.call(&put).unwrap()).contains("node token"));
+    drop(own);
+
+    let node_token = service.config.node_token().expect("icheck up writes a node token");
+    let mut conn = open(&node_token, String::new());
+    let copy = AgentRequest::PutPiece { version: 9, piece: PieceId::Copy { rank: 0 }, len };
+    assert!(error(conn.call(&copy).unwrap()).contains("only parity shards"));
+
+    let mut bytes = AlignedBuffer::zeroed(len as usize);
+    icheck_core::pattern::fill_pattern(bytes.as_mut_slice(), 42);
+    let crcs: Vec<u32> = bytes.as_slice().chunks(STRIPE as usize).map(crc32c::crc32c).collect();
+    let source = endpoint.register(bytes, Access::LOCAL).unwrap();
+    let meta = |crcs: Vec<u32>| {
+        PieceMeta::Parity(ParityMeta {
+            app: "pp".into(),
+            version: 9,
+            group: 7,
+            index: 1,
+            parity: 2,
+            shard_len: len,
+            members: vec![None],
+            crcs,
+        })
+    };
+    let pieces = service.config.agent_store_dir.join(&agent.node).join("pp").join("pieces");
+    let write_and_seal = |conn: &mut BlockingConnection, crcs: Vec<u32>| {
+        let AgentReply::Target(region) = conn.call(&put).unwrap() else { panic!("PutPiece refused") };
+        let ops = [RmaOp { local_offset: 0, remote: region, remote_offset: 0, len: len as usize }];
+        endpoint.write(&peer, source.source(), &ops, &TransferOptions::default()).unwrap();
+        conn.call::<_, AgentReply>(&AgentRequest::SealPiece { meta: meta(crcs) }).unwrap()
+    };
+    // Checksums that do not match what arrived: refused, and nothing kept.
+    let mut wrong = crcs.clone();
+    wrong[1] ^= 1;
+    let reason = error(write_and_seal(&mut conn, wrong));
+    assert!(reason.contains("damaged at bytes 1048576.."), "{reason}");
+    assert!(!pieces.join("v9.parity7-1.data").exists(), "a refused shard's file is left behind");
+    // The right ones: kept, and served to the next reader as written.
+    assert_eq!(write_and_seal(&mut conn, crcs.clone()), AgentReply::Ok);
+    assert!(pieces.join("v9.parity7-1.meta").exists());
+    match conn.call(&AgentRequest::FetchPiece { version: 9, piece }).unwrap() {
+        AgentReply::Piece { meta: served, .. } => assert_eq!(served, meta(crcs)),
+        other => panic!("the kept shard is not served: {other:?}"),
+    }
+    let _ = conn.call::<_, AgentReply>(&AgentRequest::FetchDone);
+    // A shard whose writer goes away before sealing it is discarded.
+    let AgentReply::Target(_) = conn.call(&AgentRequest::PutPiece { version: 10, piece, len }).unwrap() else {
+        panic!("PutPiece refused")
+    };
+    drop(conn);
+    let gone = poll_until(Duration::from_secs(10), || !pieces.join("v10.parity7-1.data").exists());
+    assert!(gone, "an unsealed shard outlived its writer's session");
+}

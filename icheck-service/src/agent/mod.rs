@@ -16,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 mod redundancy;
+pub use redundancy::PieceOutcome;
 mod session;
 
 use std::io::ErrorKind;
@@ -35,6 +36,7 @@ use icheck_core::protocol::{
     self, AgentInfo, AgentReply, AgentRequest, Hello, HelloReply, Manifest, PfsCopyStats, PieceMeta, Privilege,
     ProtocolError,
 };
+use icheck_core::redundancy::PieceId;
 
 use crate::store::{MappedFile, Store, StoreError};
 use session::{admit, Abandoned, Found, Sealed, Serve, SessionCore};
@@ -364,7 +366,7 @@ impl Agent {
     /// A job that builds a piece of redundancy for a complete version
     /// (a copy of another node's rank, or a parity shard), for a blocking
     /// thread. Returns the bytes the piece holds.
-    pub fn protect_job(&self, task: protocol::PieceTask) -> impl FnOnce() -> Result<u64, String> + Send + 'static {
+    pub fn protect_job(&self, task: protocol::PieceTask) -> impl FnOnce() -> Vec<PieceOutcome> + Send + 'static {
         let shared = self.shared.clone();
         move || redundancy::protect(&shared, &task)
     }
@@ -717,6 +719,30 @@ struct Session {
     /// Fetches the rank is done with, released after the reply is sent
     /// (unmapping takes time the rank need not wait for).
     retired: Vec<Fetching>,
+    /// A parity shard another agent is writing here (PutPiece to SealPiece).
+    receiving: Option<Receiving>,
+}
+
+/// A piece being written by the agent that encodes its group. Its file is
+/// discarded unless it is sealed.
+struct Receiving {
+    version: u64,
+    piece: PieceId,
+    file: Option<RegisteredBuffer<MappedFile>>,
+    store: Store,
+    app: String,
+    _progress: ProgressThread,
+}
+
+impl Drop for Receiving {
+    fn drop(&mut self) {
+        // Unmapped (and deregistered) before the file goes.
+        if self.file.take().is_some() {
+            if let Err(err) = self.store.discard_piece(&self.app, self.version, self.piece) {
+                tracing::warn!(version = self.version, piece = %self.piece, %err, "cannot discard an unsealed piece");
+            }
+        }
+    }
 }
 
 impl Session {
@@ -818,6 +844,7 @@ fn handle(
             sealed: Vec::new(),
             spare: None,
             retired: Vec::new(),
+            receiving: None,
         });
         return Ok(AgentReply::Ok);
     }
@@ -1013,27 +1040,71 @@ fn handle(
             let (meta, file) = store.open_piece(&shared.app, version, piece).map_err(|e| e.to_string())?;
             // Checked before it is exposed: a damaged piece is refused, and
             // the rebuild goes on without it.
-            match &meta {
-                PieceMeta::Copy(manifest) => manifest
-                    .verify(file.as_slice())
-                    .map_err(|e| format!("the {piece} of version {version} is damaged: {e}"))?,
-                PieceMeta::Parity(parity) => {
-                    let stripes = file.as_slice().chunks(protocol::STRIPE as usize);
-                    if let Some(bad) = stripes.zip(&parity.crcs).position(|(bytes, crc)| crc32c::crc32c(bytes) != *crc)
-                    {
-                        return Err(format!(
-                            "the {piece} of version {version} is damaged at bytes {}..",
-                            bad as u64 * protocol::STRIPE
-                        ));
-                    }
-                }
-            }
+            verify_piece(&meta, file.as_slice(), version, piece)?;
             let exposed = expose_file(shared, file)?;
             let Exposed::Stored(registered) = &exposed else { unreachable!("expose_file exposes the stored file") };
             let region = registered.remote();
             let progress = serve_reads(shared, caller)?;
             session.fetching = Some(Fetching { _exposed: exposed, _progress: progress });
             Ok(AgentReply::Piece { meta, region })
+        }
+        AgentRequest::PutPiece { version, piece, len } => {
+            if caller.privilege != Privilege::Node {
+                return Err("pieces of redundancy are written by agents only (the node token)".into());
+            }
+            if !matches!(piece, PieceId::Parity { .. }) {
+                return Err(format!("only parity shards are written by another agent, not a {piece}"));
+            }
+            // A piece left unsealed by an earlier PutPiece goes first.
+            session.receiving = None;
+            let file = store.create_piece(&shared.app, version, piece, len).map_err(|e| e.to_string())?;
+            let file = shared.endpoint.register(file, Access::REMOTE_WRITE).map_err(|e| e.to_string())?;
+            let region = file.remote();
+            session.receiving = Some(Receiving {
+                version,
+                piece,
+                file: Some(file),
+                store: store.clone(),
+                app: shared.app.clone(),
+                _progress: serve_reads(shared, caller)?,
+            });
+            Ok(AgentReply::Target(region))
+        }
+        AgentRequest::SealPiece { meta } => {
+            let mut receiving = session.receiving.take().ok_or("SealPiece without PutPiece")?;
+            let (version, piece) = (receiving.version, receiving.piece);
+            let len = meta.check(&shared.app, version, piece).map_err(|e| format!("the {piece} described: {e}"))?;
+            let file = receiving.file.take().expect("an unsealed piece has its file");
+            let result = match usize::try_from(len).ok().filter(|len| *len <= file.len()) {
+                None => Err(format!("the {piece} is described as {len} bytes, {} were written", file.len())),
+                Some(len) => verify_piece(&meta, &file.as_slice()[..len], version, piece)
+                    .and_then(|()| store.seal_piece(&shared.app, version, piece, &meta).map_err(|e| e.to_string())),
+            };
+            drop(file);
+            if result.is_err() {
+                let _ = store.discard_piece(&shared.app, version, piece);
+            }
+            result.map(|()| AgentReply::Ok)
+        }
+    }
+}
+
+/// Checks a piece's bytes against its description: a copy against the
+/// rank's checksums, a parity shard against its stripe checksums.
+fn verify_piece(meta: &PieceMeta, bytes: &[u8], version: u64, piece: PieceId) -> Result<(), String> {
+    match meta {
+        PieceMeta::Copy(manifest) => {
+            manifest.verify(bytes).map_err(|e| format!("the {piece} of version {version} is damaged: {e}"))
+        }
+        PieceMeta::Parity(parity) => {
+            let stripes = bytes.chunks(protocol::STRIPE as usize);
+            match stripes.zip(&parity.crcs).position(|(bytes, crc)| crc32c::crc32c(bytes) != *crc) {
+                Some(bad) => Err(format!(
+                    "the {piece} of version {version} is damaged at bytes {}..",
+                    bad as u64 * protocol::STRIPE
+                )),
+                None => Ok(()),
+            }
         }
     }
 }
@@ -1045,7 +1116,11 @@ fn handle(
 /// that reader on a busy node.
 fn serve_reads(shared: &Shared, caller: Caller) -> Result<ProgressThread, String> {
     let spawned = if caller.privilege == Privilege::Node {
-        ProgressThread::spawn_with(&shared.endpoint, ProgressMode::Spin, crate::manager::lower_thread_priority)
+        ProgressThread::spawn_with(
+            &shared.endpoint,
+            ProgressMode::Sleep(Duration::from_micros(50)),
+            crate::manager::lower_thread_priority,
+        )
     } else {
         ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin)
     };

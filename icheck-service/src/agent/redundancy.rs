@@ -10,7 +10,7 @@
 //! checksums, and every rebuilt rank against its manifest before it is
 //! sealed.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use icheck_core::control::BlockingConnection;
 use icheck_core::fabric::{Access, AlignedBuffer, Peer, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions};
@@ -21,6 +21,7 @@ use icheck_core::protocol::{
 use icheck_core::redundancy::{self, PieceId};
 
 use super::{Shared, TAKE_OVER_CONNECT_TIMEOUT, TAKE_OVER_TIMEOUT};
+use crate::store::MappedFile;
 
 /// A session with another agent of the same application, admitted by the
 /// node token (it presents no capability): what reading a peer's primary
@@ -123,6 +124,41 @@ impl PeerSession {
             .map_err(|e| self.fail(e))
     }
 
+    /// Asks the peer to take its parity shard `piece` of `version` (`len`
+    /// bytes): returns the memory to write it into.
+    fn put_piece(&mut self, version: u64, piece: PieceId, len: u64) -> Result<RemoteRegion, String> {
+        match self.call(&AgentRequest::PutPiece { version, piece, len })? {
+            AgentReply::Target(region) if region.len >= len => Ok(region),
+            AgentReply::Target(region) => Err(self.fail(format!("it offers {} of the {len} bytes", region.len))),
+            other => Err(self.fail(format!("unexpected answer to PutPiece: {other:?}"))),
+        }
+    }
+
+    /// Writes the first `len` bytes of `from` at `offset` of `region`.
+    fn write(
+        &self,
+        shared: &Shared,
+        from: &RegisteredBuffer,
+        region: RemoteRegion,
+        offset: u64,
+        len: usize,
+    ) -> Result<(), String> {
+        let ops = [RmaOp { local_offset: 0, remote: region, remote_offset: offset, len }];
+        shared
+            .endpoint
+            .write(&self.peer, from.source(), &ops, &TransferOptions::default())
+            .map(|_| ())
+            .map_err(|e| self.fail(e))
+    }
+
+    /// Tells the peer its piece is written, as `meta` describes it.
+    fn seal_piece(&mut self, meta: PieceMeta) -> Result<(), String> {
+        match self.call(&AgentRequest::SealPiece { meta })? {
+            AgentReply::Ok => Ok(()),
+            other => Err(self.fail(format!("unexpected answer to SealPiece: {other:?}"))),
+        }
+    }
+
     /// Reads all of `region` into a registered file.
     pub(super) fn read_whole<B: icheck_core::fabric::StableBuffer>(
         &self,
@@ -151,8 +187,61 @@ impl Drop for PeerSession {
     }
 }
 
-/// Builds `task`'s piece in this node's store. Returns the bytes it holds.
-pub(super) fn protect(shared: &Shared, task: &PieceTask) -> Result<u64, String> {
+/// How building one piece ended: the agent holding it, the piece, and the
+/// bytes it holds or why it failed.
+pub struct PieceOutcome {
+    /// The agent holding the piece (this one, or one it wrote a shard to).
+    pub agent: u64,
+    /// The piece.
+    pub piece: PieceId,
+    /// Bytes held, or why the piece is not there.
+    pub result: Result<u64, String>,
+}
+
+/// Builds `task`'s piece in this node's store, and for the encoder of a
+/// group the other parity shards at their holders: how each piece ended.
+pub(super) fn protect(shared: &Shared, task: &PieceTask) -> Vec<PieceOutcome> {
+    let mine = |result| PieceOutcome { agent: shared.id, piece: task.piece, result };
+    match task.piece {
+        PieceId::Copy { .. } => vec![mine(protect_copy(shared, task))],
+        PieceId::Parity { group, index } => {
+            let started = Instant::now();
+            let fail = |what: String| format!("building the {} for version {}: {what}", task.piece, task.version);
+            match build_parity(shared, task, group, index) {
+                Ok(mut outcomes) => {
+                    let bytes = outcomes.first().and_then(|o| o.result.as_ref().ok().copied()).unwrap_or(0);
+                    let ms = started.elapsed().as_secs_f64() * 1e3;
+                    tracing::info!(version = task.version, piece = %task.piece, bytes, ms, shards = outcomes.len(), "group encoded");
+                    for outcome in &mut outcomes {
+                        outcome.result = std::mem::replace(&mut outcome.result, Ok(0)).map_err(fail);
+                    }
+                    outcomes
+                }
+                // Nothing was built: every shard this agent answers for failed.
+                Err(why) => PieceOutcome::all_failed(shared.id, task, &fail(why)),
+            }
+        }
+    }
+}
+
+impl PieceOutcome {
+    /// Every piece `task` answers for (its own, and for an encoder the
+    /// shards of `task.also`) failed, at `agent`, for `why`.
+    pub fn all_failed(agent: u64, task: &PieceTask, why: &str) -> Vec<PieceOutcome> {
+        let mut outcomes = vec![PieceOutcome { agent, piece: task.piece, result: Err(why.to_string()) }];
+        if let PieceId::Parity { group, index } = task.piece {
+            outcomes.extend(task.also.iter().enumerate().map(|(j, holder)| PieceOutcome {
+                agent: holder.id,
+                piece: PieceId::Parity { group, index: index + 1 + j as u8 },
+                result: Err(why.to_string()),
+            }));
+        }
+        outcomes
+    }
+}
+
+/// Builds a copy of a rank. Returns the bytes it holds.
+fn protect_copy(shared: &Shared, task: &PieceTask) -> Result<u64, String> {
     let started = Instant::now();
     let version = task.version;
     let fail = |what: String| format!("building the {} for version {version}: {what}", task.piece);
@@ -192,7 +281,7 @@ pub(super) fn protect(shared: &Shared, task: &PieceTask) -> Result<u64, String> 
             );
             manifest.total_len
         }
-        PieceId::Parity { group, index } => build_parity(shared, task, group, index).map_err(fail)?,
+        PieceId::Parity { .. } => return Err(fail("not a copy".into())),
     };
     tracing::info!(version, piece = %task.piece, bytes, ms = started.elapsed().as_secs_f64() * 1e3, "piece of redundancy built");
     Ok(bytes)
@@ -226,21 +315,40 @@ impl ShardSource {
         Ok(ShardSource { session, region, len, buffer })
     }
 
-    /// Loads block `[offset, offset + n)` of the shard into the buffer: one
-    /// read of its real bytes (the fabric pipelines it), zeros after them.
+    /// Loads block `[offset, offset + n)` of the shard into the buffer.
     fn load(&mut self, shared: &Shared, offset: u64, n: usize) -> Result<(), String> {
-        let real = self.len.saturating_sub(offset).min(n as u64) as usize;
-        if let Some(session) = &self.session {
-            session.read(shared, self.region, offset, &mut self.buffer, real)?;
-        }
-        self.buffer.as_mut_slice()[real..n].fill(0);
-        Ok(())
+        let ShardSource { session, region, len, buffer } = self;
+        read_block(shared, session.as_ref(), *region, *len, (offset, n), buffer)
+    }
+
+    /// Loads block `[offset, offset + n)` of the shard into `into`.
+    fn load_into(&self, shared: &Shared, offset: u64, n: usize, into: &mut RegisteredBuffer) -> Result<(), String> {
+        read_block(shared, self.session.as_ref(), self.region, self.len, (offset, n), into)
     }
 
     /// `n` bytes of the loaded block from `at`.
     fn bytes(&self, at: usize, n: usize) -> &[u8] {
         &self.buffer.as_slice()[at..at + n]
     }
+}
+
+/// Reads block `(offset, n)` of a shard whose first `len` bytes are at
+/// `region` (zeros after them, and throughout without a session) into
+/// `into`: one read of its real bytes, which the fabric pipelines.
+fn read_block(
+    shared: &Shared,
+    session: Option<&PeerSession>,
+    region: RemoteRegion,
+    len: u64,
+    (offset, n): (u64, usize),
+    into: &mut RegisteredBuffer,
+) -> Result<(), String> {
+    let real = len.saturating_sub(offset).min(n as u64) as usize;
+    if let Some(session) = session {
+        session.read(shared, region, offset, into, real)?;
+    }
+    into.as_mut_slice()[real..n].fill(0);
+    Ok(())
 }
 
 /// Bytes of each shard read at once (a whole number of stripes): one RMA
@@ -258,21 +366,124 @@ fn shard_len(longest: u64) -> u64 {
     longest.max(2).next_multiple_of(2)
 }
 
-/// Builds parity shard `index` of `group`: reads every member's primary a
-/// stripe at a time, encodes, keeps this shard.
-fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Result<u64, String> {
+/// A parity shard this agent encodes for another holder: written there
+/// block by block, then sealed with the checksums computed here.
+struct ShardSink {
+    holder: AgentInfo,
+    piece: PieceId,
+    /// Its parity index in the group.
+    index: u8,
+    session: PeerSession,
+    region: RemoteRegion,
+    /// The block being encoded, before it is written.
+    staging: RegisteredBuffer,
+    crcs: Vec<u32>,
+    /// Why the holder does not get its shard (it is written no more).
+    failed: Option<String>,
+}
+
+/// Where an encoder's time went, summed over blocks.
+#[derive(Default)]
+struct Spent {
+    total: Duration,
+    reading: Duration,
+    coding: Coding,
+}
+
+/// Time spent on one block's encoding and on writing other holders' shards.
+#[derive(Default, Clone, Copy)]
+struct Coding {
+    encoding: Duration,
+    writing: Duration,
+}
+
+impl std::ops::AddAssign for Coding {
+    fn add_assign(&mut self, other: Coding) {
+        self.encoding += other.encoding;
+        self.writing += other.writing;
+    }
+}
+
+/// Encodes one loaded block (`offset`, `block` bytes) of the sources:
+/// keeps shard `index` in `file` (and its stripe checksums), and writes
+/// each sink's shard of the block to its holder.
+fn encode_block(
+    shared: &Shared,
+    task: &PieceTask,
+    sources: &[ShardSource],
+    (offset, block): (u64, u64),
+    (index, file, crcs): (u8, &mut MappedFile, &mut Vec<u32>),
+    sinks: &mut [ShardSink],
+    encoder: &mut redundancy::StripeEncoder,
+) -> Result<Coding, String> {
+    let started = Instant::now();
+    for (at, n) in stripes_of(block) {
+        let originals: Vec<&[u8]> = sources.iter().map(|source| source.bytes(at, n)).collect();
+        let start = offset as usize + at;
+        let mut kept = false;
+        encoder
+            .encode(usize::from(task.parity), &originals, |j, shard| {
+                if j == usize::from(index) {
+                    file.as_mut_slice()[start..start + n].copy_from_slice(shard);
+                    crcs.push(crc32c::crc32c(shard));
+                    kept = true;
+                } else if let Some(sink) = sinks.iter_mut().find(|sink| usize::from(sink.index) == j) {
+                    if sink.failed.is_none() {
+                        sink.staging.as_mut_slice()[at..at + n].copy_from_slice(shard);
+                        sink.crcs.push(crc32c::crc32c(shard));
+                    }
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        if !kept {
+            return Err(format!("the group has no parity shard {index}"));
+        }
+    }
+    let encoded = Instant::now();
+    for sink in sinks.iter_mut().filter(|sink| sink.failed.is_none()) {
+        if let Err(why) = sink.session.write(shared, &sink.staging, sink.region, offset, block as usize) {
+            sink.failed = Some(why);
+        }
+    }
+    Ok(Coding { encoding: encoded - started, writing: encoded.elapsed() })
+}
+
+/// A member's primary, exposed by its agent for this session: its manifest
+/// and the region holding its bytes.
+type FetchedMember = (PeerSession, Manifest, RemoteRegion);
+
+/// Encodes `group` once: reads every member's primary a block at a time,
+/// keeps parity shard `index` here, and writes the shards of `task.also`
+/// (indices `index + 1`..) to their holders. Returns how each shard ended,
+/// this agent's first; an error means none was built.
+fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Result<Vec<PieceOutcome>, String> {
     let version = task.version;
+    // Every member's agent checks the rank before exposing it: asked all at
+    // once, they check at the same time instead of one after another.
+    let fetched: Vec<Result<Option<FetchedMember>, String>> = std::thread::scope(|scope| {
+        let asks: Vec<_> = task
+            .members
+            .iter()
+            .map(|member| {
+                scope.spawn(move || {
+                    let Some((rank, from)) = member else { return Ok(None) };
+                    let mut session = PeerSession::open(shared, from, *rank)?;
+                    let (manifest, region) = session.fetch(shared, *rank, version)?;
+                    Ok(Some((session, manifest, region)))
+                })
+            })
+            .collect();
+        asks.into_iter().map(|ask| ask.join().unwrap_or_else(|_| Err("a fetching thread panicked".into()))).collect()
+    });
     let mut manifests = Vec::with_capacity(task.members.len());
     let mut sources = Vec::with_capacity(task.members.len());
-    for member in &task.members {
-        match member {
+    for member in fetched {
+        match member? {
             None => {
                 manifests.push(None);
                 sources.push(ShardSource::zeros(shared)?);
             }
-            Some((rank, from)) => {
-                let mut session = PeerSession::open(shared, from, *rank)?;
-                let (manifest, region) = session.fetch(shared, *rank, version)?;
+            Some((session, manifest, region)) => {
                 sources.push(ShardSource::with(shared, Some(session), region, manifest.total_len)?);
                 manifests.push(Some(manifest));
             }
@@ -283,36 +494,125 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
     let store = &shared.settings.store;
     let piece = PieceId::Parity { group, index };
     let mut file = store.create_piece(&shared.app, version, piece, shard_len).map_err(|e| e.to_string())?;
+    let any_rank = task.members.iter().flatten().map(|(rank, _)| *rank).next().unwrap_or(0);
+    let mut sinks: Vec<ShardSink> = Vec::with_capacity(task.also.len());
+    let mut unreachable: Vec<PieceOutcome> = Vec::new();
+    for (j, holder) in task.also.iter().enumerate() {
+        let their_index = index + 1 + j as u8;
+        let their = PieceId::Parity { group, index: their_index };
+        if their_index >= task.parity {
+            let why = format!("the group has {} parity shards, not a shard {their_index}", task.parity);
+            unreachable.push(PieceOutcome { agent: holder.id, piece: their, result: Err(why) });
+            continue;
+        }
+        let opened = PeerSession::open(shared, holder, any_rank).and_then(|mut session| {
+            let region = session.put_piece(version, their, shard_len)?;
+            let staging = shared
+                .endpoint
+                .register(AlignedBuffer::zeroed(BLOCK as usize), Access::LOCAL)
+                .map_err(|e| e.to_string())?;
+            Ok(ShardSink {
+                holder: holder.clone(),
+                piece: their,
+                index: their_index,
+                session,
+                region,
+                staging,
+                crcs: Vec::new(),
+                failed: None,
+            })
+        });
+        match opened {
+            Ok(sink) => sinks.push(sink),
+            Err(why) => unreachable.push(PieceOutcome { agent: holder.id, piece: their, result: Err(why) }),
+        }
+    }
+    // Block i+1 is read on a second thread into `ahead` while block i is
+    // encoded from the sources' own buffers; then the two swap.
+    let mut ahead = Vec::with_capacity(sources.len());
+    for _ in &sources {
+        ahead.push(
+            shared
+                .endpoint
+                .register(AlignedBuffer::zeroed(BLOCK as usize), Access::LOCAL)
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    let first = shard_len.min(BLOCK) as usize;
+    for source in &mut sources {
+        source.load(shared, 0, first)?;
+    }
     let mut crcs = Vec::new();
     let mut offset = 0;
+    let mut spent = Spent::default();
+    let mut encoder = redundancy::StripeEncoder::default();
     while offset < shard_len {
         let block = (shard_len - offset).min(BLOCK);
-        for source in &mut sources {
-            source.load(shared, offset, block as usize)?;
+        let next = offset + block;
+        let read_next = |ahead: &mut Vec<RegisteredBuffer>| -> Result<Duration, String> {
+            crate::manager::lower_thread_priority();
+            let started = Instant::now();
+            let n = (shard_len - next).min(BLOCK) as usize;
+            sources
+                .iter()
+                .zip(ahead.iter_mut())
+                .try_for_each(|(source, into)| source.load_into(shared, next, n, into))?;
+            Ok(started.elapsed())
+        };
+        let block_started = Instant::now();
+        let (encoded, read) = std::thread::scope(|scope| {
+            let reader = (next < shard_len).then(|| scope.spawn(|| read_next(&mut ahead)));
+            let mine = (index, &mut file, &mut crcs);
+            let encoded = encode_block(shared, task, &sources, (offset, block), mine, &mut sinks, &mut encoder);
+            let read = reader
+                .map_or(Ok(Duration::ZERO), |r| r.join().unwrap_or_else(|_| Err("the reading thread panicked".into())));
+            (encoded, read)
+        });
+        spent.coding += encoded?;
+        spent.reading += read?;
+        spent.total += block_started.elapsed();
+        for (source, buffer) in sources.iter_mut().zip(ahead.iter_mut()) {
+            std::mem::swap(&mut source.buffer, buffer);
         }
-        for (at, n) in stripes_of(block) {
-            let originals: Vec<&[u8]> = sources.iter().map(|source| source.bytes(at, n)).collect();
-            let parity = redundancy::encode(usize::from(task.parity), &originals).map_err(|e| e.to_string())?;
-            let mine = &parity[usize::from(index)];
-            let start = offset as usize + at;
-            file.as_mut_slice()[start..start + n].copy_from_slice(mine);
-            crcs.push(crc32c::crc32c(mine));
-        }
-        offset += block;
+        offset = next;
     }
+    drop(ahead);
     drop(sources);
-    let meta = ParityMeta {
+    tracing::debug!(
+        version,
+        group,
+        blocks_ms = spent.total.as_secs_f64() * 1e3,
+        reading_ms = spent.reading.as_secs_f64() * 1e3,
+        encoding_ms = spent.coding.encoding.as_secs_f64() * 1e3,
+        writing_ms = spent.coding.writing.as_secs_f64() * 1e3,
+        "group's steps (reading overlaps the rest)"
+    );
+    let meta = |index: u8, crcs: Vec<u32>| ParityMeta {
         app: shared.app.clone(),
         version,
         group,
         index,
         parity: task.parity,
         shard_len,
-        members: manifests,
+        members: manifests.clone(),
         crcs,
     };
-    store.seal_piece(&shared.app, version, piece, &PieceMeta::Parity(meta)).map_err(|e| e.to_string())?;
-    Ok(shard_len)
+    store.seal_piece(&shared.app, version, piece, &PieceMeta::Parity(meta(index, crcs))).map_err(|e| e.to_string())?;
+    let mut outcomes = vec![PieceOutcome { agent: shared.id, piece, result: Ok(shard_len) }];
+    for mut sink in sinks {
+        let result = match sink.failed.take() {
+            Some(why) => Err(why),
+            None => {
+                let crcs = std::mem::take(&mut sink.crcs);
+                let meta = PieceMeta::Parity(meta(sink.index, crcs));
+                sink.session.seal_piece(meta).map(|()| shard_len)
+            }
+        };
+        let result = result.map_err(|why| format!("writing the {} to {}: {why}", sink.piece, sink.holder.node));
+        outcomes.push(PieceOutcome { agent: sink.holder.id, piece: sink.piece, result });
+    }
+    outcomes.extend(unreachable);
+    Ok(outcomes)
 }
 
 /// Rebuilds `rank`'s `version` into this node's store (as its primary) from

@@ -97,17 +97,23 @@ impl ProtectionBook {
             _ => 0,
         };
         let mut requests = Vec::new();
+        let mut outstanding = BTreeSet::new();
         for (slot, piece) in plan.pieces() {
-            let members = match piece {
-                PieceId::Copy { rank } => vec![Some((rank, primary(rank)))],
-                PieceId::Parity { group, .. } => {
-                    plan.groups[group as usize].members.iter().map(|m| m.map(|rank| (rank, primary(rank)))).collect()
-                }
-            };
             let holder = &agents[slot];
-            requests.push((holder.id, holder.node.clone(), PieceTask { version, piece, members, parity }));
+            outstanding.insert((holder.id, piece));
+            let (members, also) = match piece {
+                PieceId::Copy { rank } => (vec![Some((rank, primary(rank)))], Vec::new()),
+                // Shard 0's holder encodes the group and writes the other
+                // shards to their holders (who answer through it).
+                PieceId::Parity { group, index: 0 } => {
+                    let group = &plan.groups[group as usize];
+                    let members = group.members.iter().map(|m| m.map(|rank| (rank, primary(rank)))).collect();
+                    (members, group.parity[1..].iter().map(|s| agents[*s].clone()).collect())
+                }
+                PieceId::Parity { .. } => continue,
+            };
+            requests.push((holder.id, holder.node.clone(), PieceTask { version, piece, members, parity, also }));
         }
-        let outstanding = requests.iter().map(|(agent, _, task)| (*agent, task.piece)).collect();
         self.protecting = Some(Protecting { version, plan, agents: agents.to_vec(), units, outstanding });
         requests
     }
@@ -264,6 +270,27 @@ mod tests {
         assert_eq!(book.piece_done(last.0, 7, last.2.piece, Ok(10)), Some(7));
         assert_eq!(book.protected.as_ref().map(|p| p.version), Some(7));
         assert!(book.exposure(Some(7), 4, &agents, 0.01).unwrap() < book.exposure(Some(8), 4, &agents, 0.01).unwrap());
+    }
+
+    #[test]
+    fn one_agent_encodes_each_group_and_answers_for_every_shard() {
+        let agents: Vec<AgentInfo> = (1..=6).map(|i| agent(i, &format!("n{i}"))).collect();
+        let mut book = book("rs:4+2");
+        let requests = book.begin(3, 4, &agents, &|_| None);
+        assert_eq!(requests.len(), 1, "one encoder for the one group: {requests:?}");
+        let (encoder, _, task) = &requests[0];
+        assert_eq!(task.piece, PieceId::Parity { group: 0, index: 0 });
+        assert_eq!(task.members.len(), 4);
+        assert_eq!(task.also.len(), 1, "it writes shard 1 to its holder");
+        let other = task.also[0].id;
+        assert_ne!(other, *encoder);
+        // Both shards must answer; the second holder's answer (sent by the
+        // encoder's manager) completes the version.
+        assert_eq!(book.piece_done(*encoder, 3, task.piece, Ok(8)), None);
+        assert_eq!(book.piece_done(other, 3, PieceId::Parity { group: 0, index: 1 }, Ok(8)), Some(3));
+        // rs:2+1 has nothing to write elsewhere.
+        let mut book = super::tests::book("rs:2+1");
+        assert!(book.begin(4, 4, &agents, &|_| None).iter().all(|(_, _, task)| task.also.is_empty()));
     }
 
     #[test]
