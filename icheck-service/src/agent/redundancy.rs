@@ -457,6 +457,7 @@ type FetchedMember = (PeerSession, Manifest, RemoteRegion);
 /// (indices `index + 1`..) to their holders. Returns how each shard ended,
 /// this agent's first; an error means none was built.
 fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Result<Vec<PieceOutcome>, String> {
+    let started = Instant::now();
     let version = task.version;
     // Every member's agent checks the rank before exposing it: asked all at
     // once, they check at the same time instead of one after another.
@@ -489,11 +490,13 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
             }
         }
     }
+    let fetched_at = started.elapsed();
     let longest = manifests.iter().flatten().map(|m| m.total_len).max().unwrap_or(0);
     let shard_len = shard_len(longest);
     let store = &shared.settings.store;
     let piece = PieceId::Parity { group, index };
     let mut file = store.create_piece(&shared.app, version, piece, shard_len).map_err(|e| e.to_string())?;
+    let created_at = started.elapsed();
     let any_rank = task.members.iter().flatten().map(|(rank, _)| *rank).next().unwrap_or(0);
     let mut sinks: Vec<ShardSink> = Vec::with_capacity(task.also.len());
     let mut unreachable: Vec<PieceOutcome> = Vec::new();
@@ -538,6 +541,7 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
                 .map_err(|e| e.to_string())?,
         );
     }
+    let sinks_at = started.elapsed();
     let first = shard_len.min(BLOCK) as usize;
     for source in &mut sources {
         source.load(shared, 0, first)?;
@@ -597,7 +601,9 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
         members: manifests.clone(),
         crcs,
     };
+    let encoded_at = started.elapsed();
     store.seal_piece(&shared.app, version, piece, &PieceMeta::Parity(meta(index, crcs))).map_err(|e| e.to_string())?;
+    let sealed_at = started.elapsed();
     let mut outcomes = vec![PieceOutcome { agent: shared.id, piece, result: Ok(shard_len) }];
     for mut sink in sinks {
         let result = match sink.failed.take() {
@@ -612,6 +618,18 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
         outcomes.push(PieceOutcome { agent: sink.holder.id, piece: sink.piece, result });
     }
     outcomes.extend(unreachable);
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    tracing::debug!(
+        version,
+        group,
+        fetched_ms = ms(fetched_at),
+        created_ms = ms(created_at),
+        sinks_ms = ms(sinks_at),
+        encoded_ms = ms(encoded_at),
+        sealed_ms = ms(sealed_at),
+        sinks_sealed_ms = ms(started.elapsed()),
+        "group's timeline"
+    );
     Ok(outcomes)
 }
 

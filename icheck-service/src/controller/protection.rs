@@ -103,14 +103,20 @@ impl ProtectionBook {
             outstanding.insert((holder.id, piece));
             let (members, also) = match piece {
                 PieceId::Copy { rank } => (vec![Some((rank, primary(rank)))], Vec::new()),
-                // Shard 0's holder encodes the group and writes the other
-                // shards to their holders (who answer through it).
-                PieceId::Parity { group, index: 0 } => {
+                PieceId::Parity { group, index } => {
                     let group = &plan.groups[group as usize];
                     let members = group.members.iter().map(|m| m.map(|rank| (rank, primary(rank)))).collect();
-                    (members, group.parity[1..].iter().map(|s| agents[*s].clone()).collect())
+                    // With K ≥ 2 members, shard 0's holder encodes the group
+                    // once and writes the other shards to their holders
+                    // (who answer through it): K + M − 1 shards cross the
+                    // fabric instead of M × K. A group of one member moves
+                    // as much either way, and its M holders encode at once.
+                    match (group.members.len() >= 2, index) {
+                        (true, 0) => (members, group.parity[1..].iter().map(|s| agents[*s].clone()).collect()),
+                        (true, _) => continue,
+                        (false, _) => (members, Vec::new()),
+                    }
                 }
-                PieceId::Parity { .. } => continue,
             };
             requests.push((holder.id, holder.node.clone(), PieceTask { version, piece, members, parity, also }));
         }
@@ -291,6 +297,11 @@ mod tests {
         // rs:2+1 has nothing to write elsewhere.
         let mut book = super::tests::book("rs:2+1");
         assert!(book.begin(4, 4, &agents, &|_| None).iter().all(|(_, _, task)| task.also.is_empty()));
+        // A group of one rank: each parity holder encodes its own shard.
+        let mut book = super::tests::book("rs:4+2");
+        let requests = book.begin(5, 1, &agents, &|_| None);
+        assert_eq!(requests.len(), 2, "{requests:?}");
+        assert!(requests.iter().all(|(_, _, task)| task.also.is_empty() && task.members.len() == 1));
     }
 
     #[test]
