@@ -34,9 +34,62 @@ pub struct NodeActivity {
     /// are sums over the running agents, so they drop when one stops; added
     /// back, the node's count never goes down.
     ops_of_stopped_agents: u64,
+    /// Each running agent's (operations, bytes moved) at the last
+    /// [`sample_agents`](Self::sample_agents), by agent id.
+    running: std::collections::BTreeMap<u64, (u64, u64)>,
+    /// What agents that have stopped had counted: (operations, bytes).
+    retired: (u64, u64),
+}
+
+/// One agent's counters as its manager reads them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AgentCounts {
+    /// The agent's id (unique on the node for the manager's life).
+    pub agent: u64,
+    /// Versions it sealed.
+    pub operations: u64,
+    /// Bytes it moved.
+    pub bytes: u64,
 }
 
 impl NodeActivity {
+    /// Feeds the counters of the agents running at `now`. The node's totals
+    /// count every agent it ever ran: an agent that stopped (absent here)
+    /// keeps its last counts, so the totals are monotonic counters even
+    /// when one agent ends while another works in the same interval.
+    pub fn sample_agents(&mut self, now: f64, agents: &[AgentCounts]) {
+        let mut running = std::collections::BTreeMap::new();
+        for counts in agents {
+            let now_counts = (counts.operations, counts.bytes);
+            // A counter that went back belongs to a new life: the old one retires.
+            if let Some(&before) = self.running.get(&counts.agent) {
+                if now_counts.0 < before.0 || now_counts.1 < before.1 {
+                    self.retire(before);
+                }
+            }
+            running.insert(counts.agent, now_counts);
+        }
+        let stopped: Vec<(u64, u64)> =
+            self.running.iter().filter(|(id, _)| !running.contains_key(id)).map(|(_, c)| *c).collect();
+        for counts in stopped {
+            self.retire(counts);
+        }
+        self.running = running;
+        let (ops, bytes) = self.running.values().fold(self.retired, |(o, b), (ao, ab)| (o + ao, b + ab));
+        self.sample(now, ops, bytes);
+    }
+
+    fn retire(&mut self, (operations, bytes): (u64, u64)) {
+        self.retired.0 += operations;
+        self.retired.1 += bytes;
+    }
+
+    /// Checkpoint operations the node's agents served since the manager
+    /// started: never lower than an earlier value.
+    pub fn total_operations(&self) -> u64 {
+        self.ops.back().map_or(0, |(_, ops)| *ops)
+    }
+
     /// Feeds the totals read at `now` (seconds on any monotonic clock).
     pub fn sample(&mut self, now: f64, total_ops: u64, total_bytes: u64) {
         let mut total_ops = total_ops + self.ops_of_stopped_agents;
@@ -159,6 +212,8 @@ pub fn read_rapl_energy(powercap: &Path) -> Option<EnergyReading> {
 pub struct NodeTrend {
     /// (time, available bytes, agents).
     samples: VecDeque<(f64, u64, u32)>,
+    /// The node's memory, as last reported: no forecast exceeds it.
+    mem_total: Option<u64>,
 }
 
 /// The derived metrics of one node.
@@ -177,6 +232,15 @@ pub struct TrendReport {
 impl NodeTrend {
     /// Records a report received at `now`.
     pub fn sample(&mut self, now: f64, mem_available: u64, agents: u32) {
+        self.sample_with_total(now, mem_available, None, agents);
+    }
+
+    /// Records a report received at `now` from a node with `mem_total`
+    /// bytes of memory (None: unknown), which bounds every forecast.
+    pub fn sample_with_total(&mut self, now: f64, mem_available: u64, mem_total: Option<u64>, agents: u32) {
+        if let Some(total) = mem_total.filter(|t| *t > 0) {
+            self.mem_total = Some(total);
+        }
         self.samples.push_back((now, mem_available, agents));
         while self.samples.len() > MEM_SAMPLES {
             self.samples.pop_front();
@@ -205,7 +269,9 @@ impl NodeTrend {
         let at = |t: f64| mean_m + slope * (t - mean_t);
         let spread = self.samples.iter().map(|s| (s.1 as f64 - at(s.0)).abs()).fold(0.0, f64::max);
         let ahead = at(last.0 + horizon);
-        let clamp = |x: f64| x.max(0.0) as u64;
+        // Available memory is never below zero nor above the node's memory.
+        let ceiling = self.mem_total.map_or(f64::MAX, |t| t as f64);
+        let clamp = |x: f64| x.clamp(0.0, ceiling) as u64;
         TrendReport {
             mem_depletion_rate: Some(depletion),
             mem_forecast: Some((clamp(ahead - spread), clamp(ahead + spread))),
@@ -233,6 +299,29 @@ mod tests {
         // 10 -> 14 operations over 3 s; the drop at 2 s is no operation.
         assert!((activity.cops_per_min() - 4.0 * 60.0 / 3.0).abs() < 1e-9, "{}", activity.cops_per_min());
         assert_eq!(activity.cop_interval(), Some(2.0));
+    }
+
+    #[test]
+    fn node_totals_are_monotonic_counters_across_agents_lives() {
+        let counts = |agent, operations, bytes| AgentCounts { agent, operations, bytes };
+        let mut activity = NodeActivity::default();
+        activity.sample_agents(0.0, &[counts(1, 10, 1000), counts(2, 5, 500)]);
+        assert_eq!(activity.total_operations(), 15);
+        // Agent 1 ends while agent 2 seals more in the same interval: the
+        // running sum (20) would hide the 10 operations that left with it.
+        activity.sample_agents(1.0, &[counts(2, 20, 2000)]);
+        assert_eq!(activity.total_operations(), 30);
+        assert!((activity.bandwidth() - 1500.0).abs() < 1e-9, "{}", activity.bandwidth());
+        // Every agent ends: nothing goes back, and the rate stays sane.
+        activity.sample_agents(2.0, &[]);
+        assert_eq!(activity.total_operations(), 30);
+        assert_eq!(activity.bandwidth(), 0.0);
+        assert!((activity.cops_per_min() - 15.0 * 60.0 / 2.0).abs() < 1e-9, "{}", activity.cops_per_min());
+        // A new agent starts from zero; a reused id whose counter went back
+        // is a new life, not negative work.
+        activity.sample_agents(3.0, &[counts(3, 2, 100), counts(2, 1, 10)]);
+        assert_eq!(activity.total_operations(), 33);
+        assert!(activity.cops_per_min() >= 0.0 && activity.cops_per_min() < 1e6);
     }
 
     #[test]
@@ -297,5 +386,18 @@ mod tests {
         trend.sample(11.0, 95_000, 2);
         let (low, high) = trend.report(10.0).mem_forecast.unwrap();
         assert!(low < high, "{low} {high}");
+    }
+
+    #[test]
+    fn no_forecast_exceeds_the_nodes_memory() {
+        // Memory freed fast (an application ended): the line points above
+        // what the node has.
+        let mut trend = NodeTrend::default();
+        for i in 0..=10u32 {
+            trend.sample_with_total(f64::from(i), 50_000 + 5000 * u64::from(i), Some(100_000), 1);
+        }
+        let (low, high) = trend.report(60.0).mem_forecast.unwrap();
+        assert_eq!(high, 100_000, "forecast {low}..{high} over a 100000-byte node");
+        assert!(low <= high);
     }
 }

@@ -13,7 +13,7 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use icheck_core::config::StaticConfig;
-use icheck_core::monitor::{read_rapl_energy, NodeActivity, PowerMeter};
+use icheck_core::monitor::{read_rapl_energy, AgentCounts, NodeActivity, PowerMeter};
 use icheck_core::protocol::{
     self, AgentInfo, ControllerToManager, Hello, ManagerToController, NodeStatus, ProtocolError, Role,
 };
@@ -42,9 +42,17 @@ impl Monitor {
         let now = self.started.elapsed().as_secs_f64();
         let (mem_available, mem_total) = read_meminfo();
         let agents = agents.lock().unwrap_or_else(|p| p.into_inner());
-        let checkpoint_ops = agents.values().map(|a| a.counters().versions_sealed.load(Relaxed)).sum();
-        let bytes_moved = agents.values().map(|a| a.counters().bytes_moved.load(Relaxed)).sum();
-        self.activity.sample(now, checkpoint_ops, bytes_moved);
+        let counts: Vec<AgentCounts> = agents
+            .iter()
+            .map(|(id, a)| AgentCounts {
+                agent: *id,
+                operations: a.counters().versions_sealed.load(Relaxed),
+                bytes: a.counters().bytes_moved.load(Relaxed),
+            })
+            .collect();
+        self.activity.sample_agents(now, &counts);
+        // A counter for Prometheus: it counts agents that have ended too.
+        let checkpoint_ops = self.activity.total_operations();
         self.power.sample(now, read_rapl_energy(Path::new("/sys/class/powercap")));
         NodeStatus {
             mem_available,

@@ -134,7 +134,7 @@ impl<L: ManagerLink> NodeBook<L> {
         self.next_connection += 1;
         let connection = self.next_connection;
         let mut trend = NodeTrend::default();
-        trend.sample(clock, status.mem_available, status.agents);
+        trend.sample_with_total(clock, status.mem_available, Some(status.mem_total), status.agents);
         let draining = self.nodes.get(node).is_some_and(|n| n.draining);
         let relaunched = self.nodes.get(node).map(|n| n.relaunched.clone()).unwrap_or_default();
         let entry = NodeEntry {
@@ -176,7 +176,7 @@ impl<L: ManagerLink> NodeBook<L> {
     /// heartbeat too.
     pub(crate) fn status(&mut self, node: &str, connection: u64, status: NodeStatus, now: Instant, clock: f64) {
         if let Some(entry) = self.current(node, connection) {
-            entry.trend.sample(clock, status.mem_available, status.agents);
+            entry.trend.sample_with_total(clock, status.mem_available, Some(status.mem_total), status.agents);
             entry.status = status;
             entry.last_heartbeat = now;
         }
