@@ -73,6 +73,9 @@ pub struct ControllerLink {
     /// Where the next pass over the list starts: after a controller that
     /// failed a request, the others are tried first.
     start_at: usize,
+    /// Whether every controller of the last pass refused the connection
+    /// (nothing listened): worth trying again within `connect_timeout`.
+    all_refused: bool,
 }
 
 impl ControllerLink {
@@ -96,12 +99,45 @@ impl ControllerLink {
             epoch: 0,
             current: None,
             start_at: 0,
+            all_refused: false,
         }
     }
 
-    /// Connects to the primary if no connection is open: one pass over the
-    /// list. The error names every controller and why it was not used.
+    /// Connects to the primary if no connection is open. While every
+    /// controller refuses the connection (nothing listens: it is starting,
+    /// restarting, or not there), passes over the list are repeated with a
+    /// growing, jittered pause until `connect_timeout`; anything else ends
+    /// the attempt at once. The error names every controller and why it
+    /// was not used, and says what to check when nothing listens.
     pub fn connect(&mut self) -> Result<(), ServiceError> {
+        let deadline = std::time::Instant::now() + self.connect_timeout;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            match self.connect_once() {
+                Err(ServiceError::Io { what, error }) if self.all_refused => {
+                    let left = deadline.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        let what = format!(
+                            "{what} (nothing listens there: is the service up? `icheck up` starts a local one, and \
+                             ICHECK_CONFIG or client.config names the configuration of a running one)"
+                        );
+                        return Err(ServiceError::Io { what, error });
+                    }
+                    // Up to 50 % jitter, so that the ranks of a job do not
+                    // knock together when the controller comes back.
+                    let mut byte = [0u8];
+                    let jitter = getrandom::fill(&mut byte).map_or(0, |()| u64::from(byte[0]));
+                    let jittered = pause + pause.mul_f64(jitter as f64 / 510.0);
+                    std::thread::sleep(jittered.min(left));
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// One pass over the list of controllers.
+    fn connect_once(&mut self) -> Result<(), ServiceError> {
         if let Some(current) = &self.current {
             if !current.is_stale() {
                 return Ok(());
@@ -115,6 +151,7 @@ impl ControllerLink {
         let mut why = Vec::new();
         let mut last = None;
         let count = self.endpoints.len();
+        self.all_refused = true;
         for peer in (0..count).map(|i| &self.endpoints[(self.start_at + i) % count]) {
             match BlockingConnection::connect_controller(peer, &self.token, self.connect_timeout, self.epoch) {
                 Ok((mut connection, epoch)) => {
@@ -124,6 +161,9 @@ impl ControllerLink {
                     return Ok(());
                 }
                 Err(err) => {
+                    let refused = matches!(&err, ServiceError::Io { error, .. }
+                        if error.kind() == std::io::ErrorKind::ConnectionRefused);
+                    self.all_refused &= refused;
                     why.push(format!("{peer}: {err}"));
                     last = Some(err);
                 }
@@ -299,5 +339,56 @@ impl BlockingConnection {
             ClientReply::Error(message) => Err(ServiceError::Remote(message)),
             reply => Ok(reply),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{Hello, HelloReply};
+    use std::net::TcpListener;
+    use std::time::Instant;
+
+    fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    }
+
+    fn link(port: u16, connect_timeout: Duration) -> ControllerLink {
+        ControllerLink {
+            endpoints: vec![format!("127.0.0.1:{port}")],
+            token: "token".into(),
+            connect_timeout,
+            request_timeout: Duration::from_secs(5),
+            takeover: Duration::ZERO,
+            epoch: 0,
+            current: None,
+            start_at: 0,
+            all_refused: false,
+        }
+    }
+
+    #[test]
+    fn a_controller_that_starts_late_is_reached_within_the_connect_timeout() {
+        let port = free_port();
+        let controller = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(400));
+            let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+            let (mut stream, _) = listener.accept().unwrap();
+            let _hello: Hello = protocol::recv_blocking(&mut stream, Duration::from_secs(5)).unwrap();
+            protocol::send_blocking(&mut stream, &HelloReply::Primary { epoch: 3 }).unwrap();
+        });
+        let mut link = link(port, Duration::from_secs(5));
+        link.connect().expect("connected once the controller listens");
+        assert_eq!(link.epoch, 3);
+        controller.join().unwrap();
+    }
+
+    #[test]
+    fn nothing_listening_is_reported_after_the_timeout_with_what_to_check() {
+        let port = free_port();
+        let started = Instant::now();
+        let err = link(port, Duration::from_millis(600)).connect().unwrap_err().to_string();
+        assert!(started.elapsed() >= Duration::from_millis(600), "gave up after {:?}", started.elapsed());
+        assert!(err.contains(&format!("127.0.0.1:{port}")) && err.contains("icheck up"), "{err}");
     }
 }

@@ -12,6 +12,7 @@
 #![forbid(unsafe_code)]
 #![deny(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
 
+use std::fmt;
 use std::time::Duration;
 
 use bincode::Options;
@@ -358,6 +359,17 @@ pub enum TransferMode {
     Mr,
     /// One shared-memory segment per node (N:M).
     Shmr,
+}
+
+impl fmt::Display for TransferMode {
+    /// The thesis's names: every process registers (MR, P:M), or one
+    /// shared-memory segment per node (SHMR, N:M).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TransferMode::Mr => "MR (P:M)",
+            TransferMode::Shmr => "SHMR (N:M)",
+        })
+    }
 }
 
 /// An application's registration (§6.1.2 step 1).

@@ -132,6 +132,13 @@ fn versions_survive_losing_every_daemon_through_the_pfs() {
     assert!(listing.contains("version 3, 4 file(s)") && listing.contains("written by agents"), "{listing}");
     assert!(icheck(&["delete", "pfs"]).contains("nothing deleted"));
     assert!(manifest.exists(), "delete without --yes deletes nothing");
+    // The same for scripts.
+    let json: serde_json::Value = serde_json::from_str(&icheck(&["versions", "pfs", "--json"])).unwrap();
+    assert_eq!(json["pfs"][0]["version"], 3, "{json}");
+    assert_eq!(json["pfs"][0]["files"], 4, "{json}");
+    let dry: serde_json::Value = serde_json::from_str(&icheck(&["delete", "pfs", "--json"])).unwrap();
+    assert_eq!((dry["deleted"].as_bool(), dry["versions"]["pfs"][0]["version"].as_u64()), (Some(false), Some(3)));
+    assert!(manifest.exists(), "delete --json without --yes deletes nothing");
     icheck(&["delete", "pfs", "--yes"]);
     assert!(!manifest.exists());
     assert!(icheck(&["versions", "pfs"]).contains("no complete version"));
@@ -256,6 +263,27 @@ fn status_and_metrics_report_what_the_managers_measure() {
     let out = Command::new(&service.icheck).args(["status", "--state-dir"]).arg(&service.dir).output().unwrap();
     let printed = String::from_utf8_lossy(&out.stdout);
     assert!(printed.contains("COPS/MIN") && printed.contains("memory depletion"), "{printed}");
+
+    // The application's agents end: the node's operation count is a
+    // counter (it keeps what ended agents served), and the rate stays sane.
+    let deleted = Command::new(&service.icheck)
+        .args(["delete", "met", "--yes", "--state-dir"])
+        .arg(&service.dir)
+        .output()
+        .unwrap();
+    assert!(deleted.status.success(), "{}", String::from_utf8_lossy(&deleted.stderr));
+    icheck_service::testkit::wait_for("the node's agents to end", Duration::from_secs(20), || {
+        service.status().nodes[0].status.agents == 0
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let node = service.status().nodes.remove(0);
+    assert_eq!(node.status.checkpoint_ops, 10, "the count went back when the agents ended: {node:?}");
+    let rate = node.status.cops_per_min;
+    assert!((0.0..1e6).contains(&rate), "COPS/MIN after the agents ended: {rate}");
+    let text = scrape(&service);
+    assert_eq!(sample(&text, &format!("icheck_node_checkpoint_operations_total{label}")), Some(10.0), "{text}");
+    let exported = sample(&text, &format!("icheck_node_checkpoint_operations_per_minute{label}")).unwrap();
+    assert!((0.0..1e6).contains(&exported), "{text}");
 }
 
 #[test]

@@ -383,8 +383,21 @@ pub fn down(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Bytes for people: three significant digits in the largest binary unit
+/// that keeps the number at least 1 (a 0.5 MiB checkpoint is 512.0KiB, not 0B).
 fn human_bytes(bytes: u64) -> String {
-    icheck_core::units::ByteSize(bytes / (1 << 20) * (1 << 20)).to_string()
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    match unit {
+        0 => format!("{bytes}B"),
+        _ if value >= 100.0 => format!("{value:.0}{}", UNITS[unit]),
+        _ => format!("{value:.1}{}", UNITS[unit]),
+    }
 }
 
 /// Prints the status report as tables.
@@ -450,7 +463,7 @@ pub fn print_status(report: &StatusReport) {
         let persisted =
             if r.encrypted { format!("{persisted}  [PFS copies encrypted]") } else { persisted.to_string() };
         println!(
-            "  {:<16} ranks {:<4} nodes {:<3} mode {:?}  agents [{}]  latest complete version: {version}{persisted}",
+            "  {:<16} ranks {:<4} nodes {:<3} mode {}  agents [{}]  latest complete version: {version}{persisted}",
             r.name,
             r.ranks,
             r.nodes,
@@ -572,50 +585,117 @@ fn app_report(config: &StaticConfig, app: &str) -> Result<Option<icheck_core::pr
     }
 }
 
-pub fn print_versions(config: &StaticConfig, app: &str) -> Result<()> {
-    println!("{app}");
-    match app_report(config, app) {
-        Ok(report) => match report {
-            Some(a) => {
-                let agents: Vec<String> = a.agents.iter().map(|g| format!("{}@{}", g.id, g.node)).collect();
-                match &a.latest {
-                    Some(v) => println!(
-                        "  agent memory: version {} ({}, {} ranks) on agents [{}]",
-                        v.version,
-                        human_bytes(v.bytes),
-                        v.ranks,
-                        agents.join(", ")
-                    ),
-                    None => println!("  agent memory: no complete version (agents [{}])", agents.join(", ")),
-                }
-            }
-            None => println!("  agent memory: not registered with the controller"),
-        },
-        Err(why) => println!("  agent memory: {why}"),
-    }
-    let Some(dir) = &config.pfs_dir else {
-        println!("  PFS: no PfsDir configured");
-        return Ok(());
+/// What `icheck versions` reports of one application (also as JSON).
+#[derive(serde::Serialize)]
+pub struct VersionsReport {
+    /// The application.
+    pub app: String,
+    /// Its newest complete version in agent memory, if the controller has one.
+    pub agent_memory: Option<MemoryVersion>,
+    /// The agents holding it ("id@node").
+    pub agents: Vec<String>,
+    /// Why agent memory could not be asked (no token or capability, no
+    /// controller), or that the application is not registered.
+    pub agent_memory_note: Option<String>,
+    /// The PFS directory, if one is configured.
+    pub pfs_dir: Option<PathBuf>,
+    /// Complete versions on the PFS, oldest first.
+    pub pfs: Vec<PfsVersion>,
+}
+
+/// A complete version in agent memory.
+#[derive(serde::Serialize)]
+pub struct MemoryVersion {
+    /// Version number.
+    pub version: u64,
+    /// Bytes of all ranks.
+    pub bytes: u64,
+    /// Ranks that wrote it.
+    pub ranks: u32,
+}
+
+/// A complete version on the PFS.
+#[derive(serde::Serialize)]
+pub struct PfsVersion {
+    /// Version number.
+    pub version: u64,
+    /// Files it is made of.
+    pub files: usize,
+    /// Bytes of the ranks' data.
+    pub raw_bytes: u64,
+    /// Bytes on the PFS (after compression).
+    pub stored_bytes: u64,
+    /// Who wrote it.
+    pub writer: String,
+}
+
+/// Gathers what `icheck versions` reports.
+pub fn versions(config: &StaticConfig, app: &str) -> Result<VersionsReport> {
+    let mut report = VersionsReport {
+        app: app.to_string(),
+        agent_memory: None,
+        agents: Vec::new(),
+        agent_memory_note: None,
+        pfs_dir: config.pfs_dir.clone(),
+        pfs: Vec::new(),
     };
-    let pfs = icheck_core::pfs::PfsStore::new(dir);
-    let versions = pfs.versions(app)?;
-    if versions.is_empty() {
+    match app_report(config, app) {
+        Ok(Some(a)) => {
+            report.agents = a.agents.iter().map(|g| format!("{}@{}", g.id, g.node)).collect();
+            report.agent_memory =
+                a.latest.as_ref().map(|v| MemoryVersion { version: v.version, bytes: v.bytes, ranks: v.ranks });
+        }
+        Ok(None) => report.agent_memory_note = Some("not registered with the controller".into()),
+        Err(why) => report.agent_memory_note = Some(why),
+    }
+    if let Some(dir) = &config.pfs_dir {
+        let pfs = icheck_core::pfs::PfsStore::new(dir);
+        for version in pfs.versions(app)? {
+            let manifest = pfs.manifest(app, version)?;
+            report.pfs.push(PfsVersion {
+                version,
+                files: manifest.entries.len(),
+                raw_bytes: manifest.entries.iter().map(|e| e.manifest.total_len).sum(),
+                stored_bytes: manifest.entries.iter().map(|e| e.stored_len).sum(),
+                writer: manifest.writer.to_string(),
+            });
+        }
+    }
+    Ok(report)
+}
+
+/// Prints what `icheck versions` reports, for people.
+pub fn print_versions(report: &VersionsReport) {
+    println!("{}", report.app);
+    let agents = report.agents.join(", ");
+    match (&report.agent_memory, &report.agent_memory_note) {
+        (Some(v), _) => println!(
+            "  agent memory: version {} ({}, {} ranks) on agents [{agents}]",
+            v.version,
+            human_bytes(v.bytes),
+            v.ranks
+        ),
+        (None, Some(note)) => println!("  agent memory: {note}"),
+        (None, None) => println!("  agent memory: no complete version (agents [{agents}])"),
+    }
+    let Some(dir) = &report.pfs_dir else {
+        println!("  PFS: no PfsDir configured");
+        return;
+    };
+    if report.pfs.is_empty() {
         println!("  PFS ({}): no complete version", dir.display());
     }
-    for version in versions {
-        let manifest = pfs.manifest(app, version)?;
-        let raw: u64 = manifest.entries.iter().map(|e| e.manifest.total_len).sum();
-        let stored: u64 = manifest.entries.iter().map(|e| e.stored_len).sum();
+    for v in &report.pfs {
         println!(
-            "  PFS ({}): version {version}, {} file(s), {} raw, {} stored, written by {}",
+            "  PFS ({}): version {}, {} file(s), {} raw, {} stored, written by {}",
             dir.display(),
-            manifest.entries.len(),
-            human_bytes(raw),
-            human_bytes(stored),
-            manifest.writer
+            v.version,
+            v.files,
+            human_bytes(v.raw_bytes),
+            human_bytes(v.stored_bytes),
+            v.writer
         );
     }
-    Ok(())
 }
 
 /// One application's redundancy across nodes, for `icheck status`: the
@@ -633,4 +713,19 @@ fn protection_line(a: &icheck_core::protocol::AppReport) -> String {
     };
     let exposure = a.exposure.map_or(String::new(), |p| format!("; chance the newest version is lost: {p:.2e}"));
     format!("redundancy {}: {state}{exposure}", a.redundancy)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::human_bytes;
+
+    #[test]
+    fn sizes_keep_their_magnitude() {
+        assert_eq!(human_bytes(0), "0B");
+        assert_eq!(human_bytes(1000), "1000B");
+        assert_eq!(human_bytes(512 << 10), "512KiB");
+        assert_eq!(human_bytes(1536 << 10), "1.5MiB");
+        assert_eq!(human_bytes(256 << 20), "256MiB");
+        assert_eq!(human_bytes(3 << 30), "3.0GiB");
+    }
 }

@@ -17,7 +17,19 @@ use std::path::PathBuf;
 
 /// icheck: an RDMA checkpoint service for MPI applications.
 #[derive(Parser)]
-#[command(name = "icheck", version, propagate_version = true, args_override_self = true)]
+#[command(
+    name = "icheck",
+    version,
+    propagate_version = true,
+    args_override_self = true,
+    after_help = "Environment:\n  \
+      ICHECK_LOG         log filter (tracing's EnvFilter): error, warn, info, debug, trace, or per module,\n                     \
+      e.g. ICHECK_LOG=info,icheck_service::agent=debug. Default: info for the daemons\n                     \
+      (controller, manager), warn for the other commands.\n  \
+      ICHECK_LOG_FORMAT  text (default) or json: one JSON object per line, for sites that ship logs.\n  \
+      ICHECK_CONFIG      the client configuration jobs read (icheck up prints its path).\n\n\
+      Logs go to standard error, coloured only when it is a terminal."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command_,
@@ -103,6 +115,9 @@ enum Command_ {
         target: ConfigArgs,
         /// Application name.
         app: String,
+        /// Print JSON for scripts.
+        #[arg(long)]
+        json: bool,
     },
     /// Delete an application's checkpoints from agent memory and the PFS.
     ///
@@ -115,6 +130,10 @@ enum Command_ {
         /// Really delete (without it, only say what would go).
         #[arg(long)]
         yes: bool,
+        /// Print JSON for scripts: what would go (or went), and whether
+        /// it was deleted.
+        #[arg(long)]
+        json: bool,
     },
     /// Drain a checkpoint node: it takes no new agents, and the agents it
     /// runs move to other nodes (with their ranks' newest versions) at
@@ -195,14 +214,21 @@ struct ConfigArgs {
 
 impl ConfigArgs {
     fn load(&self) -> Result<icheck_core::config::StaticConfig> {
-        let path = match (&self.config, &self.state_dir) {
-            (Some(path), _) => path.clone(),
-            (None, Some(dir)) => dir.join(local::CLIENT_CONFIG),
+        let (path, from) = match (&self.config, &self.state_dir) {
+            (Some(path), _) => (path.clone(), "--config"),
+            (None, Some(dir)) => (dir.join(local::CLIENT_CONFIG), "--state-dir"),
             (None, None) => match std::env::var_os("ICHECK_CONFIG") {
-                Some(path) => PathBuf::from(path),
-                None => PathBuf::from("icheck-state").join(local::CLIENT_CONFIG),
+                Some(path) => (PathBuf::from(path), "ICHECK_CONFIG"),
+                None => (PathBuf::from("icheck-state").join(local::CLIENT_CONFIG), "the default state directory"),
             },
         };
+        if !path.exists() {
+            bail!(
+                "no configuration at {} (from {from}): is a service running? `icheck up --state-dir DIR` starts a \
+                 local one; point --state-dir, --config or ICHECK_CONFIG at the one you mean",
+                path.display()
+            );
+        }
         Ok(icheck_core::config::StaticConfig::load(&path)?)
     }
 }
@@ -347,16 +373,33 @@ fn main() {
     // Before anything else: undo the crash handlers libfabric's PSM
     // dependencies installed at load time (see the function's docs).
     let disarmed = icheck_core::fabric::disarm_provider_crash_handlers();
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("ICHECK_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    let cli = Cli::parse();
+    init_logging(matches!(cli.command, Command_::Controller { .. } | Command_::Manager { .. }));
     if disarmed {
         tracing::debug!("reset the signal handlers libpsm installed at load time");
     }
-    if let Err(err) = run(Cli::parse()) {
+    if let Err(err) = run(cli) {
         eprintln!("icheck: error: {err:#}");
         std::process::exit(1);
+    }
+}
+
+/// Logs to standard error: `ICHECK_LOG` filters (default info for a daemon,
+/// which a site may start by hand under srun or systemd, warn otherwise);
+/// ANSI colours only on a terminal, never into a log file or a pipe;
+/// `ICHECK_LOG_FORMAT=json` for one JSON object per line.
+fn init_logging(daemon: bool) {
+    use std::io::IsTerminal;
+    let default = if daemon { "info" } else { "warn" };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("ICHECK_LOG").unwrap_or_else(|_| default.into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match std::env::var("ICHECK_LOG_FORMAT").as_deref() {
+        Ok("json") => builder.json().init(),
+        Ok(other) if !other.is_empty() && other != "text" => {
+            builder.with_ansi(false).init();
+            tracing::warn!(format = other, "ICHECK_LOG_FORMAT is text or json; logging text");
+        }
+        _ => builder.with_ansi(std::io::stderr().is_terminal()).init(),
     }
 }
 
@@ -442,16 +485,31 @@ fn run(cli: Cli) -> Result<()> {
             local::down(&state_dir)
         }
         Command_::Down { state_dir } => local::down(&state_dir),
-        Command_::Versions { target, app } => local::print_versions(&target.load()?, &app),
-        Command_::Delete { target, app, yes } => {
-            let config = target.load()?;
-            if !yes {
-                local::print_versions(&config, &app)?;
-                println!("(nothing deleted: add --yes to delete these checkpoints)");
-                return Ok(());
+        Command_::Versions { target, app, json } => {
+            let report = local::versions(&target.load()?, &app)?;
+            match json {
+                true => println!("{}", serde_json::to_string_pretty(&report)?),
+                false => local::print_versions(&report),
             }
-            icheck_core::control::request_blocking(&config, &ClientRequest::DeleteApp { name: app.clone() })?;
-            println!("deleted every checkpoint of {app}");
+            Ok(())
+        }
+        Command_::Delete { target, app, yes, json } => {
+            let config = target.load()?;
+            let report = local::versions(&config, &app)?;
+            if yes {
+                icheck_core::control::request_blocking(&config, &ClientRequest::DeleteApp { name: app.clone() })?;
+            }
+            match (json, yes) {
+                (true, _) => {
+                    let out = serde_json::json!({ "deleted": yes, "versions": report });
+                    println!("{}", serde_json::to_string_pretty(&out)?);
+                }
+                (false, false) => {
+                    local::print_versions(&report);
+                    println!("(nothing deleted: add --yes to delete these checkpoints)");
+                }
+                (false, true) => println!("deleted every checkpoint of {app}"),
+            }
             Ok(())
         }
         Command_::Drain { target, node, undo } => {
