@@ -616,18 +616,6 @@ pub enum InitAgentCount {
     Named(AgentCountRule),
 }
 
-impl std::fmt::Display for InitAgentCount {
-    /// As the dynamic configuration spells it.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            InitAgentCount::Fixed(count) => write!(f, "{count}"),
-            InitAgentCount::Named(AgentCountRule::NumNodes) => {
-                f.write_str("num_nodes (one agent per application node)")
-            }
-        }
-    }
-}
-
 /// Named rules for `init_agent_count`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -1440,7 +1440,7 @@ fn status_report(shared: &Shared, privilege: Privilege) -> StatusReport {
             let node_failure = shared.dynamic().node_failure_probability;
             state.apps.values().map(|a| app_report(a, node_failure)).collect()
         },
-        init_agent_count: shared.dynamic().init_agent_count.to_string(),
+        init_agent_count: format!("{:?}", shared.dynamic().init_agent_count),
         journal: state.journal.as_ref().map(|j| Box::new(j.report())),
         controller: Some(Box::new(controller_report(shared, &state, now))),
     }

@@ -383,6 +383,16 @@ pub fn down(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `init_agent_count` as dynamic.toml spells it, from the status API's
+/// form of it (`Fixed(2)`, `Named(NumNodes)`, kept for scripts).
+fn init_agent_count_text(api: &str) -> String {
+    match api.strip_prefix("Fixed(").and_then(|rest| rest.strip_suffix(')')) {
+        Some(count) => count.to_string(),
+        None if api == "Named(NumNodes)" => "num_nodes (one agent per application node)".to_string(),
+        None => api.to_string(),
+    }
+}
+
 /// Bytes for people: three significant digits in the largest binary unit
 /// that keeps the number at least 1 (a 0.5 MiB checkpoint is 512.0KiB, not 0B).
 fn human_bytes(bytes: u64) -> String {
@@ -522,7 +532,7 @@ pub fn print_status(report: &StatusReport) {
             println!("  {:<16} dropped: {reason}", "");
         }
     }
-    println!("init_agent_count in force: {}", report.init_agent_count);
+    println!("init_agent_count in force: {}", init_agent_count_text(&report.init_agent_count));
     if let Some(c) = &report.controller {
         let standby = c.standby.as_ref().map_or("no standby attached".to_string(), |s| {
             format!("standby {} (lag {} events, last ack {:.1}s ago)", s.peer, s.lag_events, s.last_ack_secs)
@@ -717,7 +727,13 @@ fn protection_line(a: &icheck_core::protocol::AppReport) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::human_bytes;
+    use super::{human_bytes, init_agent_count_text};
+
+    #[test]
+    fn init_agent_count_is_printed_as_configured() {
+        assert_eq!(init_agent_count_text("Fixed(2)"), "2");
+        assert!(init_agent_count_text("Named(NumNodes)").starts_with("num_nodes"));
+    }
 
     #[test]
     fn sizes_keep_their_magnitude() {
