@@ -17,6 +17,9 @@ pub const TOKEN_ENV: &str = "ICHECK_TOKEN";
 pub const ADMIN_TOKEN_ENV: &str = "ICHECK_ADMIN_TOKEN";
 /// Environment variable that overrides the `NodeToken` key.
 pub const NODE_TOKEN_ENV: &str = "ICHECK_NODE_TOKEN";
+/// Environment variable a manager takes its agents' address from (over
+/// `AgentAddress`): one configuration file for every checkpoint node.
+pub const AGENT_ADDRESS_ENV: &str = "ICHECK_AGENT_ADDRESS";
 /// Environment variable that overrides `client.capability_dir`.
 pub const CAPABILITY_DIR_ENV: &str = "ICHECK_CAPABILITY_DIR";
 /// Environment variable that overrides `client.encryption`.

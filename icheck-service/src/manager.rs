@@ -69,6 +69,19 @@ impl Monitor {
     }
 }
 
+/// The host agents bind and advertise for `wanted`: the first IPv4
+/// address of the local network interface of that name, or `wanted`
+/// itself (a host name or an IP address).
+pub fn resolve_agent_address(wanted: &str) -> String {
+    let interface = nix::ifaddrs::getifaddrs().ok().and_then(|mut addresses| {
+        addresses.find_map(|ifaddr| {
+            let ip = ifaddr.address.as_ref()?.as_sockaddr_in()?.ip();
+            (ifaddr.interface_name == wanted).then(|| ip.to_string())
+        })
+    });
+    interface.unwrap_or_else(|| wanted.to_string())
+}
+
 /// The settings this node's agents run with.
 pub fn agent_settings(config: &StaticConfig, node: &str) -> AgentSettings {
     AgentSettings {
@@ -428,5 +441,17 @@ pub(crate) fn lower_thread_priority() {
     let failed = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19) } != 0;
     if failed {
         tracing::debug!(err = %std::io::Error::last_os_error(), "cannot lower a background thread's priority");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::resolve_agent_address;
+
+    #[test]
+    fn an_agent_address_may_name_an_interface() {
+        assert_eq!(resolve_agent_address("lo"), "127.0.0.1");
+        assert_eq!(resolve_agent_address("10.1.2.3"), "10.1.2.3");
+        assert_eq!(resolve_agent_address("cpnode7"), "cpnode7", "not an interface: a host name");
     }
 }

@@ -447,3 +447,33 @@ fn a_node_that_fails_to_start_agents_takes_no_more_and_status_says_why() {
     let printed = String::from_utf8_lossy(&printed.stdout);
     assert!(printed.contains("takes no new agents for now"), "{printed}");
 }
+
+#[test]
+fn a_manager_takes_its_agents_address_from_a_flag_naming_an_interface() {
+    let service = Service::up("agent-address", 1);
+    // One file for every node, whose AgentAddress this node overrides.
+    let text = std::fs::read_to_string(service.config_path()).unwrap();
+    let shared = service.dir.join("shared.toml");
+    assert!(!text.contains("AgentAddress"), "icheck up leaves AgentAddress to its default: {text}");
+    std::fs::write(&shared, format!("AgentAddress = \"localhost\"\n{text}")).unwrap();
+    let by_file = Command::new(ICHECK)
+        .args(["manager", "--node", "by-file", "--config"])
+        .arg(&shared)
+        .env_remove(icheck_core::config::AGENT_ADDRESS_ENV)
+        .spawn()
+        .unwrap();
+    let _by_file = icheck_service::testkit::ChildGuard(by_file);
+    let by_flag = Command::new(ICHECK)
+        .args(["manager", "--node", "by-flag", "--address", "lo", "--config"])
+        .arg(&shared)
+        .spawn()
+        .unwrap();
+    let _by_flag = icheck_service::testkit::ChildGuard(by_flag);
+    wait_for("both managers to join", Duration::from_secs(20), || {
+        service.status().nodes.iter().filter(|n| n.alive).count() == 3
+    });
+    let agents = service.register("addressed", 3, 3).unwrap();
+    let control = |node: &str| agents.iter().find(|a| a.node == node).map(|a| a.control.clone()).unwrap();
+    assert!(control("by-file").starts_with("localhost:"), "{agents:?}");
+    assert!(control("by-flag").starts_with("127.0.0.1:"), "the interface's address: {agents:?}");
+}

@@ -196,6 +196,12 @@ enum Command_ {
         /// This checkpoint node's name (default: the host name).
         #[arg(long)]
         node: Option<String>,
+        /// Address the agents bind and advertise: a host, an IP, or a
+        /// network interface (its first IPv4 address, e.g. ib0), so that
+        /// one configuration serves every node (e.g. under srun).
+        /// Default: ICHECK_AGENT_ADDRESS, else the file's AgentAddress.
+        #[arg(long)]
+        address: Option<String>,
     },
     /// Inspect and test the RDMA fabric (libfabric) on this machine.
     #[command(subcommand)]
@@ -428,8 +434,12 @@ fn run(cli: Cli) -> Result<()> {
             icheck_service::controller::serve(config, options)?;
             Ok(())
         }
-        Command_::Manager { config: path, node } => {
-            let config = icheck_core::config::StaticConfig::load(&path)?;
+        Command_::Manager { config: path, node, address } => {
+            let mut config = icheck_core::config::StaticConfig::load(&path)?;
+            let chosen = address.or_else(|| std::env::var(icheck_core::config::AGENT_ADDRESS_ENV).ok());
+            if let Some(chosen) = chosen.filter(|a| !a.is_empty()) {
+                config.agent_address = icheck_service::manager::resolve_agent_address(&chosen);
+            }
             config.manager_tokens(&path)?;
             icheck_core::fabric::check_provider(&config.fabric)
                 .with_context(|| format!("configuration file {}: [fabric]", path.display()))?;
