@@ -297,3 +297,24 @@ fn icheck_log_shows_the_librarys_events_with_their_spans_in_a_c_application() {
     let stderr = String::from_utf8_lossy(&quiet.stderr);
     assert!(quiet.status.success() && !stderr.contains("version complete"), "{stderr}");
 }
+
+#[test]
+fn installed_binaries_are_stripped_and_their_debug_info_kept_beside_them() {
+    let installed = install("strip");
+    let sections = |file: &Path| {
+        let out = run(Command::new("readelf").arg("-S").arg(file));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    for (file, debug) in
+        [("bin/icheck", "bin/.debug/icheck.debug"), ("lib/libicheck.so", "lib/.debug/libicheck.so.debug")]
+    {
+        let stripped = sections(&installed.prefix.join(file));
+        assert!(!stripped.contains(".debug_info"), "{file} still carries its debug info");
+        assert!(stripped.contains(".gnu_debuglink"), "{file} does not say where its debug info went");
+        assert!(sections(&installed.prefix.join(debug)).contains(".debug_info"), "{debug} holds no debug info");
+    }
+    let archive = run(Command::new("readelf").arg("-S").arg(installed.prefix.join("lib/libicheck.a")));
+    assert!(!String::from_utf8_lossy(&archive.stdout).contains(".debug_info"), "libicheck.a keeps its debug info");
+    // What was stripped still links and runs: the other tests compile and
+    // run the C and Fortran examples against such an installation.
+}
