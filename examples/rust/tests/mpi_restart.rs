@@ -309,6 +309,43 @@ fn cleanup_flushes_the_newest_version_to_the_pfs() {
 }
 
 #[test]
+fn enable_multi_level_turns_the_pfs_level_off_and_on_while_the_service_runs() {
+    let service = service("mpi-levels", 1, "tcp");
+    let dynamic = service.dir.join("dynamic.toml");
+    let set_level = |on: bool| {
+        let text = std::fs::read_to_string(&dynamic).unwrap();
+        let (from, to) = if on { ("= false", "= true") } else { ("= true", "= false") };
+        let line = text.lines().find(|l| l.starts_with("enable_multi_level")).expect("the key is in the sample");
+        let text = text.replace(line, &line.replacen(from, to, 1));
+        std::fs::write(dynamic.with_extension("tmp"), text).unwrap();
+        std::fs::rename(dynamic.with_extension("tmp"), &dynamic).unwrap();
+        let applied = service.log("controller.log").matches("dynamic configuration changed").count() + 1;
+        icheck_service::testkit::wait_for("the change to apply", Duration::from_secs(20), || {
+            service.log("controller.log").matches("dynamic configuration changed").count() >= applied
+        });
+    };
+    let copies = [("ICHECK_PFS_INTERVAL", "1")];
+    let run = |app: &str| {
+        let args = ["--app", app, "--steps", "6", "--every", "2", "--mib", "2"];
+        let lines = Job::start(2, &service.config_path(), &args, &copies).finish(Duration::from_secs(120));
+        assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
+        icheck_service::testkit::wait_for("the application to finish", Duration::from_secs(30), || {
+            service.status().apps.iter().all(|a| a.registration.name != app)
+        });
+    };
+    let pfs = icheck_core::pfs::PfsStore::new(service.dir.join("pfs"));
+    set_level(false);
+    run("off");
+    assert_eq!(pfs.versions("off").unwrap_or_default(), Vec::<u64>::new(), "copies with the PFS level off");
+    set_level(true);
+    run("on");
+    // Copies that would queue behind a running one are skipped; the newest
+    // is flushed when the job ends.
+    let copied = pfs.versions("on").unwrap_or_default();
+    assert_eq!(copied.last(), Some(&4), "copies with the PFS level on: {copied:?}");
+}
+
+#[test]
 fn without_a_controller_versions_go_to_the_pfs_and_a_later_service_restores_them() {
     let service = service("mpi-fallback", 1, "tcp");
     // The service's PFS directory, but a controller address nobody listens on.

@@ -1798,6 +1798,9 @@ fn record_version(
         Ok(recorded) => recorded,
         Err(message) => return ClientReply::Error(message),
     };
+    // `enable_multi_level = false` turns the PFS level's copies off (a
+    // spilled version is still completed there: its ranks are there already).
+    let due = due && shared.dynamic().enable_multi_level;
     // Durable before the application hears the version is complete.
     let record = app.latest.clone().expect("just recorded");
     let event =
@@ -2279,7 +2282,8 @@ fn finish_app(shared: &Shared, name: &str, persist: bool) -> ClientReply {
     };
     // An application using the PFS level keeps its newest version there.
     let unflushed = app.latest.as_ref().map(|l| l.version).filter(|v| Some(*v) > app.copies.copied);
-    if let (Some(version), true) = (unflushed, shared.pfs.is_some() && app.registration.pfs_interval > 0) {
+    let pfs_level = shared.pfs.is_some() && app.registration.pfs_interval > 0 && shared.dynamic().enable_multi_level;
+    if let (Some(version), true) = (unflushed, pfs_level) {
         if !app.agents.is_empty() {
             tracing::info!(app = name, version, "application finished; flushing its newest version to the PFS");
             app.finishing = true;
