@@ -73,10 +73,10 @@ pub struct ControllerLink {
     /// Where the next pass over the list starts: after a controller that
     /// failed a request, the others are tried first.
     start_at: usize,
-    /// Whether every controller of the last pass refused the connection
-    /// (nothing listened): worth trying again within `connect_timeout`.
-    all_refused: bool,
 }
+
+/// Whether every controller of a pass refused the connection.
+struct AllRefused(bool);
 
 impl ControllerLink {
     /// A link to the controllers of `config` (no connection yet). Every
@@ -99,7 +99,6 @@ impl ControllerLink {
             epoch: 0,
             current: None,
             start_at: 0,
-            all_refused: false,
         }
     }
 
@@ -114,7 +113,7 @@ impl ControllerLink {
         let mut pause = Duration::from_millis(50);
         loop {
             match self.connect_once() {
-                Err(ServiceError::Io { what, error }) if self.all_refused => {
+                Err((ServiceError::Io { what, error }, AllRefused(true))) => {
                     let left = deadline.saturating_duration_since(std::time::Instant::now());
                     if left.is_zero() {
                         let what = format!(
@@ -131,13 +130,15 @@ impl ControllerLink {
                     std::thread::sleep(jittered.min(left));
                     pause = (pause * 2).min(Duration::from_secs(1));
                 }
-                other => return other,
+                other => return other.map_err(|(err, _)| err),
             }
         }
     }
 
-    /// One pass over the list of controllers.
-    fn connect_once(&mut self) -> Result<(), ServiceError> {
+    /// One pass over the list of controllers. A failure says whether every
+    /// controller refused the connection (nothing listened): worth trying
+    /// again within `connect_timeout`.
+    fn connect_once(&mut self) -> Result<(), (ServiceError, AllRefused)> {
         if let Some(current) = &self.current {
             if !current.is_stale() {
                 return Ok(());
@@ -151,7 +152,7 @@ impl ControllerLink {
         let mut why = Vec::new();
         let mut last = None;
         let count = self.endpoints.len();
-        self.all_refused = true;
+        let mut all_refused = true;
         for peer in (0..count).map(|i| &self.endpoints[(self.start_at + i) % count]) {
             match BlockingConnection::connect_controller(peer, &self.token, self.connect_timeout, self.epoch) {
                 Ok((mut connection, epoch)) => {
@@ -163,27 +164,27 @@ impl ControllerLink {
                 Err(err) => {
                     let refused = matches!(&err, ServiceError::Io { error, .. }
                         if error.kind() == std::io::ErrorKind::ConnectionRefused);
-                    self.all_refused &= refused;
+                    all_refused &= refused;
                     why.push(format!("{peer}: {err}"));
                     last = Some(err);
                 }
             }
         }
-        match (last, self.endpoints.len()) {
+        let err = match (last, self.endpoints.len()) {
             // One controller: its own error, as it always was.
-            (Some(ServiceError::Io { error, .. }), 1) => Err(ServiceError::Io {
-                what: format!("cannot connect to the controller at {}", self.endpoints[0]),
-                error,
-            }),
-            (Some(err), 1) => Err(err),
+            (Some(ServiceError::Io { error, .. }), 1) => {
+                ServiceError::Io { what: format!("cannot connect to the controller at {}", self.endpoints[0]), error }
+            }
+            (Some(err), 1) => err,
             (last, _) => {
                 let reason = format!("no primary controller answered ({})", why.join("; "));
-                Err(match last {
+                match last {
                     Some(ServiceError::Io { error, .. }) => ServiceError::Io { what: reason, error },
                     _ => ServiceError::Protocol(ProtocolError::NotPrimary { peer: self.endpoints.join(", "), reason }),
-                })
+                }
             }
-        }
+        };
+        Err((err, AllRefused(all_refused)))
     }
 
     /// Sends `request` to the primary and returns its answer; an error
@@ -363,7 +364,6 @@ mod tests {
             epoch: 0,
             current: None,
             start_at: 0,
-            all_refused: false,
         }
     }
 

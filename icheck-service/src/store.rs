@@ -456,20 +456,15 @@ impl Store {
     fn piece_paths(&self, app: &str, version: u64, piece: PieceId) -> Result<(PathBuf, PathBuf)> {
         check_app_name(app)?;
         let dir = self.root.join(app).join(PIECES);
-        let stem = match piece {
-            PieceId::Copy { rank } => format!("v{version}.copy{rank}"),
-            PieceId::Parity { group, index } => format!("v{version}.parity{group}-{index}"),
-        };
+        let stem = format!("v{version}.{}", piece_name(piece));
         Ok((dir.join(format!("{stem}.data")), dir.join(format!("{stem}.meta"))))
     }
 
     /// The spare data file of `piece`: an older version's piece, kept when
     /// it was dropped so that the next version's piece reuses its pages.
     fn piece_spare(&self, app: &str, piece: PieceId) -> Result<PathBuf> {
-        let (data, _) = self.piece_paths(app, 0, piece)?;
-        let name = data.file_name().expect("a piece's file has a name").to_string_lossy();
-        let stem = name.strip_prefix("v0.").expect("piece files are named v<version>.<piece>");
-        Ok(data.with_file_name(format!("{SPARE_PREFIX}{stem}")))
+        check_app_name(app)?;
+        Ok(self.root.join(app).join(PIECES).join(format!("{SPARE_PREFIX}{}.data", piece_name(piece))))
     }
 
     /// Creates the data file of a piece of redundancy and maps it. The
@@ -631,6 +626,14 @@ impl Store {
 
 /// Deletes a file; one that is already gone is not an error. True if it
 /// was there.
+/// A piece's name in its files' names (after `v<version>.` or `spare.`).
+fn piece_name(piece: PieceId) -> String {
+    match piece {
+        PieceId::Copy { rank } => format!("copy{rank}"),
+        PieceId::Parity { group, index } => format!("parity{group}-{index}"),
+    }
+}
+
 fn remove_if_present(path: &Path) -> Result<bool> {
     match fs::remove_file(path) {
         Ok(()) => Ok(true),
