@@ -8,6 +8,9 @@ PACKAGES=(
   libfabric-dev libfabric-bin                     # the RDMA fabric (tcp, shm, sockets, ...)
   openmpi-bin libopenmpi-dev gfortran             # MPI applications, C and Fortran
   iproute2 procps                                 # network namespaces, process tools in tests
+  python3-venv python3-pip python3-setuptools     # the Python package (pip install ./python)
+  python3-numpy python3-mpi4py                    # ... and what it runs on
+  cmake                                           # find_package(icheck) in the CMake test
 )
 
 source "$(dirname "${BASH_SOURCE[0]}")/packages.sh"

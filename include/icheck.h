@@ -84,6 +84,9 @@ int icheck_enable_asynchronous(int flag);
 int icheck_wait(void);
 /* Collective: prepares the restart from the newest complete version. */
 int icheck_restart(void);
+/* After icheck_restart: the element type (ICHECK_CHAR ... ICHECK_BINARY)
+ * label has in the restarted version, or a negative error code. */
+int icheck_label_type(const char *label);
 /* Restores one label into data (count elements of the label's type). */
 int icheck_restore(const char *label, void *data, size_t count);
 /* Collective: restarts if needed and restores every added label. */

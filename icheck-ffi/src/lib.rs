@@ -83,6 +83,18 @@ fn kind_of(code: c_int) -> Option<DataKind> {
     })
 }
 
+/// The `ICHECK_*` type code of a kind (inverse of [`kind_of`]).
+fn code_of(kind: DataKind) -> c_int {
+    match kind {
+        DataKind::Char => 1,
+        DataKind::Int => 2,
+        DataKind::Long => 3,
+        DataKind::Float => 4,
+        DataKind::Double => 5,
+        DataKind::Binary => 6,
+    }
+}
+
 /// `icheck_init`'s status: no checkpoint exists.
 pub const ICHECK_FRESH: c_int = 0;
 /// `icheck_init`'s status: a complete checkpoint exists.
@@ -551,6 +563,32 @@ pub unsafe extern "C" fn icheck_local_count(label: *const c_char) -> i64 {
     }
 }
 
+/// The element type (`ICHECK_CHAR` ... `ICHECK_BINARY`) `label` has in
+/// the restarted version, or a negative error code: lets bindings that
+/// cannot see the C declarations size a restore target safely.
+///
+/// # Safety
+/// `label` must be NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn icheck_label_type(label: *const c_char) -> c_int {
+    let mut kind = 0;
+    let code = entry("icheck_label_type", |instance| {
+        // SAFETY: forwarded contract.
+        let label = unsafe { text(label, "label") }?;
+        let icheck = initialised(instance)?;
+        if !icheck.has_restarted() {
+            return Err(Failure::new(ICHECK_ERR_ORDER, "icheck_label_type needs icheck_restart first"));
+        }
+        kind = code_of(icheck.restored_kind(label)?);
+        Ok(ICHECK_SUCCESS)
+    });
+    if code < 0 {
+        code
+    } else {
+        kind
+    }
+}
+
 /// Restarts if needed (collective) and restores `label` into `data`
 /// (`count` elements) after the process count changed.
 ///
@@ -763,7 +801,8 @@ pub extern "C" fn icheck_last_error() -> *const c_char {
 }
 
 /// Version of the icheck C ABI, as `MAJOR * 10000 + MINOR * 100 + PATCH`.
+/// 0.2.0 added `icheck_label_type`; 0.1.0 programs run unchanged.
 #[no_mangle]
 pub extern "C" fn icheck_abi_version() -> c_int {
-    100
+    200
 }

@@ -3,128 +3,13 @@
 //! `pkg-config --cflags --libs icheck`, run under `mpirun -np 4` against a
 //! real local service, killed and restarted.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+mod common;
 
+use std::path::Path;
+use std::process::Command;
+
+use common::install::{install, kill_and_restart, mpirun, mpirun_np, run, succeeded};
 use icheck_service::testkit::{icheck_in_target, LocalService};
-
-/// An installed icheck under a temporary prefix, with compiled examples.
-struct Installed {
-    prefix: PathBuf,
-}
-
-impl Drop for Installed {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.prefix);
-    }
-}
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap()
-}
-
-fn run(command: &mut Command) -> Output {
-    let out = command.output().unwrap_or_else(|e| panic!("{command:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{command:?} failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-/// Installs the debug build (the one `cargo test` just built) under a
-/// fresh prefix with the Makefile's own install rule.
-fn install(name: &str) -> Installed {
-    let icheck = icheck_in_target();
-    let out_dir = icheck.parent().unwrap().to_path_buf();
-    assert!(out_dir.join("libicheck.so").exists(), "build the workspace first (cargo build --workspace)");
-    let prefix = std::env::temp_dir().join(format!("icheck-prefix-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&prefix);
-    run(Command::new("make")
-        .current_dir(repo())
-        .arg("install-files")
-        .arg(format!("PREFIX={}", prefix.display()))
-        .arg(format!("OUT={}", out_dir.display())));
-    Installed { prefix }
-}
-
-impl Installed {
-    /// Compiles `source` with `compiler` and the flags pkg-config gives.
-    fn compile(&self, compiler: &str, source: &str, extra: &[&str]) -> PathBuf {
-        let exe = self.prefix.join(Path::new(source).file_stem().unwrap());
-        let flags = run(Command::new("pkg-config")
-            .args(["--cflags", "--libs", "icheck"])
-            .env("PKG_CONFIG_PATH", self.prefix.join("lib/pkgconfig")));
-        let flags = String::from_utf8(flags.stdout).unwrap();
-        run(Command::new(compiler)
-            .args(extra)
-            .arg(repo().join(source))
-            .arg("-o")
-            .arg(&exe)
-            .args(flags.split_whitespace()));
-        exe
-    }
-}
-
-fn mpirun(config: &Path, shm_dir: &Path, exe: &Path, args: &[&str]) -> Output {
-    mpirun_with(config, shm_dir, exe, args, &[])
-}
-
-fn mpirun_with(config: &Path, shm_dir: &Path, exe: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    mpirun_np(4, config, shm_dir, exe, args, env)
-}
-
-fn mpirun_np(np: u32, config: &Path, shm_dir: &Path, exe: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let _ = std::fs::create_dir_all(shm_dir);
-    Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()])
-        .arg(exe)
-        .args(args)
-        .env("ICHECK_CONFIG", config)
-        .env("OMPI_MCA_btl_vader_backing_directory", shm_dir)
-        .envs(env.iter().copied())
-        .output()
-        .expect("mpirun runs")
-}
-
-fn checksum(out: &Output) -> String {
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .find_map(|l| l.strip_prefix("CHECKSUM "))
-        .unwrap_or_else(|| panic!("no checksum in:\n{text}\n{}", String::from_utf8_lossy(&out.stderr)))
-        .trim()
-        .to_string()
-}
-
-/// Fault-free run, a run killed by its fault injection, and the rerun that
-/// restarts: the rerun's checksum must equal the fault-free one.
-fn kill_and_restart(
-    exe: &Path,
-    service: &LocalService,
-    fault_free: &[&str],
-    faulty: &[&str],
-    restart: &[&str],
-    env: &[(&str, &str)],
-) -> String {
-    let shm_dir = service.dir.join("mpi-shm");
-    let config = service.config_path();
-    let mpirun =
-        |config: &Path, shm_dir: &Path, exe: &Path, args: &[&str]| mpirun_with(config, shm_dir, exe, args, env);
-    let clean = mpirun(&config, &shm_dir, exe, fault_free);
-    assert!(clean.status.success(), "{}", String::from_utf8_lossy(&clean.stderr));
-    let expected = checksum(&clean);
-    let killed = mpirun(&config, &shm_dir, exe, faulty);
-    assert!(!killed.status.success(), "the fault must kill the job:\n{}", String::from_utf8_lossy(&killed.stdout));
-    assert!(String::from_utf8_lossy(&killed.stdout).contains("FAULT injected"));
-    let again = mpirun(&config, &shm_dir, exe, restart);
-    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
-    assert!(String::from_utf8_lossy(&again.stdout).contains("RESTARTED at iteration"), "{again:?}");
-    assert_eq!(checksum(&again), expected, "restarted run differs from the fault-free one");
-    let _ = std::fs::remove_dir_all(shm_dir);
-    String::from_utf8_lossy(&killed.stdout).into_owned()
-}
 
 #[test]
 fn heat2d_in_c_restarts_to_the_fault_free_checksum() {
@@ -171,13 +56,6 @@ fn heat1d_in_fortran_restarts_to_the_fault_free_checksum() {
     let service = LocalService::up(&icheck_in_target(), "f-heat1d", 2, &["--provider", "tcp"]);
     // The application name is fixed ("heat1d"); the clean run cleans up.
     kill_and_restart(&exe, &service, &["512", "120", "20"], &["512", "120", "20", "70"], &["512", "120", "20"], &[]);
-}
-
-/// stdout of a successful run.
-fn succeeded(out: Output) -> String {
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
-    text
 }
 
 #[test]
