@@ -5,11 +5,13 @@
 #       bin/icheck, lib/libicheck.{so,a} (no MPI inside), lib/libicheck_mpi.a
 #       (icheck_init, compiled here with your mpicc: MPI=whatever mpicc is),
 #       lib/libicheck_f.a (Fortran module procedures), include/icheck.h,
-#       include/icheck.mod, lib/pkgconfig/icheck.pc; stripped, with their debug
+#       include/icheck.mod, lib/pkgconfig/icheck.pc, lib/cmake/icheck/
+#       (find_package(icheck): icheck::icheck, icheck::fortran); stripped, with their debug
 #       info in bin/.debug/icheck.debug and lib/.debug/libicheck.so.debug
 #
 # Then: mpicc app.c $(pkg-config --cflags --libs icheck)
 #       mpifort app.f90 $(pkg-config --cflags --libs icheck)
+#   or: find_package(icheck) + target_link_libraries(app icheck::icheck)
 # (with PKG_CONFIG_PATH=$PREFIX/lib/pkgconfig for a prefix outside /usr/local)
 
 PREFIX ?= /usr/local
@@ -66,10 +68,15 @@ install-files:
 	  'Libs: -L$${libdir} -Wl,-rpath,$${libdir} -licheck_f -licheck_mpi -licheck' \
 	  'Libs.private: -lfabric -lpthread -ldl -lm' \
 	  > $(DESTDIR)$(PREFIX)/lib/pkgconfig/icheck.pc
-	@echo "installed under $(PREFIX); use: pkg-config --cflags --libs icheck"
+	install -d $(DESTDIR)$(PREFIX)/lib/cmake/icheck
+	for f in icheckConfig icheckConfigVersion; do \
+	  sed 's/@VERSION@/$(VERSION)/g' packaging/cmake/$$f.cmake.in > $(DESTDIR)$(PREFIX)/lib/cmake/icheck/$$f.cmake || exit 1; \
+	done
+	@echo "installed under $(PREFIX); use: pkg-config --cflags --libs icheck, or CMake's find_package(icheck)"
 
 uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/bin/icheck $(DESTDIR)$(PREFIX)/lib/libicheck.so $(DESTDIR)$(PREFIX)/lib/libicheck.a \
 	  $(DESTDIR)$(PREFIX)/lib/libicheck_f.a $(DESTDIR)$(PREFIX)/lib/libicheck_mpi.a $(DESTDIR)$(PREFIX)/include/icheck.h \
 	  $(DESTDIR)$(PREFIX)/include/icheck.mod $(DESTDIR)$(PREFIX)/lib/pkgconfig/icheck.pc \
 	  $(DESTDIR)$(PREFIX)/bin/.debug/icheck.debug $(DESTDIR)$(PREFIX)/lib/.debug/libicheck.so.debug
+	rm -rf $(DESTDIR)$(PREFIX)/lib/cmake/icheck

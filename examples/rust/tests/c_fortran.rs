@@ -196,3 +196,61 @@ fn installed_binaries_are_stripped_and_their_debug_info_kept_beside_them() {
     // What was stripped still links and runs: the other tests compile and
     // run the C and Fortran examples against such an installation.
 }
+
+/// `find_package(icheck)` against an installed prefix: heat2d (C) and the
+/// Fortran examples build with CMake alone, and the built programs restart
+/// to the fault-free checksum.
+#[test]
+fn cmake_find_package_builds_heat2d_and_the_fortran_examples() {
+    let installed = install("cmake");
+    let build = |source: &str| -> std::path::PathBuf {
+        let dir = installed.prefix.join("build").join(Path::new(source).file_name().unwrap());
+        run(Command::new("cmake")
+            .arg("-S")
+            .arg(common::install::repo().join(source))
+            .arg("-B")
+            .arg(&dir)
+            .arg(format!("-DCMAKE_PREFIX_PATH={}", installed.prefix.display())));
+        run(Command::new("cmake").arg("--build").arg(&dir));
+        dir
+    };
+    let heat2d = build("examples/heat2d").join("heat2d");
+    let fortran = build("examples/fortran");
+    let service = LocalService::up(&icheck_in_target(), "cmake", 2, &["--provider", "tcp"]);
+    let common = ["--n", "96", "--iters", "80", "--every", "20"];
+    let with = |extra: &[&'static str]| -> Vec<&str> { common.iter().copied().chain(extra.iter().copied()).collect() };
+    kill_and_restart(
+        &heat2d,
+        &service,
+        &with(&["--app", "cmake-clean"]),
+        &with(&["--app", "cmake-faulty", "--fail-at", "50"]),
+        &with(&["--app", "cmake-faulty"]),
+        &[],
+    );
+    kill_and_restart(
+        &fortran.join("heat1d"),
+        &service,
+        &["256", "80", "20"],
+        &["256", "80", "20", "50"],
+        &["256", "80", "20"],
+        &[],
+    );
+    // A version the installation cannot satisfy is refused by name.
+    let wants_newer = installed.prefix.join("wants-newer");
+    std::fs::create_dir_all(&wants_newer).unwrap();
+    std::fs::write(
+        wants_newer.join("CMakeLists.txt"),
+        "cmake_minimum_required(VERSION 3.13)\nproject(x LANGUAGES C)\nfind_package(icheck 9.0 REQUIRED)\n",
+    )
+    .unwrap();
+    let refused = Command::new("cmake")
+        .arg("-S")
+        .arg(&wants_newer)
+        .arg("-B")
+        .arg(wants_newer.join("build"))
+        .arg(format!("-DCMAKE_PREFIX_PATH={}", installed.prefix.display()))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && stderr.contains("icheckConfig.cmake") && stderr.contains("9.0"), "{stderr}");
+}
