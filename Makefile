@@ -19,9 +19,14 @@ CARGO ?= cargo
 FC ?= gfortran
 MPICC ?= mpicc
 CARGO_TARGET_DIR ?= target
+# Cargo profile of `make build`: release, or dev for a quick debug build.
+PROFILE ?= release
+# FORTRAN=no leaves out the Fortran module (icheck.mod, libicheck_f.a).
+FORTRAN ?= yes
 # Where the built files are; `make install-files OUT=target/debug` installs a
 # debug build without building (the tests do this).
-OUT ?= $(CARGO_TARGET_DIR)/release
+OUT ?= $(CARGO_TARGET_DIR)/$(if $(filter dev,$(PROFILE)),debug,$(PROFILE))
+FORTRAN_LIB := $(if $(filter yes,$(FORTRAN)),-licheck_f)
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 
 .PHONY: all build install install-files uninstall
@@ -29,7 +34,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -1)
 all: build
 
 build:
-	$(CARGO) build --release -p icheck-ffi -p icheck-service --bin icheck
+	$(CARGO) build --profile $(PROFILE) -p icheck-ffi -p icheck-service --bin icheck
 
 install: build install-files
 
@@ -50,9 +55,11 @@ install-files:
 	strip --strip-debug $(DESTDIR)$(PREFIX)/lib/libicheck.a
 	install -m 644 include/icheck.h $(DESTDIR)$(PREFIX)/include/icheck.h
 	tmp=$$(mktemp -d) && \
-	  $(FC) -c include/icheck.f90 -J $$tmp -o $$tmp/icheck_f.o && \
-	  install -m 644 $$tmp/icheck.mod $(DESTDIR)$(PREFIX)/include/icheck.mod && \
-	  ar rcs $(DESTDIR)$(PREFIX)/lib/libicheck_f.a $$tmp/icheck_f.o && \
+	  if [ "$(FORTRAN)" = yes ]; then \
+	    $(FC) -c include/icheck.f90 -J $$tmp -o $$tmp/icheck_f.o && \
+	    install -m 644 $$tmp/icheck.mod $(DESTDIR)$(PREFIX)/include/icheck.mod && \
+	    ar rcs $(DESTDIR)$(PREFIX)/lib/libicheck_f.a $$tmp/icheck_f.o || exit 1; \
+	  fi && \
 	  $(MPICC) -O2 -fPIC -Iinclude -c icheck-ffi/c/icheck_mpi.c -o $$tmp/icheck_mpi.o && \
 	  ar rcs $(DESTDIR)$(PREFIX)/lib/libicheck_mpi.a $$tmp/icheck_mpi.o && \
 	  rm -rf $$tmp
@@ -65,7 +72,7 @@ install-files:
 	  'Description: client library of the icheck RDMA checkpoint service' \
 	  'Version: $(VERSION)' \
 	  'Cflags: -I$${includedir}' \
-	  'Libs: -L$${libdir} -Wl,-rpath,$${libdir} -licheck_f -licheck_mpi -licheck' \
+	  'Libs: -L$${libdir} -Wl,-rpath,$${libdir} $(FORTRAN_LIB) -licheck_mpi -licheck' \
 	  'Libs.private: -lfabric -lpthread -ldl -lm' \
 	  > $(DESTDIR)$(PREFIX)/lib/pkgconfig/icheck.pc
 	install -d $(DESTDIR)$(PREFIX)/lib/cmake/icheck

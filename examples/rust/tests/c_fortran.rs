@@ -254,3 +254,80 @@ fn cmake_find_package_builds_heat2d_and_the_fortran_examples() {
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert!(!refused.status.success() && stderr.contains("icheckConfig.cmake") && stderr.contains("9.0"), "{stderr}");
 }
+
+/// The Spack recipe (`packaging/spack/icheck/package.py`), loaded and
+/// carried out by `packaging/spack/check_recipe.py`: it declares the
+/// fortran and python variants and its dependencies, and its own steps
+/// (`make build`, `make install-files ...`, pip for +python) install a
+/// prefix that compiles heat2d and imports in Python. PROFILE=dev reuses
+/// the debug build `cargo test` made instead of a release build.
+#[test]
+fn spack_recipe_declares_its_variants_and_its_steps_install_a_working_prefix() {
+    let root = std::env::temp_dir().join(format!("icheck-spack-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let recipe = |spec: &str, prefix: &Path| -> String {
+        let path = format!("/usr/bin:{}", std::env::var("PATH").unwrap_or_default());
+        let out = run(Command::new("/usr/bin/python3")
+            .arg(common::install::repo().join("packaging/spack/check_recipe.py"))
+            .arg("--prefix")
+            .arg(prefix)
+            .args(["--spec", spec])
+            .env("PROFILE", "dev")
+            .env("PATH", path));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let full = root.join("full");
+    let declared = recipe("+fortran+python", &full);
+    for expected in [
+        r#""name": "icheck""#,
+        r#""fortran": {"default": true"#,
+        r#""python": {"default": false"#,
+        r#""spec": "mpi""#,
+        r#""spec": "libfabric@1.17:""#,
+        r#""spec": "py-mpi4py", "type": "run", "when": "+python""#,
+    ] {
+        assert!(declared.contains(expected), "{expected} not declared: {declared}");
+    }
+    for file in ["bin/icheck", "lib/libicheck.so", "include/icheck.h", "include/icheck.mod", "lib/libicheck_f.a"] {
+        assert!(full.join(file).exists(), "+fortran+python did not install {file}");
+    }
+    let package =
+        walk(&full).into_iter().find(|p| p.ends_with("icheck/__init__.py")).expect("+python installs the package");
+    let site = package.parent().unwrap().parent().unwrap();
+    let out = run(Command::new("/usr/bin/python3")
+        .args(["-c", "import icheck; print('ABI', icheck.abi_version())"])
+        .env("PYTHONPATH", site));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ABI 200"), "{out:?}");
+    // heat2d compiles against the recipe's installation.
+    let flags = run(Command::new("pkg-config")
+        .args(["--cflags", "--libs", "icheck"])
+        .env("PKG_CONFIG_PATH", full.join("lib/pkgconfig")));
+    run(Command::new("mpicc")
+        .args(["-std=c99", "-Wall", "-Werror"])
+        .arg(common::install::repo().join("examples/heat2d/heat2d.c"))
+        .arg("-o")
+        .arg(root.join("heat2d"))
+        .args(String::from_utf8_lossy(&flags.stdout).split_whitespace()));
+
+    let without_fortran = root.join("c-only");
+    recipe("~fortran~python", &without_fortran);
+    assert!(without_fortran.join("lib/libicheck.so").exists());
+    assert!(!without_fortran.join("include/icheck.mod").exists(), "~fortran installed the Fortran module");
+    let pc = std::fs::read_to_string(without_fortran.join("lib/pkgconfig/icheck.pc")).unwrap();
+    assert!(!pc.contains("-licheck_f"), "{pc}");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            files.extend(walk(&path));
+        } else {
+            files.push(path);
+        }
+    }
+    files
+}
