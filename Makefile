@@ -6,7 +6,8 @@
 #       (icheck_init, compiled here with your mpicc: MPI=whatever mpicc is),
 #       lib/libicheck_f.a (Fortran module procedures), include/icheck.h,
 #       include/icheck.mod, lib/pkgconfig/icheck.pc, lib/cmake/icheck/
-#       (find_package(icheck): icheck::icheck, icheck::fortran); stripped, with their debug
+#       (find_package(icheck): icheck::icheck, icheck::fortran),
+#       share/man/man1/icheck*.1, bash/zsh/fish completions; stripped, with their debug
 #       info in bin/.debug/icheck.debug and lib/.debug/libicheck.so.debug
 #
 # Then: mpicc app.c $(pkg-config --cflags --libs icheck)
@@ -75,6 +76,14 @@ install-files:
 	  'Libs: -L$${libdir} -Wl,-rpath,$${libdir} $(FORTRAN_LIB) -licheck_mpi -licheck' \
 	  'Libs.private: -lfabric -lpthread -ldl -lm' \
 	  > $(DESTDIR)$(PREFIX)/lib/pkgconfig/icheck.pc
+	# Manual pages and shell completions, generated from the command's
+	# own definitions so they never disagree with --help.
+	$(OUT)/icheck man --out-dir $(DESTDIR)$(PREFIX)/share/man/man1
+	install -d $(DESTDIR)$(PREFIX)/share/bash-completion/completions $(DESTDIR)$(PREFIX)/share/zsh/site-functions \
+	  $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d
+	$(OUT)/icheck completions bash > $(DESTDIR)$(PREFIX)/share/bash-completion/completions/icheck
+	$(OUT)/icheck completions zsh > $(DESTDIR)$(PREFIX)/share/zsh/site-functions/_icheck
+	$(OUT)/icheck completions fish > $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d/icheck.fish
 	install -d $(DESTDIR)$(PREFIX)/lib/cmake/icheck
 	for f in icheckConfig icheckConfigVersion; do \
 	  sed 's/@VERSION@/$(VERSION)/g' packaging/cmake/$$f.cmake.in > $(DESTDIR)$(PREFIX)/lib/cmake/icheck/$$f.cmake || exit 1; \
@@ -87,3 +96,6 @@ uninstall:
 	  $(DESTDIR)$(PREFIX)/include/icheck.mod $(DESTDIR)$(PREFIX)/lib/pkgconfig/icheck.pc \
 	  $(DESTDIR)$(PREFIX)/bin/.debug/icheck.debug $(DESTDIR)$(PREFIX)/lib/.debug/libicheck.so.debug
 	rm -rf $(DESTDIR)$(PREFIX)/lib/cmake/icheck
+	rm -f $(DESTDIR)$(PREFIX)/share/man/man1/icheck.1 $(DESTDIR)$(PREFIX)/share/man/man1/icheck-*.1 \
+	  $(DESTDIR)$(PREFIX)/share/bash-completion/completions/icheck $(DESTDIR)$(PREFIX)/share/zsh/site-functions/_icheck \
+	  $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d/icheck.fish

@@ -331,3 +331,34 @@ fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
     }
     files
 }
+
+/// `make install` writes a manual page per subcommand and shell
+/// completions generated from the command's definitions: the pages carry
+/// the options `--help` shows, and bash completes subcommands and flags
+/// with the installed script.
+#[test]
+fn installed_manual_pages_and_completions_match_the_command() {
+    let installed = install("man");
+    let man1 = installed.prefix.join("share/man/man1");
+    for page in ["icheck.1", "icheck-up.1", "icheck-status.1", "icheck-manager.1", "icheck-fabric-info.1"] {
+        let text = std::fs::read_to_string(man1.join(page)).unwrap_or_else(|e| panic!("{page}: {e}"));
+        assert!(text.contains(".TH icheck"), "{page} is not a manual page:\n{text}");
+    }
+    let up = std::fs::read_to_string(man1.join("icheck-up.1")).unwrap();
+    assert!(up.contains("state\\-dir") && up.contains("Start a local service"), "{up}");
+    let script = installed.prefix.join("share/bash-completion/completions/icheck");
+    let complete = |words: &str| -> String {
+        let program = format!(
+            "source {}; COMP_WORDS=({words}); COMP_CWORD=$((${{#COMP_WORDS[@]}} - 1)); \
+             _icheck icheck \"${{COMP_WORDS[COMP_CWORD]}}\" \"${{COMP_WORDS[COMP_CWORD-1]}}\"; echo \"${{COMPREPLY[*]}}\"",
+            script.display()
+        );
+        String::from_utf8_lossy(&run(Command::new("bash").args(["-c", &program])).stdout).trim().to_string()
+    };
+    assert_eq!(complete("icheck st"), "status");
+    assert!(complete("icheck up --sta").split_whitespace().any(|w| w == "--state-dir"));
+    for shell in ["share/zsh/site-functions/_icheck", "share/fish/vendor_completions.d/icheck.fish"] {
+        let text = std::fs::read_to_string(installed.prefix.join(shell)).unwrap();
+        assert!(text.contains("state-dir"), "{shell}: {text}");
+    }
+}

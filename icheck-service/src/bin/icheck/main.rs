@@ -206,6 +206,26 @@ enum Command_ {
     /// Inspect and test the RDMA fabric (libfabric) on this machine.
     #[command(subcommand)]
     Fabric(FabricCommand),
+    /// Print a shell completion script (bash, zsh, fish, elvish,
+    /// powershell) to standard output.
+    ///
+    /// Example: icheck completions bash > /etc/bash_completion.d/icheck
+    ///          icheck completions zsh > "${fpath[1]}/_icheck"
+    /// (`make install` installs the bash, zsh and fish scripts.)
+    Completions {
+        /// The shell to complete in.
+        shell: clap_complete::Shell,
+    },
+    /// Write the manual pages: icheck.1 and one per subcommand
+    /// (icheck-up.1, icheck-fabric-info.1, ...).
+    ///
+    /// Example: icheck man --out-dir ~/.local/share/man/man1 && man icheck-up
+    /// (`make install` installs them under share/man/man1.)
+    Man {
+        /// Directory to write the pages into (created if missing).
+        #[arg(long)]
+        out_dir: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -413,6 +433,22 @@ fn run(cli: Cli) -> Result<()> {
     use icheck_core::protocol::{ClientReply, ClientRequest};
     match cli.command {
         Command_::Fabric(command) => run_fabric(command),
+        Command_::Completions { shell } => {
+            use std::io::Write;
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut <Cli as clap::CommandFactory>::command(), "icheck", &mut script);
+            match std::io::stdout().write_all(&script) {
+                // `icheck completions bash | head` is not an error.
+                Err(err) if err.kind() != std::io::ErrorKind::BrokenPipe => Err(err.into()),
+                _ => Ok(()),
+            }
+        }
+        Command_::Man { out_dir } => {
+            std::fs::create_dir_all(&out_dir).with_context(|| format!("cannot create {}", out_dir.display()))?;
+            clap_mangen::generate_to(<Cli as clap::CommandFactory>::command(), &out_dir)
+                .with_context(|| format!("cannot write manual pages into {}", out_dir.display()))?;
+            Ok(())
+        }
         Command_::Controller { config: path, state_dir, launcher, standby, listen, journal_dir } => {
             let config = icheck_core::config::StaticConfig::load(&path)?;
             let tokens = config.daemon_tokens(&path)?;
