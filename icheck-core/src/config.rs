@@ -80,6 +80,16 @@ pub enum ConfigError {
         /// What was expected.
         expected: String,
     },
+    /// A key asks for something this build does not do.
+    #[error("configuration file {file}: key `{key}`: not supported: {why}")]
+    Unsupported {
+        /// The file.
+        file: PathBuf,
+        /// The offending key.
+        key: &'static str,
+        /// What is missing, and what to set instead.
+        why: &'static str,
+    },
 }
 
 fn read(file: &Path) -> Result<String, ConfigError> {
@@ -838,9 +848,26 @@ impl DynamicConfig {
         Ok(config)
     }
 
-    /// Reads and validates `file`.
+    /// Reads and validates `file`, refusing settings the service cannot
+    /// carry out (rather than parsing them and doing nothing): the
+    /// controller applies what `load` returns, at start and at each re-read.
     pub fn load(file: &Path) -> Result<DynamicConfig, ConfigError> {
-        DynamicConfig::parse(file, &read(file)?)
+        let config = DynamicConfig::parse(file, &read(file)?)?;
+        config.supported(file)?;
+        Ok(config)
+    }
+
+    /// Errors for keys whose values this build parses but cannot honour.
+    pub fn supported(&self, file: &Path) -> Result<(), ConfigError> {
+        if self.is_dynamic_hs {
+            return Err(ConfigError::Unsupported {
+                file: file.into(),
+                key: "is_dynamic_hs",
+                why: "the controller cannot yet grow or shrink its nodes through a resource manager; \
+                      set is_dynamic_hs = false (manager_count applies only with it)",
+            });
+        }
+        Ok(())
     }
 
     /// Re-read interval as a Duration.
@@ -887,6 +914,19 @@ mod tests {
         let tokens = good.daemon_tokens(Path::new("s.toml")).unwrap();
         assert_eq!((tokens.admin.as_str(), tokens.metrics.as_deref()), ("b2", Some("d4")));
         assert_eq!(format!("{tokens:?}"), "DaemonTokens(..)", "secrets never printed");
+    }
+
+    #[test]
+    fn loading_refuses_horizontal_scaling_by_name_until_it_exists() {
+        let dir = std::env::temp_dir().join(format!("icheck-hs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("dynamic.toml");
+        std::fs::write(&path, "is_dynamic_hs = true\nmanager_count = 4\n").unwrap();
+        let err = DynamicConfig::load(&path).unwrap_err().to_string();
+        assert!(err.contains("is_dynamic_hs") && err.contains("not supported") && err.contains("dynamic.toml"), "{err}");
+        std::fs::write(&path, "is_dynamic_hs = false\nmanager_count = 4\n").unwrap();
+        assert_eq!(DynamicConfig::load(&path).unwrap().manager_count, 4);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
