@@ -923,7 +923,10 @@ mod tests {
         let path = dir.join("dynamic.toml");
         std::fs::write(&path, "is_dynamic_hs = true\nmanager_count = 4\n").unwrap();
         let err = DynamicConfig::load(&path).unwrap_err().to_string();
-        assert!(err.contains("is_dynamic_hs") && err.contains("not supported") && err.contains("dynamic.toml"), "{err}");
+        assert!(
+            err.contains("is_dynamic_hs") && err.contains("not supported") && err.contains("dynamic.toml"),
+            "{err}"
+        );
         std::fs::write(&path, "is_dynamic_hs = false\nmanager_count = 4\n").unwrap();
         assert_eq!(DynamicConfig::load(&path).unwrap().manager_count, 4);
         let _ = std::fs::remove_dir_all(&dir);

@@ -38,6 +38,12 @@ pub fn render(report: &StatusReport) -> String {
     let app = |a: &str| format!("app=\"{}\"", escape(a));
     let mut families = vec![
         Family {
+            name: "icheck_build_info",
+            help: "Constant 1; the labels say which icheck and which libfabric the controller runs",
+            kind: "gauge",
+            samples: vec![(build_labels(), 1.0)],
+        },
+        Family {
             name: "icheck_node_up",
             help: "1 while the node's manager sends heartbeats",
             kind: "gauge",
@@ -343,16 +349,29 @@ pub fn render(report: &StatusReport) -> String {
     text
 }
 
+/// `version="0.1.0",libfabric="1.17"`: the controller's own build and the
+/// libfabric it loaded, the usual `*_build_info` labels.
+fn build_labels() -> String {
+    let (major, minor) = icheck_core::fabric::libfabric_version().library;
+    format!("version=\"{}\",libfabric=\"{major}.{minor}\"", env!("CARGO_PKG_VERSION"))
+}
+
 /// Label values escape backslash, quote and newline.
 fn escape(value: &str) -> String {
     value.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
 
-/// Serves `GET /metrics` on `listener` with whatever `report` returns at
-/// the time of each request, to requests whose `Authorization: Bearer`
-/// secret is one of `tokens` (the admin and the metrics token: the page
-/// names applications and nodes); others get 401, other paths 404,
+/// Serves `GET /metrics` (and `HEAD`, the same headers without the body)
+/// on `listener` with whatever `report` returns at the time of each
+/// request, to requests whose `Authorization: Bearer` secret is one of
+/// `tokens` (the admin and the metrics token: the page names applications
+/// and nodes); others get 401, other methods 405, other paths 404,
 /// malformed requests 400.
+///
+/// Hand-written rather than hyper: one path, one response per connection
+/// (`Connection: close`), and the limits a flood needs (connections at
+/// once, head size, time to send it) in a page of code the flood test
+/// exercises.
 pub async fn serve(
     listener: TcpListener,
     tokens: Vec<String>,
@@ -408,21 +427,31 @@ async fn answer(mut stream: TcpStream, tokens: &[String], report: impl Fn() -> S
     let mut parts = line.split_whitespace();
     let authorized =
         bearer(&head).is_some_and(|secret| tokens.iter().any(|t| icheck_core::credentials::secrets_equal(secret, t)));
-    let (status, content_type, body) = match (parts.next(), parts.next()) {
-        (Some("GET"), Some("/metrics")) if !authorized => (
+    let method = parts.next();
+    let head_only = method == Some("HEAD");
+    let (status, content_type, body) = match (method, parts.next()) {
+        (Some("GET" | "HEAD"), Some("/metrics")) if !authorized => (
             "401 Unauthorized\r\nWWW-Authenticate: Bearer realm=\"icheck\"",
             "text/plain",
             "send `Authorization: Bearer <MetricsToken or AdminToken>` (Prometheus: `authorization: {credentials_file: ...}`)\n"
                 .to_string(),
         ),
-        (Some("GET"), Some("/metrics")) => ("200 OK", "text/plain; version=0.0.4", render(&report())),
+        (Some("GET" | "HEAD"), Some("/metrics")) => ("200 OK", "text/plain; version=0.0.4", render(&report())),
+        (Some(_), Some("/metrics")) => (
+            "405 Method Not Allowed\r\nAllow: GET, HEAD",
+            "text/plain",
+            "/metrics answers GET and HEAD\n".to_string(),
+        ),
         (Some(_), Some(_)) => ("404 Not Found", "text/plain", "only /metrics is served here\n".to_string()),
         _ => ("400 Bad Request", "text/plain", "malformed request\n".to_string()),
     };
-    let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+    let mut response = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
+    if !head_only {
+        response.push_str(&body);
+    }
     stream.write_all(response.as_bytes()).await?;
     stream.shutdown().await
 }
@@ -431,6 +460,47 @@ async fn answer(mut stream: TcpStream, tokens: &[String], report: impl Fn() -> S
 mod tests {
     use super::*;
     use icheck_core::protocol::{NodeReport, NodeStatus};
+
+    /// One request to a real endpoint on loopback; the whole response.
+    async fn exchange(request: &str) -> String {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let server = tokio::spawn(serve(listener, vec!["m3tr1cs".into()], StatusReport::default));
+        let mut stream = TcpStream::connect(address).await.unwrap();
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.unwrap();
+        server.abort();
+        response
+    }
+
+    #[tokio::test]
+    async fn head_answers_the_get_headers_without_the_body_and_other_methods_get_405() {
+        let auth = "Authorization: Bearer m3tr1cs\r\n\r\n";
+        let get = exchange(&format!("GET /metrics HTTP/1.1\r\n{auth}")).await;
+        let (get_head, get_body) = get.split_once("\r\n\r\n").unwrap();
+        assert!(get_head.starts_with("HTTP/1.1 200 OK"), "{get}");
+        assert!(get_body.contains("# TYPE icheck_build_info gauge\n"), "{get_body}");
+        let head = exchange(&format!("HEAD /metrics HTTP/1.1\r\n{auth}")).await;
+        let (head_head, head_body) = head.split_once("\r\n\r\n").unwrap();
+        assert_eq!(head_body, "", "HEAD sends no body");
+        assert!(head_head.starts_with("HTTP/1.1 200 OK"), "{head}");
+        assert!(head_head.contains(&format!("Content-Length: {}", get_body.len())), "{head}");
+        let post = exchange(&format!("POST /metrics HTTP/1.1\r\n{auth}")).await;
+        assert!(post.starts_with("HTTP/1.1 405 Method Not Allowed\r\nAllow: GET, HEAD\r\n"), "{post}");
+        let unauthorized = exchange("HEAD /metrics HTTP/1.1\r\n\r\n").await;
+        assert!(unauthorized.starts_with("HTTP/1.1 401"), "{unauthorized}");
+    }
+
+    #[test]
+    fn build_info_names_the_version_and_the_libfabric() {
+        let text = render(&StatusReport::default());
+        let line = text.lines().find(|l| l.starts_with("icheck_build_info{")).unwrap_or_else(|| panic!("{text}"));
+        let (major, minor) = icheck_core::fabric::libfabric_version().library;
+        let labels = format!("version=\"{}\",libfabric=\"{major}.{minor}\"", env!("CARGO_PKG_VERSION"));
+        assert_eq!(line, format!("icheck_build_info{{{labels}}} 1"));
+        assert!(major >= 1, "{line}");
+    }
 
     #[test]
     fn the_bearer_secret_is_read_from_the_head() {
