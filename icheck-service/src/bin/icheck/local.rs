@@ -410,34 +410,49 @@ fn human_bytes(bytes: u64) -> String {
     }
 }
 
+/// A plain table for a terminal or a pipe: aligned columns, no borders
+/// (like `squeue` or `kubectl get`), each column as wide as its widest
+/// cell; columns listed in `right` are right-aligned (numbers).
+pub fn plain_table(header: &[&str], right: &[usize]) -> comfy_table::Table {
+    let mut table = comfy_table::Table::new();
+    table.load_style(comfy_table::presets::NOTHING).set_header(header.iter().copied());
+    for &column in right {
+        if let Some(column) = table.column_mut(column) {
+            column.set_cell_alignment(comfy_table::CellAlignment::Right);
+        }
+    }
+    table
+}
+
 /// Prints the status report as tables.
 pub fn print_status(report: &StatusReport) {
     println!("NODES");
-    println!(
-        "  {:<12} {:>8} {:<6} {:>10} {:>12} {:>7} {:>12} {:>8} {:>10} {:>9} {:>8}",
-        "NODE", "PID", "STATE", "HEARTBEAT", "MEM_AVAIL", "AGENTS", "HELD", "NCOPS", "BW", "COPS/MIN", "POWER"
+    let mut nodes = plain_table(
+        &["NODE", "PID", "STATE", "HEARTBEAT", "MEM_AVAIL", "AGENTS", "HELD", "NCOPS", "BW", "COPS/MIN", "POWER"],
+        &[1, 3, 4, 5, 6, 7, 8, 9, 10],
     );
+    let mut details = Vec::new();
     for n in &report.nodes {
         let s = &n.status;
-        println!(
-            "  {:<12} {:>8} {:<6} {:>9.1}s {:>12} {:>7} {:>12} {:>8} {:>10} {:>9.1} {:>8}",
-            n.node,
-            n.pid,
+        nodes.add_row(vec![
+            n.node.clone(),
+            n.pid.to_string(),
             match (n.alive, n.draining, n.given_up) {
                 (false, _, true) => "GONE",
                 (false, _, false) => "DOWN",
                 (true, true, _) => "DRAIN",
                 (true, false, _) => "up",
-            },
-            n.last_heartbeat_secs,
+            }
+            .to_string(),
+            format!("{:.1}s", n.last_heartbeat_secs),
             human_bytes(s.mem_available),
-            s.agents,
+            s.agents.to_string(),
             human_bytes(s.bytes_held),
-            s.checkpoint_ops,
+            s.checkpoint_ops.to_string(),
             format!("{:.2} GB/s", s.bandwidth / 1e9),
-            s.cops_per_min,
+            format!("{:.1}", s.cops_per_min),
             s.power_watts.map_or("n/a".to_string(), |w| format!("{w:.1} W")),
-        );
+        ]);
         let t = &n.trend;
         let rate = t.mem_depletion_rate.map_or("n/a".into(), |r| format!("{:.1} MB/s", r / 1e6));
         let forecast = t.mem_forecast.map_or("n/a".into(), |(low, high)| {
@@ -445,9 +460,18 @@ pub fn print_status(report: &StatusReport) {
         });
         let fill = t.agent_fill_rate.map_or("n/a".into(), |f| format!("{f:.3}/s"));
         let dcop = s.last_cop_interval.map_or("n/a".into(), |d| format!("{d:.1}s"));
-        println!("  {:<12} memory depletion {rate}, forecast {forecast}, agent fill {fill}, Δcop {dcop}", "");
+        details.push(format!(
+            "  {}: memory depletion {rate}, forecast {forecast}, agent fill {fill}, Δcop {dcop}",
+            n.node
+        ));
         if let Some(failure) = &n.start_failure {
-            println!("  {:<12} takes no new agents for now: {failure}", "");
+            details.push(format!("  {}: takes no new agents for now: {failure}", n.node));
+        }
+    }
+    if !report.nodes.is_empty() {
+        println!("{}", nodes.trim_fmt());
+        for line in details {
+            println!("{line}");
         }
     }
     if report.nodes.is_empty() && report.apps.is_empty() && report.journal.is_none() {
@@ -727,7 +751,25 @@ fn protection_line(a: &icheck_core::protocol::AppReport) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{human_bytes, init_agent_count_text};
+    use super::{human_bytes, init_agent_count_text, plain_table};
+
+    #[test]
+    fn table_columns_fit_long_node_names_and_numbers_align_right() {
+        let mut table = plain_table(&["NODE", "PID", "STATE"], &[1]);
+        table.add_row(vec!["n1", "7", "up"]);
+        table.add_row(vec!["checkpoint-node-17.cluster.example", "123456", "DOWN"]);
+        let text = table.trim_fmt();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        // Each column starts where its header does, whatever the name's length.
+        let state = lines[0].find("STATE").unwrap();
+        assert_eq!(lines[1].find("up"), Some(state), "{text}");
+        assert_eq!(lines[2].find("DOWN"), Some(state), "{text}");
+        // Numbers end where their header ends.
+        let pid_end = lines[0].find("PID").unwrap() + 3;
+        assert_eq!(lines[1].find('7').map(|i| i + 1), Some(pid_end), "{text}");
+        assert_eq!(lines[2].find("123456").map(|i| i + 6), Some(pid_end), "{text}");
+    }
 
     #[test]
     fn init_agent_count_is_printed_as_configured() {

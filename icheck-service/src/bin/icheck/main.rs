@@ -591,7 +591,7 @@ fn run_fabric(command: FabricCommand) -> Result<()> {
                 return Ok(());
             }
             println!("{}", libfabric_version());
-            println!("{:<16} {:<16} {:<8} {:<40} {:>8}", "PROVIDER", "FABRIC", "DOMAIN", "MR_MODE", "TX_SIZE");
+            let mut table = local::plain_table(&["PROVIDER", "FABRIC", "DOMAIN", "MR_MODE", "TX_SIZE"], &[4]);
             for p in providers {
                 let m = p.mr_mode;
                 let bits: Vec<&str> = [
@@ -605,8 +605,9 @@ fn run_fabric(command: FabricCommand) -> Result<()> {
                 .filter_map(|(on, name)| on.then_some(name))
                 .collect();
                 let bits = if bits.is_empty() { "-".to_string() } else { bits.join(",") };
-                println!("{:<16} {:<16} {:<8} {:<40} {:>8}", p.provider, p.fabric, p.domain, bits, p.tx_size);
+                table.add_row(vec![p.provider, p.fabric, p.domain, bits, p.tx_size.to_string()]);
             }
+            println!("{}", table.trim_fmt());
             Ok(())
         }
         FabricCommand::Target { fabric, size, seed } => {
