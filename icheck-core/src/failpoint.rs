@@ -6,6 +6,14 @@
 //! `sleep(MS)`, `exit(CODE)`, `abort`, or `error` (the code at the
 //! failpoint fails the operation, where it asks with [`fails`]). Unset, a
 //! failpoint costs one atomic load.
+//!
+//! Why not the `fail` crate itself: its `N*` means "at most N times", the
+//! opposite of what these tests need (let N versions through, then stall
+//! the next); it has no `exit(CODE)` or `abort`, which the multi-process
+//! tests use to kill a daemon at an exact step; it takes a lock on every
+//! hit, and it would bring `rand` and `log` into libicheck, which links
+//! this crate. What it does that this does not (probabilities, `pause`,
+//! runtime reconfiguration) no test here needs.
 
 #![forbid(unsafe_code)]
 
