@@ -1,6 +1,13 @@
 //! Control-plane frames on tokio streams, for the controller's and the
 //! manager's connections. The bytes are [`protocol::encode_frame`]'s and the
 //! prefix check is [`protocol::frame_len`], the ones the blocking side uses.
+//!
+//! Not tokio-util's `LengthDelimitedCodec`: the frame format belongs to
+//! the sans-IO protocol in icheck-core, which the blocking client (no
+//! tokio) shares, and each limit depends on the message expected
+//! ([`recv_limited`]). Its advantage, cancel-safe reads, is not needed:
+//! every `select!` that reads a frame here ends the session when another
+//! branch wins, so a half-read frame is never resumed.
 
 #![forbid(unsafe_code)]
 #![deny(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
