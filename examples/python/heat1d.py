@@ -7,13 +7,17 @@ with icheck's Python bindings; the Python twin of examples/heat2d.
     mpirun -np 4 python3 heat1d.py --app heat ...                 # restarts
 
 Prints "RESTARTED at iteration N" after a restart and, at the end,
-"CHECKSUM x": a position-weighted sum, equal only if every cell is.
+"CHECKSUM x": a position-weighted sum of the cells' bits, equal only if
+every cell is. The rod is a BLOCK-distributed array (icheck.add_global), so
+a run restarts with another process count too (icheck run --policy shrink),
+and the checksum does not depend on the count.
 """
 
 import argparse
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -30,6 +34,7 @@ def main():
     parser.add_argument("--fail-at", type=int, default=-1, help="rank 0 kills itself after this step")
     parser.add_argument("--asynchronous", action="store_true", help="commit asynchronously")
     parser.add_argument("--probe-every", type=int, default=0, help="probe for new agents every this many commits")
+    parser.add_argument("--step-ms", type=float, default=0.0, help="sleep this long per step (a longer job)")
     args = parser.parse_args()
 
     comm = MPI.COMM_WORLD
@@ -47,8 +52,9 @@ def main():
     interior = u[1:-1]  # a contiguous view: icheck reads and restores it in place
 
     restarting = icheck.init(args.app, comm)
-    icheck.add("u", interior)
-    icheck.add("step", step)
+    icheck.add_global("u", interior, args.n, icheck.BLOCK)
+    # Every process holds the same step: rank 0's is restored everywhere.
+    icheck.add_replicated("step", step, icheck.CONSTANT)
     if args.asynchronous:
         icheck.enable_asynchronous(True)
     if restarting:
@@ -77,6 +83,8 @@ def main():
                 agents = icheck.probe(remaining_commits=(args.iters - int(step[0])) // args.every)
                 if rank == 0:
                     print(f"PROBE agents={agents}" if agents else "PROBE unchanged", flush=True)
+        if args.step_ms:
+            time.sleep(args.step_ms / 1000.0)
         if step[0] == args.fail_at and rank == 0:
             print(f"FAULT injected at iteration {step[0]}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -84,10 +92,14 @@ def main():
     if args.asynchronous:
         icheck.wait()
 
-    weights = np.arange(first + 1, first + cells + 1, dtype=np.float64)
-    total = comm.reduce(float(np.dot(interior, weights)), op=MPI.SUM, root=0)
+    # Exact and independent of the decomposition: sum (mod 2^64) of each
+    # cell's bits times an odd weight of its global position.
+    weights = 2 * np.arange(first, first + cells, dtype=np.uint64) + np.uint64(1)
+    local = np.array([np.sum(interior.view(np.uint64) * weights, dtype=np.uint64)], dtype=np.uint64)
+    total = np.zeros(1, dtype=np.uint64)
+    comm.Reduce(local, total, op=MPI.SUM, root=0)
     if rank == 0:
-        print(f"CHECKSUM {total!r}", flush=True)
+        print(f"CHECKSUM {int(total[0]):016x}", flush=True)
     icheck.finalize(icheck.CLEANUP)
     return 0
 

@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test file uses its own subset
 
 pub mod install;
+pub mod python;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

@@ -592,6 +592,12 @@ pub fn print_status(report: &StatusReport) {
 /// What the controller knows of `app`: with the admin token, from the
 /// whole status; otherwise asked with the capability the application's
 /// jobs kept for this user.
+/// The application's newest complete version as the controller knows it
+/// (None: unknown, unreachable or not allowed to ask).
+pub fn newest_complete_version(config: &StaticConfig, app: &str) -> Option<u64> {
+    app_report(config, app).ok().flatten()?.latest.map(|v| v.version)
+}
+
 fn app_report(config: &StaticConfig, app: &str) -> Result<Option<icheck_core::protocol::AppReport>, String> {
     if config.admin_token().is_some() {
         return match request_blocking(config, &ClientRequest::Status) {

@@ -4,6 +4,7 @@
 //! `status`, and the fabric tools.
 
 mod local;
+mod run;
 
 use std::process::Command;
 use std::time::Duration;
@@ -206,6 +207,47 @@ enum Command_ {
     /// Inspect and test the RDMA fabric (libfabric) on this machine.
     #[command(subcommand)]
     Fabric(FabricCommand),
+    /// Run a job under supervision: relaunch it from its newest complete
+    /// version when it fails.
+    ///
+    /// Starts the command after `--` (mpirun or srun), waits for it, and
+    /// when it fails starts it again, so that the application restarts from
+    /// its newest complete version (icheck_init reports RESTART), with the
+    /// process count --policy gives. Ends with a summary on standard error:
+    /// attempts, the versions each relaunch restarted from (with --app),
+    /// the work lost and the wall time. SIGINT and SIGTERM go to the job and
+    /// end the supervision; SIGUSR1 (Slurm's time-limit warning with
+    /// `sbatch --signal=USR1@120`) and SIGUSR2 go to the job, and after
+    /// SIGUSR1 a failure is not relaunched.
+    ///
+    /// Exit status: 0 when an attempt succeeded; 3 when the last permitted
+    /// attempt failed too; 130 when interrupted; 1 when the command could
+    /// not be started.
+    ///
+    /// Examples:
+    ///   icheck run --app heat -- mpirun -np 4 ./heat2d --app heat
+    ///   icheck run --max-restarts 5 --policy shrink -- srun -n 64 ./app
+    Run {
+        #[command(flatten)]
+        target: ConfigArgs,
+        /// The application's name at the service, to report the versions
+        /// relaunches restart from and the work lost (needs the admin token
+        /// or the application's capability; optional).
+        #[arg(long)]
+        app: Option<String>,
+        /// Relaunches after the first attempt.
+        #[arg(long, default_value_t = 3)]
+        max_restarts: u32,
+        /// Process count of a relaunch: same (the command unchanged), shrink
+        /// (one process fewer per failure; the application restores with
+        /// icheck_add_adapt*), rebuild (the first attempt's count; a
+        /// replacement takes the lost rank's place).
+        #[arg(long, value_enum, default_value = "same")]
+        policy: run::Policy,
+        /// The job: a launcher and its arguments.
+        #[arg(last = true, required = true, value_name = "COMMAND")]
+        command: Vec<String>,
+    },
     /// Print a shell completion script (bash, zsh, fish, elvish,
     /// powershell) to standard output.
     ///
@@ -239,15 +281,20 @@ struct ConfigArgs {
 }
 
 impl ConfigArgs {
-    fn load(&self) -> Result<icheck_core::config::StaticConfig> {
-        let (path, from) = match (&self.config, &self.state_dir) {
+    /// The configuration file these arguments name, and where the name came from.
+    fn path(&self) -> (PathBuf, &'static str) {
+        match (&self.config, &self.state_dir) {
             (Some(path), _) => (path.clone(), "--config"),
             (None, Some(dir)) => (dir.join(local::CLIENT_CONFIG), "--state-dir"),
             (None, None) => match std::env::var_os("ICHECK_CONFIG") {
                 Some(path) => (PathBuf::from(path), "ICHECK_CONFIG"),
                 None => (PathBuf::from("icheck-state").join(local::CLIENT_CONFIG), "the default state directory"),
             },
-        };
+        }
+    }
+
+    fn load(&self) -> Result<icheck_core::config::StaticConfig> {
+        let (path, from) = self.path();
         if !path.exists() {
             bail!(
                 "no configuration at {} (from {from}): is a service running? `icheck up --state-dir DIR` starts a \
@@ -433,6 +480,27 @@ fn run(cli: Cli) -> Result<()> {
     use icheck_core::protocol::{ClientReply, ClientRequest};
     match cli.command {
         Command_::Fabric(command) => run_fabric(command),
+        Command_::Run { target, app, max_restarts, policy, command } => {
+            // The job talks to the service these arguments name.
+            let config = match target.path() {
+                (path, _) if path.exists() => Some(std::path::absolute(path)?),
+                _ => None,
+            };
+            let newest_version: Option<Box<dyn Fn() -> Option<u64> + Send + Sync>> = match app {
+                Some(app) => {
+                    let config = target.load()?;
+                    Some(Box::new(move || local::newest_complete_version(&config, &app)))
+                }
+                None => None,
+            };
+            let (attempts, gave_up) =
+                run::supervise(&command, run::RunOptions { max_restarts, policy, newest_version, config })?;
+            eprintln!("{}", run::summary(&attempts, gave_up));
+            if gave_up {
+                std::process::exit(run::EXIT_GAVE_UP);
+            }
+            Ok(())
+        }
         Command_::Completions { shell } => {
             use std::io::Write;
             let mut script = Vec::new();
