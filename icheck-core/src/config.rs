@@ -750,6 +750,52 @@ pub struct DynamicConfig {
     /// for the exposure `icheck status` prints (the data-loss model).
     #[serde(default = "default_node_failure")]
     pub node_failure_probability: f64,
+    /// Algorithm 8's LOWER_THRESHOLD: fraction of a node's memory in use
+    /// above which it is flagged.
+    #[serde(default = "default_lower_threshold")]
+    pub lower_threshold: f64,
+    /// Algorithm 8's UPPER_THRESHOLD: fraction in use above which a node
+    /// that keeps filling needs another node.
+    #[serde(default = "default_upper_threshold")]
+    pub upper_threshold: f64,
+    /// Memory depletion rate (per second) that counts as filling fast.
+    #[serde(default = "default_depletion_threshold")]
+    pub depletion_threshold: crate::units::ByteSize,
+    /// BW_THRESHOLD: bytes per second a node's agents move above which its
+    /// network counts as saturated.
+    #[serde(default = "default_bw_threshold")]
+    pub bw_threshold: crate::units::ByteSize,
+    /// CP_THRESHOLD: checkpoint operations per minute above which a node
+    /// counts as busy.
+    #[serde(default = "default_cp_threshold")]
+    pub cp_threshold: f64,
+    /// SCALER_INTERVAL: seconds between passes of the proactive scaler.
+    #[serde(default = "default_scaler_interval")]
+    pub scaler_interval: f64,
+}
+
+fn default_lower_threshold() -> f64 {
+    0.8
+}
+
+fn default_upper_threshold() -> f64 {
+    0.9
+}
+
+fn default_depletion_threshold() -> crate::units::ByteSize {
+    crate::units::ByteSize(16 << 20)
+}
+
+fn default_bw_threshold() -> crate::units::ByteSize {
+    crate::units::ByteSize(1 << 30)
+}
+
+fn default_cp_threshold() -> f64 {
+    30.0
+}
+
+fn default_scaler_interval() -> f64 {
+    10.0
 }
 
 fn default_node_failure() -> f64 {
@@ -757,6 +803,17 @@ fn default_node_failure() -> f64 {
 }
 
 impl DynamicConfig {
+    /// Algorithm 8's thresholds from this configuration.
+    pub fn scaling_thresholds(&self) -> crate::scaling::ScalingThresholds {
+        crate::scaling::ScalingThresholds {
+            lower: self.lower_threshold,
+            upper: self.upper_threshold,
+            depletion: self.depletion_threshold.0 as f64,
+            bandwidth: self.bw_threshold.0 as f64,
+            cops_per_min: self.cp_threshold,
+        }
+    }
+
     /// The redundancy `registration` gets: its own, unless this
     /// configuration forces its own or the application asks for none.
     pub fn redundancy_for(&self, registration: &crate::protocol::AppRegistration) -> crate::redundancy::Redundancy {
@@ -845,6 +902,18 @@ impl DynamicConfig {
         if !(0.0..=1.0).contains(&config.node_failure_probability) {
             return Err(invalid("node_failure_probability", "a probability from 0 to 1"));
         }
+        if !(config.lower_threshold > 0.0 && config.lower_threshold <= 1.0) {
+            return Err(invalid("lower_threshold", "a fraction of the node's memory, above 0 and at most 1"));
+        }
+        if !(config.upper_threshold >= config.lower_threshold && config.upper_threshold <= 1.0) {
+            return Err(invalid("upper_threshold", "a fraction from lower_threshold to 1"));
+        }
+        if !(config.cp_threshold.is_finite() && config.cp_threshold >= 0.0) {
+            return Err(invalid("cp_threshold", "checkpoint operations per minute, 0 or more"));
+        }
+        if !(config.scaler_interval.is_finite() && config.scaler_interval > 0.0) {
+            return Err(invalid("scaler_interval", "a number of seconds greater than 0"));
+        }
         Ok(config)
     }
 
@@ -914,6 +983,26 @@ mod tests {
         let tokens = good.daemon_tokens(Path::new("s.toml")).unwrap();
         assert_eq!((tokens.admin.as_str(), tokens.metrics.as_deref()), ("b2", Some("d4")));
         assert_eq!(format!("{tokens:?}"), "DaemonTokens(..)", "secrets never printed");
+    }
+
+    #[test]
+    fn scaling_thresholds_default_to_the_thesis_examples_and_are_checked() {
+        let config = DynamicConfig::default();
+        let t = config.scaling_thresholds();
+        assert_eq!((t.lower, t.upper), (0.8, 0.9));
+        assert_eq!(config.scaler_interval, 10.0);
+        let set = DynamicConfig::parse(file(), "bw_threshold = \"100MiB\"\ncp_threshold = 5\n").unwrap();
+        assert_eq!(set.scaling_thresholds().bandwidth, 100.0 * 1024.0 * 1024.0);
+        for (text, key) in [
+            ("lower_threshold = 0", "lower_threshold"),
+            ("lower_threshold = 0.95", "upper_threshold"),
+            ("upper_threshold = 1.5", "upper_threshold"),
+            ("cp_threshold = -1", "cp_threshold"),
+            ("scaler_interval = 0", "scaler_interval"),
+        ] {
+            let err = DynamicConfig::parse(file(), text).unwrap_err().to_string();
+            assert!(err.contains(key), "{text}: {err}");
+        }
     }
 
     #[test]

@@ -34,4 +34,5 @@ pub mod pattern;
 pub mod pfs;
 pub mod protocol;
 pub mod redundancy;
+pub mod scaling;
 pub mod units;

@@ -19,11 +19,12 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("units", &[]),
     ("credentials", &[]),
     ("cipher", &[]),
+    ("scaling", &[]),
     ("redundancy", &["distribution"]),
     ("format", &["distribution"]),
     ("pfs", &["cipher", "credentials", "distribution", "failpoint", "format"]),
     ("protocol", &["credentials", "distribution", "fabric", "format", "monitor", "pfs", "redundancy"]),
-    ("config", &["credentials", "fabric", "pfs", "protocol", "redundancy", "units"]),
+    ("config", &["credentials", "fabric", "pfs", "protocol", "redundancy", "scaling", "units"]),
     ("control", &["config", "credentials", "fabric", "protocol"]),
     ("decide", &["config", "distribution", "pfs", "protocol"]),
 ];
