@@ -11,6 +11,7 @@ PACKAGES=(
   python3-venv python3-pip python3-setuptools     # the Python package (pip install ./python)
   python3-numpy python3-mpi4py                    # ... and what it runs on
   cmake                                           # find_package(icheck) in the CMake test
+  slurm-wlm munge                                 # a test-local Slurm (examples/rust/tests/slurm.rs)
 )
 
 source "$(dirname "${BASH_SOURCE[0]}")/packages.sh"

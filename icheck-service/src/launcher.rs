@@ -128,3 +128,182 @@ impl Launcher for LocalLauncher {
         Ok(pid)
     }
 }
+
+/// The file of a Slurm-backed service naming the Slurm jobs that run its
+/// managers: `JOBID NODE` per line (`NODE` is `*` for a job placed by
+/// Slurm). `icheck down` cancels exactly these.
+pub const SLURM_JOBS: &str = "slurm-jobs";
+/// The file holding the sbatch arguments of a Slurm-backed service (one
+/// per line: partition, account, time limit, ...), shared by `icheck up`
+/// and the controller's launcher.
+pub const SLURM_ARGS: &str = "slurm-sbatch-args";
+
+/// Managers as Slurm batch jobs: `sbatch` of `icheck manager` on a
+/// checkpoint node, named by Slurm (`$SLURMD_NODENAME`), logged to the
+/// state directory's `logs/manager-slurm-JOBID.log`, recorded in
+/// [`SLURM_JOBS`]. The `u32` a [`Launcher`] returns is the job id.
+///
+/// Architecture invariant: only jobs recorded in [`SLURM_JOBS`] are ever
+/// cancelled or counted as this service's managers.
+pub struct SlurmLauncher {
+    /// The state directory (shared between the host of `icheck up` and the
+    /// controller; on a cluster, a shared file system).
+    pub dir: PathBuf,
+    /// Extra `sbatch` arguments (`--partition=ckpt`, `--account=...`).
+    pub sbatch_args: Vec<String>,
+}
+
+/// A Slurm job of a manager, as recorded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlurmJob {
+    /// Slurm's job id.
+    pub id: u64,
+    /// The node asked for, if any.
+    pub node: Option<String>,
+}
+
+impl SlurmLauncher {
+    /// The launcher of the service in `dir`, with the sbatch arguments
+    /// `icheck up --slurm` recorded there.
+    pub fn from_state_dir(dir: &Path) -> SlurmLauncher {
+        let sbatch_args = fs::read_to_string(dir.join(SLURM_ARGS))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(str::to_string)
+            .collect();
+        SlurmLauncher { dir: dir.to_path_buf(), sbatch_args }
+    }
+
+    /// The manager jobs recorded in the state directory.
+    pub fn recorded(&self) -> Vec<SlurmJob> {
+        fs::read_to_string(self.dir.join(SLURM_JOBS))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|line| {
+                let (id, node) = line.split_once(' ').unwrap_or((line, "*"));
+                Some(SlurmJob {
+                    id: id.trim().parse().ok()?,
+                    node: (node.trim() != "*").then(|| node.trim().to_string()),
+                })
+            })
+            .collect()
+    }
+
+    /// Submits one manager job (on `node`, or where Slurm places it) and
+    /// records it; returns the job id.
+    pub fn submit(&self, node: Option<&str>) -> Result<u64, String> {
+        let config = self.dir.join(CLIENT_CONFIG);
+        let exe = std::env::current_exe().map_err(|err| format!("cannot find the icheck executable: {err}"))?;
+        let script =
+            format!("exec '{}' manager --config '{}' --node \"$SLURMD_NODENAME\"", exe.display(), config.display());
+        let mut sbatch = Command::new("sbatch");
+        sbatch
+            .args(["--parsable", "--nodes=1", "--ntasks=1", "--job-name=icheck-manager"])
+            .arg(format!("--output={}/logs/manager-slurm-%j.log", self.dir.display()))
+            .args(&self.sbatch_args);
+        if let Some(node) = node {
+            sbatch.arg(format!("--nodelist={node}"));
+        }
+        let out = sbatch
+            .arg(format!("--wrap={script}"))
+            .env("ICHECK_LOG", std::env::var("ICHECK_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|err| format!("cannot run sbatch (is Slurm's client installed and SLURM_CONF set?): {err}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "sbatch refused the manager job{}: {}",
+                node.map_or(String::new(), |n| format!(" for node {n}")),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        // --parsable prints "JOBID" or "JOBID;CLUSTER".
+        let id: u64 = text
+            .trim()
+            .split(';')
+            .next()
+            .and_then(|id| id.parse().ok())
+            .ok_or_else(|| format!("sbatch answered {text:?}, not a job id"))?;
+        let mut jobs = fs::read_to_string(self.dir.join(SLURM_JOBS)).unwrap_or_default();
+        jobs.push_str(&format!("{id} {}\n", node.unwrap_or("*")));
+        let tmp = self.dir.join(format!("{SLURM_JOBS}.tmp-{}", std::process::id()));
+        fs::write(&tmp, jobs).and_then(|_| fs::rename(&tmp, self.dir.join(SLURM_JOBS))).map_err(|err| {
+            format!("submitted manager job {id} but cannot record it in {}: {err}", self.dir.display())
+        })?;
+        Ok(id)
+    }
+
+    /// The recorded jobs that run or wait to run, with their state and
+    /// node (`PENDING` jobs have none yet).
+    pub fn live_jobs(&self) -> Vec<(u64, String, String)> {
+        let mut jobs = self.known_jobs();
+        jobs.retain(|(_, state, _)| matches!(state.as_str(), "PENDING" | "CONFIGURING" | "RUNNING"));
+        jobs
+    }
+
+    /// The recorded jobs Slurm still lists, in any state (a `COMPLETING`
+    /// job still holds its node).
+    fn known_jobs(&self) -> Vec<(u64, String, String)> {
+        let ids: Vec<String> = self.recorded().iter().map(|j| j.id.to_string()).collect();
+        if ids.is_empty() {
+            return Vec::new();
+        }
+        let Ok(out) = Command::new("squeue").args(["-h", "-o", "%i %T %N", "-j", &ids.join(",")]).output() else {
+            return Vec::new();
+        };
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|line| {
+                let mut parts = line.split_whitespace();
+                Some((parts.next()?.parse().ok()?, parts.next()?.to_string(), parts.next().unwrap_or("").to_string()))
+            })
+            .collect()
+    }
+
+    /// Cancels every recorded job and waits (at most `wait`) until Slurm
+    /// has released their nodes; returns the ids cancelled.
+    pub fn cancel_all(&self, wait: std::time::Duration) -> Result<Vec<u64>, String> {
+        let ids: Vec<u64> = self.recorded().iter().map(|j| j.id).collect();
+        if ids.is_empty() {
+            return Ok(ids);
+        }
+        let list: Vec<String> = ids.iter().map(u64::to_string).collect();
+        let out = Command::new("scancel")
+            .args(&list)
+            .output()
+            .map_err(|err| format!("cannot run scancel (is SLURM_CONF set?): {err}"))?;
+        if !out.status.success() {
+            return Err(format!("scancel {}: {}", list.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
+        }
+        let deadline = std::time::Instant::now() + wait;
+        while !self.known_jobs().is_empty() {
+            if std::time::Instant::now() > deadline {
+                let left: Vec<String> =
+                    self.known_jobs().iter().map(|(id, state, _)| format!("{id} ({state})")).collect();
+                return Err(format!("cancelled, but Slurm still lists job(s) {} after {wait:?}", left.join(", ")));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        let _ = fs::remove_file(self.dir.join(SLURM_JOBS));
+        Ok(ids)
+    }
+}
+
+impl Launcher for SlurmLauncher {
+    fn is_dead(&self, node: &str, _pid: u32) -> bool {
+        // A manager of `node` lives while a recorded job runs there or
+        // waits to run there.
+        let recorded = self.recorded();
+        !self.live_jobs().iter().any(|(id, state, nodes)| {
+            nodes == node
+                || (state == "PENDING" && recorded.iter().any(|j| j.id == *id && j.node.as_deref() == Some(node)))
+        })
+    }
+
+    fn relaunch(&self, node: &str) -> Result<u32, String> {
+        let id = self.submit(Some(node))?;
+        Ok(u32::try_from(id).unwrap_or(u32::MAX))
+    }
+}

@@ -7,6 +7,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 pub mod netns;
+pub mod slurm;
 
 use icheck_core::config::StaticConfig;
 use icheck_core::protocol::StatusReport;

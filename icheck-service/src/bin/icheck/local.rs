@@ -34,6 +34,32 @@ pub struct UpOptions {
     pub takeover_after: Option<f64>,
     /// `ClientIdleTimeout`: seconds daemons keep an idle client connection.
     pub client_idle_timeout: f64,
+    /// Managers as Slurm jobs instead of local processes.
+    pub slurm: Option<SlurmUp>,
+}
+
+/// `icheck up --slurm`: how the manager jobs are submitted.
+pub struct SlurmUp {
+    /// sbatch arguments (partition, account, time, ...).
+    pub sbatch_args: Vec<String>,
+    /// The most checkpoint nodes scaling may use (recorded, not yet used).
+    pub max_nodes: u32,
+}
+
+/// `MIN` or `MIN..MAX` checkpoint nodes.
+pub fn parse_node_range(text: &str) -> Result<(u32, u32)> {
+    let bad = || anyhow::anyhow!("--nodes {text:?}: expected MIN or MIN..MAX, e.g. 2..8");
+    let (min, max) = match text.split_once("..") {
+        Some((min, max)) => (min.trim().parse().map_err(|_| bad())?, max.trim().parse().map_err(|_| bad())?),
+        None => {
+            let n = text.trim().parse().map_err(|_| bad())?;
+            (n, n)
+        }
+    };
+    if min == 0 || max < min {
+        bail!("--nodes {text:?}: needs 1 <= MIN <= MAX");
+    }
+    Ok((min, max))
 }
 
 /// Journal directory of the local standby controller, inside the state directory.
@@ -181,10 +207,21 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     let config_path = write_static(dir, port, standby_port, &tokens, options)?;
     let config_arg = config_path.to_string_lossy().into_owned();
     let dir_arg = dir.to_string_lossy().into_owned();
+    let launcher = match &options.slurm {
+        Some(slurm) => {
+            fs::write(dir.join(launcher::SLURM_ARGS), slurm.sbatch_args.join("\n") + "\n")
+                .context("recording the sbatch arguments")?;
+            "slurm"
+        }
+        None => {
+            let _ = fs::remove_file(dir.join(launcher::SLURM_ARGS));
+            "local"
+        }
+    };
     let mut controller_process = spawn_daemon(
         dir,
         "controller.log",
-        &["controller", "--config", &config_arg, "--state-dir", &dir_arg, "--launcher", "local"],
+        &["controller", "--config", &config_arg, "--state-dir", &dir_arg, "--launcher", launcher],
     )?;
     let controller = controller_process.id();
     fs::write(dir.join(PIDS), format!("controller {controller}\n"))?;
@@ -223,17 +260,38 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
         pids.push_str(&format!("standby {pid}\n"));
         println!("icheck up: standby controller started (pid {pid})");
     }
-    for index in 1..=options.managers {
-        let node = format!("local-{index}");
-        let pid =
-            spawn_daemon(dir, &format!("manager-{node}.log"), &["manager", "--config", &config_arg, "--node", &node])?
-                .id();
-        pids.push_str(&format!("manager-{node} {pid}\n"));
-        println!("icheck up: manager {node} started (pid {pid})");
+    let mut wait = Duration::from_secs(20);
+    if let Some(slurm) = &options.slurm {
+        let launcher = launcher::SlurmLauncher::from_state_dir(dir);
+        for _ in 0..options.managers {
+            let id = launcher.submit(None).map_err(anyhow::Error::msg)?;
+            println!(
+                "icheck up: manager submitted to Slurm as job {id} (log: {}/logs/manager-slurm-{id}.log)",
+                dir.display()
+            );
+        }
+        println!(
+            "icheck up: {} manager job(s); horizontal scaling up to {} nodes is not built yet",
+            options.managers, slurm.max_nodes
+        );
+        // Slurm schedules, then starts: give it longer than local processes.
+        wait = Duration::from_secs(120);
+    } else {
+        for index in 1..=options.managers {
+            let node = format!("local-{index}");
+            let pid = spawn_daemon(
+                dir,
+                &format!("manager-{node}.log"),
+                &["manager", "--config", &config_arg, "--node", &node],
+            )?
+            .id();
+            pids.push_str(&format!("manager-{node} {pid}\n"));
+            println!("icheck up: manager {node} started (pid {pid})");
+        }
     }
     fs::write(dir.join(PIDS), pids)?;
     let config = StaticConfig::load(&config_path)?;
-    wait_for_managers(&config, options.managers as usize, dir)?;
+    wait_for_managers(&config, options.managers as usize, dir, wait)?;
     if options.standby {
         wait_for_standby(&config, dir)?;
         println!("icheck up: the standby follows the primary's journal");
@@ -268,7 +326,7 @@ fn restart_dead(dir: &Path, recorded: &[(String, u32)]) -> Result<PathBuf> {
             Some(node) => ["manager", "--config", &config_arg, "--node", node].map(String::from).to_vec(),
             None if name == "controller" => ["controller", "--config", &config_arg, "--state-dir", &dir_arg]
                 .iter()
-                .chain(&["--launcher", "local"])
+                .chain(&["--launcher", if dir.join(launcher::SLURM_ARGS).exists() { "slurm" } else { "local" }])
                 .map(|arg| arg.to_string())
                 .collect(),
             // A standby started again follows whichever controller is primary.
@@ -288,7 +346,7 @@ fn restart_dead(dir: &Path, recorded: &[(String, u32)]) -> Result<PathBuf> {
         }
     }
     let managers = pids.iter().filter(|(name, _)| name.starts_with("manager-")).count();
-    wait_for_managers(&config, managers, dir)?;
+    wait_for_managers(&config, managers, dir, Duration::from_secs(20))?;
     println!("icheck up: all {} daemons of {} are running again", pids.len(), dir.display());
     Ok(config_path)
 }
@@ -325,7 +383,7 @@ fn wait_for_standby(config: &StaticConfig, dir: &Path) -> Result<()> {
 }
 
 /// Waits until the controller answers and `managers` nodes are alive.
-fn wait_for_managers(config: &StaticConfig, managers: usize, dir: &Path) -> Result<()> {
+fn wait_for_managers(config: &StaticConfig, managers: usize, dir: &Path, limit: Duration) -> Result<()> {
     let started = Instant::now();
     loop {
         if let Ok(ClientReply::Status(report)) = request_blocking(config, &ClientRequest::Status) {
@@ -333,8 +391,8 @@ fn wait_for_managers(config: &StaticConfig, managers: usize, dir: &Path) -> Resu
                 return Ok(());
             }
         }
-        if started.elapsed() > Duration::from_secs(20) {
-            bail!("managers did not all register within 20 s; see the logs in {}/logs", dir.display());
+        if started.elapsed() > limit {
+            bail!("managers did not all register within {} s; see the logs in {}/logs", limit.as_secs(), dir.display());
         }
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -361,6 +419,13 @@ pub fn down(dir: &Path) -> Result<()> {
             println!("icheck down: {name} (pid {pid}) ignored SIGTERM; sending SIGKILL");
             let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
         }
+    }
+    // Manager jobs after the controller, which would otherwise start them again.
+    if dir.join(launcher::SLURM_JOBS).exists() {
+        let slurm = launcher::SlurmLauncher::from_state_dir(dir);
+        let cancelled = slurm.cancel_all(Duration::from_secs(60)).map_err(anyhow::Error::msg)?;
+        let ids: Vec<String> = cancelled.iter().map(u64::to_string).collect();
+        println!("icheck down: cancelled the manager job(s) {} in Slurm", ids.join(", "));
     }
     let _ = fs::remove_file(dir.join(PIDS));
     let _ = fs::remove_file(dir.join("controller.addr"));

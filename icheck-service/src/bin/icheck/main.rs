@@ -87,6 +87,27 @@ enum Command_ {
         /// they next commit, so this bounds what idle clients hold.
         #[arg(long, default_value_t = 600.0)]
         client_idle_timeout: f64,
+        /// Run the managers as Slurm batch jobs on checkpoint nodes Slurm
+        /// chooses (sbatch of `icheck manager`, node names from Slurm),
+        /// instead of on this host; `icheck down` cancels every job it
+        /// submitted. The controller stays on this host and starts a dead
+        /// manager again through Slurm. Slurm's commands must work here
+        /// (SLURM_CONF), and the icheck binary and the state directory must
+        /// be at the same paths on the checkpoint nodes.
+        #[arg(long)]
+        slurm: bool,
+        /// The Slurm partition of the checkpoint nodes (with --slurm).
+        #[arg(long, requires = "slurm")]
+        partition: Option<String>,
+        /// Checkpoint nodes to start with, MIN or MIN..MAX (with --slurm;
+        /// overrides --managers). MAX bounds horizontal scaling, which is
+        /// not built yet: today MIN managers run.
+        #[arg(long, requires = "slurm", value_name = "MIN[..MAX]")]
+        nodes: Option<String>,
+        /// Another sbatch argument for the manager jobs (with --slurm;
+        /// repeat it): --sbatch-arg=--account=ckpt --sbatch-arg=--time=12:00:00
+        #[arg(long, requires = "slurm", allow_hyphen_values = true)]
+        sbatch_arg: Vec<String>,
     },
     /// Stop the service that `icheck up` started in a state directory.
     ///
@@ -170,9 +191,11 @@ enum Command_ {
         state_dir: Option<PathBuf>,
         /// How to start a manager that died: `local` starts it on this host
         /// as `icheck up` did, recorded in --state-dir's pids file (what
-        /// `icheck up` uses). Without it, dead managers stay down until an
+        /// `icheck up` uses); `slurm` submits a manager job for its node
+        /// with the sbatch arguments `icheck up --slurm` recorded in
+        /// --state-dir. Without it, dead managers stay down until an
         /// operator starts them.
-        #[arg(long, value_parser = ["local"], requires = "state_dir")]
+        #[arg(long, value_parser = ["local", "slurm"], requires = "state_dir")]
         launcher: Option<String>,
         /// Start as the standby controller (the second entry of
         /// ControllerAddress unless --listen names another).
@@ -525,6 +548,9 @@ fn run(cli: Cli) -> Result<()> {
                     (Some("local"), Some(dir)) => {
                         Some(std::sync::Arc::new(icheck_service::launcher::LocalLauncher { dir: dir.clone() }))
                     }
+                    (Some("slurm"), Some(dir)) => {
+                        Some(std::sync::Arc::new(icheck_service::launcher::SlurmLauncher::from_state_dir(dir)))
+                    }
                     _ => None,
                 };
             let options = icheck_service::controller::ControllerOptions {
@@ -567,8 +593,25 @@ fn run(cli: Cli) -> Result<()> {
             standby,
             takeover_after,
             client_idle_timeout,
+            slurm,
+            partition,
+            nodes,
+            sbatch_arg,
         } => {
+            let (managers, slurm) = match slurm {
+                false => (managers, None),
+                true => {
+                    let (min, max) = match &nodes {
+                        Some(range) => local::parse_node_range(range)?,
+                        None => (managers, managers),
+                    };
+                    let mut sbatch_args: Vec<String> = partition.iter().map(|p| format!("--partition={p}")).collect();
+                    sbatch_args.extend(sbatch_arg);
+                    (min, Some(local::SlurmUp { sbatch_args, max_nodes: max }))
+                }
+            };
             let options = local::UpOptions {
+                slurm,
                 state_dir: state_dir.clone(),
                 managers,
                 provider,

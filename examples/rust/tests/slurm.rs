@@ -1,0 +1,141 @@
+//! The service on a real Slurm: a test-local cluster of Debian's munged,
+//! slurmctld and three slurmd (`TestSlurm`), `icheck up --slurm` running
+//! its managers as Slurm jobs, MPI jobs checkpointing to them, a manager
+//! job cancelled and started again through Slurm, and `icheck down`
+//! cancelling every job it submitted.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::Job;
+use icheck_core::config::StaticConfig;
+use icheck_core::control::request_blocking;
+use icheck_core::protocol::{ClientReply, ClientRequest, StatusReport};
+use icheck_service::testkit::slurm::TestSlurm;
+use icheck_service::testkit::{icheck_in_target, wait_for};
+
+/// A Slurm-backed icheck service; `icheck down` on drop.
+struct SlurmService<'a> {
+    slurm: &'a TestSlurm,
+    dir: PathBuf,
+}
+
+impl SlurmService<'_> {
+    fn up<'a>(slurm: &'a TestSlurm, label: &str, nodes: &str) -> SlurmService<'a> {
+        let dir = std::env::temp_dir().join(format!("icheck-slurm-svc-{label}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = Command::new(icheck_in_target())
+            .args(["up", "--detach", "--provider", "tcp", "--slurm", "--partition", &slurm.partition, "--nodes", nodes])
+            .arg("--state-dir")
+            .arg(&dir)
+            .env("SLURM_CONF", &slurm.conf)
+            .output()
+            .unwrap();
+        let service = SlurmService { slurm, dir };
+        assert!(
+            out.status.success(),
+            "icheck up --slurm failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        service
+    }
+
+    fn config_path(&self) -> PathBuf {
+        self.dir.join("icheck.toml")
+    }
+
+    fn status(&self) -> StatusReport {
+        let config = StaticConfig::load(&self.config_path()).unwrap();
+        match request_blocking(&config, &ClientRequest::Status).unwrap() {
+            ClientReply::Status(report) => report,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn alive_nodes(&self) -> Vec<String> {
+        let mut nodes: Vec<String> = self.status().nodes.into_iter().filter(|n| n.alive).map(|n| n.node).collect();
+        nodes.sort();
+        nodes
+    }
+
+    fn down(&self) -> std::process::Output {
+        Command::new(icheck_in_target())
+            .args(["down", "--state-dir"])
+            .arg(&self.dir)
+            .env("SLURM_CONF", &self.slurm.conf)
+            .output()
+            .unwrap()
+    }
+}
+
+impl Drop for SlurmService<'_> {
+    fn drop(&mut self) {
+        if self.dir.join("pids").exists() {
+            let _ = self.down();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn manager_jobs(slurm: &TestSlurm) -> Vec<(u64, String, String)> {
+    slurm.jobs().into_iter().filter(|(_, state, _)| state == "RUNNING").collect()
+}
+
+fn recorded_jobs(dir: &Path) -> Vec<u64> {
+    std::fs::read_to_string(dir.join("slurm-jobs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
+#[test]
+fn managers_run_as_slurm_jobs_serve_mpi_jobs_are_restarted_through_slurm_and_are_released() {
+    let slurm = TestSlurm::start("up", "ck", 3);
+    let service = SlurmService::up(&slurm, "up", "2..3");
+    // Two manager jobs run, on nodes Slurm chose; the service knows the
+    // checkpoint nodes by Slurm's names for them.
+    let running = manager_jobs(&slurm);
+    assert_eq!(running.len(), 2, "{running:?}");
+    let mut job_nodes: Vec<String> = running.iter().map(|(_, _, node)| node.clone()).collect();
+    job_nodes.sort();
+    assert_eq!(service.alive_nodes(), job_nodes);
+    assert!(job_nodes.iter().all(|n| slurm.nodes.contains(n)), "{job_nodes:?} not among {:?}", slurm.nodes);
+    let recorded = recorded_jobs(&service.dir);
+    assert_eq!(recorded.len(), 2, "{recorded:?}");
+
+    // An MPI job checkpoints to them, is killed, and restarts bit-exact.
+    let config = service.config_path();
+    let mut job = Job::start(
+        2,
+        &config,
+        &["--app", "on-slurm", "--steps", "20", "--every", "2", "--mib", "8", "--hang-after", "3"],
+        &[],
+    );
+    job.wait_line("HANG", Duration::from_secs(120));
+    job.kill();
+    let lines = Job::start(2, &config, &["--app", "on-slurm", "--steps", "8", "--every", "2", "--mib", "8"], &[])
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+
+    // A manager's job ends (cancelled, as a node failure or an admin
+    // would): the controller submits a new job for that node.
+    let (victim, _, node) = running[0].clone();
+    slurm.run("scancel", &[&victim.to_string()]);
+    wait_for("the cancelled manager's node to be started again by Slurm", Duration::from_secs(90), || {
+        manager_jobs(&slurm).iter().any(|(id, _, n)| *id != victim && *n == node)
+            && service.alive_nodes().contains(&node)
+    });
+    assert_eq!(recorded_jobs(&service.dir).len(), 3, "the relaunch is recorded");
+
+    // icheck down cancels every job it submitted.
+    let down = service.down();
+    let text = String::from_utf8_lossy(&down.stdout);
+    assert!(down.status.success() && text.contains("cancelled the manager job(s)"), "{text}");
+    assert!(slurm.jobs().is_empty(), "jobs left in Slurm: {:?}", slurm.jobs());
+    assert!(!service.dir.join("slurm-jobs").exists());
+}

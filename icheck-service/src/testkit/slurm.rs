@@ -1,0 +1,228 @@
+//! A real Slurm for tests: Debian's `munged`, `slurmctld` and several
+//! `slurmd` (one per node name, each on its own port, all on this host),
+//! started from a generated `slurm.conf` in a directory of the test's own,
+//! and stopped by PID when the test ends. Tests drive it with Slurm's own
+//! commands (`sbatch`, `squeue`, `scancel`), which find it through
+//! `SLURM_CONF`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running test-local Slurm cluster.
+pub struct TestSlurm {
+    /// Everything it writes: configuration, munge key and socket, state,
+    /// spool directories and logs.
+    pub dir: PathBuf,
+    /// Its `slurm.conf` (give it to Slurm's commands as `SLURM_CONF`).
+    pub conf: PathBuf,
+    /// The partition holding every node.
+    pub partition: String,
+    /// Its node names.
+    pub nodes: Vec<String>,
+    daemons: Vec<Child>,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+}
+
+impl TestSlurm {
+    /// Starts munged, slurmctld and `nodes` slurmd named `{name}1`,
+    /// `{name}2`, ... in partition `ckpt`, and waits until every node is idle.
+    pub fn start(label: &str, name: &str, nodes: usize) -> TestSlurm {
+        let dir = std::env::temp_dir().join(format!("icheck-slurm-{label}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for sub in ["munge", "state", "log"] {
+            std::fs::create_dir_all(dir.join(sub)).expect("create the Slurm test directory");
+        }
+        let mut slurm = TestSlurm {
+            conf: dir.join("slurm.conf"),
+            dir,
+            partition: "ckpt".into(),
+            nodes: (1..=nodes).map(|i| format!("{name}{i}")).collect(),
+            daemons: Vec::new(),
+        };
+        slurm.start_munge();
+        slurm.write_conf();
+        let conf = slurm.conf.to_string_lossy().into_owned();
+        slurm.spawn("slurmctld", &["-D", "-f", &conf]);
+        for node in slurm.nodes.clone() {
+            std::fs::create_dir_all(slurm.dir.join("spool").join(&node)).unwrap();
+            slurm.spawn("slurmd", &["-D", "-f", &conf, "-N", &node]);
+        }
+        slurm.wait_idle(Duration::from_secs(60));
+        slurm
+    }
+
+    fn start_munge(&mut self) {
+        use std::os::unix::fs::PermissionsExt;
+        let munge = self.dir.join("munge");
+        std::fs::set_permissions(&munge, std::fs::Permissions::from_mode(0o711)).unwrap();
+        let mut key = vec![0u8; 1024];
+        std::io::Read::read_exact(&mut std::fs::File::open("/dev/urandom").unwrap(), &mut key).unwrap();
+        let key_file = munge.join("munge.key");
+        std::fs::write(&key_file, key).unwrap();
+        std::fs::set_permissions(&key_file, std::fs::Permissions::from_mode(0o400)).unwrap();
+        let arg = |flag: &str, file: &str| format!("--{flag}={}", munge.join(file).display());
+        let args = [
+            "--foreground".to_string(),
+            "--force".to_string(),
+            arg("key-file", "munge.key"),
+            arg("socket", "munge.sock"),
+            arg("pid-file", "munged.pid"),
+            arg("log-file", "munged.log"),
+            arg("seed-file", "munged.seed"),
+        ];
+        self.spawn("munged", &args.iter().map(String::as_str).collect::<Vec<_>>());
+        let socket = munge.join("munge.sock");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !socket.exists() {
+            assert!(Instant::now() < deadline, "munged did not create {}", socket.display());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn write_conf(&self) {
+        let host = nix::unistd::gethostname().expect("hostname").to_string_lossy().into_owned();
+        let host = host.split('.').next().unwrap_or("localhost").to_string();
+        let d = self.dir.display();
+        let mut text = format!(
+            "ClusterName=icheck-test\n\
+             SlurmctldHost={host}(127.0.0.1)\n\
+             SlurmctldPort={ctld}\n\
+             SlurmdPort={slurmd}\n\
+             AuthType=auth/munge\n\
+             AuthInfo=socket={d}/munge/munge.sock\n\
+             CredType=cred/munge\n\
+             SlurmUser=root\n\
+             SlurmdUser=root\n\
+             StateSaveLocation={d}/state\n\
+             SlurmdSpoolDir={d}/spool/%n\n\
+             SlurmctldPidFile={d}/slurmctld.pid\n\
+             SlurmdPidFile={d}/slurmd-%n.pid\n\
+             SlurmctldLogFile={d}/log/slurmctld.log\n\
+             SlurmdLogFile={d}/log/slurmd-%n.log\n\
+             ProctrackType=proctrack/pgid\n\
+             TaskPlugin=task/none\n\
+             SelectType=select/cons_tres\n\
+             SelectTypeParameters=CR_Core\n\
+             SchedulerType=sched/backfill\n\
+             MpiDefault=none\n\
+             ReturnToService=2\n\
+             JobAcctGatherType=jobacct_gather/none\n\
+             AccountingStorageType=accounting_storage/none\n\
+             KillWait=5\n",
+            ctld = free_port(),
+            slurmd = free_port(),
+        );
+        for node in &self.nodes {
+            text.push_str(&format!(
+                "NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={} CPUs=1 RealMemory=1000 State=UNKNOWN\n",
+                free_port()
+            ));
+        }
+        text.push_str(&format!(
+            "PartitionName={} Nodes={} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO\n",
+            self.partition,
+            self.nodes.join(",")
+        ));
+        std::fs::write(&self.conf, text).unwrap();
+    }
+
+    fn spawn(&mut self, program: &str, args: &[&str]) {
+        let log = std::fs::File::create(self.dir.join("log").join(format!("{program}-{}.out", self.daemons.len())))
+            .expect("daemon log");
+        let child = Command::new(program)
+            .args(args)
+            .env("SLURM_CONF", &self.conf)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {program} (are slurm-wlm and munge installed?): {e}"));
+        self.daemons.push(child);
+    }
+
+    /// A Slurm command (`sbatch`, `squeue`, ...) of this cluster.
+    pub fn command(&self, program: &str) -> Command {
+        let mut command = Command::new(program);
+        command.env("SLURM_CONF", &self.conf);
+        command
+    }
+
+    /// Output of a Slurm command that must succeed.
+    pub fn run(&self, program: &str, args: &[&str]) -> String {
+        let out = self.command(program).args(args).output().unwrap_or_else(|e| panic!("{program}: {e}"));
+        assert!(out.status.success(), "{program} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// The cluster's jobs as (id, state, node list).
+    pub fn jobs(&self) -> Vec<(u64, String, String)> {
+        self.run("squeue", &["-h", "-o", "%i %T %N"])
+            .lines()
+            .filter_map(|line| {
+                let mut parts = line.split_whitespace();
+                Some((parts.next()?.parse().ok()?, parts.next()?.to_string(), parts.next().unwrap_or("").to_string()))
+            })
+            .collect()
+    }
+
+    fn wait_idle(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let out = self.command("sinfo").args(["-h", "-N", "-o", "%N %T"]).output();
+            let text = out.as_ref().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+            let idle = text.lines().filter(|l| l.ends_with(" idle")).count();
+            if idle == self.nodes.len() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the test Slurm's nodes did not become idle: {text}\nslurmctld log:\n{}",
+                std::fs::read_to_string(self.dir.join("log/slurmctld.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// The log of a daemon of this cluster.
+    pub fn log(&self, file: &str) -> String {
+        std::fs::read_to_string(self.dir.join("log").join(file)).unwrap_or_default()
+    }
+
+    /// Where the cluster keeps its files.
+    pub fn path(&self, relative: &str) -> PathBuf {
+        Path::new(&self.dir).join(relative)
+    }
+}
+
+impl Drop for TestSlurm {
+    fn drop(&mut self) {
+        // The jobs first (this cluster's slurmctld knows only this test's
+        // jobs), so that their steps end before the daemons do.
+        let _ = self.command("scancel").args(["--user", "root"]).output();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline
+            && self.command("squeue").args(["-h"]).output().is_ok_and(|o| !o.stdout.is_empty())
+        {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        for child in self.daemons.iter_mut().rev() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+        for child in self.daemons.iter_mut().rev() {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
