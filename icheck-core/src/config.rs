@@ -917,23 +917,23 @@ impl DynamicConfig {
         Ok(config)
     }
 
-    /// Reads and validates `file`, refusing settings the service cannot
-    /// carry out (rather than parsing them and doing nothing): the
-    /// controller applies what `load` returns, at start and at each re-read.
+    /// Reads and validates `file`.
     pub fn load(file: &Path) -> Result<DynamicConfig, ConfigError> {
-        let config = DynamicConfig::parse(file, &read(file)?)?;
-        config.supported(file)?;
-        Ok(config)
+        DynamicConfig::parse(file, &read(file)?)
     }
 
-    /// Errors for keys whose values this build parses but cannot honour.
-    pub fn supported(&self, file: &Path) -> Result<(), ConfigError> {
-        if self.is_dynamic_hs {
+    /// Errors for keys whose values this controller parses but cannot
+    /// honour (rather than doing nothing): `can_scale` says whether it has
+    /// a resource manager that gives and takes nodes. The controller checks
+    /// at start and at each re-read.
+    pub fn supported(&self, file: &Path, can_scale: bool) -> Result<(), ConfigError> {
+        if self.is_dynamic_hs && !can_scale {
             return Err(ConfigError::Unsupported {
                 file: file.into(),
                 key: "is_dynamic_hs",
-                why: "the controller cannot yet grow or shrink its nodes through a resource manager; \
-                      set is_dynamic_hs = false (manager_count applies only with it)",
+                why: "horizontal scaling needs a resource manager that gives and takes checkpoint nodes \
+                      (icheck up --slurm, or icheck controller --launcher slurm); \
+                      set is_dynamic_hs = false here (manager_count applies only with it)",
             });
         }
         Ok(())
@@ -1006,18 +1006,22 @@ mod tests {
     }
 
     #[test]
-    fn loading_refuses_horizontal_scaling_by_name_until_it_exists() {
+    fn horizontal_scaling_is_refused_by_name_without_a_resource_manager() {
         let dir = std::env::temp_dir().join(format!("icheck-hs-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("dynamic.toml");
         std::fs::write(&path, "is_dynamic_hs = true\nmanager_count = 4\n").unwrap();
-        let err = DynamicConfig::load(&path).unwrap_err().to_string();
+        let config = DynamicConfig::load(&path).unwrap();
+        let err = config.supported(&path, false).unwrap_err().to_string();
         assert!(
             err.contains("is_dynamic_hs") && err.contains("not supported") && err.contains("dynamic.toml"),
             "{err}"
         );
+        assert!(config.supported(&path, true).is_ok(), "a resource manager makes it work");
         std::fs::write(&path, "is_dynamic_hs = false\nmanager_count = 4\n").unwrap();
-        assert_eq!(DynamicConfig::load(&path).unwrap().manager_count, 4);
+        let config = DynamicConfig::load(&path).unwrap();
+        assert!(config.supported(&path, false).is_ok());
+        assert_eq!(config.manager_count, 4);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

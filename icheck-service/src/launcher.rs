@@ -85,6 +85,20 @@ pub trait Launcher: Send + Sync {
     fn is_dead(&self, node: &str, pid: u32) -> bool;
     /// Starts the manager of `node` again; returns its process id.
     fn relaunch(&self, node: &str) -> Result<u32, String>;
+    /// Whether it can give the service new checkpoint nodes (horizontal
+    /// scaling, Algorithm 8).
+    fn can_scale(&self) -> bool {
+        false
+    }
+    /// Asks for one more checkpoint node with a manager on it; says what
+    /// was asked (e.g. the Slurm job).
+    fn add_node(&self) -> Result<String, String> {
+        Err("this launcher cannot add checkpoint nodes".into())
+    }
+    /// Idle nodes the resource manager could give now, if it says.
+    fn idle_nodes(&self) -> Option<u32> {
+        None
+    }
 }
 
 /// Starts managers as local processes of the service in a state directory,
@@ -133,6 +147,9 @@ impl Launcher for LocalLauncher {
 /// managers: `JOBID NODE` per line (`NODE` is `*` for a job placed by
 /// Slurm). `icheck down` cancels exactly these.
 pub const SLURM_JOBS: &str = "slurm-jobs";
+/// The file holding the most checkpoint nodes a Slurm-backed service may
+/// run (`icheck up --slurm --nodes MIN..MAX`).
+pub const SLURM_MAX_NODES: &str = "slurm-max-nodes";
 /// The file holding the sbatch arguments of a Slurm-backed service (one
 /// per line: partition, account, time limit, ...), shared by `icheck up`
 /// and the controller's launcher.
@@ -305,5 +322,32 @@ impl Launcher for SlurmLauncher {
     fn relaunch(&self, node: &str) -> Result<u32, String> {
         let id = self.submit(Some(node))?;
         Ok(u32::try_from(id).unwrap_or(u32::MAX))
+    }
+
+    fn can_scale(&self) -> bool {
+        true
+    }
+
+    fn add_node(&self) -> Result<String, String> {
+        let live = self.live_jobs().len() as u32;
+        let max = fs::read_to_string(self.dir.join(SLURM_MAX_NODES))
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(u32::MAX);
+        if live >= max {
+            return Err(format!("already {live} manager job(s), the most this service may run (--nodes ..{max})"));
+        }
+        self.submit(None).map(|id| format!("Slurm job {id}"))
+    }
+
+    fn idle_nodes(&self) -> Option<u32> {
+        // In the manager jobs' own partition, when they name one.
+        let mut sinfo = Command::new("sinfo");
+        sinfo.args(["-h", "-t", "idle", "-o", "%D"]);
+        if let Some(partition) = self.sbatch_args.iter().find_map(|a| a.strip_prefix("--partition=")) {
+            sinfo.arg(format!("--partition={partition}"));
+        }
+        let out = sinfo.output().ok().filter(|o| o.status.success())?;
+        Some(String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.trim().parse::<u32>().ok()).sum())
     }
 }

@@ -25,8 +25,17 @@ struct SlurmService<'a> {
 
 impl SlurmService<'_> {
     fn up<'a>(slurm: &'a TestSlurm, label: &str, nodes: &str) -> SlurmService<'a> {
+        Self::up_with_dynamic(slurm, label, nodes, None)
+    }
+
+    /// With `dynamic` as the service's dynamic configuration.
+    fn up_with_dynamic<'a>(slurm: &'a TestSlurm, label: &str, nodes: &str, dynamic: Option<&str>) -> SlurmService<'a> {
         let dir = std::env::temp_dir().join(format!("icheck-slurm-svc-{label}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
+        if let Some(text) = dynamic {
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("dynamic.toml"), text).unwrap();
+        }
         let out = Command::new(icheck_in_target())
             .args(["up", "--detach", "--provider", "tcp", "--slurm", "--partition", &slurm.partition, "--nodes", nodes])
             .arg("--state-dir")
@@ -138,4 +147,51 @@ fn managers_run_as_slurm_jobs_serve_mpi_jobs_are_restarted_through_slurm_and_are
     assert!(down.status.success() && text.contains("cancelled the manager job(s)"), "{text}");
     assert!(slurm.jobs().is_empty(), "jobs left in Slurm: {:?}", slurm.jobs());
     assert!(!service.dir.join("slurm-jobs").exists());
+}
+
+#[test]
+fn filling_checkpoint_memory_makes_the_controller_ask_slurm_for_a_node_and_new_versions_land_there() {
+    let slurm = TestSlurm::start("scale", "cs", 2);
+    // 50 MiB of checkpoint memory per node; a node half full and still
+    // filling needs another (Algorithm 8 with low thresholds).
+    let dynamic = "readInterval = 1\nis_dynamic_hs = true\nmax_mem_node = 0.049\nlower_threshold = 0.3\n\
+                   upper_threshold = 0.4\ndepletion_threshold = \"1MiB\"\nscaler_interval = 0.5\n\
+                   init_agent_count = 2\nnode_selection = \"RR\"\n";
+    let service = SlurmService::up_with_dynamic(&slurm, "scale", "1..2", Some(dynamic));
+    let first = service.alive_nodes();
+    assert_eq!(first.len(), 1, "{first:?}");
+    let config = service.config_path();
+    // Two ranks x 12 MiB per version, a version every 0.3 s.
+    let filler = Job::start(
+        2,
+        &config,
+        &["--app", "filler", "--steps", "12", "--every", "1", "--mib", "12", "--step-ms", "300", "--persist"],
+        &[],
+    );
+    wait_for("a second checkpoint node from Slurm", Duration::from_secs(90), || service.alive_nodes().len() == 2);
+    let lines = filler.finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=12 ")), "{lines:?}");
+    let log = std::fs::read_to_string(service.dir.join("logs/controller.log")).unwrap();
+    let asked = log
+        .lines()
+        .find(|l| l.contains("scaler: asked for another checkpoint node"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(asked.contains("priority=High") && asked.contains("Slurm job"), "{asked}");
+    assert_eq!(manager_jobs(&slurm).len(), 2, "{:?}", slurm.jobs());
+    let added: Vec<String> = service.alive_nodes().into_iter().filter(|n| !first.contains(n)).collect();
+    assert_eq!(added.len(), 1, "{added:?}");
+    // The most nodes is 2: no third request, however full the nodes are.
+    assert_eq!(log.matches("scaler: asked for another checkpoint node").count(), 1, "{log}");
+
+    // A new application's agents are placed on both nodes: its versions
+    // land on the new one too.
+    let lines =
+        Job::start(2, &config, &["--app", "newcomer", "--steps", "2", "--every", "1", "--mib", "1", "--persist"], &[])
+            .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=2 ")), "{lines:?}");
+    let status = service.status();
+    let app = status.apps.iter().find(|a| a.registration.name == "newcomer").expect("newcomer registered");
+    assert!(app.agents.iter().any(|a| a.node == added[0]), "agents {:?} not on {}", app.agents, added[0]);
+    assert!(service.down().status.success());
+    assert!(slurm.jobs().is_empty(), "{:?}", slurm.jobs());
 }

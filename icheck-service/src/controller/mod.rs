@@ -15,6 +15,7 @@ mod protection;
 mod rebuild;
 mod reconcile;
 mod replica;
+mod scaler;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
@@ -333,8 +334,13 @@ async fn run(
 ) -> Result<(), ServiceError> {
     let (config, state_dir, launcher) = (config.clone(), options.state_dir.clone(), options.launcher.clone());
     let tokens = &options.tokens;
+    let can_scale = launcher.as_ref().is_some_and(|l| l.can_scale());
     let dynamic = match &config.dynamic_config {
-        Some(path) => DynamicConfig::load(path)?,
+        Some(path) => {
+            let dynamic = DynamicConfig::load(path)?;
+            dynamic.supported(path, can_scale)?;
+            dynamic
+        }
         None => DynamicConfig::default(),
     };
     let listener = TcpListener::bind(me)
@@ -441,6 +447,9 @@ async fn run(
         tokio::spawn(super::metrics::serve(metrics, readers, move || status_report(&shared, Privilege::Admin)));
     }
     tokio::spawn(watch_liveness(shared.clone()));
+    if can_scale {
+        tokio::spawn(scaler::run(shared.clone()));
+    }
     if shared.controllers.len() > 1 {
         tokio::spawn(watch_partners(shared.clone()));
     }
@@ -754,7 +763,8 @@ async fn reload_dynamic(shared: Arc<Shared>, path: PathBuf) {
     loop {
         let every = shared.dynamic().read_every();
         tokio::time::sleep(every).await;
-        match DynamicConfig::load(&path) {
+        let can_scale = shared.launcher.as_ref().is_some_and(|l| l.can_scale());
+        match DynamicConfig::load(&path).and_then(|new| new.supported(&path, can_scale).map(|()| new)) {
             Ok(new) => {
                 last_error.clear();
                 let mut current = shared.dynamic.write().unwrap_or_else(|p| p.into_inner());

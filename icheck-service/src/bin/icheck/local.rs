@@ -211,6 +211,8 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
         Some(slurm) => {
             fs::write(dir.join(launcher::SLURM_ARGS), slurm.sbatch_args.join("\n") + "\n")
                 .context("recording the sbatch arguments")?;
+            fs::write(dir.join(launcher::SLURM_MAX_NODES), format!("{}\n", slurm.max_nodes))
+                .context("recording the most nodes")?;
             "slurm"
         }
         None => {
@@ -271,8 +273,10 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
             );
         }
         println!(
-            "icheck up: {} manager job(s); horizontal scaling up to {} nodes is not built yet",
-            options.managers, slurm.max_nodes
+            "icheck up: {} manager job(s); with is_dynamic_hs = true in {}/dynamic.toml the controller asks for up to {} nodes",
+            options.managers,
+            dir.display(),
+            slurm.max_nodes
         );
         // Slurm schedules, then starts: give it longer than local processes.
         wait = Duration::from_secs(120);

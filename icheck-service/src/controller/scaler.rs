@@ -1,0 +1,151 @@
+//! The proactive scaler (thesis Algorithm 8) driven by the controller:
+//! every `scaler_interval` seconds, with `is_dynamic_hs = true` and a
+//! launcher that can add nodes (Slurm), it turns the node reports into
+//! [`NodeLoad`]s and carries out what [`scaling::proactive`] decides.
+//!
+//! A node's memory here is its checkpoint memory: `max_mem_node` (never
+//! more than the node has), of which the versions it holds are used; the
+//! depletion rate is how fast what it holds grew since the last pass.
+//!
+//! Architecture invariant: one request at a time. After asking for a node
+//! the scaler asks for nothing more until a new manager has registered (or
+//! five minutes have passed), so a slow resource manager is never flooded.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use icheck_core::scaling::{self, NodeLoad, ProactiveAction, ScalerState};
+
+use super::{Shared, FORECAST_HORIZON_SECS};
+
+/// How long a request may stay unanswered before the scaler may ask again.
+const REQUEST_PATIENCE: Duration = Duration::from_secs(300);
+
+/// Bytes held by each node at the previous pass, and when.
+type Previous = HashMap<String, (u64, Instant)>;
+
+/// The loads of the live nodes at `now`, from their reports and the
+/// previous pass (for the depletion rate).
+fn loads(
+    reports: &[icheck_core::protocol::NodeReport],
+    budget: u64,
+    previous: &Previous,
+    now: Instant,
+) -> Vec<NodeLoad> {
+    reports
+        .iter()
+        .filter(|n| n.alive)
+        .map(|n| {
+            let total = match n.status.mem_total {
+                0 => budget,
+                node => budget.min(node),
+            };
+            let held = n.status.bytes_held;
+            let depletion_rate = previous.get(&n.node).and_then(|(before, at)| {
+                let secs = now.duration_since(*at).as_secs_f64();
+                (secs > 0.0).then(|| ((held as f64 - *before as f64) / secs).max(0.0))
+            });
+            NodeLoad {
+                node: n.node.clone(),
+                mem_total: total,
+                mem_available: total.saturating_sub(held),
+                depletion_rate,
+                bandwidth: n.status.bandwidth,
+                cops_per_min: n.status.cops_per_min,
+                agents: n.status.agents,
+            }
+        })
+        .collect()
+}
+
+/// Runs the proactive scaler for as long as the controller is primary.
+pub(super) async fn run(shared: Arc<Shared>) {
+    let Some(launcher) = shared.launcher.clone().filter(|l| l.can_scale()) else { return };
+    let mut scaler = ScalerState::default();
+    let mut previous = Previous::new();
+    let mut asked: Option<(Instant, usize)> = None;
+    loop {
+        let dynamic = shared.dynamic();
+        tokio::time::sleep(Duration::from_secs_f64(dynamic.scaler_interval)).await;
+        if !dynamic.is_dynamic_hs || shared.may_act().is_err() {
+            continue;
+        }
+        let now = Instant::now();
+        let reports = shared.state().nodes.report(now, FORECAST_HORIZON_SECS);
+        let alive = reports.iter().filter(|n| n.alive).count();
+        let loads = loads(&reports, dynamic.max_mem_node_bytes(), &previous, now);
+        previous = reports.iter().map(|n| (n.node.clone(), (n.status.bytes_held, now))).collect();
+        if let Some((at, count)) = asked {
+            if alive <= count && now.duration_since(at) < REQUEST_PATIENCE {
+                continue;
+            }
+            asked = None;
+        }
+        if scaler.pending_query {
+            let ask = launcher.clone();
+            if let Ok(Some(idle)) = tokio::task::spawn_blocking(move || ask.idle_nodes()).await {
+                scaler.idle_nodes = idle;
+            }
+        }
+        match scaling::proactive(&loads, &dynamic.scaling_thresholds(), &mut scaler) {
+            ProactiveAction::Nothing => {}
+            ProactiveAction::Query { because } => {
+                tracing::info!(%because, "scaler: asking the resource manager for idle nodes");
+            }
+            ProactiveAction::Request { priority, because } => {
+                let add = launcher.clone();
+                match tokio::task::spawn_blocking(move || add.add_node()).await {
+                    Ok(Ok(what)) => {
+                        tracing::info!(?priority, %because, %what, "scaler: asked for another checkpoint node");
+                        asked = Some((now, alive));
+                    }
+                    Ok(Err(why)) => {
+                        tracing::warn!(?priority, %because, %why, "scaler: could not get another checkpoint node")
+                    }
+                    Err(err) => tracing::error!(%err, "scaler: the request for a node failed"),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use icheck_core::protocol::{NodeReport, NodeStatus};
+
+    fn report(node: &str, held: u64, alive: bool) -> NodeReport {
+        NodeReport {
+            node: node.into(),
+            pid: 1,
+            alive,
+            last_heartbeat_secs: 0.0,
+            status: NodeStatus { mem_total: 64 << 30, bytes_held: held, agents: 2, ..NodeStatus::default() },
+            trend: Default::default(),
+            draining: false,
+            relaunches: 0,
+            given_up: false,
+            start_failure: None,
+        }
+    }
+
+    #[test]
+    fn checkpoint_memory_is_the_budget_and_depletion_the_growth_of_what_is_held() {
+        let start = Instant::now();
+        let later = start + Duration::from_secs(2);
+        let budget = 100 << 20;
+        let first = loads(&[report("a", 10 << 20, true), report("b", 0, false)], budget, &Previous::new(), start);
+        assert_eq!(first.len(), 1, "only live nodes");
+        assert_eq!((first[0].mem_total, first[0].mem_available), (budget, 90 << 20));
+        assert_eq!(first[0].depletion_rate, None, "no rate from one sample");
+        let previous: Previous = [("a".to_string(), (10 << 20, start))].into();
+        let second = loads(&[report("a", 30 << 20, true)], budget, &previous, later);
+        assert_eq!(second[0].depletion_rate, Some(10.0 * (1 << 20) as f64), "20 MiB in 2 s");
+        let shrinking = loads(&[report("a", 0, true)], budget, &previous, later);
+        assert_eq!(shrinking[0].depletion_rate, Some(0.0), "freed memory is no depletion");
+        // A budget above the node's memory is cut to it.
+        let huge = loads(&[report("a", 0, true)], u64::MAX, &Previous::new(), start);
+        assert_eq!(huge[0].mem_total, 64 << 30);
+    }
+}
