@@ -99,6 +99,20 @@ pub trait Launcher: Send + Sync {
     fn idle_nodes(&self) -> Option<u32> {
         None
     }
+    /// Checkpoint nodes the resource manager asks back (Algorithm 9's
+    /// REMOVE_NODES): the controller empties and releases them.
+    fn reclaimed(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// Stops the manager of an emptied `node` and gives the node back; it
+    /// is never started again.
+    fn release(&self, node: &str) -> Result<String, String> {
+        Err(format!("this launcher cannot release {node}"))
+    }
+    /// Whether `node` was given back (a manager there is not started again).
+    fn released(&self, _node: &str) -> bool {
+        false
+    }
 }
 
 /// Starts managers as local processes of the service in a state directory,
@@ -147,6 +161,8 @@ impl Launcher for LocalLauncher {
 /// managers: `JOBID NODE` per line (`NODE` is `*` for a job placed by
 /// Slurm). `icheck down` cancels exactly these.
 pub const SLURM_JOBS: &str = "slurm-jobs";
+/// The file naming the nodes a Slurm-backed service gave back, one per line.
+pub const SLURM_RELEASED: &str = "slurm-released";
 /// The file holding the most checkpoint nodes a Slurm-backed service may
 /// run (`icheck up --slurm --nodes MIN..MAX`).
 pub const SLURM_MAX_NODES: &str = "slurm-max-nodes";
@@ -338,6 +354,62 @@ impl Launcher for SlurmLauncher {
             return Err(format!("already {live} manager job(s), the most this service may run (--nodes ..{max})"));
         }
         self.submit(None).map(|id| format!("Slurm job {id}"))
+    }
+
+    fn reclaimed(&self) -> Vec<String> {
+        // An administrator (or a Slurm policy) drains a node to have it
+        // back: `scontrol update NodeName=X State=DRAIN Reason=...`.
+        let ours: Vec<String> = self
+            .live_jobs()
+            .into_iter()
+            .filter(|(_, state, node)| state == "RUNNING" && !node.is_empty())
+            .map(|(_, _, node)| node)
+            .collect();
+        if ours.is_empty() {
+            return Vec::new();
+        }
+        let Ok(out) = Command::new("sinfo").args(["-h", "-N", "-o", "%N %t", "-n", &ours.join(",")]).output() else {
+            return Vec::new();
+        };
+        let mut nodes: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|line| {
+                let (node, state) = line.split_once(' ')?;
+                state
+                    .trim()
+                    .trim_end_matches(['*', '~', '#', '!', '%', '$', '@', '^', '-'])
+                    .starts_with("dr")
+                    .then(|| node.to_string())
+            })
+            .filter(|node| !self.released(node))
+            .collect();
+        nodes.sort();
+        nodes.dedup();
+        nodes
+    }
+
+    fn release(&self, node: &str) -> Result<String, String> {
+        let mut released = fs::read_to_string(self.dir.join(SLURM_RELEASED)).unwrap_or_default();
+        released.push_str(&format!("{node}\n"));
+        fs::write(self.dir.join(SLURM_RELEASED), released)
+            .map_err(|err| format!("cannot record {node} as released in {}: {err}", self.dir.display()))?;
+        let jobs: Vec<String> =
+            self.live_jobs().into_iter().filter(|(_, _, n)| n == node).map(|(id, _, _)| id.to_string()).collect();
+        if jobs.is_empty() {
+            return Ok(format!("no manager job ran on {node}"));
+        }
+        let out = Command::new("scancel")
+            .args(&jobs)
+            .output()
+            .map_err(|err| format!("cannot run scancel for {node}: {err}"))?;
+        if !out.status.success() {
+            return Err(format!("scancel {}: {}", jobs.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
+        }
+        Ok(format!("cancelled Slurm job(s) {} on {node}", jobs.join(", ")))
+    }
+
+    fn released(&self, node: &str) -> bool {
+        fs::read_to_string(self.dir.join(SLURM_RELEASED)).is_ok_and(|text| text.lines().any(|l| l.trim() == node))
     }
 
     fn idle_nodes(&self) -> Option<u32> {

@@ -195,3 +195,50 @@ fn filling_checkpoint_memory_makes_the_controller_ask_slurm_for_a_node_and_new_v
     assert!(service.down().status.success());
     assert!(slurm.jobs().is_empty(), "{:?}", slurm.jobs());
 }
+
+#[test]
+fn a_node_slurm_asks_back_is_emptied_first_then_released_and_restarts_stay_bit_exact() {
+    let slurm = TestSlurm::start("shrink", "cr", 2);
+    let dynamic = "readInterval = 1\nscaler_interval = 0.5\ninit_agent_count = 2\nnode_selection = \"RR\"\n";
+    let service = SlurmService::up_with_dynamic(&slurm, "shrink", "2", Some(dynamic));
+    assert_eq!(service.alive_nodes().len(), 2);
+    let config = service.config_path();
+    // Versions of an application whose agents sit on both nodes, kept
+    // after it ends.
+    let lines =
+        Job::start(2, &config, &["--app", "keeper", "--steps", "4", "--every", "2", "--mib", "8", "--persist"], &[])
+            .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    let status = service.status();
+    let app = status.apps.iter().find(|a| a.registration.name == "keeper").unwrap();
+    let mut homes: Vec<String> = app.agents.iter().map(|a| a.node.clone()).collect();
+    homes.sort();
+    homes.dedup();
+    assert_eq!(homes.len(), 2, "agents on both nodes: {:?}", app.agents);
+
+    // Slurm wants one back: an administrator drains it.
+    let leaving = homes[1].clone();
+    slurm.run("scontrol", &["update", &format!("NodeName={leaving}"), "State=DRAIN", "Reason=icheck-test"]);
+    wait_for("the drained node's manager job to end", Duration::from_secs(90), || {
+        manager_jobs(&slurm).iter().all(|(_, _, node)| *node != leaving)
+    });
+    // Its versions moved away before its manager went.
+    let status = service.status();
+    let app = status.apps.iter().find(|a| a.registration.name == "keeper").unwrap();
+    assert!(app.agents.iter().all(|a| a.node != leaving), "agents left on {leaving}: {:?}", app.agents);
+    let log = std::fs::read_to_string(service.dir.join("logs/controller.log")).unwrap();
+    assert!(log.contains("released checkpoint node"), "{log}");
+    // Moved over the fabric, agent to agent (the PFS holds no copy of it).
+    let moved = log.lines().find(|l| l.contains("agents changed")).unwrap_or_else(|| panic!("{log}"));
+    assert!(moved.contains("moved_bytes=") && !moved.contains("moved_bytes=0 "), "{moved}");
+    assert!(!service.dir.join("pfs/keeper/v3").exists(), "version 3 is on the PFS: the test would prove nothing");
+    assert_eq!(manager_jobs(&slurm).len(), 1, "{:?}", slurm.jobs());
+    // Not started again, though its manager is gone.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(manager_jobs(&slurm).len(), 1, "the released node got a manager again: {:?}", slurm.jobs());
+
+    // The restart reads every rank from the remaining node, bit-exact.
+    let lines = Job::start(2, &config, &["--app", "keeper", "--steps", "6", "--every", "2", "--mib", "8"], &[])
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+}

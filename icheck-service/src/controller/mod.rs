@@ -449,6 +449,7 @@ async fn run(
     tokio::spawn(watch_liveness(shared.clone()));
     if can_scale {
         tokio::spawn(scaler::run(shared.clone()));
+        tokio::spawn(scaler::run_reactive(shared.clone()));
     }
     if shared.controllers.len() > 1 {
         tokio::spawn(watch_partners(shared.clone()));
@@ -1224,6 +1225,11 @@ async fn relaunch_until_registered(shared: &Shared, launcher: Arc<dyn Launcher>,
         let (check, name) = (launcher.clone(), node.clone());
         let dead = tokio::task::spawn_blocking(move || check.is_dead(&name, pid)).await.unwrap_or(false);
         if !dead {
+            return;
+        }
+        let (ask, name) = (launcher.clone(), node.clone());
+        if tokio::task::spawn_blocking(move || ask.released(&name)).await.unwrap_or(false) {
+            tracing::info!(%node, "the node was given back to the resource manager; its manager stays down");
             return;
         }
         let allowed =

@@ -110,6 +110,67 @@ pub(super) async fn run(shared: Arc<Shared>) {
     }
 }
 
+/// The reactive scaler (Algorithm 9): every `scaler_interval`, nodes the
+/// resource manager asks back are emptied and released, one at a time.
+pub(super) async fn run_reactive(shared: Arc<Shared>) {
+    let Some(launcher) = shared.launcher.clone().filter(|l| l.can_scale()) else { return };
+    loop {
+        tokio::time::sleep(Duration::from_secs_f64(shared.dynamic().scaler_interval)).await;
+        if shared.may_act().is_err() {
+            continue;
+        }
+        let ask = launcher.clone();
+        let reclaimed = tokio::task::spawn_blocking(move || ask.reclaimed()).await.unwrap_or_default();
+        for node in reclaimed {
+            let started = Instant::now();
+            match remove_node(&shared, &launcher, &node).await {
+                Ok((apps, released)) => tracing::info!(
+                    %node,
+                    apps,
+                    %released,
+                    secs = started.elapsed().as_secs_f64(),
+                    "released checkpoint node: its agents' versions moved to other nodes first"
+                ),
+                Err(why) => tracing::error!(%node, %why, "cannot release the checkpoint node yet; it stays drained"),
+            }
+        }
+    }
+}
+
+/// Algorithm 9's `node_removal` for one node: no new agents there; every
+/// application's agents on it are replaced by agents on other nodes, which
+/// take their ranks' newest version over the fabric (the agent-change
+/// path, verified against the ranks' checksums); only then is the manager
+/// stopped and the node given back. Returns the applications moved and
+/// what the launcher did.
+async fn remove_node(
+    shared: &Arc<Shared>,
+    launcher: &Arc<dyn crate::launcher::Launcher>,
+    node: &str,
+) -> Result<(usize, String), String> {
+    shared.state().nodes.set_draining(node, true)?;
+    let apps: Vec<(String, u32, Vec<usize>)> = shared
+        .state()
+        .apps
+        .iter()
+        .filter_map(|(name, app)| {
+            let slots: Vec<usize> =
+                app.agents.iter().enumerate().filter(|(_, a)| a.node == node).map(|(i, _)| i).collect();
+            (!slots.is_empty()).then(|| (name.clone(), app.agents.len() as u32, slots))
+        })
+        .collect();
+    let config = shared.dynamic();
+    for (name, agents, slots) in &apps {
+        super::change_agents(shared, name, *agents, slots, &config)
+            .await
+            .map_err(|why| format!("moving {name}'s agents off {node}: {why}"))?;
+    }
+    let (release, name) = (launcher.clone(), node.to_string());
+    let released =
+        tokio::task::spawn_blocking(move || release.release(&name)).await.map_err(|err| err.to_string())??;
+    Ok((apps.len(), released))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
