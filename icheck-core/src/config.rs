@@ -711,9 +711,11 @@ pub struct DynamicConfig {
     /// Candidate nodes considered for placement.
     #[serde(default = "default_candidates")]
     pub candidate_count: u32,
-    /// Checkpoint nodes wanted (horizontal scaling).
-    #[serde(default = "default_candidates")]
-    pub manager_count: u32,
+    /// The most checkpoint nodes horizontal scaling grows the service to
+    /// (the proactive scaler asks for no node beyond it; unset: only the
+    /// resource manager's bound, e.g. `icheck up --slurm --nodes ..MAX`).
+    #[serde(default)]
+    pub manager_count: Option<u32>,
     /// Node preference.
     #[serde(default = "default_agent_selection")]
     pub agent_selection: AgentSelection,
@@ -896,6 +898,9 @@ impl DynamicConfig {
         if config.candidate_count == 0 {
             return Err(invalid("candidate_count", "at least 1"));
         }
+        if config.manager_count == Some(0) {
+            return Err(invalid("manager_count", "at least 1 checkpoint node"));
+        }
         if config.factor < 2 {
             return Err(invalid("factor", "at least 2"));
         }
@@ -1021,7 +1026,7 @@ mod tests {
         std::fs::write(&path, "is_dynamic_hs = false\nmanager_count = 4\n").unwrap();
         let config = DynamicConfig::load(&path).unwrap();
         assert!(config.supported(&path, false).is_ok());
-        assert_eq!(config.manager_count, 4);
+        assert_eq!(config.manager_count, Some(4));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -242,3 +242,27 @@ fn a_node_slurm_asks_back_is_emptied_first_then_released_and_restarts_stay_bit_e
         .finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
 }
+
+#[test]
+fn manager_count_caps_horizontal_scaling() {
+    let slurm = TestSlurm::start("capped", "cm", 2);
+    let dynamic = "readInterval = 1\nis_dynamic_hs = true\nmanager_count = 1\nmax_mem_node = 0.049\n\
+                   lower_threshold = 0.3\nupper_threshold = 0.4\ndepletion_threshold = \"1MiB\"\n\
+                   scaler_interval = 0.5\n";
+    let service = SlurmService::up_with_dynamic(&slurm, "capped", "1..2", Some(dynamic));
+    let config = service.config_path();
+    let lines = Job::start(
+        2,
+        &config,
+        &["--app", "filler", "--steps", "10", "--every", "1", "--mib", "12", "--step-ms", "300", "--persist"],
+        &[],
+    )
+    .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=10 ")), "{lines:?}");
+    // The node filled past the thresholds, but manager_count = 1 is reached.
+    std::thread::sleep(Duration::from_secs(2));
+    let log = std::fs::read_to_string(service.dir.join("logs/controller.log")).unwrap();
+    assert!(!log.contains("scaler: asked for another checkpoint node"), "{log}");
+    assert_eq!(service.alive_nodes().len(), 1);
+    assert_eq!(manager_jobs(&slurm).len(), 1, "{:?}", slurm.jobs());
+}

@@ -93,6 +93,11 @@ pub(super) async fn run(shared: Arc<Shared>) {
             ProactiveAction::Query { because } => {
                 tracing::info!(%because, "scaler: asking the resource manager for idle nodes");
             }
+            ProactiveAction::Request { priority, because }
+                if dynamic.manager_count.is_some_and(|most| alive >= most as usize) =>
+            {
+                tracing::debug!(?priority, %because, alive, "scaler: at manager_count nodes already; asking for none");
+            }
             ProactiveAction::Request { priority, because } => {
                 let add = launcher.clone();
                 match tokio::task::spawn_blocking(move || add.add_node()).await {
