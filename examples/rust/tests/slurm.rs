@@ -266,3 +266,45 @@ fn manager_count_caps_horizontal_scaling() {
     assert_eq!(service.alive_nodes().len(), 1);
     assert_eq!(manager_jobs(&slurm).len(), 1, "{:?}", slurm.jobs());
 }
+
+/// A user's batch job in the form of `examples/slurm/job.sbatch`: `icheck
+/// run` as the batch script, `srun` steps of the MPI application inside the
+/// allocation. Slurm kills the first step (as a node or rank failure
+/// would); icheck run starts a new step, which restarts from the newest
+/// version, and the job completes.
+#[test]
+fn a_batch_job_under_icheck_run_relaunches_a_killed_srun_step_inside_its_allocation() {
+    let slurm = TestSlurm::start("batch", "cb", 3);
+    let service = SlurmService::up(&slurm, "batch", "1");
+    let example = icheck_in_target().with_file_name("mpi_checkpoint");
+    let output = slurm.path("job.out");
+    let script = format!(
+        "exec '{icheck}' run --state-dir '{dir}' --app batch --max-restarts 2 -- \
+         srun --mpi=pmix -n 2 '{example}' --app batch --steps 30 --every 2 --mib 4 --step-ms 100 --persist",
+        icheck = icheck_in_target().display(),
+        dir = service.dir.display(),
+        example = example.display(),
+    );
+    let submitted = slurm.run(
+        "sbatch",
+        &[
+            "--parsable",
+            "--nodes=2",
+            "--ntasks=2",
+            &format!("--output={}", output.display()),
+            &format!("--wrap={script}"),
+        ],
+    );
+    let job: u64 = submitted.trim().parse().unwrap_or_else(|_| panic!("sbatch said {submitted:?}"));
+    let read = || std::fs::read_to_string(&output).unwrap_or_default();
+    wait_for("the first step's third version", Duration::from_secs(90), || read().contains("COMMITTED version=3 "));
+    // Slurm kills the step; the batch script (icheck run) lives on.
+    slurm.run("scancel", &["--signal=KILL", &format!("{job}.0")]);
+    wait_for("the job to end", Duration::from_secs(180), || !slurm.jobs().iter().any(|(id, _, _)| *id == job));
+    let text = read();
+    assert!(text.contains("icheck run: relaunching (attempt 2"), "{text}");
+    assert!(text.lines().any(|l| l.starts_with("RESTORED version=") && l.ends_with(" verified")), "{text}");
+    assert!(text.contains("icheck run: the job succeeded after 2 attempt(s), 1 failure(s)"), "{text}");
+    let state = slurm.run("scontrol", &["show", "job", &job.to_string()]);
+    assert!(state.contains("JobState=COMPLETED") && state.contains("ExitCode=0:0"), "{state}");
+}

@@ -49,6 +49,9 @@ impl TestSlurm {
         slurm.spawn("slurmctld", &["-D", "-f", &conf]);
         for node in slurm.nodes.clone() {
             std::fs::create_dir_all(slurm.dir.join("spool").join(&node)).unwrap();
+            // Each node's own temporary directory: the "nodes" share this
+            // host, and PMIx keys its directories by job and step only.
+            std::fs::create_dir_all(slurm.dir.join("tmp").join(&node)).unwrap();
             slurm.spawn("slurmd", &["-D", "-f", &conf, "-N", &node]);
         }
         slurm.wait_idle(Duration::from_secs(60));
@@ -112,7 +115,8 @@ impl TestSlurm {
              ReturnToService=2\n\
              JobAcctGatherType=jobacct_gather/none\n\
              AccountingStorageType=accounting_storage/none\n\
-             KillWait=5\n",
+             KillWait=5\n\
+             TmpFS={d}/tmp/%n\n",
             ctld = free_port(),
             slurmd = free_port(),
         );
