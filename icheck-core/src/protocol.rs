@@ -706,6 +706,16 @@ pub enum ClientRequest {
         /// Drain (true) or undrain (false).
         drain: bool,
     },
+    /// Give checkpoint nodes back to the resource manager (operators;
+    /// Algorithm 9's REMOVE_NODES): the named `nodes`, or else `count`
+    /// nodes the controller picks (most free memory, fewest agents). Their
+    /// applications' agents move to other nodes first.
+    ReleaseNodes {
+        /// Nodes to release (empty: let the controller pick `count`).
+        nodes: Vec<String>,
+        /// How many to pick when `nodes` is empty.
+        count: u32,
+    },
 }
 
 /// Answers to clients.
@@ -737,6 +747,8 @@ pub enum ClientReply {
     /// This controller is not (or cannot confirm it still is) the primary;
     /// nothing was done: ask the next controller.
     NotPrimary(String),
+    /// These nodes are being released (their agents move away first).
+    Releasing(Vec<String>),
 }
 
 /// A node as `icheck status` shows it.

@@ -477,3 +477,25 @@ fn a_manager_takes_its_agents_address_from_a_flag_naming_an_interface() {
     assert!(control("by-file").starts_with("localhost:"), "{agents:?}");
     assert!(control("by-flag").starts_with("127.0.0.1:"), "the interface's address: {agents:?}");
 }
+
+/// Without a resource manager, nodes cannot be given back or scaled:
+/// `icheck release` says what is needed, and `is_dynamic_hs = true` keeps
+/// the controller from starting, naming the key.
+#[test]
+fn scaling_without_a_resource_manager_is_refused_by_name() {
+    let service = Service::up("no-rm", 2);
+    let out = Command::new(ICHECK).args(["release", "--count", "1", "--state-dir"]).arg(&service.dir).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("needs a resource manager"), "{stderr}");
+
+    let dir = std::env::temp_dir().join(format!("icheck-no-rm-hs-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("dynamic.toml"), "is_dynamic_hs = true\n").unwrap();
+    let out =
+        Command::new(ICHECK).args(["up", "--detach", "--managers", "1", "--state-dir"]).arg(&dir).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let _ = Command::new(ICHECK).args(["down", "--state-dir"]).arg(&dir).output();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!out.status.success() && text.contains("is_dynamic_hs") && text.contains("not supported"), "{text}");
+}

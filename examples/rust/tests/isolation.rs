@@ -113,7 +113,7 @@ fn another_job_with_the_client_token_cannot_touch_an_applications_checkpoints() 
     for attempt in ["probe", "record-version", "versions", "finish"] {
         assert!(line(&lines, attempt).contains("wrong or missing capability"), "{attempt}: {lines:?}");
     }
-    for attempt in ["delete", "drain"] {
+    for attempt in ["delete", "drain", "release"] {
         assert!(line(&lines, attempt).contains("admin token"), "{attempt}: {lines:?}");
     }
     assert!(line(&lines, "fake-manager").contains("node token"), "{lines:?}");

@@ -308,3 +308,47 @@ fn a_batch_job_under_icheck_run_relaunches_a_killed_srun_step_inside_its_allocat
     let state = slurm.run("scontrol", &["show", "job", &job.to_string()]);
     assert!(state.contains("JobState=COMPLETED") && state.contains("ExitCode=0:0"), "{state}");
 }
+
+/// Algorithm 9 on request: `icheck release --count 1` picks a node, moves
+/// its applications' agents away and releases it; releasing every node is
+/// refused, as is releasing without a resource manager.
+#[test]
+fn icheck_release_gives_back_the_node_algorithm_9_picks_after_moving_its_versions() {
+    let slurm = TestSlurm::start("release", "cl", 3);
+    let dynamic = "readInterval = 1\nscaler_interval = 0.5\ninit_agent_count = 3\nnode_selection = \"RR\"\n";
+    let service = SlurmService::up_with_dynamic(&slurm, "release", "3", Some(dynamic));
+    let config = service.config_path();
+    let lines =
+        Job::start(3, &config, &["--app", "three", "--steps", "4", "--every", "2", "--mib", "4", "--persist"], &[])
+            .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    let icheck = |args: &[&str]| {
+        Command::new(icheck_in_target())
+            .args(args)
+            .arg("--state-dir")
+            .arg(&service.dir)
+            .env("SLURM_CONF", &slurm.conf)
+            .output()
+            .unwrap()
+    };
+    let all = service.alive_nodes();
+    let refused = icheck(&["release", &all[0], &all[1], &all[2]]);
+    let text = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && text.contains("would leave no checkpoint node"), "{text}");
+
+    let released = icheck(&["release", "--count", "1", "--wait", "120"]);
+    let text = String::from_utf8_lossy(&released.stdout);
+    assert!(released.status.success(), "{text}{}", String::from_utf8_lossy(&released.stderr));
+    let node =
+        text.lines().find_map(|l| l.strip_prefix("icheck release: released ")).unwrap_or_else(|| panic!("{text}"));
+    assert!(all.contains(&node.to_string()), "{node} not among {all:?}");
+    wait_for("the released node's job to end", Duration::from_secs(60), || {
+        manager_jobs(&slurm).iter().all(|(_, _, n)| n != node)
+    });
+    let status = service.status();
+    let app = status.apps.iter().find(|a| a.registration.name == "three").unwrap();
+    assert!(app.agents.iter().all(|a| a.node != node), "{:?}", app.agents);
+    let lines = Job::start(3, &config, &["--app", "three", "--steps", "6", "--every", "2", "--mib", "4"], &[])
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+}

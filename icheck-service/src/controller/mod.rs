@@ -144,6 +144,9 @@ struct Shared {
     node_groups: BTreeMap<String, String>,
     /// How dead managers are started again, if at all.
     launcher: Option<Arc<dyn Launcher>>,
+    /// Nodes being released to the resource manager (Algorithm 9), so that
+    /// a request and the reactive scaler never empty one node twice.
+    releasing: Mutex<BTreeSet<String>>,
     /// `ManagerRelaunches`.
     relaunch_limit: u32,
     state: Mutex<State>,
@@ -396,6 +399,7 @@ async fn run(
         client_idle: config.client_idle_timeout(),
         node_groups: config.node_groups.clone(),
         launcher,
+        releasing: Mutex::new(BTreeSet::new()),
         relaunch_limit: config.manager_relaunches,
         state: Mutex::new(State {
             nodes: NodeBook::new(config.heartbeat(), config.missed_heartbeats),
@@ -1387,6 +1391,7 @@ async fn serve_client(
             ClientRequest::FinishApp { name, persist, .. } => finish_app(&shared, &name, persist),
             ClientRequest::DeleteApp { name } => delete_app(&shared, &name).await,
             ClientRequest::DrainNode { node, drain } => drain_node(&shared, &node, drain),
+            ClientRequest::ReleaseNodes { nodes, count } => scaler::release_nodes(&shared, nodes, count),
         };
         // What the reply acknowledges is on the standby too, or the client
         // hears that this controller could not make sure it was.
@@ -1417,7 +1422,7 @@ fn authorize(
 ) -> Result<(), String> {
     let (name, capability) = match request {
         ClientRequest::Status | ClientRequest::RegisterApp { .. } => return Ok(()),
-        ClientRequest::DeleteApp { .. } | ClientRequest::DrainNode { .. } => {
+        ClientRequest::DeleteApp { .. } | ClientRequest::DrainNode { .. } | ClientRequest::ReleaseNodes { .. } => {
             return match privilege {
                 Privilege::Admin => Ok(()),
                 _ => Err("this command needs the admin token (AdminToken, or ICHECK_ADMIN_TOKEN)".into()),

@@ -127,19 +127,73 @@ pub(super) async fn run_reactive(shared: Arc<Shared>) {
         let ask = launcher.clone();
         let reclaimed = tokio::task::spawn_blocking(move || ask.reclaimed()).await.unwrap_or_default();
         for node in reclaimed {
-            let started = Instant::now();
-            match remove_node(&shared, &launcher, &node).await {
-                Ok((apps, released)) => tracing::info!(
-                    %node,
-                    apps,
-                    %released,
-                    secs = started.elapsed().as_secs_f64(),
-                    "released checkpoint node: its agents' versions moved to other nodes first"
-                ),
-                Err(why) => tracing::error!(%node, %why, "cannot release the checkpoint node yet; it stays drained"),
-            }
+            release_one(&shared, &launcher, &node).await;
         }
     }
+}
+
+/// Releases `node` unless a release of it runs already; logs the outcome.
+async fn release_one(shared: &Arc<Shared>, launcher: &Arc<dyn crate::launcher::Launcher>, node: &str) {
+    if !shared.releasing.lock().unwrap_or_else(|p| p.into_inner()).insert(node.to_string()) {
+        return;
+    }
+    let started = Instant::now();
+    match remove_node(shared, launcher, node).await {
+        Ok((apps, released)) => tracing::info!(
+            %node,
+            apps,
+            %released,
+            secs = started.elapsed().as_secs_f64(),
+            "released checkpoint node: its agents' versions moved to other nodes first"
+        ),
+        Err(why) => tracing::error!(%node, %why, "cannot release the checkpoint node yet; it stays drained"),
+    }
+    shared.releasing.lock().unwrap_or_else(|p| p.into_inner()).remove(node);
+}
+
+/// An operator's (or the resource manager's) request to give nodes back:
+/// the named ones, or `count` picked by Algorithm 9's order
+/// ([`scaling::removal_candidates`]); at least one live node stays. The
+/// releases run in the background, one node after the other.
+pub(super) fn release_nodes(
+    shared: &Arc<Shared>,
+    nodes: Vec<String>,
+    count: u32,
+) -> icheck_core::protocol::ClientReply {
+    use icheck_core::protocol::ClientReply;
+    let Some(launcher) = shared.launcher.clone().filter(|l| l.can_scale()) else {
+        return ClientReply::Error(
+            "releasing checkpoint nodes needs a resource manager that takes them back (icheck up --slurm)".into(),
+        );
+    };
+    let now = Instant::now();
+    let reports = shared.state().nodes.report(now, FORECAST_HORIZON_SECS);
+    let alive: Vec<&str> = reports.iter().filter(|n| n.alive).map(|n| n.node.as_str()).collect();
+    let chosen = if nodes.is_empty() {
+        let loads = loads(&reports, shared.dynamic().max_mem_node_bytes(), &Previous::new(), now);
+        scaling::removal_candidates(&loads, count as usize)
+    } else {
+        if let Some(unknown) = nodes.iter().find(|n| !alive.contains(&n.as_str())) {
+            return ClientReply::Error(format!("{unknown} is not a live checkpoint node (live: {alive:?})"));
+        }
+        nodes
+    };
+    if chosen.is_empty() {
+        return ClientReply::Error("no node to release: give node names or --count 1 or more".into());
+    }
+    if chosen.len() >= alive.len() {
+        return ClientReply::Error(format!(
+            "releasing {chosen:?} would leave no checkpoint node for the versions to move to (live: {alive:?})"
+        ));
+    }
+    tracing::info!(nodes = ?chosen, "releasing checkpoint nodes on request");
+    let (shared, releasing) = (shared.clone(), chosen.clone());
+    tokio::spawn(async move {
+        for node in releasing {
+            release_one(&shared, &launcher, &node).await;
+        }
+    });
+    ClientReply::Releasing(chosen)
 }
 
 /// Algorithm 9's `node_removal` for one node: no new agents there; every

@@ -171,6 +171,29 @@ enum Command_ {
         #[arg(long)]
         undo: bool,
     },
+    /// Give checkpoint nodes back to the resource manager (Slurm): their
+    /// applications' agents move to other nodes first, over the fabric,
+    /// then their managers' jobs are cancelled.
+    ///
+    /// Name the nodes, or let the controller pick --count of them (most
+    /// free checkpoint memory and fewest agents first, thesis Algorithm 9).
+    /// At least one live node stays. Draining a node in Slurm (`scontrol
+    /// update NodeName=N State=DRAIN`) releases it the same way.
+    ///
+    /// Example: icheck release --count 2 --state-dir /shared/icheck --wait 300
+    ///          icheck release ck7 --state-dir /shared/icheck
+    Release {
+        #[command(flatten)]
+        target: ConfigArgs,
+        /// Nodes to release, as `icheck status` shows them.
+        nodes: Vec<String>,
+        /// Without node names: how many nodes the controller picks.
+        #[arg(long, conflicts_with = "nodes")]
+        count: Option<u32>,
+        /// Wait up to this many seconds until the nodes are gone.
+        #[arg(long)]
+        wait: Option<f64>,
+    },
     /// Run the controller daemon in the foreground (logs to stderr; ICHECK_LOG sets the level).
     ///
     /// With two controllers in ControllerAddress, one runs as the primary and
@@ -666,6 +689,40 @@ fn run(cli: Cli) -> Result<()> {
                     println!("(nothing deleted: add --yes to delete these checkpoints)");
                 }
                 (false, true) => println!("deleted every checkpoint of {app}"),
+            }
+            Ok(())
+        }
+        Command_::Release { target, nodes, count, wait } => {
+            let config = target.load()?;
+            let request = ClientRequest::ReleaseNodes { count: count.unwrap_or(u32::from(nodes.is_empty())), nodes };
+            let releasing = match icheck_core::control::request_blocking(&config, &request)? {
+                ClientReply::Releasing(nodes) => nodes,
+                ClientReply::Error(reason) => bail!("{reason}"),
+                other => bail!("unexpected answer from the controller: {other:?}"),
+            };
+            println!("icheck release: releasing {}: their agents move to other nodes first", releasing.join(", "));
+            if let Some(limit) = wait {
+                let deadline = std::time::Instant::now() + Duration::from_secs_f64(limit);
+                loop {
+                    let report = match icheck_core::control::request_blocking(&config, &ClientRequest::Status)? {
+                        ClientReply::Status(report) => report,
+                        other => bail!("unexpected answer from the controller: {other:?}"),
+                    };
+                    let left: Vec<&str> = report
+                        .nodes
+                        .iter()
+                        .filter(|n| n.alive && releasing.contains(&n.node))
+                        .map(|n| n.node.as_str())
+                        .collect();
+                    if left.is_empty() {
+                        println!("icheck release: released {}", releasing.join(", "));
+                        break;
+                    }
+                    if std::time::Instant::now() > deadline {
+                        bail!("{} still running after {limit} s; the controller's log says why", left.join(", "));
+                    }
+                    std::thread::sleep(Duration::from_millis(500));
+                }
             }
             Ok(())
         }
