@@ -706,6 +706,14 @@ pub enum ClientRequest {
         /// Drain (true) or undrain (false).
         drain: bool,
     },
+    /// Copy the application's newest complete version to the PFS now (its
+    /// owner or an operator), e.g. at a job's time-limit warning.
+    FlushApp {
+        /// Application name.
+        name: String,
+        /// The application's capability (unused with the admin token).
+        capability: String,
+    },
     /// Give checkpoint nodes back to the resource manager (operators;
     /// Algorithm 9's REMOVE_NODES): the named `nodes`, or else `count`
     /// nodes the controller picks (most free memory, fewest agents). Their

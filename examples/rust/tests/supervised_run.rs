@@ -245,3 +245,27 @@ fn running_out_of_relaunches_ends_with_the_documented_status() {
     assert!(stderr.contains("gave up: the job still fails after 2 attempt(s), 2 failure(s)"), "{stderr}");
     assert!(checksum(&lines).is_none(), "{lines:?}");
 }
+
+/// Slurm's time-limit warning (SIGUSR1 to the batch script, here to
+/// `icheck run` directly): the newest version is copied to the PFS while
+/// the job runs on, and a failure after it is not relaunched.
+#[test]
+fn the_time_limit_warning_flushes_the_newest_version_and_ends_the_relaunching() {
+    let venv = Venv::with_icheck("run-warned");
+    let service = LocalService::up(&icheck_in_target(), "run-warned", 1, &["--provider", "tcp"]);
+    let mut job = mpirun(2);
+    job.extend(heat1d(&venv, "warned"));
+    let supervisor = Supervisor::start(&service, &["--app", "warned", "--max-restarts", "3"], &job);
+    supervisor.wait_for("COMMITTED", 2, Duration::from_secs(120));
+    kill(Pid::from_raw(supervisor.child.id() as i32), Signal::SIGUSR1).unwrap();
+    let pfs = service.dir.join("pfs/warned");
+    icheck_service::testkit::wait_for("a version of the warned job on the PFS", Duration::from_secs(60), || {
+        std::fs::read_dir(&pfs).into_iter().flatten().flatten().any(|v| v.path().join("MANIFEST").exists())
+    });
+    assert!(!supervisor.lines().iter().any(|l| l.starts_with("CHECKSUM")), "the job runs on after the warning");
+    supervisor.kill_a_rank(0);
+    let (code, lines, stderr) = supervisor.finish(Duration::from_secs(120));
+    assert_eq!(code, 3, "{lines:?}\n{stderr}");
+    assert!(stderr.contains("the newest version is being copied to the PFS"), "{stderr}");
+    assert!(stderr.contains("not relaunching after the time-limit warning"), "{stderr}");
+}

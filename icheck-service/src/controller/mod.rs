@@ -1392,6 +1392,7 @@ async fn serve_client(
             ClientRequest::DeleteApp { name } => delete_app(&shared, &name).await,
             ClientRequest::DrainNode { node, drain } => drain_node(&shared, &node, drain),
             ClientRequest::ReleaseNodes { nodes, count } => scaler::release_nodes(&shared, nodes, count),
+            ClientRequest::FlushApp { name, .. } => flush_app(&shared, &name),
         };
         // What the reply acknowledges is on the standby too, or the client
         // hears that this controller could not make sure it was.
@@ -1428,8 +1429,11 @@ fn authorize(
                 _ => Err("this command needs the admin token (AdminToken, or ICHECK_ADMIN_TOKEN)".into()),
             }
         }
-        ClientRequest::AppStatus { .. } if privilege == Privilege::Admin => return Ok(()),
+        ClientRequest::AppStatus { .. } | ClientRequest::FlushApp { .. } if privilege == Privilege::Admin => {
+            return Ok(())
+        }
         ClientRequest::AppStatus { name, capability }
+        | ClientRequest::FlushApp { name, capability }
         | ClientRequest::VersionComplete { name, capability, .. }
         | ClientRequest::Probe { name, capability, .. }
         | ClientRequest::FinishApp { name, capability, .. } => (name, capability),
@@ -2279,6 +2283,33 @@ async fn delete_app(shared: &Arc<Shared>, name: &str) -> ClientReply {
         return ClientReply::Error(format!("no checkpoints of {name:?} are known (in agent memory or on the PFS)"));
     }
     tracing::info!(app = name, "application deleted by an operator");
+    ClientReply::Ok
+}
+
+/// Starts a PFS copy of the application's newest complete version unless
+/// one exists or runs (a job's time-limit warning: `icheck run` asks).
+fn flush_app(shared: &Shared, name: &str) -> ClientReply {
+    if shared.pfs.is_none() || !shared.dynamic().enable_multi_level {
+        return ClientReply::Error(
+            "no PFS level to flush to (PfsDir is not set, or enable_multi_level = false)".to_string(),
+        );
+    }
+    let mut state = shared.state();
+    let state = &mut *state;
+    let Some(app) = state.apps.get_mut(name) else {
+        return ClientReply::Error(format!("no application named {name:?} is registered"));
+    };
+    let Some(version) = app.latest.as_ref().map(|l| l.version) else {
+        return ClientReply::Error(format!("{name} has no complete version yet"));
+    };
+    if app.copies.copied >= Some(version) || app.copies.is_pending(version) {
+        return ClientReply::Ok;
+    }
+    if app.agents.is_empty() {
+        return ClientReply::Error(format!("{name}'s agents are gone; version {version} cannot be copied"));
+    }
+    tracing::info!(app = name, version, "flushing the newest version to the PFS on request");
+    request_pfs_copy(&state.nodes, app, version, shared.dynamic().max_cp_size.0);
     ClientReply::Ok
 }
 

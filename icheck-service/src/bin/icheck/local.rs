@@ -667,6 +667,25 @@ pub fn newest_complete_version(config: &StaticConfig, app: &str) -> Option<u64> 
     app_report(config, app).ok().flatten()?.latest.map(|v| v.version)
 }
 
+/// Asks the controller to copy the application's newest version to the
+/// PFS, as an operator (admin token) or as its owner (kept capability).
+pub fn flush_newest(config: &StaticConfig, app: &str) -> Result<(), String> {
+    let capability = match config.admin_token() {
+        Some(_) => String::new(),
+        None => match config.capability_store().load(app) {
+            Ok(Some(capability)) => capability.expose().to_string(),
+            Ok(None) => return Err(format!("this needs the admin token or {app}'s kept capability")),
+            Err(err) => return Err(err.to_string()),
+        },
+    };
+    match request_blocking(config, &ClientRequest::FlushApp { name: app.to_string(), capability }) {
+        Ok(ClientReply::Ok) => Ok(()),
+        Ok(ClientReply::Error(reason)) => Err(reason),
+        Ok(other) => Err(format!("unexpected answer from the controller: {other:?}")),
+        Err(err) => Err(format!("controller unreachable ({err})")),
+    }
+}
+
 fn app_report(config: &StaticConfig, app: &str) -> Result<Option<icheck_core::protocol::AppReport>, String> {
     if config.admin_token().is_some() {
         return match request_blocking(config, &ClientRequest::Status) {

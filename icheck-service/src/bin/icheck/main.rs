@@ -262,9 +262,11 @@ enum Command_ {
     /// process count --policy gives. Ends with a summary on standard error:
     /// attempts, the versions each relaunch restarted from (with --app),
     /// the work lost and the wall time. SIGINT and SIGTERM go to the job and
-    /// end the supervision; SIGUSR1 (Slurm's time-limit warning with
-    /// `sbatch --signal=USR1@120`) and SIGUSR2 go to the job, and after
-    /// SIGUSR1 a failure is not relaunched.
+    /// end the supervision. SIGUSR1 is Slurm's time-limit warning (`sbatch
+    /// --signal=B:USR1@300`, with `exec icheck run` as the batch script):
+    /// the application's newest version is copied to the PFS (with --app),
+    /// the job keeps running (it gets the signal too with --signal-job) and
+    /// is not relaunched after it. SIGUSR2 goes to the job.
     ///
     /// Exit status: 0 when an attempt succeeded; 3 when the last permitted
     /// attempt failed too; 130 when interrupted; 1 when the command could
@@ -290,6 +292,10 @@ enum Command_ {
         /// replacement takes the lost rank's place).
         #[arg(long, value_enum, default_value = "same")]
         policy: run::Policy,
+        /// Pass SIGUSR1 on to the job as well (for applications that commit
+        /// when it arrives; without a handler it would end them).
+        #[arg(long)]
+        signal_job: bool,
         /// The job: a launcher and its arguments.
         #[arg(last = true, required = true, value_name = "COMMAND")]
         command: Vec<String>,
@@ -526,21 +532,26 @@ fn run(cli: Cli) -> Result<()> {
     use icheck_core::protocol::{ClientReply, ClientRequest};
     match cli.command {
         Command_::Fabric(command) => run_fabric(command),
-        Command_::Run { target, app, max_restarts, policy, command } => {
+        Command_::Run { target, app, max_restarts, policy, signal_job, command } => {
             // The job talks to the service these arguments name.
             let config = match target.path() {
                 (path, _) if path.exists() => Some(std::path::absolute(path)?),
                 _ => None,
             };
-            let newest_version: Option<Box<dyn Fn() -> Option<u64> + Send + Sync>> = match app {
+            type Ask<T> = Option<Box<dyn Fn() -> T + Send + Sync>>;
+            let (newest_version, flush): (Ask<Option<u64>>, Ask<Result<(), String>>) = match app {
                 Some(app) => {
-                    let config = target.load()?;
-                    Some(Box::new(move || local::newest_complete_version(&config, &app)))
+                    let service = target.load()?;
+                    let (for_newest, for_flush, name) = (service.clone(), service, app.clone());
+                    (
+                        Some(Box::new(move || local::newest_complete_version(&for_newest, &app))),
+                        Some(Box::new(move || local::flush_newest(&for_flush, &name))),
+                    )
                 }
-                None => None,
+                None => (None, None),
             };
-            let (attempts, gave_up) =
-                run::supervise(&command, run::RunOptions { max_restarts, policy, newest_version, config })?;
+            let options = run::RunOptions { max_restarts, policy, newest_version, config, flush, signal_job };
+            let (attempts, gave_up) = run::supervise(&command, options)?;
             eprintln!("{}", run::summary(&attempts, gave_up));
             if gave_up {
                 std::process::exit(run::EXIT_GAVE_UP);

@@ -187,6 +187,11 @@ pub struct RunOptions {
     /// The service's client configuration, given to the job as
     /// ICHECK_CONFIG (None: the job's environment decides).
     pub config: Option<std::path::PathBuf>,
+    /// Copies the application's newest version to the PFS (at the
+    /// time-limit warning; None: no application named).
+    pub flush: Option<Box<dyn Fn() -> Result<(), String> + Send + Sync>>,
+    /// Pass SIGUSR1 on to the job too (for applications that commit on it).
+    pub signal_job: bool,
 }
 
 /// Runs `command` under supervision; returns the attempts and whether the
@@ -211,6 +216,8 @@ async fn supervise_async(command: &[String], options: RunOptions) -> Result<(Vec
     let mut user1 = signal(SignalKind::user_defined1())?;
     let mut user2 = signal(SignalKind::user_defined2())?;
     let newest = options.newest_version.map(std::sync::Arc::from);
+    let flush: Option<std::sync::Arc<dyn Fn() -> Result<(), String> + Send + Sync>> =
+        options.flush.map(std::sync::Arc::from);
     let ask = |newest: &Option<std::sync::Arc<dyn Fn() -> Option<u64> + Send + Sync>>| {
         let newest = newest.clone();
         async move {
@@ -269,8 +276,17 @@ async fn supervise_async(command: &[String], options: RunOptions) -> Result<(Vec
                 }
                 _ = user1.recv() => {
                     warned = true;
-                    let _ = killpg(group, Signal::SIGUSR1);
-                    eprintln!("icheck run: SIGUSR1 (a time-limit warning?) passed to the job; it will not be relaunched");
+                    eprintln!("icheck run: SIGUSR1 (the time-limit warning?): the job will not be relaunched");
+                    if options.signal_job {
+                        let _ = killpg(group, Signal::SIGUSR1);
+                    }
+                    if let Some(flush) = flush.clone() {
+                        match tokio::task::spawn_blocking(move || flush()).await {
+                            Ok(Ok(())) => eprintln!("icheck run: the newest version is being copied to the PFS"),
+                            Ok(Err(why)) => eprintln!("icheck run: cannot copy the newest version to the PFS: {why}"),
+                            Err(err) => eprintln!("icheck run: cannot copy the newest version to the PFS: {err}"),
+                        }
+                    }
                 }
                 _ = user2.recv() => {
                     let _ = killpg(group, Signal::SIGUSR2);
