@@ -110,7 +110,7 @@ fn another_job_with_the_client_token_cannot_touch_an_applications_checkpoints() 
     let lines = all_refused(output);
     assert!(line(&lines, "register-without-capability").contains("presented no capability"), "{lines:?}");
     assert!(line(&lines, "register-with-capability").contains("not this application's"), "{lines:?}");
-    for attempt in ["probe", "record-version", "versions", "finish"] {
+    for attempt in ["probe", "record-version", "versions", "finish", "flush"] {
         assert!(line(&lines, attempt).contains("wrong or missing capability"), "{attempt}: {lines:?}");
     }
     for attempt in ["delete", "drain", "release"] {

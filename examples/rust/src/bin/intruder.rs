@@ -117,6 +117,8 @@ fn main() {
     report("versions", answered(request_blocking(&config, &versions)));
     report("delete", answered(request_blocking(&config, &ClientRequest::DeleteApp { name: args.app.clone() })));
     report("drain", answered(request_blocking(&config, &ClientRequest::DrainNode { node: "x".into(), drain: true })));
+    let flush = ClientRequest::FlushApp { name: args.app.clone(), capability: capability.clone() };
+    report("flush", answered(request_blocking(&config, &flush)));
     let release = ClientRequest::ReleaseNodes { nodes: Vec::new(), count: 1 };
     report("release", answered(request_blocking(&config, &release)));
     let finish = ClientRequest::FinishApp { name: args.app.clone(), persist: false, capability: capability.clone() };
