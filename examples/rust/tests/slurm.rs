@@ -352,3 +352,60 @@ fn icheck_release_gives_back_the_node_algorithm_9_picks_after_moving_its_version
         .finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
 }
+
+/// A release while an application commits: the node drains, the
+/// application's next probe moves its agents off it (while it commits
+/// nothing), only then is the node released; no version is lost and the
+/// restart afterwards is bit-exact.
+#[test]
+fn a_node_released_while_an_application_commits_loses_no_version() {
+    let slurm = TestSlurm::start("live", "cv", 2);
+    let dynamic = "readInterval = 1\nscaler_interval = 0.5\ninit_agent_count = 2\nnode_selection = \"RR\"\n";
+    let service = SlurmService::up_with_dynamic(&slurm, "live", "2", Some(dynamic));
+    let config = service.config_path();
+    let mut job = Job::start(
+        2,
+        &config,
+        &[
+            "--app",
+            "live",
+            "--steps",
+            "40",
+            "--every",
+            "2",
+            "--mib",
+            "4",
+            "--step-ms",
+            "150",
+            "--probe-every",
+            "2",
+            "--persist",
+        ],
+        &[],
+    );
+    job.wait_line("COMMITTED version=4 ", Duration::from_secs(120));
+    let status = service.status();
+    let app = status.apps.iter().find(|a| a.registration.name == "live").unwrap();
+    let leaving = app.agents.last().unwrap().node.clone();
+    let out = Command::new(icheck_in_target())
+        .args(["release", &leaving, "--wait", "120", "--state-dir"])
+        .arg(&service.dir)
+        .env("SLURM_CONF", &slurm.conf)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}\ncontroller log:\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        std::fs::read_to_string(service.dir.join("logs/controller.log")).unwrap_or_default()
+    );
+    let lines = job.finish(Duration::from_secs(180));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=21 step=40")), "{lines:?}");
+    let status = service.status();
+    let app = status.apps.iter().find(|a| a.registration.name == "live").unwrap();
+    assert!(app.agents.iter().all(|a| a.node != leaving), "{:?}", app.agents);
+    let lines = Job::start(2, &config, &["--app", "live", "--steps", "42", "--every", "2", "--mib", "4"], &[])
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=21 step=40 verified"), "{lines:?}");
+}

@@ -196,11 +196,57 @@ pub(super) fn release_nodes(
     ClientReply::Releasing(chosen)
 }
 
+/// Longest a release waits for a committing application's next probe.
+const PROBE_WAIT: Duration = Duration::from_secs(120);
+/// An application that completed a version this recently is taken to be
+/// running (committing), not finished or killed.
+const RUNNING_WITHIN: Duration = Duration::from_secs(60);
+
+/// Why the agents of an application on a released node may move now.
+enum Moment {
+    /// Its own probe moved them (the node is draining).
+    Moved,
+    /// It finished (persisted) or has been quiet: no commit races the move.
+    Idle,
+}
+
+/// A committing application's agents move at its next probe (the node is
+/// draining, so the probe's plan replaces them), while the application
+/// waits in the probe and commits nothing. Moving them behind its back
+/// would race its commits: a version it completes on the old agents during
+/// the move would be lost with the node. An application that finished
+/// (persisted) or completed no version for a minute is moved at once.
+async fn wait_until_idle_or_moved(shared: &Arc<Shared>, name: &str, node: &str) -> Result<Moment, String> {
+    let started = Instant::now();
+    loop {
+        {
+            let state = shared.state();
+            let Some(app) = state.apps.get(name) else { return Ok(Moment::Moved) };
+            if !app.agents.iter().any(|a| a.node == node) {
+                return Ok(Moment::Moved);
+            }
+            let quiet_ms =
+                app.latest.as_ref().map_or(u64::MAX, |l| super::unix_ms().saturating_sub(l.completed_unix_ms));
+            if app.persisted || quiet_ms > RUNNING_WITHIN.as_millis() as u64 {
+                return Ok(Moment::Idle);
+            }
+        }
+        if started.elapsed() > PROBE_WAIT {
+            return Err(format!(
+                "{name} is committing and did not probe within {PROBE_WAIT:?}; its agents leave {node} at its next \
+                 probe (icheck_probe_agents) or once it ends"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// Algorithm 9's `node_removal` for one node: no new agents there; every
 /// application's agents on it are replaced by agents on other nodes, which
 /// take their ranks' newest version over the fabric (the agent-change
-/// path, verified against the ranks' checksums); only then is the manager
-/// stopped and the node given back. Returns the applications moved and
+/// path, verified against the ranks' checksums) — a committing
+/// application's at its next probe ([`wait_until_idle_or_moved`]); only
+/// then is the manager stopped and the node given back. Returns the applications moved and
 /// what the launcher did.
 async fn remove_node(
     shared: &Arc<Shared>,
@@ -220,9 +266,14 @@ async fn remove_node(
         .collect();
     let config = shared.dynamic();
     for (name, agents, slots) in &apps {
-        super::change_agents(shared, name, *agents, slots, &config)
-            .await
-            .map_err(|why| format!("moving {name}'s agents off {node}: {why}"))?;
+        match wait_until_idle_or_moved(shared, name, node).await? {
+            Moment::Moved => {}
+            Moment::Idle => {
+                super::change_agents(shared, name, *agents, slots, &config)
+                    .await
+                    .map_err(|why| format!("moving {name}'s agents off {node}: {why}"))?;
+            }
+        }
     }
     let (release, name) = (launcher.clone(), node.to_string());
     let released =
