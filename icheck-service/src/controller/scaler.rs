@@ -253,7 +253,11 @@ async fn remove_node(
     launcher: &Arc<dyn crate::launcher::Launcher>,
     node: &str,
 ) -> Result<(usize, String), String> {
-    shared.state().nodes.set_draining(node, true)?;
+    // Journaled, as an operator's drain is: a controller that restarts
+    // mid-release still places nothing there.
+    if let icheck_core::protocol::ClientReply::Error(why) = super::drain_node(shared, node, true) {
+        return Err(why);
+    }
     let apps: Vec<(String, u32, Vec<usize>)> = shared
         .state()
         .apps
