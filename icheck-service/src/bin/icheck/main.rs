@@ -715,22 +715,25 @@ fn run(cli: Cli) -> Result<()> {
             if let Some(limit) = wait {
                 let deadline = std::time::Instant::now() + Duration::from_secs_f64(limit);
                 loop {
-                    let report = match icheck_core::control::request_blocking(&config, &ClientRequest::Status)? {
-                        ClientReply::Status(report) => report,
-                        other => bail!("unexpected answer from the controller: {other:?}"),
+                    // A status request that fails (a busy or restarting
+                    // controller) is asked again until the deadline.
+                    let left = match icheck_core::control::request_blocking(&config, &ClientRequest::Status) {
+                        Ok(ClientReply::Status(report)) => report
+                            .nodes
+                            .iter()
+                            .filter(|n| n.alive && releasing.contains(&n.node))
+                            .map(|n| n.node.clone())
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        Ok(other) => format!("(unexpected answer from the controller: {other:?})"),
+                        Err(err) => format!("(no status: {err})"),
                     };
-                    let left: Vec<&str> = report
-                        .nodes
-                        .iter()
-                        .filter(|n| n.alive && releasing.contains(&n.node))
-                        .map(|n| n.node.as_str())
-                        .collect();
                     if left.is_empty() {
                         println!("icheck release: released {}", releasing.join(", "));
                         break;
                     }
                     if std::time::Instant::now() > deadline {
-                        bail!("{} still running after {limit} s; the controller's log says why", left.join(", "));
+                        bail!("{left} still running after {limit} s; the controller's log says why");
                     }
                     std::thread::sleep(Duration::from_millis(500));
                 }
