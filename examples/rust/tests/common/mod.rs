@@ -31,6 +31,29 @@ pub struct Job {
     shm_dir: PathBuf,
 }
 
+/// A spawned child's standard output as lines and its standard error as
+/// text, collected by two threads as they arrive (both must be piped).
+pub fn collect_output(child: &mut Child) -> (Arc<Mutex<Vec<String>>>, Arc<Mutex<String>>) {
+    let lines = Arc::new(Mutex::new(Vec::new()));
+    let stderr = Arc::new(Mutex::new(String::new()));
+    let (out, err) = (child.stdout.take().expect("stdout piped"), child.stderr.take().expect("stderr piped"));
+    let sink = lines.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            sink.lock().unwrap().push(line);
+        }
+    });
+    let sink = stderr.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(Result::ok) {
+            let mut text = sink.lock().unwrap();
+            text.push_str(&line);
+            text.push('\n');
+        }
+    });
+    (lines, stderr)
+}
+
 impl Job {
     pub fn start(np: u32, config: &Path, args: &[&str], env: &[(&str, &str)]) -> Job {
         Job::start_program(EXAMPLE, np, config, args, env)
@@ -45,23 +68,7 @@ impl Job {
             command.env(key, value);
         }
         let mut child = command.spawn().expect("mpirun starts (is openmpi-bin installed?)");
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let stderr = Arc::new(Mutex::new(String::new()));
-        let (out, err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-        let sink = lines.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                sink.lock().unwrap().push(line);
-            }
-        });
-        let sink = stderr.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                let mut text = sink.lock().unwrap();
-                text.push_str(&line);
-                text.push('\n');
-            }
-        });
+        let (lines, stderr) = collect_output(&mut child);
         Job { child, lines, stderr, shm_dir }
     }
 
