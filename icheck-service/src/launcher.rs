@@ -186,6 +186,17 @@ pub struct SlurmLauncher {
     pub sbatch_args: Vec<String>,
 }
 
+/// `squeue -h -o "%i %T %N"` output as (job id, state, node list); a
+/// pending job's node list is empty.
+pub fn parse_squeue(text: &str) -> Vec<(u64, String, String)> {
+    text.lines()
+        .filter_map(|line| {
+            let mut parts = line.split_whitespace();
+            Some((parts.next()?.parse().ok()?, parts.next()?.to_string(), parts.next().unwrap_or("").to_string()))
+        })
+        .collect()
+}
+
 /// A Slurm job of a manager, as recorded.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SlurmJob {
@@ -286,13 +297,7 @@ impl SlurmLauncher {
         let Ok(out) = Command::new("squeue").args(["-h", "-o", "%i %T %N", "-j", &ids.join(",")]).output() else {
             return Vec::new();
         };
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|line| {
-                let mut parts = line.split_whitespace();
-                Some((parts.next()?.parse().ok()?, parts.next()?.to_string(), parts.next().unwrap_or("").to_string()))
-            })
-            .collect()
+        parse_squeue(&String::from_utf8_lossy(&out.stdout))
     }
 
     /// Cancels every recorded job and waits (at most `wait`) until Slurm

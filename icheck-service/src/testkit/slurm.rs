@@ -164,13 +164,7 @@ impl TestSlurm {
 
     /// The cluster's jobs as (id, state, node list).
     pub fn jobs(&self) -> Vec<(u64, String, String)> {
-        self.run("squeue", &["-h", "-o", "%i %T %N"])
-            .lines()
-            .filter_map(|line| {
-                let mut parts = line.split_whitespace();
-                Some((parts.next()?.parse().ok()?, parts.next()?.to_string(), parts.next().unwrap_or("").to_string()))
-            })
-            .collect()
+        crate::launcher::parse_squeue(&self.run("squeue", &["-h", "-o", "%i %T %N"]))
     }
 
     fn wait_idle(&self, timeout: Duration) {
