@@ -8,6 +8,9 @@ uint32_t icheck_fi_header_version(void) { return FI_VERSION(FI_MAJOR_VERSION, FI
 int icheck_fi_eagain(void) { return FI_EAGAIN; }
 int icheck_fi_eavail(void) { return FI_EAVAIL; }
 char *icheck_strdup(const char *s) { return strdup(s); }
+int icheck_fi_manual_data_progress(const struct fi_domain_attr *attr) {
+    return attr->data_progress == FI_PROGRESS_MANUAL;
+}
 
 int icheck_fi_close(struct fid *fid) { return fi_close(fid); }
 int icheck_fi_domain(struct fid_fabric *fabric, struct fi_info *info,

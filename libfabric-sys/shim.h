@@ -27,6 +27,10 @@ int icheck_fi_eagain(void);
 int icheck_fi_eavail(void);
 /* strdup, for hint strings that fi_freeinfo will free(). */
 char *icheck_strdup(const char *s);
+/* Whether a domain moves data only inside the application's calls
+ * (FI_PROGRESS_MANUAL). The field sits in an anonymous union in 2.x, which
+ * bindgen names differently; in C it is `data_progress` in both. */
+int icheck_fi_manual_data_progress(const struct fi_domain_attr *attr);
 
 int icheck_fi_close(struct fid *fid);
 int icheck_fi_domain(struct fid_fabric *fabric, struct fi_info *info,

@@ -135,6 +135,7 @@ pub fn run_initiator(
     let len = usize::try_from(target.region.len).map_err(|_| SelftestError::TooLarge(target.region.len))?;
     let mut local = endpoint.register(AlignedBuffer::zeroed(len), Access::LOCAL)?;
     let whole = [RmaOp { local_offset: 0, remote: target.region, remote_offset: 0, len }];
+    tracing::info!(bytes = len, peer = %peer.name(), "reading the target's buffer");
     let read = endpoint.read(&peer, local.target(), &whole, options)?;
     verify_pattern(local.as_slice(), read_seed)
         .map_err(|reason| SelftestError::Mismatch { peer: peer.name().to_string(), reason })?;

@@ -97,6 +97,11 @@ pub struct ProviderInfo {
     pub tx_size: usize,
     /// Bytes of a memory key (`fi_domain_attr::mr_key_size`).
     pub mr_key_size: usize,
+    /// Whether data moves only when the application calls into the
+    /// provider (`FI_PROGRESS_MANUAL`), as with tcp;ofi_rxm and shm: an
+    /// endpoint nobody polls again can then never touch local memory.
+    #[serde(default)]
+    pub manual_progress: bool,
 }
 
 /// Which libfabric API icheck was compiled against and which library it runs on.
@@ -227,6 +232,7 @@ unsafe fn describe(info: *const sys::fi_info) -> ProviderInfo {
             max_msg_size: (*i.ep_attr).max_msg_size as u64,
             tx_size: (*i.tx_attr).size,
             mr_key_size: (*i.domain_attr).mr_key_size,
+            manual_progress: sys::icheck_fi_manual_data_progress(i.domain_attr) != 0,
         }
     }
 }

@@ -184,6 +184,34 @@ impl EpState {
             }
         }
     }
+
+    /// Gives the endpoint up while operations of `kind` are still
+    /// outstanding on it.
+    ///
+    /// Reads under manual data progress leave the objects open and never
+    /// used again instead of closing them: closing an endpoint in the middle
+    /// of an RMA read's response frees the read's entry twice in libfabric
+    /// 1.17's tcp provider (Debian 12's; fixed upstream by a74ea0f, in 1.18)
+    /// and crashed the process, which is how a restart from an agent that
+    /// stalled mid-transfer used to end. Leaving them is as safe as closing:
+    /// with manual progress data moves only inside calls on this endpoint
+    /// and its completion queue, and nobody makes one again (the closed flag
+    /// refuses them), so no operation can write into local memory after the
+    /// caller returns. The cost is the endpoint's socket and buffers for the
+    /// rest of the process, once per abandoned endpoint. Writes have no such
+    /// fault and are closed, as is everything under automatic progress,
+    /// where only closing stops the provider.
+    fn abandon(&mut self, kind: RmaKind, manual_progress: bool) {
+        if self.closed || !manual_progress || kind != RmaKind::Read {
+            self.close();
+            return;
+        }
+        self.closed = true;
+        self.closed_flag.store(true, Ordering::Release);
+        self.ep = ptr::null_mut();
+        self.av = ptr::null_mut();
+        self.cq = ptr::null_mut();
+    }
 }
 
 pub(crate) struct EndpointShared {
@@ -234,6 +262,8 @@ impl fmt::Debug for Endpoint {
 #[derive(Default)]
 struct OpSlot {
     ctx: sys::fi_context2,
+    /// Position of the operation in posting order.
+    seq: u64,
     len: usize,
     remote_addr: u64,
     key: u64,
@@ -416,7 +446,24 @@ impl Endpoint {
         ops: &[RmaOp],
         options: &TransferOptions,
     ) -> Result<TransferStats> {
-        self.transfer(RmaKind::Read, peer, local.ptr, local.len, local.desc, ops, options)
+        self.transfer(RmaKind::Read, peer, local.ptr, local.len, local.desc, ops, options, &mut |_| {})
+    }
+
+    /// Like [`read`](Self::read), calling `on_progress(bytes)` whenever the
+    /// first `bytes` of the batch (its ops in order, each from its start)
+    /// have all arrived: a consumer can use that prefix while the rest is
+    /// still in flight, with the pipeline kept full instead of drained
+    /// between steps. Runs on the calling thread, inside the batch: it must
+    /// be quick.
+    pub fn read_observed(
+        &self,
+        peer: &Peer,
+        local: LocalTarget<'_>,
+        ops: &[RmaOp],
+        options: &TransferOptions,
+        on_progress: &mut dyn FnMut(usize),
+    ) -> Result<TransferStats> {
+        self.transfer(RmaKind::Read, peer, local.ptr, local.len, local.desc, ops, options, on_progress)
     }
 
     /// Writes `local` (at each op's local offset) into remote memory.
@@ -427,7 +474,7 @@ impl Endpoint {
         ops: &[RmaOp],
         options: &TransferOptions,
     ) -> Result<TransferStats> {
-        self.transfer(RmaKind::Write, peer, local.ptr, local.len, local.desc, ops, options)
+        self.transfer(RmaKind::Write, peer, local.ptr, local.len, local.desc, ops, options, &mut |_| {})
     }
 
     /// Polls the completion queue once if no batch is running, which drives
@@ -481,6 +528,7 @@ impl Endpoint {
         desc: *mut c_void,
         ops: &[RmaOp],
         options: &TransferOptions,
+        on_progress: &mut dyn FnMut(usize),
     ) -> Result<TransferStats> {
         let started = Instant::now();
         // Validate every op before posting anything.
@@ -506,6 +554,7 @@ impl Endpoint {
             flags |= sys::FI_DELIVERY_COMPLETE as u64;
         }
 
+        let manual_progress = self.shared.domain.description.manual_progress;
         let mut state = self.shared.lock();
         if state.closed {
             return Err(FabricError::Closed);
@@ -521,6 +570,10 @@ impl Endpoint {
         let mut last_progress = Instant::now();
         let mut entries = [sys::fi_cq_entry::default(); 16];
         let mut idle_polls = 0u32;
+        // Posted operations not yet part of the in-order prefix: (length,
+        // completed), the front being operation number `prefix_seq`.
+        let mut unordered: std::collections::VecDeque<(usize, bool)> = std::collections::VecDeque::new();
+        let (mut posted_seq, mut prefix_seq, mut prefix_bytes) = (0u64, 0u64, 0usize);
 
         loop {
             // Post as many chunks as slots allow.
@@ -538,6 +591,7 @@ impl Endpoint {
                 let remote_addr = op.remote.addr + op.remote_offset + op_done as u64;
                 let slot = &mut slots[slot_index];
                 slot.len = len;
+                slot.seq = posted_seq;
                 slot.remote_addr = remote_addr;
                 slot.key = op.remote.key;
                 // SAFETY: local_ptr + local_offset + op_done .. + len lies in
@@ -572,6 +626,8 @@ impl Endpoint {
                     outstanding += 1;
                     stats.operations += 1;
                     op_done += len;
+                    unordered.push_back((len, false));
+                    posted_seq += 1;
                 } else if ret == eagain() {
                     break; // Queue full: reap completions, then retry.
                 } else {
@@ -597,8 +653,20 @@ impl Endpoint {
                 for entry in &entries[..ret as usize] {
                     let index = (entry.op_context as usize - slot_base) / std::mem::size_of::<OpSlot>();
                     stats.bytes += slots[index].len as u64;
+                    if let Some(op) = unordered.get_mut((slots[index].seq - prefix_seq) as usize) {
+                        op.1 = true;
+                    }
                     free.push(index);
                     outstanding -= 1;
+                }
+                let before = prefix_bytes;
+                while let Some((len, true)) = unordered.front().copied() {
+                    unordered.pop_front();
+                    prefix_seq += 1;
+                    prefix_bytes += len;
+                }
+                if prefix_bytes > before {
+                    on_progress(prefix_bytes);
                 }
                 last_progress = Instant::now();
                 idle_polls = 0;
@@ -645,12 +713,12 @@ impl Endpoint {
                 }
             } else if ret != eagain() {
                 // The completion queue itself failed: nothing can be trusted.
-                state.close();
+                state.abandon(kind, manual_progress);
                 abandon_contexts(slots, outstanding);
                 return Err(FabricError::call("fi_cq_read", ret as i64));
             } else if last_progress.elapsed() > options.timeout {
-                tracing::warn!(op = %kind, peer = %peer.name, outstanding, "RMA batch timed out; closing endpoint");
-                state.close();
+                tracing::warn!(op = %kind, peer = %peer.name, outstanding, "RMA batch timed out; giving the endpoint up");
+                state.abandon(kind, manual_progress);
                 abandon_contexts(slots, outstanding);
                 return Err(FabricError::Timeout {
                     op: kind,

@@ -64,7 +64,7 @@ pub enum FabricError {
     },
     /// Operations got no completion within the timeout; the endpoint was
     /// closed so that no late completion can touch memory the caller reuses.
-    #[error("{op} with peer {peer} timed out: {outstanding} operation(s) had no completion for {timeout:?}; the endpoint was closed (is the peer alive and polling its completion queue?)")]
+    #[error("{op} with peer {peer} timed out: {outstanding} operation(s) had no completion for {timeout:?}; the endpoint was given up (is the peer alive and polling its completion queue?)")]
     Timeout {
         /// Read or write.
         op: RmaKind,
