@@ -33,6 +33,9 @@ use icheck_core::redundancy::PieceId;
 
 /// Name of a rank's reusable data file.
 const SPARE: &str = "spare.data";
+/// Name of a rank's data file prepared ahead of its next version (see
+/// [`Store::reserve_prepared`]).
+const PREPARED: &str = "prepared.data";
 /// Directory of an application's pieces of redundancy (copies of other
 /// nodes' ranks, parity shards), beside its `rank<R>` directories.
 const PIECES: &str = "pieces";
@@ -197,12 +200,55 @@ impl Store {
         let (data, meta) = self.paths(app, rank, version)?;
         // An old manifest of the same number belongs to an interrupted run.
         let _ = fs::remove_file(&meta);
-        let spare = dir.join(SPARE);
-        if spare.exists() {
-            fs::rename(&spare, &data).map_err(io("cannot reuse", &spare))?;
+        // A spare's or a prepared file's pages are kept: it is not
+        // truncated. One reusable file is enough; a second one would only
+        // hold memory, so it goes.
+        let mut reused = false;
+        for name in [SPARE, PREPARED] {
+            let reusable = dir.join(name);
+            if !reusable.exists() {
+                continue;
+            }
+            if reused {
+                remove_if_present(&reusable)?;
+            } else {
+                fs::rename(&reusable, &data).map_err(io("cannot reuse", &reusable))?;
+                reused = true;
+            }
         }
-        // The spare's pages are kept: it is not truncated.
         self.create_mapped(&data, len, false)
+    }
+
+    /// Creates the rank's prepared file with `len` bytes, its pages not yet
+    /// backed: a file of the next version's size that counts against the
+    /// node's memory from here on ([`Store::bytes_held`] counts lengths),
+    /// so the caller reserves it under the same lock as a version's file.
+    /// [`Store::map_prepared`] then backs and maps it, outside that lock.
+    pub fn reserve_prepared(&self, app: &str, rank: u32, len: u64) -> Result<()> {
+        let dir = self.rank_dir(app, rank)?;
+        fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
+        let path = dir.join(PREPARED);
+        let file = OpenOptions::new().write(true).create(true).truncate(false).open(&path);
+        file.and_then(|f| f.set_len(len.max(4096))).map_err(io("cannot size", &path))
+    }
+
+    /// Backs every page of the rank's prepared file and maps it: the slow
+    /// part of a new version's file (tmpfs allocates and zeroes each page),
+    /// done while the application computes instead of inside its commit.
+    pub fn map_prepared(&self, app: &str, rank: u32, len: u64) -> Result<MappedFile> {
+        let path = self.rank_dir(app, rank)?.join(PREPARED);
+        self.create_mapped(&path, len, false)
+    }
+
+    /// Makes the rank's prepared file the data file of `version`, for a
+    /// caller holding its mapping. False if there is none of that size.
+    pub fn reuse_prepared(&self, app: &str, rank: u32, version: u64, len: u64) -> Result<bool> {
+        self.reuse_named(PREPARED, app, rank, version, len)
+    }
+
+    /// Deletes the rank's prepared file (unneeded: a spare took its place).
+    pub fn discard_prepared(&self, app: &str, rank: u32) -> Result<bool> {
+        remove_if_present(&self.rank_dir(app, rank)?.join(PREPARED))
     }
 
     /// Opens (creating it) the data file `data`, gives it `len` bytes with
@@ -307,8 +353,14 @@ impl Store {
     /// mapping it, for a caller that still holds the spare's mapping (the
     /// mapping follows the file through the rename). False if there is no spare.
     pub fn reuse_spare(&self, app: &str, rank: u32, version: u64, len: u64) -> Result<bool> {
+        self.reuse_named(SPARE, app, rank, version, len)
+    }
+
+    /// Renames the rank's file `name` to the data file of `version` if it
+    /// has the version's size.
+    fn reuse_named(&self, name: &str, app: &str, rank: u32, version: u64, len: u64) -> Result<bool> {
         let dir = self.rank_dir(app, rank)?;
-        let spare = dir.join(SPARE);
+        let spare = dir.join(name);
         let on_disk = fs::metadata(&spare).map(|m| m.len()).ok();
         if on_disk != Some(len.max(4096)) {
             return Ok(false);
@@ -709,6 +761,39 @@ mod tests {
         assert!(matches!(store.open("app", 0, 2), Err(StoreError::Missing { version: 2, .. })));
         store.remove_app("app").unwrap();
         assert!(store.sealed_versions("app", 0).unwrap().is_empty());
+        let _ = fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_prepared_file_counts_as_held_becomes_the_next_version_and_is_never_a_version() {
+        let dir = std::env::temp_dir().join(format!("icheck-store-prepared-{}", std::process::id()));
+        let store = Store::new(&dir);
+        let len = 3 * 4096u64;
+        store.reserve_prepared("app", 0, len).unwrap();
+        assert_eq!(store.bytes_held(), len, "reserved: counted before its pages are backed");
+        let mut prepared = store.map_prepared("app", 0, len).unwrap();
+        assert_eq!(prepared.as_slice().len(), len as usize);
+        assert!(store.sealed_versions("app", 0).unwrap().is_empty(), "a prepared file is no version");
+        assert_eq!(store.sweep_unsealed(), (0, 0), "a starting manager keeps it");
+        assert!(!store.reuse_prepared("app", 0, 1, len + 1).unwrap(), "another size is not taken");
+        assert!(store.reuse_prepared("app", 0, 1, len).unwrap());
+        // SAFETY: test-only write through the stable pointer; nothing else maps it.
+        unsafe { std::ptr::write_bytes(prepared.as_mut_ptr(), 7, len as usize) };
+        store.seal(&manifest("app", 0, 1, prepared.as_slice())).unwrap();
+        assert_eq!(store.open("app", 0, 1).unwrap().1.as_slice(), vec![7u8; len as usize]);
+        assert!(!store.reuse_prepared("app", 0, 2, len).unwrap(), "it was used up");
+
+        // With a spare and a prepared file both on the store, a new version
+        // takes the spare and the surplus prepared file goes.
+        store.create("app", 0, 2, len).unwrap();
+        store.seal(&manifest("app", 0, 2, &vec![0u8; len as usize])).unwrap();
+        let pruned = store.prune("app", 0, 2, &BTreeSet::new()).unwrap();
+        assert_eq!(pruned.spare, Some(1));
+        store.reserve_prepared("app", 0, len).unwrap();
+        store.create("app", 0, 3, len).unwrap();
+        let rank_dir = dir.join("app/rank0");
+        assert!(!rank_dir.join(SPARE).exists() && !rank_dir.join(PREPARED).exists());
+        assert!(store.discard_prepared("app", 0).is_ok_and(|removed| !removed));
         let _ = fs::remove_dir_all(dir);
     }
 

@@ -25,13 +25,14 @@ pub(super) enum RestoredData {
     Resized(Resized),
 }
 
-/// Bytes read per step of a restore; each step's checksums are verified on
-/// another thread while the next step is read.
+/// Bytes per step of a restore's verification: each step's checksums are
+/// verified on another thread as soon as it has arrived, while the rest of
+/// the label is still being read.
 pub(super) const RESTORE_STEP: usize = 16 * CHUNK_BYTES;
 
-/// Reads `out.len()` bytes at `remote_offset` of `region` into `out` in
-/// steps, verifying each step against `crcs` (one per `chunk` bytes of
-/// `out`) while the next step is in flight. Returns the first bad chunk.
+/// Reads `out.len()` bytes at `remote_offset` of `region` into `out` in one
+/// batch, verifying each step of it against `crcs` (one per `chunk` bytes
+/// of `out`) as soon as it has arrived. Returns the first bad chunk.
 pub(super) fn read_and_verify(
     endpoint: &Endpoint,
     peer: &Peer,
@@ -67,25 +68,25 @@ pub(super) fn read_and_verify(
             }
             None
         });
-        let mut read = Ok(());
-        let options = TransferOptions::default();
-        for start in (0..total).step_by(RESTORE_STEP) {
-            let len = RESTORE_STEP.min(total - start);
-            let op = RmaOp { local_offset: start, remote: region, remote_offset: remote_offset + start as u64, len };
-            // SAFETY: the verifier only reads steps already sent, which lie
-            // before `start`; this read writes start..start+len only.
-            let target = unsafe { local.target_unchecked() };
-            if let Err(err) = endpoint.read(peer, target, &[op], &options) {
-                read = Err(err.into());
-                break;
+        // One batch for the whole label, so the fabric pipeline never drains
+        // between steps; each step goes to the verifier as soon as every
+        // byte of it has arrived.
+        let op = RmaOp { local_offset: 0, remote: region, remote_offset, len: total };
+        let mut next_step = 0usize;
+        let mut hand_over = |arrived: usize| {
+            while next_step < total && (arrived >= total || arrived >= next_step + RESTORE_STEP) {
+                // A verifier that stopped (a bad chunk) needs no more steps.
+                let _ = to_verify.send(next_step);
+                next_step += RESTORE_STEP;
             }
-            if to_verify.send(start).is_err() {
-                break;
-            }
-        }
+        };
+        // SAFETY: the verifier reads only steps handed over, whose bytes
+        // have all arrived and which no later operation of the batch writes.
+        let target = unsafe { local.target_unchecked() };
+        let read = endpoint.read_observed(peer, target, &[op], &TransferOptions::default(), &mut hand_over);
         drop(to_verify);
         let bad = verifier.join().unwrap_or(Some(0));
-        read.map(|_| bad)
+        read.map(|_| bad).map_err(Error::from)
     })
 }
 

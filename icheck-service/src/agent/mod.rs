@@ -21,6 +21,7 @@ mod session;
 
 use std::io::ErrorKind;
 use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -534,7 +535,7 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener, _probe: RegisteredB
         threads.retain(|h| !h.is_finished());
         if !busy {
             shared.endpoint.progress();
-            std::thread::sleep(Duration::from_micros(500));
+            wait_for_connections(listener, &handshakes);
         }
     }
     drop(handshakes);
@@ -542,6 +543,28 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener, _probe: RegisteredB
     for handle in threads {
         let _ = handle.join();
     }
+}
+
+/// How long an idle agent sleeps between turns of its accept loop when no
+/// connection stirs. New connections and Hellos wake it at once (they are
+/// polled); what waits for the tick is only RMA against the probe region,
+/// which needs the agent's progress under manual progress and is read by
+/// diagnostics alone: every transfer of data has a session thread driving
+/// the endpoint. At 2000 turns a second (a 500 µs sleep) an idle agent cost
+/// 5% of a core; at ten it costs about 0.14% of one (`commit-bench
+/// --idle-seconds`).
+const IDLE_TICK_MS: u16 = 100;
+
+/// Sleeps until the listener has a connection to accept, a waiting
+/// connection sent more of its Hello, or [`IDLE_TICK_MS`] pass.
+fn wait_for_connections(listener: &TcpListener, handshakes: &std::collections::VecDeque<Handshake>) {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let mut fds: Vec<PollFd> = std::iter::once(listener.as_fd())
+        .chain(handshakes.iter().map(|h| h.stream.as_fd()))
+        .map(|fd| PollFd::new(fd, PollFlags::POLLIN))
+        .collect();
+    // EINTR or any other failure only ends the wait early.
+    let _ = poll(&mut fds, PollTimeout::from(IDLE_TICK_MS));
 }
 
 /// Reads what a waiting connection sent; admits it once its Hello is whole
@@ -716,6 +739,10 @@ struct Session {
     sealed: Vec<(u64, MappedFile)>,
     /// The mapping of the rank's spare file, ready for the next version.
     spare: Option<MappedFile>,
+    /// The rank's next file, being backed and mapped in the background
+    /// when no spare will exist for the next version (after the first
+    /// version, whose predecessor left none): see [`prepare_next_file`].
+    prepared: Option<JoinHandle<Option<MappedFile>>>,
     /// Fetches the rank is done with, released after the reply is sent
     /// (unmapping takes time the rank need not wait for).
     retired: Vec<Fetching>,
@@ -843,6 +870,7 @@ fn handle(
             fetching: None,
             sealed: Vec::new(),
             spare: None,
+            prepared: None,
             retired: Vec::new(),
             receiving: None,
         });
@@ -861,7 +889,21 @@ fn handle(
             let stored = |v: u64| store.is_sealed(&shared.app, rank, v);
             let checked = session.core.begin(version, ranks, epoch, labels, shared.complete(rank), stored)?;
             let (app, rank, total_len) = (session.core.app(), session.core.rank(), checked.total_len);
-            let reusable = session.spare.take().filter(|spare| spare.len() as u64 == total_len.max(4096));
+            // A file prepared in the background since the last version is
+            // used when no spare is; one made useless by a spare goes.
+            let prepared = session.prepared.take().and_then(|thread| thread.join().ok().flatten());
+            let fits = |file: &MappedFile| file.len() as u64 == total_len.max(4096);
+            let reusable = match (session.spare.take().filter(fits), prepared.filter(fits)) {
+                (Some(spare), unneeded) => {
+                    if unneeded.is_some() {
+                        drop(unneeded);
+                        store.discard_prepared(app, rank).map_err(|e| e.to_string())?;
+                    }
+                    Some((spare, Reuse::Spare))
+                }
+                (None, Some(prepared)) => Some((prepared, Reuse::Prepared)),
+                (None, None) => None,
+            };
             let needed = if reusable.is_some() { 0 } else { total_len };
             // Whether the version fits, and creating its file, are decided
             // under one lock per manager (a node's agents all run in it):
@@ -871,8 +913,12 @@ fn handle(
             let held = if shared.mem_budget > 0 && needed > 0 { store.bytes_held() } else { 0 };
             let file = match (admit(shared.mem_budget, held, needed), reusable) {
                 (Err(full), _) => Err(format!("version {version} of rank {rank}: {full}")),
-                (Ok(()), Some(spare))
-                    if store.reuse_spare(app, rank, version, total_len).map_err(|e| e.to_string())? =>
+                (Ok(()), Some((spare, reuse)))
+                    if match reuse {
+                        Reuse::Spare => store.reuse_spare(app, rank, version, total_len),
+                        Reuse::Prepared => store.reuse_prepared(app, rank, version, total_len),
+                    }
+                    .map_err(|e| e.to_string())? =>
                 {
                     // Registered again for this version only.
                     shared.endpoint.register(spare, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string())
@@ -974,6 +1020,13 @@ fn handle(
             let (old, kept): (Vec<_>, Vec<_>) = session.sealed.drain(..).partition(|(v, _)| *v < version);
             session.sealed = kept;
             session.spare = old.into_iter().find(|(v, _)| Some(*v) == pruned.spare).map(|(_, file)| file);
+            // Nothing was pruned (the first version, or older ones still
+            // pinned): the next version would map fresh memory inside its
+            // commit; make its file now, while the application computes.
+            let len = session.sealed.iter().find(|(v, _)| *v == version).map(|(_, file)| file.len() as u64);
+            if let (None, None, Some(len)) = (&session.spare, &session.prepared, len) {
+                session.prepared = prepare_next_file(shared, rank, len);
+            }
             let prune_ms = pruning.elapsed().as_secs_f64() * 1e3;
             tracing::debug!(
                 version,
@@ -986,9 +1039,11 @@ fn handle(
             Ok(AgentReply::Ok)
         }
         AgentRequest::Fetch { version } => {
+            let fetch_started = Instant::now();
             session.fetching = None;
             let (app, rank) = (session.core.app().to_string(), session.core.rank());
             let opened = store.open(&app, rank, version);
+            let open_ms = fetch_started.elapsed().as_secs_f64() * 1e3;
             let found = match &opened {
                 Err(missing @ StoreError::Missing { .. }) => Found::Missing(missing.to_string()),
                 Err(err) => Found::Unreadable(err.to_string()),
@@ -1025,6 +1080,8 @@ fn handle(
             region.len = manifest.total_len.min(region.len);
             let progress = serve_reads(shared, caller)?;
             session.fetching = Some(Fetching { _exposed: exposed, _progress: progress });
+            let ms = fetch_started.elapsed().as_secs_f64() * 1e3;
+            tracing::debug!(version, rank, bytes = region.len, open_ms, ms, "version checked and exposed for reading");
             Ok(AgentReply::Fetch { manifest, region, damaged })
         }
         AgentRequest::FetchDone => {
@@ -1125,6 +1182,61 @@ fn serve_reads(shared: &Shared, caller: Caller) -> Result<ProgressThread, String
         ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin)
     };
     spawned.map_err(|e| e.to_string())
+}
+
+/// Which kind of reusable file a `Begin` takes.
+enum Reuse {
+    /// A pruned version's file ([`Store::prune`]).
+    Spare,
+    /// A file made ahead of time ([`prepare_next_file`]).
+    Prepared,
+}
+
+/// Starts making the file of `rank`'s next version (`len` bytes, the size
+/// of its newest) on a background thread of low priority: the first two
+/// versions of a run each mapped fresh memory inside the commit, where
+/// tmpfs allocates and zeroes every page (the first two commits took 3× a
+/// later one). The file is reserved against the node's memory budget
+/// under the same lock as `Begin`'s, and only while twice its size is
+/// free, so it does not push a version out; without that room it is not
+/// made, and the next version does what it did before. `None` if the
+/// thread cannot start.
+fn prepare_next_file(shared: &Shared, rank: u32, len: u64) -> Option<JoinHandle<Option<MappedFile>>> {
+    let (store, app, budget) = (shared.settings.store.clone(), shared.app.clone(), shared.mem_budget);
+    let spawned = std::thread::Builder::new().name("icheck-prepare".into()).spawn(move || {
+        crate::manager::lower_thread_priority();
+        {
+            let _space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
+            // Only with room for the prepared file and another version
+            // besides: it is a bet on the next commit, never worth making
+            // another application's version spill.
+            let room = match budget {
+                0 => store.capacity().map_or(0, |c| c.available),
+                _ => budget.saturating_sub(store.bytes_held()),
+            };
+            if room < len.saturating_mul(2) {
+                return None;
+            }
+            if let Err(err) = store.reserve_prepared(&app, rank, len) {
+                tracing::warn!(rank, %err, "cannot prepare the next version's file");
+                return None;
+            }
+        }
+        let started = Instant::now();
+        match store.map_prepared(&app, rank, len) {
+            Ok(file) => {
+                let ms = started.elapsed().as_secs_f64() * 1e3;
+                tracing::debug!(rank, bytes = len, ms, "next version's file prepared");
+                Some(file)
+            }
+            Err(err) => {
+                tracing::warn!(rank, %err, "cannot prepare the next version's file");
+                let _ = store.discard_prepared(&app, rank);
+                None
+            }
+        }
+    });
+    spawned.map_err(|err| tracing::warn!(%err, "cannot start preparing the next version's file")).ok()
 }
 
 /// Serialises the budget check and file creation of `Begin` over every agent

@@ -498,6 +498,8 @@ fn main() {
     // Before anything else: undo the crash handlers libfabric's PSM
     // dependencies installed at load time (see the function's docs).
     let disarmed = icheck_core::fabric::disarm_provider_crash_handlers();
+    // Still single-threaded, and before libfabric reads its parameters.
+    icheck_core::fabric::tune_connection_setup();
     let cli = Cli::parse();
     init_logging(matches!(cli.command, Command_::Controller { .. } | Command_::Manager { .. }));
     if disarmed {
