@@ -309,6 +309,55 @@ fn a_batch_job_under_icheck_run_relaunches_a_killed_srun_step_inside_its_allocat
     assert!(state.contains("JobState=COMPLETED") && state.contains("ExitCode=0:0"), "{state}");
 }
 
+/// The README's `examples/slurm/job.sbatch` itself, submitted as a user
+/// would, against an installed icheck and heat2d compiled with it: only the
+/// allocation's size and the problem's size are overridden. Slurm kills the
+/// first step; the script's `icheck run` relaunches heat2d inside the
+/// allocation, which restarts from the checkpoint nodes' memory and ends
+/// with the checksum of a fault-free run.
+#[test]
+fn the_readme_batch_script_relaunches_heat2d_to_the_fault_free_checksum() {
+    let installed = common::install::install("slurm-job");
+    let heat2d = installed.compile("mpicc", "examples/heat2d/heat2d.c", &["-std=c99", "-O2"]);
+    let slurm = TestSlurm::start("script", "cs", 3);
+    let service = SlurmService::up(&slurm, "script", "1");
+    let config = service.config_path();
+    let size = "--n 1024 --iters 6000 --every 500";
+
+    let shm = service.dir.join("mpi-shm");
+    let args: Vec<&str> = size.split(' ').chain(["--app", "fault-free"]).collect();
+    let clean = common::install::mpirun_np(2, &config, &shm, &heat2d, &args, &[]);
+    let expected = common::install::checksum(&clean);
+
+    let output = slurm.path("heat2d.out");
+    let path = format!("{}:{}", installed.prefix.join("bin").display(), std::env::var("PATH").unwrap_or_default());
+    let submitted = slurm.run(
+        "sbatch",
+        &[
+            "--parsable",
+            "--nodes=2",
+            "--ntasks-per-node=1",
+            "--time=10",
+            &format!("--chdir={}", installed.prefix.display()),
+            &format!("--output={}", output.display()),
+            &format!("--export=ALL,PATH={path},ICHECK_CONFIG={},HEAT2D_ARGS={size}", config.display()),
+            common::install::repo().join("examples/slurm/job.sbatch").to_str().unwrap(),
+        ],
+    );
+    let job: u64 = submitted.trim().parse().unwrap_or_else(|_| panic!("sbatch said {submitted:?}"));
+    let read = || std::fs::read_to_string(&output).unwrap_or_default();
+    wait_for("heat2d's second commit", Duration::from_secs(120), || read().contains("COMMITTED iteration 500 "));
+    slurm.run("scancel", &["--signal=KILL", &format!("{job}.0")]);
+    wait_for("the job to end", Duration::from_secs(240), || !slurm.jobs().iter().any(|(id, _, _)| *id == job));
+    let text = read();
+    assert!(text.contains("icheck run: relaunching (attempt 2"), "{text}");
+    assert!(text.contains("RESTARTED at iteration "), "{text}");
+    let got = text.lines().find_map(|l| l.strip_prefix("CHECKSUM ")).unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(got.trim(), expected, "{text}");
+    let state = slurm.run("scontrol", &["show", "job", &job.to_string()]);
+    assert!(state.contains("JobState=COMPLETED") && state.contains("ExitCode=0:0"), "{state}");
+}
+
 /// Algorithm 9 on request: `icheck release --count 1` picks a node, moves
 /// its applications' agents away and releases it; releasing every node is
 /// refused, as is releasing without a resource manager.

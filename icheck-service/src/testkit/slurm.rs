@@ -111,7 +111,7 @@ impl TestSlurm {
              SelectType=select/cons_tres\n\
              SelectTypeParameters=CR_Core\n\
              SchedulerType=sched/backfill\n\
-             MpiDefault=none\n\
+             MpiDefault=pmix\n\
              ReturnToService=2\n\
              JobAcctGatherType=jobacct_gather/none\n\
              AccountingStorageType=accounting_storage/none\n\
