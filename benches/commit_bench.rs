@@ -42,6 +42,11 @@ struct Cli {
     /// Timed repetitions; the median is reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Seconds over which the CPU time of an idle service (an application
+    /// registered, between commits) is measured, on the first provider; 0
+    /// skips it.
+    #[arg(long, default_value_t = 30)]
+    idle_seconds: u64,
     /// Internal: serve as the raw-fabric target for one provider.
     #[arg(long, hide = true)]
     serve_target: Option<String>,
@@ -140,6 +145,92 @@ fn measure<C: Communicator + 'static>(
         async_total: median(total),
         restart: median(restarts),
     })
+}
+
+/// A single-rank application `app` pulling one label of `size` bytes
+/// (pattern `seed`) under `config`: registered, nothing committed yet.
+fn one_rank_app(config: &Path, app: &str, size: usize, seed: u64) -> Result<(Icheck, Region<u8>)> {
+    set_mode("pull");
+    let data = Region::<u8>::zeroed(size);
+    fill_pattern(&mut data.write(), seed);
+    let (mut ic, _) = Icheck::init(Some(config), app, SingleProcess)?;
+    ic.add("data", &data)?;
+    Ok((ic, data))
+}
+
+/// Seconds of each of the first `count` commits (every page changed) of a
+/// new application with one rank of `size` bytes, 300 ms of "computation"
+/// apart: the first versions of a run used to map fresh agent memory inside
+/// the commit.
+fn first_commits(provider: &str, size: usize, count: usize) -> Result<Vec<f64>> {
+    let svc = service(&format!("bench-first-{provider}"), provider, 1, 1)?;
+    let (mut ic, data) = one_rank_app(&svc.config_path(), "bench-first", size, 9)?;
+    let mut times = Vec::with_capacity(count);
+    for run in 0..count {
+        change_every_page(&data, run);
+        let start = Instant::now();
+        ic.commit()?;
+        times.push(start.elapsed().as_secs_f64());
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    }
+    ic.finalize(false)?;
+    Ok(times)
+}
+
+/// CPU nanoseconds of every thread of `pids` so far, by thread id
+/// (`schedstat`: time on the CPU, exact where the tick-sampled `stat` is not).
+fn thread_cpu(pids: &[u32]) -> std::collections::HashMap<String, u64> {
+    let mut threads = std::collections::HashMap::new();
+    for pid in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { continue };
+        for task in tasks.filter_map(|t| t.ok()) {
+            let stat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
+            let nanos = stat.split_whitespace().next().and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
+            let name = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            threads.insert(format!("{} {}", task.path().display(), name.trim()), nanos);
+        }
+    }
+    threads
+}
+
+/// CPU time `pids` used between two [`thread_cpu`] snapshots: threads
+/// started in between count from zero; one that ended in between is lost
+/// (the service's threads live as long as their agents and sessions).
+fn cpu_between(
+    before: &std::collections::HashMap<String, u64>,
+    after: &std::collections::HashMap<String, u64>,
+) -> std::time::Duration {
+    let mut used: Vec<(u64, &String)> =
+        after.iter().map(|(tid, now)| (now.saturating_sub(*before.get(tid).unwrap_or(&0)), tid)).collect();
+    used.sort_unstable_by(|a, b| b.cmp(a));
+    for (nanos, thread) in used.iter().take(5) {
+        eprintln!("  {thread}: {:.1} ms", *nanos as f64 / 1e6);
+    }
+    std::time::Duration::from_nanos(used.iter().map(|(nanos, _)| nanos).sum())
+}
+
+/// The share of one core that a local service (controller and two
+/// managers) uses while one application is registered with live agents and
+/// computes between commits: what checkpointing costs when it is not
+/// checkpointing.
+fn idle_service_cpu(provider: &str, over: std::time::Duration) -> Result<f64> {
+    let svc = service(&format!("bench-idle-{provider}"), provider, 2, 2)?;
+    let pids: Vec<u32> = std::fs::read_to_string(svc.dir.join("pids"))?
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .collect();
+    let (mut ic, _data) = one_rank_app(&svc.config_path(), "bench-idle", 16 << 20, 7)?;
+    ic.commit()?;
+    ic.commit()?;
+    // Let the commit's aftermath (pruning, status reports) pass first.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let before = thread_cpu(&pids);
+    let started = Instant::now();
+    std::thread::sleep(over);
+    let used = cpu_between(&before, &thread_cpu(&pids));
+    let share = used.as_secs_f64() / started.elapsed().as_secs_f64();
+    ic.finalize(false)?;
+    Ok(share)
 }
 
 /// Raw fabric rates: fi_read and fi_write into/from touched memory, and
@@ -423,19 +514,35 @@ fn pfs_level(provider: &str, size: usize, runs: usize) -> Result<Vec<Line>> {
     ])
 }
 
+/// What the four-rank case reports: the pull and push measurements, and
+/// the baseline for its async rows.
+#[derive(Debug, Serialize, Deserialize)]
+struct MpiResult {
+    modes: Vec<ModeTimes>,
+    /// Seconds for every rank to memcpy its own bytes with all four copying
+    /// at once (the slowest rank's median): what an async commit's copy
+    /// into the staging buffer competes with on the same cores.
+    memcpy_all: f64,
+}
+
 fn mpi_rank(config: &Path, rank_size: usize, runs: usize) -> Result<()> {
+    use mpi::collective::SystemOperation;
+    use mpi::traits::{Communicator as _, CommunicatorCollectives as _};
     let universe = mpi::initialize().context("MPI init")?;
     let world = universe.world();
+    world.barrier();
+    let mine = memcpy_secs(rank_size.max(4096), runs);
+    let mut memcpy_all = 0.0f64;
+    world.all_reduce_into(&mine, &mut memcpy_all, SystemOperation::max());
     let data = Region::<u8>::zeroed(rank_size);
     fill_pattern(&mut data.write(), 5);
-    let mut results = Vec::new();
+    let mut modes = Vec::new();
     for transfer in ["pull", "push"] {
         let app = format!("bench-mpi-{transfer}");
-        results.push(measure(config, &app, || MpiComm::new(&world), &data, runs, transfer)?);
+        modes.push(measure(config, &app, || MpiComm::new(&world), &data, runs, transfer)?);
     }
-    use mpi::traits::Communicator as _;
     if world.rank() == 0 {
-        println!("RESULT {}", serde_json::to_string(&results)?);
+        println!("RESULT {}", serde_json::to_string(&MpiResult { modes, memcpy_all })?);
     }
     Ok(())
 }
@@ -494,11 +601,59 @@ fn main() -> Result<()> {
             let Some(json) = stdout.lines().find_map(|l| l.strip_prefix("RESULT ")) else {
                 bail!("the MPI case printed no result:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
             };
-            let results: Vec<ModeTimes> = serde_json::from_str(json)?;
+            let result: MpiResult = serde_json::from_str(json)?;
+            let results = &result.modes;
             eprintln!("{provider}: 4 ranks: {results:?}");
             let case = format!("4 ranks, 2 agents, {} per rank", cli.rank_size);
             lines.extend(rows_for(&case, provider, 4.0 * rank_size as f64, &results[0], &results[1], raw, memcpy_rank));
+            // The baseline for a four-rank async commit: each
+            // rank's memcpy with all four copying at once.
+            for (mode, times) in [("pull", &results[0]), ("push", &results[1])] {
+                lines.push(Line::new(
+                    &case,
+                    provider,
+                    &format!("commit, {mode}, async: blocked, vs 4 ranks copying at once"),
+                    format!("{:.1} ms", times.async_blocked * 1e3),
+                    format!("memcpy ×4 at once {:.1} ms", result.memcpy_all * 1e3),
+                    times.async_blocked / result.memcpy_all,
+                ));
+            }
         }
+    }
+    if let Some(provider) = cli.providers.first() {
+        let times = first_commits(provider, size, runs.max(5))?;
+        eprintln!("{provider}: commits of a new application: {times:?}");
+        let later = median(times[1..].to_vec());
+        let slowest_later = times[1..].iter().copied().fold(0.0, f64::max);
+        let case = format!("1 rank, 1 agent, {}, a new application", cli.size);
+        lines.push(Line::new(
+            &case,
+            provider,
+            "first commit",
+            format!("{:.1} ms", times[0] * 1e3),
+            format!("median of later {:.1} ms", later * 1e3),
+            times[0] / later,
+        ));
+        lines.push(Line::new(
+            &case,
+            provider,
+            "slowest commit after the first",
+            format!("{:.1} ms", slowest_later * 1e3),
+            format!("median of later {:.1} ms", later * 1e3),
+            slowest_later / later,
+        ));
+    }
+    if let (Some(provider), true) = (cli.providers.first(), cli.idle_seconds > 0) {
+        let share = idle_service_cpu(provider, std::time::Duration::from_secs(cli.idle_seconds))?;
+        eprintln!("{provider}: idle service used {:.3}% of a core", share * 100.0);
+        lines.push(Line::new(
+            "idle: 2 managers, 1 application between commits",
+            provider,
+            &format!("service CPU over {} s", cli.idle_seconds),
+            format!("{:.2}% of a core", share * 100.0),
+            "target 0.5% of a core".into(),
+            share / 0.005,
+        ));
     }
     let pfs_size = usize::try_from(cli.pfs_size.0)?;
     if let (Some(provider), true) = (cli.providers.first(), pfs_size > 0) {

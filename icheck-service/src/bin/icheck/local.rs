@@ -672,17 +672,27 @@ pub fn newest_complete_version(config: &StaticConfig, app: &str) -> Option<u64> 
 pub fn flush_newest(config: &StaticConfig, app: &str) -> Result<(), String> {
     let capability = match config.admin_token() {
         Some(_) => String::new(),
-        None => match config.capability_store().load(app) {
-            Ok(Some(capability)) => capability.expose().to_string(),
-            Ok(None) => return Err(format!("this needs the admin token or {app}'s kept capability")),
-            Err(err) => return Err(err.to_string()),
-        },
+        None => kept_capability(config, app)?,
     };
     match request_blocking(config, &ClientRequest::FlushApp { name: app.to_string(), capability }) {
         Ok(ClientReply::Ok) => Ok(()),
         Ok(ClientReply::Error(reason)) => Err(reason),
         Ok(other) => Err(format!("unexpected answer from the controller: {other:?}")),
         Err(err) => Err(format!("controller unreachable ({err})")),
+    }
+}
+
+/// The application's capability as this user's capability store keeps it,
+/// for requests made without the admin token; the error names the file.
+fn kept_capability(config: &StaticConfig, app: &str) -> Result<String, String> {
+    let store = config.capability_store();
+    match store.load(app) {
+        Ok(Some(capability)) => Ok(capability.expose().to_string()),
+        Ok(None) => Err(format!(
+            "this needs the admin token or {app}'s capability, and none is kept at {}",
+            store.path(app).display()
+        )),
+        Err(err) => Err(err.to_string()),
     }
 }
 
@@ -694,17 +704,7 @@ fn app_report(config: &StaticConfig, app: &str) -> Result<Option<icheck_core::pr
             Err(err) => Err(format!("controller unreachable ({err})")),
         };
     }
-    let store = config.capability_store();
-    let capability = match store.load(app) {
-        Ok(Some(capability)) => capability.expose().to_string(),
-        Ok(None) => {
-            return Err(format!(
-                "not shown: this needs the admin token or {app}'s capability, and none is kept at {}",
-                store.path(app).display()
-            ))
-        }
-        Err(err) => return Err(err.to_string()),
-    };
+    let capability = kept_capability(config, app).map_err(|why| format!("not shown: {why}"))?;
     match request_blocking(config, &ClientRequest::AppStatus { name: app.to_string(), capability }) {
         Ok(ClientReply::AppStatus(report)) => Ok(report.map(|r| *r)),
         Ok(ClientReply::Error(reason)) => Err(reason),
