@@ -25,6 +25,7 @@ pub mod config;
 pub mod control;
 pub mod credentials;
 pub mod decide;
+pub mod delta;
 pub mod distribution;
 pub mod fabric;
 pub mod failpoint;

@@ -22,7 +22,7 @@ use crate::fabric::{FabricAddress, RemoteRegion};
 pub use crate::format::{DataKind, LabelLayout, Manifest, VersionRecord};
 
 /// Version of this protocol; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 /// First bytes of every Hello.
 pub const MAGIC: [u8; 4] = *b"ICHK";
 /// Largest frame accepted, in bytes.
@@ -1031,6 +1031,28 @@ pub enum AgentRequest {
         /// What the piece is (its stripe checksums, as the encoder computed them).
         meta: PieceMeta,
     },
+    /// An incremental commit: as `Begin`, but only the blocks in `changed`
+    /// (see [`crate::delta`]) differ from `parent`, the rank's previous
+    /// version at this agent. When the agent holds `parent` sealed with the
+    /// same length, it replies [`AgentReply::DeltaTarget`] and the rank
+    /// sends the changed blocks packed back to back; otherwise it begins a
+    /// whole version as `Begin` does and replies [`AgentReply::Target`].
+    BeginDelta {
+        /// Version number.
+        version: u64,
+        /// Process count.
+        ranks: u32,
+        /// Resize epoch.
+        epoch: u32,
+        /// Label layout; lengths sum to the total.
+        labels: Vec<LabelLayout>,
+        /// Whether the rank will fi_write (push) rather than the agent fi_read (pull).
+        push: bool,
+        /// The version the unchanged blocks are taken from.
+        parent: u64,
+        /// The changed blocks, in order.
+        changed: Vec<crate::delta::BlockRun>,
+    },
 }
 
 /// What a stored piece of redundancy is: written beside its data, and all
@@ -1248,6 +1270,9 @@ pub enum AgentReply {
     Ok,
     /// The registered memory the version goes into.
     Target(RemoteRegion),
+    /// The registered memory an incremental version's changed blocks go
+    /// into, packed back to back in the order of `BeginDelta`'s runs.
+    DeltaTarget(RemoteRegion),
     /// Pull finished.
     Pulled {
         /// Bytes read.

@@ -10,7 +10,19 @@
 //! <root>/<app>/pieces/v<V>.copy<R>.data|.meta         a copy of another node's rank
 //! <root>/<app>/pieces/v<V>.parity<G>-<J>.data|.meta   parity shard J of group G
 //! <root>/<app>/pieces/spare.<piece>.data              a dropped version's piece, reused
+//! <root>/<app>/rank<R>/v<V>.map    an incremental version's BlockMap, written before its .meta
+//! <root>/<app>/rank<R>/b<V>.data   a dropped version's data that newer versions still share
 //! ```
+//!
+//! Incremental versions (`icheck_core::delta`): `v<V>.data` holds only the
+//! blocks that changed since the parent, packed, and `v<V>.map` says which
+//! file holds every other block. [`Store::open`] composes such a version
+//! into one contiguous read-only view, mapping each run of blocks from the
+//! file that holds it, so every reader (restart, inventory, copies, parity)
+//! sees the same bytes as for a whole version. When a version is dropped
+//! while newer maps still use blocks of its data file, the file is kept as
+//! `b<V>.data` with the unused blocks punched out; it goes when no map
+//! uses it ([`Store::prune`], [`Store::remove_version`]).
 //!
 //! Architecture invariant: a version counts as stored only when its `.meta`
 //! exists; the `.meta` is written after the data is complete and checksummed,
@@ -26,6 +38,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::MmapMut;
 
+use icheck_core::delta::{BlockMap, BLOCK_SIZE};
 use icheck_core::fabric::StableBuffer;
 use icheck_core::format::{self, check_app_name, FormatError, Manifest};
 use icheck_core::protocol::{PieceMeta, StoredVersion};
@@ -107,33 +120,88 @@ fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> 
     move |error| StoreError::Io { what, path: path.to_path_buf(), error }
 }
 
-/// A version's data file, mapped read-write. Its mapping never moves, so it
-/// can be registered for RMA.
+/// A version's data: its file mapped read-write, or (an incremental
+/// version) a read-only view composed of blocks of several files. The
+/// mapping never moves, so it can be registered for RMA.
 pub struct MappedFile {
-    map: MmapMut,
+    mapping: Mapping,
     len: usize,
+}
+
+enum Mapping {
+    File(MmapMut),
+    Composed(ComposedView),
+}
+
+/// A read-only range of address space whose pages map blocks of several
+/// data files (see [`Store::open`]); unmapped as a whole on drop.
+struct ComposedView {
+    base: std::ptr::NonNull<std::ffi::c_void>,
+    mapped: usize,
+}
+
+// SAFETY: the view is plain shared-file memory owned by this value; nothing
+// in it is tied to the thread that mapped it.
+unsafe impl Send for ComposedView {}
+// SAFETY: it is only read through shared references.
+unsafe impl Sync for ComposedView {}
+
+impl Drop for ComposedView {
+    fn drop(&mut self) {
+        // SAFETY: `base..base + mapped` was reserved by this view's
+        // mmap_anonymous and only remapped inside; no slice of it outlives
+        // `self` (they borrow the MappedFile).
+        if let Err(errno) = unsafe { nix::sys::mman::munmap(self.base, self.mapped) } {
+            tracing::warn!(%errno, bytes = self.mapped, "cannot unmap a composed version");
+        }
+    }
 }
 
 impl MappedFile {
     /// The data (the logical length, without the padding page of empty files).
     pub fn as_slice(&self) -> &[u8] {
-        &self.map[..self.len]
+        match &self.mapping {
+            Mapping::File(map) => &map[..self.len],
+            // SAFETY: the view maps `mapped >= len` readable bytes at `base`
+            // for as long as `self` lives.
+            Mapping::Composed(view) => unsafe { std::slice::from_raw_parts(view.base.as_ptr().cast::<u8>(), self.len) },
+        }
     }
 
-    /// The data, mutably (before the file is registered for RMA).
+    /// The data, mutably (before the file is registered for RMA). Only a
+    /// version's own file is writable: a composed view shares its blocks
+    /// with other versions and is mapped read-only.
+    ///
+    /// # Panics
+    /// On a composed view (an incremental version opened from the store).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        &mut self.map[..self.len]
+        match &mut self.mapping {
+            Mapping::File(map) => &mut map[..self.len],
+            Mapping::Composed(_) => panic!("an incremental version's composed view is read-only"),
+        }
+    }
+
+    /// Whether this is an incremental version composed of shared blocks.
+    pub fn is_composed(&self) -> bool {
+        matches!(self.mapping, Mapping::Composed(_))
     }
 }
 
-// SAFETY: the mapping stays at one address until the MmapMut is dropped, and
-// MappedFile never remaps it.
+// SAFETY: the mapping stays at one address until the MappedFile is
+// dropped, and MappedFile never remaps it. A composed view is registered
+// only for remote reads (Fetch), never written through this pointer.
 unsafe impl StableBuffer for MappedFile {
     fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.map.as_mut_ptr()
+        match &mut self.mapping {
+            Mapping::File(map) => map.as_mut_ptr(),
+            Mapping::Composed(view) => view.base.as_ptr().cast::<u8>(),
+        }
     }
     fn len(&self) -> usize {
-        self.map.len()
+        match &self.mapping {
+            Mapping::File(map) => map.len(),
+            Mapping::Composed(view) => view.mapped,
+        }
     }
 }
 
@@ -251,6 +319,91 @@ impl Store {
         remove_if_present(&self.rank_dir(app, rank)?.join(PREPARED))
     }
 
+    /// Creates the data file of an incremental version: `len` bytes for its
+    /// changed blocks, packed. Spare and prepared files (whole versions'
+    /// memory) are left for whole versions.
+    pub fn create_delta(&self, app: &str, rank: u32, version: u64, len: u64) -> Result<MappedFile> {
+        let dir = self.rank_dir(app, rank)?;
+        fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
+        let (data, meta) = self.paths(app, rank, version)?;
+        let _ = fs::remove_file(&meta);
+        let _ = fs::remove_file(dir.join(format!("v{version}.map")));
+        self.create_mapped(&data, len, true)
+    }
+
+    /// The block map of a sealed version: its map file, or (a whole
+    /// version) the identity. `None` if the version is not sealed here.
+    pub fn block_map(&self, app: &str, rank: u32, version: u64) -> Result<Option<BlockMap>> {
+        let (data, meta) = self.paths(app, rank, version)?;
+        let Ok(bytes) = fs::read(&meta) else { return Ok(None) };
+        let manifest: Manifest = format::decode_stored(&bytes)
+            .map_err(|e| StoreError::BadManifest { path: meta.clone(), reason: e.to_string() })?;
+        let map_path = data.with_extension("map");
+        if !map_path.exists() {
+            return Ok(Some(BlockMap::whole(version, manifest.total_len)));
+        }
+        let own_blocks = fs::metadata(&data).map_or(0, |m| m.len().div_ceil(BLOCK_SIZE));
+        let map = read_map(&map_path)?;
+        map.validate(version, manifest.total_len, own_blocks)
+            .map_err(|reason| StoreError::BadManifest { path: map_path, reason })?;
+        Ok(Some(map))
+    }
+
+    /// Seals an incremental version: its block map first, then (the commit
+    /// point, as for every version) its manifest.
+    pub fn seal_delta(&self, manifest: &Manifest, map: &BlockMap) -> Result<()> {
+        let (data, _) = self.paths(&manifest.app, manifest.rank, manifest.version)?;
+        let map_path = data.with_extension("map");
+        let bytes = format::encode_stored(map)
+            .map_err(|e| StoreError::BadManifest { path: map_path.clone(), reason: e.to_string() })?;
+        let tmp = map_path.with_extension("map.tmp");
+        fs::write(&tmp, bytes).map_err(io("cannot write", &tmp))?;
+        fs::rename(&tmp, &map_path).map_err(io("cannot rename into", &map_path))?;
+        self.seal(manifest)
+    }
+
+    /// Keeps what sealed versions' maps still use of dropped versions' data
+    /// (`b<V>.data`) and frees the rest: files no map uses are deleted,
+    /// blocks no map uses are punched out (tmpfs gives their pages back).
+    fn collect_shared_blocks(&self, dir: &Path) -> Result<()> {
+        let mut used: std::collections::BTreeMap<u64, BTreeSet<u64>> = Default::default();
+        let entries: Vec<String> = match fs::read_dir(dir) {
+            Ok(entries) => entries.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect(),
+            Err(_) => return Ok(()),
+        };
+        for name in &entries {
+            let Some(stem) = name.strip_suffix(".map").filter(|stem| stem.starts_with('v')) else { continue };
+            if !dir.join(format!("{stem}.meta")).exists() {
+                continue;
+            }
+            // An unreadable map keeps everything: freeing on a guess could
+            // destroy a version that is still served.
+            let map = read_map(&dir.join(name))?;
+            for (version, blocks) in map.borrowed() {
+                used.entry(version).or_default().extend(blocks);
+            }
+        }
+        for name in &entries {
+            let Some(version) = name.strip_prefix('b').and_then(|n| n.strip_suffix(".data")) else { continue };
+            let Ok(version) = version.parse::<u64>() else { continue };
+            let path = dir.join(name);
+            let Some(blocks) = used.get(&version) else {
+                remove_if_present(&path)?;
+                continue;
+            };
+            let file = OpenOptions::new().write(true).open(&path).map_err(io("cannot open", &path))?;
+            let len = file.metadata().map_err(io("cannot stat", &path))?.len();
+            let mut start = 0u64;
+            for end in blocks.iter().copied().chain(std::iter::once(len.div_ceil(BLOCK_SIZE))) {
+                if end > start {
+                    punch(&file, &path, start * BLOCK_SIZE, (end * BLOCK_SIZE).min(len))?;
+                }
+                start = end + 1;
+            }
+        }
+        Ok(())
+    }
+
     /// Opens (creating it) the data file `data`, gives it `len` bytes with
     /// every page backed now, and maps them.
     fn create_mapped(&self, data: &Path, len: u64, truncate: bool) -> Result<MappedFile> {
@@ -333,9 +486,9 @@ impl Store {
             let Ok(files) = fs::read_dir(rank_dir.path()) else { continue };
             for file in files.filter_map(|e| e.ok()) {
                 let name = file.file_name().to_string_lossy().into_owned();
-                let stale = match name.strip_suffix(".data") {
+                let stale = match name.strip_suffix(".data").or_else(|| name.strip_suffix(".map")) {
                     Some(stem) if stem.starts_with('v') => !rank_dir.path().join(format!("{stem}.meta")).exists(),
-                    _ => name.ends_with(".meta.tmp"),
+                    _ => name.ends_with(".meta.tmp") || name.ends_with(".map.tmp"),
                 };
                 if stale {
                     let bytes = file.metadata().map_or(0, |m| m.len());
@@ -395,8 +548,17 @@ impl Store {
     pub fn remove_version(&self, app: &str, rank: u32, version: u64) -> Result<()> {
         let (data, meta) = self.paths(app, rank, version)?;
         remove_if_present(&meta)?;
-        remove_if_present(&data)?;
-        Ok(())
+        remove_if_present(&data.with_extension("map"))?;
+        // Newer incremental versions may share its blocks: kept (or freed)
+        // by what their maps use.
+        let shared = data.with_file_name(format!("b{version}.data"));
+        match fs::rename(&data, &shared) {
+            Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                return Err(StoreError::Io { what: "cannot remove", path: data, error })
+            }
+            _ => {}
+        }
+        self.collect_shared_blocks(&self.rank_dir(app, rank)?)
     }
 
     /// Opens a stored version: its manifest and its mapped data.
@@ -412,14 +574,94 @@ impl Store {
         manifest.validate().map_err(|e| StoreError::BadManifest { path: meta.clone(), reason: e.to_string() })?;
         let file = OpenOptions::new().read(true).write(true).open(&data).map_err(|_| missing())?;
         let on_disk = file.metadata().map_err(io("cannot stat", &data))?.len();
-        if on_disk < manifest.total_len {
+        let map_path = data.with_extension("map");
+        if on_disk < manifest.total_len && !map_path.exists() {
             return Err(StoreError::BadManifest {
                 path: meta,
                 reason: format!("data file holds {on_disk} bytes, manifest says {}", manifest.total_len),
             });
         }
+        if map_path.exists() {
+            let own_blocks = on_disk.div_ceil(BLOCK_SIZE);
+            let blocks = read_map(&map_path)?;
+            blocks
+                .validate(version, manifest.total_len, own_blocks)
+                .map_err(|reason| StoreError::BadManifest { path: map_path, reason })?;
+            let view = self.compose(&data, &blocks)?;
+            return Ok((manifest, view));
+        }
         let mapped = map(&file, &data, manifest.total_len)?;
         Ok((manifest, mapped))
+    }
+
+    /// Maps an incremental version's blocks, each from the file holding
+    /// it, into one read-only range of address space.
+    fn compose(&self, data: &Path, blocks: &BlockMap) -> Result<MappedFile> {
+        use nix::sys::mman::{mmap, mmap_anonymous, MapFlags, ProtFlags};
+        use std::num::NonZeroUsize;
+        let len = usize::try_from(blocks.total_len).unwrap_or(usize::MAX);
+        let page = 4096usize;
+        let mapped = NonZeroUsize::new(len.next_multiple_of(page).max(page)).expect("at least a page");
+        let failed =
+            |errno: nix::errno::Errno| StoreError::Io { what: "cannot map", path: data.into(), error: errno.into() };
+        // SAFETY: a fresh private range chosen by the kernel; nothing else
+        // refers to it. PROT_NONE until the blocks are mapped over it.
+        let base = unsafe {
+            mmap_anonymous(None, mapped, ProtFlags::PROT_NONE, MapFlags::MAP_PRIVATE | MapFlags::MAP_NORESERVE)
+        }
+        .map_err(failed)?;
+        // Owned from here: an error below unmaps the whole range.
+        let view = ComposedView { base, mapped: mapped.get() };
+        let mut files: std::collections::HashMap<u64, (File, u64)> = Default::default();
+        for extent in blocks.extents() {
+            let start = usize::try_from(extent.first * BLOCK_SIZE).unwrap_or(usize::MAX);
+            let end = usize::try_from((extent.first + extent.count) * BLOCK_SIZE).unwrap_or(usize::MAX).min(len);
+            let holder = extent.source.version;
+            if let std::collections::hash_map::Entry::Vacant(slot) = files.entry(holder) {
+                let path = self.holder_path(data, holder);
+                let file = File::open(&path).map_err(io("cannot open the blocks of", &path))?;
+                let on_disk = file.metadata().map_err(io("cannot stat", &path))?.len();
+                slot.insert((file, on_disk));
+            }
+            let (file, on_disk) = &files[&holder];
+            let offset = extent.source.index * BLOCK_SIZE;
+            // Pages past a file's end would fault (SIGBUS) when read.
+            if offset + (end - start) as u64 > on_disk.next_multiple_of(page as u64) {
+                let path = self.holder_path(data, holder);
+                return Err(StoreError::BadManifest {
+                    path,
+                    reason: format!("holds {on_disk} bytes; block {} is past its end", extent.source.index),
+                });
+            }
+            let at = NonZeroUsize::new(view.base.as_ptr() as usize + start).expect("inside a non-null range");
+            let Some(length) = NonZeroUsize::new(end - start) else { continue };
+            // SAFETY: `at..at + length` lies inside the range `view` owns
+            // (end <= len <= mapped); MAP_FIXED replaces only that part of it.
+            // The files are the store's own, never truncated while sealed.
+            unsafe {
+                mmap(
+                    Some(at),
+                    length,
+                    ProtFlags::PROT_READ,
+                    MapFlags::MAP_SHARED | MapFlags::MAP_FIXED | MapFlags::MAP_POPULATE,
+                    file,
+                    i64::try_from(offset).unwrap_or(i64::MAX),
+                )
+            }
+            .map_err(failed)?;
+        }
+        Ok(MappedFile { mapping: Mapping::Composed(view), len })
+    }
+
+    /// The data file holding `holder`'s blocks: its version file while it
+    /// is stored, its shared-blocks file once it was dropped.
+    fn holder_path(&self, data: &Path, holder: u64) -> PathBuf {
+        let own = data.with_file_name(format!("v{holder}.data"));
+        if own.exists() {
+            own
+        } else {
+            data.with_file_name(format!("b{holder}.data"))
+        }
     }
 
     /// Whether `version` of a rank is sealed (its manifest is in place).
@@ -470,6 +712,23 @@ impl Store {
             pruned.removed += 1;
         }
         data_files.sort();
+        // Data that retained incremental versions still share is kept as
+        // shared blocks, never reused as the spare.
+        let mut shared = Vec::new();
+        for (version, path) in std::mem::take(&mut data_files) {
+            if self.blocks_used(&dir, version)? {
+                shared.push((version, path));
+            } else {
+                data_files.push((version, path));
+            }
+        }
+        for (version, path) in &shared {
+            let kept = dir.join(format!("b{version}.data"));
+            fs::rename(path, &kept).map_err(io("cannot keep the shared blocks of", path))?;
+        }
+        if !shared.is_empty() || fs::read_dir(&dir).into_iter().flatten().flatten().any(|e| is_shared(&e)) {
+            self.collect_shared_blocks(&dir)?;
+        }
         if let Some((version, newest)) = data_files.pop() {
             let spare = dir.join(SPARE);
             fs::rename(&newest, &spare).map_err(io("cannot keep as spare", &newest))?;
@@ -479,6 +738,22 @@ impl Store {
             fs::remove_file(&path).map_err(io("cannot remove", &path))?;
         }
         Ok(pruned)
+    }
+
+    /// Whether a sealed version's map in `dir` uses blocks of `version`'s data.
+    fn blocks_used(&self, dir: &Path, version: u64) -> Result<bool> {
+        let Ok(entries) = fs::read_dir(dir) else { return Ok(false) };
+        for entry in entries.filter_map(|e| e.ok()) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(stem) = name.strip_suffix(".map").filter(|stem| stem.starts_with('v')) else { continue };
+            if stem == format!("v{version}") || !dir.join(format!("{stem}.meta")).exists() {
+                continue;
+            }
+            if read_map(&entry.path())?.blocks.iter().any(|r| r.version == version) {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Deletes all versions of one rank of an application (the rank moved
@@ -667,6 +942,8 @@ impl Store {
                     .filter_map(|e| e.ok())
                     .map(|e| match e.file_type() {
                         Ok(t) if t.is_dir() => walk(&e.path()),
+                        // Shared blocks hold only what was not punched out.
+                        _ if is_shared(&e) => e.metadata().map_or(0, |m| m.blocks().saturating_mul(512)),
                         _ => e.metadata().map_or(0, |m| m.len()),
                     })
                     .sum()
@@ -686,6 +963,30 @@ fn piece_name(piece: PieceId) -> String {
     }
 }
 
+/// Whether a directory entry is a dropped version's shared blocks (`b<V>.data`).
+fn is_shared(entry: &fs::DirEntry) -> bool {
+    let name = entry.file_name();
+    let name = name.to_string_lossy();
+    name.strip_prefix('b').and_then(|n| n.strip_suffix(".data")).is_some_and(|n| n.parse::<u64>().is_ok())
+}
+
+/// Reads and decodes a block map file (validated by the caller, who knows
+/// the version's length).
+fn read_map(path: &Path) -> Result<BlockMap> {
+    let bytes = fs::read(path).map_err(io("cannot read", path))?;
+    format::decode_stored(&bytes).map_err(|e| StoreError::BadManifest { path: path.into(), reason: e.to_string() })
+}
+
+/// Gives the pages of `start..end` of a file back to its file system,
+/// keeping its length.
+fn punch(file: &File, path: &Path, start: u64, end: u64) -> Result<()> {
+    use nix::fcntl::{fallocate, FallocateFlags};
+    let (offset, len) = (i64::try_from(start).unwrap_or(i64::MAX), i64::try_from(end - start).unwrap_or(i64::MAX));
+    fallocate(file, FallocateFlags::FALLOC_FL_PUNCH_HOLE | FallocateFlags::FALLOC_FL_KEEP_SIZE, offset, len).map_err(
+        |errno| StoreError::Io { what: "cannot free unused blocks of", path: path.into(), error: errno.into() },
+    )
+}
+
 fn remove_if_present(path: &Path) -> Result<bool> {
     match fs::remove_file(path) {
         Ok(()) => Ok(true),
@@ -701,7 +1002,7 @@ fn map(file: &File, path: &Path, len: u64) -> Result<MappedFile> {
     // in one by one during the transfer.
     let map = unsafe { memmap2::MmapOptions::new().populate().map_mut(file) }.map_err(io("cannot map", path))?;
     let len = usize::try_from(len).unwrap_or(usize::MAX).min(map.len());
-    Ok(MappedFile { map, len })
+    Ok(MappedFile { mapping: Mapping::File(map), len })
 }
 
 #[cfg(test)]

@@ -297,6 +297,36 @@ impl Icheck {
         let header = VersionHeader { version, shape: self.shape(self.comm.size()), layout: layout.clone(), push };
         let link = self.link.as_mut().ok_or(Error::Order("no agent session"))?;
         let slices: Vec<&[u8]> = guards.iter().map(|g| &***g).collect();
+        if self.incremental {
+            // The pieces of version bytes start..end: each label's part of
+            // it, from that label's registered memory.
+            let pieces_of = |start: u64, end: u64, at: u64| -> Vec<Piece<'_>> {
+                regions
+                    .iter()
+                    .filter_map(|(index, region)| {
+                        let label = &layout[*index];
+                        let (from, to) = (start.max(label.offset), end.min(label.offset + label.len));
+                        (from < to).then(|| Piece {
+                            source: region.source(),
+                            remote: region.remote(),
+                            local_offset: (from - label.offset) as usize,
+                            file_offset: at + (from - start),
+                            len: (to - from) as usize,
+                        })
+                    })
+                    .collect()
+            };
+            let previous = self.sealed_blocks.as_ref().map(|(v, blocks)| (*v, blocks.as_slice()));
+            let committed = commit_incremental(link, &self.endpoint, header, &slices, previous, pieces_of);
+            let (moved, blocks) = committed?;
+            self.sealed_blocks = Some((version, blocks));
+            let total: u64 = lens.iter().map(|l| *l as u64).sum();
+            tracing::info!(moved, total, "incremental commit");
+            drop(regions);
+            drop(guards);
+            // The version holds every byte, whatever crossed the fabric.
+            return Ok(total);
+        }
         let pieces: Vec<Piece<'_>> = regions
             .iter()
             .map(|(index, region)| Piece {

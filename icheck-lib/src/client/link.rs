@@ -152,6 +152,34 @@ impl AgentLink {
         }
     }
 
+    /// Begins an incremental version over `parent` with the `changed`
+    /// blocks: `Ok(Some(region))` where the changed blocks go, packed;
+    /// `Ok(None)` with the region for the whole version when the agent
+    /// takes it whole (it lacks the parent).
+    pub(super) fn begin_delta(
+        &mut self,
+        header: &VersionHeader,
+        parent: u64,
+        changed: Vec<BlockRun>,
+    ) -> Result<(RemoteRegion, bool)> {
+        let Shape { ranks, epoch } = header.shape;
+        self.reopen_if_closed()?;
+        let request = AgentRequest::BeginDelta {
+            version: header.version,
+            ranks,
+            epoch,
+            labels: header.layout.clone(),
+            push: header.push,
+            parent,
+            changed,
+        };
+        match self.call(&request)? {
+            AgentReply::DeltaTarget(region) => Ok((region, true)),
+            AgentReply::Target(region) => Ok((region, false)),
+            other => Err(self.error(format!("unexpected answer to BeginDelta: {other:?}"))),
+        }
+    }
+
     /// Pull mode: the agent reads `segments` while this process drives its
     /// endpoint's progress.
     pub(super) fn pull(&mut self, endpoint: &Endpoint, segments: Vec<PullSegment>) -> Result<u64> {
@@ -317,6 +345,54 @@ pub(super) fn commit_version(
     })?;
     link.seal(crcs)?;
     Ok(moved)
+}
+
+/// An incremental commit ([`icheck_core::delta`]): checksums `labels`
+/// (chunks and blocks, one pass), then begins the version over `parent`
+/// (the version whose block checksums are `before`) with the blocks that
+/// changed, and moves only those: `pieces_of` gives the pieces of a byte
+/// range of the version, placed at a file offset of the destination.
+/// When the agent takes the version whole, every byte moves. Returns the
+/// bytes moved and the version's block checksums (the next commit's `before`).
+pub(super) fn commit_incremental<'p>(
+    link: &mut AgentLink,
+    endpoint: &Endpoint,
+    header: VersionHeader,
+    labels: &[&[u8]],
+    previous: Option<(u64, &[u32])>,
+    pieces_of: impl Fn(u64, u64, u64) -> Vec<Piece<'p>>,
+) -> Result<(u64, Vec<u32>)> {
+    let total: u64 = header.layout.iter().map(|l| l.len).sum();
+    link.expect_bytes(total);
+    let (crcs, blocks) = icheck_core::delta::checksums(labels);
+    let changed = previous.and_then(|(parent, before)| Some((parent, changed_runs(before, &blocks)?)));
+    let push = header.push;
+    let (target, runs) = match changed {
+        Some((parent, runs)) => match link.begin_delta(&header, parent, runs.clone())? {
+            (target, true) => (target, Some(runs)),
+            (target, false) => (target, None),
+        },
+        None => (link.begin(header.version, header.shape, header.layout, push)?, None),
+    };
+    let pieces = match &runs {
+        // Changed blocks, packed back to back in run order.
+        Some(runs) => {
+            let mut packed = 0u64;
+            let mut pieces = Vec::new();
+            for run in runs {
+                let start = run.first * BLOCK_SIZE;
+                let end = ((run.first + run.count) * BLOCK_SIZE).min(total);
+                pieces.extend(pieces_of(start, end, packed));
+                packed += end - start;
+            }
+            pieces
+        }
+        None => pieces_of(0, total, 0),
+    };
+    let moved = if pieces.is_empty() { 0 } else { Mover { link: &mut *link, endpoint, target, push }.send(&pieces)? };
+    tracing::debug!(moved, total, incremental = runs.is_some(), "version moved");
+    link.seal(crcs)?;
+    Ok((moved, blocks))
 }
 
 /// Commits a version whose bytes are one registered buffer (the async

@@ -21,6 +21,7 @@ use icheck_core::config::{ConfigError, StaticConfig, TransferDirection};
 use icheck_core::control::ServiceError;
 use icheck_core::control::{BlockingConnection, ControllerLink};
 use icheck_core::decide::agent_for_rank;
+use icheck_core::delta::{changed_runs, BlockRun, BLOCK_SIZE};
 use icheck_core::distribution::{Adapt, Attribute, GlobalLayout};
 use icheck_core::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricError, LocalSource, MemoryRegion, Peer, ProgressMode,
@@ -49,7 +50,7 @@ mod shmr;
 use commit::{Background, InFlight};
 pub use error::Error;
 use error::Result;
-use link::{commit_buffer, commit_version, Piece, VersionHeader};
+use link::{commit_buffer, commit_incremental, commit_version, Piece, VersionHeader};
 use link::{open_link, AgentLink, ServiceAccess, Shape, Waits};
 pub use protection::Protection;
 pub use resize::Recalc;
@@ -146,6 +147,11 @@ pub struct Icheck {
     next_version: u64,
     direction: TransferDirection,
     zero_copy: bool,
+    /// `incremental` (see `ClientConfig`): send only changed blocks.
+    incremental: bool,
+    /// The block checksums of the version this rank sealed last, and its
+    /// number: what an incremental commit compares against.
+    sealed_blocks: Option<(u64, Vec<u32>)>,
     staging_size: usize,
     /// The staging buffer between commits: kept (an async commit's bytes
     /// may be stored again on new agents) but not registered; it is
@@ -258,6 +264,11 @@ impl Icheck {
             Some("0") | Some("false") => false,
             Some("1") | Some("true") => true,
             _ => client.zero_copy,
+        };
+        let incremental = match std::env::var("ICHECK_INCREMENTAL").ok().as_deref() {
+            Some("0") | Some("false") => false,
+            Some("1") | Some("true") => true,
+            _ => client.incremental,
         };
         let staging_size = match std::env::var("ICHECK_STAGING_BUFFER") {
             Ok(text) => text
@@ -472,6 +483,8 @@ impl Icheck {
             next_version,
             direction,
             zero_copy,
+            incremental,
+            sealed_blocks: None,
             staging_size: (staging_size.0 as usize).max(8192),
             staging: None,
             asynchronous: false,
@@ -502,7 +515,7 @@ impl Icheck {
         }
         let _entered = span.enter();
         let agent = icheck.link.as_ref().map(|l| l.info.id);
-        tracing::info!(?status, ?agent, ?direction, ?mode, zero_copy, "initialised");
+        tracing::info!(?status, ?agent, ?direction, ?mode, zero_copy, incremental, "initialised");
         drop(_entered);
         Ok((icheck, status))
     }

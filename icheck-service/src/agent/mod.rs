@@ -40,7 +40,7 @@ use icheck_core::protocol::{
 use icheck_core::redundancy::PieceId;
 
 use crate::store::{MappedFile, Store, StoreError};
-use session::{admit, Abandoned, Found, Sealed, Serve, SessionCore};
+use session::{admit, Abandoned, BeginChecked, Found, Sealed, Serve, SessionCore};
 
 /// Bytes of the probe region every agent exposes for reachability checks.
 pub const PROBE_LEN: usize = 4096;
@@ -83,7 +83,8 @@ pub struct AgentSettings {
 pub struct AgentCounters {
     /// Versions sealed (checkpoint operations).
     pub versions_sealed: AtomicU64,
-    /// Bytes of sealed versions.
+    /// Bytes that arrived for sealed versions (an incremental version's
+    /// changed blocks only).
     pub bytes_moved: AtomicU64,
     /// Bytes per second of the last sealed version's transfer (bw_agent,
     /// eq. 6.8), as f64 bits.
@@ -888,82 +889,26 @@ fn handle(
             let rank = session.core.rank();
             let stored = |v: u64| store.is_sealed(&shared.app, rank, v);
             let checked = session.core.begin(version, ranks, epoch, labels, shared.complete(rank), stored)?;
-            let (app, rank, total_len) = (session.core.app(), session.core.rank(), checked.total_len);
-            // A file prepared in the background since the last version is
-            // used when no spare is; one made useless by a spare goes.
-            let prepared = session.prepared.take().and_then(|thread| thread.join().ok().flatten());
-            let fits = |file: &MappedFile| file.len() as u64 == total_len.max(4096);
-            let reusable = match (session.spare.take().filter(fits), prepared.filter(fits)) {
-                (Some(spare), unneeded) => {
-                    if unneeded.is_some() {
-                        drop(unneeded);
-                        store.discard_prepared(app, rank).map_err(|e| e.to_string())?;
+            begin_version(shared, session, checked, push, begun)
+        }
+        AgentRequest::BeginDelta { version, ranks, epoch, labels, push, parent, changed } => {
+            let begun = Instant::now();
+            session.abandon_writing();
+            let rank = session.core.rank();
+            let stored = |v: u64| store.is_sealed(&shared.app, rank, v);
+            let mut checked = session.core.begin(version, ranks, epoch, labels, shared.complete(rank), stored)?;
+            // Without the parent here (another agent wrote it, it was
+            // dropped or lost), the version is taken whole.
+            match store.block_map(&shared.app, rank, parent) {
+                Ok(Some(map)) => {
+                    if let Err(reason) = checked.make_incremental(&map, &changed) {
+                        tracing::info!(version, rank, parent, %reason, "taking the version whole");
                     }
-                    Some((spare, Reuse::Spare))
                 }
-                (None, Some(prepared)) => Some((prepared, Reuse::Prepared)),
-                (None, None) => None,
-            };
-            let needed = if reusable.is_some() { 0 } else { total_len };
-            // Whether the version fits, and creating its file, are decided
-            // under one lock per manager (a node's agents all run in it):
-            // two ranks beginning at once would otherwise both see room for
-            // one and overrun the budget together.
-            let space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
-            let held = if shared.mem_budget > 0 && needed > 0 { store.bytes_held() } else { 0 };
-            let file = match (admit(shared.mem_budget, held, needed), reusable) {
-                (Err(full), _) => Err(format!("version {version} of rank {rank}: {full}")),
-                (Ok(()), Some((spare, reuse)))
-                    if match reuse {
-                        Reuse::Spare => store.reuse_spare(app, rank, version, total_len),
-                        Reuse::Prepared => store.reuse_prepared(app, rank, version, total_len),
-                    }
-                    .map_err(|e| e.to_string())? =>
-                {
-                    // Registered again for this version only.
-                    shared.endpoint.register(spare, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string())
-                }
-                (Ok(()), _) => match store.create(app, rank, version, total_len) {
-                    // Registered for both directions so the mapping can be
-                    // reused whichever way the next version arrives.
-                    Ok(file) => shared.endpoint.register(file, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string()),
-                    // Another tenant of the store's file system took the room.
-                    Err(full @ StoreError::NoSpace { .. }) => Err(full.to_string()),
-                    Err(err) => return Err(err.to_string()),
-                },
-            };
-            // The file has its size (and pages): later budget checks count it.
-            drop(space);
-            let file = match file {
-                Ok(file) => file,
-                Err(full) => {
-                    let destination = spill_destination(shared, &session.core, version, total_len, &full, push)?;
-                    tracing::warn!(
-                        version,
-                        rank,
-                        bytes = total_len,
-                        held,
-                        budget = shared.mem_budget,
-                        reason = %full,
-                        "the node's checkpoint memory is full: spilling this version to the PFS"
-                    );
-                    session.writing = Some(Writing { destination, _progress: None });
-                    session.core.begun(checked, false, Instant::now());
-                    // The rank pulls into nothing of ours: any region will do.
-                    return Ok(AgentReply::Target(RemoteRegion { addr: 0, len: 0, key: 0 }));
-                }
-            };
-            let remote = file.remote();
-            let progress = if push {
-                Some(ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin).map_err(|e| e.to_string())?)
-            } else {
-                None
-            };
-            let prepare_ms = begun.elapsed().as_secs_f64() * 1e3;
-            tracing::debug!(version, rank, bytes = total_len, push, prepare_ms, "version begun");
-            session.writing = Some(Writing { destination: Destination::Memory(file), _progress: progress });
-            session.core.begun(checked, true, Instant::now());
-            Ok(AgentReply::Target(remote))
+                Ok(None) => tracing::debug!(version, rank, parent, "parent not stored here: taking the version whole"),
+                Err(err) => tracing::warn!(version, rank, parent, %err, "parent unreadable: taking the version whole"),
+            }
+            begin_version(shared, session, checked, push, begun)
         }
         AgentRequest::Pull(segments) => {
             let ops = session.core.pull_ops(&segments)?;
@@ -971,22 +916,181 @@ fn handle(
             let bytes = pull(&shared.endpoint, &session.peer, writing, &ops)?;
             Ok(AgentReply::Pulled { bytes })
         }
+        other => handle_rest(shared, session, other, caller),
+    }
+}
+
+/// Gives a checked Begin its destination: an incremental version's own
+/// file for its changed blocks, a whole version's file (a spare or a
+/// prepared one when there is one), or a spill to the PFS when the node's
+/// checkpoint memory is full.
+fn begin_version(
+    shared: &Shared,
+    session: &mut Session,
+    checked: BeginChecked,
+    push: bool,
+    begun: Instant,
+) -> Result<AgentReply, String> {
+    let store = &shared.settings.store;
+    let version = checked.version;
+    let (app, rank, total_len) = (session.core.app(), session.core.rank(), checked.total_len);
+    if checked.delta.is_some() {
+        return begin_incremental(shared, session, checked, push, begun);
+    }
+    // A file prepared in the background since the last version is
+    // used when no spare is; one made useless by a spare goes.
+    let prepared = session.prepared.take().and_then(|thread| thread.join().ok().flatten());
+    let fits = |file: &MappedFile| file.len() as u64 == total_len.max(4096);
+    let reusable = match (session.spare.take().filter(fits), prepared.filter(fits)) {
+        (Some(spare), unneeded) => {
+            if unneeded.is_some() {
+                drop(unneeded);
+                store.discard_prepared(app, rank).map_err(|e| e.to_string())?;
+            }
+            Some((spare, Reuse::Spare))
+        }
+        (None, Some(prepared)) => Some((prepared, Reuse::Prepared)),
+        (None, None) => None,
+    };
+    let needed = if reusable.is_some() { 0 } else { total_len };
+    // Whether the version fits, and creating its file, are decided
+    // under one lock per manager (a node's agents all run in it):
+    // two ranks beginning at once would otherwise both see room for
+    // one and overrun the budget together.
+    let space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
+    let held = if shared.mem_budget > 0 && needed > 0 { store.bytes_held() } else { 0 };
+    let file = match (admit(shared.mem_budget, held, needed), reusable) {
+        (Err(full), _) => Err(format!("version {version} of rank {rank}: {full}")),
+        (Ok(()), Some((spare, reuse)))
+            if match reuse {
+                Reuse::Spare => store.reuse_spare(app, rank, version, total_len),
+                Reuse::Prepared => store.reuse_prepared(app, rank, version, total_len),
+            }
+            .map_err(|e| e.to_string())? =>
+        {
+            // Registered again for this version only.
+            shared.endpoint.register(spare, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string())
+        }
+        (Ok(()), _) => match store.create(app, rank, version, total_len) {
+            // Registered for both directions so the mapping can be
+            // reused whichever way the next version arrives.
+            Ok(file) => shared.endpoint.register(file, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string()),
+            // Another tenant of the store's file system took the room.
+            Err(full @ StoreError::NoSpace { .. }) => Err(full.to_string()),
+            Err(err) => return Err(err.to_string()),
+        },
+    };
+    // The file has its size (and pages): later budget checks count it.
+    drop(space);
+    let file = match file {
+        Ok(file) => file,
+        Err(full) => {
+            let destination = spill_destination(shared, &session.core, version, total_len, &full, push)?;
+            tracing::warn!(
+                version,
+                rank,
+                bytes = total_len,
+                held,
+                budget = shared.mem_budget,
+                reason = %full,
+                "the node's checkpoint memory is full: spilling this version to the PFS"
+            );
+            session.writing = Some(Writing { destination, _progress: None });
+            session.core.begun(checked, false, Instant::now());
+            // The rank pulls into nothing of ours: any region will do.
+            return Ok(AgentReply::Target(RemoteRegion { addr: 0, len: 0, key: 0 }));
+        }
+    };
+    let remote = file.remote();
+    let progress = if push {
+        Some(ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin).map_err(|e| e.to_string())?)
+    } else {
+        None
+    };
+    let prepare_ms = begun.elapsed().as_secs_f64() * 1e3;
+    tracing::debug!(version, rank, bytes = total_len, push, prepare_ms, "version begun");
+    session.writing = Some(Writing { destination: Destination::Memory(file), _progress: progress });
+    session.core.begun(checked, true, Instant::now());
+    Ok(AgentReply::Target(remote))
+}
+
+/// [`begin_version`] for an incremental version: a file of its changed
+/// blocks only, admitted under the node's budget like any version's. A
+/// version that does not fit is taken whole, as a spill.
+fn begin_incremental(
+    shared: &Shared,
+    session: &mut Session,
+    mut checked: BeginChecked,
+    push: bool,
+    begun: Instant,
+) -> Result<AgentReply, String> {
+    let store = &shared.settings.store;
+    let (app, rank, version, written) =
+        (session.core.app(), session.core.rank(), checked.version, checked.written_len());
+    let space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
+    let held = if shared.mem_budget > 0 { store.bytes_held() } else { 0 };
+    let file = admit(shared.mem_budget, held, written)
+        .and_then(|()| store.create_delta(app, rank, version, written).map_err(|e| e.to_string()));
+    drop(space);
+    let file = match file {
+        Ok(file) => file,
+        Err(reason) => {
+            tracing::info!(version, rank, %reason, "no room for the changed blocks: taking the version whole");
+            checked.delta = None;
+            return begin_version(shared, session, checked, push, begun);
+        }
+    };
+    let file = shared.endpoint.register(file, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string())?;
+    let remote = file.remote();
+    let progress = if push {
+        Some(ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin).map_err(|e| e.to_string())?)
+    } else {
+        None
+    };
+    let prepare_ms = begun.elapsed().as_secs_f64() * 1e3;
+    tracing::debug!(version, rank, bytes = checked.total_len, written, push, prepare_ms, "incremental version begun");
+    session.writing = Some(Writing { destination: Destination::Memory(file), _progress: progress });
+    session.core.begun(checked, true, Instant::now());
+    Ok(AgentReply::DeltaTarget(remote))
+}
+
+/// The requests that neither begin nor move a version's bytes.
+fn handle_rest(
+    shared: &Shared,
+    session: &mut Session,
+    request: AgentRequest,
+    caller: Caller,
+) -> Result<AgentReply, String> {
+    let store = &shared.settings.store;
+    match request {
+        AgentRequest::Open { .. }
+        | AgentRequest::Begin { .. }
+        | AgentRequest::BeginDelta { .. }
+        | AgentRequest::Pull(_) => unreachable!("handled by the caller"),
         AgentRequest::Seal { crcs } => {
             // The rank has finished writing: stop spinning for it.
             let destination = session.writing.take().map(|writing| writing.destination);
-            let Sealed { manifest, transfer_secs } = session.core.seal(crcs, Instant::now(), unix_ms())?;
+            let Sealed { manifest, transfer_secs, delta } = session.core.seal(crcs, Instant::now(), unix_ms())?;
             let destination = destination.ok_or("Seal without Begin")?;
             let (version, total_len) = (manifest.version, manifest.total_len);
             let sealing = Instant::now();
-            shared.counters.sealed(total_len, transfer_secs);
-            let spilled = match destination {
-                Destination::Memory(file) => {
+            // What crossed the fabric: an incremental version's changed blocks.
+            let written = delta.as_ref().map_or(total_len, |d| d.written_len);
+            shared.counters.sealed(written, transfer_secs);
+            let spilled = match (destination, delta) {
+                (Destination::Memory(file), Some(delta)) => {
+                    store.seal_delta(&manifest, &delta.map).map_err(|e| e.to_string())?;
+                    // Only the changed blocks' file: not worth keeping mapped.
+                    drop(file);
+                    false
+                }
+                (Destination::Memory(file), None) => {
                     store.seal(&manifest).map_err(|e| e.to_string())?;
                     // Deregistered at once: sealed memory is no peer's to touch.
                     session.sealed.push((version, file.into_inner()));
                     false
                 }
-                Destination::Spill { file, .. } => {
+                (Destination::Spill { file, .. }, _) => {
                     // The store keeps nothing of it: a Fetch finds it missing and
                     // reads it from the PFS, where the controller's copy completes it.
                     file.finish(&manifest).map_err(|e| e.to_string())?;
@@ -998,6 +1102,7 @@ fn handle(
                 version,
                 rank = session.core.rank(),
                 bytes = total_len,
+                written,
                 transfer_ms = transfer_secs * 1e3,
                 seal_ms,
                 spilled,

@@ -16,6 +16,7 @@
 use std::time::Instant;
 
 use icheck_core::credentials::Owner;
+use icheck_core::delta::{check_runs, BlockMap, BlockRun};
 use icheck_core::fabric::RmaOp;
 use icheck_core::format::{check_layout, CHUNK_SIZE};
 use icheck_core::protocol::{LabelLayout, Manifest, Privilege, PullSegment};
@@ -31,6 +32,19 @@ struct Begun {
     started: Instant,
     /// In the node's store (not spilled to the PFS).
     in_memory: bool,
+    /// An incremental version: where its blocks live, and the bytes of
+    /// changed blocks the rank writes (packed).
+    delta: Option<Incremental>,
+}
+
+/// What makes a version incremental at the agent.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Incremental {
+    /// The version's block map (its parent's, with the changed blocks in
+    /// its own file).
+    pub(crate) map: BlockMap,
+    /// Bytes of the changed blocks: the version's own file.
+    pub(crate) written_len: u64,
 }
 
 /// A Begin [`SessionCore::begin`] accepted, waiting for its destination.
@@ -43,6 +57,34 @@ pub(crate) struct BeginChecked {
     labels: Vec<LabelLayout>,
     /// Bytes of the version (all labels).
     pub(crate) total_len: u64,
+    /// Set by [`BeginChecked::make_incremental`].
+    pub(crate) delta: Option<Incremental>,
+}
+
+impl BeginChecked {
+    /// Makes the checked Begin incremental over `parent` (the parent's
+    /// block map at this agent) with the rank's `changed` blocks, if they
+    /// describe the same bytes: a parent of another length cannot lend
+    /// blocks (the caller then takes the whole version).
+    pub(crate) fn make_incremental(&mut self, parent: &BlockMap, changed: &[BlockRun]) -> Result<(), String> {
+        if parent.total_len != self.total_len {
+            return Err(format!(
+                "version {} has {} bytes, its parent version {} has {}",
+                self.version, self.total_len, parent.version, parent.total_len
+            ));
+        }
+        if parent.version >= self.version {
+            return Err(format!("version {} cannot build on version {}", self.version, parent.version));
+        }
+        let written_len = check_runs(changed, self.total_len)?;
+        self.delta = Some(Incremental { map: parent.next(self.version, changed), written_len });
+        Ok(())
+    }
+
+    /// Bytes the rank writes into this version's own file.
+    pub(crate) fn written_len(&self) -> u64 {
+        self.delta.as_ref().map_or(self.total_len, |d| d.written_len)
+    }
 }
 
 /// A version given up before its Seal.
@@ -61,6 +103,8 @@ pub(crate) struct Sealed {
     pub(crate) manifest: Manifest,
     /// Seconds from Begin to Seal.
     pub(crate) transfer_secs: f64,
+    /// An incremental version's block map and the bytes the rank sent.
+    pub(crate) delta: Option<Incremental>,
 }
 
 /// One rank's session.
@@ -127,7 +171,7 @@ impl SessionCore {
                 ));
             }
         }
-        Ok(BeginChecked { version, ranks, epoch, labels, total_len })
+        Ok(BeginChecked { version, ranks, epoch, labels, total_len, delta: None })
     }
 
     /// Checks a Complete of `version`: the rank sealed it (this session
@@ -159,8 +203,10 @@ impl SessionCore {
     /// The version [`begin`](Self::begin) checked has its destination
     /// (`in_memory`: the store; else a spill to the PFS) since `now`.
     pub(crate) fn begun(&mut self, checked: BeginChecked, in_memory: bool, now: Instant) {
-        let BeginChecked { version, ranks, epoch, labels, total_len } = checked;
-        self.writing = Some(Begun { version, ranks, epoch, labels, total_len, started: now, in_memory });
+        let BeginChecked { version, ranks, epoch, labels, total_len, delta } = checked;
+        // A spilled version goes to the PFS whole.
+        let delta = delta.filter(|_| in_memory);
+        self.writing = Some(Begun { version, ranks, epoch, labels, total_len, started: now, in_memory, delta });
     }
 
     /// The reads a Pull of `segments` makes into the version's file: each
@@ -170,14 +216,15 @@ impl SessionCore {
         segments
             .iter()
             .map(|s| {
-                let end = s.file_offset.checked_add(s.len).filter(|end| *end <= begun.total_len);
+                let writable = begun.delta.as_ref().map_or(begun.total_len, |d| d.written_len);
+                let end = s.file_offset.checked_add(s.len).filter(|end| *end <= writable);
                 match (end, usize::try_from(s.file_offset), usize::try_from(s.len)) {
                     (Some(_), Ok(local_offset), Ok(len)) => {
                         Ok(RmaOp { local_offset, remote: s.source, remote_offset: s.source_offset, len })
                     }
                     _ => Err(format!(
-                        "segment at file offset {} of {} bytes lies outside the version ({} bytes)",
-                        s.file_offset, s.len, begun.total_len
+                        "segment at file offset {} of {} bytes lies outside the version ({writable} bytes)",
+                        s.file_offset, s.len
                     )),
                 }
             })
@@ -204,7 +251,7 @@ impl SessionCore {
         manifest.validate().map_err(|e| format!("Seal refused: {e}"))?;
         self.last_sealed = Some(manifest.version);
         let transfer_secs = now.saturating_duration_since(begun.started).as_secs_f64();
-        Ok(Sealed { manifest, transfer_secs })
+        Ok(Sealed { manifest, transfer_secs, delta: begun.delta })
     }
 }
 
@@ -423,6 +470,38 @@ mod tests {
         let checked = core.begin(3, 2, 0, Vec::new(), None, |_| false).unwrap();
         core.begun(checked, false, t0);
         assert_eq!(core.abandon(), Some(Abandoned { version: 3, in_memory: false }));
+    }
+
+    #[test]
+    fn an_incremental_version_writes_only_its_changed_blocks_and_seals_its_map() {
+        use icheck_core::delta::{BlockMap, BlockRun, BLOCK_SIZE};
+        let t0 = Instant::now();
+        let mut core = session(0);
+        let total = 3 * BLOCK_SIZE + 10;
+        let labels = vec![label("a", 0, total)];
+        let parent = BlockMap::whole(4, total);
+        let mut checked = core.begin(5, 2, 0, labels.clone(), None, |_| false).unwrap();
+        // A parent of another length, or not older, lends nothing.
+        assert!(checked.make_incremental(&BlockMap::whole(4, total - 1), &[]).is_err());
+        assert!(checked.make_incremental(&BlockMap::whole(5, total), &[]).is_err());
+        assert!(checked.make_incremental(&parent, &[BlockRun { first: 3, count: 2 }]).is_err(), "past the end");
+        assert_eq!(checked.delta, None, "a refused delta leaves the version whole");
+        checked.make_incremental(&parent, &[BlockRun { first: 3, count: 1 }]).unwrap();
+        assert_eq!(checked.written_len(), 10, "only the short last block");
+        core.begun(checked, true, t0);
+        let source = RemoteRegion { addr: 0x1000, len: 64, key: 9 };
+        let segment = |file_offset, len| PullSegment { source, source_offset: 0, file_offset, len };
+        assert!(core.pull_ops(&[segment(0, 10)]).is_ok());
+        assert!(core.pull_ops(&[segment(0, 11)]).unwrap_err().contains("outside the version (10 bytes)"));
+        let crcs = vec![vec![0; 1]];
+        let sealed = core.seal(crcs, t0, 0).unwrap();
+        let delta = sealed.delta.expect("sealed as incremental");
+        assert_eq!(delta.map, parent.next(5, &[BlockRun { first: 3, count: 1 }]));
+        // A spilled version goes to the PFS whole.
+        let mut checked = core.begin(6, 2, 0, labels, None, |_| false).unwrap();
+        checked.make_incremental(&parent, &[]).unwrap();
+        core.begun(checked, false, t0);
+        assert!(core.seal(vec![vec![0; 1]], t0, 0).unwrap().delta.is_none());
     }
 
     #[test]
