@@ -47,6 +47,14 @@ struct Cli {
     /// skips it.
     #[arg(long, default_value_t = 30)]
     idle_seconds: u64,
+    /// Bytes of the one rank in the incremental-commit sweep (one
+    /// contiguous range changed: 100, 50, 10, 1 and 0% of it), on the first
+    /// provider; 0 skips it.
+    #[arg(long, default_value = "512MiB")]
+    incremental_size: ByteSize,
+    /// Run only the incremental-commit sweep.
+    #[arg(long)]
+    incremental_only: bool,
     /// Internal: serve as the raw-fabric target for one provider.
     #[arg(long, hide = true)]
     serve_target: Option<String>,
@@ -156,6 +164,87 @@ fn one_rank_app(config: &Path, app: &str, size: usize, seed: u64) -> Result<(Ich
     let (mut ic, _) = Icheck::init(Some(config), app, SingleProcess)?;
     ic.add("data", &data)?;
     Ok((ic, data))
+}
+
+/// Changes one byte in every 512 of `data[start..start + len]` (every
+/// block and page of the range), differently each run.
+fn change_range(data: &Region<u8>, start: usize, len: usize, run: usize) {
+    let mut bytes = data.write();
+    for i in (start..start + len).step_by(512) {
+        bytes[i] = bytes[i].wrapping_add(run as u8 + 1);
+    }
+}
+
+/// What the incremental sweep measured for one changed fraction.
+struct SweepPoint {
+    fraction: f64,
+    /// Median seconds of a commit.
+    secs: f64,
+    /// Bytes the node's agents received per commit (their counter).
+    received: f64,
+}
+
+/// One rank of `size` bytes, one contiguous `fraction` of it changed
+/// before each commit: incremental commits per fraction, and (the
+/// reference) a plain commit with every page changed.
+fn incremental_sweep(provider: &str, size: usize, runs: usize) -> Result<(f64, Vec<SweepPoint>)> {
+    let svc = service("bench-incremental", provider, 1, 1)?;
+    let config = svc.config_path();
+    let node_counts = || -> (u64, u64) {
+        let status = svc.status();
+        status.nodes.iter().fold((0, 0), |(o, b), n| (o + n.status.checkpoint_ops, b + n.status.checkpoint_bytes))
+    };
+    // The manager reports its counters every status interval.
+    let settled = |ops: u64| -> Result<u64> {
+        let started = Instant::now();
+        loop {
+            let (now_ops, bytes) = node_counts();
+            if now_ops >= ops {
+                return Ok(bytes);
+            }
+            if started.elapsed().as_secs() > 30 {
+                bail!("the node reported {now_ops} of {ops} checkpoint operations within 30 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+    };
+    std::env::set_var("ICHECK_INCREMENTAL", "0");
+    let (mut ic, data) = one_rank_app(&config, "plain", size, 11)?;
+    ic.commit()?;
+    let mut plain = Vec::new();
+    for run in 0..runs {
+        change_every_page(&data, run);
+        let start = Instant::now();
+        ic.commit()?;
+        plain.push(start.elapsed().as_secs_f64());
+    }
+    ic.finalize(false)?;
+    drop(data);
+    let mut ops = 1 + runs as u64;
+    std::env::set_var("ICHECK_INCREMENTAL", "1");
+    let (mut ic, data) = one_rank_app(&config, "delta", size, 12)?;
+    ic.commit()?;
+    ops += 1;
+    let mut points = Vec::new();
+    for fraction in [1.0, 0.5, 0.1, 0.01, 0.0] {
+        let len = (size as f64 * fraction) as usize;
+        let before = settled(ops)?;
+        let mut times = Vec::new();
+        for run in 0..runs {
+            // A different place each run, anywhere in the rank's bytes.
+            let start = (run * 7 * size / 11) % (size - len + 1);
+            change_range(&data, start, len, run);
+            let started = Instant::now();
+            ic.commit()?;
+            times.push(started.elapsed().as_secs_f64());
+        }
+        ops += runs as u64;
+        let received = (settled(ops)? - before) as f64 / runs as f64;
+        points.push(SweepPoint { fraction, secs: median(times), received });
+    }
+    ic.finalize(false)?;
+    std::env::remove_var("ICHECK_INCREMENTAL");
+    Ok((median(plain), points))
 }
 
 /// Seconds of each of the first `count` commits (every page changed) of a
@@ -565,7 +654,46 @@ fn main() -> Result<()> {
     let memcpy_rank = memcpy_secs(rank_size.max(4096), runs);
     eprintln!("memcpy {}: {:.1} ms ({:.2} GB/s)", cli.size, memcpy * 1e3, size as f64 / memcpy / 1e9);
     let mut lines = Vec::new();
-    for provider in &cli.providers {
+    let incremental_size = usize::try_from(cli.incremental_size.0)?;
+    if let (Some(provider), true) = (cli.providers.first(), incremental_size > 0) {
+        let (plain, points) = incremental_sweep(provider, incremental_size, runs)?;
+        let all = points.first().map_or(plain, |p| p.secs);
+        let case = format!("1 rank, 1 agent, {}, incremental", cli.incremental_size);
+        for p in &points {
+            let changed = format!("{}% changed", p.fraction * 100.0);
+            eprintln!(
+                "{provider}: incremental, {changed}: {:.1} ms, {:.1} MiB received",
+                p.secs * 1e3,
+                p.received / f64::from(1 << 20)
+            );
+            lines.push(Line::new(
+                &case,
+                provider,
+                &format!("commit, {changed}"),
+                format!("{:.1} ms", p.secs * 1e3),
+                format!("incremental, 100% changed {:.1} ms", all * 1e3),
+                p.secs / all,
+            ));
+            lines.push(Line::new(
+                &case,
+                provider,
+                &format!("bytes received, {changed}"),
+                format!("{:.1} MiB", p.received / f64::from(1 << 20)),
+                format!("the rank's {}", cli.incremental_size),
+                p.received / incremental_size as f64,
+            ));
+        }
+        lines.push(Line::new(
+            &case,
+            provider,
+            "commit, 100% changed, incremental",
+            format!("{:.1} ms", all * 1e3),
+            format!("plain commit {:.1} ms", plain * 1e3),
+            all / plain,
+        ));
+    }
+    let providers = if cli.incremental_only { &[][..] } else { &cli.providers[..] };
+    for provider in providers {
         let raw = raw_fabric(provider, size, runs)?;
         eprintln!(
             "{provider}: raw fi_read {:.2} GB/s, fi_write {:.2} GB/s, fi_read into fresh memory {:.2} GB/s",
@@ -620,7 +748,7 @@ fn main() -> Result<()> {
             }
         }
     }
-    if let Some(provider) = cli.providers.first() {
+    if let (Some(provider), false) = (cli.providers.first(), cli.incremental_only) {
         let times = first_commits(provider, size, runs.max(5))?;
         eprintln!("{provider}: commits of a new application: {times:?}");
         let later = median(times[1..].to_vec());
@@ -643,7 +771,7 @@ fn main() -> Result<()> {
             slowest_later / later,
         ));
     }
-    if let (Some(provider), true) = (cli.providers.first(), cli.idle_seconds > 0) {
+    if let (Some(provider), true) = (cli.providers.first(), cli.idle_seconds > 0 && !cli.incremental_only) {
         let share = idle_service_cpu(provider, std::time::Duration::from_secs(cli.idle_seconds))?;
         eprintln!("{provider}: idle service used {:.3}% of a core", share * 100.0);
         lines.push(Line::new(
@@ -656,7 +784,7 @@ fn main() -> Result<()> {
         ));
     }
     let pfs_size = usize::try_from(cli.pfs_size.0)?;
-    if let (Some(provider), true) = (cli.providers.first(), pfs_size > 0) {
+    if let (Some(provider), true) = (cli.providers.first(), pfs_size > 0 && !cli.incremental_only) {
         let pfs = pfs_level(provider, pfs_size, runs)?;
         eprintln!("{provider}: PFS level done");
         lines.extend(pfs);

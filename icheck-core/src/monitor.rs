@@ -84,6 +84,13 @@ impl NodeActivity {
         self.retired.1 += bytes;
     }
 
+    /// Checkpoint bytes that arrived at the node's agents since the
+    /// manager started (an incremental version counts its changed blocks
+    /// only), as of the last [`Self::sample_agents`].
+    pub fn total_bytes(&self) -> u64 {
+        self.running.values().fold(self.retired.1, |total, (_, bytes)| total + bytes)
+    }
+
     /// Checkpoint operations the node's agents served since the manager
     /// started: never lower than an earlier value.
     pub fn total_operations(&self) -> u64 {

@@ -430,6 +430,10 @@ pub struct NodeStatus {
     pub bytes_held: u64,
     /// Checkpoint operations served since start.
     pub checkpoint_ops: u64,
+    /// Checkpoint bytes received since start (an incremental version's
+    /// changed blocks only).
+    #[serde(default)]
+    pub checkpoint_bytes: u64,
     /// Aggregate bandwidth of the last interval, bytes/s (eq. 6.9).
     pub bandwidth: f64,
     /// Checkpoint operations per minute, over the last minute.

@@ -60,6 +60,7 @@ impl Monitor {
             agents: agents.len() as u32,
             bytes_held: store.bytes_held(),
             checkpoint_ops,
+            checkpoint_bytes: self.activity.total_bytes(),
             bandwidth: self.activity.bandwidth(),
             cops_per_min: self.activity.cops_per_min(),
             last_cop_interval: self.activity.cop_interval(),

@@ -1010,6 +1010,7 @@ fn map(file: &File, path: &Path, len: u64) -> Result<MappedFile> {
 #[allow(clippy::cast_possible_truncation)]
 mod tests {
     use super::*;
+    use icheck_core::delta::BlockRun;
     use icheck_core::format::{chunk_crcs, first_bad_chunk, CHUNK_SIZE};
     use icheck_core::format::{DataKind, LabelLayout};
 
@@ -1032,6 +1033,121 @@ mod tests {
             crcs: vec![chunk_crcs(data)],
             sealed_unix_ms: 0,
         }
+    }
+
+    /// Stores version `version` of rank 0 of "app" as the blocks of `runs`
+    /// of `data` over `parent`'s map (whole when `parent` is `None`).
+    fn store_blocks(
+        store: &Store,
+        version: u64,
+        data: &[u8],
+        parent: Option<&BlockMap>,
+        runs: &[BlockRun],
+    ) -> BlockMap {
+        let total = data.len() as u64;
+        let Some(parent) = parent else {
+            let mut file = store.create("app", 0, version, total).unwrap();
+            file.as_mut_slice().copy_from_slice(data);
+            store.seal(&manifest("app", 0, version, data)).unwrap();
+            return BlockMap::whole(version, total);
+        };
+        let written = icheck_core::delta::check_runs(runs, total).unwrap();
+        let mut file = store.create_delta("app", 0, version, written).unwrap();
+        let mut at = 0;
+        for run in runs {
+            let (start, end) = (run.first * BLOCK_SIZE, ((run.first + run.count) * BLOCK_SIZE).min(total));
+            let len = (end - start) as usize;
+            file.as_mut_slice()[at..at + len].copy_from_slice(&data[start as usize..end as usize]);
+            at += len;
+        }
+        let map = parent.next(version, runs);
+        store.seal_delta(&manifest("app", 0, version, data), &map).unwrap();
+        map
+    }
+
+    #[test]
+    fn incremental_versions_share_blocks_until_no_version_uses_them() {
+        use icheck_core::delta::{BlockRun, BLOCK_BYTES};
+        let root = std::env::temp_dir().join(format!("icheck-store-delta-{}", std::process::id()));
+        let store = Store::new(&root);
+        let dir = root.join("app/rank0");
+        let run = |first, count| BlockRun { first, count };
+        let mut data: Vec<u8> = (0..4 * BLOCK_BYTES + 100).map(|i| (i % 253) as u8).collect();
+        let v1 = store_blocks(&store, 1, &data, None, &[]);
+        data[BLOCK_BYTES + 5] = 1;
+        let v2 = store_blocks(&store, 2, &data, Some(&v1), &[run(1, 1)]);
+        data[4 * BLOCK_BYTES + 7] = 2;
+        let v3 = store_blocks(&store, 3, &data, Some(&v2), &[run(4, 1)]);
+        let held_before = store.bytes_held();
+
+        // Every version reads back as the bytes it was sealed with.
+        let (manifest, view) = store.open("app", 0, 3).unwrap();
+        assert!(view.is_composed());
+        assert_eq!(view.as_slice(), &data[..]);
+        manifest.verify(view.as_slice()).unwrap();
+        drop(view);
+        assert_eq!(store.block_map("app", 0, 3).unwrap(), Some(v3.clone()));
+        assert_eq!(store.block_map("app", 0, 1).unwrap(), Some(v1));
+        assert_eq!(store.block_map("app", 0, 9).unwrap(), None);
+
+        // Dropping 1 and 2 keeps what version 3 uses of them, as shared
+        // blocks: never the spare, with version 1's unused block punched.
+        let pruned = store.prune("app", 0, 3, &BTreeSet::new()).unwrap();
+        assert_eq!(pruned.spare, None, "shared data never becomes the spare");
+        assert!(!dir.join("v1.meta").exists() && dir.join("b1.data").exists() && dir.join("b2.data").exists());
+        let b1 = fs::metadata(dir.join("b1.data")).unwrap();
+        assert!(b1.blocks() * 512 <= 3 * BLOCK_SIZE + 4096, "block 1 and 4 of version 1 are freed");
+        assert!(store.bytes_held() < held_before);
+        let (_, view) = store.open("app", 0, 3).unwrap();
+        assert_eq!(view.as_slice(), &data[..], "intact after the prune");
+        drop(view);
+
+        // A manager starting up sweeps a half-written map, not shared blocks.
+        fs::write(dir.join("v7.map"), b"half").unwrap();
+        fs::write(dir.join("v8.map.tmp"), b"half").unwrap();
+        store.sweep_unsealed();
+        assert!(!dir.join("v7.map").exists() && !dir.join("v8.map.tmp").exists());
+        assert!(dir.join("b1.data").exists());
+
+        // Version 4 rewrites everything whole; once 3 goes, nothing is shared.
+        data.fill(9);
+        store_blocks(&store, 4, &data, None, &[]);
+        store.prune("app", 0, 4, &BTreeSet::new()).unwrap();
+        let left: BTreeSet<String> =
+            fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        assert_eq!(left, ["v4.data", "v4.meta", "spare.data"].map(String::from).into_iter().collect());
+
+        // A damaged version removed while a newer one shares its blocks:
+        // the blocks stay until the newer version goes too.
+        data[0] = 3;
+        let v5 = store_blocks(&store, 5, &data, Some(&BlockMap::whole(4, data.len() as u64)), &[run(0, 1)]);
+        store.remove_version("app", 0, 4).unwrap();
+        assert!(dir.join("b4.data").exists());
+        assert_eq!(store.open("app", 0, 5).unwrap().1.as_slice(), &data[..]);
+        assert_eq!(v5.borrowed().keys().copied().collect::<Vec<_>>(), vec![4]);
+        store.remove_version("app", 0, 5).unwrap();
+        assert!(!dir.join("b4.data").exists() && !dir.join("b5.data").exists());
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_damaged_block_map_is_a_typed_error_naming_the_file() {
+        let root = std::env::temp_dir().join(format!("icheck-store-badmap-{}", std::process::id()));
+        let store = Store::new(&root);
+        let data = vec![5u8; 3 * 1024 * 1024];
+        let v1 = store_blocks(&store, 1, &data, None, &[]);
+        store_blocks(&store, 2, &data, Some(&v1), &[icheck_core::delta::BlockRun { first: 0, count: 1 }]);
+        let map = root.join("app/rank0/v2.map");
+        let mut bytes = fs::read(&map).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0xff; // the last reference's index
+        fs::write(&map, &bytes).unwrap();
+        let err = store.open("app", 0, 2).err().expect("a damaged map is refused").to_string();
+        assert!(err.contains("v2.map"), "{err}");
+        fs::write(&map, b"garbage").unwrap();
+        let err = store.open("app", 0, 2).err().expect("garbage is refused").to_string();
+        assert!(err.contains("v2.map"), "{err}");
+        fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
