@@ -55,6 +55,11 @@ struct Cli {
     /// Run only the incremental-commit sweep.
     #[arg(long)]
     incremental_only: bool,
+    /// Directory of the four-rank case's MPI-IO baseline (each rank's bytes
+    /// with MPI_File_write_at_all, then MPI_File_sync); a disk, as a PFS
+    /// would be. Empty skips it.
+    #[arg(long, default_value = "/var/tmp")]
+    mpiio_dir: PathBuf,
     /// Internal: serve as the raw-fabric target for one provider.
     #[arg(long, hide = true)]
     serve_target: Option<String>,
@@ -184,10 +189,39 @@ struct SweepPoint {
     received: f64,
 }
 
+/// What [`incremental_sweep`] measured.
+struct Sweep {
+    /// Median seconds of a plain (not incremental) commit, every page changed.
+    plain: f64,
+    points: Vec<SweepPoint>,
+    /// Median seconds of the checksum pass alone over the rank's bytes.
+    checksum_pass: f64,
+}
+
 /// One rank of `size` bytes, one contiguous `fraction` of it changed
 /// before each commit: incremental commits per fraction, and (the
 /// reference) a plain commit with every page changed.
-fn incremental_sweep(provider: &str, size: usize, runs: usize) -> Result<(f64, Vec<SweepPoint>)> {
+fn incremental_sweep(provider: &str, size: usize, runs: usize) -> Result<Sweep> {
+    // The reference first, on a service of its own: the counters below
+    // then count the incremental application's commits only.
+    let plain = {
+        let svc = service("bench-plain", provider, 1, 1)?;
+        std::env::set_var("ICHECK_INCREMENTAL", "0");
+        let (mut ic, data) = one_rank_app(&svc.config_path(), "plain", size, 11)?;
+        // Warm-up, as for every other case: the agent's files exist.
+        ic.commit()?;
+        change_every_page(&data, runs);
+        ic.commit()?;
+        let mut times = Vec::new();
+        for run in 0..runs {
+            change_every_page(&data, run);
+            let start = Instant::now();
+            ic.commit()?;
+            times.push(start.elapsed().as_secs_f64());
+        }
+        ic.finalize(false)?;
+        median(times)
+    };
     let svc = service("bench-incremental", provider, 1, 1)?;
     let config = svc.config_path();
     let node_counts = || -> (u64, u64) {
@@ -208,19 +242,7 @@ fn incremental_sweep(provider: &str, size: usize, runs: usize) -> Result<(f64, V
             std::thread::sleep(std::time::Duration::from_millis(200));
         }
     };
-    std::env::set_var("ICHECK_INCREMENTAL", "0");
-    let (mut ic, data) = one_rank_app(&config, "plain", size, 11)?;
-    ic.commit()?;
-    let mut plain = Vec::new();
-    for run in 0..runs {
-        change_every_page(&data, run);
-        let start = Instant::now();
-        ic.commit()?;
-        plain.push(start.elapsed().as_secs_f64());
-    }
-    ic.finalize(false)?;
-    drop(data);
-    let mut ops = 1 + runs as u64;
+    let mut ops = 0;
     std::env::set_var("ICHECK_INCREMENTAL", "1");
     let (mut ic, data) = one_rank_app(&config, "delta", size, 12)?;
     ic.commit()?;
@@ -228,6 +250,11 @@ fn incremental_sweep(provider: &str, size: usize, runs: usize) -> Result<(f64, V
     let mut points = Vec::new();
     for fraction in [1.0, 0.5, 0.1, 0.01, 0.0] {
         let len = (size as f64 * fraction) as usize;
+        // One untimed commit of the same kind first: the library predicts
+        // a commit's change from the one before it.
+        change_range(&data, 0, len, runs);
+        ic.commit()?;
+        ops += 1;
         let before = settled(ops)?;
         let mut times = Vec::new();
         for run in 0..runs {
@@ -242,9 +269,17 @@ fn incremental_sweep(provider: &str, size: usize, runs: usize) -> Result<(f64, V
         let received = (settled(ops)? - before) as f64 / runs as f64;
         points.push(SweepPoint { fraction, secs: median(times), received });
     }
+    // The floor of a commit that compares checksums: one pass over the
+    // rank's memory, on every core, as the library makes it.
+    let mut passes = Vec::new();
+    for _ in 0..runs {
+        let started = Instant::now();
+        std::hint::black_box(icheck_core::delta::checksums(&[&data.read()]));
+        passes.push(started.elapsed().as_secs_f64());
+    }
     ic.finalize(false)?;
     std::env::remove_var("ICHECK_INCREMENTAL");
-    Ok((median(plain), points))
+    Ok(Sweep { plain, points, checksum_pass: median(passes) })
 }
 
 /// Seconds of each of the first `count` commits (every page changed) of a
@@ -612,9 +647,56 @@ struct MpiResult {
     /// at once (the slowest rank's median): what an async commit's copy
     /// into the staging buffer competes with on the same cores.
     memcpy_all: f64,
+    /// Median seconds of the MPI-IO baseline (every rank's bytes written
+    /// with write_at_all and synced), when it ran.
+    mpiio: Option<f64>,
 }
 
-fn mpi_rank(config: &Path, rank_size: usize, runs: usize) -> Result<()> {
+/// Median seconds for all ranks to write their `data` into one file in
+/// `dir` with `MPI_File_write_at_all` and `MPI_File_sync` (collective),
+/// the peers' PFS baseline.
+fn mpiio_write_secs(world: &mpi::topology::SimpleCommunicator, dir: &Path, data: &[u8], runs: usize) -> Result<f64> {
+    use mpi::ffi;
+    use mpi::raw::AsRaw;
+    use mpi::traits::{Communicator as _, CommunicatorCollectives as _};
+    let path = dir.join("commit-bench.mpiio");
+    let c_path = std::ffi::CString::new(path.to_string_lossy().as_bytes())?;
+    let count = i32::try_from(data.len()).context("MPI-IO writes at most 2 GiB per rank here")?;
+    let offset = i64::from(world.rank()) * i64::from(count);
+    let mut times = Vec::new();
+    for _ in 0..runs {
+        world.barrier();
+        let start = Instant::now();
+        // SAFETY: plain MPI-IO calls on this process's communicator with a
+        // NUL-terminated path; `data` outlives the blocking write, and the
+        // status is MPI's own ignore value.
+        let codes = unsafe {
+            let mut file: ffi::MPI_File = std::mem::zeroed();
+            let mode = (ffi::MPI_MODE_CREATE | ffi::MPI_MODE_WRONLY) as i32;
+            let open = ffi::MPI_File_open(world.as_raw(), c_path.as_ptr(), mode, ffi::RSMPI_INFO_NULL, &mut file);
+            if open != 0 {
+                [open, 0, 0, 0]
+            } else {
+                let buf = data.as_ptr().cast();
+                let write =
+                    ffi::MPI_File_write_at_all(file, offset, buf, count, ffi::RSMPI_UINT8_T, ffi::RSMPI_STATUS_IGNORE);
+                let sync = ffi::MPI_File_sync(file);
+                [0, write, sync, ffi::MPI_File_close(&mut file)]
+            }
+        };
+        if codes.iter().any(|c| *c != 0) {
+            bail!("MPI-IO on {} failed (open, write, sync, close: {codes:?})", path.display());
+        }
+        world.barrier();
+        times.push(start.elapsed().as_secs_f64());
+    }
+    if world.rank() == 0 {
+        let _ = std::fs::remove_file(&path);
+    }
+    Ok(median(times))
+}
+
+fn mpi_rank(config: &Path, rank_size: usize, runs: usize, mpiio_dir: &Path) -> Result<()> {
     use mpi::collective::SystemOperation;
     use mpi::traits::{Communicator as _, CommunicatorCollectives as _};
     let universe = mpi::initialize().context("MPI init")?;
@@ -630,8 +712,13 @@ fn mpi_rank(config: &Path, rank_size: usize, runs: usize) -> Result<()> {
         let app = format!("bench-mpi-{transfer}");
         modes.push(measure(config, &app, || MpiComm::new(&world), &data, runs, transfer)?);
     }
+    let mpiio = if mpiio_dir.as_os_str().is_empty() {
+        None
+    } else {
+        Some(mpiio_write_secs(&world, mpiio_dir, &data.read(), runs)?)
+    };
     if world.rank() == 0 {
-        println!("RESULT {}", serde_json::to_string(&MpiResult { modes, memcpy_all })?);
+        println!("RESULT {}", serde_json::to_string(&MpiResult { modes, memcpy_all, mpiio })?);
     }
     Ok(())
 }
@@ -646,7 +733,7 @@ fn main() -> Result<()> {
     }
     let runs = cli.runs.max(1);
     if let Some(config) = &cli.mpi_rank {
-        return mpi_rank(config, usize::try_from(cli.rank_size.0)?, runs);
+        return mpi_rank(config, usize::try_from(cli.rank_size.0)?, runs, &cli.mpiio_dir);
     }
     let size = usize::try_from(cli.size.0)?;
     let rank_size = usize::try_from(cli.rank_size.0)?;
@@ -656,7 +743,7 @@ fn main() -> Result<()> {
     let mut lines = Vec::new();
     let incremental_size = usize::try_from(cli.incremental_size.0)?;
     if let (Some(provider), true) = (cli.providers.first(), incremental_size > 0) {
-        let (plain, points) = incremental_sweep(provider, incremental_size, runs)?;
+        let Sweep { plain, points, checksum_pass } = incremental_sweep(provider, incremental_size, runs)?;
         let all = points.first().map_or(plain, |p| p.secs);
         let case = format!("1 rank, 1 agent, {}, incremental", cli.incremental_size);
         for p in &points {
@@ -683,6 +770,14 @@ fn main() -> Result<()> {
                 p.received / incremental_size as f64,
             ));
         }
+        lines.push(Line::new(
+            &case,
+            provider,
+            "checksum pass alone (the floor of a compared commit)",
+            format!("{:.1} ms", checksum_pass * 1e3),
+            format!("incremental, 100% changed {:.1} ms", all * 1e3),
+            checksum_pass / all,
+        ));
         lines.push(Line::new(
             &case,
             provider,
@@ -721,7 +816,10 @@ fn main() -> Result<()> {
             let out = Command::new("mpirun")
                 .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "4"])
                 .arg(std::env::current_exe()?)
-                .args(["--rank-size", &rank_size.to_string(), "--runs", &runs.to_string(), "--mpi-rank"])
+                .args(["--rank-size", &rank_size.to_string(), "--runs", &runs.to_string()])
+                .arg("--mpiio-dir")
+                .arg(&cli.mpiio_dir)
+                .arg("--mpi-rank")
                 .arg(svc.config_path())
                 .output()
                 .context("running mpirun")?;
@@ -734,6 +832,27 @@ fn main() -> Result<()> {
             eprintln!("{provider}: 4 ranks: {results:?}");
             let case = format!("4 ranks, 2 agents, {} per rank", cli.rank_size);
             lines.extend(rows_for(&case, provider, 4.0 * rank_size as f64, &results[0], &results[1], raw, memcpy_rank));
+            // The peers' PFS baseline on the same data, in the same run.
+            if let Some(mpiio) = result.mpiio {
+                lines.push(Line::new(
+                    &case,
+                    provider,
+                    &format!("MPI-IO write_at_all + sync to {}", cli.mpiio_dir.display()),
+                    format!("{:.1} ms", mpiio * 1e3),
+                    format!("memcpy ×4 at once {:.1} ms", result.memcpy_all * 1e3),
+                    mpiio / result.memcpy_all,
+                ));
+                for (mode, times) in [("pull", &results[0]), ("push", &results[1])] {
+                    lines.push(Line::new(
+                        &case,
+                        provider,
+                        &format!("commit, {mode}, blocking, vs MPI-IO"),
+                        format!("{:.1} ms", times.commit * 1e3),
+                        format!("MPI-IO {:.1} ms", mpiio * 1e3),
+                        times.commit / mpiio,
+                    ));
+                }
+            }
             // The baseline for a four-rank async commit: each
             // rank's memcpy with all four copying at once.
             for (mode, times) in [("pull", &results[0]), ("push", &results[1])] {

@@ -58,6 +58,12 @@ pub fn block_len(index: u64, total_len: u64) -> u64 {
 /// also a piece of a block is checksummed once and combined into both
 /// (crc32c combines in O(log n)). Runs on every core for large versions.
 pub fn checksums(labels: &[&[u8]]) -> (Vec<Vec<u32>>, Vec<u32>) {
+    checksums_on(labels, std::thread::available_parallelism().map_or(1, |n| n.get()).min(8))
+}
+
+/// [`checksums`] on at most `threads` threads (one: beside a transfer
+/// that needs the other cores).
+pub fn checksums_on(labels: &[&[u8]], threads: usize) -> (Vec<Vec<u32>>, Vec<u32>) {
     // Pieces cut at every chunk (per label) and block (per version) boundary.
     struct Piece<'a> {
         label: usize,
@@ -83,7 +89,7 @@ pub fn checksums(labels: &[&[u8]]) -> (Vec<Vec<u32>>, Vec<u32>) {
         }
         file_offset += bytes.len();
     }
-    let crcs = piece_crcs(&pieces.iter().map(|p| p.bytes).collect::<Vec<_>>());
+    let crcs = piece_crcs(&pieces.iter().map(|p| p.bytes).collect::<Vec<_>>(), threads);
     let mut chunks: Vec<Vec<u32>> = labels.iter().map(|b| Vec::with_capacity(b.len().div_ceil(CHUNK_BYTES))).collect();
     let mut blocks: Vec<u32> = Vec::with_capacity(file_offset.div_ceil(BLOCK_BYTES));
     for (piece, crc) in pieces.iter().zip(crcs) {
@@ -107,10 +113,9 @@ pub fn checksums(labels: &[&[u8]]) -> (Vec<Vec<u32>>, Vec<u32>) {
 /// Bytes from which [`checksums`] uses several threads.
 const PARALLEL_BYTES: usize = 32 << 20;
 
-/// crc32c of each piece, on every core when there are many bytes.
-fn piece_crcs(pieces: &[&[u8]]) -> Vec<u32> {
+/// crc32c of each piece, on up to `threads` threads when there are many bytes.
+fn piece_crcs(pieces: &[&[u8]], threads: usize) -> Vec<u32> {
     let total: usize = pieces.iter().map(|p| p.len()).sum();
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
     if total < PARALLEL_BYTES || threads < 2 || pieces.len() < 2 {
         return pieces.iter().map(|p| crc32c::crc32c(p)).collect();
     }
@@ -302,7 +307,8 @@ mod tests {
     #[test]
     fn the_parallel_pass_agrees_with_the_serial_one() {
         let data = bytes(PARALLEL_BYTES + 3 * BLOCK_BYTES + 17, 5);
-        let (chunks, blocks) = checksums(&[&data]);
+        let (chunks, blocks) = checksums_on(&[&data], 3);
+        assert_eq!((chunks.clone(), blocks.clone()), checksums_on(&[&data], 1));
         assert_eq!(chunks, label_crcs(&[&data]));
         assert_eq!(blocks, data.chunks(BLOCK_BYTES).map(crc32c::crc32c).collect::<Vec<_>>());
     }

@@ -320,15 +320,16 @@ impl Store {
     }
 
     /// Creates the data file of an incremental version: `len` bytes for its
-    /// changed blocks, packed. Spare and prepared files (whole versions'
-    /// memory) are left for whole versions.
+    /// changed blocks, packed. A spare or prepared file is taken (and cut to
+    /// `len`) when there is one: its pages are already allocated, which
+    /// matters when most blocks changed. The caller holds no mapping of
+    /// either.
     pub fn create_delta(&self, app: &str, rank: u32, version: u64, len: u64) -> Result<MappedFile> {
         let dir = self.rank_dir(app, rank)?;
-        fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
-        let (data, meta) = self.paths(app, rank, version)?;
-        let _ = fs::remove_file(&meta);
         let _ = fs::remove_file(dir.join(format!("v{version}.map")));
-        self.create_mapped(&data, len, true)
+        // `create` reuses (or leaves out) the spare and the prepared file;
+        // create_mapped then gives the file exactly the delta's length.
+        self.create(app, rank, version, len)
     }
 
     /// The block map of a sealed version: its map file, or (a whole

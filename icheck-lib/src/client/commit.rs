@@ -5,6 +5,13 @@
 
 use super::*;
 
+/// The fraction of changed blocks above which the next incremental commit
+/// sends the whole version (see `commit_incremental`). Sending blocks costs
+/// a checksum pass first (~0.2 of a whole commit here) and a new file for
+/// them, ~1.8× a whole commit's time per byte (commit-bench's sweep), so
+/// blocks win below about 0.44 of the version changed.
+const MOST_CHANGED: f64 = 0.4;
+
 /// What a background commit thread hands back.
 pub(super) struct Background {
     pub(super) link: AgentLink,
@@ -317,11 +324,16 @@ impl Icheck {
                     .collect()
             };
             let previous = self.sealed_blocks.as_ref().map(|(v, blocks)| (*v, blocks.as_slice()));
-            let committed = commit_incremental(link, &self.endpoint, header, &slices, previous, pieces_of);
-            let (moved, blocks) = committed?;
-            self.sealed_blocks = Some((version, blocks));
+            // What changed last time predicts this time: a run that
+            // rewrites most of its memory commits whole, checksumming while
+            // the bytes move, and switches back once little changes.
+            let expect_most_changed = self.changed_last > MOST_CHANGED;
+            let committed =
+                commit_incremental(link, &self.endpoint, header, &slices, previous, expect_most_changed, pieces_of)?;
+            self.sealed_blocks = Some((version, committed.blocks));
+            self.changed_last = committed.changed;
             let total: u64 = lens.iter().map(|l| *l as u64).sum();
-            tracing::info!(moved, total, "incremental commit");
+            tracing::debug!(moved = committed.moved, total, changed = committed.changed, "incremental commit");
             drop(regions);
             drop(guards);
             // The version holds every byte, whatever crossed the fabric.

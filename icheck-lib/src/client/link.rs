@@ -347,27 +347,68 @@ pub(super) fn commit_version(
     Ok(moved)
 }
 
-/// An incremental commit ([`icheck_core::delta`]): checksums `labels`
-/// (chunks and blocks, one pass), then begins the version over `parent`
-/// (the version whose block checksums are `before`) with the blocks that
-/// changed, and moves only those: `pieces_of` gives the pieces of a byte
-/// range of the version, placed at a file offset of the destination.
-/// When the agent takes the version whole, every byte moves. Returns the
-/// bytes moved and the version's block checksums (the next commit's `before`).
+/// What [`commit_incremental`] did.
+pub(super) struct IncrementalCommit {
+    /// Bytes that crossed the fabric.
+    pub(super) moved: u64,
+    /// The version's block checksums (the next commit's `before`).
+    pub(super) blocks: Vec<u32>,
+    /// Fraction of blocks that differ from the previous version's (0 when
+    /// there was none to compare with, or the layout changed: nothing
+    /// predicts the next change then).
+    pub(super) changed: f64,
+}
+
+/// An incremental commit ([`icheck_core::delta`]) of `labels`, whose
+/// pieces of a byte range `pieces_of(start, end, at)` gives (placed at
+/// file offset `at` of the destination).
+///
+/// With a previous version (`parent`, whose block checksums are `before`)
+/// and a small change expected (`!expect_most_changed`), it checksums
+/// first (chunks and blocks, one pass), begins the version over the parent
+/// with the blocks that changed and moves only those; an agent without the
+/// parent takes every byte. Otherwise it commits the whole version as
+/// [`commit_version`] does, checksumming (blocks too) while the bytes move:
+/// when most blocks change, checksumming first would only add its time.
 pub(super) fn commit_incremental<'p>(
     link: &mut AgentLink,
     endpoint: &Endpoint,
     header: VersionHeader,
     labels: &[&[u8]],
     previous: Option<(u64, &[u32])>,
+    expect_most_changed: bool,
     pieces_of: impl Fn(u64, u64, u64) -> Vec<Piece<'p>>,
-) -> Result<(u64, Vec<u32>)> {
+) -> Result<IncrementalCommit> {
     let total: u64 = header.layout.iter().map(|l| l.len).sum();
+    let fraction = |blocks: &[u32]| match previous.and_then(|(_, before)| changed_runs(before, blocks)) {
+        Some(runs) if !blocks.is_empty() => runs.iter().map(|r| r.count).sum::<u64>() as f64 / blocks.len() as f64,
+        _ => 0.0,
+    };
+    let push = header.push;
+    if previous.is_none() || expect_most_changed {
+        link.expect_bytes(total);
+        let target = link.begin(header.version, header.shape, header.layout, push)?;
+        let pieces = pieces_of(0, total, 0);
+        let (moved, (crcs, blocks)) = std::thread::scope(|scope| {
+            // One core, as commit_version's: the transfer needs the others.
+            let checksums = scope.spawn(|| icheck_core::delta::checksums_on(labels, 1));
+            let moved = if pieces.is_empty() {
+                Ok(0)
+            } else {
+                Mover { link: &mut *link, endpoint, target, push }.send(&pieces)
+            };
+            let sums = checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))?;
+            Ok::<_, Error>((moved?, sums))
+        })?;
+        link.seal(crcs)?;
+        let changed = fraction(&blocks);
+        return Ok(IncrementalCommit { moved, blocks, changed });
+    }
     link.expect_bytes(total);
     let (crcs, blocks) = icheck_core::delta::checksums(labels);
-    let changed = previous.and_then(|(parent, before)| Some((parent, changed_runs(before, &blocks)?)));
-    let push = header.push;
-    let (target, runs) = match changed {
+    let changed = fraction(&blocks);
+    let runs = previous.and_then(|(parent, before)| Some((parent, changed_runs(before, &blocks)?)));
+    let (target, runs) = match runs {
         Some((parent, runs)) => match link.begin_delta(&header, parent, runs.clone())? {
             (target, true) => (target, Some(runs)),
             (target, false) => (target, None),
@@ -390,9 +431,8 @@ pub(super) fn commit_incremental<'p>(
         None => pieces_of(0, total, 0),
     };
     let moved = if pieces.is_empty() { 0 } else { Mover { link: &mut *link, endpoint, target, push }.send(&pieces)? };
-    tracing::debug!(moved, total, incremental = runs.is_some(), "version moved");
     link.seal(crcs)?;
-    Ok((moved, blocks))
+    Ok(IncrementalCommit { moved, blocks, changed })
 }
 
 /// Commits a version whose bytes are one registered buffer (the async

@@ -152,6 +152,8 @@ pub struct Icheck {
     /// The block checksums of the version this rank sealed last, and its
     /// number: what an incremental commit compares against.
     sealed_blocks: Option<(u64, Vec<u32>)>,
+    /// Fraction of blocks the last incremental commit found changed.
+    changed_last: f64,
     staging_size: usize,
     /// The staging buffer between commits: kept (an async commit's bytes
     /// may be stored again on new agents) but not registered; it is
@@ -485,6 +487,7 @@ impl Icheck {
             zero_copy,
             incremental,
             sealed_blocks: None,
+            changed_last: 0.0,
             staging_size: (staging_size.0 as usize).max(8192),
             staging: None,
             asynchronous: false,

@@ -1025,6 +1025,12 @@ fn begin_incremental(
     begun: Instant,
 ) -> Result<AgentReply, String> {
     let store = &shared.settings.store;
+    // The store may hand the spare's or the prepared file's pages to this
+    // version (cut to its length): no mapping of them may outlive that.
+    session.spare = None;
+    if let Some(thread) = session.prepared.take() {
+        drop(thread.join());
+    }
     let (app, rank, version, written) =
         (session.core.app(), session.core.rank(), checked.version, checked.written_len());
     let space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
