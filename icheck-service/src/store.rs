@@ -360,7 +360,7 @@ impl Store {
         let tmp = map_path.with_extension("map.tmp");
         fs::write(&tmp, bytes).map_err(io("cannot write", &tmp))?;
         fs::rename(&tmp, &map_path).map_err(io("cannot rename into", &map_path))?;
-        self.seal(manifest)
+        self.publish(manifest)
     }
 
     /// Keeps what sealed versions' maps still use of dropped versions' data
@@ -527,6 +527,15 @@ impl Store {
 
     /// Writes the manifest of a version whose data is complete (atomically).
     pub fn seal(&self, manifest: &Manifest) -> Result<()> {
+        let (data, _) = self.paths(&manifest.app, manifest.rank, manifest.version)?;
+        // A whole version: a block map left by an earlier version of the
+        // same number (an interrupted run's) must not describe it.
+        remove_if_present(&data.with_extension("map"))?;
+        self.publish(manifest)
+    }
+
+    /// Renames the manifest into place: the moment the version is stored.
+    fn publish(&self, manifest: &Manifest) -> Result<()> {
         let (data, meta) = self.paths(&manifest.app, manifest.rank, manifest.version)?;
         let tmp = Self::write_description(&data, &meta, manifest)?;
         // A crash here leaves data and a temporary manifest: never served.
@@ -1128,6 +1137,22 @@ mod tests {
         assert_eq!(v5.borrowed().keys().copied().collect::<Vec<_>>(), vec![4]);
         store.remove_version("app", 0, 5).unwrap();
         assert!(!dir.join("b4.data").exists() && !dir.join("b5.data").exists());
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
+    fn a_whole_version_never_inherits_the_block_map_of_an_earlier_one_of_its_number() {
+        let root = std::env::temp_dir().join(format!("icheck-store-staleamp-{}", std::process::id()));
+        let store = Store::new(&root);
+        let mut data = vec![5u8; 3 * 1024 * 1024];
+        let v1 = store_blocks(&store, 1, &data, None, &[]);
+        store_blocks(&store, 2, &data, Some(&v1), &[BlockRun { first: 0, count: 1 }]);
+        // An interrupted run's version 2 is written again, whole.
+        data.fill(6);
+        store_blocks(&store, 2, &data, None, &[]);
+        let (_, view) = store.open("app", 0, 2).unwrap();
+        assert!(!view.is_composed());
+        assert_eq!(view.as_slice(), &data[..]);
         fs::remove_dir_all(&root).unwrap();
     }
 
