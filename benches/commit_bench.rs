@@ -23,6 +23,9 @@ use icheck_service::selftest::{fill_pattern, Target, TargetProcess};
 use icheck_service::testkit::LocalService;
 use serde::{Deserialize, Serialize};
 
+#[path = "plots.rs"]
+mod plots;
+
 #[derive(Parser)]
 #[command(about = "Commit/restart throughput through a local icheck service, against raw fabric RMA and memcpy")]
 struct Cli {
@@ -60,6 +63,10 @@ struct Cli {
     /// would be. Empty skips it.
     #[arg(long, default_value = "/var/tmp")]
     mpiio_dir: PathBuf,
+    /// Also write the plots (commit and restart rates, and the incremental
+    /// sweep) as SVG into this directory (the README's: benches/results).
+    #[arg(long)]
+    plots: Option<PathBuf>,
     /// Internal: serve as the raw-fabric target for one provider.
     #[arg(long, hide = true)]
     serve_target: Option<String>,
@@ -741,10 +748,34 @@ fn main() -> Result<()> {
     let memcpy_rank = memcpy_secs(rank_size.max(4096), runs);
     eprintln!("memcpy {}: {:.1} ms ({:.2} GB/s)", cli.size, memcpy * 1e3, size as f64 / memcpy / 1e9);
     let mut lines = Vec::new();
+    // Kinds of bars in the rates plot, in legend order.
+    const KINDS: [&str; 6] = [
+        "icheck commit, pull",
+        "icheck commit, push",
+        "icheck restart + restore",
+        "raw fi_read",
+        "raw fi_write",
+        "memcpy",
+    ];
+    let mut bars =
+        vec![plots::Bar { label: format!("memcpy, {}", cli.size), gb_per_s: size as f64 / memcpy / 1e9, kind: 5 }];
+    let icheck_bars = |bars: &mut Vec<plots::Bar>, case: &str, bytes: f64, pull: &ModeTimes, push: &ModeTimes| {
+        for (kind, what, secs) in
+            [(0, "commit, pull", pull.commit), (1, "commit, push", push.commit), (2, "restart + restore", pull.restart)]
+        {
+            bars.push(plots::Bar { label: format!("{case}: {what}"), gb_per_s: bytes / secs / 1e9, kind });
+        }
+    };
     let incremental_size = usize::try_from(cli.incremental_size.0)?;
     if let (Some(provider), true) = (cli.providers.first(), incremental_size > 0) {
         let Sweep { plain, points, checksum_pass } = incremental_sweep(provider, incremental_size, runs)?;
         let all = points.first().map_or(plain, |p| p.secs);
+        if let Some(dir) = &cli.plots {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            let curve: Vec<(f64, f64)> = points.iter().map(|p| (p.fraction * 100.0, p.secs * 1e3)).collect();
+            let title = format!("Incremental commits: one rank of {} over {provider}", cli.incremental_size);
+            plots::incremental(&dir.join("incremental.svg"), &title, &curve, plain * 1e3, checksum_pass * 1e3)?;
+        }
         let case = format!("1 rank, 1 agent, {}, incremental", cli.incremental_size);
         for p in &points {
             let changed = format!("{}% changed", p.fraction * 100.0);
@@ -790,6 +821,8 @@ fn main() -> Result<()> {
     let providers = if cli.incremental_only { &[][..] } else { &cli.providers[..] };
     for provider in providers {
         let raw = raw_fabric(provider, size, runs)?;
+        bars.push(plots::Bar { label: format!("{provider}: fi_read, {}", cli.size), gb_per_s: raw.0, kind: 3 });
+        bars.push(plots::Bar { label: format!("{provider}: fi_write, {}", cli.size), gb_per_s: raw.1, kind: 4 });
         eprintln!(
             "{provider}: raw fi_read {:.2} GB/s, fi_write {:.2} GB/s, fi_read into fresh memory {:.2} GB/s",
             raw.0, raw.1, raw.2
@@ -801,6 +834,7 @@ fn main() -> Result<()> {
         let push = measure(&svc.config_path(), "bench-push", || SingleProcess, &data, runs, "push")?;
         drop(data);
         eprintln!("{provider}: 1 rank: pull {pull:?}, push {push:?}");
+        icheck_bars(&mut bars, &format!("{provider}, 1 rank × {}", cli.size), size as f64, &pull, &push);
         lines.extend(rows_for(
             &format!("1 rank, 1 agent, {}", cli.size),
             provider,
@@ -831,6 +865,8 @@ fn main() -> Result<()> {
             let results = &result.modes;
             eprintln!("{provider}: 4 ranks: {results:?}");
             let case = format!("4 ranks, 2 agents, {} per rank", cli.rank_size);
+            let bar_case = format!("{provider}, 4 ranks × {}", cli.rank_size);
+            icheck_bars(&mut bars, &bar_case, 4.0 * rank_size as f64, &results[0], &results[1]);
             lines.extend(rows_for(&case, provider, 4.0 * rank_size as f64, &results[0], &results[1], raw, memcpy_rank));
             // The peers' PFS baseline on the same data, in the same run.
             if let Some(mpiio) = result.mpiio {
@@ -907,6 +943,11 @@ fn main() -> Result<()> {
         let pfs = pfs_level(provider, pfs_size, runs)?;
         eprintln!("{provider}: PFS level done");
         lines.extend(pfs);
+    }
+    if let (Some(dir), false) = (&cli.plots, cli.incremental_only) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let title = "Commit and restart rates through a local service, beside raw RMA and memcpy (same run)";
+        plots::rates(&dir.join("rates.svg"), title, &KINDS, &bars)?;
     }
     println!("Commit and restart through a local icheck service, median of {runs}; baselines measured in the same run");
     println!(
