@@ -175,18 +175,47 @@ fn probe_moves_to_new_agents_when_a_manager_dies() {
     ic.finalize(false).unwrap();
 }
 
-/// The service's client configuration with incremental commits switched on
-/// (a file beside it: the environment variable would reach every test of
-/// this binary).
-fn incremental_config(service: &LocalService) -> std::path::PathBuf {
+/// The service's client configuration with `incremental = on` (a file
+/// beside it: the environment variable would reach every test of this
+/// binary).
+fn incremental_setting(service: &LocalService, on: bool) -> std::path::PathBuf {
     let text = std::fs::read_to_string(service.config_path()).unwrap();
+    let key = format!("[client]\nincremental = {on}\n");
     let text = match text.find("[client]") {
-        Some(at) => format!("{}[client]\nincremental = true\n{}", &text[..at], &text[at + "[client]".len()..]),
-        None => format!("{text}\n[client]\nincremental = true\n"),
+        Some(at) => format!("{}{key}{}", &text[..at], &text[at + "[client]".len()..]),
+        None => format!("{text}\n{key}"),
     };
-    let path = service.config_path().with_file_name("incremental.toml");
+    let path = service.config_path().with_file_name(format!("incremental-{on}.toml"));
     std::fs::write(&path, text).unwrap();
     path
+}
+
+fn incremental_config(service: &LocalService) -> std::path::PathBuf {
+    incremental_setting(service, true)
+}
+
+/// With `incremental = false` every commit sends every byte and the agent
+/// stores each version whole.
+#[test]
+fn commits_without_incremental_send_every_byte() {
+    let service = service("api-plain");
+    let config = incremental_setting(&service, false);
+    let (mut ic, _) = Icheck::init(Some(&config), "plain", SingleProcess).expect("init");
+    let data = Region::from_vec((0..(3usize << 20)).map(|i| (i % 241) as u8).collect::<Vec<u8>>());
+    ic.add("data", &data).unwrap();
+    ic.commit().unwrap();
+    data.write()[5] ^= 1;
+    assert_eq!(ic.commit().unwrap(), 2);
+    let rank_dir = service.config.agent_store_dir.join("local-1/plain/rank0");
+    assert_eq!(std::fs::metadata(rank_dir.join("v2.data")).unwrap().len(), 3 << 20);
+    assert!(!rank_dir.join("v2.map").exists());
+    ic.finalize(true).unwrap();
+    let (mut ic, _) = Icheck::init(Some(&config), "plain", SingleProcess).expect("init");
+    assert_eq!(ic.restart().unwrap(), 2);
+    let back = Region::<u8>::zeroed(3 << 20);
+    ic.restore("data", &back).unwrap();
+    assert!(*back.read() == *data.read());
+    ic.finalize(false).unwrap();
 }
 
 /// Incremental commits: a version sends only the 1 MiB blocks that changed
@@ -268,4 +297,35 @@ fn incremental_commits_move_only_changed_blocks_and_restore_bit_exact() {
     let _manager = service.start_manager("local-1");
     wait_for("the new manager", Duration::from_secs(10), || service.status().nodes.iter().any(|n| n.alive));
     restore(&config);
+}
+
+/// Async commits are incremental too: the background thread compares the
+/// staged copy with the previous version and sends the changed blocks.
+#[test]
+fn async_incremental_commits_send_the_changed_blocks_of_the_staged_copy() {
+    const MIB: usize = 1 << 20;
+    let service = service("api-async-incremental");
+    let config = incremental_config(&service);
+    let (mut ic, _) = Icheck::init(Some(&config), "async-delta", SingleProcess).expect("init");
+    let data = Region::from_vec((0..8 * MIB).map(|i| (i % 249) as u8).collect::<Vec<u8>>());
+    ic.add("data", &data).unwrap();
+    ic.set_async(true);
+    assert_eq!(ic.commit().unwrap(), 1);
+    ic.wait().unwrap();
+    data.write()[3 * MIB + 10] ^= 0xff;
+    assert_eq!(ic.commit().unwrap(), 2);
+    // Changed after staging: not part of version 2.
+    data.write()[6 * MIB] ^= 0xff;
+    ic.wait().unwrap();
+    let rank_dir = service.config.agent_store_dir.join("local-1/async-delta/rank0");
+    assert_eq!(std::fs::metadata(rank_dir.join("v2.data")).unwrap().len(), MIB as u64, "one block sent");
+    ic.finalize(true).unwrap();
+    data.write()[6 * MIB] ^= 0xff;
+
+    let (mut ic, _) = Icheck::init(Some(&config), "async-delta", SingleProcess).expect("init");
+    assert_eq!(ic.restart().unwrap(), 2);
+    let back = Region::<u8>::zeroed(8 * MIB);
+    ic.restore("data", &back).unwrap();
+    assert!(*back.read() == *data.read(), "version 2 is the staged bytes, bit-exact");
+    ic.finalize(false).unwrap();
 }

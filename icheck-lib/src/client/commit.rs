@@ -17,6 +17,9 @@ pub(super) struct Background {
     pub(super) link: AgentLink,
     pub(super) staging: Option<RegisteredBuffer>,
     pub(super) result: Result<()>,
+    /// An incremental commit's version, block checksums and changed
+    /// fraction (what the next commit compares against).
+    pub(super) blocks: Option<(u64, Vec<u32>, f64)>,
 }
 
 /// A joined background commit: version, start, bytes, its result, and
@@ -463,6 +466,9 @@ impl Icheck {
         let mut link = self.link.take().ok_or(Error::Order("no agent session"))?;
         let push = self.direction == TransferDirection::Push;
         let (endpoint, shape) = (self.endpoint.clone(), self.shape(self.comm.size()));
+        // Incremental: the thread compares the staged copy with the last
+        // version (taken: a failed commit leaves none to compare with).
+        let incremental = self.incremental.then(|| (self.sealed_blocks.take(), self.changed_last > MOST_CHANGED));
         let span = tracing::Span::current();
         let handle = std::thread::Builder::new()
             .name("icheck-async-commit".into())
@@ -470,9 +476,33 @@ impl Icheck {
                 let _entered = span.enter();
                 let bytes = &staging.as_slice()[..total];
                 let header = VersionHeader { version, shape, layout, push };
-                let registered = Some((staging.source(), staging.remote()));
-                let result = commit_buffer(&mut link, &endpoint, header, registered, bytes).map(|_| ());
-                Background { link, staging: Some(staging), result }
+                let registered = (staging.source(), staging.remote());
+                let Some((previous, expect_most_changed)) = incremental else {
+                    let result = commit_buffer(&mut link, &endpoint, header, Some(registered), bytes).map(|_| ());
+                    return Background { link, staging: Some(staging), result, blocks: None };
+                };
+                let labels: Vec<&[u8]> =
+                    header.layout.iter().map(|l| &bytes[l.offset as usize..(l.offset + l.len) as usize]).collect();
+                // The staged bytes are the version's, back to back: a range
+                // of the version is the same range of the staging buffer.
+                let pieces_of = |start: u64, end: u64, at: u64| -> Vec<Piece<'_>> {
+                    let (source, remote) = registered;
+                    let len = (end - start) as usize;
+                    let piece = Piece { source, remote, local_offset: start as usize, file_offset: at, len };
+                    if len == 0 {
+                        Vec::new()
+                    } else {
+                        vec![piece]
+                    }
+                };
+                let previous = previous.as_ref().map(|(v, blocks)| (*v, blocks.as_slice()));
+                let committed =
+                    commit_incremental(&mut link, &endpoint, header, &labels, previous, expect_most_changed, pieces_of);
+                let (result, blocks) = match committed {
+                    Ok(c) => (Ok(()), Some((version, c.blocks, c.changed))),
+                    Err(err) => (Err(err), None),
+                };
+                Background { link, staging: Some(staging), result, blocks }
             })
             .map_err(|e| Error::Unsupported(format!("cannot start the async commit thread: {e}")))?;
         self.in_flight =
@@ -493,6 +523,10 @@ impl Icheck {
             None => Ok(()),
             Some(Ok(background)) => {
                 self.link = Some(background.link);
+                if let Some((version, blocks, changed)) = background.blocks {
+                    self.sealed_blocks = Some((version, blocks));
+                    self.changed_last = changed;
+                }
                 if let Some(staging) = background.staging {
                     self.staging = Some(staging.into_inner());
                 }

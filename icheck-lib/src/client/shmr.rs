@@ -132,7 +132,7 @@ impl Icheck {
                 let result = send(&mut link, region.as_ref());
                 // Deregistered before the commit counts as finished.
                 drop(region);
-                Background { link, staging: None, result }
+                Background { link, staging: None, result, blocks: None }
             })
             .map_err(|e| Error::Unsupported(format!("cannot start the async commit thread: {e}")))?;
         let layout = Some(kept_layout);
