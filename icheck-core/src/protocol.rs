@@ -496,6 +496,12 @@ pub enum ManagerToController {
         version: u64,
         /// The files it wrote and what writing them cost, or why it could not.
         result: Result<(Vec<crate::pfs::RankEntry>, PfsCopyStats), String>,
+        /// The copy could not start because a newer version of a rank had
+        /// completed and retention had dropped this one first (the copy
+        /// was asked for as the newest version, and a commit overtook the
+        /// request): not a failure; the newest version is copied instead.
+        #[serde(default)]
+        superseded: bool,
     },
     /// An agent took over a rank's newest version from another agent
     /// (after a change of the application's agents), or rebuilt it from

@@ -329,8 +329,10 @@ async fn session(
                     lower_thread_priority();
                     // A loaded node runs nice-19 copies late (the copy-versus-prune test).
                     icheck_core::failpoint::hit("manager.before_pfs_copy");
-                    let result = job.and_then(|job| job());
-                    let _ = tx.send(ManagerToController::PfsCopied { agent, version, result });
+                    let result = job.map_err(crate::agent::PfsCopyError::Failed).and_then(|job| job());
+                    let superseded = matches!(result, Err(crate::agent::PfsCopyError::Superseded { .. }));
+                    let result = result.map_err(|e| e.to_string());
+                    let _ = tx.send(ManagerToController::PfsCopied { agent, version, result, superseded });
                 };
                 if let Err(err) = std::thread::Builder::new().name("icheck-pfs-copy".into()).spawn(copy) {
                     tracing::error!(agent, version, %err, "cannot start a PFS copy thread");

@@ -181,6 +181,30 @@ impl Shared {
     }
 }
 
+/// Why an agent's part of a PFS copy did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum PfsCopyError {
+    /// Retention dropped the version before the copy could pin it: a newer
+    /// version of `rank` completed in between (a commit overtook the copy
+    /// request). Not a failure: the newer version is the one to copy.
+    #[error("rank {rank}'s version {newer} completed before the copy could start")]
+    Superseded {
+        /// The rank.
+        rank: u32,
+        /// Its newest complete version here.
+        newer: u64,
+    },
+    /// The copy failed.
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl From<String> for PfsCopyError {
+    fn from(reason: String) -> Self {
+        PfsCopyError::Failed(reason)
+    }
+}
+
 /// Keeps a version out of pruning while a PFS copy reads it (from the
 /// moment the manager receives the copy request until the copy ends).
 struct PinnedVersion {
@@ -302,7 +326,7 @@ impl Agent {
         version: u64,
         compression: icheck_core::pfs::Compression,
         ranks: Vec<u32>,
-    ) -> impl FnOnce() -> Result<(Vec<icheck_core::pfs::RankEntry>, PfsCopyStats), String> + Send + 'static {
+    ) -> impl FnOnce() -> Result<(Vec<icheck_core::pfs::RankEntry>, PfsCopyStats), PfsCopyError> + Send + 'static {
         let shared = self.shared.clone();
         // Pinned now, while the manager handles the request, not when the
         // (low-priority) copy thread gets to run: a commit completing
@@ -319,13 +343,18 @@ impl Agent {
                     Err(err @ StoreError::Missing { .. }) => {
                         // Spilled: the rank's file is on the PFS already.
                         let entry = pfs.take_partial_entry(&shared.app, version, rank).map_err(|e| e.to_string())?;
+                        // Dropped by retention before the pin: a newer
+                        // version of the rank completed first.
+                        if let Some(newer) = shared.complete(rank).filter(|c| *c > version && entry.is_none()) {
+                            return Err(PfsCopyError::Superseded { rank, newer });
+                        }
                         let entry = entry.ok_or_else(|| err.to_string())?;
                         total.raw += entry.stored_len;
                         total.stored += entry.stored_len;
                         entries.push(entry);
                         continue;
                     }
-                    Err(err) => return Err(err.to_string()),
+                    Err(err) => return Err(err.to_string().into()),
                 };
                 let (entry, stats) =
                     pfs.write_rank(&manifest, file.as_slice(), compression).map_err(|e| e.to_string())?;

@@ -145,6 +145,20 @@ impl CopyBook {
         }
     }
 
+    /// An agent could not copy `version` because retention dropped it for a
+    /// newer complete version before the copy started. Counted as skipped
+    /// (once per version), and the application's newest version is due
+    /// ([`Self::next_deferred`]). False if the copy was not pending (an
+    /// earlier agent's answer settled it).
+    pub(crate) fn superseded(&mut self, version: u64) -> bool {
+        if self.pending.remove(&version).is_none() {
+            return false;
+        }
+        self.health.skipped += 1;
+        self.deferred.get_or_insert(version);
+        true
+    }
+
     /// The PFS version `version` was completed (or could not be).
     pub(crate) fn completed(&mut self, version: u64, result: Result<(), String>, stats: PfsCopyStats) {
         match result {
@@ -180,6 +194,18 @@ impl CopyBook {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_copy_overtaken_before_it_started_is_skipped_and_the_newest_copied() {
+        let mut book = CopyBook::new(None);
+        assert_eq!(record(&mut book, 1, 2), OnRecorded::CopyNow);
+        assert!(book.superseded(1), "the first agent's answer settles it");
+        assert!(!book.superseded(1), "the second agent's does not count again");
+        assert!(matches!(book.answered(1, Ok((Vec::new(), stats(1)))), Answered::Unknown));
+        assert_eq!((book.health.skipped, book.health.failed), (1, 0));
+        assert_eq!(book.next_deferred(Some(3), false, true), Some(3), "the newest version is copied");
+        assert_eq!(book.next_deferred(Some(3), false, true), None, "once");
+    }
 
     fn stats(bytes: u64) -> PfsCopyStats {
         PfsCopyStats { raw: bytes, stored: bytes, ..PfsCopyStats::default() }

@@ -1160,9 +1160,9 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                     let _ = waiter.send(result.map_err(|reason| format!("node {node}: {reason}")));
                 }
             }
-            ManagerToController::PfsCopied { agent, version, result } => {
+            ManagerToController::PfsCopied { agent, version, result, superseded } => {
                 drop(state);
-                pfs_copied(&shared, agent, version, result);
+                pfs_copied(&shared, agent, version, result, superseded);
             }
             ManagerToController::Protected { agent, version, piece, result } => {
                 if let Err(reason) = &result {
@@ -1885,12 +1885,21 @@ fn pfs_copied(
     agent: u64,
     version: u64,
     result: Result<(Vec<icheck_core::pfs::RankEntry>, PfsCopyStats), String>,
+    superseded: bool,
 ) {
     let mut state = shared.state();
     let Some((name, app)) = state.apps.iter_mut().find(|(_, a)| a.agents.iter().any(|x| x.id == agent)) else {
         return;
     };
     let name = name.clone();
+    if superseded {
+        if app.copies.superseded(version) {
+            let reason = result.err().unwrap_or_default();
+            tracing::info!(app = %name, version, agent, %reason, "PFS copy overtaken by a newer version; copying that one");
+        }
+        start_deferred_copy(shared, &mut state, &name);
+        return;
+    }
     if let Err(reason) = &result {
         tracing::warn!(app = %name, version, agent, %reason, "PFS copy failed; the previous PFS version stays");
     }
