@@ -222,11 +222,12 @@ pub struct ClientConfig {
     /// Register the application's own regions (no staging copy) for
     /// blocking MR commits.
     pub zero_copy: bool,
-    /// Incremental commits: blocking zero-copy commits checksum the
-    /// version first and send only the 1 MiB blocks whose checksum changed
-    /// since this process's previous version; the agent shares the others
-    /// with that version. Off: every commit sends every byte, checksummed
-    /// while it moves. `ICHECK_INCREMENTAL` (0/1) overrides it.
+    /// Incremental commits (on by default): blocking zero-copy commits
+    /// send only the 1 MiB blocks whose checksum changed since this
+    /// process's previous version, and the agent shares the others with
+    /// that version. A commit after one that changed most blocks sends the
+    /// whole version (checksummed while it moves, as with this off). Off:
+    /// every commit sends every byte. `ICHECK_INCREMENTAL` (0/1) overrides it.
     pub incremental: bool,
     /// Seconds to wait for the controller at init before giving up.
     pub connect_timeout: f64,
@@ -312,7 +313,7 @@ impl Default for ClientConfig {
             mode: crate::protocol::TransferMode::Mr,
             staging_buffer: crate::units::ByteSize(64 << 20),
             zero_copy: true,
-            incremental: false,
+            incremental: true,
             connect_timeout: 5.0,
             pfs_interval: 0,
             compression: "auto".into(),
