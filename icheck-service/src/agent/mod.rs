@@ -1115,8 +1115,10 @@ fn handle_rest(
             let spilled = match (destination, delta) {
                 (Destination::Memory(file), Some(delta)) => {
                     store.seal_delta(&manifest, &delta.map).map_err(|e| e.to_string())?;
-                    // Only the changed blocks' file: not worth keeping mapped.
-                    drop(file);
+                    // Kept mapped like a whole version's file: once dropped
+                    // and unused by newer maps it is the spare, and a whole
+                    // version of its length takes it without mapping again.
+                    session.sealed.push((version, file.into_inner()));
                     false
                 }
                 (Destination::Memory(file), None) => {
