@@ -353,9 +353,9 @@ pub(super) struct IncrementalCommit {
     pub(super) moved: u64,
     /// The version's block checksums (the next commit's `before`).
     pub(super) blocks: Vec<u32>,
-    /// Fraction of blocks that differ from the previous version's (0 when
-    /// there was none to compare with, or the layout changed: nothing
-    /// predicts the next change then).
+    /// Fraction of blocks that differ from the previous version's (1 when
+    /// there was none to compare with, or the layout changed: as if
+    /// everything changed, so the next commit is sent whole and measured).
     pub(super) changed: f64,
 }
 
@@ -382,7 +382,8 @@ pub(super) fn commit_incremental<'p>(
     let total: u64 = header.layout.iter().map(|l| l.len).sum();
     let fraction = |blocks: &[u32]| match previous.and_then(|(_, before)| changed_runs(before, blocks)) {
         Some(runs) if !blocks.is_empty() => runs.iter().map(|r| r.count).sum::<u64>() as f64 / blocks.len() as f64,
-        _ => 0.0,
+        Some(_) => 0.0,
+        None => 1.0,
     };
     let push = header.push;
     if previous.is_none() || expect_most_changed {

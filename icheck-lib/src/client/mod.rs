@@ -487,7 +487,8 @@ impl Icheck {
             zero_copy,
             incremental,
             sealed_blocks: None,
-            changed_last: 0.0,
+            // Nothing known: the second commit goes whole, and measures.
+            changed_last: 1.0,
             staging_size: (staging_size.0 as usize).max(8192),
             staging: None,
             asynchronous: false,
