@@ -66,7 +66,7 @@ pub fn rates(path: &Path, title: &str, kinds: &[&str], bars: &[Bar]) -> Result<(
     }
     chart
         .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
+        .position(SeriesLabelPosition::UpperRight)
         .background_style(WHITE.mix(0.85))
         .border_style(BLACK)
         .draw()
