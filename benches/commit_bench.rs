@@ -290,19 +290,21 @@ fn incremental_sweep(provider: &str, size: usize, runs: usize) -> Result<Sweep> 
 }
 
 /// Seconds of each of the first `count` commits (every page changed) of a
-/// new application with one rank of `size` bytes, 300 ms of "computation"
-/// apart: the first versions of a run used to map fresh agent memory inside
-/// the commit.
+/// new application with one rank of `size` bytes, each after 300 ms of
+/// "computation": the first versions of a run used to map fresh agent
+/// memory inside the commit.
 fn first_commits(provider: &str, size: usize, count: usize) -> Result<Vec<f64>> {
     let svc = service(&format!("bench-first-{provider}"), provider, 1, 1)?;
     let (mut ic, data) = one_rank_app(&svc.config_path(), "bench-first", size, 9)?;
     let mut times = Vec::with_capacity(count);
     for run in 0..count {
+        // Computation before every commit, the first too (an application
+        // adds its labels, then computes before its first checkpoint).
+        std::thread::sleep(std::time::Duration::from_millis(300));
         change_every_page(&data, run);
         let start = Instant::now();
         ic.commit()?;
         times.push(start.elapsed().as_secs_f64());
-        std::thread::sleep(std::time::Duration::from_millis(300));
     }
     ic.finalize(false)?;
     Ok(times)

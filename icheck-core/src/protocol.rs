@@ -1041,6 +1041,14 @@ pub enum AgentRequest {
         /// What the piece is (its stripe checksums, as the encoder computed them).
         meta: PieceMeta,
     },
+    /// The rank's first version will hold about `len` bytes: the agent may
+    /// back and map a file of that size in the background, while the
+    /// application computes, instead of inside the first commit. A hint:
+    /// replies [`AgentReply::Ok`] whatever it does.
+    Prepare {
+        /// Bytes of the rank's labels so far.
+        len: u64,
+    },
     /// An incremental commit: as `Begin`, but only the blocks in `changed`
     /// (see [`crate::delta`]) differ from `parent`, the rank's previous
     /// version at this agent. When the agent holds `parent` sealed with the

@@ -337,3 +337,21 @@ fn async_incremental_commits_send_the_changed_blocks_of_the_staged_copy() {
     assert!(*back.read() == *data.read(), "version 3 is the staged bytes, bit-exact");
     ic.finalize(false).unwrap();
 }
+
+/// Before the first commit, adding labels tells the agent the version's
+/// size: it backs a file of that size while the application computes, and
+/// the first version is written into it.
+#[test]
+fn the_agent_prepares_the_first_versions_file_while_the_application_computes() {
+    let service = service("api-prepare");
+    let (mut ic, _) = init(&service, "prepare");
+    let data = Region::from_vec(vec![3u8; 8 << 20]);
+    ic.add("data", &data).unwrap();
+    let prepared = service.config.agent_store_dir.join("local-1/prepare/rank0/prepared.data");
+    let backed = || std::fs::metadata(&prepared).is_ok_and(|m| m.len() == 8 << 20 && m.blocks() * 512 >= 8 << 20);
+    use std::os::unix::fs::MetadataExt;
+    wait_for("the prepared file", Duration::from_secs(10), backed);
+    assert_eq!(ic.commit().unwrap(), 1);
+    assert!(!prepared.exists(), "the first version took the prepared file");
+    ic.finalize(false).unwrap();
+}

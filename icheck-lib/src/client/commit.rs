@@ -69,6 +69,7 @@ impl Icheck {
         self.check_global_labels()?;
         let version = self.next_version;
         self.next_version += 1;
+        self.size_hint = u64::MAX;
         let span = tracing::info_span!("commit", app = %self.app, rank = self.comm.rank(), version);
         let _entered = span.enter();
         let started = Instant::now();

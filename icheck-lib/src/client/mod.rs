@@ -152,6 +152,9 @@ pub struct Icheck {
     /// The block checksums of the version this rank sealed last, and its
     /// number: what an incremental commit compares against.
     sealed_blocks: Option<(u64, Vec<u32>)>,
+    /// Bytes of the last size hint sent before the first commit
+    /// (`u64::MAX` once a commit began: no more hints).
+    size_hint: u64,
     /// Fraction of blocks the last incremental commit found changed.
     changed_last: f64,
     staging_size: usize,
@@ -487,6 +490,7 @@ impl Icheck {
             zero_copy,
             incremental,
             sealed_blocks: None,
+            size_hint: 0,
             // Nothing known: the second commit goes whole, and measures.
             changed_last: 1.0,
             staging_size: (staging_size.0 as usize).max(8192),
@@ -544,7 +548,29 @@ impl Icheck {
             }
             None => self.labels.push(Label { name: label.to_string(), source, adapt: None, recalc: None }),
         }
+        self.hint_first_version_size();
         Ok(())
+    }
+
+    /// Before this process's first commit, tells its agent how many bytes
+    /// the labels hold (from 1 MiB, each time they reach twice the last
+    /// hint), so that the agent backs the first version's file while the
+    /// application computes rather than inside the commit. A hint: a
+    /// failure only costs that time back.
+    fn hint_first_version_size(&mut self) {
+        if self.size_hint == u64::MAX || self.mode != TransferMode::Mr {
+            return;
+        }
+        let total: u64 = self.labels.iter().map(|l| l.source.bytes().len() as u64).sum();
+        if total < (1 << 20) || total < self.size_hint.saturating_mul(2) {
+            return;
+        }
+        self.size_hint = total;
+        if let Some(link) = self.link.as_mut() {
+            if let Err(err) = link.call(&AgentRequest::Prepare { len: total }) {
+                tracing::debug!(%err, "the agent did not take the first version's size");
+            }
+        }
     }
 
     /// Adds (or replaces) a labelled region. Labels are unique per rank;

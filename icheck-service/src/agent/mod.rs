@@ -773,6 +773,8 @@ struct Session {
     /// when no spare will exist for the next version (after the first
     /// version, whose predecessor left none): see [`prepare_next_file`].
     prepared: Option<JoinHandle<Option<MappedFile>>>,
+    /// Bytes of the file a `Prepare` hint asked for (0: none).
+    prepared_len: u64,
     /// Fetches the rank is done with, released after the reply is sent
     /// (unmapping takes time the rank need not wait for).
     retired: Vec<Fetching>,
@@ -901,6 +903,7 @@ fn handle(
             sealed: Vec::new(),
             spare: None,
             prepared: None,
+            prepared_len: 0,
             retired: Vec::new(),
             receiving: None,
         });
@@ -944,6 +947,23 @@ fn handle(
             let writing = session.writing.as_mut().ok_or("Pull without Begin")?;
             let bytes = pull(&shared.endpoint, &session.peer, writing, &ops)?;
             Ok(AgentReply::Pulled { bytes })
+        }
+        AgentRequest::Prepare { len } => {
+            // Only before the rank's first version here, only for a larger
+            // size than prepared so far, and never over a file still being
+            // prepared (Begin takes whichever fits, or reuses its pages).
+            let rank = session.core.rank();
+            let first = session.sealed.is_empty()
+                && session.spare.is_none()
+                && store.sealed_versions(&shared.app, rank).is_ok_and(|v| v.is_empty());
+            let busy = session.prepared.as_ref().is_some_and(|thread| !thread.is_finished());
+            if first && !busy && session.writing.is_none() && len > session.prepared_len {
+                // A smaller file prepared earlier grows in place: its pages stay.
+                drop(session.prepared.take().map(JoinHandle::join));
+                session.prepared = prepare_next_file(shared, rank, len);
+                session.prepared_len = len;
+            }
+            Ok(AgentReply::Ok)
         }
         other => handle_rest(shared, session, other, caller),
     }
@@ -1101,6 +1121,7 @@ fn handle_rest(
         AgentRequest::Open { .. }
         | AgentRequest::Begin { .. }
         | AgentRequest::BeginDelta { .. }
+        | AgentRequest::Prepare { .. }
         | AgentRequest::Pull(_) => unreachable!("handled by the caller"),
         AgentRequest::Seal { crcs } => {
             // The rank has finished writing: stop spinning for it.
