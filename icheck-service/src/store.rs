@@ -622,24 +622,22 @@ impl Store {
         .map_err(failed)?;
         // Owned from here: an error below unmaps the whole range.
         let view = ComposedView { base, mapped: mapped.get() };
-        let mut files: std::collections::HashMap<u64, (File, u64)> = Default::default();
+        let mut files: std::collections::HashMap<u64, (File, u64, PathBuf)> = Default::default();
         for extent in blocks.extents() {
             let start = usize::try_from(extent.first * BLOCK_SIZE).unwrap_or(usize::MAX);
             let end = usize::try_from((extent.first + extent.count) * BLOCK_SIZE).unwrap_or(usize::MAX).min(len);
             let holder = extent.source.version;
             if let std::collections::hash_map::Entry::Vacant(slot) = files.entry(holder) {
-                let path = self.holder_path(data, holder);
-                let file = File::open(&path).map_err(io("cannot open the blocks of", &path))?;
+                let (file, path) = open_holder(data, holder)?;
                 let on_disk = file.metadata().map_err(io("cannot stat", &path))?.len();
-                slot.insert((file, on_disk));
+                slot.insert((file, on_disk, path));
             }
-            let (file, on_disk) = &files[&holder];
+            let (file, on_disk, path) = &files[&holder];
             let offset = extent.source.index * BLOCK_SIZE;
             // Pages past a file's end would fault (SIGBUS) when read.
             if offset + (end - start) as u64 > on_disk.next_multiple_of(page as u64) {
-                let path = self.holder_path(data, holder);
                 return Err(StoreError::BadManifest {
-                    path,
+                    path: path.clone(),
                     reason: format!("holds {on_disk} bytes; block {} is past its end", extent.source.index),
                 });
             }
@@ -661,17 +659,6 @@ impl Store {
             .map_err(failed)?;
         }
         Ok(MappedFile { mapping: Mapping::Composed(view), len })
-    }
-
-    /// The data file holding `holder`'s blocks: its version file while it
-    /// is stored, its shared-blocks file once it was dropped.
-    fn holder_path(&self, data: &Path, holder: u64) -> PathBuf {
-        let own = data.with_file_name(format!("v{holder}.data"));
-        if own.exists() {
-            own
-        } else {
-            data.with_file_name(format!("b{holder}.data"))
-        }
     }
 
     /// Whether `version` of a rank is sealed (its manifest is in place).
@@ -970,6 +957,23 @@ fn piece_name(piece: PieceId) -> String {
     match piece {
         PieceId::Copy { rank } => format!("copy{rank}"),
         PieceId::Parity { group, index } => format!("parity{group}-{index}"),
+    }
+}
+
+/// Opens the data file holding `holder`'s blocks, beside `data`: its
+/// version file while it is stored, its shared-blocks file once it was
+/// dropped. Tried in that order, so a prune renaming one into the other
+/// meanwhile is no error.
+fn open_holder(data: &Path, holder: u64) -> Result<(File, PathBuf)> {
+    let own = data.with_file_name(format!("v{holder}.data"));
+    match File::open(&own) {
+        Ok(file) => Ok((file, own)),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            let shared = data.with_file_name(format!("b{holder}.data"));
+            let file = File::open(&shared).map_err(io("cannot open the blocks of", &shared))?;
+            Ok((file, shared))
+        }
+        Err(error) => Err(StoreError::Io { what: "cannot open the blocks of", path: own, error }),
     }
 }
 
