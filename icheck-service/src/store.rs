@@ -363,31 +363,15 @@ impl Store {
         self.publish(manifest)
     }
 
-    /// Keeps what sealed versions' maps still use of dropped versions' data
-    /// (`b<V>.data`) and frees the rest: files no map uses are deleted,
-    /// blocks no map uses are punched out (tmpfs gives their pages back).
-    fn collect_shared_blocks(&self, dir: &Path) -> Result<()> {
-        let mut used: std::collections::BTreeMap<u64, BTreeSet<u64>> = Default::default();
-        let entries: Vec<String> = match fs::read_dir(dir) {
-            Ok(entries) => entries.filter_map(|e| e.ok()?.file_name().into_string().ok()).collect(),
-            Err(_) => return Ok(()),
-        };
-        for name in &entries {
-            let Some(stem) = name.strip_suffix(".map").filter(|stem| stem.starts_with('v')) else { continue };
-            if !dir.join(format!("{stem}.meta")).exists() {
-                continue;
-            }
-            // An unreadable map keeps everything: freeing on a guess could
-            // destroy a version that is still served.
-            let map = read_map(&dir.join(name))?;
-            for (version, blocks) in map.borrowed() {
-                used.entry(version).or_default().extend(blocks);
-            }
-        }
-        for name in &entries {
-            let Some(version) = name.strip_prefix('b').and_then(|n| n.strip_suffix(".data")) else { continue };
-            let Ok(version) = version.parse::<u64>() else { continue };
-            let path = dir.join(name);
+    /// Keeps what sealed versions' maps still use (`used`, from
+    /// [`blocks_in_use`]) of dropped versions' data (`b<V>.data`) and frees
+    /// the rest: files no map uses are deleted, blocks no map uses are
+    /// punched out (tmpfs gives their pages back).
+    fn collect_shared_blocks(&self, dir: &Path, used: &BlockUse) -> Result<()> {
+        let Ok(entries) = fs::read_dir(dir) else { return Ok(()) };
+        for entry in entries.filter_map(|e| e.ok()) {
+            let Some(version) = shared_version(&entry) else { continue };
+            let path = entry.path();
             let Some(blocks) = used.get(&version) else {
                 remove_if_present(&path)?;
                 continue;
@@ -568,7 +552,8 @@ impl Store {
             }
             _ => {}
         }
-        self.collect_shared_blocks(&self.rank_dir(app, rank)?)
+        let dir = self.rank_dir(app, rank)?;
+        self.collect_shared_blocks(&dir, &blocks_in_use(&dir)?)
     }
 
     /// Opens a stored version: its manifest and its mapped data.
@@ -711,21 +696,14 @@ impl Store {
         data_files.sort();
         // Data that retained incremental versions still share is kept as
         // shared blocks, never reused as the spare.
-        let mut shared = Vec::new();
-        for (version, path) in std::mem::take(&mut data_files) {
-            if self.blocks_used(&dir, version)? {
-                shared.push((version, path));
-            } else {
-                data_files.push((version, path));
-            }
-        }
+        let used = blocks_in_use(&dir)?;
+        let (shared, mut data_files): (Vec<_>, Vec<_>) =
+            data_files.into_iter().partition(|(version, _)| used.contains_key(version));
         for (version, path) in &shared {
             let kept = dir.join(format!("b{version}.data"));
             fs::rename(path, &kept).map_err(io("cannot keep the shared blocks of", path))?;
         }
-        if !shared.is_empty() || fs::read_dir(&dir).into_iter().flatten().flatten().any(|e| is_shared(&e)) {
-            self.collect_shared_blocks(&dir)?;
-        }
+        self.collect_shared_blocks(&dir, &used)?;
         if let Some((version, newest)) = data_files.pop() {
             let spare = dir.join(SPARE);
             fs::rename(&newest, &spare).map_err(io("cannot keep as spare", &newest))?;
@@ -735,22 +713,6 @@ impl Store {
             fs::remove_file(&path).map_err(io("cannot remove", &path))?;
         }
         Ok(pruned)
-    }
-
-    /// Whether a sealed version's map in `dir` uses blocks of `version`'s data.
-    fn blocks_used(&self, dir: &Path, version: u64) -> Result<bool> {
-        let Ok(entries) = fs::read_dir(dir) else { return Ok(false) };
-        for entry in entries.filter_map(|e| e.ok()) {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let Some(stem) = name.strip_suffix(".map").filter(|stem| stem.starts_with('v')) else { continue };
-            if stem == format!("v{version}") || !dir.join(format!("{stem}.meta")).exists() {
-                continue;
-            }
-            if read_map(&entry.path())?.blocks.iter().any(|r| r.version == version) {
-                return Ok(true);
-            }
-        }
-        Ok(false)
     }
 
     /// Deletes all versions of one rank of an application (the rank moved
@@ -940,7 +902,7 @@ impl Store {
                     .map(|e| match e.file_type() {
                         Ok(t) if t.is_dir() => walk(&e.path()),
                         // Shared blocks hold only what was not punched out.
-                        _ if is_shared(&e) => e.metadata().map_or(0, |m| m.blocks().saturating_mul(512)),
+                        _ if shared_version(&e).is_some() => e.metadata().map_or(0, |m| m.blocks().saturating_mul(512)),
                         _ => e.metadata().map_or(0, |m| m.len()),
                     })
                     .sum()
@@ -977,11 +939,35 @@ fn open_holder(data: &Path, holder: u64) -> Result<(File, PathBuf)> {
     }
 }
 
-/// Whether a directory entry is a dropped version's shared blocks (`b<V>.data`).
-fn is_shared(entry: &fs::DirEntry) -> bool {
+/// The version whose shared blocks a directory entry holds, if it is such
+/// a file (`b<V>.data`).
+fn shared_version(entry: &fs::DirEntry) -> Option<u64> {
     let name = entry.file_name();
     let name = name.to_string_lossy();
-    name.strip_prefix('b').and_then(|n| n.strip_suffix(".data")).is_some_and(|n| n.parse::<u64>().is_ok())
+    name.strip_prefix('b')?.strip_suffix(".data")?.parse().ok()
+}
+
+/// Blocks of dropped or older versions' data files, by version, that some
+/// sealed version's map uses.
+type BlockUse = std::collections::BTreeMap<u64, BTreeSet<u64>>;
+
+/// What the maps of the sealed versions in `dir` use of other versions'
+/// data. An unreadable map is an error, never an empty answer: freeing on
+/// a guess could destroy a version that is still served.
+fn blocks_in_use(dir: &Path) -> Result<BlockUse> {
+    let mut used = BlockUse::new();
+    let Ok(entries) = fs::read_dir(dir) else { return Ok(used) };
+    for entry in entries.filter_map(|e| e.ok()) {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(stem) = name.strip_suffix(".map").filter(|stem| stem.starts_with('v')) else { continue };
+        if !dir.join(format!("{stem}.meta")).exists() {
+            continue;
+        }
+        for (version, blocks) in read_map(&entry.path())?.borrowed() {
+            used.entry(version).or_default().extend(blocks);
+        }
+    }
+    Ok(used)
 }
 
 /// Reads and decodes a block map file (validated by the caller, who knows
