@@ -917,18 +917,13 @@ fn handle(
         AgentRequest::Open { .. } => unreachable!("handled above"),
         AgentRequest::Begin { version, ranks, epoch, labels, push } => {
             let begun = Instant::now();
-            session.abandon_writing();
-            let rank = session.core.rank();
-            let stored = |v: u64| store.is_sealed(&shared.app, rank, v);
-            let checked = session.core.begin(version, ranks, epoch, labels, shared.complete(rank), stored)?;
+            let checked = check_begin(shared, session, version, ranks, epoch, labels)?;
             begin_version(shared, session, checked, push, begun)
         }
         AgentRequest::BeginDelta { version, ranks, epoch, labels, push, parent, changed } => {
             let begun = Instant::now();
-            session.abandon_writing();
+            let mut checked = check_begin(shared, session, version, ranks, epoch, labels)?;
             let rank = session.core.rank();
-            let stored = |v: u64| store.is_sealed(&shared.app, rank, v);
-            let mut checked = session.core.begin(version, ranks, epoch, labels, shared.complete(rank), stored)?;
             // Without the parent here (another agent wrote it, it was
             // dropped or lost), the version is taken whole.
             match store.block_map(&shared.app, rank, parent) {
@@ -967,6 +962,44 @@ fn handle(
         }
         other => handle_rest(shared, session, other, caller),
     }
+}
+
+/// A Begin (whole or incremental) of `version`: the version being written
+/// is abandoned, and the session core checks the new one against what the
+/// rank has stored and completed here.
+fn check_begin(
+    shared: &Shared,
+    session: &mut Session,
+    version: u64,
+    ranks: u32,
+    epoch: u32,
+    labels: Vec<icheck_core::protocol::LabelLayout>,
+) -> Result<BeginChecked, String> {
+    session.abandon_writing();
+    let rank = session.core.rank();
+    let stored = |v: u64| shared.settings.store.is_sealed(&shared.app, rank, v);
+    session.core.begin(version, ranks, epoch, labels, shared.complete(rank), stored)
+}
+
+/// Exposes `file` to the rank for the checked version it is about to
+/// write (pushing ranks get a progress thread that spins for them) and
+/// returns where the rank writes or the agent reads into.
+fn start_writing(
+    shared: &Shared,
+    session: &mut Session,
+    file: RegisteredBuffer<MappedFile>,
+    checked: BeginChecked,
+    push: bool,
+) -> Result<RemoteRegion, String> {
+    let remote = file.remote();
+    let progress = if push {
+        Some(ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin).map_err(|e| e.to_string())?)
+    } else {
+        None
+    };
+    session.writing = Some(Writing { destination: Destination::Memory(file), _progress: progress });
+    session.core.begun(checked, true, Instant::now());
+    Ok(remote)
 }
 
 /// Gives a checked Begin its destination: an incremental version's own
@@ -1050,17 +1083,9 @@ fn begin_version(
             return Ok(AgentReply::Target(RemoteRegion { addr: 0, len: 0, key: 0 }));
         }
     };
-    let remote = file.remote();
-    let progress = if push {
-        Some(ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin).map_err(|e| e.to_string())?)
-    } else {
-        None
-    };
     let prepare_ms = begun.elapsed().as_secs_f64() * 1e3;
     tracing::debug!(version, rank, bytes = total_len, push, prepare_ms, "version begun");
-    session.writing = Some(Writing { destination: Destination::Memory(file), _progress: progress });
-    session.core.begun(checked, true, Instant::now());
-    Ok(AgentReply::Target(remote))
+    Ok(AgentReply::Target(start_writing(shared, session, file, checked, push)?))
 }
 
 /// [`begin_version`] for an incremental version: a file of its changed
@@ -1096,17 +1121,9 @@ fn begin_incremental(
         }
     };
     let file = shared.endpoint.register(file, Access::REMOTE_READ_WRITE).map_err(|e| e.to_string())?;
-    let remote = file.remote();
-    let progress = if push {
-        Some(ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin).map_err(|e| e.to_string())?)
-    } else {
-        None
-    };
     let prepare_ms = begun.elapsed().as_secs_f64() * 1e3;
     tracing::debug!(version, rank, bytes = checked.total_len, written, push, prepare_ms, "incremental version begun");
-    session.writing = Some(Writing { destination: Destination::Memory(file), _progress: progress });
-    session.core.begun(checked, true, Instant::now());
-    Ok(AgentReply::DeltaTarget(remote))
+    Ok(AgentReply::DeltaTarget(start_writing(shared, session, file, checked, push)?))
 }
 
 /// The requests that neither begin nor move a version's bytes.
