@@ -6,12 +6,25 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use icheck_lib::{Error, Icheck, InitStatus, ProbeHints, ProbeOutcome, Region, SingleProcess};
-use icheck_service::testkit::{icheck_in_target, wait_for, LocalService};
+use icheck_service::testkit::{icheck_in_target, wait_for, ChildGuard, LocalService};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 fn service(name: &str) -> LocalService {
     LocalService::up(&icheck_in_target(), name, 1, &["--provider", "tcp"])
+}
+
+/// SIGKILLs the service's manager, waits until the controller has given
+/// its agents up, and starts it again (stopped when the guard drops).
+fn kill_and_restart_manager(service: &LocalService) -> ChildGuard {
+    let old = service.pid_of("manager-local-1");
+    kill(Pid::from_raw(old as i32), Signal::SIGKILL).unwrap();
+    wait_for("the controller to notice", Duration::from_secs(10), || {
+        service.status().apps.iter().all(|a| a.agents.is_empty())
+    });
+    let manager = service.start_manager("local-1");
+    wait_for("the new manager", Duration::from_secs(10), || service.status().nodes.iter().any(|n| n.alive));
+    manager
 }
 
 fn init(service: &LocalService, app: &str) -> (Icheck, InitStatus) {
@@ -121,13 +134,7 @@ fn a_restarted_manager_finds_its_checkpoints() {
     ic.commit().unwrap();
     drop(ic); // the application dies without finalize
 
-    let old = service.pid_of("manager-local-1");
-    kill(Pid::from_raw(old as i32), Signal::SIGKILL).unwrap();
-    wait_for("the controller to notice", Duration::from_secs(10), || {
-        service.status().apps.iter().all(|a| a.agents.is_empty())
-    });
-    let _manager = service.start_manager("local-1");
-    wait_for("the new manager", Duration::from_secs(10), || service.status().nodes.iter().any(|n| n.alive));
+    let _manager = kill_and_restart_manager(&service);
 
     let (mut ic, status) = init(&service, "survivor");
     assert_eq!(status, InitStatus::Restart { version: 1 });
@@ -295,13 +302,7 @@ fn incremental_commits_move_only_changed_blocks_and_restore_bit_exact() {
     };
     restore(&config);
 
-    let old = service.pid_of("manager-local-1");
-    kill(Pid::from_raw(old as i32), Signal::SIGKILL).unwrap();
-    wait_for("the controller to notice", Duration::from_secs(10), || {
-        service.status().apps.iter().all(|a| a.agents.is_empty())
-    });
-    let _manager = service.start_manager("local-1");
-    wait_for("the new manager", Duration::from_secs(10), || service.status().nodes.iter().any(|n| n.alive));
+    let _manager = kill_and_restart_manager(&service);
     restore(&config);
 }
 
