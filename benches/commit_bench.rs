@@ -100,6 +100,19 @@ fn change_every_page(data: &Region<u8>, run: usize) {
     }
 }
 
+/// Seconds of each of `runs` commits of `ic`, with `before(run)` done
+/// untimed before each.
+fn time_commits(ic: &mut Icheck, runs: usize, mut before: impl FnMut(usize)) -> Result<Vec<f64>> {
+    let mut times = Vec::with_capacity(runs);
+    for run in 0..runs {
+        before(run);
+        let start = Instant::now();
+        ic.commit()?;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    Ok(times)
+}
+
 fn set_mode(transfer: &str) {
     std::env::set_var("ICHECK_TRANSFER", transfer);
     std::env::set_var("ICHECK_ZERO_COPY", "1");
@@ -119,20 +132,8 @@ fn measure<C: Communicator + 'static>(
     let (mut ic, _) = Icheck::init(Some(config), app, comm_factory())?;
     ic.add("data", data)?;
     ic.commit()?; // warm-up: agent files exist, pages touched
-    let timed = |ic: &mut Icheck, change: bool| -> Result<f64> {
-        let mut times = Vec::new();
-        for run in 0..runs {
-            if change {
-                change_every_page(data, run);
-            }
-            let start = Instant::now();
-            ic.commit()?;
-            times.push(start.elapsed().as_secs_f64());
-        }
-        Ok(median(times))
-    };
-    let commit = timed(&mut ic, true)?;
-    let unchanged = timed(&mut ic, false)?;
+    let commit = median(time_commits(&mut ic, runs, |run| change_every_page(data, run))?);
+    let unchanged = median(time_commits(&mut ic, runs, |_| {})?);
     ic.set_async(true);
     let (mut blocked, mut total) = (Vec::new(), Vec::new());
     for _ in 0..runs {
@@ -219,13 +220,7 @@ fn incremental_sweep(provider: &str, size: usize, runs: usize) -> Result<Sweep> 
         ic.commit()?;
         change_every_page(&data, runs);
         ic.commit()?;
-        let mut times = Vec::new();
-        for run in 0..runs {
-            change_every_page(&data, run);
-            let start = Instant::now();
-            ic.commit()?;
-            times.push(start.elapsed().as_secs_f64());
-        }
+        let times = time_commits(&mut ic, runs, |run| change_every_page(&data, run))?;
         ic.finalize(false)?;
         median(times)
     };
@@ -263,15 +258,9 @@ fn incremental_sweep(provider: &str, size: usize, runs: usize) -> Result<Sweep> 
         ic.commit()?;
         ops += 1;
         let before = settled(ops)?;
-        let mut times = Vec::new();
-        for run in 0..runs {
-            // A different place each run, anywhere in the rank's bytes.
-            let start = (run * 7 * size / 11) % (size - len + 1);
-            change_range(&data, start, len, run);
-            let started = Instant::now();
-            ic.commit()?;
-            times.push(started.elapsed().as_secs_f64());
-        }
+        // A different place each run, anywhere in the rank's bytes.
+        let place = |run: usize| (run * 7 * size / 11) % (size - len + 1);
+        let times = time_commits(&mut ic, runs, |run| change_range(&data, place(run), len, run))?;
         ops += runs as u64;
         let received = (settled(ops)? - before) as f64 / runs as f64;
         points.push(SweepPoint { fraction, secs: median(times), received });
@@ -296,16 +285,12 @@ fn incremental_sweep(provider: &str, size: usize, runs: usize) -> Result<Sweep> 
 fn first_commits(provider: &str, size: usize, count: usize) -> Result<Vec<f64>> {
     let svc = service(&format!("bench-first-{provider}"), provider, 1, 1)?;
     let (mut ic, data) = one_rank_app(&svc.config_path(), "bench-first", size, 9)?;
-    let mut times = Vec::with_capacity(count);
-    for run in 0..count {
+    let times = time_commits(&mut ic, count, |run| {
         // Computation before every commit, the first too (an application
         // adds its labels, then computes before its first checkpoint).
         std::thread::sleep(std::time::Duration::from_millis(300));
         change_every_page(&data, run);
-        let start = Instant::now();
-        ic.commit()?;
-        times.push(start.elapsed().as_secs_f64());
-    }
+    })?;
     ic.finalize(false)?;
     Ok(times)
 }
