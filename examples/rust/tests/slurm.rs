@@ -285,27 +285,21 @@ fn a_batch_job_under_icheck_run_relaunches_a_killed_srun_step_inside_its_allocat
         dir = service.dir.display(),
         example = example.display(),
     );
-    let submitted = slurm.run(
-        "sbatch",
-        &[
-            "--parsable",
-            "--nodes=2",
-            "--ntasks=2",
-            &format!("--output={}", output.display()),
-            &format!("--wrap={script}"),
-        ],
-    );
-    let job: u64 = submitted.trim().parse().unwrap_or_else(|_| panic!("sbatch said {submitted:?}"));
+    let job = slurm.sbatch(&[
+        "--nodes=2",
+        "--ntasks=2",
+        &format!("--output={}", output.display()),
+        &format!("--wrap={script}"),
+    ]);
     let read = || std::fs::read_to_string(&output).unwrap_or_default();
     wait_for("the first step's third version", Duration::from_secs(90), || read().contains("COMMITTED version=3 "));
     // Slurm kills the step; the batch script (icheck run) lives on.
-    slurm.run("scancel", &["--signal=KILL", &format!("{job}.0")]);
-    wait_for("the job to end", Duration::from_secs(180), || !slurm.jobs().iter().any(|(id, _, _)| *id == job));
+    slurm.kill_first_step_and_wait(job, Duration::from_secs(180));
     let text = read();
     assert!(text.contains("icheck run: relaunching (attempt 2"), "{text}");
     assert!(text.lines().any(|l| l.starts_with("RESTORED version=") && l.ends_with(" verified")), "{text}");
     assert!(text.contains("icheck run: the job succeeded after 2 attempt(s), 1 failure(s)"), "{text}");
-    let state = slurm.run("scontrol", &["show", "job", &job.to_string()]);
+    let state = slurm.job_state(job);
     assert!(state.contains("JobState=COMPLETED") && state.contains("ExitCode=0:0"), "{state}");
 }
 
@@ -331,30 +325,24 @@ fn the_readme_batch_script_relaunches_heat2d_to_the_fault_free_checksum() {
 
     let output = slurm.path("heat2d.out");
     let path = format!("{}:{}", installed.prefix.join("bin").display(), std::env::var("PATH").unwrap_or_default());
-    let submitted = slurm.run(
-        "sbatch",
-        &[
-            "--parsable",
-            "--nodes=2",
-            "--ntasks-per-node=1",
-            "--time=10",
-            &format!("--chdir={}", installed.prefix.display()),
-            &format!("--output={}", output.display()),
-            &format!("--export=ALL,PATH={path},ICHECK_CONFIG={},HEAT2D_ARGS={size}", config.display()),
-            common::install::repo().join("examples/slurm/job.sbatch").to_str().unwrap(),
-        ],
-    );
-    let job: u64 = submitted.trim().parse().unwrap_or_else(|_| panic!("sbatch said {submitted:?}"));
+    let job = slurm.sbatch(&[
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--time=10",
+        &format!("--chdir={}", installed.prefix.display()),
+        &format!("--output={}", output.display()),
+        &format!("--export=ALL,PATH={path},ICHECK_CONFIG={},HEAT2D_ARGS={size}", config.display()),
+        common::install::repo().join("examples/slurm/job.sbatch").to_str().unwrap(),
+    ]);
     let read = || std::fs::read_to_string(&output).unwrap_or_default();
     wait_for("heat2d's second commit", Duration::from_secs(120), || read().contains("COMMITTED iteration 500 "));
-    slurm.run("scancel", &["--signal=KILL", &format!("{job}.0")]);
-    wait_for("the job to end", Duration::from_secs(240), || !slurm.jobs().iter().any(|(id, _, _)| *id == job));
+    slurm.kill_first_step_and_wait(job, Duration::from_secs(240));
     let text = read();
     assert!(text.contains("icheck run: relaunching (attempt 2"), "{text}");
     assert!(text.contains("RESTARTED at iteration "), "{text}");
     let got = text.lines().find_map(|l| l.strip_prefix("CHECKSUM ")).unwrap_or_else(|| panic!("{text}"));
     assert_eq!(got.trim(), expected, "{text}");
-    let state = slurm.run("scontrol", &["show", "job", &job.to_string()]);
+    let state = slurm.job_state(job);
     assert!(state.contains("JobState=COMPLETED") && state.contains("ExitCode=0:0"), "{state}");
 }
 

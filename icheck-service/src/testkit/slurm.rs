@@ -162,6 +162,25 @@ impl TestSlurm {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// Submits a batch job (`sbatch --parsable` with `args`); its id.
+    pub fn sbatch(&self, args: &[&str]) -> u64 {
+        let submitted = self.run("sbatch", &[&["--parsable"], args].concat());
+        submitted.trim().parse().unwrap_or_else(|_| panic!("sbatch said {submitted:?}"))
+    }
+
+    /// Kills the first step of `job` (as a failing node would) and waits
+    /// until Slurm lists the job no more.
+    pub fn kill_first_step_and_wait(&self, job: u64, within: std::time::Duration) {
+        self.run("scancel", &["--signal=KILL", &format!("{job}.0")]);
+        let ended = || !self.jobs().iter().any(|(id, _, _)| *id == job);
+        crate::testkit::wait_for("the job to end", within, ended);
+    }
+
+    /// `scontrol show job`'s account of `job`.
+    pub fn job_state(&self, job: u64) -> String {
+        self.run("scontrol", &["show", "job", &job.to_string()])
+    }
+
     /// The cluster's jobs as (id, state, node list).
     pub fn jobs(&self) -> Vec<(u64, String, String)> {
         crate::launcher::parse_squeue(&self.run("squeue", &["-h", "-o", "%i %T %N"]))
