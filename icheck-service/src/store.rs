@@ -258,10 +258,13 @@ impl Store {
         Ok((dir.join(format!("v{version}.data")), dir.join(format!("v{version}.meta"))))
     }
 
-    /// Creates the data file of a version being written and maps it. The
-    /// rank's spare file (a pruned version's memory) is reused when there is
-    /// one: its pages are already allocated, so writing into it costs no
-    /// page allocation on the transfer path.
+    /// Creates the data file of a version being written and maps it: `len`
+    /// bytes, a whole version's or (incremental) its changed blocks'. The
+    /// rank's spare file (a pruned version's memory) or prepared file is
+    /// reused, cut or grown to `len`, when there is one: its pages are
+    /// already allocated, so writing into it costs no page allocation on the
+    /// transfer path. A mapping of either that the caller holds must not be
+    /// used afterwards (the file may have been cut).
     pub fn create(&self, app: &str, rank: u32, version: u64, len: u64) -> Result<MappedFile> {
         let dir = self.rank_dir(app, rank)?;
         fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
@@ -317,19 +320,6 @@ impl Store {
     /// Deletes the rank's prepared file (unneeded: a spare took its place).
     pub fn discard_prepared(&self, app: &str, rank: u32) -> Result<bool> {
         remove_if_present(&self.rank_dir(app, rank)?.join(PREPARED))
-    }
-
-    /// Creates the data file of an incremental version: `len` bytes for its
-    /// changed blocks, packed. A spare or prepared file is taken (and cut to
-    /// `len`) when there is one: its pages are already allocated, which
-    /// matters when most blocks changed. The caller holds no mapping of
-    /// either.
-    pub fn create_delta(&self, app: &str, rank: u32, version: u64, len: u64) -> Result<MappedFile> {
-        let dir = self.rank_dir(app, rank)?;
-        let _ = fs::remove_file(dir.join(format!("v{version}.map")));
-        // `create` reuses (or leaves out) the spare and the prepared file;
-        // create_mapped then gives the file exactly the delta's length.
-        self.create(app, rank, version, len)
     }
 
     /// The block map of a sealed version: its map file, or (a whole
@@ -1052,7 +1042,7 @@ mod tests {
             return BlockMap::whole(version, total);
         };
         let written = icheck_core::delta::check_runs(runs, total).unwrap();
-        let mut file = store.create_delta("app", 0, version, written).unwrap();
+        let mut file = store.create("app", 0, version, written).unwrap();
         let mut at = 0;
         for run in runs {
             let (start, end) = (run.first * BLOCK_SIZE, ((run.first + run.count) * BLOCK_SIZE).min(total));

@@ -1110,7 +1110,7 @@ fn begin_incremental(
     let space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
     let held = if shared.mem_budget > 0 { store.bytes_held() } else { 0 };
     let file = admit(shared.mem_budget, held, written)
-        .and_then(|()| store.create_delta(app, rank, version, written).map_err(|e| e.to_string()));
+        .and_then(|()| store.create(app, rank, version, written).map_err(|e| e.to_string()));
     drop(space);
     let file = match file {
         Ok(file) => file,
