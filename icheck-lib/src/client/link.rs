@@ -334,17 +334,30 @@ pub(super) fn commit_version(
     labels: &[&[u8]],
     transfer: impl FnOnce(&mut Mover<'_>) -> Result<u64>,
 ) -> Result<u64> {
+    commit_whole(link, endpoint, header, labels, transfer).map(|(moved, _)| moved)
+}
+
+/// [`commit_version`], also returning the version's block checksums
+/// ([`icheck_core::delta`]), computed in the same pass as its chunk
+/// checksums, on one core: the transfer needs the others.
+fn commit_whole(
+    link: &mut AgentLink,
+    endpoint: &Endpoint,
+    header: VersionHeader,
+    labels: &[&[u8]],
+    transfer: impl FnOnce(&mut Mover<'_>) -> Result<u64>,
+) -> Result<(u64, Vec<u32>)> {
     let VersionHeader { version, shape, layout, push } = header;
     link.expect_bytes(layout.iter().map(|l| l.len).sum());
     let target = link.begin(version, shape, layout, push)?;
-    let (moved, crcs) = std::thread::scope(|scope| {
-        let checksums = scope.spawn(|| label_crcs(labels));
+    let (moved, (crcs, blocks)) = std::thread::scope(|scope| {
+        let checksums = scope.spawn(|| icheck_core::delta::checksums_on(labels, 1));
         let moved = transfer(&mut Mover { link: &mut *link, endpoint, target, push });
-        let crcs = checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))?;
-        Ok::<_, Error>((moved?, crcs))
+        let sums = checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))?;
+        Ok::<_, Error>((moved?, sums))
     })?;
     link.seal(crcs)?;
-    Ok(moved)
+    Ok((moved, blocks))
 }
 
 /// What [`commit_incremental`] did.
@@ -387,21 +400,21 @@ pub(super) fn commit_incremental<'p>(
     };
     let push = header.push;
     if previous.is_none() || expect_most_changed {
-        link.expect_bytes(total);
-        let target = link.begin(header.version, header.shape, header.layout, push)?;
         let pieces = pieces_of(0, total, 0);
-        let (moved, (crcs, blocks)) = std::thread::scope(|scope| {
-            // One core, as commit_version's: the transfer needs the others.
-            let checksums = scope.spawn(|| icheck_core::delta::checksums_on(labels, 1));
-            let moved = if pieces.is_empty() {
-                Ok(0)
-            } else {
-                Mover { link: &mut *link, endpoint, target, push }.send(&pieces)
-            };
-            let sums = checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))?;
-            Ok::<_, Error>((moved?, sums))
-        })?;
-        link.seal(crcs)?;
+        let (moved, blocks) =
+            commit_whole(
+                link,
+                endpoint,
+                header,
+                labels,
+                |mover| {
+                    if pieces.is_empty() {
+                        Ok(0)
+                    } else {
+                        mover.send(&pieces)
+                    }
+                },
+            )?;
         let changed = fraction(&blocks);
         return Ok(IncrementalCommit { moved, blocks, changed });
     }
