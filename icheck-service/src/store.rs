@@ -329,15 +329,9 @@ impl Store {
         let Ok(bytes) = fs::read(&meta) else { return Ok(None) };
         let manifest: Manifest = format::decode_stored(&bytes)
             .map_err(|e| StoreError::BadManifest { path: meta.clone(), reason: e.to_string() })?;
-        let map_path = data.with_extension("map");
-        if !map_path.exists() {
-            return Ok(Some(BlockMap::whole(version, manifest.total_len)));
-        }
-        let own_blocks = fs::metadata(&data).map_or(0, |m| m.len().div_ceil(BLOCK_SIZE));
-        let map = read_map(&map_path)?;
-        map.validate(version, manifest.total_len, own_blocks)
-            .map_err(|reason| StoreError::BadManifest { path: map_path, reason })?;
-        Ok(Some(map))
+        let data_len = fs::metadata(&data).map_or(0, |m| m.len());
+        let map = read_block_map(&data, version, manifest.total_len, data_len)?;
+        Ok(Some(map.unwrap_or_else(|| BlockMap::whole(version, manifest.total_len))))
     }
 
     /// Seals an incremental version: its block map first, then (the commit
@@ -559,21 +553,15 @@ impl Store {
         manifest.validate().map_err(|e| StoreError::BadManifest { path: meta.clone(), reason: e.to_string() })?;
         let file = OpenOptions::new().read(true).write(true).open(&data).map_err(|_| missing())?;
         let on_disk = file.metadata().map_err(io("cannot stat", &data))?.len();
-        let map_path = data.with_extension("map");
-        if on_disk < manifest.total_len && !map_path.exists() {
+        if let Some(blocks) = read_block_map(&data, version, manifest.total_len, on_disk)? {
+            let view = self.compose(&data, &blocks)?;
+            return Ok((manifest, view));
+        }
+        if on_disk < manifest.total_len {
             return Err(StoreError::BadManifest {
                 path: meta,
                 reason: format!("data file holds {on_disk} bytes, manifest says {}", manifest.total_len),
             });
-        }
-        if map_path.exists() {
-            let own_blocks = on_disk.div_ceil(BLOCK_SIZE);
-            let blocks = read_map(&map_path)?;
-            blocks
-                .validate(version, manifest.total_len, own_blocks)
-                .map_err(|reason| StoreError::BadManifest { path: map_path, reason })?;
-            let view = self.compose(&data, &blocks)?;
-            return Ok((manifest, view));
         }
         let mapped = map(&file, &data, manifest.total_len)?;
         Ok((manifest, mapped))
@@ -958,6 +946,20 @@ fn blocks_in_use(dir: &Path) -> Result<BlockUse> {
         }
     }
     Ok(used)
+}
+
+/// The block map beside the data file `data` of `version` (`total_len`
+/// bytes; the data file holds `data_len`), validated; `None` when the
+/// version is whole (it has no map).
+fn read_block_map(data: &Path, version: u64, total_len: u64, data_len: u64) -> Result<Option<BlockMap>> {
+    let path = data.with_extension("map");
+    if !path.exists() {
+        return Ok(None);
+    }
+    let map = read_map(&path)?;
+    map.validate(version, total_len, data_len.div_ceil(BLOCK_SIZE))
+        .map_err(|reason| StoreError::BadManifest { path, reason })?;
+    Ok(Some(map))
 }
 
 /// Reads and decodes a block map file (validated by the caller, who knows
