@@ -117,18 +117,20 @@ const PARALLEL_BYTES: usize = 32 << 20;
 fn piece_crcs(pieces: &[&[u8]], threads: usize) -> Vec<u32> {
     let total: usize = pieces.iter().map(|p| p.len()).sum();
     if total < PARALLEL_BYTES || threads < 2 || pieces.len() < 2 {
-        return pieces.iter().map(|p| crc32c::crc32c(p)).collect();
+        return pieces.iter().map(|p| crate::format::crc32c(p)).collect();
     }
     let per_thread = pieces.len().div_ceil(threads);
     std::thread::scope(|scope| {
         let runs: Vec<_> = pieces
             .chunks(per_thread)
-            .map(|run| scope.spawn(move || run.iter().map(|p| crc32c::crc32c(p)).collect::<Vec<u32>>()))
+            .map(|run| scope.spawn(move || run.iter().map(|p| crate::format::crc32c(p)).collect::<Vec<u32>>()))
             .collect();
         runs.into_iter()
             .zip(pieces.chunks(per_thread))
             // A thread that could not finish: its pieces are checksummed here.
-            .flat_map(|(run, mine)| run.join().unwrap_or_else(|_| mine.iter().map(|p| crc32c::crc32c(p)).collect()))
+            .flat_map(|(run, mine)| {
+                run.join().unwrap_or_else(|_| mine.iter().map(|p| crate::format::crc32c(p)).collect())
+            })
             .collect()
     })
 }

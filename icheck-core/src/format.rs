@@ -76,9 +76,20 @@ pub fn check_app_name(app: &str) -> Result<(), FormatError> {
     }
 }
 
+/// The CRC-32C (Castagnoli) of `data`: the checksum of every chunk and
+/// block. Computed with `crc-fast`'s carry-less-multiply folding, which
+/// reads 256 MiB here at ~22 GB/s against ~14 GB/s for the `crc32c`
+/// crate's hardware `crc32` instruction loop (the value is the same; that
+/// crate still combines checksums of adjacent pieces). Every commit and
+/// every restart passes over all of its bytes once with it.
+pub fn crc32c(data: &[u8]) -> u32 {
+    let crc = crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32Iscsi, data);
+    u32::try_from(crc).expect("a CRC-32 fits 32 bits")
+}
+
 /// crc32c of each [`CHUNK_SIZE`] chunk of `data`.
 pub fn chunk_crcs(data: &[u8]) -> Vec<u32> {
-    data.chunks(CHUNK_BYTES).map(crc32c::crc32c).collect()
+    data.chunks(CHUNK_BYTES).map(crc32c).collect()
 }
 
 /// Per-label checksums: [`chunk_crcs`] of each label's bytes. Chunks start
@@ -126,7 +137,7 @@ pub const PARALLEL_CHECK_BYTES: usize = 64 << 20;
 
 /// [`first_bad_chunk`] on one thread, numbering chunks from `first`.
 fn first_bad_chunk_of(data: &[u8], crcs: &[u32], first: usize) -> Option<usize> {
-    data.chunks(CHUNK_BYTES).zip(crcs).position(|(chunk, crc)| crc32c::crc32c(chunk) != *crc).map(|i| first + i)
+    data.chunks(CHUNK_BYTES).zip(crcs).position(|(chunk, crc)| crc32c(chunk) != *crc).map(|i| first + i)
 }
 
 /// Checks that labels are unique, at most [`MAX_LABELS`], and lie back to
@@ -395,7 +406,22 @@ pub mod samples {
 #[cfg(test)]
 mod tests {
     use super::samples::{damaged_manifests, manifest};
-    use super::{chunk_crcs, first_bad_chunk, first_bad_chunk_of, CHUNK_BYTES, PARALLEL_CHECK_BYTES};
+    use super::{chunk_crcs, crc32c, first_bad_chunk, first_bad_chunk_of, CHUNK_BYTES, PARALLEL_CHECK_BYTES};
+
+    /// Stored checksums outlive the implementation that made them: the fast
+    /// one must agree with the `crc32c` crate (and with the standard check
+    /// value) at every length and alignment, including the SIMD paths' tails.
+    #[test]
+    fn the_fast_checksum_is_the_standard_crc32c() {
+        assert_eq!(crc32c(b"123456789"), 0xE306_9283);
+        let data: Vec<u8> = (0..70_016u32).map(|i| i.wrapping_mul(2_654_435_761).to_le_bytes()[2]).collect();
+        for len in (0..300).chain([1023, 1024, 4095, 4096, 4097, 65_536, 69_999]) {
+            for start in [0, 1, 7] {
+                let bytes = &data[start..start + len];
+                assert_eq!(crc32c(bytes), crc32c::crc32c(bytes), "{len} bytes from {start}");
+            }
+        }
+    }
 
     /// Large data is checked on several threads; the answer is the one
     /// thread's answer whatever chunks are damaged: none, one in any run,

@@ -409,7 +409,7 @@ impl PfsStore {
             file,
             stored_len: stored.len() as u64,
             compression,
-            file_crc: crc32c::crc32c(stored),
+            file_crc: crate::format::crc32c(stored),
             encryption,
         };
         Ok((entry, stats))
@@ -762,7 +762,7 @@ fn read_entry(dir: &Path, entry: &RankEntry, key: Option<&PfsKey>) -> Result<(Ma
     if stored.len() as u64 != entry.stored_len {
         return Err(damaged(format!("{} bytes, the manifest says {}", stored.len(), entry.stored_len)));
     }
-    if crc32c::crc32c(&stored) != entry.file_crc {
+    if crate::format::crc32c(&stored) != entry.file_crc {
         return Err(damaged("its checksum does not match the manifest".into()));
     }
     let stored = match &entry.encryption {
