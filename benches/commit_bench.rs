@@ -61,7 +61,8 @@ struct Cli {
     /// Directory of the four-rank case's MPI-IO baseline (each rank's bytes
     /// with MPI_File_write_at_all, then MPI_File_sync); a disk, as a PFS
     /// would be. Empty skips it.
-    #[arg(long, default_value = "/var/tmp")]
+    #[arg(long, default_value = "/var/tmp",
+          value_parser = clap::builder::TypedValueParser::map(clap::builder::OsStringValueParser::new(), PathBuf::from))]
     mpiio_dir: PathBuf,
     /// Also write the plots (commit and restart rates, and the incremental
     /// sweep) as SVG into this directory (the README's: benches/results).
