@@ -120,6 +120,33 @@ fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> 
     move |error| StoreError::Io { what, path: path.to_path_buf(), error }
 }
 
+/// What tells one state of a data file from another without reading it:
+/// its inode, length and change times. Writing, cutting or renaming the
+/// file (or replacing it with another) changes at least one of them, so a
+/// check of the data remembered with its identity holds while the
+/// identity is unchanged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FileIdentity {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    modified: (i64, i64),
+    changed: (i64, i64),
+}
+
+impl FileIdentity {
+    fn of(meta: &fs::Metadata) -> FileIdentity {
+        use std::os::unix::fs::MetadataExt;
+        FileIdentity {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            len: meta.len(),
+            modified: (meta.mtime(), meta.mtime_nsec()),
+            changed: (meta.ctime(), meta.ctime_nsec()),
+        }
+    }
+}
+
 /// A version's data: its file mapped read-write, or (an incremental
 /// version) a read-only view composed of blocks of several files. The
 /// mapping never moves, so it can be registered for RMA.
@@ -540,17 +567,33 @@ impl Store {
         self.collect_shared_blocks(&dir, &blocks_in_use(&dir)?)
     }
 
-    /// Opens a stored version: its manifest and its mapped data.
-    pub fn open(&self, app: &str, rank: u32, version: u64) -> Result<(Manifest, MappedFile)> {
-        let (data, meta) = self.paths(app, rank, version)?;
-        let missing = || StoreError::Missing { app: app.to_string(), rank, version };
-        let bytes = fs::read(&meta).map_err(|_| missing())?;
+    /// A stored version's manifest, checked to describe that version.
+    pub fn manifest(&self, app: &str, rank: u32, version: u64) -> Result<Manifest> {
+        let (_, meta) = self.paths(app, rank, version)?;
+        let bytes = fs::read(&meta).map_err(|_| StoreError::Missing { app: app.to_string(), rank, version })?;
         let manifest: Manifest = format::decode_stored(&bytes)
             .map_err(|e| StoreError::BadManifest { path: meta.clone(), reason: e.to_string() })?;
         if manifest.app != app || manifest.rank != rank || manifest.version != version {
             return Err(StoreError::BadManifest { path: meta, reason: "it describes another version".into() });
         }
         manifest.validate().map_err(|e| StoreError::BadManifest { path: meta.clone(), reason: e.to_string() })?;
+        Ok(manifest)
+    }
+
+    /// The identity of a sealed version's data file as it is now: a
+    /// rewrite, a cut, a rename or a removal changes it (see
+    /// [`FileIdentity`]).
+    pub fn data_identity(&self, app: &str, rank: u32, version: u64) -> Result<FileIdentity> {
+        let (data, _) = self.paths(app, rank, version)?;
+        let meta = fs::metadata(&data).map_err(|_| StoreError::Missing { app: app.to_string(), rank, version })?;
+        Ok(FileIdentity::of(&meta))
+    }
+
+    /// Opens a stored version: its manifest and its mapped data.
+    pub fn open(&self, app: &str, rank: u32, version: u64) -> Result<(Manifest, MappedFile)> {
+        let manifest = self.manifest(app, rank, version)?;
+        let (data, meta) = self.paths(app, rank, version)?;
+        let missing = || StoreError::Missing { app: app.to_string(), rank, version };
         let file = OpenOptions::new().read(true).write(true).open(&data).map_err(|_| missing())?;
         let on_disk = file.metadata().map_err(io("cannot stat", &data))?.len();
         if let Some(blocks) = read_block_map(&data, version, manifest.total_len, on_disk)? {

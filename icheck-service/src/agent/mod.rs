@@ -15,6 +15,7 @@
 
 #![forbid(unsafe_code)]
 
+mod kept;
 mod redundancy;
 pub use redundancy::PieceOutcome;
 mod session;
@@ -40,6 +41,8 @@ use icheck_core::protocol::{
 use icheck_core::redundancy::PieceId;
 
 use crate::store::{MappedFile, Store, StoreError};
+use icheck_core::format::first_bad_chunk;
+use kept::KeptVersions;
 use session::{admit, Abandoned, BeginChecked, Found, Sealed, Serve, SessionCore};
 
 /// Bytes of the probe region every agent exposes for reachability checks.
@@ -134,6 +137,9 @@ struct Shared {
     sessions: Mutex<std::collections::HashMap<u64, TcpStream>>,
     next_session: AtomicU64,
     counters: AgentCounters,
+    /// Each rank's newest sealed version, kept mapped (and checked) for
+    /// its next restart after its session ends; see [`kept`].
+    kept: Arc<KeptVersions>,
 }
 
 impl Shared {
@@ -294,6 +300,7 @@ impl Agent {
             sessions: Mutex::default(),
             next_session: AtomicU64::new(0),
             counters: AgentCounters::default(),
+            kept: Arc::default(),
         });
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
@@ -436,6 +443,8 @@ impl Agent {
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
+        // Unmapped now, not when the last session thread lets go of `shared`.
+        self.shared.kept.clear();
     }
 }
 
@@ -738,8 +747,28 @@ struct Writing {
 
 /// A version exposed for the rank to read back.
 struct Fetching {
-    _exposed: Exposed,
+    exposed: Exposed,
     _progress: ProgressThread,
+    /// A whole stored version that every chunk matched: kept mapped for
+    /// the next restart when the rank is done reading it.
+    keep: Option<KeepAfterFetch>,
+}
+
+/// What [`Fetching::retire`] needs to keep a fetched version: its manifest
+/// and its file's identity before it was checked.
+struct KeepAfterFetch {
+    manifest: Manifest,
+    identity: crate::store::FileIdentity,
+}
+
+impl Fetching {
+    /// Ends a fetch the rank is done with: the version's mapping goes back
+    /// to `kept` (deregistered) when it may, and is unmapped otherwise.
+    fn retire(self, kept: &KeptVersions) {
+        if let (Some(KeepAfterFetch { manifest, identity }), Exposed::Stored(file)) = (self.keep, self.exposed) {
+            kept.keep_intact(manifest, identity, file.into_inner());
+        }
+    }
 }
 
 /// The memory a fetched version is read from.
@@ -754,6 +783,8 @@ enum Exposed {
 struct Session {
     /// The node's store, to discard what an abandoned version left there.
     store: Store,
+    /// Where the newest sealed version's mapping goes when the session ends.
+    kept: Arc<KeptVersions>,
     /// The protocol state (which version is being written, and its layout).
     core: SessionCore,
     peer: Peer,
@@ -826,6 +857,22 @@ impl Session {
 impl Drop for Session {
     fn drop(&mut self) {
         self.abandon_writing();
+        // The rank's next session is likely a restart: its newest version
+        // stays mapped, and is checked before it is asked for.
+        let (app, rank) = (self.core.app().to_string(), self.core.rank());
+        if let Some(newest) = self.sealed.iter().map(|(v, _)| *v).max() {
+            let at = self.sealed.iter().position(|(v, _)| *v == newest).expect("found above");
+            let (version, file) = self.sealed.swap_remove(at);
+            if self.store.is_sealed(&app, rank, version) {
+                self.kept.keep(&self.store, &app, rank, version, file);
+            }
+        }
+        if let Some(fetching) = self.fetching.take() {
+            fetching.retire(&self.kept);
+        }
+        for fetching in self.retired.drain(..) {
+            fetching.retire(&self.kept);
+        }
     }
 }
 
@@ -861,7 +908,9 @@ fn serve_session(shared: &Shared, mut stream: TcpStream, privilege: Privilege) -
             // A session that is not open (a refused or missing Open) serves nothing.
             return Err(SessionEnd::Failed("closed: the session was not opened".into()));
         };
-        session.retired.clear();
+        for fetching in session.retired.drain(..) {
+            fetching.retire(&shared.kept);
+        }
         wait = shared.settings.idle_timeout;
         let _ = stream.set_read_timeout(Some(wait));
     }
@@ -896,6 +945,7 @@ fn handle(
         let peer = shared.endpoint.insert_peer(&address).map_err(|e| e.to_string())?;
         *session = Some(Session {
             store: shared.settings.store.clone(),
+            kept: shared.kept.clone(),
             core,
             peer,
             writing: None,
@@ -977,6 +1027,8 @@ fn check_begin(
 ) -> Result<BeginChecked, String> {
     session.abandon_writing();
     let rank = session.core.rank();
+    // Its file may be written again (see `kept`'s invariant).
+    shared.kept.forget_if(rank, |kept| kept >= version);
     let stored = |v: u64| shared.settings.store.is_sealed(&shared.app, rank, v);
     session.core.begin(version, ranks, epoch, labels, shared.complete(rank), stored)
 }
@@ -1190,6 +1242,8 @@ fn handle_rest(
             let sealed = || store.is_sealed(&shared.app, rank, version);
             session.core.complete(version, shared.complete(rank), sealed)?;
             shared.completed(rank, version);
+            // Pruned below: its file may become the spare and be cut.
+            shared.kept.forget_if(rank, |kept| kept < version);
             let pruning = Instant::now();
             let pinned = shared.pinned_versions();
             let pruned =
@@ -1222,15 +1276,31 @@ fn handle_rest(
             let fetch_started = Instant::now();
             session.fetching = None;
             let (app, rank) = (session.core.app().to_string(), session.core.rank());
-            let opened = store.open(&app, rank, version);
+            // Kept mapped since the rank's last session (and usually checked
+            // since): no mapping and no second pass over the bytes.
+            let (opened, identity, intact, kept) = match shared.kept.take(store, &app, rank, version) {
+                Some(taken) => (Ok((taken.manifest, taken.file)), Some(taken.identity), taken.intact, true),
+                // The identity before the check: a change after it shows.
+                None => {
+                    let identity = store.data_identity(&app, rank, version).ok();
+                    (store.open(&app, rank, version), identity, false, false)
+                }
+            };
             let open_ms = fetch_started.elapsed().as_secs_f64() * 1e3;
             let found = match &opened {
                 Err(missing @ StoreError::Missing { .. }) => Found::Missing(missing.to_string()),
                 Err(err) => Found::Unreadable(err.to_string()),
+                Ok(_) if intact => Found::Intact,
                 Ok((manifest, file)) => match manifest.verify(file.as_slice()) {
                     Ok(()) => Found::Intact,
                     Err(damage) => Found::Damaged(damage.to_string()),
                 },
+            };
+            let keep = match (&found, &opened, identity) {
+                (Found::Intact, Ok((manifest, _)), Some(identity)) => {
+                    Some(KeepAfterFetch { manifest: manifest.clone(), identity })
+                }
+                _ => None,
             };
             let pfs = shared.settings.pfs.as_ref();
             let has_copy = || pfs.is_some_and(|pfs| pfs.manifest(&app, version).is_ok());
@@ -1259,9 +1329,19 @@ fn handle_rest(
             };
             region.len = manifest.total_len.min(region.len);
             let progress = serve_reads(shared, caller)?;
-            session.fetching = Some(Fetching { _exposed: exposed, _progress: progress });
+            // Only the stored file is kept afterwards (not a PFS load).
+            let keep = keep.filter(|_| damaged.is_none() && matches!(exposed, Exposed::Stored(_)));
+            session.fetching = Some(Fetching { exposed, _progress: progress, keep });
             let ms = fetch_started.elapsed().as_secs_f64() * 1e3;
-            tracing::debug!(version, rank, bytes = region.len, open_ms, ms, "version checked and exposed for reading");
+            tracing::debug!(
+                version,
+                rank,
+                bytes = region.len,
+                kept,
+                open_ms,
+                ms,
+                "version checked and exposed for reading"
+            );
             Ok(AgentReply::Fetch { manifest, region, damaged })
         }
         AgentRequest::FetchDone => {
@@ -1282,7 +1362,7 @@ fn handle_rest(
             let Exposed::Stored(registered) = &exposed else { unreachable!("expose_file exposes the stored file") };
             let region = registered.remote();
             let progress = serve_reads(shared, caller)?;
-            session.fetching = Some(Fetching { _exposed: exposed, _progress: progress });
+            session.fetching = Some(Fetching { exposed, _progress: progress, keep: None });
             Ok(AgentReply::Piece { meta, region })
         }
         AgentRequest::PutPiece { version, piece, len } => {
