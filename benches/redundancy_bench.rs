@@ -60,6 +60,12 @@ struct Cli {
     /// service goes (to see where a case's time went).
     #[arg(long)]
     keep_logs: Option<PathBuf>,
+    /// Commit incrementally (the library's default): each version then
+    /// moves one changed block. Off here, so every commit moves its whole
+    /// version, as FTI's and VeloC's checkpoints do, and the figures compare
+    /// with theirs. Protection copies or encodes whole versions either way.
+    #[arg(long)]
+    incremental: bool,
     /// Internal: run as one rank of the four-rank case.
     #[arg(long, hide = true)]
     mpi_rank: Option<PathBuf>,
@@ -360,6 +366,8 @@ fn memcpy_secs(bytes: usize) -> f64 {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    // Before any rank starts: mpirun's ranks inherit it.
+    std::env::set_var("ICHECK_INCREMENTAL", if cli.incremental { "1" } else { "0" });
     if let Some(config) = &cli.mpi_rank {
         return mpi_rank(&cli, config);
     }
