@@ -120,6 +120,48 @@ fn io<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> 
     move |error| StoreError::Io { what, path: path.to_path_buf(), error }
 }
 
+/// One version's mapping with several holders: the session that sealed
+/// it, the agent's kept versions, and the fetches reading it. Dropping the
+/// last holder unmaps it. It is registered only for remote reads.
+#[derive(Clone)]
+pub struct SharedMapping(std::sync::Arc<MappedFile>);
+
+impl SharedMapping {
+    /// Shares `file`.
+    pub fn new(file: MappedFile) -> SharedMapping {
+        SharedMapping(std::sync::Arc::new(file))
+    }
+
+    /// The version's bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+
+    /// Bytes of the version's data.
+    pub fn data_len(&self) -> usize {
+        self.0.len
+    }
+
+    /// The mapping itself, if this is its last holder.
+    pub fn into_inner(self) -> Option<MappedFile> {
+        std::sync::Arc::into_inner(self.0)
+    }
+}
+
+// SAFETY: the mapping stays at one address until its last holder drops it,
+// and MappedFile never remaps it. Shared mappings are registered only for
+// remote reads (Fetch, FetchPiece) and nothing writes through this pointer,
+// so the shared references other holders read through are never aliased by
+// a write.
+unsafe impl StableBuffer for SharedMapping {
+    fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.0.as_slice().as_ptr().cast_mut()
+    }
+    fn len(&self) -> usize {
+        StableBuffer::len(&*self.0)
+    }
+}
+
 /// What tells one state of a data file from another without reading it:
 /// its inode, length and change times. Writing, cutting or renaming the
 /// file (or replacing it with another) changes at least one of them, so a

@@ -1,29 +1,31 @@
-//! Sealed versions kept mapped between a rank's sessions, with the result
-//! of checking them.
+//! Each rank's newest sealed version, kept mapped for the agents and
+//! restarts that read it, with the result of checking it.
 //!
-//! A restart is a new session. Serving a version there used to map its file
-//! again (a page-table entry per page: ~20 ms per 256 MiB on tmpfs, and
-//! ~13 ms more to unmap it afterwards) and check every byte of it against
-//! the manifest (~15 ms more), all while the restarting rank waited.
-//! Instead, when a session ends, the newest version it sealed stays mapped
-//! here and is checked in the background at low priority; a Fetch of it
-//! takes the mapping and, when the check passed and the file is unchanged
-//! since (its [`FileIdentity`]), exposes it at once. After the rank's
-//! `FetchDone` the mapping comes back, checked, for the next restart. The
-//! rank itself still checks every chunk it reads, so damage that happens in
-//! memory after the check is still caught, by the rank instead of the agent.
+//! Serving a version used to map its file again for every Fetch (a
+//! page-table entry per page: ~20 ms per 256 MiB on tmpfs, and ~13 ms more
+//! to unmap it afterwards) and check every byte of it against the manifest
+//! (~15 ms more), while the reader waited: a restarting rank, or the agent
+//! building a copy or a parity shard right after the commit. Instead the
+//! mapping the version was written into is shared from `Seal` on: the
+//! session holds it (to reuse it as the spare), this table holds it, and a
+//! Fetch registers it for reading. The first Fetch that checks it records
+//! the result; when the session ends an unchecked version is checked in
+//! the background at low priority, ready for the restart that usually
+//! follows. A version is served unchecked again only while its file's
+//! [`FileIdentity`] (inode, length, change times) is unchanged. The reader
+//! still checks every chunk it reads, so damage that happens in memory
+//! after the check is still caught, by the reader instead of the agent.
 //!
-//! Architecture invariant: a kept mapping is read only while its file
-//! cannot be cut. The store cuts a file only when it reuses a pruned
-//! version's file for a new one, or when a version number is begun again;
-//! so a rank's kept version is forgotten (its check stopped and joined
-//! first) when a newer version of the rank completes, and when a version
-//! at or below it is begun. Forgotten or not, a kept mapping is used only
-//! if its file's identity is unchanged, and it holds at most one version's
-//! memory per rank.
+//! Architecture invariant: the agent's own threads read a kept mapping
+//! only while its file cannot be cut. The store cuts a file only when it
+//! reuses a pruned version's file for a new one, or when a version number
+//! is begun again; so a rank's kept version is forgotten (its check
+//! stopped and joined first) when a newer version of the rank completes,
+//! and when a version at or below it is begun. At most one version per
+//! rank is kept.
 
 use super::*;
-use crate::store::FileIdentity;
+use crate::store::{FileIdentity, SharedMapping};
 use std::sync::atomic::AtomicBool;
 
 /// Bytes checked between looks at the stop flag of a background check.
@@ -39,23 +41,28 @@ struct Kept {
     version: u64,
     manifest: Manifest,
     identity: FileIdentity,
-    file: Arc<MappedFile>,
+    file: SharedMapping,
     check: Check,
 }
 
 /// Whether a kept version's bytes match its manifest.
 enum Check {
+    /// Nobody has checked it yet.
+    Unchecked,
     /// Being checked on a low-priority thread; `stop` ends it early (the
     /// thread then answers `false`: not known to be intact).
     Running { stop: Arc<AtomicBool>, thread: JoinHandle<bool> },
-    /// Checked (`true`: every chunk matched) or known unchecked.
+    /// Checked: `true` when every chunk matched.
     Done(bool),
 }
 
 impl Check {
-    /// The check's result, stopping it if it still runs.
+    /// Whether the version is known to be intact, stopping a check that
+    /// still runs (a reader that needs the answer now checks at full
+    /// speed rather than wait for a low-priority thread).
     fn finish(self) -> bool {
         match self {
+            Check::Unchecked => false,
             Check::Done(intact) => intact,
             Check::Running { stop, thread } => {
                 stop.store(true, Ordering::Relaxed);
@@ -65,80 +72,102 @@ impl Check {
     }
 }
 
-/// A kept version handed to a Fetch.
-pub(super) struct Taken {
+/// A kept version shared with a Fetch.
+pub(super) struct SharedVersion {
     pub manifest: Manifest,
-    pub file: MappedFile,
+    pub file: SharedMapping,
     pub identity: FileIdentity,
     /// Every chunk matched the manifest, and the file has not changed since.
     pub intact: bool,
 }
 
 impl KeptVersions {
-    /// Keeps `file`, the mapping of `rank`'s sealed `version`, and checks
-    /// it in the background; unless a newer version of the rank is kept.
-    pub(super) fn keep(&self, store: &Store, app: &str, rank: u32, version: u64, file: MappedFile) {
-        // The identity before the manifest and the check: a change after it
-        // shows.
+    /// Keeps `file`, the mapping `rank`'s `version` was just sealed in,
+    /// unchecked; unless a newer version of the rank is kept. An
+    /// incremental version's own file holds only its changed blocks: it is
+    /// kept once a Fetch has composed the version ([`keep_intact`]).
+    ///
+    /// [`keep_intact`]: KeptVersions::keep_intact
+    pub(super) fn keep_sealed(&self, store: &Store, app: &str, rank: u32, version: u64, file: SharedMapping) {
+        // The identity before the manifest: a change after it shows.
         let (identity, manifest) = match (store.data_identity(app, rank, version), store.manifest(app, rank, version)) {
             (Ok(identity), Ok(manifest)) => (identity, manifest),
             // Removed or damaged meanwhile: nothing worth keeping.
             _ => return,
         };
-        self.insert(rank, manifest, identity, file, None);
+        self.insert(rank, Kept { version, manifest, identity, file, check: Check::Unchecked });
     }
 
     /// Keeps `file`, a mapping of the version `manifest` describes, which
-    /// matched it while its file had `identity`.
-    pub(super) fn keep_intact(&self, manifest: Manifest, identity: FileIdentity, file: MappedFile) {
-        self.insert(manifest.rank, manifest, identity, file, Some(true));
+    /// matched it while its file had `identity`. Already kept, it is only
+    /// marked intact.
+    pub(super) fn keep_intact(&self, manifest: &Manifest, identity: FileIdentity, file: &SharedMapping) {
+        let (rank, version) = (manifest.rank, manifest.version);
+        let mut by_rank = self.by_rank.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(kept) = by_rank.get_mut(&rank).filter(|k| k.version == version && k.identity == identity) {
+            let old = std::mem::replace(&mut kept.check, Check::Done(true));
+            drop(by_rank);
+            old.finish();
+            return;
+        }
+        drop(by_rank);
+        let kept = Kept { version, manifest: manifest.clone(), identity, file: file.clone(), check: Check::Done(true) };
+        self.insert(rank, kept);
     }
 
-    fn insert(&self, rank: u32, manifest: Manifest, identity: FileIdentity, file: MappedFile, intact: Option<bool>) {
-        let version = manifest.version;
-        // An incremental version's own file holds only its changed blocks,
-        // packed (all of them in order when every block changed, which is
-        // the whole version): a shorter one is kept only once a Fetch has
-        // composed the version from its blocks.
-        if manifest.total_len > file.len() as u64 {
+    fn insert(&self, rank: u32, kept: Kept) {
+        // A shorter mapping is an incremental version's packed changed
+        // blocks (all of them in order, when every block changed, is the
+        // whole version): not the version's bytes.
+        if kept.manifest.total_len > kept.file.data_len() as u64 {
             return;
         }
         let mut by_rank = self.by_rank.lock().unwrap_or_else(|p| p.into_inner());
-        if by_rank.get(&rank).is_some_and(|kept| kept.version > version) {
+        if by_rank.get(&rank).is_some_and(|old| old.version > kept.version) {
             return;
         }
-        let file = Arc::new(file);
-        let check = match intact {
-            Some(intact) => Check::Done(intact),
-            None => check_in_background(&manifest, &file, rank),
-        };
-        let replaced = by_rank.insert(rank, Kept { version, manifest, identity, file, check });
+        let replaced = by_rank.insert(rank, kept);
         drop(by_rank);
         if let Some(old) = replaced {
             old.check.finish();
         }
     }
 
-    /// Takes `rank`'s kept `version` for a Fetch, if it is kept and its file
-    /// is unchanged. A check still running is stopped (the Fetch checks at
-    /// full speed instead of waiting for a low-priority thread).
-    pub(super) fn take(&self, store: &Store, app: &str, rank: u32, version: u64) -> Option<Taken> {
-        let kept = {
-            let mut by_rank = self.by_rank.lock().unwrap_or_else(|p| p.into_inner());
-            match by_rank.get(&rank) {
-                Some(kept) if kept.version == version => by_rank.remove(&rank)?,
-                _ => return None,
-            }
-        };
-        let Kept { manifest, identity, file, check, .. } = kept;
-        let intact = check.finish();
-        if store.data_identity(app, rank, version).ok() != Some(identity) {
+    /// Starts checking `rank`'s kept version in the background if nobody
+    /// has: its session ended, and a restart may follow.
+    pub(super) fn check_later(&self, rank: u32) {
+        let mut by_rank = self.by_rank.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(kept) = by_rank.get_mut(&rank).filter(|k| matches!(k.check, Check::Unchecked)) {
+            kept.check = check_in_background(&kept.manifest, &kept.file, rank);
+        }
+    }
+
+    /// `rank`'s kept `version` for a Fetch, if it is kept and its file is
+    /// unchanged (a changed one is forgotten).
+    pub(super) fn share(&self, store: &Store, app: &str, rank: u32, version: u64) -> Option<SharedVersion> {
+        let mut by_rank = self.by_rank.lock().unwrap_or_else(|p| p.into_inner());
+        let kept = by_rank.get_mut(&rank).filter(|k| k.version == version)?;
+        if store.data_identity(app, rank, version).ok() != Some(kept.identity) {
+            let stale = by_rank.remove(&rank);
+            drop(by_rank);
+            stale.map(|k| k.check.finish());
             tracing::debug!(version, rank, "kept version's file changed since it was kept: opening it again");
             return None;
         }
-        // The check thread, the only other holder, has ended.
-        let file = Arc::into_inner(file)?;
-        Some(Taken { manifest, file, identity, intact })
+        let check = std::mem::replace(&mut kept.check, Check::Unchecked);
+        let intact = match check {
+            Check::Running { thread, .. } if thread.is_finished() => thread.join().unwrap_or(false),
+            other => other.finish(),
+        };
+        if intact {
+            kept.check = Check::Done(true);
+        }
+        Some(SharedVersion {
+            manifest: kept.manifest.clone(),
+            file: kept.file.clone(),
+            identity: kept.identity,
+            intact,
+        })
     }
 
     /// Forgets `rank`'s kept version if `stale(version)` says so: before
@@ -160,13 +189,13 @@ impl KeptVersions {
     #[cfg(test)]
     fn wait_for_checks(&self) {
         for kept in self.by_rank.lock().unwrap().values_mut() {
-            if let Check::Running { thread, .. } = std::mem::replace(&mut kept.check, Check::Done(false)) {
+            if let Check::Running { thread, .. } = std::mem::replace(&mut kept.check, Check::Unchecked) {
                 kept.check = Check::Done(thread.join().unwrap());
             }
         }
     }
 
-    /// Stops every background check and unmaps every kept version.
+    /// Stops every background check and lets go of every kept version.
     pub(super) fn clear(&self) {
         let all: Vec<Kept> = self.by_rank.lock().unwrap_or_else(|p| p.into_inner()).drain().map(|(_, k)| k).collect();
         for kept in all {
@@ -183,7 +212,7 @@ impl Drop for KeptVersions {
 
 /// Starts checking `file` against `manifest` on a low-priority thread, one
 /// step at a time so a stop is seen within a step.
-fn check_in_background(manifest: &Manifest, file: &Arc<MappedFile>, rank: u32) -> Check {
+fn check_in_background(manifest: &Manifest, file: &SharedMapping, rank: u32) -> Check {
     let stop = Arc::new(AtomicBool::new(false));
     let (manifest, file, stopped) = (manifest.clone(), file.clone(), stop.clone());
     let spawned = std::thread::Builder::new().name("icheck-kept-check".into()).spawn(move || {
@@ -272,21 +301,29 @@ mod tests {
     }
 
     #[test]
-    fn a_kept_version_is_checked_once_and_served_while_its_file_is_unchanged() {
+    fn a_sealed_version_is_checked_once_and_served_while_its_file_is_unchanged() {
         let (store, root, file) = stored("served", 3);
         let kept = KeptVersions::default();
-        kept.keep(&store, "app", 0, 3, file);
-        kept.wait_for_checks();
+        kept.keep_sealed(&store, "app", 0, 3, SharedMapping::new(file));
         // Another version, or another rank, is not served from it.
-        assert!(kept.take(&store, "app", 0, 2).is_none());
-        assert!(kept.take(&store, "app", 1, 3).is_none());
-        let taken = kept.take(&store, "app", 0, 3).expect("kept");
-        assert!(taken.intact, "checked in the background and found intact");
-        assert_eq!(taken.manifest.version, 3);
-        // Taken is gone until it is given back.
-        assert!(kept.take(&store, "app", 0, 3).is_none());
-        kept.keep_intact(taken.manifest, taken.identity, taken.file);
-        assert!(kept.take(&store, "app", 0, 3).is_some_and(|t| t.intact));
+        assert!(kept.share(&store, "app", 0, 2).is_none());
+        assert!(kept.share(&store, "app", 1, 3).is_none());
+        let first = kept.share(&store, "app", 0, 3).expect("kept");
+        assert!(!first.intact, "nobody has checked it yet");
+        // The Fetch checked it: later ones need not.
+        kept.keep_intact(&first.manifest, first.identity, &first.file);
+        assert!(kept.share(&store, "app", 0, 3).expect("still kept").intact);
+        let _ = std::fs::remove_dir_all(root);
+    }
+
+    #[test]
+    fn a_version_left_by_its_session_is_checked_in_the_background() {
+        let (store, root, file) = stored("background", 6);
+        let kept = KeptVersions::default();
+        kept.keep_sealed(&store, "app", 0, 6, SharedMapping::new(file));
+        kept.check_later(0);
+        kept.wait_for_checks();
+        assert!(kept.share(&store, "app", 0, 6).expect("kept").intact);
         let _ = std::fs::remove_dir_all(root);
     }
 
@@ -294,7 +331,10 @@ mod tests {
     fn a_kept_version_whose_file_changed_is_not_served() {
         let (store, root, file) = stored("changed", 4);
         let kept = KeptVersions::default();
-        kept.keep(&store, "app", 0, 4, file);
+        let file = SharedMapping::new(file);
+        kept.keep_sealed(&store, "app", 0, 4, file.clone());
+        let shared = kept.share(&store, "app", 0, 4).expect("kept");
+        kept.keep_intact(&shared.manifest, shared.identity, &shared.file);
         // Someone rewrites one byte of the file (through write(2), not the
         // mapping): its change time moves on.
         std::thread::sleep(Duration::from_millis(20));
@@ -302,21 +342,27 @@ mod tests {
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[123] ^= 1;
         std::fs::write(&path, bytes).unwrap();
-        assert!(kept.take(&store, "app", 0, 4).is_none(), "the Fetch opens and checks it again");
+        assert!(kept.share(&store, "app", 0, 4).is_none(), "the Fetch opens and checks it again");
+        // ...and a result recorded for the old identity is not taken.
+        kept.keep_intact(&shared.manifest, shared.identity, &shared.file);
+        assert!(kept.share(&store, "app", 0, 4).is_none());
         let _ = std::fs::remove_dir_all(root);
     }
 
     #[test]
-    fn forgetting_drops_only_what_the_condition_names() {
+    fn forgetting_drops_only_what_the_condition_names_and_newer_versions_stay() {
         let (store, root, file) = stored("forget", 5);
         let kept = KeptVersions::default();
-        kept.keep(&store, "app", 0, 5, file);
+        kept.keep_sealed(&store, "app", 0, 5, SharedMapping::new(file));
         kept.forget_if(0, |v| v < 5);
         kept.forget_if(1, |_| true);
-        let taken = kept.take(&store, "app", 0, 5).expect("still kept");
-        kept.keep_intact(taken.manifest, taken.identity, taken.file);
+        let shared = kept.share(&store, "app", 0, 5).expect("still kept");
+        // An older version does not replace a newer one.
+        let older = Manifest { version: 4, ..shared.manifest.clone() };
+        kept.keep_intact(&older, shared.identity, &shared.file);
+        assert!(kept.share(&store, "app", 0, 5).is_some());
         kept.forget_if(0, |v| v >= 5);
-        assert!(kept.take(&store, "app", 0, 5).is_none());
+        assert!(kept.share(&store, "app", 0, 5).is_none());
         let _ = std::fs::remove_dir_all(root);
     }
 

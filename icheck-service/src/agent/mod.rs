@@ -40,7 +40,7 @@ use icheck_core::protocol::{
 };
 use icheck_core::redundancy::PieceId;
 
-use crate::store::{MappedFile, Store, StoreError};
+use crate::store::{MappedFile, SharedMapping, Store, StoreError};
 use icheck_core::format::first_bad_chunk;
 use kept::KeptVersions;
 use session::{admit, Abandoned, BeginChecked, Found, Sealed, Serve, SessionCore};
@@ -747,34 +747,15 @@ struct Writing {
 
 /// A version exposed for the rank to read back.
 struct Fetching {
-    exposed: Exposed,
+    _exposed: Exposed,
     _progress: ProgressThread,
-    /// A whole stored version that every chunk matched: kept mapped for
-    /// the next restart when the rank is done reading it.
-    keep: Option<KeepAfterFetch>,
-}
-
-/// What [`Fetching::retire`] needs to keep a fetched version: its manifest
-/// and its file's identity before it was checked.
-struct KeepAfterFetch {
-    manifest: Manifest,
-    identity: crate::store::FileIdentity,
-}
-
-impl Fetching {
-    /// Ends a fetch the rank is done with: the version's mapping goes back
-    /// to `kept` (deregistered) when it may, and is unmapped otherwise.
-    fn retire(self, kept: &KeptVersions) {
-        if let (Some(KeepAfterFetch { manifest, identity }), Exposed::Stored(file)) = (self.keep, self.exposed) {
-            kept.keep_intact(manifest, identity, file.into_inner());
-        }
-    }
 }
 
 /// The memory a fetched version is read from.
 enum Exposed {
-    /// The version's file in the store: the usual case.
-    Stored(RegisteredBuffer<MappedFile>),
+    /// The version's file in the store (shared with the kept versions and
+    /// the session that sealed it): the usual case.
+    Stored(RegisteredBuffer<SharedMapping>),
     /// A version loaded from the PFS that the store had no room for, held in
     /// the manager's memory only while the rank reads it.
     Loaded(RegisteredBuffer),
@@ -797,7 +778,7 @@ struct Session {
     /// They are not registered: a version's memory is exposed to the
     /// fabric only while it is written (Begin to Seal) or read (Fetch to
     /// FetchDone).
-    sealed: Vec<(u64, MappedFile)>,
+    sealed: Vec<(u64, SharedMapping)>,
     /// The mapping of the rank's spare file, ready for the next version.
     spare: Option<MappedFile>,
     /// The rank's next file, being backed and mapped in the background
@@ -858,21 +839,8 @@ impl Drop for Session {
     fn drop(&mut self) {
         self.abandon_writing();
         // The rank's next session is likely a restart: its newest version
-        // stays mapped, and is checked before it is asked for.
-        let (app, rank) = (self.core.app().to_string(), self.core.rank());
-        if let Some(newest) = self.sealed.iter().map(|(v, _)| *v).max() {
-            let at = self.sealed.iter().position(|(v, _)| *v == newest).expect("found above");
-            let (version, file) = self.sealed.swap_remove(at);
-            if self.store.is_sealed(&app, rank, version) {
-                self.kept.keep(&self.store, &app, rank, version, file);
-            }
-        }
-        if let Some(fetching) = self.fetching.take() {
-            fetching.retire(&self.kept);
-        }
-        for fetching in self.retired.drain(..) {
-            fetching.retire(&self.kept);
-        }
+        // (kept mapped since its Seal) is checked before it is asked for.
+        self.kept.check_later(self.core.rank());
     }
 }
 
@@ -908,9 +876,7 @@ fn serve_session(shared: &Shared, mut stream: TcpStream, privilege: Privilege) -
             // A session that is not open (a refused or missing Open) serves nothing.
             return Err(SessionEnd::Failed("closed: the session was not opened".into()));
         };
-        for fetching in session.retired.drain(..) {
-            fetching.retire(&shared.kept);
-        }
+        session.retired.clear();
         wait = shared.settings.idle_timeout;
         let _ = stream.set_read_timeout(Some(wait));
     }
@@ -1208,13 +1174,17 @@ fn handle_rest(
                     // Kept mapped like a whole version's file: once dropped
                     // and unused by newer maps it is the spare, and a whole
                     // version of its length takes it without mapping again.
-                    session.sealed.push((version, file.into_inner()));
+                    session.sealed.push((version, SharedMapping::new(file.into_inner())));
                     false
                 }
                 (Destination::Memory(file), None) => {
                     store.seal(&manifest).map_err(|e| e.to_string())?;
                     // Deregistered at once: sealed memory is no peer's to touch.
-                    session.sealed.push((version, file.into_inner()));
+                    // Shared with the kept versions: the copies, parity
+                    // shards and restarts that read it next map nothing.
+                    let file = SharedMapping::new(file.into_inner());
+                    shared.kept.keep_sealed(store, &shared.app, manifest.rank, version, file.clone());
+                    session.sealed.push((version, file));
                     false
                 }
                 (Destination::Spill { file, .. }, _) => {
@@ -1253,11 +1223,13 @@ fn handle_rest(
             // for their PFS copies (unmapped here: the copy maps them itself).
             let (old, kept): (Vec<_>, Vec<_>) = session.sealed.drain(..).partition(|(v, _)| *v < version);
             session.sealed = kept;
-            session.spare = old.into_iter().find(|(v, _)| Some(*v) == pruned.spare).map(|(_, file)| file);
+            // (A reader still holding it leaves the next version to map it.)
+            session.spare =
+                old.into_iter().find(|(v, _)| Some(*v) == pruned.spare).and_then(|(_, file)| file.into_inner());
             // Nothing was pruned (the first version, or older ones still
             // pinned): the next version would map fresh memory inside its
             // commit; make its file now, while the application computes.
-            let len = session.sealed.iter().find(|(v, _)| *v == version).map(|(_, file)| file.len() as u64);
+            let len = session.sealed.iter().find(|(v, _)| *v == version).map(|(_, file)| file.data_len() as u64);
             if let (None, None, Some(len)) = (&session.spare, &session.prepared, len) {
                 session.prepared = prepare_next_file(shared, rank, len);
             }
@@ -1278,12 +1250,13 @@ fn handle_rest(
             let (app, rank) = (session.core.app().to_string(), session.core.rank());
             // Kept mapped since the rank's last session (and usually checked
             // since): no mapping and no second pass over the bytes.
-            let (opened, identity, intact, kept) = match shared.kept.take(store, &app, rank, version) {
-                Some(taken) => (Ok((taken.manifest, taken.file)), Some(taken.identity), taken.intact, true),
+            let (opened, identity, intact, kept) = match shared.kept.share(store, &app, rank, version) {
+                Some(kept) => (Ok((kept.manifest, kept.file)), Some(kept.identity), kept.intact, true),
                 // The identity before the check: a change after it shows.
                 None => {
                     let identity = store.data_identity(&app, rank, version).ok();
-                    (store.open(&app, rank, version), identity, false, false)
+                    let opened = store.open(&app, rank, version).map(|(m, file)| (m, SharedMapping::new(file)));
+                    (opened, identity, false, false)
                 }
             };
             let open_ms = fetch_started.elapsed().as_secs_f64() * 1e3;
@@ -1296,12 +1269,15 @@ fn handle_rest(
                     Err(damage) => Found::Damaged(damage.to_string()),
                 },
             };
-            let keep = match (&found, &opened, identity) {
-                (Found::Intact, Ok((manifest, _)), Some(identity)) => {
-                    Some(KeepAfterFetch { manifest: manifest.clone(), identity })
+            match (&found, &opened, identity) {
+                // Checked: the next reader need not (see `kept`).
+                (Found::Intact, Ok((manifest, file)), Some(identity)) => {
+                    shared.kept.keep_intact(manifest, identity, file)
                 }
-                _ => None,
-            };
+                // Not worth keeping mapped (and perhaps about to be removed).
+                (Found::Damaged(_), _, _) => shared.kept.forget_if(rank, |kept| kept == version),
+                _ => {}
+            }
             let pfs = shared.settings.pfs.as_ref();
             let has_copy = || pfs.is_some_and(|pfs| pfs.manifest(&app, version).is_ok());
             let (manifest, exposed, damaged) =
@@ -1329,9 +1305,7 @@ fn handle_rest(
             };
             region.len = manifest.total_len.min(region.len);
             let progress = serve_reads(shared, caller)?;
-            // Only the stored file is kept afterwards (not a PFS load).
-            let keep = keep.filter(|_| damaged.is_none() && matches!(exposed, Exposed::Stored(_)));
-            session.fetching = Some(Fetching { exposed, _progress: progress, keep });
+            session.fetching = Some(Fetching { _exposed: exposed, _progress: progress });
             let ms = fetch_started.elapsed().as_secs_f64() * 1e3;
             tracing::debug!(
                 version,
@@ -1358,11 +1332,11 @@ fn handle_rest(
             // Checked before it is exposed: a damaged piece is refused, and
             // the rebuild goes on without it.
             verify_piece(&meta, file.as_slice(), version, piece)?;
-            let exposed = expose_file(shared, file)?;
+            let exposed = expose_file(shared, SharedMapping::new(file))?;
             let Exposed::Stored(registered) = &exposed else { unreachable!("expose_file exposes the stored file") };
             let region = registered.remote();
             let progress = serve_reads(shared, caller)?;
-            session.fetching = Some(Fetching { exposed, _progress: progress, keep: None });
+            session.fetching = Some(Fetching { _exposed: exposed, _progress: progress });
             Ok(AgentReply::Piece { meta, region })
         }
         AgentRequest::PutPiece { version, piece, len } => {
@@ -1506,7 +1480,7 @@ static NODE_STORE_SPACE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 static NODE_PFS_LOADS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Registers a stored version's file for the rank to read.
-fn expose_file(shared: &Shared, file: MappedFile) -> Result<Exposed, String> {
+fn expose_file(shared: &Shared, file: SharedMapping) -> Result<Exposed, String> {
     let file = shared.endpoint.register(file, Access::REMOTE_READ).map_err(|e| e.to_string())?;
     Ok(Exposed::Stored(file))
 }
@@ -1517,7 +1491,7 @@ fn expose_from_pfs(shared: &Shared, app: &str, rank: u32, version: u64) -> Resul
     match load_from_pfs(shared, app, rank, version)? {
         Loaded::IntoStore => {
             let (manifest, file) = shared.settings.store.open(app, rank, version).map_err(|e| e.to_string())?;
-            Ok((manifest, expose_file(shared, file)?))
+            Ok((manifest, expose_file(shared, SharedMapping::new(file))?))
         }
         Loaded::NoRoom(manifest, data) => Ok((manifest, expose_loaded(shared, &data)?)),
     }
