@@ -3,6 +3,8 @@
 //! * [`fabric`] is the only safe door to libfabric: domains, endpoints,
 //!   memory regions and batched RMA. Every checkpoint byte moves through it.
 //! * [`format`] is the stored format (manifests, checksums, names), a leaf.
+//! * [`verified`] reads a rank's bytes over the fabric, checking each chunk
+//!   as it arrives.
 //! * [`protocol`] is the control plane's messages and framing; [`control`]
 //!   its blocking client side.
 //! * [`pfs`] is the PFS level's on-disk format (its copies encrypted by
@@ -37,3 +39,4 @@ pub mod protocol;
 pub mod redundancy;
 pub mod scaling;
 pub mod units;
+pub mod verified;

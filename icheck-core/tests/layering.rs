@@ -23,6 +23,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("redundancy", &["distribution"]),
     ("format", &["distribution"]),
     ("delta", &["format"]),
+    ("verified", &["fabric", "format"]),
     ("pfs", &["cipher", "credentials", "distribution", "failpoint", "format"]),
     ("protocol", &["credentials", "delta", "distribution", "fabric", "format", "monitor", "pfs", "redundancy"]),
     ("config", &["credentials", "fabric", "pfs", "protocol", "redundancy", "scaling", "units"]),

@@ -622,6 +622,11 @@ impl Store {
         Ok(manifest)
     }
 
+    /// The path of a version's data file.
+    pub fn data_path(&self, app: &str, rank: u32, version: u64) -> Result<PathBuf> {
+        Ok(self.paths(app, rank, version)?.0)
+    }
+
     /// The identity of a sealed version's data file as it is now: a
     /// rewrite, a cut, a rename or a removal changes it (see
     /// [`FileIdentity`]).

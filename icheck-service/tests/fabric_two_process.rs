@@ -393,3 +393,43 @@ fn application_chosen_memory_keys_are_random_per_domain_and_unique_within_one() 
     assert_eq!(unique.len(), first.len(), "keys repeat within a domain: {first:?}");
     assert_ne!(first[0], 1, "keys still count from 1");
 }
+
+/// `verified::read_checked` reads a range to an offset of the destination,
+/// checking each chunk as it arrives: intact data reads through and lands
+/// in place, and a wrong checksum is reported by the index of its chunk.
+#[test]
+fn checked_reads_land_in_place_and_name_the_first_bad_chunk() {
+    use icheck_core::format::chunk_crcs;
+    use icheck_core::verified::{read_checked, CheckedRange};
+    for provider in ["tcp", "shm"] {
+        let target = start_target(provider, ODD_SIZE, 1);
+        let mut initiator = Initiator::connect(provider, &target);
+        let mut expected = vec![0u8; ODD_SIZE];
+        icheck_core::pattern::fill_pattern(&mut expected, 1);
+        let (from, at) = (12_345usize, 100usize);
+        let len = ODD_SIZE - from - 1000;
+        let good = chunk_crcs(&expected[from..from + len]);
+        assert!(good.len() >= 3, "the range spans several chunks");
+        let range = |crcs| CheckedRange {
+            remote: target.announcement().region,
+            remote_offset: from as u64,
+            local_offset: at,
+            len,
+            crcs,
+        };
+        let bad = read_checked(&initiator.endpoint, &initiator.peer, &mut initiator.local, range(&good)).unwrap();
+        assert_eq!(bad, None, "{provider}");
+        assert!(initiator.local.as_slice()[at..at + len] == expected[from..from + len], "{provider}: bytes in place");
+        let mut wrong = good.clone();
+        wrong[1] ^= 1;
+        wrong[2] ^= 1;
+        let bad = read_checked(&initiator.endpoint, &initiator.peer, &mut initiator.local, range(&wrong)).unwrap();
+        assert_eq!(bad, Some(1), "{provider}: the first bad chunk");
+        let short = &good[1..];
+        assert_eq!(
+            read_checked(&initiator.endpoint, &initiator.peer, &mut initiator.local, range(short)).unwrap(),
+            Some(0),
+            "{provider}: a checksum list of the wrong length"
+        );
+    }
+}

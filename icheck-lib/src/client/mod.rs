@@ -27,7 +27,7 @@ use icheck_core::fabric::{
     Access, AlignedBuffer, Domain, Endpoint, FabricError, LocalSource, MemoryRegion, Peer, ProgressMode,
     ProgressThread, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
 };
-use icheck_core::format::{first_bad_chunk, label_crcs, CHUNK_BYTES, CHUNK_SIZE};
+use icheck_core::format::{label_crcs, CHUNK_BYTES, CHUNK_SIZE};
 use icheck_core::protocol::ProtocolError;
 use icheck_core::protocol::{
     self, check_fetched, AgentInfo, AgentReply, AgentRequest, AppRegistration, ClientReply, ClientRequest, DataKind,

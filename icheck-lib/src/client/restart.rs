@@ -3,6 +3,7 @@
 //! application's memory with each chunk verified against the manifest.
 
 use super::*;
+use icheck_core::verified::{read_checked_into, CheckedRange};
 
 /// A version `restart` exposed at the agent; `restore` reads labels from it
 /// straight into the caller's memory.
@@ -25,17 +26,12 @@ pub(super) enum RestoredData {
     Resized(Resized),
 }
 
-/// Bytes per step of a restore's verification: each step's checksums are
-/// verified on another thread as soon as it has arrived, while the rest of
-/// the label is still being read. One chunk: it is checked while it is
-/// still in the last-level cache, instead of being read back from memory
-/// (64 MiB steps made a 256 MiB restore over tcp 0.65-0.75 of raw
-/// `fi_read`; 4 MiB steps 0.83-0.96).
-pub(super) const RESTORE_STEP: usize = CHUNK_BYTES;
-
 /// Reads `out.len()` bytes at `remote_offset` of `region` into `out` in one
-/// batch, verifying each step of it against `crcs` (one per `chunk` bytes
-/// of `out`) as soon as it has arrived. Returns the first bad chunk.
+/// batch, checking each chunk against `crcs` (one per `chunk` bytes of
+/// `out`) as soon as it has arrived, while it is still in the last-level
+/// cache ([`icheck_core::verified`]; 64 MiB steps checked from memory made a
+/// 256 MiB restore over tcp 0.65-0.75 of raw `fi_read`, 4 MiB chunks
+/// 0.83-0.96). Returns the first bad chunk.
 pub(super) fn read_and_verify(
     endpoint: &Endpoint,
     peer: &Peer,
@@ -45,52 +41,19 @@ pub(super) fn read_and_verify(
     chunk: usize,
     crcs: &[u32],
 ) -> Result<Option<usize>> {
-    let total = out.len();
-    if chunk == 0 || !RESTORE_STEP.is_multiple_of(chunk) || crcs.len() != total.div_ceil(chunk) {
+    if chunk != CHUNK_BYTES {
         return Ok(Some(0));
     }
-    if total == 0 {
+    if out.is_empty() {
         return Ok(None);
     }
     // SAFETY: `out` stays borrowed, alive and unmoved until the registration
     // is dropped at the end of this function.
-    let local = unsafe { endpoint.register_raw(out.as_mut_ptr(), total, Access::LOCAL)? };
-    let base = out.as_mut_ptr() as usize;
-    let (to_verify, steps) = mpsc::channel::<usize>();
-    std::thread::scope(|scope| {
-        let verifier = scope.spawn(move || {
-            for start in steps {
-                let end = (start + RESTORE_STEP).min(total);
-                // SAFETY: bytes start..end were completely read before this
-                // step was sent, and no later read touches them.
-                let bytes = unsafe { std::slice::from_raw_parts((base + start) as *const u8, end - start) };
-                let first = start / chunk;
-                if let Some(bad) = first_bad_chunk(bytes, &crcs[first..first + bytes.len().div_ceil(chunk)]) {
-                    return Some(first + bad);
-                }
-            }
-            None
-        });
-        // One batch for the whole label, so the fabric pipeline never drains
-        // between steps; each step goes to the verifier as soon as every
-        // byte of it has arrived.
-        let op = RmaOp { local_offset: 0, remote: region, remote_offset, len: total };
-        let mut next_step = 0usize;
-        let mut hand_over = |arrived: usize| {
-            while next_step < total && (arrived >= total || arrived >= next_step + RESTORE_STEP) {
-                // A verifier that stopped (a bad chunk) needs no more steps.
-                let _ = to_verify.send(next_step);
-                next_step += RESTORE_STEP;
-            }
-        };
-        // SAFETY: the verifier reads only steps handed over, whose bytes
-        // have all arrived and which no later operation of the batch writes.
-        let target = unsafe { local.target_unchecked() };
-        let read = endpoint.read_observed(peer, target, &[op], &TransferOptions::default(), &mut hand_over);
-        drop(to_verify);
-        let bad = verifier.join().unwrap_or(Some(0));
-        read.map(|_| bad).map_err(Error::from)
-    })
+    let local = unsafe { endpoint.register_raw(out.as_mut_ptr(), out.len(), Access::LOCAL)? };
+    let range = CheckedRange { remote: region, remote_offset, local_offset: 0, len: out.len(), crcs };
+    // SAFETY: `out` is borrowed exclusively for the whole call, and `local`
+    // registers exactly it.
+    Ok(unsafe { read_checked_into(endpoint, peer, &local, range) }?)
 }
 
 impl Icheck {

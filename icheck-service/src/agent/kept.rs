@@ -16,20 +16,19 @@
 //! still checks every chunk it reads, so damage that happens in memory
 //! after the check is still caught, by the reader instead of the agent.
 //!
-//! Architecture invariant: the agent's own threads read a kept mapping
-//! only while its file cannot be cut. The store cuts a file only when it
+//! Architecture invariant: the background check reads the data file, never
+//! the mapping (a file cut under a mapping faults the reader with SIGBUS:
+//! the first version of this module lost its manager when a test rewrote a
+//! version's file during the check), and its answer counts only if the
+//! file's identity held throughout. The store cuts a file only when it
 //! reuses a pruned version's file for a new one, or when a version number
-//! is begun again; so a rank's kept version is forgotten (its check
-//! stopped and joined first) when a newer version of the rank completes,
-//! and when a version at or below it is begun. At most one version per
-//! rank is kept.
+//! is begun again; so a rank's kept version is forgotten (its check stopped
+//! and joined first) when a newer version of the rank completes, and when a
+//! version at or below it is begun. At most one version per rank is kept.
 
 use super::*;
 use crate::store::{FileIdentity, SharedMapping};
 use std::sync::atomic::AtomicBool;
-
-/// Bytes checked between looks at the stop flag of a background check.
-const CHECK_STEP: usize = 16 << 20;
 
 /// The versions kept for an application's ranks, one per rank at most.
 #[derive(Default)]
@@ -135,10 +134,10 @@ impl KeptVersions {
 
     /// Starts checking `rank`'s kept version in the background if nobody
     /// has: its session ended, and a restart may follow.
-    pub(super) fn check_later(&self, rank: u32) {
+    pub(super) fn check_later(&self, store: &Store, app: &str, rank: u32) {
         let mut by_rank = self.by_rank.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(kept) = by_rank.get_mut(&rank).filter(|k| matches!(k.check, Check::Unchecked)) {
-            kept.check = check_in_background(&kept.manifest, &kept.file, rank);
+            kept.check = check_in_background(store, app, &kept.manifest, kept.identity);
         }
     }
 
@@ -210,24 +209,32 @@ impl Drop for KeptVersions {
     }
 }
 
-/// Starts checking `file` against `manifest` on a low-priority thread, one
-/// step at a time so a stop is seen within a step.
-fn check_in_background(manifest: &Manifest, file: &SharedMapping, rank: u32) -> Check {
+/// Starts checking `rank`'s `version` against `manifest` on a low-priority
+/// thread, a chunk at a time so a stop is seen at once. It reads the data
+/// file (`pread`), not the mapping: a file someone else cuts meanwhile
+/// makes a short read, where a mapping would fault (SIGBUS) and take the
+/// manager down. The answer holds only if the file's identity is still
+/// `identity` at the end.
+fn check_in_background(store: &Store, app: &str, manifest: &Manifest, identity: FileIdentity) -> Check {
     let stop = Arc::new(AtomicBool::new(false));
-    let (manifest, file, stopped) = (manifest.clone(), file.clone(), stop.clone());
+    let (store, app, manifest, stopped) = (store.clone(), app.to_string(), manifest.clone(), stop.clone());
     let spawned = std::thread::Builder::new().name("icheck-kept-check".into()).spawn(move || {
         crate::manager::lower_thread_priority();
+        let (rank, version) = (manifest.rank, manifest.version);
         let started = Instant::now();
-        let intact = check_stepwise(&manifest, file.as_slice(), &stopped);
+        let intact = store
+            .data_path(&app, rank, version)
+            .ok()
+            .and_then(|path| std::fs::File::open(path).ok())
+            .and_then(|file| check_file(&manifest, &file, &stopped))
+            .filter(|_| store.data_identity(&app, rank, version).ok() == Some(identity));
         let ms = started.elapsed().as_secs_f64() * 1e3;
         match intact {
-            Some(true) => tracing::debug!(version = manifest.version, rank, ms, "kept version checked"),
-            Some(false) => tracing::warn!(
-                version = manifest.version,
-                rank,
-                "kept version does not match its checksums (a Fetch will say where)"
-            ),
-            None => tracing::debug!(version = manifest.version, rank, ms, "kept version's check stopped"),
+            Some(true) => tracing::debug!(version, rank, ms, "kept version checked"),
+            Some(false) => {
+                tracing::warn!(version, rank, "kept version does not match its checksums (a Fetch will say where)")
+            }
+            None => tracing::debug!(version, rank, ms, "kept version's check stopped or could not read it"),
         }
         intact == Some(true)
     });
@@ -235,28 +242,30 @@ fn check_in_background(manifest: &Manifest, file: &SharedMapping, rank: u32) -> 
         Ok(thread) => Check::Running { stop, thread },
         Err(err) => {
             tracing::warn!(%err, "cannot start checking a kept version");
-            Check::Done(false)
+            Check::Unchecked
         }
     }
 }
 
-/// Every label of `data` against `manifest`'s chunk checksums, a step at a
-/// time: `Some(intact)`, or `None` when `stop` was raised first.
-fn check_stepwise(manifest: &Manifest, data: &[u8], stop: &AtomicBool) -> Option<bool> {
+/// Every label of the data file against `manifest`'s chunk checksums, a
+/// chunk at a time: `Some(intact)`, or `None` when `stop` was raised first
+/// or the file could not be read whole.
+fn check_file(manifest: &Manifest, file: &std::fs::File, stop: &AtomicBool) -> Option<bool> {
+    use std::os::unix::fs::FileExt;
     if manifest.validate().is_err() || manifest.chunk_size == 0 {
         return Some(false);
     }
-    let chunk = manifest.chunk_size as usize;
-    let per_step = (CHECK_STEP / chunk).max(1);
-    for (index, crcs) in manifest.crcs.iter().enumerate() {
-        let Ok(bytes) = manifest.label_bytes(index, data) else { return Some(false) };
-        for (step, crcs) in crcs.chunks(per_step).enumerate() {
+    let chunk = usize::try_from(manifest.chunk_size).ok()?;
+    let mut buffer = vec![0u8; chunk];
+    for (label, crcs) in manifest.labels.iter().zip(&manifest.crcs) {
+        for (index, crc) in crcs.iter().enumerate() {
             if stop.load(Ordering::Relaxed) {
                 return None;
             }
-            let start = step * per_step * chunk;
-            let end = (start + crcs.len() * chunk).min(bytes.len());
-            if start > end || first_bad_chunk(&bytes[start..end], crcs).is_some() {
+            let at = (index * chunk) as u64;
+            let len = usize::try_from(label.len.saturating_sub(at)).ok()?.min(chunk);
+            file.read_exact_at(&mut buffer[..len], label.offset + at).ok()?;
+            if first_bad_chunk(&buffer[..len], std::slice::from_ref(crc)).is_some() {
                 return Some(false);
             }
         }
@@ -267,7 +276,7 @@ fn check_stepwise(manifest: &Manifest, data: &[u8], stop: &AtomicBool) -> Option
 #[cfg(test)]
 mod tests {
     use super::*;
-    use icheck_core::format::{chunk_crcs, samples, DataKind, LabelLayout, CHUNK_SIZE};
+    use icheck_core::format::{chunk_crcs, DataKind, LabelLayout, CHUNK_SIZE};
 
     /// A store under the temporary directory holding version `version` of
     /// rank 0 of "app" (20 MiB, sealed), and that version's mapping.
@@ -321,7 +330,7 @@ mod tests {
         let (store, root, file) = stored("background", 6);
         let kept = KeptVersions::default();
         kept.keep_sealed(&store, "app", 0, 6, SharedMapping::new(file));
-        kept.check_later(0);
+        kept.check_later(&store, "app", 0);
         kept.wait_for_checks();
         assert!(kept.share(&store, "app", 0, 6).expect("kept").intact);
         let _ = std::fs::remove_dir_all(root);
@@ -367,15 +376,22 @@ mod tests {
     }
 
     #[test]
-    fn a_stepwise_check_finds_damage_and_stops_when_asked() {
-        let data: Vec<u8> = (0..(40u32 << 20) / 4).flat_map(|i| i.to_le_bytes()).collect();
-        let manifest = samples::manifest(&data);
+    fn a_file_check_finds_damage_and_stops_when_asked() {
+        let (store, root, _file) = stored("stepwise", 7);
+        let manifest = store.manifest("app", 0, 7).unwrap();
+        let path = store.data_path("app", 0, 7).unwrap();
         let stop = AtomicBool::new(false);
-        assert_eq!(check_stepwise(&manifest, &data, &stop), Some(true));
-        let mut damaged = data.clone();
-        damaged[(33 << 20) + 5] ^= 1;
-        assert_eq!(check_stepwise(&manifest, &damaged, &stop), Some(false));
+        let open = || std::fs::File::open(&path).unwrap();
+        assert_eq!(check_file(&manifest, &open(), &stop), Some(true));
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[(13 << 20) + 5] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        assert_eq!(check_file(&manifest, &open(), &stop), Some(false));
+        // A cut file is not known either way (and does not fault).
+        std::fs::write(&path, &bytes[..1 << 20]).unwrap();
+        assert_eq!(check_file(&manifest, &open(), &stop), None);
         stop.store(true, Ordering::Relaxed);
-        assert_eq!(check_stepwise(&manifest, &data, &stop), None);
+        assert_eq!(check_file(&manifest, &open(), &stop), None);
+        let _ = std::fs::remove_dir_all(root);
     }
 }

@@ -840,7 +840,7 @@ impl Drop for Session {
         self.abandon_writing();
         // The rank's next session is likely a restart: its newest version
         // (kept mapped since its Seal) is checked before it is asked for.
-        self.kept.check_later(self.core.rank());
+        self.kept.check_later(&self.store, self.core.app(), self.core.rank());
     }
 }
 
@@ -1566,8 +1566,7 @@ fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Resu
         store.create(&shared.app, rank, manifest.version, manifest.total_len).map_err(|e| fail(e.to_string()))?;
     let mut file = shared.endpoint.register(file, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
     let total = manifest.total_len as usize;
-    session.read_whole(shared, region, &mut file, total).map_err(fail)?;
-    manifest.verify(file.as_slice()).map_err(|e| fail(e.to_string()))?;
+    session.read_checked(shared, region, &mut file, &manifest).map_err(fail)?;
     store.seal(&manifest).map_err(|e| fail(e.to_string()))?;
     // The controller's newest complete version, now held here.
     shared.completed(rank, version);

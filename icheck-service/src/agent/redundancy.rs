@@ -19,6 +19,7 @@ use icheck_core::protocol::{
     PieceTask, RebuildSource, STRIPE,
 };
 use icheck_core::redundancy::{self, PieceId};
+use icheck_core::verified::{read_checked, CheckedRange};
 
 use super::{Shared, TAKE_OVER_CONNECT_TIMEOUT, TAKE_OVER_TIMEOUT};
 use crate::store::MappedFile;
@@ -159,6 +160,36 @@ impl PeerSession {
         }
     }
 
+    /// Reads the version `manifest` describes from `region` into `into`,
+    /// label by label, checking each chunk against the rank's checksums as
+    /// it arrives ([`icheck_core::verified`]) instead of in a second pass
+    /// over the whole version afterwards.
+    pub(super) fn read_checked<B: icheck_core::fabric::StableBuffer>(
+        &self,
+        shared: &Shared,
+        region: RemoteRegion,
+        into: &mut RegisteredBuffer<B>,
+        manifest: &Manifest,
+    ) -> Result<(), String> {
+        manifest.validate().map_err(|e| e.to_string())?;
+        if manifest.chunk_size != icheck_core::format::CHUNK_SIZE {
+            return Err(format!("chunks of {} bytes, not {}", manifest.chunk_size, icheck_core::format::CHUNK_SIZE));
+        }
+        for (label, crcs) in manifest.labels.iter().zip(&manifest.crcs) {
+            let (Ok(offset), Ok(len)) = (usize::try_from(label.offset), usize::try_from(label.len)) else {
+                return Err(format!("label {:?} does not fit this machine's memory", label.label));
+            };
+            let range = CheckedRange { remote: region, remote_offset: label.offset, local_offset: offset, len, crcs };
+            match read_checked(&shared.endpoint, &self.peer, into, range).map_err(|e| self.fail(e))? {
+                None => {}
+                Some(chunk) => {
+                    return Err(format!("label {:?}: chunk {chunk} does not match the rank's checksum", label.label))
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Reads all of `region` into a registered file.
     pub(super) fn read_whole<B: icheck_core::fabric::StableBuffer>(
         &self,
@@ -262,11 +293,9 @@ fn protect_copy(shared: &Shared, task: &PieceTask) -> Result<u64, String> {
                 .map_err(|e| fail(e.to_string()))?;
             let mut file = shared.endpoint.register(file, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
             let created = started.elapsed();
-            session.read_whole(shared, region, &mut file, manifest.total_len as usize).map_err(fail)?;
+            session.read_checked(shared, region, &mut file, &manifest).map_err(fail)?;
             session.done_reading();
             let read = started.elapsed();
-            manifest.verify(file.as_slice()).map_err(|e| fail(e.to_string()))?;
-            let verified = started.elapsed();
             store
                 .seal_piece(&shared.app, version, task.piece, &PieceMeta::Copy(manifest.clone()))
                 .map_err(|e| fail(e.to_string()))?;
@@ -275,8 +304,7 @@ fn protect_copy(shared: &Shared, task: &PieceTask) -> Result<u64, String> {
                 rank,
                 fetch_ms = fetched.as_secs_f64() * 1e3,
                 create_ms = (created - fetched).as_secs_f64() * 1e3,
-                read_ms = (read - created).as_secs_f64() * 1e3,
-                verify_ms = (verified - read).as_secs_f64() * 1e3,
+                read_and_check_ms = (read - created).as_secs_f64() * 1e3,
                 "copy's steps"
             );
             manifest.total_len
