@@ -808,13 +808,10 @@ fn main() -> Result<()> {
     }
     let providers = if cli.incremental_only { &[][..] } else { &cli.providers[..] };
     for provider in providers {
-        let raw = raw_fabric(provider, size, runs)?;
-        bars.push(plots::Bar { label: format!("{provider}: fi_read, {}", cli.size), gb_per_s: raw.0, kind: 3 });
-        bars.push(plots::Bar { label: format!("{provider}: fi_write, {}", cli.size), gb_per_s: raw.1, kind: 4 });
-        eprintln!(
-            "{provider}: raw fi_read {:.2} GB/s, fi_write {:.2} GB/s, fi_read into fresh memory {:.2} GB/s",
-            raw.0, raw.1, raw.2
-        );
+        // Measured before and after this provider's cases; the faster of
+        // the two is the baseline (the stricter one): on this shared machine
+        // raw tcp fi_read alone has measured 1.8-5.3 GB/s within minutes.
+        let raw_before = raw_fabric(provider, size, runs)?;
         let svc = service(&format!("bench-{provider}"), provider, 1, 1)?;
         let data = Region::<u8>::zeroed(size);
         fill_pattern(&mut data.write(), 5);
@@ -822,18 +819,8 @@ fn main() -> Result<()> {
         let push = measure(&svc.config_path(), "bench-push", || SingleProcess, &data, runs, "push")?;
         drop(data);
         eprintln!("{provider}: 1 rank: pull {pull:?}, push {push:?}");
-        icheck_bars(&mut bars, &format!("{provider}, 1 rank × {}", cli.size), size as f64, &pull, &push);
-        lines.extend(rows_for(
-            &format!("1 rank, 1 agent, {}", cli.size),
-            provider,
-            size as f64,
-            &pull,
-            &push,
-            raw,
-            memcpy,
-        ));
         drop(svc);
-        if rank_size > 0 {
+        let mpi = if rank_size > 0 {
             let svc = service(&format!("bench-mpi-{provider}"), provider, 2, 2)?;
             let out = Command::new("mpirun")
                 .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "4"])
@@ -845,11 +832,35 @@ fn main() -> Result<()> {
                 .arg(svc.config_path())
                 .output()
                 .context("running mpirun")?;
+            drop(svc);
             let stdout = String::from_utf8_lossy(&out.stdout);
             let Some(json) = stdout.lines().find_map(|l| l.strip_prefix("RESULT ")) else {
                 bail!("the MPI case printed no result:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
             };
-            let result: MpiResult = serde_json::from_str(json)?;
+            Some(serde_json::from_str::<MpiResult>(json)?)
+        } else {
+            None
+        };
+        let raw_after = raw_fabric(provider, size, runs)?;
+        let raw = (raw_before.0.max(raw_after.0), raw_before.1.max(raw_after.1), raw_before.2.max(raw_after.2));
+        bars.push(plots::Bar { label: format!("{provider}: fi_read, {}", cli.size), gb_per_s: raw.0, kind: 3 });
+        bars.push(plots::Bar { label: format!("{provider}: fi_write, {}", cli.size), gb_per_s: raw.1, kind: 4 });
+        eprintln!(
+            "{provider}: raw fi_read {:.2} / {:.2} GB/s, fi_write {:.2} / {:.2} GB/s, fi_read into fresh memory {:.2} / \
+             {:.2} GB/s (before / after)",
+            raw_before.0, raw_after.0, raw_before.1, raw_after.1, raw_before.2, raw_after.2
+        );
+        icheck_bars(&mut bars, &format!("{provider}, 1 rank × {}", cli.size), size as f64, &pull, &push);
+        lines.extend(rows_for(
+            &format!("1 rank, 1 agent, {}", cli.size),
+            provider,
+            size as f64,
+            &pull,
+            &push,
+            raw,
+            memcpy,
+        ));
+        if let Some(result) = mpi {
             let results = &result.modes;
             eprintln!("{provider}: 4 ranks: {results:?}");
             let case = format!("4 ranks, 2 agents, {} per rank", cli.rank_size);
