@@ -352,6 +352,11 @@ async fn session(
             }
             ControllerToManager::DropRanks { app, ranks } => {
                 let store = settings.store.clone();
+                for agent in agents.lock().unwrap_or_else(|p| p.into_inner()).values() {
+                    for &rank in &ranks {
+                        agent.forget_rank(&app, rank);
+                    }
+                }
                 tokio::task::spawn_blocking(move || {
                     for rank in ranks {
                         match store.remove_rank(&app, rank) {

@@ -421,6 +421,15 @@ impl Agent {
         move || redundancy::rebuild(&shared, rank, version, &source)
     }
 
+    /// Lets go of `rank`'s kept version of application `app` (if this agent
+    /// serves it): the manager is about to delete the rank's versions here,
+    /// and a kept mapping would hold their memory unseen by the budget.
+    pub fn forget_rank(&self, app: &str, rank: u32) {
+        if self.shared.app == app {
+            self.shared.kept.forget_if(rank, |_| true);
+        }
+    }
+
     /// Whether the thread is still running.
     pub fn is_alive(&self) -> bool {
         self.thread.as_ref().is_some_and(|t| !t.is_finished())
