@@ -62,8 +62,11 @@ impl LocalService {
             std::fs::create_dir_all(&dir).expect("create the state directory");
             std::fs::write(dir.join("dynamic.toml"), text).expect("write dynamic.toml");
         }
-        let mut up_args: Vec<String> =
-            ["up", "--detach", "--managers", &managers.to_string(), "--heartbeat", "0.5"].map(String::from).into();
+        let mut up_args: Vec<String> = ["up", "--detach", "--managers", &managers.to_string()].map(String::from).into();
+        // Fast failure detection unless the test sets its own heartbeat.
+        if !extra.contains(&"--heartbeat") {
+            up_args.extend(["--heartbeat", "0.5"].map(String::from));
+        }
         up_args.extend(extra.iter().map(|s| s.to_string()));
         let mut service = LocalService {
             icheck: icheck.to_path_buf(),
