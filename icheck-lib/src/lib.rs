@@ -33,6 +33,7 @@ mod client;
 mod comm;
 mod region;
 mod segment;
+mod tracking;
 
 pub use client::{
     Error, Global, Icheck, InitStatus, ProbeHints, ProbeOutcome, Protection, Recalc, Recalculate, Replicated, Resize,
