@@ -26,6 +26,7 @@
 #![deny(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_possible_wrap)]
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
@@ -64,50 +65,145 @@ pub fn checksums(labels: &[&[u8]]) -> (Vec<Vec<u32>>, Vec<u32>) {
 /// [`checksums`] on at most `threads` threads (one: beside a transfer
 /// that needs the other cores).
 pub fn checksums_on(labels: &[&[u8]], threads: usize) -> (Vec<Vec<u32>>, Vec<u32>) {
-    // Pieces cut at every chunk (per label) and block (per version) boundary.
+    let spans: Vec<Vec<Range<usize>>> = labels.iter().map(|l| vec![0..l.len()]).collect();
+    let mut chunks: Vec<Vec<u32>> = labels.iter().map(|l| vec![0; l.len().div_ceil(CHUNK_BYTES)]).collect();
+    let mut blocks = vec![0; labels.iter().map(|l| l.len()).sum::<usize>().div_ceil(BLOCK_BYTES)];
+    checksum_spans(labels, &spans, threads, &mut chunks, &mut blocks, |_, _| true, |_| true);
+    (chunks, blocks)
+}
+
+/// [`checksums`] when only the bytes in `written` (for each label, byte
+/// ranges of it) can differ from a version whose checksums were
+/// `before_chunks` and `before_blocks` (page tracking knows which bytes
+/// the process wrote since). Only the chunks and blocks that touch a
+/// written byte are read, each byte once; the others keep their
+/// checksums. `None` when `before` does not fit these labels (their sizes
+/// changed): compute them all.
+pub fn checksums_where_written(
+    labels: &[&[u8]],
+    written: &[Vec<Range<usize>>],
+    before_chunks: &[Vec<u32>],
+    before_blocks: &[u32],
+    threads: usize,
+) -> Option<(Vec<Vec<u32>>, Vec<u32>)> {
+    let total: usize = labels.iter().map(|l| l.len()).sum();
+    let fits = labels.len() == written.len()
+        && labels.len() == before_chunks.len()
+        && labels.iter().zip(before_chunks).all(|(l, c)| l.len().div_ceil(CHUNK_BYTES) == c.len())
+        && before_blocks.len() == total.div_ceil(BLOCK_BYTES);
+    if !fits {
+        return None;
+    }
+    // The chunks (per label) and blocks (of the version) a written byte touches.
+    let mut dirty_chunks: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); labels.len()];
+    let mut dirty_blocks = BTreeSet::new();
+    let mut offset = 0usize;
+    for (label, (bytes, ranges)) in labels.iter().zip(written).enumerate() {
+        for range in ranges {
+            let (start, end) = (range.start.min(bytes.len()), range.end.min(bytes.len()));
+            if start < end {
+                dirty_chunks[label].extend(start / CHUNK_BYTES..end.div_ceil(CHUNK_BYTES));
+                dirty_blocks.extend((offset + start) / BLOCK_BYTES..(offset + end).div_ceil(BLOCK_BYTES));
+            }
+        }
+        offset += bytes.len();
+    }
+    // What to read of each label: its dirty chunks and its part of every
+    // dirty block, merged.
+    let mut spans: Vec<Vec<Range<usize>>> = Vec::with_capacity(labels.len());
+    let mut offset = 0usize;
+    for (bytes, chunks) in labels.iter().zip(&dirty_chunks) {
+        let end_of_label = offset + bytes.len();
+        let mut span: Vec<Range<usize>> =
+            chunks.iter().map(|c| c * CHUNK_BYTES..((c + 1) * CHUNK_BYTES).min(bytes.len())).collect();
+        let first_block = offset / BLOCK_BYTES;
+        for block in dirty_blocks.range(first_block..end_of_label.div_ceil(BLOCK_BYTES)) {
+            let (from, to) = ((block * BLOCK_BYTES).max(offset), ((block + 1) * BLOCK_BYTES).min(end_of_label));
+            if from < to {
+                span.push(from - offset..to - offset);
+            }
+        }
+        span.sort_by_key(|r| r.start);
+        let mut merged: Vec<Range<usize>> = Vec::with_capacity(span.len());
+        for range in span {
+            match merged.last_mut() {
+                Some(last) if range.start <= last.end => last.end = last.end.max(range.end),
+                _ => merged.push(range),
+            }
+        }
+        spans.push(merged);
+        offset = end_of_label;
+    }
+    let mut chunks = before_chunks.to_vec();
+    let mut blocks = before_blocks.to_vec();
+    checksum_spans(
+        labels,
+        &spans,
+        threads,
+        &mut chunks,
+        &mut blocks,
+        |label, chunk| dirty_chunks[label].contains(&chunk),
+        |block| dirty_blocks.contains(&block),
+    );
+    Some((chunks, blocks))
+}
+
+/// Checksums the `spans` of each label (sorted, disjoint byte ranges),
+/// cut at every chunk (per label) and block (per version) boundary, and
+/// sets the checksum of each chunk and block that `chunk_wanted` and
+/// `block_wanted` accept, which the spans must cover whole. Every byte of
+/// the spans is read once; a piece that is part of a chunk and of a block
+/// is checksummed once and combined into both (crc32c combines in
+/// O(log n)).
+fn checksum_spans(
+    labels: &[&[u8]],
+    spans: &[Vec<Range<usize>>],
+    threads: usize,
+    chunks: &mut [Vec<u32>],
+    blocks: &mut [u32],
+    chunk_wanted: impl Fn(usize, usize) -> bool,
+    block_wanted: impl Fn(usize) -> bool,
+) {
     struct Piece<'a> {
         label: usize,
-        chunk: usize,
-        block: usize,
+        /// Byte offset in the label.
+        at: usize,
+        /// Byte offset in the version.
+        file_offset: usize,
         bytes: &'a [u8],
     }
     let mut pieces = Vec::new();
-    let mut file_offset = 0usize;
-    for (label, bytes) in labels.iter().enumerate() {
-        let mut at = 0usize;
-        while at < bytes.len() {
-            let to_chunk_end = CHUNK_BYTES - at % CHUNK_BYTES;
-            let to_block_end = BLOCK_BYTES - (file_offset + at) % BLOCK_BYTES;
-            let len = to_chunk_end.min(to_block_end).min(bytes.len() - at);
-            pieces.push(Piece {
-                label,
-                chunk: at / CHUNK_BYTES,
-                block: (file_offset + at) / BLOCK_BYTES,
-                bytes: &bytes[at..at + len],
-            });
-            at += len;
+    let mut label_offset = 0usize;
+    for (label, (bytes, spans)) in labels.iter().zip(spans).enumerate() {
+        for span in spans {
+            let mut at = span.start;
+            while at < span.end {
+                let to_chunk_end = CHUNK_BYTES - at % CHUNK_BYTES;
+                let to_block_end = BLOCK_BYTES - (label_offset + at) % BLOCK_BYTES;
+                let len = to_chunk_end.min(to_block_end).min(span.end - at);
+                pieces.push(Piece { label, at, file_offset: label_offset + at, bytes: &bytes[at..at + len] });
+                at += len;
+            }
         }
-        file_offset += bytes.len();
+        label_offset += bytes.len();
     }
     let crcs = piece_crcs(&pieces.iter().map(|p| p.bytes).collect::<Vec<_>>(), threads);
-    let mut chunks: Vec<Vec<u32>> = labels.iter().map(|b| Vec::with_capacity(b.len().div_ceil(CHUNK_BYTES))).collect();
-    let mut blocks: Vec<u32> = Vec::with_capacity(file_offset.div_ceil(BLOCK_BYTES));
     for (piece, crc) in pieces.iter().zip(crcs) {
-        let label = &mut chunks[piece.label];
-        if label.len() == piece.chunk {
-            label.push(crc);
-        } else {
-            let last = label.last_mut().expect("a chunk's first piece came first");
-            *last = crc32c::crc32c_combine(*last, crc, piece.bytes.len());
+        let chunk = piece.at / CHUNK_BYTES;
+        if chunk_wanted(piece.label, chunk) {
+            let sum = &mut chunks[piece.label][chunk];
+            *sum = if piece.at % CHUNK_BYTES == 0 { crc } else { crc32c::crc32c_combine(*sum, crc, piece.bytes.len()) };
         }
-        if blocks.len() == piece.block {
-            blocks.push(crc);
-        } else {
-            let last = blocks.last_mut().expect("a block's first piece came first");
-            *last = crc32c::crc32c_combine(*last, crc, piece.bytes.len());
+        let block = piece.file_offset / BLOCK_BYTES;
+        if block_wanted(block) {
+            let sum = &mut blocks[block];
+            *sum = if piece.file_offset % BLOCK_BYTES == 0 {
+                crc
+            } else {
+                crc32c::crc32c_combine(*sum, crc, piece.bytes.len())
+            };
         }
     }
-    (chunks, blocks)
 }
 
 /// Bytes from which [`checksums`] uses several threads.
@@ -313,6 +409,54 @@ mod tests {
         assert_eq!((chunks.clone(), blocks.clone()), checksums_on(&[&data], 1));
         assert_eq!(chunks, label_crcs(&[&data]));
         assert_eq!(blocks, data.chunks(BLOCK_BYTES).map(crc32c::crc32c).collect::<Vec<_>>());
+    }
+
+    /// Random writes into labels off the block grid: the checksums of the
+    /// written chunks and blocks, updated from the old ones, are those of
+    /// a full pass; and a layout change is refused.
+    #[test]
+    fn checksums_where_written_equal_a_full_pass() {
+        let lens = [100, CHUNK_BYTES + 3 * BLOCK_BYTES + 17, 0, 2 * BLOCK_BYTES - 1, 9 * BLOCK_BYTES + 5];
+        let mut data: Vec<Vec<u8>> = lens.iter().enumerate().map(|(i, len)| bytes(*len, i as u8)).collect();
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move |below: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % below.max(1) as u64) as usize
+        };
+        for round in 0..40u8 {
+            let before = checksums(&data.iter().map(|d| d.as_slice()).collect::<Vec<_>>());
+            let mut written: Vec<Vec<Range<usize>>> = vec![Vec::new(); data.len()];
+            for _ in 0..next(6) {
+                let label = next(data.len());
+                let at = next(data[label].len());
+                let end = (at + 1 + next(2 * BLOCK_BYTES)).min(data[label].len());
+                if at < end {
+                    data[label][at..end].iter_mut().for_each(|b| *b = b.wrapping_add(round | 1));
+                    written[label].push(at..end);
+                }
+            }
+            // What page tracking reports is whole pages: a wider range.
+            for ranges in &mut written {
+                for range in ranges.iter_mut() {
+                    *range = range.start / 4096 * 4096..range.end.div_ceil(4096) * 4096;
+                }
+                ranges.sort_by_key(|r| r.start);
+            }
+            let labels: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
+            let updated = checksums_where_written(&labels, &written, &before.0, &before.1, 1 + round as usize % 3);
+            assert_eq!(updated, Some(checksums(&labels)), "round {round}");
+        }
+        let labels: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
+        let (chunks, blocks) = checksums(&labels);
+        let none = vec![Vec::new(); labels.len()];
+        assert_eq!(
+            checksums_where_written(&labels, &none, &chunks, &blocks, 1),
+            Some((chunks.clone(), blocks.clone()))
+        );
+        assert_eq!(checksums_where_written(&labels[1..], &none[1..], &chunks, &blocks, 1), None);
+        assert_eq!(checksums_where_written(&labels, &none, &chunks, &blocks[1..], 1), None);
     }
 
     #[test]
