@@ -229,6 +229,15 @@ pub struct ClientConfig {
     /// whole version (checksummed while it moves, as with this off). Off:
     /// every commit sends every byte. `ICHECK_INCREMENTAL` (0/1) overrides it.
     pub incremental: bool,
+    /// Page tracking (opt-in, Linux 6.7 or later): incremental commits
+    /// ask the kernel which pages this process wrote since its previous
+    /// commit (userfaultfd asynchronous write-protection read with
+    /// `PAGEMAP_SCAN`) and checksum only those, instead of every byte.
+    /// Writes a NIC makes by DMA into the memory are not seen, so leave it
+    /// off where the application receives RDMA into checkpointed memory.
+    /// Where the kernel cannot track pages the library says so once and
+    /// compares checksums. `ICHECK_PAGE_TRACKING` (0/1) overrides it.
+    pub page_tracking: bool,
     /// Seconds to wait for the controller at init before giving up.
     pub connect_timeout: f64,
     /// Agents copy every this many versions to the PFS (0 = never).
@@ -314,6 +323,7 @@ impl Default for ClientConfig {
             staging_buffer: crate::units::ByteSize(64 << 20),
             zero_copy: true,
             incremental: true,
+            page_tracking: false,
             connect_timeout: 5.0,
             pfs_interval: 0,
             compression: "auto".into(),

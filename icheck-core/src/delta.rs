@@ -65,7 +65,7 @@ pub fn checksums(labels: &[&[u8]]) -> (Vec<Vec<u32>>, Vec<u32>) {
 /// [`checksums`] on at most `threads` threads (one: beside a transfer
 /// that needs the other cores).
 pub fn checksums_on(labels: &[&[u8]], threads: usize) -> (Vec<Vec<u32>>, Vec<u32>) {
-    let spans: Vec<Vec<Range<usize>>> = labels.iter().map(|l| vec![0..l.len()]).collect();
+    let spans: Vec<Vec<Range<usize>>> = labels.iter().map(|l| std::iter::once(0..l.len()).collect()).collect();
     let mut chunks: Vec<Vec<u32>> = labels.iter().map(|l| vec![0; l.len().div_ceil(CHUNK_BYTES)]).collect();
     let mut blocks = vec![0; labels.iter().map(|l| l.len()).sum::<usize>().div_ceil(BLOCK_BYTES)];
     checksum_spans(labels, &spans, threads, &mut chunks, &mut blocks, |_, _| true, |_| true);

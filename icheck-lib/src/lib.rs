@@ -36,7 +36,8 @@ mod segment;
 mod tracking;
 
 pub use client::{
-    Error, Global, Icheck, InitStatus, ProbeHints, ProbeOutcome, Protection, Recalc, Recalculate, Replicated, Resize,
+    CommitStats, Error, Global, Icheck, InitStatus, ProbeHints, ProbeOutcome, Protection, Recalc, Recalculate,
+    Replicated, Resize,
 };
 #[cfg(feature = "mpi")]
 pub use comm::MpiComm;

@@ -366,6 +366,8 @@ mod tests {
             assert_ne!(at, libc::MAP_FAILED);
             Mapping { at: at.cast(), len }
         }
+        // A test helper over foreign memory, like a C label's pointer.
+        #[allow(clippy::mut_from_ref)]
         fn bytes(&self) -> &mut [u8] {
             // SAFETY: the mapping is readable and writable for len bytes
             // while self lives; each test uses one view at a time.
@@ -473,10 +475,12 @@ mod tests {
         let mut tracker = PageTracker::new().expect("this kernel tracks pages");
         let memory = Mapping::new(1 << 20);
         let range = memory.range();
-        assert_eq!(tracker.take_written(&[range.clone()]).unwrap(), Written::Everything);
+        assert_eq!(tracker.take_written(std::slice::from_ref(&range)).unwrap(), Written::Everything);
         let shorter = range.start..range.end - PAGE;
-        assert_eq!(tracker.take_written(&[shorter.clone()]).unwrap(), Written::Everything);
-        assert!(matches!(tracker.take_written(&[shorter.clone()]).unwrap(), Written::Pages(p) if p.is_empty()));
+        assert_eq!(tracker.take_written(std::slice::from_ref(&shorter)).unwrap(), Written::Everything);
+        assert!(
+            matches!(tracker.take_written(std::slice::from_ref(&shorter)).unwrap(), Written::Pages(p) if p.is_empty())
+        );
         // The memory is replaced by a new mapping at the same address: its
         // pages are not registered, so the scan must fail, not say "clean".
         // SAFETY: MAP_FIXED over the test's own mapping, same length.
@@ -492,7 +496,7 @@ mod tests {
         };
         assert_eq!(again.cast(), memory.at);
         memory.bytes()[0] = 1;
-        assert!(tracker.take_written(&[shorter.clone()]).is_err());
+        assert!(tracker.take_written(std::slice::from_ref(&shorter)).is_err());
         assert_eq!(tracker.take_written(&[shorter]).unwrap(), Written::Everything, "then it starts again");
     }
 

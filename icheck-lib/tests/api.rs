@@ -182,19 +182,24 @@ fn probe_moves_to_new_agents_when_a_manager_dies() {
     ic.finalize(false).unwrap();
 }
 
-/// The service's client configuration with `incremental = on` (a file
-/// beside it: the environment variable would reach every test of this
-/// binary).
-fn incremental_setting(service: &LocalService, on: bool) -> std::path::PathBuf {
+/// The service's configuration with `keys` added to its `[client]`
+/// section, as a file `name` beside it (an environment variable would
+/// reach every test of this binary).
+fn client_config(service: &LocalService, name: &str, keys: &str) -> std::path::PathBuf {
     let text = std::fs::read_to_string(service.config_path()).unwrap();
-    let key = format!("[client]\nincremental = {on}\n");
+    let key = format!("[client]\n{keys}\n");
     let text = match text.find("[client]") {
         Some(at) => format!("{}{key}{}", &text[..at], &text[at + "[client]".len()..]),
         None => format!("{text}\n{key}"),
     };
-    let path = service.config_path().with_file_name(format!("incremental-{on}.toml"));
+    let path = service.config_path().with_file_name(name);
     std::fs::write(&path, text).unwrap();
     path
+}
+
+/// The service's client configuration with `incremental = on`.
+fn incremental_setting(service: &LocalService, on: bool) -> std::path::PathBuf {
+    client_config(service, &format!("incremental-{on}.toml"), &format!("incremental = {on}"))
 }
 
 fn incremental_config(service: &LocalService) -> std::path::PathBuf {
@@ -336,6 +341,98 @@ fn async_incremental_commits_send_the_changed_blocks_of_the_staged_copy() {
     let back = Region::<u8>::zeroed(8 * MIB);
     ic.restore("data", &back).unwrap();
     assert!(*back.read() == *data.read(), "version 3 is the staged bytes, bit-exact");
+    ic.finalize(false).unwrap();
+}
+
+/// Page tracking (opt-in): after the first commit, a commit checksums only
+/// the chunks whose pages the process wrote, whichever way it wrote them
+/// (its own stores, other threads, the kernel's `read(2)`), and every
+/// version restores bit-exact. A restore, or a label whose memory moved,
+/// makes the next commit compare every byte again.
+#[test]
+fn page_tracking_checksums_only_written_pages_and_restores_bit_exact() {
+    const MIB: usize = 1 << 20;
+    let service = service("api-tracking");
+    let config = client_config(&service, "tracking.toml", "incremental = true\npage_tracking = true");
+    let (mut ic, _) = Icheck::init(Some(&config), "tracked", SingleProcess).expect("init");
+    let head = Region::from_vec(vec![1u8; 100]);
+    let data = Region::from_vec((0..64 * MIB).map(|i| (i % 253) as u8).collect::<Vec<u8>>());
+    ic.add("head", &head).unwrap();
+    ic.add("data", &data).unwrap();
+    assert_eq!(ic.commit().unwrap(), 1);
+    let first = ic.last_commit().unwrap();
+    assert!(!first.page_tracking && first.checksummed_bytes == first.total_bytes, "{first:?}");
+
+    let mut seed = 0x853c_49e6_748f_ea9bu64;
+    let mut next = move |below: usize| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % below as u64) as usize
+    };
+    let mut file = {
+        let path = service.config_path().with_file_name("tracking-input");
+        std::fs::write(&path, vec![0xA5u8; 2 * MIB]).unwrap();
+        std::fs::File::open(path).unwrap()
+    };
+    for version in 2..=12u64 {
+        match version % 4 {
+            // A few scattered bytes and runs, from this thread.
+            0 | 1 => {
+                let mut bytes = data.write();
+                for _ in 0..1 + next(3) {
+                    let at = next(64 * MIB - 4096);
+                    bytes[at..at + 1 + next(4096)].iter_mut().for_each(|b| *b = b.wrapping_add(1));
+                }
+            }
+            // From another thread.
+            2 => std::thread::scope(|s| {
+                s.spawn(|| data.write()[next(64 * MIB)] ^= 0x5a);
+            }),
+            // By the kernel: read(2) straight into the region.
+            _ => {
+                use std::io::{Read, Seek};
+                file.rewind().unwrap();
+                let at = next(62 * MIB);
+                file.read_exact(&mut data.write()[at..at + MIB + 17]).unwrap();
+            }
+        }
+        head.write()[next(100)] ^= 1;
+        assert_eq!(ic.commit().unwrap(), version);
+        let stats = ic.last_commit().unwrap();
+        assert!(stats.page_tracking, "version {version}: {stats:?}");
+        // At most three runs and the head: at most seven 4 MiB chunks
+        // read, and eight 1 MiB blocks sent, of 64 MiB.
+        assert!(stats.checksummed_bytes <= 7 * 4 * MIB as u64 + 100, "version {version}: {stats:?}");
+        assert!(stats.moved_bytes <= 8 * MIB as u64, "version {version}: {stats:?}");
+    }
+    // A restore may arrive by DMA: the next commit compares every byte.
+    let expected = (head.read().clone(), data.read().clone());
+    assert_eq!(ic.restart().unwrap(), 12);
+    ic.restore_all().unwrap();
+    assert!(*head.read() == expected.0 && *data.read() == expected.1, "version 12 is not bit-exact");
+    data.write()[5] ^= 1;
+    assert_eq!(ic.commit().unwrap(), 13);
+    assert!(!ic.last_commit().unwrap().page_tracking, "after a restore");
+    data.write()[7 * MIB] ^= 1;
+    assert_eq!(ic.commit().unwrap(), 14);
+    assert!(ic.last_commit().unwrap().page_tracking);
+    // The label's memory moves (a resize reallocates): tracking starts
+    // again on the new pages, and that commit compares every byte.
+    data.write().extend_from_slice(&[9u8; 3 * MIB]);
+    assert_eq!(ic.commit().unwrap(), 15);
+    assert!(!ic.last_commit().unwrap().page_tracking);
+    data.write()[66 * MIB] ^= 1;
+    assert_eq!(ic.commit().unwrap(), 16);
+    assert!(ic.last_commit().unwrap().page_tracking);
+    ic.finalize(true).unwrap();
+
+    let (mut ic, _) = Icheck::init(Some(&config), "tracked", SingleProcess).expect("init");
+    assert_eq!(ic.restart().unwrap(), 16);
+    let (head_back, data_back) = (Region::<u8>::zeroed(100), Region::<u8>::zeroed(67 * MIB));
+    ic.restore("head", &head_back).unwrap();
+    ic.restore("data", &data_back).unwrap();
+    assert!(*head_back.read() == *head.read() && *data_back.read() == *data.read(), "version 16 is not bit-exact");
     ic.finalize(false).unwrap();
 }
 

@@ -3,7 +3,10 @@
 //! once every rank has sealed. Every path moves its bytes through the one
 //! sequence in `link.rs` (`commit_version`).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use super::*;
+use crate::tracking::{written_per_label, PageTracker, Written};
 
 /// The fraction of changed blocks above which the next incremental commit
 /// sends the whole version (see `commit_incremental`). Sending blocks costs
@@ -11,6 +14,81 @@ use super::*;
 /// them, ~1.8× a whole commit's time per byte (commit-bench's sweep), so
 /// blocks win below about 0.44 of the version changed.
 const MOST_CHANGED: f64 = 0.4;
+
+/// What the last blocking zero-copy commit of this process did
+/// ([`Icheck::last_commit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CommitStats {
+    /// The version.
+    pub version: u64,
+    /// Bytes of the version (all labels).
+    pub total_bytes: u64,
+    /// Bytes that crossed the fabric (with incremental commits, the
+    /// changed blocks).
+    pub moved_bytes: u64,
+    /// Bytes read to checksum the version: all of them, unless page
+    /// tracking knew which pages were written.
+    pub checksummed_bytes: u64,
+    /// Whether page tracking decided what to checksum.
+    pub page_tracking: bool,
+}
+
+/// Page tracking between commits (`crate::tracking`): the kernel's record
+/// and what it is relative to.
+pub(super) struct Tracking {
+    tracker: PageTracker,
+    /// The version whose commit last took the written pages, and its chunk
+    /// checksums: the pages written since are relative to it.
+    since: Option<(u64, Vec<Vec<u32>>)>,
+    /// Set by a restore: its bytes may have arrived by DMA, which the
+    /// kernel does not see, so the next commit compares every byte.
+    pub(super) restored: AtomicBool,
+}
+
+/// What page tracking tells one commit: the bytes of each label written
+/// since the version `since`, and that version's chunk checksums.
+pub(super) struct WrittenSince {
+    pub(super) since: u64,
+    pub(super) ranges: Vec<Vec<std::ops::Range<usize>>>,
+    pub(super) chunks: Vec<Vec<u32>>,
+}
+
+impl Tracking {
+    /// Page tracking, or `None` (said once, with the kernel's reason)
+    /// where this kernel cannot track pages.
+    pub(super) fn start() -> Option<Tracking> {
+        match PageTracker::new() {
+            Ok(tracker) => Some(Tracking { tracker, since: None, restored: AtomicBool::new(false) }),
+            Err(err) => {
+                tracing::warn!(%err, "page tracking is off: incremental commits compare checksums");
+                None
+            }
+        }
+    }
+
+    /// Takes the pages written since the last call over `labels` (address
+    /// ranges; this protects them again, so it must be called once per
+    /// commit) and says what they are relative to, if that is the version
+    /// this rank sealed last (`sealed`) and no restore came between.
+    fn take(&mut self, labels: &[std::ops::Range<usize>], sealed: Option<u64>) -> Option<WrittenSince> {
+        let since = self.since.take();
+        let restored = self.restored.swap(false, Ordering::AcqRel);
+        let pages = match self.tracker.take_written(labels) {
+            Ok(Written::Pages(pages)) => pages,
+            Ok(Written::Everything) => return None,
+            Err(err) => {
+                tracing::warn!(%err, "page tracking failed; this commit compares every checksum");
+                return None;
+            }
+        };
+        let (version, chunks) = since?;
+        (Some(version) == sealed && !restored).then(|| WrittenSince {
+            since: version,
+            ranges: written_per_label(&pages, labels),
+            chunks,
+        })
+    }
+}
 
 /// What a background commit thread hands back.
 pub(super) struct Background {
@@ -67,6 +145,7 @@ impl Icheck {
         self.wait()?;
         self.release_restart();
         self.check_global_labels()?;
+        self.last_commit = None;
         let version = self.next_version;
         self.next_version += 1;
         self.size_hint = u64::MAX;
@@ -116,6 +195,14 @@ impl Icheck {
         let stored = self.store_elsewhere_on_failure(stored, |me| me.store_blocking(version));
         self.complete_or_fall_back(version, stored, started)?;
         Ok(version)
+    }
+
+    /// What this process's last commit moved and checksummed, when it was
+    /// a blocking zero-copy commit (the default data path); `None` after
+    /// other commits. Lets an application (or a benchmark) see what
+    /// incremental commits and page tracking saved.
+    pub fn last_commit(&self) -> Option<CommitStats> {
+        self.last_commit
     }
 
     /// A blocking MR commit's transfer, by the configured data path.
@@ -328,16 +415,51 @@ impl Icheck {
                     .collect()
             };
             let previous = self.sealed_blocks.as_ref().map(|(v, blocks)| (*v, blocks.as_slice()));
+            let label_ranges: Vec<std::ops::Range<usize>> =
+                slices.iter().map(|s| s.as_ptr() as usize..s.as_ptr() as usize + s.len()).collect();
+            let written = self.tracking.as_mut().and_then(|t| t.take(&label_ranges, previous.map(|(v, _)| v)));
+            let total: u64 = lens.iter().map(|l| *l as u64).sum();
             // What changed last time predicts this time: a run that
             // rewrites most of its memory commits whole, checksumming while
-            // the bytes move, and switches back once little changes.
-            let expect_most_changed = self.changed_last > MOST_CHANGED;
-            let committed =
-                commit_incremental(link, &self.endpoint, header, &slices, previous, expect_most_changed, pieces_of)?;
+            // the bytes move, and switches back once little changes. Page
+            // tracking knows instead of predicting.
+            let expect_most_changed = match &written {
+                Some(w) => {
+                    let bytes: usize = w.ranges.iter().flatten().map(|r| r.len()).sum();
+                    bytes as f64 > MOST_CHANGED * total as f64
+                }
+                None => self.changed_last > MOST_CHANGED,
+            };
+            let committed = commit_incremental(
+                link,
+                &self.endpoint,
+                header,
+                &slices,
+                previous,
+                expect_most_changed,
+                written,
+                pieces_of,
+            )?;
+            if let Some(tracking) = self.tracking.as_mut() {
+                tracking.since = Some((version, committed.chunks));
+            }
             self.sealed_blocks = Some((version, committed.blocks));
             self.changed_last = committed.changed;
-            let total: u64 = lens.iter().map(|l| *l as u64).sum();
-            tracing::debug!(moved = committed.moved, total, changed = committed.changed, "incremental commit");
+            self.last_commit = Some(CommitStats {
+                version,
+                total_bytes: total,
+                moved_bytes: committed.moved,
+                checksummed_bytes: committed.checksummed,
+                page_tracking: committed.tracked,
+            });
+            tracing::debug!(
+                moved = committed.moved,
+                total,
+                changed = committed.changed,
+                checksummed = committed.checksummed,
+                tracked = committed.tracked,
+                "incremental commit"
+            );
             drop(regions);
             drop(guards);
             // The version holds every byte, whatever crossed the fabric.
@@ -354,6 +476,14 @@ impl Icheck {
             })
             .collect();
         let moved = commit_version(link, &self.endpoint, header, &slices, |mover| mover.send(&pieces))?;
+        let total: u64 = lens.iter().map(|l| *l as u64).sum();
+        self.last_commit = Some(CommitStats {
+            version,
+            total_bytes: total,
+            moved_bytes: moved,
+            checksummed_bytes: total,
+            page_tracking: false,
+        });
         drop(regions);
         drop(guards);
         Ok(moved)
@@ -497,8 +627,16 @@ impl Icheck {
                     }
                 };
                 let previous = previous.as_ref().map(|(v, blocks)| (*v, blocks.as_slice()));
-                let committed =
-                    commit_incremental(&mut link, &endpoint, header, &labels, previous, expect_most_changed, pieces_of);
+                let committed = commit_incremental(
+                    &mut link,
+                    &endpoint,
+                    header,
+                    &labels,
+                    previous,
+                    expect_most_changed,
+                    None,
+                    pieces_of,
+                );
                 let (result, blocks) = match committed {
                     Ok(c) => (Ok(()), Some((version, c.blocks, c.changed))),
                     Err(err) => (Err(err), None),

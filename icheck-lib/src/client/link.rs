@@ -334,19 +334,19 @@ pub(super) fn commit_version(
     labels: &[&[u8]],
     transfer: impl FnOnce(&mut Mover<'_>) -> Result<u64>,
 ) -> Result<u64> {
-    commit_whole(link, endpoint, header, labels, transfer).map(|(moved, _)| moved)
+    commit_whole(link, endpoint, header, labels, transfer).map(|(moved, _, _)| moved)
 }
 
-/// [`commit_version`], also returning the version's block checksums
-/// ([`icheck_core::delta`]), computed in the same pass as its chunk
-/// checksums, on one core: the transfer needs the others.
+/// [`commit_version`], also returning the version's chunk and block
+/// checksums ([`icheck_core::delta`]), computed in one pass on one core:
+/// the transfer needs the others.
 fn commit_whole(
     link: &mut AgentLink,
     endpoint: &Endpoint,
     header: VersionHeader,
     labels: &[&[u8]],
     transfer: impl FnOnce(&mut Mover<'_>) -> Result<u64>,
-) -> Result<(u64, Vec<u32>)> {
+) -> Result<(u64, Vec<Vec<u32>>, Vec<u32>)> {
     let VersionHeader { version, shape, layout, push } = header;
     link.expect_bytes(layout.iter().map(|l| l.len).sum());
     let target = link.begin(version, shape, layout, push)?;
@@ -356,8 +356,8 @@ fn commit_whole(
         let sums = checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))?;
         Ok::<_, Error>((moved?, sums))
     })?;
-    link.seal(crcs)?;
-    Ok((moved, blocks))
+    link.seal(crcs.clone())?;
+    Ok((moved, crcs, blocks))
 }
 
 /// What [`commit_incremental`] did.
@@ -366,6 +366,13 @@ pub(super) struct IncrementalCommit {
     pub(super) moved: u64,
     /// The version's block checksums (the next commit's `before`).
     pub(super) blocks: Vec<u32>,
+    /// The version's chunk checksums, label by label (what page tracking
+    /// updates next time).
+    pub(super) chunks: Vec<Vec<u32>>,
+    /// Bytes read to checksum the version.
+    pub(super) checksummed: u64,
+    /// Whether page tracking limited the checksum pass.
+    pub(super) tracked: bool,
     /// Fraction of blocks that differ from the previous version's (1 when
     /// there was none to compare with, or the layout changed: as if
     /// everything changed, so the next commit is sent whole and measured).
@@ -383,6 +390,10 @@ pub(super) struct IncrementalCommit {
 /// parent takes every byte. Otherwise it commits the whole version as
 /// [`commit_version`] does, checksumming (blocks too) while the bytes move:
 /// when most blocks change, checksumming first would only add its time.
+///
+/// With `written` (page tracking, relative to the same parent) only the
+/// chunks and blocks with written bytes are checksummed first.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn commit_incremental<'p>(
     link: &mut AgentLink,
     endpoint: &Endpoint,
@@ -390,6 +401,7 @@ pub(super) fn commit_incremental<'p>(
     labels: &[&[u8]],
     previous: Option<(u64, &[u32])>,
     expect_most_changed: bool,
+    written: Option<WrittenSince>,
     pieces_of: impl Fn(u64, u64, u64) -> Vec<Piece<'p>>,
 ) -> Result<IncrementalCommit> {
     let total: u64 = header.layout.iter().map(|l| l.len).sum();
@@ -401,7 +413,7 @@ pub(super) fn commit_incremental<'p>(
     let push = header.push;
     if previous.is_none() || expect_most_changed {
         let pieces = pieces_of(0, total, 0);
-        let (moved, blocks) =
+        let (moved, chunks, blocks) =
             commit_whole(
                 link,
                 endpoint,
@@ -416,10 +428,19 @@ pub(super) fn commit_incremental<'p>(
                 },
             )?;
         let changed = fraction(&blocks);
-        return Ok(IncrementalCommit { moved, blocks, changed });
+        return Ok(IncrementalCommit { moved, blocks, chunks, changed, checksummed: total, tracked: false });
     }
     link.expect_bytes(total);
-    let (crcs, blocks) = icheck_core::delta::checksums(labels);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
+    let partial = written.as_ref().zip(previous).filter(|(w, (parent, _))| w.since == *parent).and_then(
+        |(written, (_, before))| {
+            let sums =
+                icheck_core::delta::checksums_where_written(labels, &written.ranges, &written.chunks, before, threads)?;
+            Some((sums, written_bytes(labels, &written.ranges)))
+        },
+    );
+    let tracked = partial.is_some();
+    let ((crcs, blocks), checksummed) = partial.unwrap_or_else(|| (icheck_core::delta::checksums(labels), total));
     let changed = fraction(&blocks);
     let runs = previous.and_then(|(parent, before)| Some((parent, changed_runs(before, &blocks)?)));
     let (target, runs) = match runs {
@@ -445,8 +466,26 @@ pub(super) fn commit_incremental<'p>(
         None => pieces_of(0, total, 0),
     };
     let moved = if pieces.is_empty() { 0 } else { Mover { link: &mut *link, endpoint, target, push }.send(&pieces)? };
-    link.seal(crcs)?;
-    Ok(IncrementalCommit { moved, blocks, changed })
+    link.seal(crcs.clone())?;
+    Ok(IncrementalCommit { moved, blocks, chunks: crcs, changed, checksummed, tracked })
+}
+
+/// Bytes [`icheck_core::delta::checksums_where_written`] reads for
+/// `written`: the chunks they touch (blocks lie within them but at label
+/// ends), an upper bound close enough for reporting.
+fn written_bytes(labels: &[&[u8]], written: &[Vec<std::ops::Range<usize>>]) -> u64 {
+    labels
+        .iter()
+        .zip(written)
+        .map(|(bytes, ranges)| {
+            let chunks: std::collections::BTreeSet<usize> = ranges
+                .iter()
+                .filter(|r| r.start < r.end.min(bytes.len()))
+                .flat_map(|r| r.start / CHUNK_BYTES..r.end.min(bytes.len()).div_ceil(CHUNK_BYTES))
+                .collect();
+            chunks.iter().map(|c| (bytes.len() - c * CHUNK_BYTES).min(CHUNK_BYTES) as u64).sum::<u64>()
+        })
+        .sum()
 }
 
 /// Commits a version whose bytes are one registered buffer (the async

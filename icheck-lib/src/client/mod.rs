@@ -47,7 +47,8 @@ mod resize;
 mod restart;
 mod shmr;
 
-use commit::{Background, InFlight};
+pub use commit::CommitStats;
+use commit::{Background, InFlight, Tracking, WrittenSince};
 pub use error::Error;
 use error::Result;
 use link::{commit_buffer, commit_incremental, commit_version, Piece, VersionHeader};
@@ -152,6 +153,10 @@ pub struct Icheck {
     /// The block checksums of the version this rank sealed last, and its
     /// number: what an incremental commit compares against.
     sealed_blocks: Option<(u64, Vec<u32>)>,
+    /// `page_tracking` (see `ClientConfig`), where the kernel offers it.
+    tracking: Option<Tracking>,
+    /// What the last blocking zero-copy commit did.
+    last_commit: Option<CommitStats>,
     /// Bytes of the last size hint sent before the first commit
     /// (`u64::MAX` once a commit began: no more hints).
     size_hint: u64,
@@ -275,6 +280,12 @@ impl Icheck {
             Some("1") | Some("true") => true,
             _ => client.incremental,
         };
+        let page_tracking = match std::env::var("ICHECK_PAGE_TRACKING").ok().as_deref() {
+            Some("0") | Some("false") => false,
+            Some("1") | Some("true") => true,
+            _ => client.page_tracking,
+        };
+        let tracking = (page_tracking && incremental).then(Tracking::start).flatten();
         let staging_size = match std::env::var("ICHECK_STAGING_BUFFER") {
             Ok(text) => text
                 .parse::<icheck_core::units::ByteSize>()
@@ -490,6 +501,8 @@ impl Icheck {
             zero_copy,
             incremental,
             sealed_blocks: None,
+            tracking,
+            last_commit: None,
             size_hint: 0,
             // Nothing known: the second commit goes whole, and measures.
             changed_last: 1.0,

@@ -183,6 +183,10 @@ impl Icheck {
     }
 
     pub(super) fn restore_bytes(&self, label: &str, kind: DataKind, out: &mut [u8]) -> Result<()> {
+        if let Some(tracking) = &self.tracking {
+            // The bytes may arrive by DMA, which page tracking cannot see.
+            tracking.restored.store(true, std::sync::atomic::Ordering::Release);
+        }
         let (restored, index) = self.restored_label(label)?;
         let layout = &restored.manifest.labels[index];
         if let RestoredData::Resized(resized) = &restored.data {
