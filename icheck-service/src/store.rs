@@ -359,6 +359,17 @@ impl Store {
         self.create_mapped(&data, len, false)
     }
 
+    /// [`Store::create`] without touching the rank's spare or prepared
+    /// file: for a version's file made while another thread is still
+    /// preparing the next one (its file must stay where that thread put it).
+    pub fn create_new(&self, app: &str, rank: u32, version: u64, len: u64) -> Result<MappedFile> {
+        let dir = self.rank_dir(app, rank)?;
+        fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
+        let (data, meta) = self.paths(app, rank, version)?;
+        let _ = fs::remove_file(&meta);
+        self.create_mapped(&data, len, true)
+    }
+
     /// Creates the rank's prepared file with `len` bytes, its pages not yet
     /// backed: a file of the next version's size that counts against the
     /// node's memory from here on ([`Store::bytes_held`] counts lengths),
@@ -1309,6 +1320,13 @@ mod tests {
         let rank_dir = dir.join("app/rank0");
         assert!(!rank_dir.join(SPARE).exists() && !rank_dir.join(PREPARED).exists());
         assert!(store.discard_prepared("app", 0).is_ok_and(|removed| !removed));
+
+        // `create_new` leaves a prepared file (still being made by another
+        // thread) where it is, and makes a file of its own.
+        store.reserve_prepared("app", 0, len).unwrap();
+        let fresh = store.create_new("app", 0, 4, 4096).unwrap();
+        assert_eq!(fresh.as_slice(), vec![0u8; 4096]);
+        assert_eq!(fs::metadata(rank_dir.join(PREPARED)).unwrap().len(), len);
         let _ = fs::remove_dir_all(dir);
     }
 

@@ -1129,15 +1129,39 @@ fn begin_incremental(
     // The store may hand the spare's or the prepared file's pages to this
     // version (cut to its length): no mapping of them may outlive that.
     session.spare = None;
-    if let Some(thread) = session.prepared.take() {
-        drop(thread.join());
-    }
     let (app, rank, version, written) =
         (session.core.app(), session.core.rank(), checked.version, checked.written_len());
+    // The file prepared after the last version: its mapping is taken as it
+    // is when it has this version's size (a run committing the same small
+    // change again), else its pages are. One still being made is left to
+    // finish: waiting for it cost a small commit several milliseconds, and
+    // the next Begin takes it.
+    let still_preparing = session.prepared.as_ref().is_some_and(|thread| !thread.is_finished());
+    let prepared = match still_preparing {
+        true => None,
+        false => session.prepared.take().and_then(|thread| thread.join().ok().flatten()),
+    };
+    let prepared = match prepared {
+        Some(file) if file.len() as u64 == written.max(4096) => Some(file),
+        other => {
+            drop(other);
+            None
+        }
+    };
     let space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
-    let held = if shared.mem_budget > 0 { store.bytes_held() } else { 0 };
-    let file = admit(shared.mem_budget, held, written)
-        .and_then(|()| store.create(app, rank, version, written).map_err(|e| e.to_string()));
+    let file = match prepared {
+        Some(file) if store.reuse_prepared(app, rank, version, written).map_err(|e| e.to_string())? => Ok(file),
+        _ => {
+            let held = if shared.mem_budget > 0 { store.bytes_held() } else { 0 };
+            admit(shared.mem_budget, held, written).and_then(|()| {
+                match still_preparing {
+                    true => store.create_new(app, rank, version, written),
+                    false => store.create(app, rank, version, written),
+                }
+                .map_err(|e| e.to_string())
+            })
+        }
+    };
     drop(space);
     let file = match file {
         Ok(file) => file,

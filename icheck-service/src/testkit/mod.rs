@@ -198,7 +198,14 @@ impl Drop for LocalService {
             self.print_log_tails(40);
         }
         let _ = Command::new(&self.icheck).args(["down", "--state-dir"]).arg(&self.dir).output();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        // ICHECK_KEEP_LOGS=1 keeps the directory (logs, configuration) to
+        // read after a test or benchmark; the store goes either way.
+        if std::env::var_os("ICHECK_KEEP_LOGS").is_some() {
+            eprintln!("kept the service's directory {}", self.dir.display());
+            let _ = std::fs::remove_dir_all(&self.config.agent_store_dir);
+        } else {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
         forget_capabilities(&self.config);
     }
 }
