@@ -76,11 +76,17 @@ pub fn rates(path: &Path, title: &str, kinds: &[&str], bars: &[Bar]) -> Result<(
 }
 
 /// Writes commit time against the changed fraction of a rank's memory
-/// (`points`: percent changed, milliseconds) beside the plain commit and
-/// the checksum pass alone, to `path`.
-pub fn incremental(path: &Path, title: &str, points: &[(f64, f64)], plain_ms: f64, floor_ms: f64) -> Result<()> {
+/// (each curve: a name and its points, percent changed and milliseconds)
+/// beside the plain commit and the checksum pass alone, to `path`.
+pub fn incremental(
+    path: &Path,
+    title: &str,
+    curves: &[(&str, Vec<(f64, f64)>)],
+    plain_ms: f64,
+    floor_ms: f64,
+) -> Result<()> {
     let plot_err = |e: &dyn std::fmt::Display| anyhow!("plot {}: {e}", path.display());
-    let max = points.iter().map(|p| p.1).fold(plain_ms, f64::max) * 1.15;
+    let max = curves.iter().flat_map(|(_, points)| points.iter().map(|p| p.1)).fold(plain_ms, f64::max) * 1.15;
     let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| plot_err(&e))?;
     let mut chart = ChartBuilder::on(&root)
@@ -96,15 +102,18 @@ pub fn incremental(path: &Path, title: &str, points: &[(f64, f64)], plain_ms: f6
         .y_desc("commit time (ms)")
         .draw()
         .map_err(|e| plot_err(&e))?;
-    let mut sorted = points.to_vec();
-    sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let blue = Palette99::pick(0).to_rgba();
-    chart
-        .draw_series(LineSeries::new(sorted.iter().copied(), blue.stroke_width(2)))
-        .map_err(|e| plot_err(&e))?
-        .label("incremental commit")
-        .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], blue.stroke_width(2)));
-    chart.draw_series(sorted.iter().map(|p| Circle::new(*p, 4, blue.filled()))).map_err(|e| plot_err(&e))?;
+    // Curves take the first colours, the reference lines the next ones.
+    for (index, (name, points)) in curves.iter().enumerate() {
+        let mut sorted = points.clone();
+        sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let colour = Palette99::pick(if index == 0 { 0 } else { index + 2 }).to_rgba();
+        chart
+            .draw_series(LineSeries::new(sorted.iter().copied(), colour.stroke_width(2)))
+            .map_err(|e| plot_err(&e))?
+            .label(*name)
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 16, y)], colour.stroke_width(2)));
+        chart.draw_series(sorted.iter().map(|p| Circle::new(*p, 4, colour.filled()))).map_err(|e| plot_err(&e))?;
+    }
     for (kind, (name, ms)) in
         [("plain commit (every byte sent)", plain_ms), ("checksum pass alone", floor_ms)].into_iter().enumerate()
     {
