@@ -56,18 +56,28 @@ fn lose_nodes(service: &LocalService, nodes: &[&str]) {
 
 /// The first job: four ranks commit versions 1 to 3 and finish with IC_PERSIST.
 fn commit_three(service: &LocalService, name: &str, policy: &str) {
+    commit_three_with(service, name, policy, 4);
+}
+
+/// [`commit_three`] with `ranks` ranks.
+fn commit_three_with(service: &LocalService, name: &str, policy: &str, ranks: u32) {
     let args = ["--app", name, "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
     let env = [("ICHECK_REDUNDANCY", policy)];
-    let lines = Job::start(4, &service.config_path(), &args, &env).finish(Duration::from_secs(120));
+    let lines = Job::start(ranks, &service.config_path(), &args, &env).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
 }
 
 /// A restart from version 3, bit-exact, that commits once more.
 fn restart_bit_exact(service: &LocalService, name: &str, policy: &str, steps: u32) {
+    restart_bit_exact_with(service, name, policy, steps, 4);
+}
+
+/// [`restart_bit_exact`] with `ranks` ranks.
+fn restart_bit_exact_with(service: &LocalService, name: &str, policy: &str, steps: u32, ranks: u32) {
     let steps = steps.to_string();
     let args = ["--app", name, "--steps", &steps, "--every", "2", "--mib", "2", "--persist"];
     let env = [("ICHECK_REDUNDANCY", policy)];
-    let lines = Job::start(4, &service.config_path(), &args, &env).finish(Duration::from_secs(120));
+    let lines = Job::start(ranks, &service.config_path(), &args, &env).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l.starts_with("RESTORED version=") && l.ends_with("verified")), "{lines:?}");
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED")), "{lines:?}");
 }
@@ -125,6 +135,24 @@ fn reed_solomon_decodes_lost_ranks_and_names_them_when_too_many_are_lost() {
     assert!(!ok, "a restart after losing two of three nodes under rs:2+1 succeeded: {output}");
     assert!(output.contains("rebuilt") && output.contains("ranks ["), "the error names the missing ranks: {output}");
     assert!(output.contains(&nodes[0]) || output.contains(&nodes[1]), "the error names a lost node: {output}");
+}
+
+/// Three ranks under rs:2+1: the second group has one member, and its
+/// parity is coded over that member alone (no shard of zeros). The node of
+/// that rank is lost; the rank is decoded from the group's parity shard.
+#[test]
+fn a_group_short_of_members_is_coded_over_its_ranks_and_decoded() {
+    let service = service("red-short", 4);
+    commit_three_with(&service, "sh", "rs:2+1", 3);
+    let report = wait_protected(&service, "sh", 3);
+    let slot = icheck_core::decide::agent_for_rank(2, 3, report.agents.len() as u32) as usize;
+    let node = report.agents[slot].node.clone();
+    lose_node(&service, &node);
+    wait_protected(&service, "sh", 3);
+    restart_bit_exact_with(&service, "sh", "rs:2+1", 6, 3);
+    pfs_untouched(&service, "sh");
+    let managers: String = (1..=4).map(|n| service.log(&format!("manager-local-{n}.log"))).collect();
+    assert!(managers.contains("decoded from group 1"), "rank 2 was not decoded from its group's parity");
 }
 
 #[test]

@@ -326,10 +326,6 @@ struct ShardSource {
 }
 
 impl ShardSource {
-    fn zeros(shared: &Shared) -> Result<ShardSource, String> {
-        Self::with(shared, None, RemoteRegion { addr: 0, len: 0, key: 0 }, 0)
-    }
-
     fn with(
         shared: &Shared,
         session: Option<PeerSession>,
@@ -506,12 +502,10 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
     });
     let mut manifests = Vec::with_capacity(task.members.len());
     let mut sources = Vec::with_capacity(task.members.len());
+    // The code is over the present members only (`ParityMeta::members`).
     for member in fetched {
         match member? {
-            None => {
-                manifests.push(None);
-                sources.push(ShardSource::zeros(shared)?);
-            }
+            None => manifests.push(None),
             Some((session, manifest, region)) => {
                 sources.push(ShardSource::with(shared, Some(session), region, manifest.total_len)?);
                 manifests.push(Some(manifest));
@@ -720,6 +714,10 @@ fn decode_member(
     if shard >= k || members[shard].as_ref().map(|m| m.0) != Some(rank) {
         return Err(format!("rank {rank} is not shard {shard} of group {group}"));
     }
+    // The code's data shards are the present members (`ParityMeta::members`):
+    // this rank's index among them, and how many there are.
+    let coded = members[..shard].iter().flatten().count();
+    let present = members.iter().flatten().count();
     let mut lost = Vec::new();
     // Parity first: its description carries every member's manifest.
     let mut meta: Option<ParityMeta> = None;
@@ -768,10 +766,10 @@ fn decode_member(
         .clone()
         .filter(|m| m.rank == rank)
         .ok_or_else(|| format!("the parity of group {group} does not describe rank {rank} as shard {shard}"))?;
-    let mut data_sources: Vec<Option<ShardSource>> = Vec::with_capacity(k);
+    let mut data_sources: Vec<Option<ShardSource>> = Vec::with_capacity(present);
     for (index, member) in members.iter().enumerate() {
         let source = match member {
-            None => Some(ShardSource::zeros(shared)?),
+            None => continue,
             Some(_) if index == shard => None,
             Some((member_rank, None)) => {
                 lost.push(format!("rank {member_rank} (its node is lost)"));
@@ -802,9 +800,9 @@ fn decode_member(
         data_sources.push(source);
     }
     let survivors = data_sources.iter().flatten().count() + parity_sources.iter().flatten().count();
-    if survivors < k {
+    if survivors < present {
         return Err(format!(
-            "group {group} has {survivors} readable shards of the {k} decoding needs; missing: {}",
+            "group {group} has {survivors} readable shards of the {present} decoding needs; missing: {}",
             lost.join("; ")
         ));
     }
@@ -830,7 +828,7 @@ fn decode_member(
                 recovery.push(bytes);
             }
             let restored = redundancy::decode(&originals, &recovery).map_err(|e| e.to_string())?;
-            let mine = restored.get(&shard).ok_or("the decoder did not restore the shard")?;
+            let mine = restored.get(&coded).ok_or("the decoder did not restore the shard")?;
             let start = offset + at as u64;
             if start >= manifest.total_len {
                 break;
