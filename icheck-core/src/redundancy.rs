@@ -439,6 +439,17 @@ impl StripeEncoder {
         mut each: impl FnMut(usize, &[u8]),
     ) -> Result<(), RedundancyError> {
         let coding = |e: reed_solomon_simd::Error| RedundancyError::Coding(e.to_string());
+        // With one data shard every recovery shard of this code equals it
+        // (a repetition code; `one_data_shard_is_repeated` checks it
+        // against the coder): a group of one rank needs copies, not a
+        // coder's pass over its bytes.
+        if let [only] = originals {
+            if parity == 0 || only.is_empty() || only.len() % 2 != 0 {
+                return Err(RedundancyError::Coding(format!("1 data shard of {} bytes, {parity} parity", only.len())));
+            }
+            (0..parity).for_each(|j| each(j, only));
+            return Ok(());
+        }
         let shape = (originals.len(), parity, originals.first().map_or(0, |o| o.len()));
         let coder = match &mut self.coder {
             Some((coder, current)) if *current == shape => coder,
@@ -496,6 +507,21 @@ pub fn decode(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_data_shard_is_repeated() {
+        let data: Vec<u8> = (0..8192u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        for parity in 1..=3 {
+            let coded = encode(parity, &[&data]).unwrap();
+            let mut repeated = Vec::new();
+            StripeEncoder::default().encode(parity, &[&data], |j, shard| repeated.push((j, shard.to_vec()))).unwrap();
+            assert_eq!(repeated.len(), parity);
+            for (j, shard) in repeated {
+                assert_eq!(shard, coded[j], "parity {j} of {parity}: the coder's shard and the copy differ");
+            }
+        }
+        assert!(StripeEncoder::default().encode(2, &[&data[..3]], |_, _| ()).is_err(), "odd length");
+    }
 
     fn slots(nodes: &[&str]) -> Vec<Slot> {
         nodes.iter().map(|n| Slot { node: n.to_string(), group: None }).collect()
