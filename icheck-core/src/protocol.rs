@@ -1123,13 +1123,11 @@ pub struct ParityMeta {
     /// Bytes of every shard of the group (the longest member, rounded up
     /// to even; shorter members count as zero-padded).
     pub shard_len: u64,
-    /// Each member's manifest in shard order (`None`: no rank there, the
-    /// last group of a plan whose ranks do not fill it): what a member
-    /// rebuilt from the shards is verified against. The code is over the
-    /// present members only, in this order (K' data shards, K' ≤ K): an
-    /// absent member would only be zeros, costing encoding time and
-    /// protecting nothing, and any M losses among the K' + M nodes are
-    /// still survived.
+    /// Each member's manifest in shard order (`None`: no rank there): what
+    /// a member rebuilt from the shards is verified against. The code is
+    /// over the present members only, in this order (K' data shards,
+    /// K' ≤ K; a plan lists present ranks only, so today K' is the
+    /// group's length).
     pub members: Vec<Option<Manifest>>,
     /// crc32c of each [`STRIPE`] of this shard's bytes.
     pub crcs: Vec<u32>,

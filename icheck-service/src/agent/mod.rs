@@ -1422,7 +1422,7 @@ fn verify_piece(meta: &PieceMeta, bytes: &[u8], version: u64, piece: PieceId) ->
         }
         PieceMeta::Parity(parity) => {
             let stripes = bytes.chunks(protocol::STRIPE as usize);
-            match stripes.zip(&parity.crcs).position(|(bytes, crc)| crc32c::crc32c(bytes) != *crc) {
+            match stripes.zip(&parity.crcs).position(|(bytes, crc)| icheck_core::format::crc32c(bytes) != *crc) {
                 Some(bad) => Err(format!(
                     "the {piece} of version {version} is damaged at bytes {}..",
                     bad as u64 * protocol::STRIPE

@@ -449,12 +449,12 @@ fn encode_block(
             .encode(usize::from(task.parity), &originals, |j, shard| {
                 if j == usize::from(index) {
                     file.as_mut_slice()[start..start + n].copy_from_slice(shard);
-                    crcs.push(crc32c::crc32c(shard));
+                    crcs.push(icheck_core::format::crc32c(shard));
                     kept = true;
                 } else if let Some(sink) = sinks.iter_mut().find(|sink| usize::from(sink.index) == j) {
                     if sink.failed.is_none() {
                         sink.staging.as_mut_slice()[at..at + n].copy_from_slice(shard);
-                        sink.crcs.push(crc32c::crc32c(shard));
+                        sink.crcs.push(icheck_core::format::crc32c(shard));
                     }
                 }
             })
@@ -517,39 +517,58 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
     let shard_len = shard_len(longest);
     let store = &shared.settings.store;
     let piece = PieceId::Parity { group, index };
-    let mut file = store.create_piece(&shared.app, version, piece, shard_len).map_err(|e| e.to_string())?;
-    let created_at = started.elapsed();
     let any_rank = task.members.iter().flatten().map(|(rank, _)| *rank).next().unwrap_or(0);
-    let mut sinks: Vec<ShardSink> = Vec::with_capacity(task.also.len());
-    let mut unreachable: Vec<PieceOutcome> = Vec::new();
-    for (j, holder) in task.also.iter().enumerate() {
+    // This shard's file and the other holders' (each made by its agent)
+    // are made at the same time: backing a shard's pages takes a while
+    // (tmpfs allocates and zeroes each), and nothing is encoded before
+    // they exist.
+    let open_sink = |j: usize, holder: &AgentInfo| -> Result<ShardSink, PieceOutcome> {
         let their_index = index + 1 + j as u8;
         let their = PieceId::Parity { group, index: their_index };
+        let refused = |why: String| PieceOutcome { agent: holder.id, piece: their, result: Err(why) };
         if their_index >= task.parity {
-            let why = format!("the group has {} parity shards, not a shard {their_index}", task.parity);
-            unreachable.push(PieceOutcome { agent: holder.id, piece: their, result: Err(why) });
-            continue;
+            return Err(refused(format!("the group has {} parity shards, not a shard {their_index}", task.parity)));
         }
-        let opened = PeerSession::open(shared, holder, any_rank).and_then(|mut session| {
-            let region = session.put_piece(version, their, shard_len)?;
-            let staging = shared
-                .endpoint
-                .register(AlignedBuffer::zeroed(BLOCK as usize), Access::LOCAL)
-                .map_err(|e| e.to_string())?;
-            Ok(ShardSink {
-                holder: holder.clone(),
-                piece: their,
-                index: their_index,
-                session,
-                region,
-                staging,
-                crcs: Vec::new(),
-                failed: None,
+        let mut session = PeerSession::open(shared, holder, any_rank).map_err(refused)?;
+        let region = session.put_piece(version, their, shard_len).map_err(refused)?;
+        let staging = shared
+            .endpoint
+            .register(AlignedBuffer::zeroed(BLOCK as usize), Access::LOCAL)
+            .map_err(|e| refused(e.to_string()))?;
+        Ok(ShardSink {
+            holder: holder.clone(),
+            piece: their,
+            index: their_index,
+            session,
+            region,
+            staging,
+            crcs: Vec::new(),
+            failed: None,
+        })
+    };
+    let (file, opened, created_at) = std::thread::scope(|scope| {
+        let opening: Vec<_> =
+            task.also.iter().enumerate().map(|(j, holder)| scope.spawn(move || open_sink(j, holder))).collect();
+        let file = store.create_piece(&shared.app, version, piece, shard_len).map_err(|e| e.to_string());
+        let created_at = started.elapsed();
+        let opened: Vec<Result<ShardSink, PieceOutcome>> = opening
+            .into_iter()
+            .zip(&task.also)
+            .map(|(thread, holder)| {
+                thread.join().unwrap_or_else(|_| {
+                    Err(PieceOutcome { agent: holder.id, piece, result: Err("an opening thread panicked".into()) })
+                })
             })
-        });
-        match opened {
+            .collect();
+        (file, opened, created_at)
+    });
+    let mut file = file?;
+    let mut sinks: Vec<ShardSink> = Vec::with_capacity(task.also.len());
+    let mut unreachable: Vec<PieceOutcome> = Vec::new();
+    for sink in opened {
+        match sink {
             Ok(sink) => sinks.push(sink),
-            Err(why) => unreachable.push(PieceOutcome { agent: holder.id, piece: their, result: Err(why) }),
+            Err(outcome) => unreachable.push(outcome),
         }
     }
     // Block i+1 is read on a second thread into `ahead` while block i is
@@ -821,7 +840,9 @@ fn decode_member(
             let mut recovery: Vec<Option<&[u8]>> = Vec::with_capacity(parity_sources.len());
             for (index, source) in parity_sources.iter().enumerate() {
                 let bytes = source.as_ref().map(|s| s.bytes(at, n));
-                if bytes.is_some_and(|bytes| parity_crcs[index].get(stripe) != Some(&crc32c::crc32c(bytes))) {
+                if bytes
+                    .is_some_and(|bytes| parity_crcs[index].get(stripe) != Some(&icheck_core::format::crc32c(bytes)))
+                {
                     let from = offset as usize + at;
                     return Err(format!("parity shard {index} of group {group} is damaged at bytes {from}.."));
                 }
