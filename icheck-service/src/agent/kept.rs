@@ -81,20 +81,20 @@ pub(super) struct SharedVersion {
 }
 
 impl KeptVersions {
-    /// Keeps `file`, the mapping `rank`'s `version` was just sealed in,
-    /// unchecked; unless a newer version of the rank is kept. An
+    /// Keeps `file`, the mapping the version `manifest` describes was just
+    /// sealed in, unchecked; unless a newer version of the rank is kept. An
     /// incremental version's own file holds only its changed blocks: it is
     /// kept once a Fetch has composed the version ([`keep_intact`]).
     ///
     /// [`keep_intact`]: KeptVersions::keep_intact
-    pub(super) fn keep_sealed(&self, store: &Store, app: &str, rank: u32, version: u64, file: SharedMapping) {
-        // The identity before the manifest: a change after it shows.
-        let (identity, manifest) = match (store.data_identity(app, rank, version), store.manifest(app, rank, version)) {
-            (Ok(identity), Ok(manifest)) => (identity, manifest),
-            // Removed or damaged meanwhile: nothing worth keeping.
-            _ => return,
+    pub(super) fn keep_sealed(&self, store: &Store, manifest: &Manifest, file: SharedMapping) {
+        let Ok(identity) = store.data_identity(&manifest.app, manifest.rank, manifest.version) else {
+            // Removed meanwhile: nothing worth keeping.
+            return;
         };
-        self.insert(rank, Kept { version, manifest, identity, file, check: Check::Unchecked });
+        let kept =
+            Kept { version: manifest.version, manifest: manifest.clone(), identity, file, check: Check::Unchecked };
+        self.insert(manifest.rank, kept);
     }
 
     /// Keeps `file`, a mapping of the version `manifest` describes, which
@@ -279,8 +279,8 @@ mod tests {
     use icheck_core::format::{chunk_crcs, DataKind, LabelLayout, CHUNK_SIZE};
 
     /// A store under the temporary directory holding version `version` of
-    /// rank 0 of "app" (20 MiB, sealed), and that version's mapping.
-    fn stored(name: &str, version: u64) -> (Store, std::path::PathBuf, MappedFile) {
+    /// rank 0 of "app" (20 MiB, sealed), that version's mapping and manifest.
+    fn stored(name: &str, version: u64) -> (Store, std::path::PathBuf, MappedFile, Manifest) {
         let root = std::env::temp_dir().join(format!("icheck-kept-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         let store = Store::new(&root);
@@ -306,14 +306,14 @@ mod tests {
             sealed_unix_ms: 0,
         };
         store.seal(&manifest).unwrap();
-        (store, root, file)
+        (store, root, file, manifest)
     }
 
     #[test]
     fn a_sealed_version_is_checked_once_and_served_while_its_file_is_unchanged() {
-        let (store, root, file) = stored("served", 3);
+        let (store, root, file, manifest) = stored("served", 3);
         let kept = KeptVersions::default();
-        kept.keep_sealed(&store, "app", 0, 3, SharedMapping::new(file));
+        kept.keep_sealed(&store, &manifest, SharedMapping::new(file));
         // Another version, or another rank, is not served from it.
         assert!(kept.share(&store, "app", 0, 2).is_none());
         assert!(kept.share(&store, "app", 1, 3).is_none());
@@ -327,9 +327,9 @@ mod tests {
 
     #[test]
     fn a_version_left_by_its_session_is_checked_in_the_background() {
-        let (store, root, file) = stored("background", 6);
+        let (store, root, file, manifest) = stored("background", 6);
         let kept = KeptVersions::default();
-        kept.keep_sealed(&store, "app", 0, 6, SharedMapping::new(file));
+        kept.keep_sealed(&store, &manifest, SharedMapping::new(file));
         kept.check_later(&store, "app", 0);
         kept.wait_for_checks();
         assert!(kept.share(&store, "app", 0, 6).expect("kept").intact);
@@ -338,10 +338,10 @@ mod tests {
 
     #[test]
     fn a_kept_version_whose_file_changed_is_not_served() {
-        let (store, root, file) = stored("changed", 4);
+        let (store, root, file, manifest) = stored("changed", 4);
         let kept = KeptVersions::default();
         let file = SharedMapping::new(file);
-        kept.keep_sealed(&store, "app", 0, 4, file.clone());
+        kept.keep_sealed(&store, &manifest, file.clone());
         let shared = kept.share(&store, "app", 0, 4).expect("kept");
         kept.keep_intact(&shared.manifest, shared.identity, &shared.file);
         // Someone rewrites one byte of the file (through write(2), not the
@@ -360,9 +360,9 @@ mod tests {
 
     #[test]
     fn forgetting_drops_only_what_the_condition_names_and_newer_versions_stay() {
-        let (store, root, file) = stored("forget", 5);
+        let (store, root, file, manifest) = stored("forget", 5);
         let kept = KeptVersions::default();
-        kept.keep_sealed(&store, "app", 0, 5, SharedMapping::new(file));
+        kept.keep_sealed(&store, &manifest, SharedMapping::new(file));
         kept.forget_if(0, |v| v < 5);
         kept.forget_if(1, |_| true);
         let shared = kept.share(&store, "app", 0, 5).expect("still kept");
@@ -377,8 +377,7 @@ mod tests {
 
     #[test]
     fn a_file_check_finds_damage_and_stops_when_asked() {
-        let (store, root, _file) = stored("stepwise", 7);
-        let manifest = store.manifest("app", 0, 7).unwrap();
+        let (store, root, _file, manifest) = stored("stepwise", 7);
         let path = store.data_path("app", 0, 7).unwrap();
         let stop = AtomicBool::new(false);
         let open = || std::fs::File::open(&path).unwrap();

@@ -1216,7 +1216,7 @@ fn handle_rest(
                     // Shared with the kept versions: the copies, parity
                     // shards and restarts that read it next map nothing.
                     let file = SharedMapping::new(file.into_inner());
-                    shared.kept.keep_sealed(store, &shared.app, manifest.rank, version, file.clone());
+                    shared.kept.keep_sealed(store, &manifest, file.clone());
                     session.sealed.push((version, file));
                     false
                 }
