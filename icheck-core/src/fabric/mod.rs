@@ -48,8 +48,8 @@ mod progress;
 
 pub use crash_handlers::{disarm_provider_crash_handlers, NO_BACKTRACE_ENV};
 pub use domain::{
-    check_provider, libfabric_version, list_providers, remove_shm_regions_of, Domain, FabricConfig, LibfabricVersion,
-    MrMode, ProviderInfo,
+    check_provider, libfabric_version, list_providers, reclaim_dead_processes_shm_regions, remove_shm_regions_of,
+    Domain, FabricConfig, LibfabricVersion, MrMode, ProviderInfo,
 };
 pub use endpoint::{Endpoint, FabricAddress, Peer, RmaKind, RmaOp, TransferOptions, TransferStats};
 pub use error::FabricError;

@@ -207,6 +207,8 @@ impl Drop for LocalService {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
         forget_capabilities(&self.config);
+        // Daemons and ranks this test killed left their shm regions.
+        icheck_core::fabric::reclaim_dead_processes_shm_regions();
     }
 }
 
