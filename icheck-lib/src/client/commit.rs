@@ -37,12 +37,22 @@ pub struct CommitStats {
 /// and what it is relative to.
 pub(super) struct Tracking {
     tracker: PageTracker,
-    /// The version whose commit last took the written pages, and its chunk
-    /// checksums: the pages written since are relative to it.
-    since: Option<(u64, Vec<Vec<u32>>)>,
+    /// The version whose commit last took the written pages, its chunk
+    /// checksums, and where each of its labels was in memory, in order:
+    /// the pages written since are relative to it, and mean something
+    /// only for the same labels at the same places (an application that
+    /// swaps two buffers between labels changes nothing in the pages).
+    since: Option<Since>,
     /// Set by a restore: its bytes may have arrived by DMA, which the
     /// kernel does not see, so the next commit compares every byte.
     pub(super) restored: AtomicBool,
+}
+
+/// What a tracked commit leaves for the next (see `Tracking::since`).
+struct Since {
+    version: u64,
+    chunks: Vec<Vec<u32>>,
+    labels: Vec<std::ops::Range<usize>>,
 }
 
 /// What page tracking tells one commit: the bytes of each label written
@@ -81,12 +91,18 @@ impl Tracking {
                 return None;
             }
         };
-        let (version, chunks) = since?;
-        (Some(version) == sealed && !restored).then(|| WrittenSince {
+        let Since { version, chunks, labels: placed } = since?;
+        (Some(version) == sealed && !restored && placed == labels).then(|| WrittenSince {
             since: version,
             ranges: written_per_label(&pages, labels),
             chunks,
         })
+    }
+
+    /// Records that version `version`, whose labels were at `labels` and
+    /// whose chunk checksums are `chunks`, took the written pages.
+    fn sealed(&mut self, version: u64, chunks: Vec<Vec<u32>>, labels: Vec<std::ops::Range<usize>>) {
+        self.since = Some(Since { version, chunks, labels });
     }
 }
 
@@ -441,7 +457,7 @@ impl Icheck {
                 pieces_of,
             )?;
             if let Some(tracking) = self.tracking.as_mut() {
-                tracking.since = Some((version, committed.chunks));
+                tracking.sealed(version, committed.chunks, label_ranges);
             }
             self.sealed_blocks = Some((version, committed.blocks));
             self.changed_last = committed.changed;
