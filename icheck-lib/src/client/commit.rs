@@ -46,7 +46,15 @@ pub(super) struct Tracking {
     /// Set by a restore: its bytes may have arrived by DMA, which the
     /// kernel does not see, so the next commit compares every byte.
     pub(super) restored: AtomicBool,
+    /// Commits in a row whose tracking failed; at [`TRACKING_GIVES_UP`]
+    /// tracking stops for the rest of the run (memory the kernel cannot
+    /// track fails every time, and each failure would cost a warning and
+    /// a registration).
+    failures: u32,
 }
+
+/// Failed commits in a row after which page tracking stops.
+const TRACKING_GIVES_UP: u32 = 3;
 
 /// What a tracked commit leaves for the next (see `Tracking::since`).
 struct Since {
@@ -68,7 +76,7 @@ impl Tracking {
     /// where this kernel cannot track pages.
     pub(super) fn start() -> Option<Tracking> {
         match PageTracker::new() {
-            Ok(tracker) => Some(Tracking { tracker, since: None, restored: AtomicBool::new(false) }),
+            Ok(tracker) => Some(Tracking { tracker, since: None, restored: AtomicBool::new(false), failures: 0 }),
             Err(err) => {
                 tracing::warn!(%err, "page tracking is off: incremental commits compare checksums");
                 None
@@ -83,11 +91,26 @@ impl Tracking {
     fn take(&mut self, labels: &[std::ops::Range<usize>], sealed: Option<u64>) -> Option<WrittenSince> {
         let since = self.since.take();
         let restored = self.restored.swap(false, Ordering::AcqRel);
+        if self.failures >= TRACKING_GIVES_UP {
+            return None;
+        }
         let pages = match self.tracker.take_written(labels) {
-            Ok(Written::Pages(pages)) => pages,
-            Ok(Written::Everything) => return None,
+            Ok(written) => {
+                self.failures = 0;
+                match written {
+                    Written::Pages(pages) => pages,
+                    Written::Everything => return None,
+                }
+            }
             Err(err) => {
-                tracing::warn!(%err, "page tracking failed; this commit compares every checksum");
+                self.failures += 1;
+                if self.failures < TRACKING_GIVES_UP {
+                    tracing::warn!(%err, "page tracking failed; this commit compares every checksum");
+                } else {
+                    tracing::warn!(%err, "page tracking failed at {TRACKING_GIVES_UP} commits in a row: it is off for the rest of this run");
+                    // Lets go of every registered range.
+                    let _ = self.tracker.take_written(&[]);
+                }
                 return None;
             }
         };
@@ -716,5 +739,54 @@ impl Icheck {
             None => result,
         };
         self.complete(version, result, bytes, started)
+    }
+}
+
+#[cfg(test)]
+// Lists of one label's address range are what these tests pass.
+#[allow(clippy::single_range_in_vec_init)]
+mod tests {
+    use super::*;
+
+    /// Memory the kernel cannot track (here: an unmapped address) fails
+    /// every commit; after three in a row tracking stops for the run.
+    #[test]
+    fn tracking_stops_after_failing_three_commits_in_a_row() {
+        let mut tracking = Tracking::start().expect("this kernel tracks pages");
+        let unmapped = [4096usize..8192];
+        for failed in 1..=TRACKING_GIVES_UP {
+            assert!(tracking.take(&unmapped, None).is_none());
+            assert_eq!(tracking.failures, failed);
+        }
+        // Off: even memory it could track is no longer asked about.
+        let memory = vec![1u8; 1 << 20];
+        let real = [memory.as_ptr() as usize..memory.as_ptr() as usize + memory.len()];
+        assert!(tracking.take(&real, None).is_none());
+        tracking.sealed(1, Vec::new(), real.to_vec());
+        assert!(tracking.take(&real, Some(1)).is_none(), "no answer once tracking is off");
+        assert_eq!(tracking.failures, TRACKING_GIVES_UP);
+    }
+
+    /// The answer is relative to the version sealed last, with the labels
+    /// where they were, and no restore between.
+    #[test]
+    fn tracking_answers_only_for_the_sealed_version_and_unmoved_labels() {
+        let mut tracking = Tracking::start().expect("this kernel tracks pages");
+        let memory = vec![1u8; 1 << 20];
+        let at = memory.as_ptr() as usize;
+        let (whole, half) =
+            ([at..at + memory.len()], [at..at + memory.len() / 2, at + memory.len() / 2..at + memory.len()]);
+        assert!(tracking.take(&whole, None).is_none(), "tracking starts");
+        tracking.sealed(1, vec![Vec::new()], whole.to_vec());
+        assert!(tracking.take(&whole, Some(1)).is_some());
+        tracking.sealed(2, vec![Vec::new()], whole.to_vec());
+        assert!(tracking.take(&whole, Some(1)).is_none(), "another version was sealed last");
+        tracking.sealed(3, vec![Vec::new()], whole.to_vec());
+        assert!(tracking.take(&half, Some(3)).is_none(), "the same pages, other labels");
+        tracking.sealed(4, vec![Vec::new(), Vec::new()], half.to_vec());
+        tracking.restored.store(true, Ordering::Release);
+        assert!(tracking.take(&half, Some(4)).is_none(), "a restore came between");
+        tracking.sealed(5, vec![Vec::new(), Vec::new()], half.to_vec());
+        assert!(tracking.take(&half, Some(5)).is_some());
     }
 }
