@@ -135,17 +135,16 @@ impl Launcher for LocalLauncher {
         let config = self.dir.join(CLIENT_CONFIG);
         let config = config.to_string_lossy();
         let name = format!("manager-{node}");
-        let mut child =
+        let child =
             spawn_daemon(&self.dir, &format!("{name}.log"), &["manager", "--config", &config, "--node", node], true)
                 .map_err(|err| format!("cannot start a manager for {node} from {}: {err}", self.dir.display()))?;
         let pid = child.id();
         // Reap it when it ends, so a manager that dies again is seen dead
-        // (not a zombie child of the controller).
+        // (not a zombie child of the controller), and free the shm regions
+        // it could not.
         std::thread::Builder::new()
             .name(format!("icheck-reap-{pid}"))
-            .spawn(move || {
-                let _ = child.wait();
-            })
+            .spawn(move || reap_and_reclaim(child))
             .map_err(|err| format!("cannot watch the manager started for {node}: {err}"))?;
         record_pid(&self.dir, &name, pid).map_err(|err| {
             format!(
@@ -155,6 +154,20 @@ impl Launcher for LocalLauncher {
         })?;
         Ok(pid)
     }
+}
+
+/// Waits for `child` to end, removes the libfabric shm regions it left
+/// (`/dev/shm/<pid>:*`: a killed process never closes its endpoints, and
+/// each region is 16 MiB of memory), then reaps it. Until reaped its pid
+/// cannot be given to another process, so the regions removed are its
+/// own and no newcomer's.
+fn reap_and_reclaim(mut child: std::process::Child) {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let flags = nix::sys::wait::WaitPidFlag::WEXITED | nix::sys::wait::WaitPidFlag::WNOWAIT;
+    if nix::sys::wait::waitid(nix::sys::wait::Id::Pid(pid), flags).is_ok() {
+        icheck_core::fabric::remove_shm_regions_of(child.id());
+    }
+    let _ = child.wait();
 }
 
 /// The file of a Slurm-backed service naming the Slurm jobs that run its
@@ -426,5 +439,20 @@ impl Launcher for SlurmLauncher {
         }
         let out = sinfo.output().ok().filter(|o| o.status.success())?;
         Some(String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| l.trim().parse::<u32>().ok()).sum())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reaped_child_leaves_no_shm_region() {
+        // The child makes a region named after itself, as the shm
+        // provider does, and dies without removing it.
+        let child = Command::new("sh").args(["-c", "touch /dev/shm/$$:0:91 && kill -9 $$"]).spawn().unwrap();
+        let region = std::path::PathBuf::from(format!("/dev/shm/{}:0:91", child.id()));
+        reap_and_reclaim(child);
+        assert!(!region.exists(), "{} is left", region.display());
     }
 }
