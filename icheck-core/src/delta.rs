@@ -123,15 +123,7 @@ pub fn checksums_where_written(
                 span.push(from - offset..to - offset);
             }
         }
-        span.sort_by_key(|r| r.start);
-        let mut merged: Vec<Range<usize>> = Vec::with_capacity(span.len());
-        for range in span {
-            match merged.last_mut() {
-                Some(last) if range.start <= last.end => last.end = last.end.max(range.end),
-                _ => merged.push(range),
-            }
-        }
-        spans.push(merged);
+        spans.push(merge_ranges(span));
         offset = end_of_label;
     }
     let mut chunks = before_chunks.to_vec();
@@ -146,6 +138,19 @@ pub fn checksums_where_written(
         |block| dirty_blocks.contains(&block),
     );
     Some((chunks, blocks))
+}
+
+/// Sorts `ranges` and merges those that overlap or touch.
+pub fn merge_ranges(mut ranges: Vec<Range<usize>>) -> Vec<Range<usize>> {
+    ranges.sort_by_key(|r| r.start);
+    let mut merged: Vec<Range<usize>> = Vec::with_capacity(ranges.len());
+    for range in ranges {
+        match merged.last_mut() {
+            Some(last) if range.start <= last.end => last.end = last.end.max(range.end),
+            _ => merged.push(range),
+        }
+    }
+    merged
 }
 
 /// Checksums the `spans` of each label (sorted, disjoint byte ranges),

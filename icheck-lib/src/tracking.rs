@@ -32,6 +32,8 @@ use std::io;
 use std::ops::Range;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
+use icheck_core::delta::merge_ranges;
+
 /// Why page tracking cannot be used here.
 #[derive(Debug, thiserror::Error)]
 pub enum TrackingError {
@@ -214,7 +216,7 @@ impl PageTracker {
                 return Err(err);
             }
         }
-        Ok(Written::Pages(merge(written)))
+        Ok(Written::Pages(merge_ranges(written)))
     }
 
     /// Stops tracking the old ranges and protects the new ones.
@@ -281,22 +283,9 @@ impl PageTracker {
 
 /// The sorted, merged page-aligned cover of `ranges` (empty ones ignored).
 fn page_cover(ranges: &[Range<usize>], page: usize) -> Vec<Range<usize>> {
-    merge(
+    merge_ranges(
         ranges.iter().filter(|r| r.start < r.end).map(|r| r.start / page * page..r.end.div_ceil(page) * page).collect(),
     )
-}
-
-/// Sorts `ranges` and merges those that overlap or touch.
-fn merge(mut ranges: Vec<Range<usize>>) -> Vec<Range<usize>> {
-    ranges.sort_by_key(|r| r.start);
-    let mut merged: Vec<Range<usize>> = Vec::with_capacity(ranges.len());
-    for range in ranges {
-        match merged.last_mut() {
-            Some(last) if range.start <= last.end => last.end = last.end.max(range.end),
-            _ => merged.push(range),
-        }
-    }
-    merged
 }
 
 /// For each label (its address range), the byte ranges of it, relative to
