@@ -58,13 +58,13 @@ pub fn block_len(index: u64, total_len: u64) -> u64 {
 /// version's grid. Every byte is read once; a piece of a chunk that is
 /// also a piece of a block is checksummed once and combined into both
 /// (crc32c combines in O(log n)). Runs on every core for large versions.
-pub fn checksums(labels: &[&[u8]]) -> (Vec<Vec<u32>>, Vec<u32>) {
+pub fn checksums(labels: &[&[u8]]) -> Checksums {
     checksums_on(labels, std::thread::available_parallelism().map_or(1, |n| n.get()).min(8))
 }
 
 /// [`checksums`] on at most `threads` threads (one: beside a transfer
 /// that needs the other cores).
-pub fn checksums_on(labels: &[&[u8]], threads: usize) -> (Vec<Vec<u32>>, Vec<u32>) {
+pub fn checksums_on(labels: &[&[u8]], threads: usize) -> Checksums {
     let spans: Vec<Vec<Range<usize>>> = labels.iter().map(|l| std::iter::once(0..l.len()).collect()).collect();
     let mut chunks: Vec<Vec<u32>> = labels.iter().map(|l| vec![0; l.len().div_ceil(CHUNK_BYTES)]).collect();
     let mut blocks = vec![0; labels.iter().map(|l| l.len()).sum::<usize>().div_ceil(BLOCK_BYTES)];
@@ -72,20 +72,25 @@ pub fn checksums_on(labels: &[&[u8]], threads: usize) -> (Vec<Vec<u32>>, Vec<u32
     (chunks, blocks)
 }
 
+/// A version's checksums: each label's chunk checksums and the block
+/// checksums, as [`checksums`] gives them.
+pub type Checksums = (Vec<Vec<u32>>, Vec<u32>);
+
 /// [`checksums`] when only the bytes in `written` (for each label, byte
 /// ranges of it) can differ from a version whose checksums were
 /// `before_chunks` and `before_blocks` (page tracking knows which bytes
 /// the process wrote since). Only the chunks and blocks that touch a
 /// written byte are read, each byte once; the others keep their
-/// checksums. `None` when `before` does not fit these labels (their sizes
-/// changed): compute them all.
+/// checksums. Returns the checksums and the bytes read; `None` when
+/// `before` does not fit these labels (their sizes changed): compute them
+/// all.
 pub fn checksums_where_written(
     labels: &[&[u8]],
     written: &[Vec<Range<usize>>],
     before_chunks: &[Vec<u32>],
     before_blocks: &[u32],
     threads: usize,
-) -> Option<(Vec<Vec<u32>>, Vec<u32>)> {
+) -> Option<(Checksums, u64)> {
     let total: usize = labels.iter().map(|l| l.len()).sum();
     let fits = labels.len() == written.len()
         && labels.len() == before_chunks.len()
@@ -137,7 +142,8 @@ pub fn checksums_where_written(
         |label, chunk| dirty_chunks[label].contains(&chunk),
         |block| dirty_blocks.contains(&block),
     );
-    Some((chunks, blocks))
+    let read: usize = spans.iter().flatten().map(|span| span.len()).sum();
+    Some(((chunks, blocks), read as u64))
 }
 
 /// Sorts `ranges` and merges those that overlap or touch.
@@ -451,14 +457,28 @@ mod tests {
             }
             let labels: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
             let updated = checksums_where_written(&labels, &written, &before.0, &before.1, 1 + round as usize % 3);
-            assert_eq!(updated, Some(checksums(&labels)), "round {round}");
+            let (sums, read) = updated.expect("the layout did not change");
+            assert_eq!(sums, checksums(&labels), "round {round}");
+            // Every written byte of a label is read (in its chunk), and
+            // nothing beyond the version.
+            let inside: usize = labels
+                .iter()
+                .zip(&written)
+                .map(|(bytes, ranges)| {
+                    let clipped = ranges.iter().map(|r| r.start.min(bytes.len())..r.end.min(bytes.len())).collect();
+                    merge_ranges(clipped).iter().map(|r| r.len()).sum::<usize>()
+                })
+                .sum();
+            let total: usize = labels.iter().map(|l| l.len()).sum();
+            assert!((inside..=total).contains(&(read as usize)), "round {round}: read {read}, written {inside}");
         }
         let labels: Vec<&[u8]> = data.iter().map(|d| d.as_slice()).collect();
         let (chunks, blocks) = checksums(&labels);
         let none = vec![Vec::new(); labels.len()];
         assert_eq!(
             checksums_where_written(&labels, &none, &chunks, &blocks, 1),
-            Some((chunks.clone(), blocks.clone()))
+            Some(((chunks.clone(), blocks.clone()), 0)),
+            "nothing written, nothing read"
         );
         assert_eq!(checksums_where_written(&labels[1..], &none[1..], &chunks, &blocks, 1), None);
         assert_eq!(checksums_where_written(&labels, &none, &chunks, &blocks[1..], 1), None);

@@ -434,9 +434,7 @@ pub(super) fn commit_incremental<'p>(
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
     let partial = written.as_ref().zip(previous).filter(|(w, (parent, _))| w.since == *parent).and_then(
         |(written, (_, before))| {
-            let sums =
-                icheck_core::delta::checksums_where_written(labels, &written.ranges, &written.chunks, before, threads)?;
-            Some((sums, written_bytes(labels, &written.ranges)))
+            icheck_core::delta::checksums_where_written(labels, &written.ranges, &written.chunks, before, threads)
         },
     );
     let tracked = partial.is_some();
@@ -468,24 +466,6 @@ pub(super) fn commit_incremental<'p>(
     let moved = if pieces.is_empty() { 0 } else { Mover { link: &mut *link, endpoint, target, push }.send(&pieces)? };
     link.seal(crcs.clone())?;
     Ok(IncrementalCommit { moved, blocks, chunks: crcs, changed, checksummed, tracked })
-}
-
-/// Bytes [`icheck_core::delta::checksums_where_written`] reads for
-/// `written`: the chunks they touch (blocks lie within them but at label
-/// ends), an upper bound close enough for reporting.
-fn written_bytes(labels: &[&[u8]], written: &[Vec<std::ops::Range<usize>>]) -> u64 {
-    labels
-        .iter()
-        .zip(written)
-        .map(|(bytes, ranges)| {
-            let chunks: std::collections::BTreeSet<usize> = ranges
-                .iter()
-                .filter(|r| r.start < r.end.min(bytes.len()))
-                .flat_map(|r| r.start / CHUNK_BYTES..r.end.min(bytes.len()).div_ceil(CHUNK_BYTES))
-                .collect();
-            chunks.iter().map(|c| (bytes.len() - c * CHUNK_BYTES).min(CHUNK_BYTES) as u64).sum::<u64>()
-        })
-        .sum()
 }
 
 /// Commits a version whose bytes are one registered buffer (the async
