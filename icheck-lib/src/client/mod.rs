@@ -270,21 +270,9 @@ impl Icheck {
             Some("mr") => TransferMode::Mr,
             _ => client.mode,
         };
-        let zero_copy = match std::env::var("ICHECK_ZERO_COPY").ok().as_deref() {
-            Some("0") | Some("false") => false,
-            Some("1") | Some("true") => true,
-            _ => client.zero_copy,
-        };
-        let incremental = match std::env::var("ICHECK_INCREMENTAL").ok().as_deref() {
-            Some("0") | Some("false") => false,
-            Some("1") | Some("true") => true,
-            _ => client.incremental,
-        };
-        let page_tracking = match std::env::var("ICHECK_PAGE_TRACKING").ok().as_deref() {
-            Some("0") | Some("false") => false,
-            Some("1") | Some("true") => true,
-            _ => client.page_tracking,
-        };
+        let zero_copy = env_flag("ICHECK_ZERO_COPY", client.zero_copy);
+        let incremental = env_flag("ICHECK_INCREMENTAL", client.incremental);
+        let page_tracking = env_flag("ICHECK_PAGE_TRACKING", client.page_tracking);
         let tracking = (page_tracking && incremental).then(Tracking::start).flatten();
         let staging_size = match std::env::var("ICHECK_STAGING_BUFFER") {
             Ok(text) => text
@@ -731,5 +719,15 @@ impl Icheck {
         }
         waited?;
         result
+    }
+}
+
+/// The boolean environment variable `name` (`0`/`false`, `1`/`true`), or
+/// `default` when it is unset or says something else.
+fn env_flag(name: &str, default: bool) -> bool {
+    match std::env::var(name).ok().as_deref() {
+        Some("0") | Some("false") => false,
+        Some("1") | Some("true") => true,
+        _ => default,
     }
 }
