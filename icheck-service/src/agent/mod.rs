@@ -1140,14 +1140,8 @@ fn begin_incremental(
     let prepared = match still_preparing {
         true => None,
         false => session.prepared.take().and_then(|thread| thread.join().ok().flatten()),
-    };
-    let prepared = match prepared {
-        Some(file) if file.len() as u64 == written.max(4096) => Some(file),
-        other => {
-            drop(other);
-            None
-        }
-    };
+    }
+    .filter(|file| file.len() as u64 == written.max(4096));
     let space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
     let file = match prepared {
         Some(file) if store.reuse_prepared(app, rank, version, written).map_err(|e| e.to_string())? => Ok(file),
