@@ -335,11 +335,7 @@ impl Store {
     /// transfer path. A mapping of either that the caller holds must not be
     /// used afterwards (the file may have been cut).
     pub fn create(&self, app: &str, rank: u32, version: u64, len: u64) -> Result<MappedFile> {
-        let dir = self.rank_dir(app, rank)?;
-        fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
-        let (data, meta) = self.paths(app, rank, version)?;
-        // An old manifest of the same number belongs to an interrupted run.
-        let _ = fs::remove_file(&meta);
+        let (dir, data) = self.new_data_path(app, rank, version)?;
         // A spare's or a prepared file's pages are kept: it is not
         // truncated. One reusable file is enough; a second one would only
         // hold memory, so it goes.
@@ -363,11 +359,19 @@ impl Store {
     /// file: for a version's file made while another thread is still
     /// preparing the next one (its file must stay where that thread put it).
     pub fn create_new(&self, app: &str, rank: u32, version: u64, len: u64) -> Result<MappedFile> {
+        let (_, data) = self.new_data_path(app, rank, version)?;
+        self.create_mapped(&data, len, true)
+    }
+
+    /// The rank's directory (made if missing) and the data file path of a
+    /// version about to be written; an old manifest of the same number
+    /// belongs to an interrupted run and goes.
+    fn new_data_path(&self, app: &str, rank: u32, version: u64) -> Result<(PathBuf, PathBuf)> {
         let dir = self.rank_dir(app, rank)?;
         fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
         let (data, meta) = self.paths(app, rank, version)?;
         let _ = fs::remove_file(&meta);
-        self.create_mapped(&data, len, true)
+        Ok((dir, data))
     }
 
     /// Creates the rank's prepared file with `len` bytes, its pages not yet
