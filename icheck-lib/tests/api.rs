@@ -206,6 +206,30 @@ fn incremental_config(service: &LocalService) -> std::path::PathBuf {
     incremental_setting(service, true)
 }
 
+/// The service's client configuration with incremental commits and page
+/// tracking on.
+fn tracking_config(service: &LocalService) -> std::path::PathBuf {
+    client_config(service, "tracking.toml", "incremental = true\npage_tracking = true")
+}
+
+/// A new run of `app` restarts from `version` and restores `labels`
+/// (name, bytes): their bytes, in order.
+fn restored_labels(config: &Path, app: &str, version: u64, labels: &[(&str, usize)]) -> Vec<Vec<u8>> {
+    let (mut ic, _) = Icheck::init(Some(config), app, SingleProcess).expect("init");
+    assert_eq!(ic.restart().unwrap(), version);
+    let bytes = labels
+        .iter()
+        .map(|(label, len)| {
+            let region = Region::<u8>::zeroed(*len);
+            ic.restore(label, &region).unwrap();
+            let bytes = region.read().clone();
+            bytes
+        })
+        .collect();
+    ic.finalize(false).unwrap();
+    bytes
+}
+
 /// With `incremental = false` every commit sends every byte and the agent
 /// stores each version whole.
 #[test]
@@ -353,7 +377,7 @@ fn async_incremental_commits_send_the_changed_blocks_of_the_staged_copy() {
 fn page_tracking_checksums_only_written_pages_and_restores_bit_exact() {
     const MIB: usize = 1 << 20;
     let service = service("api-tracking");
-    let config = client_config(&service, "tracking.toml", "incremental = true\npage_tracking = true");
+    let config = tracking_config(&service);
     let (mut ic, _) = Icheck::init(Some(&config), "tracked", SingleProcess).expect("init");
     let head = Region::from_vec(vec![1u8; 100]);
     let data = Region::from_vec((0..64 * MIB).map(|i| (i % 253) as u8).collect::<Vec<u8>>());
@@ -427,13 +451,8 @@ fn page_tracking_checksums_only_written_pages_and_restores_bit_exact() {
     assert!(ic.last_commit().unwrap().page_tracking);
     ic.finalize(true).unwrap();
 
-    let (mut ic, _) = Icheck::init(Some(&config), "tracked", SingleProcess).expect("init");
-    assert_eq!(ic.restart().unwrap(), 16);
-    let (head_back, data_back) = (Region::<u8>::zeroed(100), Region::<u8>::zeroed(67 * MIB));
-    ic.restore("head", &head_back).unwrap();
-    ic.restore("data", &data_back).unwrap();
-    assert!(*head_back.read() == *head.read() && *data_back.read() == *data.read(), "version 16 is not bit-exact");
-    ic.finalize(false).unwrap();
+    let back = restored_labels(&config, "tracked", 16, &[("head", 100), ("data", 67 * MIB)]);
+    assert!(back[0] == *head.read() && back[1] == *data.read(), "version 16 is not bit-exact");
 }
 
 /// With page tracking, two labels that swap their memory (a stencil code
@@ -444,7 +463,7 @@ fn page_tracking_checksums_only_written_pages_and_restores_bit_exact() {
 fn page_tracking_sees_labels_that_swap_their_memory() {
     const MIB: usize = 1 << 20;
     let service = service("api-swap");
-    let config = client_config(&service, "tracking.toml", "incremental = true\npage_tracking = true");
+    let config = tracking_config(&service);
     let (mut ic, _) = Icheck::init(Some(&config), "swap", SingleProcess).expect("init");
     let (one, two) = (Region::from_vec(vec![1u8; 4 * MIB]), Region::from_vec(vec![2u8; 4 * MIB]));
     ic.add("u", &one).unwrap();
@@ -460,13 +479,8 @@ fn page_tracking_sees_labels_that_swap_their_memory() {
     assert!(!ic.last_commit().unwrap().page_tracking, "the labels moved: every byte is compared");
     ic.finalize(true).unwrap();
 
-    let (mut ic, _) = Icheck::init(Some(&config), "swap", SingleProcess).expect("init");
-    assert_eq!(ic.restart().unwrap(), 4);
-    let (u, u_new) = (Region::<u8>::zeroed(4 * MIB), Region::<u8>::zeroed(4 * MIB));
-    ic.restore("u", &u).unwrap();
-    ic.restore("u_new", &u_new).unwrap();
-    assert!(*u.read() == *two.read() && *u_new.read() == *one.read(), "a label holds the other's data");
-    ic.finalize(false).unwrap();
+    let back = restored_labels(&config, "swap", 4, &[("u", 4 * MIB), ("u_new", 4 * MIB)]);
+    assert!(back[0] == *two.read() && back[1] == *one.read(), "a label holds the other's data");
 }
 
 /// Before the first commit, adding labels tells the agent the version's
