@@ -18,7 +18,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use icheck_core::fabric::{Access, AlignedBuffer, Domain, Endpoint, FabricConfig, RmaOp, TransferOptions};
 use icheck_core::units::ByteSize;
-use icheck_lib::{Communicator, Icheck, InitStatus, MpiComm, Region, SingleProcess};
+use icheck_lib::{Communicator, Icheck, InitStatus, MpiComm, Region, SingleProcess, TransferReport};
 use icheck_service::selftest::{fill_pattern, Target, TargetProcess};
 use icheck_service::testkit::LocalService;
 use serde::{Deserialize, Serialize};
@@ -167,6 +167,58 @@ fn measure<C: Communicator + 'static>(
         async_total: median(total),
         restart: median(restarts),
     })
+}
+
+/// A blocking commit with `transfer = "auto"` once its measurement is
+/// over, and what it chose.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+struct AutoTimes {
+    /// Median seconds of the commits after the choice.
+    commit: f64,
+    /// The choice and the rates it rests on.
+    chose: TransferReport,
+}
+
+/// Commits `data` with `transfer = "auto"` (every page changed each time,
+/// as in [`measure`]) until the library has chosen a direction, then
+/// `runs` more: their median. Collective over `comm`.
+fn measure_auto<C: Communicator + 'static>(
+    config: &Path,
+    app: &str,
+    comm_factory: impl Fn() -> C,
+    data: &Region<u8>,
+    runs: usize,
+) -> Result<AutoTimes> {
+    set_mode("auto");
+    let (mut ic, _) = Icheck::init(Some(config), app, comm_factory())?;
+    ic.add("data", data)?;
+    let mut trial = 0;
+    while !ic.transfer().auto.is_some_and(|a| a.decided) {
+        if trial == 12 {
+            bail!("transfer = auto chose nothing in {trial} commits: {:?}", ic.transfer());
+        }
+        change_every_page(data, trial);
+        ic.commit()?;
+        trial += 1;
+    }
+    let commit = median(time_commits(&mut ic, runs, |run| change_every_page(data, run))?);
+    let chose = ic.transfer();
+    ic.finalize(false)?;
+    Ok(AutoTimes { commit, chose })
+}
+
+/// The table row of an `auto` commit against the faster fixed direction.
+fn auto_line(case: &str, provider: &str, auto: &AutoTimes, pull: &ModeTimes, push: &ModeTimes) -> Line {
+    let best = pull.commit.min(push.commit);
+    let faster = if push.commit < pull.commit { "push" } else { "pull" };
+    Line::new(
+        case,
+        provider,
+        &format!("commit, auto: {}", auto.chose),
+        format!("{:.1} ms", auto.commit * 1e3),
+        format!("faster fixed ({faster}) {:.1} ms", best * 1e3),
+        auto.commit / best,
+    )
 }
 
 /// A single-rank application `app` pulling one label of `size` bytes
@@ -678,6 +730,8 @@ struct MpiResult {
     /// Median seconds of the MPI-IO baseline (every rank's bytes written
     /// with write_at_all and synced), when it ran.
     mpiio: Option<f64>,
+    /// `transfer = "auto"` after its choice.
+    auto: AutoTimes,
 }
 
 /// Median seconds for all ranks to write their `data` into one file in
@@ -740,13 +794,14 @@ fn mpi_rank(config: &Path, rank_size: usize, runs: usize, mpiio_dir: &Path) -> R
         let app = format!("bench-mpi-{transfer}");
         modes.push(measure(config, &app, || MpiComm::new(&world), &data, runs, transfer)?);
     }
+    let auto = measure_auto(config, "bench-mpi-auto", || MpiComm::new(&world), &data, runs)?;
     let mpiio = if mpiio_dir.as_os_str().is_empty() {
         None
     } else {
         Some(mpiio_write_secs(&world, mpiio_dir, &data.read(), runs)?)
     };
     if world.rank() == 0 {
-        println!("RESULT {}", serde_json::to_string(&MpiResult { modes, memcpy_all, mpiio })?);
+        println!("RESULT {}", serde_json::to_string(&MpiResult { modes, memcpy_all, mpiio, auto })?);
     }
     Ok(())
 }
@@ -865,8 +920,9 @@ fn main() -> Result<()> {
         fill_pattern(&mut data.write(), 5);
         let pull = measure(&svc.config_path(), "bench-pull", || SingleProcess, &data, runs, "pull")?;
         let push = measure(&svc.config_path(), "bench-push", || SingleProcess, &data, runs, "push")?;
+        let auto = measure_auto(&svc.config_path(), "bench-auto", || SingleProcess, &data, runs)?;
         drop(data);
-        eprintln!("{provider}: 1 rank: pull {pull:?}, push {push:?}");
+        eprintln!("{provider}: 1 rank: pull {pull:?}, push {push:?}, auto {auto:?}");
         drop(svc);
         let mpi = if rank_size > 0 {
             let svc = service(&format!("bench-mpi-{provider}"), provider, 2, 2)?;
@@ -899,15 +955,9 @@ fn main() -> Result<()> {
             raw_before.0, raw_after.0, raw_before.1, raw_after.1, raw_before.2, raw_after.2
         );
         icheck_bars(&mut bars, &format!("{provider}, 1 rank × {}", cli.size), size as f64, &pull, &push);
-        lines.extend(rows_for(
-            &format!("1 rank, 1 agent, {}", cli.size),
-            provider,
-            size as f64,
-            &pull,
-            &push,
-            raw,
-            memcpy,
-        ));
+        let case = format!("1 rank, 1 agent, {}", cli.size);
+        lines.extend(rows_for(&case, provider, size as f64, &pull, &push, raw, memcpy));
+        lines.push(auto_line(&case, provider, &auto, &pull, &push));
         if let Some(result) = mpi {
             let results = &result.modes;
             eprintln!("{provider}: 4 ranks: {results:?}");
@@ -915,6 +965,7 @@ fn main() -> Result<()> {
             let bar_case = format!("{provider}, 4 ranks × {}", cli.rank_size);
             icheck_bars(&mut bars, &bar_case, 4.0 * rank_size as f64, &results[0], &results[1]);
             lines.extend(rows_for(&case, provider, 4.0 * rank_size as f64, &results[0], &results[1], raw, memcpy_rank));
+            lines.push(auto_line(&case, provider, &result.auto, &results[0], &results[1]));
             // The peers' PFS baseline on the same data, in the same run.
             if let Some(mpiio) = result.mpiio {
                 lines.push(Line::new(

@@ -210,8 +210,10 @@ pub struct StaticConfig {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ClientConfig {
-    /// `pull` (agents fi_read the application's memory) or `push` (the
-    /// library fi_writes into agent memory). `ICHECK_TRANSFER` overrides it.
+    /// `pull` (agents fi_read the application's memory), `push` (the
+    /// library fi_writes into agent memory) or `auto` (both measured on the
+    /// application's own commits, then the faster kept). `ICHECK_TRANSFER`
+    /// overrides it.
     pub transfer: TransferDirection,
     /// `mr` (each process registers its memory) or `shmr` (one shared
     /// segment per node). `ICHECK_MODE` overrides it.
@@ -344,6 +346,25 @@ pub enum TransferDirection {
     Pull,
     /// The application writes into agent memory.
     Push,
+    /// Measured per application: after the first commits (which touch
+    /// fresh agent memory), commits alternate pull and push, and the
+    /// direction that moved bytes faster over all ranks is kept for the
+    /// rest of the run.
+    Auto,
+}
+
+impl std::str::FromStr for TransferDirection {
+    type Err = String;
+
+    /// `pull`, `push` or `auto` (what `ICHECK_TRANSFER` holds).
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "pull" => Ok(TransferDirection::Pull),
+            "push" => Ok(TransferDirection::Push),
+            "auto" => Ok(TransferDirection::Auto),
+            other => Err(format!("{other:?} is not a transfer direction: use pull, push or auto")),
+        }
+    }
 }
 
 fn default_store() -> PathBuf {
@@ -983,6 +1004,17 @@ mod tests {
         assert_eq!(config.client.transfer, TransferDirection::Pull);
         assert_eq!(config.agent_store_dir, PathBuf::from("/dev/shm/icheck"));
         DynamicConfig::parse(Path::new("config/dynamic.toml"), include_str!("../../config/dynamic.toml")).unwrap();
+    }
+
+    #[test]
+    fn transfer_auto_parses_from_the_file_and_the_environment_form() {
+        let config: StaticConfig = parse(Path::new("icheck.toml"), "[client]\ntransfer = \"auto\"\n").unwrap();
+        assert_eq!(config.client.transfer, TransferDirection::Auto);
+        assert_eq!("push".parse::<TransferDirection>(), Ok(TransferDirection::Push));
+        let wrong = "fast".parse::<TransferDirection>().unwrap_err();
+        assert!(wrong.contains("\"fast\"") && wrong.contains("pull, push or auto"), "{wrong}");
+        let error = parse::<StaticConfig>(Path::new("icheck.toml"), "[client]\ntransfer = \"fast\"\n").unwrap_err();
+        assert!(error.to_string().contains("transfer"), "{error}");
     }
 
     #[test]

@@ -667,6 +667,10 @@ pub enum ClientRequest {
         agents: Vec<u64>,
         /// The application's capability.
         capability: String,
+        /// How commits move their bytes now, and where `transfer = "auto"`
+        /// stands (what `icheck status` shows).
+        #[serde(default)]
+        transfer: Option<TransferReport>,
     },
     /// Have the application's agents changed? (§6.4.2)
     Probe {
@@ -860,6 +864,10 @@ pub struct AppReport {
     /// model with the configured `node_failure_probability`.
     #[serde(default)]
     pub exposure: Option<f64>,
+    /// How its commits move their bytes (the library's report with its
+    /// newest version).
+    #[serde(default)]
+    pub transfer: Option<TransferReport>,
 }
 
 /// What went wrong with an application's agent copies to the PFS: every
@@ -900,6 +908,52 @@ pub struct CommitSample {
     pub commit_secs: f64,
     /// Agents that received it.
     pub agents: u32,
+}
+
+/// How an application's ranks move their data, as its library reports it
+/// with each complete version.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TransferReport {
+    /// Commits push now: the library writes into agent memory (rather
+    /// than the agents reading the application's).
+    pub push: bool,
+    /// With `transfer = "auto"`: the measurement behind the choice.
+    pub auto: Option<AutoTransfer>,
+}
+
+/// Where `transfer = "auto"` stands: measuring, or decided and why.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AutoTransfer {
+    /// The faster direction has been chosen for the rest of the run.
+    pub decided: bool,
+    /// Measured commits so far (of those the choice waits for).
+    pub measured: u32,
+    /// Commits the measurement takes.
+    pub of: u32,
+    /// GB/s per rank the agents' reads reached (over every rank's
+    /// measured commits), once decided.
+    pub pull_gb_per_s: Option<f64>,
+    /// GB/s per rank the library's writes reached, once decided.
+    pub push_gb_per_s: Option<f64>,
+}
+
+impl fmt::Display for TransferReport {
+    /// `push (auto: push 2.91 GB/s, pull 2.10 GB/s per rank)`, or
+    /// `pull (auto: measuring, 2 of 4 commits)`, or `pull (configured)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let direction = if self.push { "push" } else { "pull" };
+        let rate = |r: Option<f64>| r.map_or("not measured".to_string(), |r| format!("{r:.2} GB/s"));
+        match self.auto {
+            None => write!(f, "{direction} (configured)"),
+            Some(auto) if auto.decided => write!(
+                f,
+                "{direction} (auto: push {}, pull {} per rank)",
+                rate(auto.push_gb_per_s),
+                rate(auto.pull_gb_per_s)
+            ),
+            Some(auto) => write!(f, "{direction} (auto: measuring, {} of {} commits)", auto.measured, auto.of),
+        }
+    }
 }
 
 /// A change of an application's agents on a probe (§6.4.2).
@@ -1423,6 +1477,21 @@ pub struct StoredVersion {
 #[allow(clippy::cast_possible_truncation)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn transfer_reports_read_as_the_status_prints_them() {
+        let configured = TransferReport { push: false, auto: None };
+        assert_eq!(configured.to_string(), "pull (configured)");
+        let measuring = AutoTransfer { decided: false, measured: 2, of: 4, pull_gb_per_s: None, push_gb_per_s: None };
+        let report = TransferReport { push: true, auto: Some(measuring) };
+        assert_eq!(report.to_string(), "push (auto: measuring, 2 of 4 commits)");
+        let decided = AutoTransfer { decided: true, pull_gb_per_s: Some(2.104), push_gb_per_s: Some(2.9), ..measuring };
+        let report = TransferReport { push: true, auto: Some(decided) };
+        assert_eq!(report.to_string(), "push (auto: push 2.90 GB/s, pull 2.10 GB/s per rank)");
+        let unmeasured = AutoTransfer { push_gb_per_s: None, ..decided };
+        let report = TransferReport { push: false, auto: Some(unmeasured) };
+        assert_eq!(report.to_string(), "pull (auto: push not measured, pull 2.10 GB/s per rank)");
+    }
 
     /// A hostile or damaged agent's answer to Fetch, as the bytes a rank or
     /// a peer agent receives: every damaged manifest is a typed refusal.

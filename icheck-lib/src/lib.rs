@@ -45,6 +45,8 @@ pub use comm::{Communicator, SingleProcess};
 /// Stored malleability metadata and the PREDEFINED processor mappings.
 pub use icheck_core::distribution::{Attribute, GlobalLayout, ProcessorMapping};
 pub use icheck_core::protocol::DataKind;
+/// How commits move their bytes ([`Icheck::transfer`]).
+pub use icheck_core::protocol::{AutoTransfer, TransferReport};
 pub use region::{Element, Region};
 
 /// The fabric layer, for applications that want to measure it.

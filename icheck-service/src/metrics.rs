@@ -218,6 +218,12 @@ pub fn render(report: &StatusReport) -> String {
             samples: vec![],
         },
         Family {
+            name: "icheck_app_transfer_push",
+            help: "1 when the application's commits push (the library writes), 0 when its agents pull",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
             name: "icheck_controller_incarnation",
             help: "Controller processes that used the journal, this one included",
             kind: "gauge",
@@ -324,6 +330,7 @@ pub fn render(report: &StatusReport) -> String {
         put("icheck_app_protected_version", l.clone(), a.protected.map(|v| v as f64));
         put("icheck_app_rebuilding", l.clone(), Some(f64::from(u8::from(a.rebuilding))));
         put("icheck_app_loss_probability", l.clone(), a.exposure);
+        put("icheck_app_transfer_push", l.clone(), a.transfer.map(|t| f64::from(u8::from(t.push))));
         put("icheck_app_versions_dropped_total", l, Some(a.dropped.len() as f64));
     }
     if let Some(journal) = &report.journal {

@@ -467,6 +467,54 @@ fn matrix_on_shm() {
     matrix("shm");
 }
 
+/// `transfer = "auto"` with two ranks: the status follows the trial
+/// commit by commit (two unmeasured pulls, then pull, push, pull, push),
+/// then shows the direction both ranks keep and the rates that chose it;
+/// versions that moved either way restart bit-exact.
+#[test]
+fn transfer_auto_measures_both_directions_over_the_ranks_and_keeps_the_faster() {
+    let service = service("mpi-auto", 1, "tcp");
+    let config = service.config_path();
+    let env = [("ICHECK_TRANSFER", "auto")];
+    let mut seen = Vec::new();
+    let mut job = Job::start(
+        2,
+        &config,
+        &["--app", "auto", "--steps", "16", "--every", "2", "--mib", "8", "--step-ms", "500", "--persist"],
+        &env,
+    );
+    // After each version the status holds what the next commit does.
+    for version in 1..=6u64 {
+        job.wait_line(&format!("COMMITTED version={version} "), Duration::from_secs(60));
+        let app = service.status().apps.into_iter().find(|a| a.registration.name == "auto").expect("registered");
+        // A second of computation per version: the next cannot have come.
+        assert_eq!(app.latest.as_ref().map(|l| l.version), Some(version), "{app:?}");
+        let transfer = app.transfer.unwrap_or_else(|| panic!("version {version}: no transfer report: {app:?}"));
+        seen.push(transfer);
+    }
+    let lines = job.finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=9 step=16")), "{lines:?}");
+    let next_push: Vec<bool> = seen.iter().map(|t| t.push).collect();
+    let measured: Vec<u32> = seen.iter().map(|t| t.auto.expect("auto reports its trial").measured).collect();
+    assert_eq!(&next_push[..5], &[false, false, true, false, true], "{seen:?}");
+    assert_eq!(measured, vec![0, 0, 1, 2, 3, 4], "{seen:?}");
+    let decided = seen[5].auto.unwrap();
+    assert!(decided.decided, "{seen:?}");
+    let (pull, push) = (decided.pull_gb_per_s.expect("pull measured"), decided.push_gb_per_s.expect("push measured"));
+    assert_eq!(seen[5].push, push > pull, "the faster direction is kept: {seen:?}");
+    let app = service.status().apps.into_iter().find(|a| a.registration.name == "auto").unwrap();
+    assert_eq!(app.transfer, Some(seen[5]), "the choice holds for the rest of the run");
+    let out = Command::new(&service.icheck).args(["status", "--state-dir"]).arg(&service.dir).output().unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(printed.contains("transfer: ") && printed.contains("(auto: push "), "{printed}");
+    let metric = sample(&scrape(&service), "icheck_app_transfer_push{app=\"auto\"}");
+    assert_eq!(metric, Some(f64::from(u8::from(seen[5].push))));
+
+    let lines = Job::start(2, &config, &["--app", "auto", "--steps", "18", "--every", "2", "--mib", "8"], &env)
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=9 step=16 verified"), "{lines:?}");
+}
+
 #[test]
 fn draining_a_node_moves_its_agents_and_their_data_at_the_next_probe() {
     // No scaling: the only change a probe can bring is the drain.

@@ -133,6 +133,7 @@ fn a_primary_paused_past_the_window_records_nothing_when_it_wakes_and_steps_down
             epoch: 0,
             agents: Vec::new(),
             capability,
+            transfer: None,
         };
         early.call::<_, ClientReply>(&ghost)
     });

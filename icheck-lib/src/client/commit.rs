@@ -5,6 +5,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::direction::Measured;
 use super::*;
 use crate::tracking::{written_per_label, PageTracker, Written};
 
@@ -185,6 +186,10 @@ impl Icheck {
         self.release_restart();
         self.check_global_labels()?;
         self.last_commit = None;
+        if let Some(link) = self.link.as_mut() {
+            // What a failed commit moved says nothing about this one.
+            link.moved = TransferTally::default();
+        }
         let version = self.next_version;
         self.next_version += 1;
         self.size_hint = u64::MAX;
@@ -359,6 +364,7 @@ impl Icheck {
         }
         let total = self.comm.sum(bytes);
         let spilled = self.comm.sum(u64::from(self.link.as_ref().is_some_and(|l| l.spilled))) > 0;
+        let transfer = self.transfer_step(bytes);
         let secs = started.elapsed().as_secs_f64();
         let mut recorded = Ok(());
         let mut moved_to = None;
@@ -372,6 +378,7 @@ impl Icheck {
                 spilled,
                 epoch: self.epoch,
                 capability: self.access.capability.clone(),
+                transfer: Some(transfer),
             };
             recorded = match controller.request(&request) {
                 // Stored on agents the controller gave up: not recorded;
@@ -413,6 +420,47 @@ impl Icheck {
         }
         tracing::info!(bytes, total, secs, "version complete");
         Ok(())
+    }
+
+    /// Feeds `transfer = "auto"` what this rank's transfers of the version
+    /// just completed (`bytes` of it here) moved, sets the next commit's
+    /// direction, and says how commits move now, for the controller's
+    /// status. *Collective* when the trial ends: the ranks add up their
+    /// measurements so that all keep the same direction.
+    fn transfer_step(&mut self, bytes: u64) -> TransferReport {
+        let moved = self.link.as_mut().map(|l| std::mem::take(&mut l.moved)).unwrap_or_default();
+        if let Some(auto) = self.auto.as_mut() {
+            if auto.completed(moved, bytes) {
+                let mine = auto.tally();
+                let comm = &self.comm;
+                let sum = |m: Measured| Measured {
+                    bytes: comm.sum(m.bytes),
+                    secs: comm.sum((m.secs * 1e6) as u64) as f64 / 1e6,
+                };
+                let decision = auto.decide(TransferTally { pull: sum(mine.pull), push: sum(mine.push) });
+                if comm.rank() == 0 {
+                    tracing::info!(
+                        push = decision.push,
+                        pull_gb_per_s = decision.pull_gb_per_s,
+                        push_gb_per_s = decision.push_gb_per_s,
+                        "transfer = \"auto\": measured both directions; commits {} from now on",
+                        if decision.push { "push" } else { "pull" }
+                    );
+                }
+            }
+            self.direction = if auto.next_push() { TransferDirection::Push } else { TransferDirection::Pull };
+        }
+        self.transfer()
+    }
+
+    /// How commits move their bytes now: the library pushes or the agents
+    /// pull, and with `transfer = "auto"` where the measurement stands and
+    /// the rates it chose by (what `icheck status` shows).
+    pub fn transfer(&self) -> TransferReport {
+        TransferReport {
+            push: self.direction == TransferDirection::Push,
+            auto: self.auto.as_ref().map(AutoDirection::report),
+        }
     }
 
     /// Registers each label's own memory and moves it without copies.

@@ -33,6 +33,9 @@ pub(super) struct AgentLink {
     /// The agent spilled the last sealed version to the PFS (its memory
     /// budget was used up); the controller must have it copied.
     pub(super) spilled: bool,
+    /// What this session's transfers moved since the client last took it
+    /// (`transfer = "auto"` measures the directions with it).
+    pub(super) moved: TransferTally,
 }
 
 impl AgentLink {
@@ -71,6 +74,7 @@ impl AgentLink {
             connect_timeout: timeout,
             open: open.clone(),
             spilled: false,
+            moved: TransferTally::default(),
         };
         link.call(&open)?;
         Ok(link)
@@ -286,6 +290,14 @@ impl Mover<'_> {
     /// them all in one request while this process drives its endpoint's
     /// progress (pull). Returns the bytes moved.
     pub(super) fn send(&mut self, pieces: &[Piece<'_>]) -> Result<u64> {
+        let started = Instant::now();
+        let moved = self.transfer(pieces)?;
+        let tally = if self.push { &mut self.link.moved.push } else { &mut self.link.moved.pull };
+        tally.add(moved, started.elapsed().as_secs_f64());
+        Ok(moved)
+    }
+
+    fn transfer(&mut self, pieces: &[Piece<'_>]) -> Result<u64> {
         if self.push {
             let options = TransferOptions::default();
             let mut moved = 0;

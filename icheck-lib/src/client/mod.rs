@@ -31,7 +31,7 @@ use icheck_core::format::{label_crcs, CHUNK_BYTES, CHUNK_SIZE};
 use icheck_core::protocol::ProtocolError;
 use icheck_core::protocol::{
     self, check_fetched, AgentInfo, AgentReply, AgentRequest, AppRegistration, ClientReply, ClientRequest, DataKind,
-    FetchWanted, Fetched, LabelLayout, Manifest, PullSegment, TransferMode, VersionRecord,
+    FetchWanted, Fetched, LabelLayout, Manifest, PullSegment, TransferMode, TransferReport, VersionRecord,
 };
 
 use crate::comm::Communicator;
@@ -39,6 +39,7 @@ use crate::region::{as_bytes_mut, Element, RawSource, Region, Source};
 use crate::segment::NodeSegment;
 
 mod commit;
+mod direction;
 mod error;
 mod fallback;
 mod link;
@@ -49,6 +50,7 @@ mod shmr;
 
 pub use commit::CommitStats;
 use commit::{Background, InFlight, Tracking, WrittenSince};
+use direction::{AutoDirection, TransferTally};
 pub use error::Error;
 use error::Result;
 use link::{commit_buffer, commit_incremental, commit_version, Piece, VersionHeader};
@@ -146,7 +148,10 @@ pub struct Icheck {
     /// plus one when this run's process count differs from its.
     epoch: u32,
     next_version: u64,
+    /// The direction of the next commit (never `Auto`).
     direction: TransferDirection,
+    /// `transfer = "auto"`: the measurement that sets `direction`.
+    auto: Option<AutoDirection>,
     zero_copy: bool,
     /// `incremental` (see `ClientConfig`): send only changed blocks.
     incremental: bool,
@@ -260,10 +265,16 @@ impl Icheck {
         let path = config_path(config);
         let config = StaticConfig::load(&path)?;
         let client = config.client.clone();
-        let direction = match std::env::var("ICHECK_TRANSFER").ok().as_deref() {
-            Some("push") => TransferDirection::Push,
-            Some("pull") => TransferDirection::Pull,
-            _ => client.transfer,
+        let direction = match std::env::var("ICHECK_TRANSFER") {
+            Ok(text) => text
+                .parse::<TransferDirection>()
+                .map_err(|e| Error::Unsupported(format!("environment variable ICHECK_TRANSFER: {e}")))?,
+            Err(_) => client.transfer,
+        };
+        // `auto` starts pulling; `AutoDirection` says when to switch.
+        let (direction, auto) = match direction {
+            TransferDirection::Auto => (TransferDirection::Pull, Some(AutoDirection::default())),
+            configured => (configured, None),
         };
         let mode = match std::env::var("ICHECK_MODE").ok().as_deref() {
             Some("shmr") => TransferMode::Shmr,
@@ -486,6 +497,7 @@ impl Icheck {
             epoch,
             next_version,
             direction,
+            auto,
             zero_copy,
             incremental,
             sealed_blocks: None,

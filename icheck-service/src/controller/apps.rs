@@ -116,6 +116,9 @@ pub(super) struct AppEntry {
     pub(super) abandoned: Vec<Abandoned>,
     /// Its redundancy across nodes: which version is protected, by whom.
     pub(super) protection: super::protection::ProtectionBook,
+    /// How its newest version moved, as its library reported (status
+    /// only: not journaled, the next version reports it again).
+    pub(super) transfer: Option<protocol::TransferReport>,
 }
 
 /// Files of ranks left behind on a node whose agents were lost (the node
@@ -455,6 +458,7 @@ pub(super) mod tests {
             dropped: Vec::new(),
             abandoned: Vec::new(),
             protection: Default::default(),
+            transfer: None,
         }
     }
 

@@ -678,6 +678,7 @@ fn journaled_apps(
                 dropped: Vec::new(),
                 abandoned: Vec::new(),
                 protection: Default::default(),
+                transfer: None,
             };
             Some((name.clone(), entry))
         })
@@ -1378,10 +1379,26 @@ async fn serve_client(
                     }
                 }
             }
-            ClientRequest::VersionComplete { name, version, bytes, commit_secs, spilled, epoch, agents, .. } => {
+            ClientRequest::VersionComplete {
+                name,
+                version,
+                bytes,
+                commit_secs,
+                spilled,
+                epoch,
+                agents,
+                transfer,
+                ..
+            } => {
                 let sample = CommitSample { version, bytes, commit_secs, agents: 0 };
                 await_reconciled(&shared, &name).await;
-                record_version(&shared, &name, sample, spilled, epoch, &agents)
+                let reply = record_version(&shared, &name, sample, spilled, epoch, &agents);
+                if reply == ClientReply::Ok && transfer.is_some() {
+                    if let Some(app) = shared.state().apps.get_mut(&name) {
+                        app.transfer = transfer;
+                    }
+                }
+                reply
             }
             ClientRequest::Probe { name, agents, remaining_commits, capability } => {
                 let span = tracing::info_span!("probe", app = %name);
@@ -1494,6 +1511,7 @@ fn app_report(a: &AppEntry, node_failure: f64) -> AppReport {
         scaling_settled: a.adaptation.scaling.settled,
         pfs_health: a.copies.health.clone(),
         dropped: a.dropped.clone(),
+        transfer: a.transfer,
     }
 }
 
@@ -1706,6 +1724,7 @@ async fn register_app(
         dropped: state.apps.get(&name).map(|a| a.dropped.clone()).unwrap_or_default(),
         abandoned: state.apps.get(&name).map(|a| a.abandoned.clone()).unwrap_or_default(),
         protection: Default::default(),
+        transfer: None,
     };
     state.apps.insert(name.clone(), entry);
     // New agents: the version they serve is protected again on them.

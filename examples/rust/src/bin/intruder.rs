@@ -111,6 +111,7 @@ fn main() {
         epoch: 0,
         agents: Vec::new(),
         capability: capability.clone(),
+        transfer: None,
     };
     report("record-version", answered(request_blocking(&config, &record)));
     let versions = ClientRequest::AppStatus { name: args.app.clone(), capability: capability.clone() };

@@ -142,7 +142,7 @@ fn write_static(dir: &Path, port: u16, standby: Option<u16>, tokens: &Tokens, op
          AgentStoreDir = \"{store}\"\nPfsDir = \"{pfs}\"\n\n\
          [fabric]\nprovider = \"{provider}\"\n\n\
          # How applications move data; ICHECK_TRANSFER and ICHECK_MODE override.\n\
-         [client]\ntransfer = \"pull\"   # or \"push\"\nmode = \"mr\"         # or \"shmr\"\n\
+         [client]\ntransfer = \"pull\"   # or \"push\", or \"auto\" (both measured, the faster kept)\nmode = \"mr\"         # or \"shmr\"\n\
          staging_buffer = \"64MiB\"\nzero_copy = true\n\
          pfs_interval = 0          # agents copy every Nth version to PfsDir (0: never)\n\
          compression = \"auto\"    # zstd from max_cp_size bytes on; or \"none\", \"zstd\", \"zstd:LEVEL\"\n",
@@ -586,6 +586,9 @@ pub fn print_status(report: &StatusReport) {
             );
         }
         println!("  {:<16} {}", "", protection_line(a));
+        if let Some(transfer) = &a.transfer {
+            println!("  {:<16} transfer: {transfer}", "");
+        }
         let health = &a.pfs_health;
         if health.failed > 0 || health.skipped > 0 {
             println!(
