@@ -14,7 +14,7 @@
 
 use std::sync::mpsc;
 
-use crate::fabric::{Endpoint, FabricError, MemoryRegion, Peer, RegisteredBuffer, RemoteRegion, RmaOp};
+use crate::fabric::{Endpoint, FabricError, MemoryRegion, Peer, PeerOp, RegisteredBuffer, RemoteRegion, RmaOp};
 use crate::fabric::{StableBuffer, TransferOptions};
 use crate::format::{first_bad_chunk, CHUNK_BYTES};
 
@@ -61,44 +61,113 @@ pub unsafe fn read_checked_into(
     local: &MemoryRegion,
     range: CheckedRange<'_>,
 ) -> Result<Option<usize>, FabricError> {
-    let CheckedRange { remote, remote_offset, local_offset, len: total, crcs } = range;
-    if local_offset.checked_add(total).is_none_or(|end| end > local.len) {
-        return Err(FabricError::OutOfRange {
-            side: "local",
-            offset: local_offset as u64,
-            len: total as u64,
-            region_len: local.len as u64,
-        });
+    // SAFETY: the caller's guarantees, passed on.
+    let bad = unsafe { read_checked_from(endpoint, local, &[PeerRange { peer, range }]) }?;
+    Ok(bad.map(|(_, chunk)| chunk))
+}
+
+/// One range of a [`read_checked_from`] batch, and whose memory it is in.
+#[derive(Clone, Copy, Debug)]
+pub struct PeerRange<'a> {
+    /// The peer holding the range.
+    pub peer: &'a Peer,
+    /// The range.
+    pub range: CheckedRange<'a>,
+}
+
+/// Reads several ranges, each from its own peer, into `local` as one batch
+/// (every peer's reads in flight at once), checking each chunk of each
+/// range as it arrives. Returns the first chunk that does not match its
+/// checksum, as (range index, chunk index within the range); a range whose
+/// checksum list has the wrong length counts as damage at its chunk 0.
+///
+/// # Safety
+/// Nothing else may read or write `local`'s memory during the call, and
+/// that memory must stay valid for it.
+pub unsafe fn read_checked_from(
+    endpoint: &Endpoint,
+    local: &MemoryRegion,
+    ranges: &[PeerRange<'_>],
+) -> Result<Option<(usize, usize)>, FabricError> {
+    for PeerRange { range, .. } in ranges {
+        if range.local_offset.checked_add(range.len).is_none_or(|end| end > local.len) {
+            return Err(FabricError::OutOfRange {
+                side: "local",
+                offset: range.local_offset as u64,
+                len: range.len as u64,
+                region_len: local.len as u64,
+            });
+        }
     }
-    if crcs.len() != total.div_ceil(CHUNK_BYTES) {
-        return Ok(Some(0));
+    // A chunk handed to the checker must never be written again: no two
+    // ranges may share a destination byte.
+    let mut spans: Vec<(usize, usize)> =
+        ranges.iter().map(|r| (r.range.local_offset, r.range.local_offset + r.range.len)).collect();
+    spans.sort_unstable();
+    if let Some(pair) = spans.windows(2).find(|pair| pair[0].1 > pair[1].0) {
+        return Err(FabricError::Config(format!(
+            "ranges of one checked read overlap in local memory ({}..{} and {}..{})",
+            pair[0].0, pair[0].1, pair[1].0, pair[1].1
+        )));
     }
-    if total == 0 {
+    if let Some(index) = ranges.iter().position(|r| r.range.crcs.len() != r.range.len.div_ceil(CHUNK_BYTES)) {
+        return Ok(Some((index, 0)));
+    }
+    if ranges.iter().all(|r| r.range.len == 0) {
         return Ok(None);
     }
-    let base = local.ptr as usize + local_offset;
-    let (to_check, chunks) = mpsc::channel::<usize>();
+    let base = local.ptr as usize;
+    let (to_check, chunks) = mpsc::channel::<(usize, usize)>();
     std::thread::scope(|scope| {
         let checker = scope.spawn(move || {
-            for start in chunks {
-                let end = (start + CHUNK_BYTES).min(total);
-                // SAFETY: bytes start..end were completely read before this
-                // chunk was sent, no later operation of the batch writes
-                // them, and the caller keeps everyone else out.
-                let bytes = unsafe { std::slice::from_raw_parts((base + start) as *const u8, end - start) };
-                let index = start / CHUNK_BYTES;
-                if first_bad_chunk(bytes, &crcs[index..=index]).is_some() {
-                    return Some(index);
+            for (index, start) in chunks {
+                let range = ranges[index].range;
+                let end = (start + CHUNK_BYTES).min(range.len);
+                // SAFETY: bytes start..end of the range were completely read
+                // before this chunk was sent, no later operation of the batch
+                // writes them (ranges do not overlap), and the caller keeps
+                // everyone else out.
+                let bytes = unsafe {
+                    std::slice::from_raw_parts((base + range.local_offset + start) as *const u8, end - start)
+                };
+                let chunk = start / CHUNK_BYTES;
+                if first_bad_chunk(bytes, &range.crcs[chunk..=chunk]).is_some() {
+                    return Some((index, chunk));
                 }
             }
             None
         });
-        let op = RmaOp { local_offset, remote, remote_offset, len: total };
-        let mut next = 0usize;
+        let ops: Vec<PeerOp<'_>> = ranges
+            .iter()
+            .map(|PeerRange { peer, range }| PeerOp {
+                peer,
+                op: RmaOp {
+                    local_offset: range.local_offset,
+                    remote: range.remote,
+                    remote_offset: range.remote_offset,
+                    len: range.len,
+                },
+            })
+            .collect();
+        // The batch's bytes arrive as a prefix over the ranges in order: the
+        // next chunk to hand over is chunk `next` of range `current`, which
+        // starts at byte `before` of the batch.
+        let (mut current, mut next, mut before) = (0usize, 0usize, 0usize);
         let mut hand_over = |arrived: usize| {
-            while next < total && (arrived >= total || arrived >= next + CHUNK_BYTES) {
+            while current < ranges.len() {
+                let len = ranges[current].range.len;
+                if next >= len {
+                    before += len;
+                    current += 1;
+                    next = 0;
+                    continue;
+                }
+                let end = (next + CHUNK_BYTES).min(len);
+                if before + end > arrived {
+                    break;
+                }
                 // A checker that stopped (a bad chunk) needs no more.
-                let _ = to_check.send(next);
+                let _ = to_check.send((current, next));
                 next += CHUNK_BYTES;
             }
         };
@@ -106,9 +175,9 @@ pub unsafe fn read_checked_into(
         // have all arrived and which no later operation of the batch
         // writes; the caller keeps everyone else out.
         let target = unsafe { local.target_unchecked() };
-        let read = endpoint.read_observed(peer, target, &[op], &TransferOptions::default(), &mut hand_over);
+        let read = endpoint.read_observed_from(target, &ops, &TransferOptions::default(), &mut hand_over);
         drop(to_check);
-        let bad = checker.join().unwrap_or(Some(0));
+        let bad = checker.join().unwrap_or(Some((0, 0)));
         read.map(|_| bad)
     })
 }

@@ -433,3 +433,65 @@ fn checked_reads_land_in_place_and_name_the_first_bad_chunk() {
         );
     }
 }
+
+/// `verified::read_checked_from` reads ranges held by two target processes
+/// in one batch: each lands in place, a damaged chunk is named by its range
+/// and chunk, and ranges that would share destination bytes are refused
+/// before anything moves.
+#[test]
+fn checked_reads_from_two_peers_in_one_batch_land_in_place_and_name_the_bad_range() {
+    use icheck_core::format::chunk_crcs;
+    use icheck_core::verified::{read_checked_from, CheckedRange, PeerRange};
+    for provider in ["tcp", "shm"] {
+        let (first, second) = (start_target(provider, ODD_SIZE, 1), start_target(provider, ODD_SIZE, 2));
+        let initiator = Initiator::connect(provider, &first);
+        let other = initiator.endpoint.insert_peer(&second.announcement().address).unwrap();
+        let pattern = |seed| {
+            let mut bytes = vec![0u8; ODD_SIZE];
+            icheck_core::pattern::fill_pattern(&mut bytes, seed);
+            bytes
+        };
+        let (one, two) = (pattern(1), pattern(2));
+        // From the first: a chunk and a bit at an odd offset; from the
+        // second: the rest of the destination (two chunks), placed after it.
+        let (from_one, len_one) = (4321usize, icheck_core::format::CHUNK_BYTES + 777);
+        let (from_two, at_two) = (99usize, len_one + 5);
+        let len_two = ODD_SIZE - at_two;
+        let crcs_one = chunk_crcs(&one[from_one..from_one + len_one]);
+        let crcs_two = chunk_crcs(&two[from_two..from_two + len_two]);
+        let (first_peer, regions) = (&initiator.peer, (first.announcement().region, second.announcement().region));
+        let ranges = |crcs_two, at_two: usize| {
+            let one = CheckedRange {
+                remote: regions.0,
+                remote_offset: from_one as u64,
+                local_offset: 0,
+                len: len_one,
+                crcs: &crcs_one[..],
+            };
+            let len = ODD_SIZE - at_two;
+            let two = CheckedRange {
+                remote: regions.1,
+                remote_offset: from_two as u64,
+                local_offset: at_two,
+                len,
+                crcs: crcs_two,
+            };
+            [PeerRange { peer: first_peer, range: one }, PeerRange { peer: &other, range: two }]
+        };
+        let region = initiator.local.region();
+        // SAFETY: `initiator.local` is used by nothing else during the reads.
+        let read = |ranges: &[PeerRange<'_>]| unsafe { read_checked_from(&initiator.endpoint, region, ranges) };
+        assert_eq!(read(&ranges(&crcs_two, at_two)).unwrap(), None, "{provider}");
+        let local = initiator.local.as_slice();
+        assert!(local[..len_one] == one[from_one..from_one + len_one], "{provider}: the first peer's bytes in place");
+        assert!(local[at_two..] == two[from_two..from_two + len_two], "{provider}: the second peer's bytes in place");
+        let mut wrong = crcs_two.clone();
+        wrong[1] ^= 1;
+        assert_eq!(read(&ranges(&wrong, at_two)).unwrap(), Some((1, 1)), "{provider}: range 1, chunk 1");
+        let overlapping = read(&ranges(&crcs_two, len_one - 1));
+        assert!(
+            matches!(&overlapping, Err(FabricError::Config(why)) if why.contains("overlap")),
+            "{provider}: {overlapping:?}"
+        );
+    }
+}

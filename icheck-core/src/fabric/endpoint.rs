@@ -111,6 +111,16 @@ pub struct RmaOp {
     pub len: usize,
 }
 
+/// One operation of a batch that reads from several peers at once
+/// ([`Endpoint::read_observed_from`]).
+#[derive(Clone, Copy, Debug)]
+pub struct PeerOp<'p> {
+    /// Whose memory `op.remote` is.
+    pub peer: &'p Peer,
+    /// The operation.
+    pub op: RmaOp,
+}
+
 /// How a batch is cut and paced.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TransferOptions {
@@ -264,6 +274,8 @@ struct OpSlot {
     ctx: sys::fi_context2,
     /// Position of the operation in posting order.
     seq: u64,
+    /// Index in the batch of the operation this chunk belongs to.
+    op: usize,
     len: usize,
     remote_addr: u64,
     key: u64,
@@ -446,7 +458,7 @@ impl Endpoint {
         ops: &[RmaOp],
         options: &TransferOptions,
     ) -> Result<TransferStats> {
-        self.transfer(RmaKind::Read, peer, local.ptr, local.len, local.desc, ops, options, &mut |_| {})
+        self.transfer(RmaKind::Read, &with_peer(peer, ops), local.ptr, local.len, local.desc, options, &mut |_| {})
     }
 
     /// Like [`read`](Self::read), calling `on_progress(bytes)` whenever the
@@ -463,7 +475,21 @@ impl Endpoint {
         options: &TransferOptions,
         on_progress: &mut dyn FnMut(usize),
     ) -> Result<TransferStats> {
-        self.transfer(RmaKind::Read, peer, local.ptr, local.len, local.desc, ops, options, on_progress)
+        self.transfer(RmaKind::Read, &with_peer(peer, ops), local.ptr, local.len, local.desc, options, on_progress)
+    }
+
+    /// Like [`read_observed`](Self::read_observed), each operation from its
+    /// own peer: one batch that keeps several peers' reads in flight at
+    /// once (a process restoring several old ranks held by different
+    /// agents), with one completion queue and one pipeline.
+    pub fn read_observed_from(
+        &self,
+        local: LocalTarget<'_>,
+        ops: &[PeerOp<'_>],
+        options: &TransferOptions,
+        on_progress: &mut dyn FnMut(usize),
+    ) -> Result<TransferStats> {
+        self.transfer(RmaKind::Read, ops, local.ptr, local.len, local.desc, options, on_progress)
     }
 
     /// Writes `local` (at each op's local offset) into remote memory.
@@ -474,7 +500,7 @@ impl Endpoint {
         ops: &[RmaOp],
         options: &TransferOptions,
     ) -> Result<TransferStats> {
-        self.transfer(RmaKind::Write, peer, local.ptr, local.len, local.desc, ops, options, &mut |_| {})
+        self.transfer(RmaKind::Write, &with_peer(peer, ops), local.ptr, local.len, local.desc, options, &mut |_| {})
     }
 
     /// Polls the completion queue once if no batch is running, which drives
@@ -522,17 +548,16 @@ impl Endpoint {
     fn transfer(
         &self,
         kind: RmaKind,
-        peer: &Peer,
+        ops: &[PeerOp<'_>],
         local_ptr: *mut u8,
         local_len: usize,
         desc: *mut c_void,
-        ops: &[RmaOp],
         options: &TransferOptions,
         on_progress: &mut dyn FnMut(usize),
     ) -> Result<TransferStats> {
         let started = Instant::now();
         // Validate every op before posting anything.
-        for op in ops {
+        for PeerOp { op, .. } in ops {
             if op.local_offset.checked_add(op.len).is_none_or(|end| end > local_len) {
                 return Err(FabricError::OutOfRange {
                     side: "local",
@@ -578,7 +603,7 @@ impl Endpoint {
         loop {
             // Post as many chunks as slots allow.
             while first_error.is_none() && op_index < ops.len() {
-                let op = &ops[op_index];
+                let PeerOp { peer, op } = &ops[op_index];
                 if op_done >= op.len {
                     op_index += 1;
                     op_done = 0;
@@ -592,6 +617,7 @@ impl Endpoint {
                 let slot = &mut slots[slot_index];
                 slot.len = len;
                 slot.seq = posted_seq;
+                slot.op = op_index;
                 slot.remote_addr = remote_addr;
                 slot.key = op.remote.key;
                 // SAFETY: local_ptr + local_offset + op_done .. + len lies in
@@ -678,6 +704,7 @@ impl Endpoint {
                 if got == 1 && !err.op_context.is_null() {
                     let index = (err.op_context as usize - slot_base) / std::mem::size_of::<OpSlot>();
                     let slot = &slots[index];
+                    let peer = ops[slot.op].peer;
                     let mut text = vec![0u8; 256];
                     // SAFETY: CQ open; err_data belongs to the provider and is
                     // valid until the next CQ call; text has room for len bytes.
@@ -717,12 +744,18 @@ impl Endpoint {
                 abandon_contexts(slots, outstanding);
                 return Err(FabricError::call("fi_cq_read", ret as i64));
             } else if last_progress.elapsed() > options.timeout {
-                tracing::warn!(op = %kind, peer = %peer.name, outstanding, "RMA batch timed out; giving the endpoint up");
+                // The peers whose operations never completed.
+                let mut stalled: Vec<&str> =
+                    (0..slots.len()).filter(|i| !free.contains(i)).map(|i| ops[slots[i].op].peer.name()).collect();
+                stalled.sort_unstable();
+                stalled.dedup();
+                let peer = stalled.join(", ");
+                tracing::warn!(op = %kind, %peer, outstanding, "RMA batch timed out; giving the endpoint up");
                 state.abandon(kind, manual_progress);
                 abandon_contexts(slots, outstanding);
                 return Err(FabricError::Timeout {
                     op: kind,
-                    peer: peer.name.to_string(),
+                    peer,
                     outstanding: outstanding.max(1),
                     timeout: options.timeout,
                 });
@@ -740,6 +773,11 @@ impl Endpoint {
             None => Ok(stats),
         }
     }
+}
+
+/// `ops`, all from `peer`.
+fn with_peer<'p>(peer: &'p Peer, ops: &[RmaOp]) -> Vec<PeerOp<'p>> {
+    ops.iter().map(|op| PeerOp { peer, op: *op }).collect()
 }
 
 /// Keeps the contexts of operations that never completed alive for the rest

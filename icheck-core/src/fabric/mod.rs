@@ -51,7 +51,7 @@ pub use domain::{
     check_provider, libfabric_version, list_providers, reclaim_dead_processes_shm_regions, remove_shm_regions_of,
     Domain, FabricConfig, LibfabricVersion, MrMode, ProviderInfo,
 };
-pub use endpoint::{Endpoint, FabricAddress, Peer, RmaKind, RmaOp, TransferOptions, TransferStats};
+pub use endpoint::{Endpoint, FabricAddress, Peer, PeerOp, RmaKind, RmaOp, TransferOptions, TransferStats};
 pub use error::FabricError;
 pub use mr::{
     Access, AlignedBuffer, LocalSource, LocalTarget, MemoryRegion, RegisteredBuffer, RemoteRegion, StableBuffer,
