@@ -15,10 +15,12 @@ use std::collections::BTreeMap;
 
 use icheck_core::decide::agent_for_rank;
 use icheck_core::distribution::{receive_plan, Adapt, Attribute, GlobalLayout};
-use icheck_core::fabric::RemoteRegion;
+use icheck_core::fabric::{Access, RemoteRegion};
+use icheck_core::format::CHUNK_BYTES;
 use icheck_core::protocol::{check_fetched, AgentRequest, DataKind, FetchWanted, Fetched, LabelLayout, Manifest};
+use icheck_core::verified::{read_checked_from, CheckedRange, PeerRange};
 
-use super::{read_and_verify, AgentLink, Error, Icheck, Restored, RestoredData, Result};
+use super::{AgentLink, Error, Icheck, Restored, RestoredData, Result};
 use crate::region::{as_bytes_mut, Element, Region};
 
 /// What a volatile label's recalculation callback learns about the change.
@@ -85,6 +87,73 @@ impl OldRank {
         match self {
             OldRank::Agent { manifest, .. } | OldRank::Local { manifest, .. } => manifest,
         }
+    }
+}
+
+/// Old ranks whose data one restore reads at once, in one fabric batch:
+/// with several agents (on several nodes) their transfers add up, and each
+/// open session keeps a progress thread busy at its agent.
+const PARALLEL_OLD_RANKS: usize = 4;
+
+/// Bytes read at once for one restore: the spans wait in a buffer of this
+/// size beside the application's memory before their pieces are copied.
+const PARALLEL_READ_BYTES: u64 = 512 << 20;
+
+/// Cuts old ranks whose spans have `sizes` bytes, in order, into groups
+/// read at once: at most [`PARALLEL_OLD_RANKS`] and [`PARALLEL_READ_BYTES`]
+/// each, and at least one rank however large.
+fn read_groups(sizes: &[u64]) -> Vec<std::ops::Range<usize>> {
+    let mut groups = Vec::new();
+    let (mut start, mut bytes) = (0usize, 0u64);
+    for (index, size) in sizes.iter().enumerate() {
+        let full = index - start == PARALLEL_OLD_RANKS || bytes + size > PARALLEL_READ_BYTES;
+        if index > start && full {
+            groups.push(start..index);
+            (start, bytes) = (index, 0);
+        }
+        bytes += size;
+    }
+    if start < sizes.len() {
+        groups.push(start..sizes.len());
+    }
+    groups
+}
+
+/// One range of one old rank's label to read ([`Icheck::read_old_spans`]).
+struct OldRead<'a> {
+    old: &'a OldRank,
+    label: &'a LabelLayout,
+    /// The label's index in the old rank's manifest.
+    index: usize,
+    /// Bytes of the label.
+    range: std::ops::Range<u64>,
+}
+
+/// One agent read of [`Icheck::read_old_spans`]: the chunk-aligned span,
+/// placed in the buffer at `range.local_offset`.
+struct AgentSpan<'a> {
+    link: &'a AgentLink,
+    manifest: &'a Manifest,
+    label: &'a LabelLayout,
+    range: CheckedRange<'a>,
+}
+
+/// What [`Icheck::read_old_spans`] read: one buffer, and where each
+/// request's first byte lies in it.
+struct OldSpans {
+    bytes: Vec<u8>,
+    starts: Vec<usize>,
+}
+
+/// The error for a damaged chunk at byte `start` of `label` in an old
+/// rank's data.
+fn corrupt(manifest: &Manifest, label: &LabelLayout, start: u64, chunk: u64) -> Error {
+    Error::Corrupt {
+        version: manifest.version,
+        rank: manifest.rank,
+        start,
+        end: (start + chunk).min(label.len),
+        labels: format!("{:?}", label.label),
     }
 }
 
@@ -384,45 +453,83 @@ impl Icheck {
         index: usize,
         range: std::ops::Range<u64>,
     ) -> Result<(Vec<u8>, usize)> {
-        match old {
-            OldRank::Local { bytes, .. } => {
-                let at = (label.offset + range.start) as usize;
-                Ok((bytes[at..at + (range.end - range.start) as usize].to_vec(), 0))
-            }
-            OldRank::Agent { link, manifest, region } => {
-                let chunk = manifest.chunk_size.max(1);
-                let first = range.start / chunk;
-                let end = range.end.div_ceil(chunk).saturating_mul(chunk).min(label.len);
-                let mut span = vec![0u8; (end - first * chunk) as usize];
-                let crcs = &manifest.crcs[index];
-                let last = end.div_ceil(chunk) as usize;
-                if last > crcs.len() {
-                    return Err(link.error(format!("label {:?}: its manifest lacks checksums", label.label)));
+        let spans = self.read_old_spans(&[OldRead { old, label, index, range }])?;
+        Ok((spans.bytes, spans.starts[0]))
+    }
+
+    /// Reads every request's bytes into one buffer, verified: from agents
+    /// as one fabric batch, every old rank's reads in flight at once (each
+    /// the chunk-aligned span around its range, checked against that rank's
+    /// checksums as it arrives); from the PFS, copied. Returns the buffer
+    /// and, per request, where its range's first byte lies in it.
+    fn read_old_spans(&self, requests: &[OldRead<'_>]) -> Result<OldSpans> {
+        let mut bytes = Vec::new();
+        let mut starts = Vec::with_capacity(requests.len());
+        let mut reads: Vec<AgentSpan<'_>> = Vec::new();
+        for request in requests {
+            let OldRead { old, label, index, ref range } = *request;
+            match old {
+                OldRank::Local { bytes: data, .. } => {
+                    let at = (label.offset + range.start) as usize;
+                    starts.push(bytes.len());
+                    bytes.extend_from_slice(&data[at..at + (range.end - range.start) as usize]);
                 }
-                let bad = read_and_verify(
-                    &self.endpoint,
-                    &link.peer,
-                    *region,
-                    label.offset + first * chunk,
-                    &mut span,
-                    chunk as usize,
-                    &crcs[first as usize..last],
-                )
-                .map_err(|err| match err {
-                    Error::Fabric(err) => link.error(format!("reading label {:?}: {err}", label.label)),
-                    other => other,
-                })?;
-                if let Some(bad) = bad {
-                    let start = (first + bad as u64) * chunk;
-                    return Err(Error::Corrupt {
-                        version: manifest.version,
-                        rank: manifest.rank,
-                        start,
-                        end: (start + chunk).min(label.len),
-                        labels: format!("{:?}", label.label),
+                OldRank::Agent { link, manifest, region } => {
+                    let chunk = manifest.chunk_size.max(1);
+                    let first = range.start / chunk;
+                    let end = range.end.div_ceil(chunk).saturating_mul(chunk).min(label.len);
+                    let last = end.div_ceil(chunk) as usize;
+                    if last > manifest.crcs[index].len() {
+                        return Err(link.error(format!("label {:?}: its manifest lacks checksums", label.label)));
+                    }
+                    if chunk as usize != CHUNK_BYTES {
+                        return Err(corrupt(manifest, label, first * chunk, chunk));
+                    }
+                    let at = bytes.len();
+                    starts.push(at + (range.start - first * chunk) as usize);
+                    bytes.resize(at + (end - first * chunk) as usize, 0);
+                    reads.push(AgentSpan {
+                        link,
+                        manifest,
+                        label,
+                        range: CheckedRange {
+                            remote: *region,
+                            remote_offset: label.offset + first * chunk,
+                            local_offset: at,
+                            len: (end - first * chunk) as usize,
+                            crcs: &manifest.crcs[index][first as usize..last],
+                        },
                     });
                 }
-                Ok((span, (range.start - first * chunk) as usize))
+            }
+        }
+        if reads.is_empty() || bytes.is_empty() {
+            return Ok(OldSpans { bytes, starts });
+        }
+        let ranges: Vec<PeerRange<'_>> =
+            reads.iter().map(|r| PeerRange { peer: &r.link.peer, range: r.range }).collect();
+        // SAFETY: `bytes` stays alive, unmoved and otherwise untouched until
+        // the registration is dropped at the end of this block.
+        let local = unsafe { self.endpoint.register_raw(bytes.as_mut_ptr(), bytes.len(), Access::LOCAL)? };
+        // SAFETY: `local` registers exactly `bytes`, which nothing else uses
+        // during the call, and the ranges are laid out one after another.
+        let checked = unsafe { read_checked_from(&self.endpoint, &local, &ranges) };
+        drop(local);
+        match checked {
+            Ok(None) => Ok(OldSpans { bytes, starts }),
+            Ok(Some((bad, chunk_index))) => {
+                let AgentSpan { manifest, label, range, .. } = &reads[bad];
+                let chunk = manifest.chunk_size.max(1);
+                let start = range.remote_offset - label.offset + chunk_index as u64 * chunk;
+                Err(corrupt(manifest, label, start, chunk))
+            }
+            Err(err) => {
+                // Name the agent whose peer the fabric's error names.
+                let text = err.to_string();
+                match reads.iter().find(|r| text.contains(r.link.peer.name())) {
+                    Some(r) => Err(r.link.error(format!("reading label {:?}: {err}", r.label.label))),
+                    None => Err(Error::Fabric(err)),
+                }
             }
         }
     }
@@ -556,24 +663,48 @@ impl Icheck {
                     global_layout.for_procs(procs).map_err(|error| Error::Distribution { label: label.into(), error })
                 };
                 let (Some(from), Some(to)) = (distribution(written)?, distribution(size)?) else {
-                    // MANUAL: the root gets every old part, in rank order.
+                    // MANUAL: the root gets every old part, in rank order,
+                    // a group of old ranks at a time.
                     if out.is_empty() {
                         return Ok(());
                     }
-                    let mut at = 0usize;
-                    for from in 0..written {
-                        let (old, old_layout, index) = self.old_label(&mut open, version, written, from, layout)?;
-                        let len = old_layout.len as usize;
-                        if at + len > out.len() {
+                    let (mut at, mut next) = (0usize, 0u32);
+                    while next < written {
+                        let mut group: Vec<(u32, LabelLayout, usize)> = Vec::new();
+                        let mut group_bytes = 0u64;
+                        while next < written && group.len() < PARALLEL_OLD_RANKS {
+                            let (_, old_layout, index) = self.old_label(&mut open, version, written, next, layout)?;
+                            if !group.is_empty() && group_bytes + old_layout.len > PARALLEL_READ_BYTES {
+                                break; // Open already: first of the next group.
+                            }
+                            group_bytes += old_layout.len;
+                            group.push((next, old_layout, index));
+                            next += 1;
+                        }
+                        if at as u64 + group_bytes > out.len() as u64 {
                             return Err(Error::Adapt {
                                 label: label.into(),
                                 detail: format!("the old parts hold more than the {global} elements declared"),
                             });
                         }
-                        let (span, start) = self.read_old_label(old, &old_layout, index, 0..old_layout.len)?;
-                        out[at..at + len].copy_from_slice(&span[start..start + len]);
-                        open.remove(&from);
-                        at += len;
+                        let requests: Vec<OldRead<'_>> = group
+                            .iter()
+                            .map(|(rank, old_layout, index)| OldRead {
+                                old: &open[rank],
+                                label: old_layout,
+                                index: *index,
+                                range: 0..old_layout.len,
+                            })
+                            .collect();
+                        let spans = self.read_old_spans(&requests)?;
+                        for ((_, old_layout, _), start) in group.iter().zip(&spans.starts) {
+                            let len = old_layout.len as usize;
+                            out[at..at + len].copy_from_slice(&spans.bytes[*start..start + len]);
+                            at += len;
+                        }
+                        for (rank, ..) in &group {
+                            open.remove(rank);
+                        }
                     }
                     return Ok(());
                 };
@@ -592,30 +723,56 @@ impl Icheck {
                 for piece in plan {
                     by_rank.entry(piece.from_rank).or_default().push(piece);
                 }
-                for (from_rank, pieces) in by_rank {
-                    let (old, old_layout, index) = self.old_label(&mut open, version, written, from_rank, layout)?;
-                    let old_count = from.local_count(*global, written, from_rank);
-                    if old_layout.len != old_count * esize {
-                        return Err(Error::Adapt {
-                            label: label.into(),
-                            detail: format!(
-                                "rank {from_rank} of {written} wrote {} elements, {global} elements under {global_layout:?} give it {old_count}",
-                                old_layout.len / esize
-                            ),
-                        });
+                // Each old rank's elements lo..hi hold its pieces.
+                let spans: Vec<(u32, u64, u64, Vec<_>)> = by_rank
+                    .into_iter()
+                    .map(|(rank, pieces)| {
+                        let lo = pieces.iter().map(|p| p.from_offset).min().unwrap_or(0) * esize;
+                        let hi = pieces.iter().map(|p| p.from_offset + p.len).max().unwrap_or(0) * esize;
+                        (rank, lo, hi, pieces)
+                    })
+                    .collect();
+                for group in read_groups(&spans.iter().map(|(_, lo, hi, _)| hi - lo).collect::<Vec<_>>()) {
+                    let group = &spans[group];
+                    let mut found = Vec::with_capacity(group.len());
+                    for (from_rank, ..) in group {
+                        let (_, old_layout, index) = self.old_label(&mut open, version, written, *from_rank, layout)?;
+                        let old_count = from.local_count(*global, written, *from_rank);
+                        if old_layout.len != old_count * esize {
+                            return Err(Error::Adapt {
+                                label: label.into(),
+                                detail: format!(
+                                    "rank {from_rank} of {written} wrote {} elements, {global} elements under {global_layout:?} give it {old_count}",
+                                    old_layout.len / esize
+                                ),
+                            });
+                        }
+                        found.push((old_layout, index));
                     }
-                    let lo = pieces.iter().map(|p| p.from_offset).min().unwrap_or(0) * esize;
-                    let hi = pieces.iter().map(|p| p.from_offset + p.len).max().unwrap_or(0) * esize;
-                    let (span, at) = self.read_old_label(old, &old_layout, index, lo..hi)?;
-                    for p in pieces {
-                        let src = at + (p.from_offset * esize - lo) as usize;
-                        let dst = (p.to_offset * esize) as usize;
-                        let len = (p.len * esize) as usize;
-                        out[dst..dst + len].copy_from_slice(&span[src..src + len]);
+                    let requests: Vec<OldRead<'_>> = group
+                        .iter()
+                        .zip(&found)
+                        .map(|((rank, lo, hi, _), (old_layout, index))| OldRead {
+                            old: &open[rank],
+                            label: old_layout,
+                            index: *index,
+                            range: *lo..*hi,
+                        })
+                        .collect();
+                    let read = self.read_old_spans(&requests)?;
+                    for ((_, lo, _, pieces), start) in group.iter().zip(&read.starts) {
+                        for p in pieces {
+                            let src = start + (p.from_offset * esize - lo) as usize;
+                            let dst = (p.to_offset * esize) as usize;
+                            let len = (p.len * esize) as usize;
+                            out[dst..dst + len].copy_from_slice(&read.bytes[src..src + len]);
+                        }
                     }
-                    // One old rank's session at a time: each keeps a
-                    // progress thread busy at its agent.
-                    open.remove(&from_rank);
+                    // Each open session keeps a progress thread busy at its
+                    // agent: a group's sessions end before the next opens.
+                    for (rank, ..) in group {
+                        open.remove(rank);
+                    }
                 }
                 Ok(())
             }
@@ -644,5 +801,28 @@ impl Icheck {
             self.restart()?;
         }
         self.restore(label, region)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn old_ranks_are_read_in_groups_bounded_by_count_and_bytes() {
+        assert_eq!(read_groups(&[]), Vec::<std::ops::Range<usize>>::new());
+        let mib = 1 << 20;
+        assert_eq!(read_groups(&[mib; 10]), vec![0..4, 4..8, 8..10]);
+        // 256 MiB spans: two fit the byte bound.
+        assert_eq!(read_groups(&[256 * mib; 5]), vec![0..2, 2..4, 4..5]);
+        // One rank larger than the bound is read alone, never skipped.
+        assert_eq!(read_groups(&[mib, 2048 * mib, mib]), vec![0..1, 1..2, 2..3]);
+        let sizes = [100 * mib, 300 * mib, 200 * mib, 10 * mib, 10 * mib];
+        let groups = read_groups(&sizes);
+        assert_eq!(groups.iter().flat_map(|g| g.clone()).collect::<Vec<_>>(), (0..sizes.len()).collect::<Vec<_>>());
+        for group in groups {
+            assert!(group.len() <= PARALLEL_OLD_RANKS);
+            assert!(group.len() == 1 || sizes[group].iter().sum::<u64>() <= PARALLEL_READ_BYTES);
+        }
     }
 }
