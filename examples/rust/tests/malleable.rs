@@ -69,6 +69,25 @@ fn arrays_written_by_4_ranks_restore_on_1_3_4_and_6_ranks_element_by_element() {
     });
 }
 
+/// A distributed array of 9 MiB per rank (several 4 MiB checksum chunks
+/// per old part) written by 4 ranks over 2 agents: restored on 1 rank (four
+/// whole old parts read at once, straight into place), on 3 (parts cut
+/// inside chunks: whole chunks in place, the partial ones through a buffer)
+/// and on 6; the application checks every element.
+#[test]
+fn arrays_of_many_chunks_restore_bit_exact_on_1_3_and_6_ranks() {
+    let service = LocalService::up(&icheck_in_target(), "malleable-chunks", 2, &[]);
+    let config = service.config_path();
+    let payload = ["--payload-mib", "9"];
+    let lines = run(4, &config, &[&["--app", "chunks", "--write"][..], &payload].concat());
+    assert!(has(&lines, "COMMITTED version=1 ranks=4 epoch=0"), "{lines:?}");
+    for np in [1u32, 3, 6] {
+        let lines = run(np, &config, &[&["--app", "chunks", "--no-commit"][..], &payload].concat());
+        assert!(has(&lines, &format!("VERIFIED version=1 from=4 ranks={np}")), "{np} ranks: {lines:?}");
+        assert!(lines.iter().any(|l| l.starts_with("RESTORED_PAYLOAD seconds=")), "{np} ranks: {lines:?}");
+    }
+}
+
 #[test]
 fn predefined_grids_go_from_2x4_to_4x4_processes() {
     let service = LocalService::up(&icheck_in_target(), "malleable-grid", 2, &[]);

@@ -6,15 +6,18 @@
 //! version was written with restores such labels by reading, for each
 //! process, exactly the pieces the distribution for the new count gives it,
 //! from the agents that hold the old ranks' data (or from the PFS in
-//! fallback mode): an old rank's session is opened for the duration of one
-//! `restore` call, the chunk-aligned span needed is read over the fabric and
-//! verified against the old rank's checksums, and the pieces are copied into
-//! place (`distribution::receive_plan`).
+//! fallback mode), following `distribution::receive_plan`. Old ranks are
+//! read a group at a time (sessions open for the duration of one `restore`
+//! call), all of a group's reads in one fabric batch, every chunk verified
+//! against its old rank's checksums as it arrives. Whole chunks of a
+//! contiguous piece land straight in the application's memory; only the
+//! partial chunks at a piece's ends, and scattered (CYCLIC) pieces, go
+//! through a buffer and are copied ([`ReadPlan`]).
 
 use std::collections::BTreeMap;
 
 use icheck_core::decide::agent_for_rank;
-use icheck_core::distribution::{receive_plan, Adapt, Attribute, GlobalLayout};
+use icheck_core::distribution::{receive_plan, Adapt, Attribute, GlobalLayout, Piece};
 use icheck_core::fabric::{Access, RemoteRegion};
 use icheck_core::format::CHUNK_BYTES;
 use icheck_core::protocol::{check_fetched, AgentRequest, DataKind, FetchWanted, Fetched, LabelLayout, Manifest};
@@ -95,11 +98,12 @@ impl OldRank {
 /// open session keeps a progress thread busy at its agent.
 const PARALLEL_OLD_RANKS: usize = 4;
 
-/// Bytes read at once for one restore: the spans wait in a buffer of this
-/// size beside the application's memory before their pieces are copied.
+/// Bytes one group may read through a buffer (the partial chunks at the
+/// ends of its pieces, and scattered pieces' spans), which waits beside
+/// the application's memory before its pieces are copied.
 const PARALLEL_READ_BYTES: u64 = 512 << 20;
 
-/// Cuts old ranks whose spans have `sizes` bytes, in order, into groups
+/// Cuts old ranks that read `sizes` bytes through a buffer, in order, into groups
 /// read at once: at most [`PARALLEL_OLD_RANKS`] and [`PARALLEL_READ_BYTES`]
 /// each, and at least one rank however large.
 fn read_groups(sizes: &[u64]) -> Vec<std::ops::Range<usize>> {
@@ -117,6 +121,44 @@ fn read_groups(sizes: &[u64]) -> Vec<std::ops::Range<usize>> {
         groups.push(start..sizes.len());
     }
     groups
+}
+
+/// How one old rank's pieces are read (byte offsets in its label).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct ReadPlan {
+    /// Whole chunks of the label read straight into place: the label's
+    /// bytes, and where they go in this process's part.
+    direct: Option<(std::ops::Range<u64>, u64)>,
+    /// Ranges read through a buffer (the whole chunks around them, for
+    /// their checksums) and copied piece by piece.
+    buffered: Vec<std::ops::Range<u64>>,
+}
+
+/// Plans the reads of one old rank's `pieces` (elements of `esize` bytes)
+/// from its label of `label_len` bytes checksummed per `chunk`. When the
+/// pieces are one run, in the old part and in the new (BLOCK to BLOCK),
+/// every whole chunk inside it is read straight into place, and only the
+/// partial chunks at its ends go through a buffer; otherwise (CYCLIC, or a
+/// run within one chunk) the span around all pieces does.
+fn plan_reads(pieces: &[Piece], esize: u64, chunk: u64, label_len: u64) -> ReadPlan {
+    let lo = pieces.iter().map(|p| p.from_offset).min().unwrap_or(0) * esize;
+    let hi = pieces.iter().map(|p| p.from_offset + p.len).max().unwrap_or(0) * esize;
+    let mut sorted: Vec<&Piece> = pieces.iter().collect();
+    sorted.sort_by_key(|p| p.from_offset);
+    let one_run = sorted
+        .windows(2)
+        .all(|w| w[1].from_offset == w[0].from_offset + w[0].len && w[1].to_offset == w[0].to_offset + w[0].len);
+    if let (true, Some(first), true) = (one_run, sorted.first(), chunk > 0) {
+        let start = lo.next_multiple_of(chunk);
+        // The label's last chunk may be short: up to its end is whole.
+        let end = if hi == label_len { hi } else { hi / chunk * chunk };
+        if start < end {
+            let to = first.to_offset * esize + (start - lo);
+            let buffered = [lo..start, end..hi].into_iter().filter(|r| r.start < r.end).collect();
+            return ReadPlan { direct: Some((start..end, to)), buffered };
+        }
+    }
+    ReadPlan { direct: None, buffered: std::iter::once(lo..hi).filter(|r| r.start < r.end).collect() }
 }
 
 /// One range of one old rank's label to read ([`Icheck::read_old_spans`]).
@@ -138,11 +180,55 @@ struct AgentSpan<'a> {
     range: CheckedRange<'a>,
 }
 
+/// The read of `range` of a label (`found`: its layout and index in the
+/// old rank's manifest) in old rank `rank`'s open data.
+fn old_read<'a>(
+    open: &'a BTreeMap<u32, OldRank>,
+    rank: u32,
+    (layout, index): &'a (LabelLayout, usize),
+    range: std::ops::Range<u64>,
+) -> OldRead<'a> {
+    OldRead { old: &open[&rank], label: layout, index: *index, range }
+}
+
 /// What [`Icheck::read_old_spans`] read: one buffer, and where each
 /// request's first byte lies in it.
 struct OldSpans {
     bytes: Vec<u8>,
     starts: Vec<usize>,
+}
+
+/// The chunk-aligned span of an old rank's label around `request.range`,
+/// to be read to `local_offset` of the destination, and where the range's
+/// first byte lies in it. `request.old` must be an agent's.
+fn agent_span<'a>(request: &OldRead<'a>, local_offset: usize) -> Result<(AgentSpan<'a>, usize)> {
+    let OldRead { old, label, index, ref range } = *request;
+    let OldRank::Agent { link, manifest, region } = old else {
+        return Err(Error::Order("an old rank read from the PFS has no agent span"));
+    };
+    let chunk = manifest.chunk_size.max(1);
+    let first = range.start / chunk;
+    let end = range.end.div_ceil(chunk).saturating_mul(chunk).min(label.len);
+    let last = end.div_ceil(chunk) as usize;
+    if last > manifest.crcs[index].len() {
+        return Err(link.error(format!("label {:?}: its manifest lacks checksums", label.label)));
+    }
+    if chunk as usize != CHUNK_BYTES {
+        return Err(corrupt(manifest, label, first * chunk, chunk));
+    }
+    let span = AgentSpan {
+        link,
+        manifest,
+        label,
+        range: CheckedRange {
+            remote: *region,
+            remote_offset: label.offset + first * chunk,
+            local_offset,
+            len: (end - first * chunk) as usize,
+            crcs: &manifest.crcs[index][first as usize..last],
+        },
+    };
+    Ok((span, (range.start - first * chunk) as usize))
 }
 
 /// The error for a damaged chunk at byte `start` of `label` in an old
@@ -443,20 +529,6 @@ impl Icheck {
         Ok(old)
     }
 
-    /// Bytes `start..end` of `label` in an old rank's data, verified: the
-    /// chunk-aligned span around them is read and checked against that
-    /// rank's checksums. Returns the span and where `start` lies in it.
-    fn read_old_label(
-        &self,
-        old: &OldRank,
-        label: &LabelLayout,
-        index: usize,
-        range: std::ops::Range<u64>,
-    ) -> Result<(Vec<u8>, usize)> {
-        let spans = self.read_old_spans(&[OldRead { old, label, index, range }])?;
-        Ok((spans.bytes, spans.starts[0]))
-    }
-
     /// Reads every request's bytes into one buffer, verified: from agents
     /// as one fabric batch, every old rank's reads in flight at once (each
     /// the chunk-aligned span around its range, checked against that rank's
@@ -467,58 +539,68 @@ impl Icheck {
         let mut starts = Vec::with_capacity(requests.len());
         let mut reads: Vec<AgentSpan<'_>> = Vec::new();
         for request in requests {
-            let OldRead { old, label, index, ref range } = *request;
-            match old {
+            match request.old {
                 OldRank::Local { bytes: data, .. } => {
-                    let at = (label.offset + range.start) as usize;
+                    let at = (request.label.offset + request.range.start) as usize;
                     starts.push(bytes.len());
-                    bytes.extend_from_slice(&data[at..at + (range.end - range.start) as usize]);
+                    bytes.extend_from_slice(&data[at..at + (request.range.end - request.range.start) as usize]);
                 }
-                OldRank::Agent { link, manifest, region } => {
-                    let chunk = manifest.chunk_size.max(1);
-                    let first = range.start / chunk;
-                    let end = range.end.div_ceil(chunk).saturating_mul(chunk).min(label.len);
-                    let last = end.div_ceil(chunk) as usize;
-                    if last > manifest.crcs[index].len() {
-                        return Err(link.error(format!("label {:?}: its manifest lacks checksums", label.label)));
-                    }
-                    if chunk as usize != CHUNK_BYTES {
-                        return Err(corrupt(manifest, label, first * chunk, chunk));
-                    }
-                    let at = bytes.len();
-                    starts.push(at + (range.start - first * chunk) as usize);
-                    bytes.resize(at + (end - first * chunk) as usize, 0);
-                    reads.push(AgentSpan {
-                        link,
-                        manifest,
-                        label,
-                        range: CheckedRange {
-                            remote: *region,
-                            remote_offset: label.offset + first * chunk,
-                            local_offset: at,
-                            len: (end - first * chunk) as usize,
-                            crcs: &manifest.crcs[index][first as usize..last],
-                        },
-                    });
+                OldRank::Agent { .. } => {
+                    let (span, skip) = agent_span(request, bytes.len())?;
+                    starts.push(bytes.len() + skip);
+                    bytes.resize(bytes.len() + span.range.len, 0);
+                    reads.push(span);
                 }
             }
         }
-        if reads.is_empty() || bytes.is_empty() {
-            return Ok(OldSpans { bytes, starts });
+        self.read_agent_spans(&mut bytes, &reads)?;
+        Ok(OldSpans { bytes, starts })
+    }
+
+    /// Reads requests whose ranges are whole chunks of their labels (see
+    /// [`ReadPlan`]) straight into `out`, each at its offset: the bulk of a
+    /// resized restore, with no buffer and no copy. Verified as
+    /// [`Self::read_old_spans`] verifies.
+    fn read_old_into(&self, requests: &[(OldRead<'_>, usize)], out: &mut [u8]) -> Result<()> {
+        let mut reads: Vec<AgentSpan<'_>> = Vec::new();
+        for (request, at) in requests {
+            let len = (request.range.end - request.range.start) as usize;
+            match request.old {
+                OldRank::Local { bytes: data, .. } => {
+                    let from = (request.label.offset + request.range.start) as usize;
+                    out[*at..*at + len].copy_from_slice(&data[from..from + len]);
+                }
+                OldRank::Agent { .. } => {
+                    let (span, skip) = agent_span(request, *at)?;
+                    if skip != 0 || span.range.len != len {
+                        return Err(Error::Order("a direct read of an old rank must cover whole chunks"));
+                    }
+                    reads.push(span);
+                }
+            }
+        }
+        self.read_agent_spans(out, &reads)
+    }
+
+    /// Reads `spans` from their agents into `local` as one fabric batch,
+    /// each chunk checked against its rank's checksum as it arrives.
+    fn read_agent_spans(&self, local: &mut [u8], spans: &[AgentSpan<'_>]) -> Result<()> {
+        if spans.iter().all(|s| s.range.len == 0) {
+            return Ok(());
         }
         let ranges: Vec<PeerRange<'_>> =
-            reads.iter().map(|r| PeerRange { peer: &r.link.peer, range: r.range }).collect();
-        // SAFETY: `bytes` stays alive, unmoved and otherwise untouched until
-        // the registration is dropped at the end of this block.
-        let local = unsafe { self.endpoint.register_raw(bytes.as_mut_ptr(), bytes.len(), Access::LOCAL)? };
-        // SAFETY: `local` registers exactly `bytes`, which nothing else uses
-        // during the call, and the ranges are laid out one after another.
-        let checked = unsafe { read_checked_from(&self.endpoint, &local, &ranges) };
-        drop(local);
+            spans.iter().map(|r| PeerRange { peer: &r.link.peer, range: r.range }).collect();
+        // SAFETY: `local` stays borrowed, alive and unmoved until the
+        // registration is dropped at the end of this function.
+        let registered = unsafe { self.endpoint.register_raw(local.as_mut_ptr(), local.len(), Access::LOCAL)? };
+        // SAFETY: `registered` covers exactly `local`, which the exclusive
+        // borrow keeps from everyone else during the call.
+        let checked = unsafe { read_checked_from(&self.endpoint, &registered, &ranges) };
+        drop(registered);
         match checked {
-            Ok(None) => Ok(OldSpans { bytes, starts }),
+            Ok(None) => Ok(()),
             Ok(Some((bad, chunk_index))) => {
-                let AgentSpan { manifest, label, range, .. } = &reads[bad];
+                let AgentSpan { manifest, label, range, .. } = &spans[bad];
                 let chunk = manifest.chunk_size.max(1);
                 let start = range.remote_offset - label.offset + chunk_index as u64 * chunk;
                 Err(corrupt(manifest, label, start, chunk))
@@ -526,7 +608,7 @@ impl Icheck {
             Err(err) => {
                 // Name the agent whose peer the fabric's error names.
                 let text = err.to_string();
-                match reads.iter().find(|r| text.contains(r.link.peer.name())) {
+                match spans.iter().find(|r| text.contains(r.link.peer.name())) {
                     Some(r) => Err(r.link.error(format!("reading label {:?}: {err}", r.label.label))),
                     None => Err(Error::Fabric(err)),
                 }
@@ -642,9 +724,8 @@ impl Icheck {
                     given: out.len() as u64,
                 });
             }
-            let (span, at) = self.read_old_label(old, &old_layout, index, 0..old_layout.len)?;
-            out.copy_from_slice(&span[at..at + out.len()]);
-            Ok(())
+            let whole = OldRead { old, label: &old_layout, index, range: 0..old_layout.len };
+            self.read_old_into(&[(whole, 0)], out)
         };
         match layout.adapt.as_ref().ok_or_else(|| self.not_adaptable(label, written))? {
             Adapt::Replicated(Attribute::Constant) => copy_whole_label(0, out),
@@ -674,9 +755,6 @@ impl Icheck {
                         let mut group_bytes = 0u64;
                         while next < written && group.len() < PARALLEL_OLD_RANKS {
                             let (_, old_layout, index) = self.old_label(&mut open, version, written, next, layout)?;
-                            if !group.is_empty() && group_bytes + old_layout.len > PARALLEL_READ_BYTES {
-                                break; // Open already: first of the next group.
-                            }
                             group_bytes += old_layout.len;
                             group.push((next, old_layout, index));
                             next += 1;
@@ -687,21 +765,19 @@ impl Icheck {
                                 detail: format!("the old parts hold more than the {global} elements declared"),
                             });
                         }
-                        let requests: Vec<OldRead<'_>> = group
-                            .iter()
-                            .map(|(rank, old_layout, index)| OldRead {
+                        // Whole labels, one after another: straight into place.
+                        let mut requests = Vec::with_capacity(group.len());
+                        for (rank, old_layout, index) in &group {
+                            let whole = OldRead {
                                 old: &open[rank],
                                 label: old_layout,
                                 index: *index,
                                 range: 0..old_layout.len,
-                            })
-                            .collect();
-                        let spans = self.read_old_spans(&requests)?;
-                        for ((_, old_layout, _), start) in group.iter().zip(&spans.starts) {
-                            let len = old_layout.len as usize;
-                            out[at..at + len].copy_from_slice(&spans.bytes[*start..start + len]);
-                            at += len;
+                            };
+                            requests.push((whole, at));
+                            at += old_layout.len as usize;
                         }
+                        self.read_old_into(&requests, out)?;
                         for (rank, ..) in &group {
                             open.remove(rank);
                         }
@@ -723,17 +799,20 @@ impl Icheck {
                 for piece in plan {
                     by_rank.entry(piece.from_rank).or_default().push(piece);
                 }
-                // Each old rank's elements lo..hi hold its pieces.
-                let spans: Vec<(u32, u64, u64, Vec<_>)> = by_rank
+                // How each old rank's pieces are read: whole chunks straight
+                // into place, the rest through a buffer.
+                let chunk = CHUNK_BYTES as u64;
+                let olds: Vec<(u32, Vec<_>, ReadPlan)> = by_rank
                     .into_iter()
                     .map(|(rank, pieces)| {
-                        let lo = pieces.iter().map(|p| p.from_offset).min().unwrap_or(0) * esize;
-                        let hi = pieces.iter().map(|p| p.from_offset + p.len).max().unwrap_or(0) * esize;
-                        (rank, lo, hi, pieces)
+                        let old_len = from.local_count(*global, written, rank) * esize;
+                        let plan = plan_reads(&pieces, esize, chunk, old_len);
+                        (rank, pieces, plan)
                     })
                     .collect();
-                for group in read_groups(&spans.iter().map(|(_, lo, hi, _)| hi - lo).collect::<Vec<_>>()) {
-                    let group = &spans[group];
+                let buffered = |plan: &ReadPlan| plan.buffered.iter().map(|r| r.end - r.start + 2 * chunk).sum();
+                for group in read_groups(&olds.iter().map(|(_, _, plan)| buffered(plan)).collect::<Vec<_>>()) {
+                    let group = &olds[group];
                     let mut found = Vec::with_capacity(group.len());
                     for (from_rank, ..) in group {
                         let (_, old_layout, index) = self.old_label(&mut open, version, written, *from_rank, layout)?;
@@ -749,23 +828,36 @@ impl Icheck {
                         }
                         found.push((old_layout, index));
                     }
-                    let requests: Vec<OldRead<'_>> = group
+                    let direct: Vec<(OldRead<'_>, usize)> = group
                         .iter()
                         .zip(&found)
-                        .map(|((rank, lo, hi, _), (old_layout, index))| OldRead {
-                            old: &open[rank],
-                            label: old_layout,
-                            index: *index,
-                            range: *lo..*hi,
+                        .filter_map(|((rank, _, plan), found)| {
+                            let (range, to) = plan.direct.clone()?;
+                            Some((old_read(&open, *rank, found, range), to as usize))
                         })
                         .collect();
-                    let read = self.read_old_spans(&requests)?;
-                    for ((_, lo, _, pieces), start) in group.iter().zip(&read.starts) {
-                        for p in pieces {
-                            let src = start + (p.from_offset * esize - lo) as usize;
-                            let dst = (p.to_offset * esize) as usize;
-                            let len = (p.len * esize) as usize;
-                            out[dst..dst + len].copy_from_slice(&read.bytes[src..src + len]);
+                    self.read_old_into(&direct, out)?;
+                    // The head and tail chunks (or all of a scattered rank's
+                    // span), copied piece by piece.
+                    let mut requests = Vec::new();
+                    let mut copies = Vec::new();
+                    for ((rank, pieces, plan), found) in group.iter().zip(&found) {
+                        for range in &plan.buffered {
+                            requests.push(old_read(&open, *rank, found, range.clone()));
+                            copies.push((range.clone(), pieces));
+                        }
+                    }
+                    let spans = self.read_old_spans(&requests)?;
+                    for ((range, pieces), start) in copies.iter().zip(&spans.starts) {
+                        for p in pieces.iter() {
+                            let (from_start, from_end) = (p.from_offset * esize, (p.from_offset + p.len) * esize);
+                            let (x, y) = (from_start.max(range.start), from_end.min(range.end));
+                            if x < y {
+                                let src = start + (x - range.start) as usize;
+                                let dst = (p.to_offset * esize + (x - from_start)) as usize;
+                                let len = (y - x) as usize;
+                                out[dst..dst + len].copy_from_slice(&spans.bytes[src..src + len]);
+                            }
                         }
                     }
                     // Each open session keeps a progress thread busy at its
@@ -805,8 +897,66 @@ impl Icheck {
 }
 
 #[cfg(test)]
+// Lists of byte ranges, some of one range (not a range's numbers).
+#[allow(clippy::single_range_in_vec_init)]
 mod tests {
     use super::*;
+
+    fn piece(from_offset: u64, to_offset: u64, len: u64) -> Piece {
+        Piece { from_rank: 0, from_offset, to_offset, len }
+    }
+
+    #[test]
+    fn whole_chunks_of_one_run_go_straight_into_place_and_only_the_ends_are_buffered() {
+        // Elements of 2 bytes, chunks of 100 bytes, an old part of 1000.
+        // The whole part, ending in a short chunk: everything direct.
+        let plan = plan_reads(&[piece(0, 7, 475)], 2, 100, 950);
+        assert_eq!(plan, ReadPlan { direct: Some((0..950, 14)), buffered: vec![] });
+        // Elements 75..210 (bytes 150..420) to element 3 of the new part.
+        let plan = plan_reads(&[piece(75, 3, 135)], 2, 100, 1000);
+        assert_eq!(plan, ReadPlan { direct: Some((200..400, 6 + 50)), buffered: vec![150..200, 400..420] });
+        // Two pieces forming one run in both parts read as one.
+        let plan = plan_reads(&[piece(175, 103, 35), piece(75, 3, 100)], 2, 100, 1000);
+        assert_eq!(plan, ReadPlan { direct: Some((200..400, 56)), buffered: vec![150..200, 400..420] });
+    }
+
+    #[test]
+    fn scattered_pieces_and_runs_inside_one_chunk_go_through_the_buffer() {
+        // Within one chunk: no whole chunk to read directly.
+        assert_eq!(plan_reads(&[piece(55, 0, 30)], 2, 100, 1000), ReadPlan { direct: None, buffered: vec![110..170] });
+        // CYCLIC-like: the old part's elements are not one run.
+        let cyclic = [piece(0, 0, 50), piece(100, 50, 50)];
+        assert_eq!(plan_reads(&cyclic, 2, 100, 1000), ReadPlan { direct: None, buffered: vec![0..300] });
+        // One run in the old part, two places in the new.
+        let split = [piece(0, 0, 100), piece(100, 500, 100)];
+        assert_eq!(plan_reads(&split, 2, 100, 1000), ReadPlan { direct: None, buffered: vec![0..400] });
+        assert_eq!(plan_reads(&[], 2, 100, 1000), ReadPlan { direct: None, buffered: vec![] });
+    }
+
+    #[test]
+    fn a_plan_covers_its_pieces_exactly_with_direct_reads_on_whole_chunks() {
+        let (chunk, esize, len) = (64u64, 4u64, 4000u64);
+        for start in (0..len / esize).step_by(7) {
+            for count in [1u64, 3, 16, 17, 40, 200] {
+                let count = count.min(len / esize - start);
+                let plan = plan_reads(&[piece(start, 9, count)], esize, chunk, len);
+                let mut covered: Vec<std::ops::Range<u64>> = plan.buffered.clone();
+                if let Some((range, to)) = &plan.direct {
+                    assert_eq!(range.start % chunk, 0, "{plan:?}");
+                    assert!(range.end % chunk == 0 || range.end == len, "{plan:?}");
+                    assert_eq!(*to, 9 * esize + (range.start - start * esize), "{plan:?}");
+                    covered.push(range.clone());
+                }
+                covered.sort_by_key(|r| r.start);
+                let mut at = start * esize;
+                for r in covered {
+                    assert_eq!(r.start, at, "{start}+{count}: {plan:?}");
+                    at = r.end;
+                }
+                assert_eq!(at, (start + count) * esize, "{start}+{count}: {plan:?}");
+            }
+        }
+    }
 
     #[test]
     fn old_ranks_are_read_in_groups_bounded_by_count_and_bytes() {
