@@ -221,6 +221,41 @@ fn auto_line(case: &str, provider: &str, auto: &AutoTimes, pull: &ModeTimes, pus
     )
 }
 
+/// A resized restart: four MPI ranks of the `malleable` example write a
+/// BLOCK array of `rank_size` bytes each on two agents, then one process
+/// restores the whole array, reading all four old ranks. The median of
+/// `runs` restores, in seconds (the example's own timing of `restore`).
+fn resized_restore(provider: &str, rank_size: usize, runs: usize) -> Result<f64> {
+    let mib = (rank_size >> 20).max(1).to_string();
+    let svc = service(&format!("bench-resize-{provider}"), provider, 2, 2)?;
+    let malleable = std::env::current_exe()?.with_file_name("malleable");
+    let job = |np: &str, extra: &str| -> Result<String> {
+        let out = Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", np])
+            .arg(&malleable)
+            .args(["--app", "bench-resize", "--global", "1000", "--payload-mib", &mib, extra])
+            .env("ICHECK_CONFIG", svc.config_path())
+            .output()
+            .with_context(|| format!("running {} under mpirun", malleable.display()))?;
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() || stdout.contains("ERROR") {
+            bail!("malleable -np {np} {extra} failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(stdout)
+    };
+    job("4", "--write")?;
+    let mut secs = Vec::new();
+    for _ in 0..runs {
+        let stdout = job("1", "--no-commit")?;
+        let value = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("RESTORED_PAYLOAD seconds="))
+            .context("the restoring process printed no RESTORED_PAYLOAD line")?;
+        secs.push(value.trim().parse::<f64>()?);
+    }
+    Ok(median(secs))
+}
+
 /// A single-rank application `app` pulling one label of `size` bytes
 /// (pattern `seed`) under `config`: registered, nothing committed yet.
 fn one_rank_app(config: &Path, app: &str, size: usize, seed: u64) -> Result<(Icheck, Region<u8>)> {
@@ -945,6 +980,7 @@ fn main() -> Result<()> {
         } else {
             None
         };
+        let resized = if rank_size > 0 { Some(resized_restore(provider, rank_size, runs)?) } else { None };
         let raw_after = raw_fabric(provider, size, runs)?;
         let raw = (raw_before.0.max(raw_after.0), raw_before.1.max(raw_after.1), raw_before.2.max(raw_after.2));
         bars.push(plots::Bar { label: format!("{provider}: fi_read, {}", cli.size), gb_per_s: raw.0, kind: 3 });
@@ -986,6 +1022,17 @@ fn main() -> Result<()> {
                         times.commit / mpiio,
                     ));
                 }
+            }
+            if let Some(secs) = resized {
+                let rate = 4.0 * rank_size as f64 / secs / 1e9;
+                lines.push(Line::new(
+                    &format!("4 ranks → 1 process (resized restart), 2 agents, {} per old rank", cli.rank_size),
+                    provider,
+                    "restore of the whole array into new memory",
+                    format!("{rate:.2} GB/s"),
+                    format!("fi_read into fresh memory {:.2} GB/s", raw.2),
+                    rate / raw.2,
+                ));
             }
             // The baseline for a four-rank async commit: each
             // rank's memcpy with all four copying at once.
