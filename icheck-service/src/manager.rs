@@ -4,6 +4,10 @@
 //! Owned state: its agents (id → thread). The controller connection is
 //! re-established if it drops; agents keep running meanwhile.
 
+/// Background work (PFS copies, redundancy, the progress that serves other
+/// agents) runs at nice 19: it must not slow the commits and restarts the
+/// node's agents serve meanwhile.
+pub(crate) use icheck_core::fabric::lower_thread_priority;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -436,20 +440,6 @@ fn fill_rank(
 fn agent_job<J>(agents: &Agents, id: u64, build: impl FnOnce(&Agent) -> J) -> Result<J, String> {
     let agents = agents.lock().unwrap_or_else(|p| p.into_inner());
     agents.get(&id).map(build).ok_or_else(|| format!("agent {id} is not running here"))
-}
-
-/// Makes the calling thread yield the CPU to everything else (nice 19):
-/// PFS copies, redundancy and the progress that serves other agents run
-/// in the background and must not slow the commits and restarts the node's
-/// agents serve meanwhile.
-pub(crate) fn lower_thread_priority() {
-    // SAFETY: gettid and setpriority take no pointers and only change the
-    // scheduling priority of the calling thread (on Linux, PRIO_PROCESS
-    // with a thread id addresses that thread alone).
-    let failed = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19) } != 0;
-    if failed {
-        tracing::debug!(err = %std::io::Error::last_os_error(), "cannot lower a background thread's priority");
-    }
 }
 
 #[cfg(test)]

@@ -82,6 +82,23 @@ impl ProgressThread {
         Ok(ProgressThread { stop, handle: Some(handle) })
     }
 
+    /// Progress for an endpoint whose memory a peer reads: spins. Under
+    /// `shm` a read's bytes are copied by the reader itself
+    /// (`process_vm_readv` inside its post; writes that ask for delivery
+    /// completion are copied by the target instead, so this is for reads
+    /// only), and this side only takes the reader's notices off its queue:
+    /// the thread runs at the lowest priority, because on a node with few
+    /// cores a full-priority spin takes CPU from the reader's copy and from
+    /// the checksum thread beside it. At nice 19 it still runs whenever a
+    /// core is free.
+    pub fn serving_reads(endpoint: &Endpoint) -> std::io::Result<ProgressThread> {
+        if endpoint.provider() == "shm" {
+            Self::spawn_with(endpoint, ProgressMode::Spin, lower_thread_priority)
+        } else {
+            Self::spawn(endpoint, ProgressMode::Spin)
+        }
+    }
+
     /// Stops the thread and waits for it.
     pub fn stop(mut self) {
         self.shutdown();
@@ -98,5 +115,17 @@ impl ProgressThread {
 impl Drop for ProgressThread {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// Lowers the calling thread's scheduling priority to nice 19 (background
+/// work: it runs when a core is free). Failure only leaves the priority.
+pub fn lower_thread_priority() {
+    // SAFETY: gettid and setpriority take no pointers and only change the
+    // scheduling priority of the calling thread (on Linux, PRIO_PROCESS
+    // with a thread id addresses that thread alone).
+    let failed = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19) } != 0;
+    if failed {
+        tracing::debug!(err = %std::io::Error::last_os_error(), "cannot lower a background thread's priority");
     }
 }

@@ -187,7 +187,7 @@ impl AgentLink {
     /// Pull mode: the agent reads `segments` while this process drives its
     /// endpoint's progress.
     pub(super) fn pull(&mut self, endpoint: &Endpoint, segments: Vec<PullSegment>) -> Result<u64> {
-        let progress = ProgressThread::spawn(endpoint, ProgressMode::Spin)
+        let progress = ProgressThread::serving_reads(endpoint)
             .map_err(|e| self.error(format!("cannot start a progress thread: {e}")))?;
         let reply = self.call(&AgentRequest::Pull(segments));
         progress.stop();

@@ -24,8 +24,8 @@ use icheck_core::decide::agent_for_rank;
 use icheck_core::delta::{changed_runs, BlockRun, BLOCK_SIZE};
 use icheck_core::distribution::{Adapt, Attribute, GlobalLayout};
 use icheck_core::fabric::{
-    Access, AlignedBuffer, Domain, Endpoint, FabricError, LocalSource, MemoryRegion, Peer, ProgressMode,
-    ProgressThread, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
+    Access, AlignedBuffer, Domain, Endpoint, FabricError, LocalSource, MemoryRegion, Peer, ProgressThread,
+    RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
 };
 use icheck_core::format::{label_crcs, CHUNK_BYTES, CHUNK_SIZE};
 use icheck_core::protocol::ProtocolError;

@@ -1440,7 +1440,7 @@ fn serve_reads(shared: &Shared, caller: Caller) -> Result<ProgressThread, String
             crate::manager::lower_thread_priority,
         )
     } else {
-        ProgressThread::spawn(&shared.endpoint, ProgressMode::Spin)
+        ProgressThread::serving_reads(&shared.endpoint)
     };
     spawned.map_err(|e| e.to_string())
 }

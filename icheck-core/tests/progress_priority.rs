@@ -1,0 +1,43 @@
+//! `ProgressThread::serving_reads` spins at the lowest priority where the
+//! reader copies the bytes itself (shm) and at full priority where this
+//! side's progress moves them (tcp). Its own binary: no other test's
+//! progress threads run beside it.
+
+use icheck_core::fabric::{Domain, Endpoint, FabricConfig, ProgressThread};
+
+/// Nice values of this process's fabric progress threads.
+fn progress_thread_nice() -> Vec<i64> {
+    let mut nice = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        // "icheck-fabric-progress", cut to the kernel's 15 characters.
+        if !comm.starts_with("icheck-fabric-p") {
+            continue;
+        }
+        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap();
+        // Fields after the command's closing parenthesis; nice is field 19.
+        let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..].split(' ').collect();
+        nice.push(fields[19 - 3].parse().unwrap());
+    }
+    nice
+}
+
+#[test]
+fn read_serving_progress_yields_to_the_reader_only_where_the_reader_copies() {
+    for (provider, expected) in [("shm", 19), ("tcp", 0)] {
+        let domain = Domain::open(&FabricConfig::provider(provider)).unwrap();
+        let endpoint = Endpoint::new(&domain).unwrap();
+        let progress = ProgressThread::serving_reads(&endpoint).unwrap();
+        let mut seen = Vec::new();
+        for _ in 0..100 {
+            seen = progress_thread_nice();
+            if !seen.is_empty() && seen.iter().all(|n| *n == expected) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(seen, vec![expected], "{provider}");
+        progress.stop();
+        assert!(progress_thread_nice().is_empty(), "{provider}: the thread stopped");
+    }
+}
