@@ -4,10 +4,6 @@
 //! Owned state: its agents (id → thread). The controller connection is
 //! re-established if it drops; agents keep running meanwhile.
 
-/// Background work (PFS copies, redundancy, the progress that serves other
-/// agents) runs at nice 19: it must not slow the commits and restarts the
-/// node's agents serve meanwhile.
-pub(crate) use icheck_core::fabric::lower_thread_priority;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -26,6 +22,11 @@ use crate::agent::{Agent, AgentSettings, PieceOutcome};
 use crate::framing;
 use crate::store::{InventoryCache, Store};
 use crate::{read_meminfo, ServiceError};
+
+/// Background work (PFS copies, redundancy, the progress that serves other
+/// agents) runs at nice 19: it must not slow the commits and restarts the
+/// node's agents serve meanwhile.
+pub(crate) use icheck_core::fabric::lower_thread_priority;
 
 type Agents = Arc<Mutex<BTreeMap<u64, Agent>>>;
 

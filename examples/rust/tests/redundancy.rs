@@ -22,21 +22,12 @@ fn app(service: &LocalService, name: &str) -> AppReport {
 
 /// Waits until `name`'s `version` is protected again (not rebuilding).
 fn wait_protected(service: &LocalService, name: &str, version: u64) -> AppReport {
-    let mut last = None;
-    let done = poll_until(Duration::from_secs(60), || {
-        let report = app(service, name);
-        let done = report.protected == Some(version) && !report.rebuilding && report.protection_problem.is_none();
-        last = Some(report);
-        done
-    });
-    let last = last.unwrap();
-    assert!(done, "version {version} of {name} is not protected: {:?} {:?}", last.protected, last.protection_problem);
-    last
+    wait_rebuilt(service, name, version, &[])
 }
 
-/// Waits until `version` of `name` is protected again after `lost` nodes
-/// went: right after a loss the controller may not have noticed it yet,
-/// and still reports the protection (and agents) from before.
+/// [`wait_protected`] after `lost` nodes went, with no agent left on them:
+/// right after a loss the controller may not have noticed it yet, and
+/// still reports the protection (and agents) from before.
 fn wait_rebuilt(service: &LocalService, name: &str, version: u64, lost: &[&str]) -> AppReport {
     let mut last = None;
     let done = poll_until(Duration::from_secs(60), || {
@@ -48,7 +39,11 @@ fn wait_rebuilt(service: &LocalService, name: &str, version: u64, lost: &[&str])
         done
     });
     let last = last.unwrap();
-    assert!(done, "version {version} of {name} is not protected off {lost:?}: {:?} {:?}", last.protected, last.agents);
+    assert!(
+        done,
+        "version {version} of {name} is not protected (lost nodes {lost:?}): {:?} {:?}, agents {:?}",
+        last.protected, last.protection_problem, last.agents
+    );
     last
 }
 

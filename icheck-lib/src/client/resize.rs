@@ -751,12 +751,12 @@ impl Icheck {
                     }
                     let (mut at, mut next) = (0usize, 0u32);
                     while next < written {
-                        let mut group: Vec<(u32, LabelLayout, usize)> = Vec::new();
+                        let mut group: Vec<(u32, (LabelLayout, usize))> = Vec::new();
                         let mut group_bytes = 0u64;
                         while next < written && group.len() < PARALLEL_OLD_RANKS {
                             let (_, old_layout, index) = self.old_label(&mut open, version, written, next, layout)?;
                             group_bytes += old_layout.len;
-                            group.push((next, old_layout, index));
+                            group.push((next, (old_layout, index)));
                             next += 1;
                         }
                         if at as u64 + group_bytes > out.len() as u64 {
@@ -767,15 +767,10 @@ impl Icheck {
                         }
                         // Whole labels, one after another: straight into place.
                         let mut requests = Vec::with_capacity(group.len());
-                        for (rank, old_layout, index) in &group {
-                            let whole = OldRead {
-                                old: &open[rank],
-                                label: old_layout,
-                                index: *index,
-                                range: 0..old_layout.len,
-                            };
-                            requests.push((whole, at));
-                            at += old_layout.len as usize;
+                        for (rank, found) in &group {
+                            let len = found.0.len;
+                            requests.push((old_read(&open, *rank, found, 0..len), at));
+                            at += len as usize;
                         }
                         self.read_old_into(&requests, out)?;
                         for (rank, ..) in &group {

@@ -116,8 +116,9 @@ pub(super) struct AppEntry {
     pub(super) abandoned: Vec<Abandoned>,
     /// Its redundancy across nodes: which version is protected, by whom.
     pub(super) protection: super::protection::ProtectionBook,
-    /// How its newest version moved, as its library reported (status
-    /// only: not journaled, the next version reports it again).
+    /// How its commits move their bytes, as its library reported with its
+    /// newest version (status only: not journaled, the next version
+    /// reports it again).
     pub(super) transfer: Option<protocol::TransferReport>,
 }
 
