@@ -1018,6 +1018,15 @@ mod tests {
     }
 
     #[test]
+    fn transfer_mode_parses_the_environment_form_and_names_a_wrong_value() {
+        use crate::protocol::TransferMode;
+        assert_eq!("shmr".parse::<TransferMode>(), Ok(TransferMode::Shmr));
+        assert_eq!("mr".parse::<TransferMode>(), Ok(TransferMode::Mr));
+        let wrong = "SHMR ".parse::<TransferMode>().unwrap_err();
+        assert!(wrong.contains("\"SHMR \"") && wrong.contains("mr or shmr"), "{wrong}");
+    }
+
+    #[test]
     fn daemons_refuse_placeholder_missing_and_shared_tokens() {
         let text = |tokens: &str| format!("{tokens}\n[fabric]\nprovider = \"tcp\"\n");
         let load = |tokens: &str| parse::<StaticConfig>(Path::new("s.toml"), &text(tokens)).unwrap();

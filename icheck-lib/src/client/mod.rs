@@ -276,14 +276,15 @@ impl Icheck {
             TransferDirection::Auto => (TransferDirection::Pull, Some(AutoDirection::default())),
             configured => (configured, None),
         };
-        let mode = match std::env::var("ICHECK_MODE").ok().as_deref() {
-            Some("shmr") => TransferMode::Shmr,
-            Some("mr") => TransferMode::Mr,
-            _ => client.mode,
+        let mode = match std::env::var("ICHECK_MODE") {
+            Ok(text) => text
+                .parse::<TransferMode>()
+                .map_err(|e| Error::Unsupported(format!("environment variable ICHECK_MODE: {e}")))?,
+            Err(_) => client.mode,
         };
-        let zero_copy = env_flag("ICHECK_ZERO_COPY", client.zero_copy);
-        let incremental = env_flag("ICHECK_INCREMENTAL", client.incremental);
-        let page_tracking = env_flag("ICHECK_PAGE_TRACKING", client.page_tracking);
+        let zero_copy = env_flag("ICHECK_ZERO_COPY", client.zero_copy)?;
+        let incremental = env_flag("ICHECK_INCREMENTAL", client.incremental)?;
+        let page_tracking = env_flag("ICHECK_PAGE_TRACKING", client.page_tracking)?;
         let tracking = (page_tracking && incremental).then(Tracking::start).flatten();
         let staging_size = match std::env::var("ICHECK_STAGING_BUFFER") {
             Ok(text) => text
@@ -736,10 +737,36 @@ impl Icheck {
 
 /// The boolean environment variable `name` (`0`/`false`, `1`/`true`), or
 /// `default` when it is unset or says something else.
-fn env_flag(name: &str, default: bool) -> bool {
-    match std::env::var(name).ok().as_deref() {
-        Some("0") | Some("false") => false,
-        Some("1") | Some("true") => true,
-        _ => default,
+/// A boolean switch from the environment (`default` when unset); a value
+/// that is not one is refused by name rather than silently ignored.
+fn env_flag(name: &str, default: bool) -> Result<bool> {
+    match std::env::var(name) {
+        Err(_) => Ok(default),
+        Ok(text) => parse_flag(&text)
+            .ok_or_else(|| Error::Unsupported(format!("environment variable {name}: {text:?} is not 1, 0, true or false"))),
+    }
+}
+
+fn parse_flag(text: &str) -> Option<bool> {
+    match text {
+        "0" | "false" => Some(false),
+        "1" | "true" => Some(true),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_flag;
+
+    #[test]
+    fn switches_accept_only_their_four_spellings() {
+        assert_eq!(parse_flag("1"), Some(true));
+        assert_eq!(parse_flag("true"), Some(true));
+        assert_eq!(parse_flag("0"), Some(false));
+        assert_eq!(parse_flag("false"), Some(false));
+        for wrong in ["yes", "on", "", "TRUE", " 1"] {
+            assert_eq!(parse_flag(wrong), None, "{wrong:?}");
+        }
     }
 }
