@@ -215,6 +215,13 @@ pub struct ClientConfig {
     /// application's own commits, then the faster kept). `ICHECK_TRANSFER`
     /// overrides it.
     pub transfer: TransferDirection,
+    /// How a restart's data comes back from the rank's agent: `pull` (the
+    /// rank fi_reads it, checking each chunk as it arrives), `push` (the
+    /// agent fi_writes it in steps, each checked while the next moves) or
+    /// `auto` (the default: push over the shm provider, pull over the
+    /// others, the faster of the two on each in `commit-bench`).
+    /// `ICHECK_RESTORE` overrides it.
+    pub restore: RestoreDirection,
     /// `mr` (each process registers its memory) or `shmr` (one shared
     /// segment per node). `ICHECK_MODE` overrides it.
     pub mode: crate::protocol::TransferMode,
@@ -321,6 +328,7 @@ impl Default for ClientConfig {
     fn default() -> Self {
         ClientConfig {
             transfer: TransferDirection::Pull,
+            restore: RestoreDirection::Auto,
             mode: crate::protocol::TransferMode::Mr,
             staging_buffer: crate::units::ByteSize(64 << 20),
             zero_copy: true,
@@ -363,6 +371,46 @@ impl std::str::FromStr for TransferDirection {
             "push" => Ok(TransferDirection::Push),
             "auto" => Ok(TransferDirection::Auto),
             other => Err(format!("{other:?} is not a transfer direction: use pull, push or auto")),
+        }
+    }
+}
+
+/// Direction of a restart's data between the rank's agent and the rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RestoreDirection {
+    /// Whichever `commit-bench` measured faster on the provider: push over
+    /// `shm` (four ranks restored in 0.63-0.87 of the pulled time, one rank
+    /// alike), pull over the others (tcp: pushes took 1.2-1.3×).
+    #[default]
+    Auto,
+    /// The rank reads its data from the agent's memory.
+    Pull,
+    /// The agent writes the data into the rank's registered memory.
+    Push,
+}
+
+impl RestoreDirection {
+    /// Pull or push on `provider` (`Auto` resolved).
+    pub fn on(self, provider: &str) -> RestoreDirection {
+        match (self, provider) {
+            (RestoreDirection::Auto, "shm") => RestoreDirection::Push,
+            (RestoreDirection::Auto, _) => RestoreDirection::Pull,
+            (chosen, _) => chosen,
+        }
+    }
+}
+
+impl std::str::FromStr for RestoreDirection {
+    type Err = String;
+
+    /// `pull`, `push` or `auto` (what `ICHECK_RESTORE` holds).
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text {
+            "pull" => Ok(RestoreDirection::Pull),
+            "push" => Ok(RestoreDirection::Push),
+            "auto" => Ok(RestoreDirection::Auto),
+            other => Err(format!("{other:?} is not a restore direction: use pull, push or auto")),
         }
     }
 }
@@ -1015,6 +1063,25 @@ mod tests {
         assert!(wrong.contains("\"fast\"") && wrong.contains("pull, push or auto"), "{wrong}");
         let error = parse::<StaticConfig>(Path::new("icheck.toml"), "[client]\ntransfer = \"fast\"\n").unwrap_err();
         assert!(error.to_string().contains("transfer"), "{error}");
+    }
+
+    #[test]
+    fn restore_direction_parses_from_the_file_and_the_environment_form() {
+        let config: StaticConfig = parse(Path::new("icheck.toml"), "[client]\nrestore = \"push\"\n").unwrap();
+        assert_eq!(config.client.restore, RestoreDirection::Push);
+        let config: StaticConfig = parse(Path::new("icheck.toml"), "[client]\n").unwrap();
+        assert_eq!(config.client.restore, RestoreDirection::Auto, "auto is the default");
+        assert_eq!("pull".parse::<RestoreDirection>(), Ok(RestoreDirection::Pull));
+        assert_eq!("auto".parse::<RestoreDirection>(), Ok(RestoreDirection::Auto));
+        let wrong = "fastest".parse::<RestoreDirection>().unwrap_err();
+        assert!(wrong.contains("\"fastest\"") && wrong.contains("pull, push or auto"), "{wrong}");
+        assert_eq!(RestoreDirection::Auto.on("shm"), RestoreDirection::Push);
+        assert_eq!(RestoreDirection::Auto.on("tcp"), RestoreDirection::Pull);
+        assert_eq!(RestoreDirection::Auto.on("verbs;ofi_rxm"), RestoreDirection::Pull);
+        assert_eq!(RestoreDirection::Pull.on("shm"), RestoreDirection::Pull, "a choice is kept");
+        assert_eq!(RestoreDirection::Push.on("tcp"), RestoreDirection::Push, "a choice is kept");
+        let error = parse::<StaticConfig>(Path::new("icheck.toml"), "[client]\nrestore = \"fast\"\n").unwrap_err();
+        assert!(error.to_string().contains("restore"), "{error}");
     }
 
     #[test]

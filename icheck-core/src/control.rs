@@ -330,7 +330,20 @@ impl BlockingConnection {
         &mut self,
         request: &Q,
     ) -> Result<A, ServiceError> {
-        protocol::send_blocking(&mut self.stream, request)?;
+        self.send(request)?;
+        self.receive()
+    }
+
+    /// Sends a request without waiting: its reply comes from a later
+    /// [`receive`](Self::receive), in order. A peer that serves requests
+    /// one after another (agents do) starts the next one as soon as it has
+    /// answered the one before, so a caller can keep one queued.
+    pub fn send<Q: serde::Serialize>(&mut self, request: &Q) -> Result<(), ServiceError> {
+        Ok(protocol::send_blocking(&mut self.stream, request)?)
+    }
+
+    /// Waits for the reply to the oldest request not answered yet.
+    pub fn receive<A: serde::de::DeserializeOwned>(&mut self) -> Result<A, ServiceError> {
         Ok(protocol::recv_blocking(&mut self.stream, self.timeout)?)
     }
 

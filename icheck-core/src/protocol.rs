@@ -1028,6 +1028,21 @@ pub struct PullSegment {
     pub len: u64,
 }
 
+/// A range of a fetched version the agent writes into the restarting
+/// rank's registered memory ([`AgentRequest::Deliver`]): the mirror of a
+/// [`PullSegment`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeliverSegment {
+    /// Registered application memory, writable by the agent.
+    pub destination: RemoteRegion,
+    /// Offset inside `destination`.
+    pub destination_offset: u64,
+    /// Where the bytes are in the rank's data.
+    pub file_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
 /// Requests of an application rank on an agent session (after the Hello).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum AgentRequest {
@@ -1138,6 +1153,12 @@ pub enum AgentRequest {
         /// The changed blocks, in order.
         changed: Vec<crate::delta::BlockRun>,
     },
+    /// Restart with the agent pushing (`restore = "push"`): write these
+    /// ranges of the version `Fetch` exposed into the rank's memory, each
+    /// delivered (in the rank's memory) before the reply; replies
+    /// [`AgentReply::Delivered`]. The rank checks the bytes against the
+    /// manifest's checksums itself, as after a read.
+    Deliver(Vec<DeliverSegment>),
 }
 
 /// What a stored piece of redundancy is: written beside its data, and all
@@ -1390,6 +1411,11 @@ pub enum AgentReply {
         meta: PieceMeta,
         /// Its data, readable by the asking agent.
         region: RemoteRegion,
+    },
+    /// Deliver finished: every byte is in the rank's memory.
+    Delivered {
+        /// Bytes written.
+        bytes: u64,
     },
 }
 

@@ -515,6 +515,49 @@ fn transfer_auto_measures_both_directions_over_the_ranks_and_keeps_the_faster() 
     assert!(lines.iter().any(|l| l == "RESTORED version=9 step=16 verified"), "{lines:?}");
 }
 
+/// `restore = "push"`: the agents write the restart data into the ranks'
+/// memory (the 40 MiB label takes two `Deliver` steps, checked one while
+/// the next moves) over tcp and shm, and the job checks every byte. A
+/// damaged version the agent exposes anyway (one process, no PFS copy) is
+/// caught by the rank's own check, which names the label and the bytes; a
+/// direction the library does not know is refused by name.
+#[test]
+fn restores_pushed_by_the_agents_are_bit_exact_and_damage_is_named() {
+    let push = [("ICHECK_RESTORE", "push")];
+    for provider in ["tcp", "shm"] {
+        let service = service(&format!("mpi-deliver-{provider}"), 2, provider);
+        let config = service.config_path();
+        let app = format!("deliver-{provider}");
+        let mut args = vec!["--app", app.as_str(), "--steps", "4", "--every", "2", "--mib", "40", "--persist"];
+        let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+        assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{provider}: {lines:?}");
+        args[3] = "6";
+        let lines = Job::start(2, &config, &args, &push).finish(Duration::from_secs(120));
+        assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{provider}: {lines:?}");
+        assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{provider}: {lines:?}");
+    }
+
+    let service = service("mpi-deliver-damage", 1, "tcp");
+    let config = service.config_path();
+    let args = ["--app", "dmg", "--steps", "4", "--every", "2", "--mib", "40", "--persist"];
+    let lines = Job::start(1, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    // One byte in the middle of the version: inside "big".
+    let file = service.config.agent_store_dir.join("local-1/dmg/rank0/v3.data");
+    let mut bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(&file, &bytes).unwrap();
+    let (ok, output) = Job::start(1, &config, &args, &push).finish_any(Duration::from_secs(60));
+    assert!(!ok, "{output}");
+    assert!(output.contains("rank 0: restore failed: version 3 of rank 0: bytes "), "{output}");
+    assert!(output.contains("(labels \"big\") fail their crc32c checksum"), "{output}");
+
+    let wrong = [("ICHECK_RESTORE", "sideways")];
+    let (ok, output) = Job::start(1, &config, &args, &wrong).finish_any(Duration::from_secs(60));
+    assert!(!ok && output.contains("ICHECK_RESTORE") && output.contains("\"sideways\""), "{output}");
+}
+
 #[test]
 fn draining_a_node_moves_its_agents_and_their_data_at_the_next_probe() {
     // No scaling: the only change a probe can bring is the drain.

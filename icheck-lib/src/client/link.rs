@@ -22,7 +22,9 @@ pub(super) struct Waits {
 pub(super) struct AgentLink {
     pub(super) info: AgentInfo,
     pub(super) peer: Peer,
-    pub(super) conn: BlockingConnection,
+    /// The session's connection; behind a lock so that a restore, which
+    /// borrows the library shared, can carry `Deliver` requests on it.
+    conn: std::sync::Mutex<BlockingConnection>,
     /// How long a request that moves no data may wait for its answer.
     pub(super) request_timeout: Duration,
     /// What opening the session again takes (after the agent closed it
@@ -68,7 +70,7 @@ impl AgentLink {
         let mut link = AgentLink {
             info: info.clone(),
             peer,
-            conn,
+            conn: std::sync::Mutex::new(conn),
             request_timeout,
             token: access.token.clone(),
             connect_timeout: timeout,
@@ -85,14 +87,14 @@ impl AgentLink {
     /// Called only where a request starts a new exchange (Begin, Fetch), so
     /// no half-done commit or restart is ever continued on a new session.
     fn reopen_if_closed(&mut self) -> Result<()> {
-        if !self.conn.is_stale() {
+        if !self.conn().is_stale() {
             return Ok(());
         }
         tracing::info!(agent = self.info.id, peer = %self.info.control, "the agent closed this idle session; opening a new one");
         let mut conn = BlockingConnection::connect(&self.info.control, &self.token, self.connect_timeout)
             .map_err(|e| self.error(e.to_string()))?;
         conn.set_timeout(self.request_timeout);
-        self.conn = conn;
+        *self.conn() = conn;
         let open = self.open.clone();
         self.call(&open).map(|_| ())
     }
@@ -107,7 +109,7 @@ impl AgentLink {
     /// Tells the agent the restart data is no longer needed. A session the
     /// agent closed meanwhile released it already.
     pub(super) fn fetch_done(&mut self) -> Result<()> {
-        if self.conn.is_stale() {
+        if self.conn().is_stale() {
             return Ok(());
         }
         self.call(&AgentRequest::FetchDone).map(|_| ())
@@ -119,14 +121,40 @@ impl AgentLink {
 
     /// Bounds the following requests' waits for requests covering `bytes`
     /// of a version (0: requests that move no data).
-    pub(super) fn expect_bytes(&mut self, bytes: u64) -> &mut Self {
+    pub(super) fn expect_bytes(&self, bytes: u64) -> &Self {
         let extra = Duration::from_secs_f64(bytes as f64 / SLOWEST_BYTES_PER_SEC);
-        self.conn.set_timeout(self.request_timeout + extra);
+        self.conn().set_timeout(self.request_timeout + extra);
         self
     }
 
+    /// [`expect_bytes`](Self::expect_bytes), for a request that follows.
+    pub(super) fn expect_bytes_mut(&mut self, bytes: u64) -> &mut Self {
+        self.expect_bytes(bytes);
+        self
+    }
+
+    /// The session's connection (a poisoned lock only means a panic
+    /// elsewhere; the connection itself is whole or stale, which
+    /// `is_stale` tells).
+    fn conn(&self) -> std::sync::MutexGuard<'_, BlockingConnection> {
+        self.conn.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     pub(super) fn call(&mut self, request: &AgentRequest) -> Result<AgentReply> {
-        match self.conn.call::<_, AgentReply>(request) {
+        self.send(request)?;
+        self.receive(request)
+    }
+
+    /// Sends `request` without waiting for its reply ([`receive`](Self::receive)).
+    pub(super) fn send(&self, request: &AgentRequest) -> Result<()> {
+        self.conn().send(request).map_err(|err| self.error(err.to_string()))
+    }
+
+    /// The reply to the oldest request sent and not answered yet, which was
+    /// like `request` (named in a timeout's error).
+    pub(super) fn receive(&self, request: &AgentRequest) -> Result<AgentReply> {
+        let received = self.conn().receive::<AgentReply>();
+        match received {
             Ok(AgentReply::Error(message)) => Err(self.error(message)),
             Ok(reply) => Ok(reply),
             Err(ServiceError::Protocol(ProtocolError::Timeout(waited))) => {

@@ -17,7 +17,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use icheck_core::config::{ConfigError, StaticConfig, TransferDirection};
+use icheck_core::config::{ConfigError, RestoreDirection, StaticConfig, TransferDirection};
 use icheck_core::control::ServiceError;
 use icheck_core::control::{BlockingConnection, ControllerLink};
 use icheck_core::decide::agent_for_rank;
@@ -152,6 +152,9 @@ pub struct Icheck {
     direction: TransferDirection,
     /// `transfer = "auto"`: the measurement that sets `direction`.
     auto: Option<AutoDirection>,
+    /// How a restart's data comes back from this rank's agent (`Auto`
+    /// resolved for the provider: never `Auto`).
+    restore_direction: RestoreDirection,
     zero_copy: bool,
     /// `incremental` (see `ClientConfig`): send only changed blocks.
     incremental: bool,
@@ -276,6 +279,12 @@ impl Icheck {
             TransferDirection::Auto => (TransferDirection::Pull, Some(AutoDirection::default())),
             configured => (configured, None),
         };
+        let restore_direction = match std::env::var("ICHECK_RESTORE") {
+            Ok(text) => text
+                .parse::<RestoreDirection>()
+                .map_err(|e| Error::Unsupported(format!("environment variable ICHECK_RESTORE: {e}")))?,
+            Err(_) => client.restore,
+        };
         let mode = match std::env::var("ICHECK_MODE") {
             Ok(text) => text
                 .parse::<TransferMode>()
@@ -352,6 +361,7 @@ impl Icheck {
         let _entered = span.enter();
         let domain = Domain::open(&config.fabric)?;
         let endpoint = Endpoint::new(&domain)?;
+        let restore_direction = restore_direction.on(endpoint.provider());
 
         // Rank 0 registers; everyone learns the outcome (or the error).
         let controller_peer = config.controller_endpoints().join(" or ");
@@ -499,6 +509,7 @@ impl Icheck {
             next_version,
             direction,
             auto,
+            restore_direction,
             zero_copy,
             incremental,
             sealed_blocks: None,
@@ -742,8 +753,9 @@ impl Icheck {
 fn env_flag(name: &str, default: bool) -> Result<bool> {
     match std::env::var(name) {
         Err(_) => Ok(default),
-        Ok(text) => parse_flag(&text)
-            .ok_or_else(|| Error::Unsupported(format!("environment variable {name}: {text:?} is not 1, 0, true or false"))),
+        Ok(text) => parse_flag(&text).ok_or_else(|| {
+            Error::Unsupported(format!("environment variable {name}: {text:?} is not 1, 0, true or false"))
+        }),
     }
 }
 

@@ -3,7 +3,15 @@
 //! application's memory with each chunk verified against the manifest.
 
 use super::*;
+use icheck_core::fabric::ProgressMode;
+use icheck_core::format::first_bad_chunk;
+use icheck_core::protocol::DeliverSegment;
 use icheck_core::verified::{read_checked_into, CheckedRange};
+
+/// Bytes the agent writes per `Deliver` (`restore = "push"`): eight
+/// checksum chunks. The rank checks one step while the agent writes the
+/// next, so only the last step's check is not hidden behind the transfer.
+const DELIVER_STEP: usize = 8 * CHUNK_BYTES;
 
 /// A version `restart` exposed at the agent; `restore` reads labels from it
 /// straight into the caller's memory.
@@ -54,6 +62,103 @@ pub(super) fn read_and_verify(
     // SAFETY: `out` is borrowed exclusively for the whole call, and `local`
     // registers exactly it.
     Ok(unsafe { read_checked_into(endpoint, peer, &local, range) }?)
+}
+
+/// `restore = "push"`: the agent writes `out.len()` bytes at
+/// `file_offset` of the fetched version into `out`, in steps of
+/// [`DELIVER_STEP`] with the next step always queued at the agent; each
+/// step is checked against `crcs` (one per `chunk` bytes of `out`) once
+/// the agent said it is delivered, while the next moves. Returns the first
+/// bad chunk.
+pub(super) fn deliver_and_verify(
+    endpoint: &Endpoint,
+    link: &AgentLink,
+    file_offset: u64,
+    out: &mut [u8],
+    chunk: usize,
+    crcs: &[u32],
+) -> Result<Option<usize>> {
+    if chunk != CHUNK_BYTES || crcs.len() != out.len().div_ceil(CHUNK_BYTES) {
+        return Ok(Some(0));
+    }
+    if out.is_empty() {
+        return Ok(None);
+    }
+    let base = out.as_mut_ptr();
+    // SAFETY: `out` stays borrowed, alive and unmoved until the registration
+    // is dropped at the end of this function, after every Deliver sent has
+    // been answered (the agent writes nothing into it after that).
+    let local = unsafe { endpoint.register_raw(base, out.len(), Access::REMOTE_WRITE)? };
+    let destination = local.remote();
+    let steps: Vec<(usize, usize)> =
+        (0..out.len()).step_by(DELIVER_STEP).map(|start| (start, (start + DELIVER_STEP).min(out.len()))).collect();
+    let request = |(start, end): (usize, usize)| {
+        AgentRequest::Deliver(vec![DeliverSegment {
+            destination,
+            destination_offset: start as u64,
+            file_offset: file_offset + start as u64,
+            len: (end - start) as u64,
+        }])
+    };
+    // The rank's endpoint is the target of the agent's writes: over tcp it
+    // receives them, over shm it copies them (delivery completion).
+    let progress = ProgressThread::spawn(endpoint, ProgressMode::Spin)
+        .map_err(|e| link.error(format!("cannot start a progress thread: {e}")))?;
+    link.expect_bytes(DELIVER_STEP as u64 * 2);
+    let mut sent = 0;
+    let mut answered = 0;
+    let mut outcome = Ok(None);
+    while answered < steps.len() {
+        // Two requests outstanding: the agent starts the next step as soon
+        // as it has answered one.
+        while sent < steps.len() && sent < answered + 2 {
+            if let Err(err) = link.send(&request(steps[sent])) {
+                outcome = Err(err);
+                break;
+            }
+            sent += 1;
+        }
+        if outcome.is_err() {
+            break;
+        }
+        match link.receive(&request(steps[answered])) {
+            Ok(AgentReply::Delivered { .. }) => {}
+            Ok(other) => {
+                outcome = Err(link.error(format!("unexpected answer to Deliver: {other:?}")));
+                answered += 1;
+                break;
+            }
+            Err(err) => {
+                outcome = Err(err);
+                answered += 1;
+                break;
+            }
+        }
+        let (start, end) = steps[answered];
+        answered += 1;
+        // SAFETY: the agent's writes into start..end completed (delivery
+        // completion) before it answered, and no later step writes these
+        // bytes; the caller holds `out` exclusively.
+        let bytes = unsafe { std::slice::from_raw_parts(base.add(start).cast_const(), end - start) };
+        let first = start / CHUNK_BYTES;
+        if let Some(bad) = first_bad_chunk(bytes, &crcs[first..first + (end - start).div_ceil(CHUNK_BYTES)]) {
+            outcome = Ok(Some(first + bad));
+            break;
+        }
+    }
+    // Nothing may still be writing into `out` once it is deregistered and
+    // handed back: the answers to the steps already sent are awaited (a
+    // connection that fails here is stale, and the next request reopens it).
+    for step in &steps[answered..sent] {
+        if let Err(err) = link.receive(&request(*step)) {
+            tracing::debug!(%err, "no answer to an outstanding Deliver");
+            break;
+        }
+    }
+    progress.stop();
+    drop(local);
+    link.expect_bytes(0);
+    outcome
 }
 
 impl Icheck {
@@ -240,11 +345,17 @@ impl Icheck {
         let _entered = span.enter();
         let started = Instant::now();
         let chunk = manifest.chunk_size as usize;
-        let bad = read_and_verify(&self.endpoint, &link.peer, region, layout.offset, out, chunk, &manifest.crcs[index])
-            .map_err(|err| match err {
-                Error::Fabric(err) => link.error(format!("reading label {label:?}: {err}")),
-                other => other,
-            })?;
+        let crcs = &manifest.crcs[index];
+        let bad = match self.restore_direction {
+            RestoreDirection::Push => deliver_and_verify(&self.endpoint, link, layout.offset, out, chunk, crcs),
+            RestoreDirection::Pull | RestoreDirection::Auto => {
+                read_and_verify(&self.endpoint, &link.peer, region, layout.offset, out, chunk, crcs)
+            }
+        }
+        .map_err(|err| match err {
+            Error::Fabric(err) => link.error(format!("reading label {label:?}: {err}")),
+            other => other,
+        })?;
         if let Some(bad) = bad {
             let start = (bad * chunk) as u64;
             return Err(Error::Corrupt {

@@ -754,10 +754,14 @@ struct Writing {
     _progress: Option<ProgressThread>,
 }
 
-/// A version exposed for the rank to read back.
+/// A version exposed for the rank to read back, or to have delivered.
 struct Fetching {
-    _exposed: Exposed,
-    _progress: ProgressThread,
+    exposed: Exposed,
+    /// Bytes of the rank's version a `Deliver` may write from (`None`: a
+    /// piece of redundancy, which only another agent reads).
+    deliverable: Option<u64>,
+    /// Drives reads of `exposed`; stopped while the agent itself writes.
+    progress: Option<ProgressThread>,
 }
 
 /// The memory a fetched version is read from.
@@ -768,6 +772,16 @@ enum Exposed {
     /// A version loaded from the PFS that the store had no room for, held in
     /// the manager's memory only while the rank reads it.
     Loaded(RegisteredBuffer),
+}
+
+impl Exposed {
+    /// The exposed bytes as the source of the agent's own writes.
+    fn source(&self) -> icheck_core::fabric::LocalSource<'_> {
+        match self {
+            Exposed::Stored(file) => file.source(),
+            Exposed::Loaded(buffer) => buffer.source(),
+        }
+    }
 }
 
 struct Session {
@@ -1332,7 +1346,7 @@ fn handle_rest(
             };
             region.len = manifest.total_len.min(region.len);
             let progress = serve_reads(shared, caller)?;
-            session.fetching = Some(Fetching { _exposed: exposed, _progress: progress });
+            session.fetching = Some(Fetching { exposed, deliverable: Some(region.len), progress: Some(progress) });
             let ms = fetch_started.elapsed().as_secs_f64() * 1e3;
             tracing::debug!(
                 version,
@@ -1344,6 +1358,19 @@ fn handle_rest(
                 "version checked and exposed for reading"
             );
             Ok(AgentReply::Fetch { manifest, region, damaged })
+        }
+        AgentRequest::Deliver(segments) => {
+            let ops = session::deliver_ops(session.fetching.as_ref().and_then(|f| f.deliverable), &segments)?;
+            let fetching = session.fetching.as_mut().ok_or("Deliver without a Fetch")?;
+            // Nobody reads while the agent writes: a spinning reader-side
+            // thread would only take a core from the copy.
+            drop(fetching.progress.take());
+            let written =
+                shared.endpoint.write(&session.peer, fetching.exposed.source(), &ops, &TransferOptions::default());
+            // Reads of the version may follow (a restore may mix both).
+            fetching.progress = Some(serve_reads(shared, caller)?);
+            let stats = written.map_err(|e| format!("delivering to the rank: {e}"))?;
+            Ok(AgentReply::Delivered { bytes: stats.bytes })
         }
         AgentRequest::FetchDone => {
             session.retired.extend(session.fetching.take());
@@ -1363,7 +1390,7 @@ fn handle_rest(
             let Exposed::Stored(registered) = &exposed else { unreachable!("expose_file exposes the stored file") };
             let region = registered.remote();
             let progress = serve_reads(shared, caller)?;
-            session.fetching = Some(Fetching { _exposed: exposed, _progress: progress });
+            session.fetching = Some(Fetching { exposed, deliverable: None, progress: Some(progress) });
             Ok(AgentReply::Piece { meta, region })
         }
         AgentRequest::PutPiece { version, piece, len } => {

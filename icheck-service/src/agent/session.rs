@@ -19,7 +19,7 @@ use icheck_core::credentials::Owner;
 use icheck_core::delta::{check_runs, BlockMap, BlockRun};
 use icheck_core::fabric::RmaOp;
 use icheck_core::format::{check_layout, CHUNK_SIZE};
-use icheck_core::protocol::{LabelLayout, Manifest, Privilege, PullSegment};
+use icheck_core::protocol::{DeliverSegment, LabelLayout, Manifest, Privilege, PullSegment};
 
 /// The version a rank is writing, as the session knows it.
 #[derive(Debug)]
@@ -345,6 +345,46 @@ pub(crate) fn admit(budget: u64, held: u64, needed: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// Most ranges one `Deliver` may ask for: a restore asks for one range per
+/// step of a label, and a longer list only makes the agent's thread work
+/// for one request longer.
+pub(crate) const MAX_DELIVER_SEGMENTS: usize = 1024;
+
+/// The writes a `Deliver` of `segments` makes from a fetched version of
+/// `exposed` bytes: each op's local offset is the segment's offset in the
+/// version. Refused (naming the segment) when a range lies outside the
+/// version or its destination, or when there is nothing fetched.
+pub(crate) fn deliver_ops(exposed: Option<u64>, segments: &[DeliverSegment]) -> Result<Vec<RmaOp>, String> {
+    let exposed = exposed.ok_or("Deliver without a Fetch")?;
+    if segments.len() > MAX_DELIVER_SEGMENTS {
+        return Err(format!("Deliver of {} ranges refused: at most {MAX_DELIVER_SEGMENTS}", segments.len()));
+    }
+    segments
+        .iter()
+        .enumerate()
+        .map(|(index, s)| {
+            let in_version = s.file_offset.checked_add(s.len).is_some_and(|end| end <= exposed);
+            let in_destination = s.destination_offset.checked_add(s.len).is_some_and(|end| end <= s.destination.len);
+            match (in_version, in_destination, usize::try_from(s.file_offset), usize::try_from(s.len)) {
+                (true, true, Ok(local_offset), Ok(len)) => Ok(RmaOp {
+                    local_offset,
+                    remote: s.destination,
+                    remote_offset: s.destination_offset,
+                    len,
+                }),
+                (false, ..) => Err(format!(
+                    "Deliver range {index} (offset {} of the version, {} bytes) lies outside the version ({exposed} bytes)",
+                    s.file_offset, s.len
+                )),
+                _ => Err(format!(
+                    "Deliver range {index} (offset {} of the destination, {} bytes) lies outside the destination ({} bytes)",
+                    s.destination_offset, s.len, s.destination.len
+                )),
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -411,6 +451,28 @@ mod tests {
     fn a_session_serves_only_its_agents_application() {
         let err = SessionCore::open("app", 7, "other".into(), 0).unwrap_err();
         assert!(err.contains("agent 7") && err.contains("\"other\""), "{err}");
+    }
+
+    #[test]
+    fn a_deliver_writes_only_inside_the_fetched_version_and_the_destination() {
+        use icheck_core::fabric::RemoteRegion;
+        let destination = RemoteRegion { addr: 4096, key: 9, len: 100 };
+        let segment =
+            |file_offset, destination_offset, len| DeliverSegment { destination, destination_offset, file_offset, len };
+        assert_eq!(deliver_ops(None, &[segment(0, 0, 10)]).unwrap_err(), "Deliver without a Fetch");
+        let ops = deliver_ops(Some(1000), &[segment(900, 0, 100), segment(0, 50, 50)]).unwrap();
+        assert_eq!((ops[0].local_offset, ops[0].remote_offset, ops[0].len), (900, 0, 100));
+        assert_eq!((ops[1].local_offset, ops[1].remote_offset, ops[1].len), (0, 50, 50));
+        assert_eq!(ops[1].remote, destination);
+        let err = deliver_ops(Some(1000), &[segment(0, 0, 10), segment(901, 0, 100)]).unwrap_err();
+        assert!(err.contains("range 1") && err.contains("outside the version (1000 bytes)"), "{err}");
+        let err = deliver_ops(Some(1000), &[segment(0, 1, 100)]).unwrap_err();
+        assert!(err.contains("range 0") && err.contains("outside the destination (100 bytes)"), "{err}");
+        assert!(deliver_ops(Some(u64::MAX), &[segment(u64::MAX, 0, 2)]).is_err(), "an overflowing end");
+        assert!(deliver_ops(Some(1000), &[segment(0, u64::MAX, 2)]).is_err(), "an overflowing end");
+        let many = vec![segment(0, 0, 1); MAX_DELIVER_SEGMENTS + 1];
+        assert!(deliver_ops(Some(1000), &many).unwrap_err().contains("at most"));
+        assert!(deliver_ops(Some(0), &[]).unwrap().is_empty());
     }
 
     #[test]

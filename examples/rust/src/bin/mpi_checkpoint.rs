@@ -196,7 +196,10 @@ fn main() {
                 complain(format!("rank {rank}: restart failed: {e}"));
                 std::process::exit(3);
             });
-            ic.restore_all().unwrap();
+            ic.restore_all().unwrap_or_else(|e| {
+                complain(format!("rank {rank}: restore failed: {e}"));
+                std::process::exit(3);
+            });
             let step = state.step.read()[0] as u64;
             if let Err(label) = state.check(rank, step) {
                 complain(format!("rank {rank}: restored label {label} differs from step {step}"));
