@@ -380,8 +380,8 @@ impl std::str::FromStr for TransferDirection {
 #[serde(rename_all = "lowercase")]
 pub enum RestoreDirection {
     /// Whichever `commit-bench` measured faster on the provider: push over
-    /// `shm` (four ranks restored in 0.63-0.87 of the pulled time, one rank
-    /// alike), pull over the others (tcp: pushes took 1.2-1.3×).
+    /// `shm` (four ranks restored in 0.56-0.87 of the pulled time, one rank
+    /// alike), pull over the others (tcp: pushes took 1.2-1.5×).
     #[default]
     Auto,
     /// The rank reads its data from the agent's memory.

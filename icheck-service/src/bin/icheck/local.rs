@@ -141,8 +141,10 @@ fn write_static(dir: &Path, port: u16, standby: Option<u16>, tokens: &Tokens, op
          ManagerRelaunches = {relaunches}\nClientIdleTimeout = {idle}\n\
          AgentStoreDir = \"{store}\"\nPfsDir = \"{pfs}\"\n\n\
          [fabric]\nprovider = \"{provider}\"\n\n\
-         # How applications move data; ICHECK_TRANSFER and ICHECK_MODE override.\n\
-         [client]\ntransfer = \"pull\"   # or \"push\", or \"auto\" (both measured, the faster kept)\nmode = \"mr\"         # or \"shmr\"\n\
+         # How applications move data; ICHECK_TRANSFER, ICHECK_RESTORE and ICHECK_MODE override.\n\
+         [client]\ntransfer = \"pull\"   # or \"push\", or \"auto\" (both measured, the faster kept)\n\
+         restore = \"auto\"    # a restart's data: \"pull\", \"push\" (the agent writes), auto: push over shm\n\
+         mode = \"mr\"         # or \"shmr\"\n\
          staging_buffer = \"64MiB\"\nzero_copy = true\n\
          pfs_interval = 0          # agents copy every Nth version to PfsDir (0: never)\n\
          compression = \"auto\"    # zstd from max_cp_size bytes on; or \"none\", \"zstd\", \"zstd:LEVEL\"\n",
