@@ -515,10 +515,20 @@ fn transfer_auto_measures_both_directions_over_the_ranks_and_keeps_the_faster() 
     assert!(lines.iter().any(|l| l == "RESTORED version=9 step=16 verified"), "{lines:?}");
 }
 
+/// Flips one byte in the middle of a stored version's data: inside the
+/// 40 MiB label "big" of `mpi_checkpoint`.
+fn flip_middle_byte(file: &std::path::Path) {
+    let mut bytes = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x40;
+    std::fs::write(file, &bytes).unwrap();
+}
+
 /// `restore = "push"`: the agents write the restart data into the ranks'
 /// memory (the 40 MiB label takes two `Deliver` steps, checked one while
 /// the next moves) over tcp and shm, and the job checks every byte. A
-/// damaged version the agent exposes anyway (one process, no PFS copy) is
+/// damaged version with a PFS copy is delivered from the copy the agent
+/// loads; one the agent exposes anyway (one process, no PFS copy) is
 /// caught by the rank's own check, which names the label and the bytes; a
 /// direction the library does not know is refused by name.
 #[test]
@@ -539,15 +549,23 @@ fn restores_pushed_by_the_agents_are_bit_exact_and_damage_is_named() {
 
     let service = service("mpi-deliver-damage", 1, "tcp");
     let config = service.config_path();
+    // Damage with a PFS copy: the agent delivers the copy it loads instead.
+    let copies = [("ICHECK_PFS_INTERVAL", "1")];
+    let args = ["--app", "dmgpfs", "--steps", "4", "--every", "2", "--mib", "40", "--step-ms", "400", "--persist"];
+    let lines = Job::start(1, &config, &args, &copies).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    let manifest = service.dir.join("pfs/dmgpfs/v3/MANIFEST");
+    icheck_service::testkit::wait_for("the PFS copy of version 3", Duration::from_secs(30), || manifest.exists());
+    flip_middle_byte(&service.config.agent_store_dir.join("local-1/dmgpfs/rank0/v3.data"));
+    let lines = Job::start(1, &config, &args, &push).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    assert!(service.log("manager-local-1.log").contains("stored version is damaged; using its PFS copy"));
+
+    // Damage without one: delivered as stored, and the rank's check names it.
     let args = ["--app", "dmg", "--steps", "4", "--every", "2", "--mib", "40", "--persist"];
     let lines = Job::start(1, &config, &args, &[]).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
-    // One byte in the middle of the version: inside "big".
-    let file = service.config.agent_store_dir.join("local-1/dmg/rank0/v3.data");
-    let mut bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-    let middle = bytes.len() / 2;
-    bytes[middle] ^= 0x40;
-    std::fs::write(&file, &bytes).unwrap();
+    flip_middle_byte(&service.config.agent_store_dir.join("local-1/dmg/rank0/v3.data"));
     let (ok, output) = Job::start(1, &config, &args, &push).finish_any(Duration::from_secs(60));
     assert!(!ok, "{output}");
     assert!(output.contains("rank 0: restore failed: version 3 of rank 0: bytes "), "{output}");
