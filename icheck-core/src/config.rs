@@ -361,17 +361,30 @@ pub enum TransferDirection {
     Auto,
 }
 
+/// A setting's keyword from the environment, by the same names the
+/// configuration file uses (the enum's serde names, so the two cannot
+/// drift apart); a word it does not know is refused naming it, `what` the
+/// setting is and the `choices`.
+fn parse_keyword<T: serde::de::DeserializeOwned>(text: &str, what: &str, choices: &str) -> Result<T, String> {
+    use serde::de::value::{Error, StrDeserializer};
+    T::deserialize(StrDeserializer::<Error>::new(text)).map_err(|_| format!("{text:?} is not {what}: use {choices}"))
+}
+
 impl std::str::FromStr for TransferDirection {
     type Err = String;
 
     /// `pull`, `push` or `auto` (what `ICHECK_TRANSFER` holds).
     fn from_str(text: &str) -> Result<Self, String> {
-        match text {
-            "pull" => Ok(TransferDirection::Pull),
-            "push" => Ok(TransferDirection::Push),
-            "auto" => Ok(TransferDirection::Auto),
-            other => Err(format!("{other:?} is not a transfer direction: use pull, push or auto")),
-        }
+        parse_keyword(text, "a transfer direction", "pull, push or auto")
+    }
+}
+
+impl std::str::FromStr for crate::protocol::TransferMode {
+    type Err = String;
+
+    /// `mr` or `shmr` (what `ICHECK_MODE` holds).
+    fn from_str(text: &str) -> Result<Self, String> {
+        parse_keyword(text, "a transfer mode", "mr or shmr")
     }
 }
 
@@ -406,12 +419,7 @@ impl std::str::FromStr for RestoreDirection {
 
     /// `pull`, `push` or `auto` (what `ICHECK_RESTORE` holds).
     fn from_str(text: &str) -> Result<Self, String> {
-        match text {
-            "pull" => Ok(RestoreDirection::Pull),
-            "push" => Ok(RestoreDirection::Push),
-            "auto" => Ok(RestoreDirection::Auto),
-            other => Err(format!("{other:?} is not a restore direction: use pull, push or auto")),
-        }
+        parse_keyword(text, "a restore direction", "pull, push or auto")
     }
 }
 

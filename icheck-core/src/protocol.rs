@@ -361,19 +361,6 @@ pub enum TransferMode {
     Shmr,
 }
 
-impl std::str::FromStr for TransferMode {
-    type Err = String;
-
-    /// `mr` or `shmr` (what `ICHECK_MODE` and the configuration hold).
-    fn from_str(text: &str) -> Result<Self, String> {
-        match text {
-            "mr" => Ok(TransferMode::Mr),
-            "shmr" => Ok(TransferMode::Shmr),
-            other => Err(format!("{other:?} is not a transfer mode: use mr or shmr")),
-        }
-    }
-}
-
 impl fmt::Display for TransferMode {
     /// The thesis's names: every process registers (MR, P:M), or one
     /// shared-memory segment per node (SHMR, N:M).
