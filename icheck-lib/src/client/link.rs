@@ -121,16 +121,9 @@ impl AgentLink {
 
     /// Bounds the following requests' waits for requests covering `bytes`
     /// of a version (0: requests that move no data).
-    pub(super) fn expect_bytes(&self, bytes: u64) -> &Self {
+    pub(super) fn expect_bytes(&self, bytes: u64) {
         let extra = Duration::from_secs_f64(bytes as f64 / SLOWEST_BYTES_PER_SEC);
         self.conn().set_timeout(self.request_timeout + extra);
-        self
-    }
-
-    /// [`expect_bytes`](Self::expect_bytes), for a request that follows.
-    pub(super) fn expect_bytes_mut(&mut self, bytes: u64) -> &mut Self {
-        self.expect_bytes(bytes);
-        self
     }
 
     /// The session's connection (a poisoned lock only means a panic

@@ -216,12 +216,15 @@ impl Icheck {
         let wanted = FetchWanted { app: &self.app, rank: self.comm.node_index(), version };
         let bytes = self.version_bytes();
         let fetched: std::result::Result<(Manifest, RemoteRegion), String> = match self.link.as_mut() {
-            Some(link) => match link.expect_bytes_mut(bytes).fetch(version).map(|reply| check_fetched(reply, wanted)) {
-                Ok(Ok(Fetched { damaged: Some(damage), .. })) => Err(damage),
-                Ok(Ok(Fetched { manifest, region, damaged: None })) => Ok((manifest, region)),
-                Ok(Err(refused)) => Err(refused.to_string()),
-                Err(err) => Err(err.to_string()),
-            },
+            Some(link) => {
+                link.expect_bytes(bytes);
+                match link.fetch(version).map(|reply| check_fetched(reply, wanted)) {
+                    Ok(Ok(Fetched { damaged: Some(damage), .. })) => Err(damage),
+                    Ok(Ok(Fetched { manifest, region, damaged: None })) => Ok((manifest, region)),
+                    Ok(Err(refused)) => Err(refused.to_string()),
+                    Err(err) => Err(err.to_string()),
+                }
+            }
             None => Err(String::new()),
         };
         let shared = self.comm.node_broadcast(protocol::encode(&fetched).unwrap_or_default());
