@@ -394,7 +394,7 @@ impl std::str::FromStr for crate::protocol::TransferMode {
 pub enum RestoreDirection {
     /// Whichever `commit-bench` measured faster on the provider: push over
     /// `shm` (four ranks restored in 0.56-0.87 of the pulled time, one rank
-    /// alike), pull over the others (tcp: pushes took 1.2-1.5×).
+    /// alike), pull over the others (tcp: pushes took 1.02-1.60×).
     #[default]
     Auto,
     /// The rank reads its data from the agent's memory.
