@@ -30,6 +30,44 @@ pub(crate) use icheck_core::fabric::lower_thread_priority;
 
 type Agents = Arc<Mutex<BTreeMap<u64, Agent>>>;
 
+/// Agents being stopped (id → application), until their threads have
+/// ended. `StopAgent` runs off the message loop, so a `DropRanks` that
+/// follows it could otherwise delete a rank's directory while a session of
+/// the stopping agent still writes there (a node back from a silence
+/// resumes its sessions mid-commit), leaving files no version owns.
+#[derive(Default)]
+struct StoppingAgents {
+    apps: Mutex<BTreeMap<u64, String>>,
+    ended: std::sync::Condvar,
+}
+
+impl StoppingAgents {
+    fn begin(&self, id: u64, app: &str) {
+        self.apps.lock().unwrap_or_else(|p| p.into_inner()).insert(id, app.to_string());
+    }
+
+    fn end(&self, id: u64) {
+        self.apps.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+        self.ended.notify_all();
+    }
+
+    /// Waits until no agent of `app` is stopping, at most `bound`; false if
+    /// one still was then.
+    fn wait_for(&self, app: &str, bound: Duration) -> bool {
+        let apps = self.apps.lock().unwrap_or_else(|p| p.into_inner());
+        let (apps, _) = self
+            .ended
+            .wait_timeout_while(apps, bound, |apps| apps.values().any(|a| a == app))
+            .unwrap_or_else(|p| p.into_inner());
+        !apps.values().any(|a| a == app)
+    }
+}
+
+/// How long deleting a rank's versions waits for a stopping agent of its
+/// application: longer than a transfer's timeout (10 s), after which the
+/// agent's sessions have given up.
+const STOP_BEFORE_DROP: Duration = Duration::from_secs(30);
+
 /// The node's measurements between status reports (thesis §6.3).
 struct Monitor {
     started: std::time::Instant,
@@ -141,6 +179,7 @@ async fn serve(config: StaticConfig, node: String, agents: Agents) -> Result<(),
         tracing::warn!(files, bytes, "removed unsealed version files a previous manager left in the store");
     }
     let inventory = Arc::new(Mutex::new(InventoryCache::default()));
+    let stopping = Arc::new(StoppingAgents::default());
     let controllers = config.controller_endpoints();
     // With a standby, a takeover must not wait for a long back-off.
     let longest = if controllers.len() > 1 { Duration::from_millis(500) } else { Duration::from_secs(2) };
@@ -150,7 +189,7 @@ async fn serve(config: StaticConfig, node: String, agents: Agents) -> Result<(),
     loop {
         for peer in &controllers {
             let mut link = ControllerSession { peer, epoch, registered: false };
-            let result = session(&config, &settings, &node, &agents, &inventory, &mut link).await;
+            let result = session(&config, &settings, &node, &agents, &inventory, &stopping, &mut link).await;
             epoch = link.epoch;
             if link.registered {
                 delay = Duration::from_millis(100);
@@ -187,6 +226,7 @@ async fn session(
     node: &str,
     agents: &Agents,
     inventory: &Arc<Mutex<InventoryCache>>,
+    stopping: &Arc<StoppingAgents>,
     link: &mut ControllerSession<'_>,
 ) -> Result<(), ServiceError> {
     let peer = link.peer.to_string();
@@ -347,8 +387,15 @@ async fn session(
                 let agent = agents.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
                 if let Some(agent) = agent {
                     tracing::info!(agent = id, discard, "stopping agent");
+                    // Noted here, in message order, so that a DropRanks
+                    // after it waits for it.
+                    stopping.begin(id, agent.app());
+                    let stopping = stopping.clone();
                     // Joining the threads happens off the async threads.
-                    tokio::task::spawn_blocking(move || agent.stop(discard));
+                    tokio::task::spawn_blocking(move || {
+                        agent.stop(discard);
+                        stopping.end(id);
+                    });
                 }
             }
             ControllerToManager::TakeOver { agent, rank, version, from } => {
@@ -356,13 +403,16 @@ async fn session(
                 fill_rank(tx.clone(), agent, rank, version, job, "take-over failed");
             }
             ControllerToManager::DropRanks { app, ranks } => {
-                let store = settings.store.clone();
+                let (store, stopping) = (settings.store.clone(), stopping.clone());
                 for agent in agents.lock().unwrap_or_else(|p| p.into_inner()).values() {
                     for &rank in &ranks {
                         agent.forget_rank(&app, rank);
                     }
                 }
                 tokio::task::spawn_blocking(move || {
+                    if !stopping.wait_for(&app, STOP_BEFORE_DROP) {
+                        tracing::warn!(%app, "an agent of this application is still stopping; deleting its ranks' versions anyway");
+                    }
                     for rank in ranks {
                         match store.remove_rank(&app, rank) {
                             Ok(()) => {
@@ -445,7 +495,28 @@ fn agent_job<J>(agents: &Agents, id: u64, build: impl FnOnce(&Agent) -> J) -> Re
 
 #[cfg(test)]
 mod tests {
-    use super::resolve_agent_address;
+    use super::{resolve_agent_address, StoppingAgents};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    #[test]
+    fn dropping_a_ranks_versions_waits_for_its_applications_stopping_agents_only() {
+        let stopping = Arc::new(StoppingAgents::default());
+        stopping.begin(1, "app");
+        stopping.begin(2, "other");
+        assert!(!stopping.wait_for("app", Duration::from_millis(20)), "agent 1 is still stopping");
+        let ender = {
+            let stopping = stopping.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                stopping.end(1);
+            })
+        };
+        assert!(stopping.wait_for("app", Duration::from_secs(10)), "agent 1 ended");
+        ender.join().unwrap();
+        assert!(!stopping.wait_for("other", Duration::ZERO), "another application's agent is still stopping");
+        assert!(stopping.wait_for("third", Duration::ZERO));
+    }
 
     #[test]
     fn an_agent_address_may_name_an_interface() {

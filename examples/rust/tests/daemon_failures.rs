@@ -188,7 +188,14 @@ fn silent_manager(name: &str, extra: &[&str], env: &[(&str, &str)]) {
         let n = node(&service.status(), &silent);
         n.alive && n.status.agents == 0 && n.status.bytes_held == 0 && left().is_empty()
     });
-    assert!(back, "after SIGCONT: {:?}\n{}", node(&service.status(), &silent), service.log("controller.log"));
+    assert!(
+        back,
+        "after SIGCONT: {:?}\nleft in {}: {:?}\n{}",
+        node(&service.status(), &silent),
+        app_dir.display(),
+        left(),
+        service.log("controller.log")
+    );
     assert!(left().is_empty(), "files left on the node that came back: {:?}", left());
 
     let told = {

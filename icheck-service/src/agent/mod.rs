@@ -430,6 +430,11 @@ impl Agent {
         }
     }
 
+    /// The application this agent serves.
+    pub fn app(&self) -> &str {
+        &self.shared.app
+    }
+
     /// Whether the thread is still running.
     pub fn is_alive(&self) -> bool {
         self.thread.as_ref().is_some_and(|t| !t.is_finished())
@@ -861,6 +866,14 @@ impl Session {
 impl Drop for Session {
     fn drop(&mut self) {
         self.abandon_writing();
+        // A file still being prepared is waited for: the session's thread
+        // ends only once nothing it started writes the store any more, so
+        // that an agent's stop (which joins its session threads) leaves the
+        // manager free to delete the rank's directory. A prepare thread left
+        // running could make the directory again after that delete.
+        if let Some(thread) = self.prepared.take() {
+            let _ = thread.join();
+        }
         // The rank's next session is likely a restart: its newest version
         // (kept mapped since its Seal) is checked before it is asked for.
         self.kept.check_later(&self.store, self.core.app(), self.core.rank());
