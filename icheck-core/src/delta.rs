@@ -203,7 +203,11 @@ fn checksum_spans(
         let chunk = piece.at / CHUNK_BYTES;
         if chunk_wanted(piece.label, chunk) {
             let sum = &mut chunks[piece.label][chunk];
-            *sum = if piece.at % CHUNK_BYTES == 0 { crc } else { crc32c::crc32c_combine(*sum, crc, piece.bytes.len()) };
+            *sum = if piece.at % CHUNK_BYTES == 0 {
+                crc
+            } else {
+                crate::format::crc32c_combine(*sum, crc, piece.bytes.len())
+            };
         }
         let block = piece.file_offset / BLOCK_BYTES;
         if block_wanted(block) {
@@ -211,7 +215,7 @@ fn checksum_spans(
             *sum = if piece.file_offset % BLOCK_BYTES == 0 {
                 crc
             } else {
-                crc32c::crc32c_combine(*sum, crc, piece.bytes.len())
+                crate::format::crc32c_combine(*sum, crc, piece.bytes.len())
             };
         }
     }
