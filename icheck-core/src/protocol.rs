@@ -1404,6 +1404,11 @@ pub enum AgentReply {
         /// Bytes written.
         bytes: u64,
     },
+    /// Answer to a pushed `Begin` (or `BeginDelta`) on a node whose
+    /// checkpoint memory is full: the agent spills the version to the PFS
+    /// as it arrives, which it can only do for bytes it reads itself, so
+    /// the rank moves this version with `Pull` instead of writing it.
+    SpillByPull,
 }
 
 /// Everything the controller knows, for `icheck status`.

@@ -209,13 +209,24 @@ fn a_damaged_newest_pfs_version_restarts_from_the_previous_one() {
 
 #[test]
 fn versions_beyond_the_memory_budget_spill_to_the_pfs_and_restart_bit_exact() {
+    spill_beyond_the_budget("mpi-spill", &[]);
+}
+
+/// Ranks that push are told to pull a version their agent must spill
+/// (the agent spills only what it reads): it is spilled by the agent, not
+/// written by the library's fallback.
+#[test]
+fn pushed_versions_beyond_the_memory_budget_are_pulled_and_spilled() {
+    spill_beyond_the_budget("mpi-spill-push", &[("ICHECK_TRANSFER", "push")]);
+}
+
+fn spill_beyond_the_budget(name: &str, env: &[(&str, &str)]) {
     // 12 MiB of checkpoint memory for the node; each rank's version is about 8.6 MiB.
     let dynamic = format!("max_mem_node = {}\n", 12.0 / 1024.0);
-    let service =
-        LocalService::up_with_dynamic(&icheck_in_target(), "mpi-spill", 1, &["--provider", "tcp"], Some(&dynamic));
+    let service = LocalService::up_with_dynamic(&icheck_in_target(), name, 1, &["--provider", "tcp"], Some(&dynamic));
     let config = service.config_path();
     let args = ["--app", "spill", "--steps", "20", "--every", "2", "--mib", "8", "--hang-after", "2"];
-    let mut job = Job::start(2, &config, &args, &[]);
+    let mut job = Job::start(2, &config, &args, env);
     job.wait_line("HANG", Duration::from_secs(120));
     // Version 1 fits for one rank only (the agents decide and create files
     // one at a time per node), so version 2 spills. (Later versions may fit again: a
@@ -232,7 +243,7 @@ fn versions_beyond_the_memory_budget_spill_to_the_pfs_and_restart_bit_exact() {
     assert!(held <= 12 << 20, "the store holds {held} bytes, over its budget");
 
     let args = ["--app", "spill", "--steps", "6", "--every", "2", "--mib", "8"];
-    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    let lines = Job::start(2, &config, &args, env).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=2 step=2 verified"), "{lines:?}");
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
 }

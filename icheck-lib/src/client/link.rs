@@ -162,31 +162,33 @@ impl AgentLink {
         }
     }
 
-    pub(super) fn begin(
-        &mut self,
-        version: u64,
-        shape: Shape,
-        labels: Vec<LabelLayout>,
-        push: bool,
-    ) -> Result<RemoteRegion> {
+    pub(super) fn begin(&mut self, version: u64, shape: Shape, labels: Vec<LabelLayout>, push: bool) -> Result<Target> {
         let Shape { ranks, epoch } = shape;
         self.reopen_if_closed()?;
         match self.call(&AgentRequest::Begin { version, ranks, epoch, labels, push })? {
-            AgentReply::Target(region) => Ok(region),
+            AgentReply::Target(region) => Ok(Target { region, push }),
+            AgentReply::SpillByPull => Ok(self.spill_by_pull(version)),
             other => Err(self.error(format!("unexpected answer to Begin: {other:?}"))),
         }
     }
 
+    /// The agent's node is full and spills `version` to the PFS, which it
+    /// can do only for bytes it reads: this version is pulled.
+    fn spill_by_pull(&self, version: u64) -> Target {
+        tracing::info!(version, agent = self.info.id, "the agent's node is full: it spills this version, pulled");
+        Target { region: RemoteRegion { addr: 0, len: 0, key: 0 }, push: false }
+    }
+
     /// Begins an incremental version over `parent` with the `changed`
-    /// blocks: `Ok(Some(region))` where the changed blocks go, packed;
-    /// `Ok(None)` with the region for the whole version when the agent
-    /// takes it whole (it lacks the parent).
+    /// blocks: `(target, true)` where the changed blocks go, packed;
+    /// `(target, false)` for the whole version when the agent takes it
+    /// whole (it lacks the parent, or spills).
     pub(super) fn begin_delta(
         &mut self,
         header: &VersionHeader,
         parent: u64,
         changed: Vec<BlockRun>,
-    ) -> Result<(RemoteRegion, bool)> {
+    ) -> Result<(Target, bool)> {
         let Shape { ranks, epoch } = header.shape;
         self.reopen_if_closed()?;
         let request = AgentRequest::BeginDelta {
@@ -198,9 +200,11 @@ impl AgentLink {
             parent,
             changed,
         };
+        let push = header.push;
         match self.call(&request)? {
-            AgentReply::DeltaTarget(region) => Ok((region, true)),
-            AgentReply::Target(region) => Ok((region, false)),
+            AgentReply::DeltaTarget(region) => Ok((Target { region, push }, true)),
+            AgentReply::Target(region) => Ok((Target { region, push }, false)),
+            AgentReply::SpillByPull => Ok((self.spill_by_pull(header.version), false)),
             other => Err(self.error(format!("unexpected answer to BeginDelta: {other:?}"))),
         }
     }
@@ -299,11 +303,20 @@ pub(super) struct Piece<'a> {
 }
 
 /// Moves pieces into the version [`commit_version`] began.
+/// Where a begun version goes, and how this process moves it there.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Target {
+    /// The agent's memory for the version (unused when pulling).
+    pub(super) region: RemoteRegion,
+    /// The library writes it (else the agent reads it); a pushed `Begin`
+    /// is pulled when the agent spills ([`AgentReply::SpillByPull`]).
+    pub(super) push: bool,
+}
+
 pub(super) struct Mover<'l> {
     link: &'l mut AgentLink,
     endpoint: &'l Endpoint,
-    target: RemoteRegion,
-    push: bool,
+    target: Target,
 }
 
 impl Mover<'_> {
@@ -313,19 +326,19 @@ impl Mover<'_> {
     pub(super) fn send(&mut self, pieces: &[Piece<'_>]) -> Result<u64> {
         let started = Instant::now();
         let moved = self.transfer(pieces)?;
-        let tally = if self.push { &mut self.link.moved.push } else { &mut self.link.moved.pull };
+        let tally = if self.target.push { &mut self.link.moved.push } else { &mut self.link.moved.pull };
         tally.add(moved, started.elapsed().as_secs_f64());
         Ok(moved)
     }
 
     fn transfer(&mut self, pieces: &[Piece<'_>]) -> Result<u64> {
-        if self.push {
+        if self.target.push {
             let options = TransferOptions::default();
             let mut moved = 0;
             for piece in pieces {
                 let op = RmaOp {
                     local_offset: piece.local_offset,
-                    remote: self.target,
+                    remote: self.target.region,
                     remote_offset: piece.file_offset,
                     len: piece.len,
                 };
@@ -385,7 +398,7 @@ fn commit_whole(
     let target = link.begin(version, shape, layout, push)?;
     let (moved, (crcs, blocks)) = std::thread::scope(|scope| {
         let checksums = scope.spawn(|| icheck_core::delta::checksums_on(labels, 1));
-        let moved = transfer(&mut Mover { link: &mut *link, endpoint, target, push });
+        let moved = transfer(&mut Mover { link: &mut *link, endpoint, target });
         let sums = checksums.join().map_err(|_| Error::Order("the checksum thread panicked"))?;
         Ok::<_, Error>((moved?, sums))
     })?;
@@ -496,7 +509,7 @@ pub(super) fn commit_incremental<'p>(
         }
         None => pieces_of(0, total, 0),
     };
-    let moved = if pieces.is_empty() { 0 } else { Mover { link: &mut *link, endpoint, target, push }.send(&pieces)? };
+    let moved = if pieces.is_empty() { 0 } else { Mover { link: &mut *link, endpoint, target }.send(&pieces)? };
     link.seal(crcs.clone())?;
     Ok(IncrementalCommit { moved, blocks, chunks: crcs, changed, checksummed, tracked })
 }

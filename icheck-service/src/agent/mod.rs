@@ -1121,7 +1121,7 @@ fn begin_version(
     let file = match file {
         Ok(file) => file,
         Err(full) => {
-            let destination = spill_destination(shared, &session.core, version, total_len, &full, push)?;
+            let destination = spill_destination(shared, &session.core, version, total_len, &full)?;
             tracing::warn!(
                 version,
                 rank,
@@ -1133,6 +1133,11 @@ fn begin_version(
             );
             session.writing = Some(Writing { destination, _progress: None });
             session.core.begun(checked, false, Instant::now());
+            // The agent spills only what it reads itself: a rank that meant
+            // to push is told to send this version with Pull instead.
+            if push {
+                return Ok(AgentReply::SpillByPull);
+            }
             // The rank pulls into nothing of ours: any region will do.
             return Ok(AgentReply::Target(RemoteRegion { addr: 0, len: 0, key: 0 }));
         }
@@ -1688,21 +1693,17 @@ fn pull(endpoint: &Endpoint, peer: &Peer, writing: &mut Writing, ops: &[RmaOp]) 
 
 /// Where a version goes when the node's memory budget cannot hold it: the
 /// rank's file on the PFS, filled through a bounded registered buffer.
-/// Only pulled versions can spill (a pushing rank writes straight into
-/// agent memory); a pushing rank gets an error and the library falls back
-/// to writing the PFS itself.
+/// Only pulled bytes can spill (a pushing rank would write straight into
+/// agent memory), so a rank that asked to push is answered
+/// [`AgentReply::SpillByPull`] and pulls this version.
 fn spill_destination(
     shared: &Shared,
     session: &SessionCore,
     version: u64,
     total_len: u64,
     full: &str,
-    push: bool,
 ) -> Result<Destination, String> {
     let pfs = shared.pfs().map_err(|why| format!("{full}, and it cannot spill: {why}"))?;
-    if push {
-        return Err(format!("{full}; agents spill only versions they pull ([client] transfer = \"pull\")"));
-    }
     let file = pfs.create_spill(session.app(), version, session.rank(), total_len).map_err(|e| e.to_string())?;
     let staging = AlignedBuffer::zeroed(SPILL_STAGING.min(total_len) as usize);
     let staging = shared.endpoint.register(staging, Access::LOCAL).map_err(|e| e.to_string())?;
