@@ -875,8 +875,12 @@ impl Drop for Session {
             let _ = thread.join();
         }
         // The rank's next session is likely a restart: its newest version
-        // (kept mapped since its Seal) is checked before it is asked for.
+        // (kept mapped since its Seal) is checked before it is asked for;
+        // an incremental one, which nothing keeps yet, is composed.
         self.kept.check_later(&self.store, self.core.app(), self.core.rank());
+        if let Some((newest, _)) = self.sealed.last() {
+            self.kept.compose_later(&self.store, self.core.app(), self.core.rank(), *newest);
+        }
     }
 }
 
