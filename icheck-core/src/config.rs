@@ -352,7 +352,9 @@ impl Default for ClientConfig {
 pub enum TransferDirection {
     /// Agents read the application's registered memory.
     Pull,
-    /// The application writes into agent memory.
+    /// The application writes into agent memory. A version its agent must
+    /// spill to the PFS (the node's checkpoint memory is full) is pulled
+    /// instead: agents spill only bytes they read.
     Push,
     /// Measured per application: after the first commits (which touch
     /// fresh agent memory), commits alternate pull and push, and the
