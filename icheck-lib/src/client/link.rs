@@ -166,7 +166,7 @@ impl AgentLink {
         let Shape { ranks, epoch } = shape;
         self.reopen_if_closed()?;
         match self.call(&AgentRequest::Begin { version, ranks, epoch, labels, push })? {
-            AgentReply::Target(region) => Ok(Target { region, push }),
+            AgentReply::Target(region) => Ok(Target { region, push, measured: true }),
             AgentReply::SpillByPull => Ok(self.spill_by_pull(version)),
             other => Err(self.error(format!("unexpected answer to Begin: {other:?}"))),
         }
@@ -176,7 +176,7 @@ impl AgentLink {
     /// can do only for bytes it reads: this version is pulled.
     fn spill_by_pull(&self, version: u64) -> Target {
         tracing::info!(version, agent = self.info.id, "the agent's node is full: it spills this version, pulled");
-        Target { region: RemoteRegion { addr: 0, len: 0, key: 0 }, push: false }
+        Target { region: RemoteRegion { addr: 0, len: 0, key: 0 }, push: false, measured: false }
     }
 
     /// Begins an incremental version over `parent` with the `changed`
@@ -202,8 +202,8 @@ impl AgentLink {
         };
         let push = header.push;
         match self.call(&request)? {
-            AgentReply::DeltaTarget(region) => Ok((Target { region, push }, true)),
-            AgentReply::Target(region) => Ok((Target { region, push }, false)),
+            AgentReply::DeltaTarget(region) => Ok((Target { region, push, measured: true }, true)),
+            AgentReply::Target(region) => Ok((Target { region, push, measured: true }, false)),
             AgentReply::SpillByPull => Ok((self.spill_by_pull(header.version), false)),
             other => Err(self.error(format!("unexpected answer to BeginDelta: {other:?}"))),
         }
@@ -311,6 +311,9 @@ pub(super) struct Target {
     /// The library writes it (else the agent reads it); a pushed `Begin`
     /// is pulled when the agent spills ([`AgentReply::SpillByPull`]).
     pub(super) push: bool,
+    /// Whether the move says how fast this direction is (`transfer =
+    /// "auto"`): not a spill, which goes at the PFS's pace.
+    pub(super) measured: bool,
 }
 
 pub(super) struct Mover<'l> {
@@ -326,8 +329,10 @@ impl Mover<'_> {
     pub(super) fn send(&mut self, pieces: &[Piece<'_>]) -> Result<u64> {
         let started = Instant::now();
         let moved = self.transfer(pieces)?;
-        let tally = if self.target.push { &mut self.link.moved.push } else { &mut self.link.moved.pull };
-        tally.add(moved, started.elapsed().as_secs_f64());
+        if self.target.measured {
+            let tally = if self.target.push { &mut self.link.moved.push } else { &mut self.link.moved.pull };
+            tally.add(moved, started.elapsed().as_secs_f64());
+        }
         Ok(moved)
     }
 
