@@ -302,7 +302,6 @@ pub(super) struct Piece<'a> {
     pub(super) len: usize,
 }
 
-/// Moves pieces into the version [`commit_version`] began.
 /// Where a begun version goes, and how this process moves it there.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Target {
@@ -316,6 +315,7 @@ pub(super) struct Target {
     pub(super) measured: bool,
 }
 
+/// Moves pieces into the version [`commit_version`] began.
 pub(super) struct Mover<'l> {
     link: &'l mut AgentLink,
     endpoint: &'l Endpoint,
