@@ -33,8 +33,9 @@ fn wait_rebuilt(service: &LocalService, name: &str, version: u64, lost: &[&str])
     let done = poll_until(Duration::from_secs(60), || {
         let report = app(service, name);
         let moved = report.agents.iter().all(|a| !lost.contains(&a.node.as_str()));
-        let done =
-            moved && report.protected == Some(version) && !report.rebuilding && report.protection_problem.is_none();
+        // Protected again: not still building the version's pieces anew.
+        let settled = !report.rebuilding && report.protecting != Some(version);
+        let done = moved && settled && report.protected == Some(version) && report.protection_problem.is_none();
         last = Some(report);
         done
     });
@@ -169,6 +170,44 @@ fn three_ranks_under_rs_2_1_survive_the_loss_of_rank_2s_node() {
     let managers: String = (1..=4).map(|n| service.log(&format!("manager-local-{n}.log"))).collect();
     let rebuilt = managers.lines().find(|l| l.contains("rank rebuilt") && l.contains("rank=2 "));
     assert!(rebuilt.is_some_and(|l| l.contains("decoded from group")), "rank 2 was not decoded: {rebuilt:?}");
+}
+
+/// SIGKILLs the controller and waits until it is gone.
+fn kill_controller(service: &LocalService) {
+    let pid = service.pid_of("controller");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    assert!(poll_until(Duration::from_secs(10), || !icheck_service::testkit::process_running(pid)));
+}
+
+/// The controller journals where a protected version's pieces are. A node
+/// lost while no controller runs (its manager comes back with an empty
+/// store) is rebuilt once the controller is started again; and after
+/// another restart, a node lost with the controller running is rebuilt
+/// from what the journal, not the controller's memory, remembers.
+#[test]
+fn a_restarted_controller_rebuilds_a_protected_version_from_its_journal() {
+    let service = service("red-journal", 4);
+    commit_three(&service, "rj", "rs:2+1");
+    let report = wait_protected(&service, "rj", 3);
+    kill_controller(&service);
+    let first = report.agents[0].node.clone();
+    lose_node(&service, &first);
+    let said = service.up_again();
+    assert!(said.contains("controller"), "{said}");
+    let rebuilt = wait_rebuilt(&service, "rj", 3, &[&first]);
+    assert_eq!(rebuilt.latest.as_ref().map(|l| l.version), Some(3), "{rebuilt:?}");
+    assert!(
+        service.log("controller.log").contains("on nodes lost while no controller ran; rebuilding them"),
+        "the restarted controller did not rebuild from its journal"
+    );
+    kill_controller(&service);
+    service.up_again();
+    let report = wait_protected(&service, "rj", 3);
+    let second = report.agents.iter().map(|a| a.node.clone()).find(|n| *n != first).unwrap();
+    lose_node(&service, &second);
+    wait_rebuilt(&service, "rj", 3, &[&second]);
+    restart_bit_exact(&service, "rj", "rs:2+1", 6);
+    pfs_untouched(&service, "rj");
 }
 
 #[test]

@@ -36,6 +36,7 @@ use serde::{Deserialize, Serialize};
 
 use icheck_core::credentials::Owner;
 use icheck_core::protocol::{AgentInfo, AppRegistration, JournalReport, VersionRecord};
+use icheck_core::redundancy::{Plan, Redundancy};
 
 /// File name of the journal in the controller's state directory.
 pub const JOURNAL_FILE: &str = "controller.journal";
@@ -110,6 +111,31 @@ pub enum Event {
         /// The count.
         events: u64,
     },
+    /// Every piece of a version's redundancy is in place (appended last in
+    /// the enum: journals written before it existed still decode).
+    Protected {
+        /// Application.
+        app: String,
+        /// The version, its plan and who holds it.
+        protection: JournaledProtection,
+    },
+}
+
+/// A protected version as the journal remembers it: enough to rebuild it
+/// after a lost node, also when the node was lost while no controller ran.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JournaledProtection {
+    /// The version.
+    pub version: u64,
+    /// The policy it was protected under.
+    pub policy: Redundancy,
+    /// Where its copies or parity shards are (slots of `agents`).
+    pub plan: Plan,
+    /// The application's agents then (rank-mapping order): the primaries
+    /// and the pieces' holders.
+    pub agents: Vec<AgentInfo>,
+    /// Ranks (or SHMR nodes) of the version.
+    pub units: u32,
 }
 
 /// A complete version as the journal remembers it.
@@ -135,6 +161,8 @@ pub struct JournaledApp {
     pub persisted: bool,
     /// Who owns it.
     pub owner: Option<Owner>,
+    /// Its newest protected version, if any.
+    pub protected: Option<JournaledProtection>,
 }
 
 /// The state the events describe.
@@ -192,6 +220,11 @@ impl Replayed {
                 }
             }
             Event::Sequence { events } => self.sequence = *events,
+            Event::Protected { app, protection } => {
+                if let Some(entry) = self.apps.get_mut(app) {
+                    entry.protected = Some(protection.clone());
+                }
+            }
             Event::Epoch { epoch, took_over_unix_ms, takeovers } => {
                 if *epoch >= self.epoch {
                     self.epoch = *epoch;
@@ -230,6 +263,9 @@ impl Replayed {
             }
             if app.persisted {
                 events.push(Event::Persisted { app: name.clone(), persisted: true });
+            }
+            if let Some(protection) = &app.protected {
+                events.push(Event::Protected { app: name.clone(), protection: protection.clone() });
             }
         }
         events.extend(self.drained.iter().map(|node| Event::Drained { node: node.clone(), drain: true }));
@@ -524,8 +560,18 @@ mod tests {
         for version in 1..=6 {
             state.apply(&complete("a", version));
         }
+        let protection = JournaledProtection {
+            version: 6,
+            policy: "rs:2+1".parse().unwrap(),
+            plan: Plan::default(),
+            agents: vec![],
+            units: 4,
+        };
+        state.apply(&Event::Protected { app: "a".into(), protection: protection.clone() });
+        state.apply(&Event::Protected { app: "b".into(), protection: protection.clone() });
         state.apply(&Event::Forgotten { app: "b".into() });
         state.apply(&Event::Drained { node: "n1".into(), drain: true });
+        assert_eq!(state.apps["a"].protected.as_ref(), Some(&protection));
         let a = &state.apps["a"];
         assert_eq!(a.versions.iter().map(|v| v.record.version).collect::<Vec<_>>(), vec![3, 4, 5, 6]);
         assert!(!state.apps.contains_key("b"));

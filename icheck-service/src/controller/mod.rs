@@ -39,8 +39,9 @@ use crate::launcher::Launcher;
 use crate::ServiceError;
 use apps::{AppEntry, ProbePlan, Recorded};
 use copies::{Answered, CopyBook, OnRecorded};
-use journal::{Event, Journal, JournaledApp};
+use journal::{Event, Journal, JournaledApp, JournaledVersion};
 use nodes::NodeBook;
+use protection::ProtectionBook;
 use reconcile::Holdings;
 use replica::{Lease, ToPrimary, ToStandby};
 
@@ -677,7 +678,7 @@ fn journaled_apps(
                 unconfirmed: Some(app.versions.clone()),
                 dropped: Vec::new(),
                 abandoned: Vec::new(),
-                protection: Default::default(),
+                protection: app.protected.as_ref().map(ProtectionBook::from_journal).unwrap_or_default(),
                 transfer: None,
             };
             Some((name.clone(), entry))
@@ -699,11 +700,47 @@ fn reconcile_pending(state: &mut State, now: Instant) {
             continue;
         }
         let versions = app.unconfirmed.take().unwrap_or_default();
-        let outcome = reconcile::reconcile(name, &versions, &state.holdings);
+        // Once no more managers are awaited, a protected version missing
+        // ranks on nodes that did not come back is rebuilt, not dropped:
+        // the journal says where its copies or parity shards are.
+        let reported: BTreeSet<String> = state.holdings.keys().cloned().collect();
+        let (journaled, policy) = (app.protection.journaled.as_ref(), app.protection.policy);
+        let mut lost_nodes = BTreeSet::new();
+        let rebuildable = |version: &JournaledVersion, missing: &[u32]| {
+            let Some(protected) = journaled.filter(|p| p.version == version.record.version) else {
+                return false;
+            };
+            match protection::rebuildable(protected, policy, missing, &reported) {
+                Ok(lost) => {
+                    tracing::warn!(app = %name, version = protected.version, ?missing, ?lost,
+                        "ranks of the protected version are on nodes lost while no controller ran; rebuilding them");
+                    lost_nodes = lost;
+                    true
+                }
+                Err(reason) => {
+                    tracing::warn!(app = %name, %reason, "the protected version cannot be rebuilt");
+                    false
+                }
+            }
+        };
+        let outcome = reconcile::reconcile_or_rebuild(name, &versions, &state.holdings, rebuildable);
         for reason in &outcome.dropped {
             tracing::warn!(app = %name, "journaled version dropped: {reason}");
         }
+        app.protection.confirm(outcome.latest.as_ref().map(|l| l.version));
+        app.protection.rebuild_due = outcome.rebuild;
+        if let Some(latest) = outcome.latest.as_ref().filter(|_| outcome.rebuild) {
+            // Until the rebuild protects it again, the status says so.
+            app.protection.problem = Some(format!(
+                "nodes {lost_nodes:?} were lost while no controller ran; the ranks of version {} there are being rebuilt",
+                latest.version
+            ));
+            app.protection.wiped = lost_nodes.into_iter().filter(|node| reported.contains(node)).collect();
+        }
         match &outcome.latest {
+            Some(latest) if outcome.rebuild => {
+                tracing::info!(app = %name, version = latest.version, "newest complete version kept: its lost ranks are rebuilt")
+            }
             Some(latest) => {
                 tracing::info!(app = %name, version = latest.version, "newest complete version confirmed by the stores")
             }
@@ -798,6 +835,12 @@ async fn watch_liveness(shared: Arc<Shared>) {
         let now = Instant::now();
         let mut state = shared.state();
         reconcile_pending(&mut state, now);
+        let due: Vec<String> = state
+            .apps
+            .iter_mut()
+            .filter_map(|(name, app)| std::mem::take(&mut app.protection.rebuild_due).then(|| name.clone()))
+            .collect();
+        rebuild::spawn(&shared, due);
         // Woken far too late: the controller was stopped or starved, and
         // the silence it saw is its own.
         if now - last_tick > shared.heartbeat * 2 {
@@ -1170,6 +1213,7 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                     tracing::warn!(%node, agent, version, %piece, %reason, "a piece of redundancy could not be built");
                 }
                 let state = &mut *state;
+                let mut protected = None;
                 for (name, app) in state.apps.iter_mut() {
                     if let Some(done) = app.protection.piece_done(agent, version, piece, result.clone()) {
                         let book = &mut app.protection;
@@ -1187,7 +1231,18 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                                 .nodes
                                 .send(&holder, ControllerToManager::DropPieces { app: name.clone(), below: done });
                         }
+                        // Journaled, so that a restarted controller (or the
+                        // standby) can still rebuild it after a lost node.
+                        protected = app.protection.protected.as_ref().map(|p| Event::Protected {
+                            app: name.clone(),
+                            protection: p.journaled(app.protection.policy),
+                        });
                         break;
+                    }
+                }
+                if let Some(event) = protected {
+                    if let Err(reason) = journal(state, &event) {
+                        tracing::error!(%reason, "cannot journal a protected version: a restarted controller would not know it");
                     }
                 }
             }
@@ -1496,7 +1551,7 @@ fn app_report(a: &AppEntry, node_failure: f64) -> AppReport {
         redundancy: a.protection.policy,
         protected: a.protection.protected.as_ref().map(|p| p.version),
         protecting: a.protection.protecting(),
-        rebuilding: a.protection.rebuilding,
+        rebuilding: a.protection.rebuilding || a.protection.rebuild_due,
         protection_problem: a.protection.problem.clone(),
         protection_secs: a.protection.history.iter().copied().collect(),
         exposure: a.protection.exposure(latest, units, &a.agents, node_failure),
@@ -1764,8 +1819,8 @@ async fn await_reconciled(shared: &Shared, name: &str) {
         // A rebuild after a lost node replaces agents: what the application
         // asks next is answered with the rebuilt ones (bounded: a rebuild
         // that hangs must not hold the application for ever).
-        let rebuilding =
-            since.elapsed() < rebuild::REBUILD_WAIT && state.apps.get(name).is_some_and(|a| a.protection.rebuilding);
+        let rebuilding = since.elapsed() < rebuild::REBUILD_WAIT
+            && state.apps.get(name).is_some_and(|a| a.protection.rebuilding || a.protection.rebuild_due);
         rebuilding || state.apps.get(name).is_some_and(|a| a.unconfirmed.is_some())
     } {
         tokio::time::sleep(Duration::from_millis(50)).await;

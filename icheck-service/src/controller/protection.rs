@@ -16,6 +16,8 @@ use icheck_core::decide;
 use icheck_core::protocol::{AgentInfo, PieceTask, RebuildSource};
 use icheck_core::redundancy::{self, PieceId, Plan, Redundancy, Slot};
 
+use super::journal::JournaledProtection;
+
 /// A version whose pieces are all in place.
 #[derive(Clone, Debug)]
 pub(super) struct Protected {
@@ -26,6 +28,19 @@ pub(super) struct Protected {
     pub(super) agents: Vec<AgentInfo>,
     /// Ranks (or SHMR nodes) of the version.
     pub(super) units: u32,
+}
+
+impl Protected {
+    /// What the journal keeps of it.
+    pub(super) fn journaled(&self, policy: Redundancy) -> JournaledProtection {
+        JournaledProtection {
+            version: self.version,
+            policy,
+            plan: self.plan.clone(),
+            agents: self.agents.clone(),
+            units: self.units,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -58,6 +73,16 @@ pub(super) struct ProtectionBook {
     /// The newest protections: version and seconds from its record to its
     /// last piece, oldest first (at most [`PROTECTION_HISTORY`]).
     pub(super) history: std::collections::VecDeque<(u64, f64)>,
+    /// After a controller restart: the protection the journal recorded,
+    /// which counts once reconciliation confirms its version
+    /// ([`confirm`](Self::confirm)).
+    pub(super) journaled: Option<Protected>,
+    /// Reconciliation found the protected version missing ranks on nodes
+    /// that did not come back: the controller starts its rebuild.
+    pub(super) rebuild_due: bool,
+    /// Nodes lost to the protected version although their managers run
+    /// (they came back without its files): a rebuild treats them as dead.
+    pub(super) wiped: BTreeSet<String>,
 }
 
 /// Protections remembered for the status.
@@ -67,6 +92,27 @@ pub(super) const PROTECTION_HISTORY: usize = 16;
 pub(super) type PieceRequest = (u64, String, PieceTask);
 
 impl ProtectionBook {
+    /// The book of an application the journal remembers protected.
+    pub(super) fn from_journal(journaled: &JournaledProtection) -> ProtectionBook {
+        let JournaledProtection { version, policy, plan, agents, units } = journaled.clone();
+        ProtectionBook {
+            policy,
+            journaled: Some(Protected { version, plan, agents, units }),
+            ..ProtectionBook::default()
+        }
+    }
+
+    /// Reconciliation settled the application's newest version (`latest`):
+    /// the journaled protection counts if it is that version's, and is
+    /// forgotten otherwise.
+    pub(super) fn confirm(&mut self, latest: Option<u64>) {
+        if let Some(journaled) = self.journaled.take() {
+            if latest == Some(journaled.version) && self.protected.is_none() {
+                self.protected = Some(journaled);
+            }
+        }
+    }
+
     /// Starts protecting `version`, stored on `agents` (rank-mapping order,
     /// `units` ranks): the pieces to request, or none (policy `none`, or
     /// the plan cannot be had, which [`problem`](Self::problem) says).
@@ -90,6 +136,9 @@ impl ProtectionBook {
                 return Vec::new();
             }
         };
+        // Placed: whatever kept it from protection before (a lost node, a
+        // rebuild) is over; the pieces under way say the rest.
+        self.problem = None;
         let count = agents.len() as u32;
         let primary = |rank: u32| agents[decide::agent_for_rank(rank, units, count) as usize].clone();
         let parity = match self.policy {
@@ -251,6 +300,31 @@ pub(super) fn rebuild_sources(
     ))
 }
 
+/// After a controller restart, reconciliation found the `missing` ranks
+/// of `protected`'s version in no store. The nodes that did not come back
+/// (`reported` holds those that did) and the nodes that came back without
+/// their ranks (a wiped store) are lost to the version; it can still be
+/// rebuilt when the other nodes hold enough of its pieces. Returns those
+/// lost nodes, or why it cannot be rebuilt.
+pub(super) fn rebuildable(
+    protected: &Protected,
+    policy: Redundancy,
+    missing: &[u32],
+    reported: &BTreeSet<String>,
+) -> Result<BTreeSet<String>, String> {
+    let count = protected.agents.len() as u32;
+    if count == 0 {
+        return Err(format!("version {} has no agents on record", protected.version));
+    }
+    let mut lost: BTreeSet<String> =
+        protected.agents.iter().map(|a| a.node.clone()).filter(|node| !reported.contains(node)).collect();
+    for rank in missing {
+        lost.insert(protected.agents[decide::agent_for_rank(*rank, protected.units, count) as usize].node.clone());
+    }
+    rebuild_sources(protected, policy, &lost)?;
+    Ok(lost)
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::apps::tests::agent;
@@ -316,6 +390,37 @@ mod tests {
         let too_few = book.begin(4, 2, &agents[..1], &|_| None);
         assert!(too_few.is_empty());
         assert!(book.problem.as_deref().unwrap().contains("needs 2"), "{:?}", book.problem);
+    }
+
+    #[test]
+    fn a_journaled_protection_counts_once_its_version_is_confirmed_and_names_what_a_rebuild_needs() {
+        let agents: Vec<AgentInfo> =
+            ["a", "b", "c", "d"].iter().enumerate().map(|(i, n)| agent(i as u64 + 1, n)).collect();
+        let mut book = book("rs:2+1");
+        for (agent, _, task) in book.begin(5, 4, &agents, &|_| None) {
+            book.piece_done(agent, 5, task.piece, Ok(1));
+        }
+        let journaled = book.protected.as_ref().unwrap().journaled(book.policy);
+        // Another version won the reconciliation: the protection is of no use.
+        let mut restarted = ProtectionBook::from_journal(&journaled);
+        assert_eq!(restarted.policy, book.policy);
+        assert!(restarted.protected.is_none(), "not before reconciliation");
+        restarted.confirm(Some(4));
+        assert!(restarted.protected.is_none() && restarted.journaled.is_none());
+        let mut restarted = ProtectionBook::from_journal(&journaled);
+        restarted.confirm(Some(5));
+        let protected = restarted.protected.clone().expect("version 5 confirmed: protected again");
+        assert_eq!(protected.journaled(restarted.policy), journaled);
+
+        let all: BTreeSet<String> = ["a", "b", "c", "d"].iter().map(|n| n.to_string()).collect();
+        let without_b: BTreeSet<String> = all.iter().filter(|n| *n != "b").cloned().collect();
+        // Node b never came back (rank 1 was there): rebuildable from its group.
+        assert_eq!(rebuildable(&protected, restarted.policy, &[1], &without_b).unwrap(), ["b".to_string()].into());
+        // Node b came back without rank 1 (a wiped store): lost all the same.
+        assert_eq!(rebuildable(&protected, restarted.policy, &[1], &all).unwrap(), ["b".to_string()].into());
+        // Ranks 0 and 1 form a group of rs:2+1: both lost is one too many.
+        let err = rebuildable(&protected, restarted.policy, &[0, 1], &all).unwrap_err();
+        assert!(err.contains("ranks [0, 1]") && err.contains("cannot be rebuilt"), "{err}");
     }
 
     #[test]

@@ -84,8 +84,13 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         let now = Instant::now();
         let Some(app) = state.apps.get_mut(name) else { return Ok(None) };
         let Some(protected) = app.protection.protected.clone() else { return Ok(None) };
-        let dead: BTreeSet<String> =
-            protected.agents.iter().map(|a| a.node.clone()).filter(|n| !state.nodes.is_alive(n, now)).collect();
+        let wiped = &app.protection.wiped;
+        let dead: BTreeSet<String> = protected
+            .agents
+            .iter()
+            .map(|a| a.node.clone())
+            .filter(|n| !state.nodes.is_alive(n, now) || wiped.contains(n))
+            .collect();
         if dead.is_empty() {
             return Ok(None);
         }
@@ -167,6 +172,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     let app = state.apps.get_mut(name).ok_or("the application went away")?;
     // The old agents on the lost nodes are gone; the survivors stay.
     app.agents = agents.clone();
+    app.protection.wiped.clear();
     app.homes = agents.iter().map(|a| a.node.clone()).collect();
     start_protection(shared, state, name);
     Ok(Some(rebuilt))

@@ -30,49 +30,86 @@ pub(super) struct Reconciled {
     pub(super) latest: Option<VersionRecord>,
     /// Journaled versions newer than that one, each with why it was dropped.
     pub(super) dropped: Vec<String>,
+    /// `latest` is not whole: its missing ranks are to be rebuilt from its
+    /// redundancy (see [`reconcile_or_rebuild`]).
+    pub(super) rebuild: bool,
 }
 
 /// Why `version` of `app` is not restorable from the stores, or `None`
 /// when every file of it is present and verified somewhere.
-fn missing(app: &str, version: &JournaledVersion, holdings: &Holdings) -> Option<String> {
+fn missing_reason(app: &str, version: &JournaledVersion, holdings: &Holdings) -> Option<String> {
     let number = version.record.version;
-    for writer in 0..version.writers {
-        let copies: Vec<(&String, &StoredVersion)> = holdings
-            .iter()
-            .flat_map(|(node, stored)| stored.iter().map(move |s| (node, s)))
-            .filter(|(_, s)| s.app == app && s.rank == writer && s.version == number)
-            .collect();
-        if copies.iter().any(|(_, s)| s.damage.is_none() && s.writers == version.writers) {
-            continue;
+    let writer = *missing_ranks(app, version, holdings).first()?;
+    let copies = files_of(app, version, writer, holdings);
+    Some(match copies.first() {
+        Some((node, stored)) => format!(
+            "version {number}: the file of rank {writer} on node {node} is damaged ({})",
+            stored.damage.as_deref().unwrap_or("written by another number of processes")
+        ),
+        None => {
+            let nodes: Vec<&str> = holdings.keys().map(String::as_str).collect();
+            format!(
+                "version {number}: no store holds rank {writer} (nodes that reported: {})",
+                if nodes.is_empty() { "none".to_string() } else { nodes.join(", ") }
+            )
         }
-        return Some(match copies.first() {
-            Some((node, stored)) => format!(
-                "version {number}: the file of rank {writer} on node {node} is damaged ({})",
-                stored.damage.as_deref().unwrap_or("written by another number of processes")
-            ),
-            None => {
-                let nodes: Vec<&str> = holdings.keys().map(String::as_str).collect();
-                format!(
-                    "version {number}: no store holds rank {writer} (nodes that reported: {})",
-                    if nodes.is_empty() { "none".to_string() } else { nodes.join(", ") }
-                )
-            }
-        });
-    }
-    None
+    })
+}
+
+/// The files of rank `writer` of `version` that the stores announced, by node.
+fn files_of<'a>(
+    app: &str,
+    version: &JournaledVersion,
+    writer: u32,
+    holdings: &'a Holdings,
+) -> Vec<(&'a String, &'a StoredVersion)> {
+    let number = version.record.version;
+    holdings
+        .iter()
+        .flat_map(|(node, stored)| stored.iter().map(move |s| (node, s)))
+        .filter(|(_, s)| s.app == app && s.rank == writer && s.version == number)
+        .collect()
+}
+
+/// The ranks (writers) of `version` that no store holds whole and verified.
+pub(super) fn missing_ranks(app: &str, version: &JournaledVersion, holdings: &Holdings) -> Vec<u32> {
+    (0..version.writers)
+        .filter(|writer| {
+            !files_of(app, version, *writer, holdings)
+                .iter()
+                .any(|(_, s)| s.damage.is_none() && s.writers == version.writers)
+        })
+        .collect()
 }
 
 /// The newest journaled version of `app` (`versions` oldest first) that
 /// the stores in `holdings` hold whole and verified.
+#[cfg(test)]
 pub(super) fn reconcile(app: &str, versions: &[JournaledVersion], holdings: &Holdings) -> Reconciled {
+    reconcile_or_rebuild(app, versions, holdings, |_, _| false)
+}
+
+/// [`reconcile`], where a version the stores do not hold whole still wins
+/// if `rebuildable(version, missing ranks)` says its redundancy can rebuild
+/// the missing ranks (`Reconciled::rebuild`).
+pub(super) fn reconcile_or_rebuild(
+    app: &str,
+    versions: &[JournaledVersion],
+    holdings: &Holdings,
+    mut rebuildable: impl FnMut(&JournaledVersion, &[u32]) -> bool,
+) -> Reconciled {
     let mut dropped = Vec::new();
     for version in versions.iter().rev() {
-        match missing(app, version, holdings) {
-            None => return Reconciled { latest: Some(version.record.clone()), dropped },
-            Some(reason) => dropped.push(reason),
+        let missing = missing_ranks(app, version, holdings);
+        if missing.is_empty() {
+            return Reconciled { latest: Some(version.record.clone()), dropped, rebuild: false };
         }
+        if rebuildable(version, &missing) {
+            return Reconciled { latest: Some(version.record.clone()), dropped, rebuild: true };
+        }
+        dropped.extend(missing_reason(app, version, holdings));
     }
-    Reconciled { latest: None, dropped }
+    Reconciled { latest: None, dropped, rebuild: false }
 }
 
 /// A manager registered `node` again (restarted, relaunched): why the
@@ -175,6 +212,25 @@ mod tests {
         let outcome = reconcile("a", &versions, &held);
         assert_eq!(outcome.latest.map(|l| l.version), Some(1));
         assert!(outcome.dropped[0].contains("rank 3 on node n1 is damaged"), "{:?}", outcome.dropped);
+    }
+
+    #[test]
+    fn a_version_missing_ranks_wins_only_when_its_redundancy_can_rebuild_them() {
+        let versions = [journaled(1, 4), journaled(2, 4)];
+        let mut held = holdings(&[("n1", (0..4).map(|r| stored(r, 1, None)).collect())]);
+        held.get_mut("n1").unwrap().extend([stored(0, 2, None), stored(2, 2, None)]);
+        let asked = std::cell::RefCell::new(Vec::new());
+        let outcome = reconcile_or_rebuild("a", &versions, &held, |version, missing| {
+            asked.borrow_mut().push((version.record.version, missing.to_vec()));
+            version.record.version == 2
+        });
+        assert_eq!((outcome.latest.map(|l| l.version), outcome.rebuild), (Some(2), true));
+        assert!(outcome.dropped.is_empty(), "{:?}", outcome.dropped);
+        assert_eq!(asked.into_inner(), vec![(2, vec![1, 3])], "asked once, with every missing rank");
+        // Not rebuildable: the older whole version, and why the newer went.
+        let outcome = reconcile_or_rebuild("a", &versions, &held, |_, _| false);
+        assert_eq!((outcome.latest.map(|l| l.version), outcome.rebuild), (Some(1), false));
+        assert_eq!(outcome.dropped, vec!["version 2: no store holds rank 1 (nodes that reported: n1)".to_string()]);
     }
 
     #[test]
