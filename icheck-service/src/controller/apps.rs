@@ -278,13 +278,15 @@ impl AppEntry {
     /// gets the current one; agents on draining nodes (their indices in
     /// `draining`) move next; a resized application's agents follow its new
     /// size; otherwise, when the agent count is dynamic, Algorithm 5 and
-    /// eq. 6.11/6.12 decide with `remaining` commits to go. `Err` is the
-    /// answer itself (nothing to carry out).
+    /// eq. 6.11/6.12 decide with `remaining` commits to go, never below
+    /// `floor` agents (the distinct nodes the redundancy policy spreads its
+    /// pieces over). `Err` is the answer itself (nothing to carry out).
     pub(super) fn probe_plan(
         &mut self,
         known: &[u64],
         draining: Vec<usize>,
         remaining: u32,
+        floor: u32,
         config: &DynamicConfig,
     ) -> Result<ProbePlan, ClientReply> {
         let current = self.agents.len() as u32;
@@ -332,6 +334,16 @@ impl AppEntry {
                     "keeping the agents: the change would not pay back before the application ends (eq. 6.12)"
                 );
                 Err(ClientReply::Unchanged)
+            }
+            decide::ScalingDecision::Change { to, state } if to < floor => {
+                // Fewer agents than nodes the pieces need: the next version
+                // could not be protected.
+                tracing::info!(agents = current, wanted = to, floor, "keeping the agents the redundancy policy needs");
+                adaptation.scaling = state;
+                match current > floor {
+                    true => Ok(ProbePlan::Scale { current, to: floor, scaling: state }),
+                    false => Err(ClientReply::Unchanged),
+                }
             }
             decide::ScalingDecision::Change { to, state } => Ok(ProbePlan::Scale { current, to, scaling: state }),
         }
@@ -555,34 +567,60 @@ pub(super) mod tests {
         let config = DynamicConfig::default();
         let mut app = app(4, &["n1", "n2"], 0);
         // The application knows agents 0 and 1; nothing to do without a dynamic agent count.
-        assert!(matches!(app.probe_plan(&[0, 1], Vec::new(), 10, &config), Err(ClientReply::Unchanged)));
+        assert!(matches!(app.probe_plan(&[0, 1], Vec::new(), 10, 1, &config), Err(ClientReply::Unchanged)));
         // Its list is stale: it gets the current one.
-        let Err(ClientReply::Agents(agents)) = app.probe_plan(&[0, 7], Vec::new(), 10, &config) else { panic!() };
+        let Err(ClientReply::Agents(agents)) = app.probe_plan(&[0, 7], Vec::new(), 10, 1, &config) else { panic!() };
         assert_eq!(agents.len(), 2);
         // n2 drains: its agent moves.
-        let plan = app.probe_plan(&[0, 1], vec![1], 10, &config);
+        let plan = app.probe_plan(&[0, 1], vec![1], 10, 1, &config);
         assert!(matches!(plan, Ok(ProbePlan::Relocate { current: 2, ref replace }) if replace == &[1]));
         // An agent is lost: replacing comes before everything else.
         app.agents.pop();
-        assert!(matches!(app.probe_plan(&[0, 1], vec![0], 10, &config), Ok(ProbePlan::Replace(_))));
+        assert!(matches!(app.probe_plan(&[0, 1], vec![0], 10, 1, &config), Ok(ProbePlan::Replace(_))));
     }
 
     #[test]
     fn a_dynamic_agent_count_waits_for_commits_then_grows_when_it_pays_back() {
         let config = DynamicConfig { is_dynamic_as: true, ..DynamicConfig::default() };
         let mut app = app(4, &["n1"], 0);
-        assert!(matches!(app.probe_plan(&[0], Vec::new(), 10, &config), Err(ClientReply::Unchanged)), "no commits");
+        assert!(matches!(app.probe_plan(&[0], Vec::new(), 10, 1, &config), Err(ClientReply::Unchanged)), "no commits");
         for version in 1..=(decide::WARM_UP_COMMITS as u64 + 2) {
             app.record("a", sample(version), 0, 0).unwrap();
         }
         // A change that costs 1,000 s cannot pay back within 2 commits of 0.5 s.
         app.adaptation.reconfigure_secs = 1000.0;
-        assert!(matches!(app.probe_plan(&[0], Vec::new(), 2, &config), Err(ClientReply::Unchanged)));
+        assert!(matches!(app.probe_plan(&[0], Vec::new(), 2, 1, &config), Err(ClientReply::Unchanged)));
         // With no end in sight (0: unknown), Algorithm 5 grows the agents.
-        let Ok(ProbePlan::Scale { current, to, .. }) = app.probe_plan(&[0], Vec::new(), 0, &config) else {
+        let Ok(ProbePlan::Scale { current, to, .. }) = app.probe_plan(&[0], Vec::new(), 0, 1, &config) else {
             panic!("no growth")
         };
         assert_eq!(current, 1);
         assert!(to > 1 && to <= 4, "{to} agents for 4 ranks");
+    }
+
+    /// Algorithm 5 undoes a growth that did not help, but never below the
+    /// nodes the redundancy policy spreads its pieces over.
+    #[test]
+    fn a_probe_does_not_shrink_the_agents_below_what_redundancy_needs() {
+        let config = DynamicConfig { is_dynamic_as: true, ..DynamicConfig::default() };
+        let grown = || {
+            let mut app = app(4, &["n1", "n2", "n3", "n4"], 0);
+            // Grown from 2 to 4 agents, and commits got slower (0.5 s against 0.1 s).
+            app.adaptation.scaling = decide::ScalingState { before_last_change: Some(0.1), settled: false };
+            for version in 1..=(decide::WARM_UP_COMMITS as u64 + 2) {
+                app.record("a", sample(version), 0, 0).unwrap();
+            }
+            app
+        };
+        let ids = [0, 1, 2, 3];
+        let Ok(ProbePlan::Scale { current: 4, to: 2, .. }) = grown().probe_plan(&ids, Vec::new(), 0, 1, &config) else {
+            panic!("without a floor the growth is undone")
+        };
+        let Ok(ProbePlan::Scale { current: 4, to: 3, .. }) = grown().probe_plan(&ids, Vec::new(), 0, 3, &config) else {
+            panic!("rs:2+1 keeps three agents")
+        };
+        let mut app = grown();
+        assert!(matches!(app.probe_plan(&ids, Vec::new(), 0, 4, &config), Err(ClientReply::Unchanged)));
+        assert!(app.adaptation.scaling.settled, "and the count settles, as an undone change does");
     }
 }

@@ -2122,7 +2122,11 @@ async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32, capab
         };
         let draining: Vec<usize> =
             (app.agents.iter().enumerate()).filter(|(_, a)| state.nodes.is_draining(&a.node)).map(|(i, _)| i).collect();
-        match app.probe_plan(known, draining, remaining, &config) {
+        // Algorithm 5 does not shrink below the nodes redundancy spreads over.
+        let live = state.nodes.snapshot(Instant::now()).iter().filter(|n| n.alive && !n.draining).count();
+        let wanted = config.redundancy_for(&app.registration).wanted_nodes().min(live);
+        let floor = (wanted as u32).min(config.max_agents_app);
+        match app.probe_plan(known, draining, remaining, floor, &config) {
             Ok(plan) => plan,
             Err(answer) => return answer,
         }
