@@ -555,6 +555,11 @@ pub enum ControllerToManager {
         /// Its PFS copies must be encrypted: without the key (from a rank's
         /// `Open`) the agent writes none.
         encrypted: bool,
+        /// The application's newest version protected by redundancy: the
+        /// agent keeps each rank's versions from it on until a newer one is
+        /// protected (`DropPieces`), so that a node lost before then costs
+        /// at most the unprotected newest version.
+        protected: Option<u64>,
     },
     /// Copy the agent's ranks of a complete version to the PFS.
     CopyToPfs {
@@ -623,6 +628,19 @@ pub enum ControllerToManager {
         app: String,
         /// The newest protected version.
         below: u64,
+    },
+    /// A lost node took the application's newest versions before they were
+    /// protected, and the controller fell back to version `above`: delete
+    /// versions `above + 1 ..= through` here, so that the application
+    /// writes those numbers again (an agent never overwrites a stored
+    /// complete version). Newer ones (a commit under way) stay.
+    DropNewer {
+        /// Application.
+        app: String,
+        /// The version the controller fell back to.
+        above: u64,
+        /// The newest version lost.
+        through: u64,
     },
 }
 

@@ -343,11 +343,12 @@ async fn session(
             Err(err) => break Err(err.into()),
         };
         match message {
-            ControllerToManager::StartAgent { id, app, mem_budget, owner, complete, encrypted } => {
+            ControllerToManager::StartAgent { id, app, mem_budget, owner, complete, encrypted, protected } => {
                 let (tx, agents, settings, node) = (tx.clone(), agents.clone(), settings.clone(), node.to_string());
                 tokio::task::spawn_blocking(move || {
                     icheck_core::failpoint::hit("manager.before_agent_start");
-                    let task = crate::agent::AgentTask { app: app.clone(), mem_budget, owner, complete, encrypted };
+                    let task =
+                        crate::agent::AgentTask { app: app.clone(), mem_budget, owner, complete, encrypted, protected };
                     let started = match icheck_core::failpoint::fails("manager.agent_start") {
                         true => Err(icheck_core::fabric::FabricError::Config("failpoint manager.agent_start".into())),
                         false => Agent::start(&settings, &node, id, &task),
@@ -450,11 +451,27 @@ async fn session(
                 fill_rank(tx.clone(), agent, rank, version, job, "rebuilding a lost rank failed");
             }
             ControllerToManager::DropPieces { app, below } => {
+                // `below` is protected: its agents here may let older versions go.
+                for agent in agents.lock().unwrap_or_else(|p| p.into_inner()).values().filter(|a| a.app() == app) {
+                    agent.protected(below);
+                }
                 let store = settings.store.clone();
                 tokio::task::spawn_blocking(move || match store.drop_pieces_below(&app, below) {
                     Ok(0) => {}
                     Ok(removed) => tracing::debug!(%app, below, removed, "older pieces of redundancy deleted"),
                     Err(err) => tracing::warn!(%app, below, %err, "cannot delete older pieces of redundancy"),
+                });
+            }
+            ControllerToManager::DropNewer { app, above, through } => {
+                for agent in agents.lock().unwrap_or_else(|p| p.into_inner()).values().filter(|a| a.app() == app) {
+                    agent.fell_back(above, through);
+                }
+                let store = settings.store.clone();
+                tokio::task::spawn_blocking(move || match store.drop_newer(&app, above, through) {
+                    Ok(removed) => tracing::warn!(%app, above, through, removed, "versions lost with a node deleted"),
+                    Err(err) => {
+                        tracing::error!(%app, above, through, %err, "cannot delete the versions lost with a node")
+                    }
                 });
             }
             ControllerToManager::Beat => {}

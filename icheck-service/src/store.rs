@@ -887,6 +887,36 @@ impl Store {
         Ok((meta, mapped))
     }
 
+    /// Deletes every rank's versions `above + 1 ..= through` (manifests
+    /// first): the controller fell back to `above` after a node loss took
+    /// them, and the application writes those numbers again. Pieces stay.
+    /// Returns how many files went.
+    pub fn drop_newer(&self, app: &str, above: u64, through: u64) -> Result<usize> {
+        check_app_name(app)?;
+        let mut removed = 0;
+        let ranks = fs::read_dir(self.root.join(app)).into_iter().flatten().filter_map(|e| e.ok());
+        for rank in ranks.filter(|e| e.file_name().to_string_lossy().starts_with("rank")) {
+            let mut newer: Vec<(u8, PathBuf)> = Vec::new();
+            for entry in fs::read_dir(rank.path()).into_iter().flatten().filter_map(|e| e.ok()) {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                let Some((version, kind)) = name.strip_prefix('v').and_then(|rest| rest.split_once('.')) else {
+                    continue;
+                };
+                if version.parse::<u64>().is_ok_and(|v| v > above && v <= through) {
+                    // Manifests first: a version half removed can never be opened.
+                    newer.push((u8::from(kind != "meta"), entry.path()));
+                }
+            }
+            newer.sort();
+            for (_, path) in newer {
+                if remove_if_present(&path)? {
+                    removed += 1;
+                }
+            }
+        }
+        Ok(removed)
+    }
+
     /// Deletes the application's pieces of versions older than `below`,
     /// keeping the newest data file of each piece as its spare (see
     /// [`create_piece`](Self::create_piece)). Returns how many files went.
@@ -1224,6 +1254,32 @@ mod tests {
         assert_eq!(v5.borrowed().keys().copied().collect::<Vec<_>>(), vec![4]);
         store.remove_version("app", 0, 5).unwrap();
         assert!(!dir.join("b4.data").exists() && !dir.join("b5.data").exists());
+        fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// After a fall back to version 2, the newer versions (whole or
+    /// incremental, every rank) go, and version 2 still reads back.
+    #[test]
+    fn versions_newer_than_a_fall_back_are_dropped_and_older_ones_kept() {
+        let root = std::env::temp_dir().join(format!("icheck-store-newer-{}", std::process::id()));
+        let store = Store::new(&root);
+        let mut data = vec![1u8; 3 * 1024 * 1024];
+        let v1 = store_blocks(&store, 1, &data, None, &[]);
+        data[0] = 2;
+        let v2 = store_blocks(&store, 2, &data, Some(&v1), &[BlockRun { first: 0, count: 1 }]);
+        let kept = data.clone();
+        data[0] = 3;
+        store_blocks(&store, 3, &data, Some(&v2), &[BlockRun { first: 0, count: 1 }]);
+        store.create("app", 1, 3, 8).unwrap();
+        store.seal(&manifest("app", 1, 3, &[0u8; 8])).unwrap();
+        store.create("app", 1, 4, 8).unwrap();
+        store.seal(&manifest("app", 1, 4, &[0u8; 8])).unwrap();
+        assert_eq!(store.drop_newer("app", 2, 3).unwrap(), 5, "rank 0's data, map and manifest; rank 1's two files");
+        assert_eq!(store.sealed_versions("app", 0).unwrap(), vec![1, 2]);
+        assert_eq!(store.sealed_versions("app", 1).unwrap(), vec![4], "a version newer than the lost ones stays");
+        assert_eq!(store.open("app", 0, 2).unwrap().1.as_slice(), &kept[..]);
+        assert_eq!(store.drop_newer("app", 2, 3).unwrap(), 0);
+        assert!(store.drop_newer("../x", 2, 3).is_err(), "a bad application name is refused");
         fs::remove_dir_all(&root).unwrap();
     }
 

@@ -210,6 +210,41 @@ fn a_restarted_controller_rebuilds_a_protected_version_from_its_journal() {
     pfs_untouched(&service, "rj");
 }
 
+/// A node lost after a commit and before that version is protected: the
+/// agents kept the protected version before it, so the controller rebuilds
+/// that one and falls back to it, and the restart restores it bit-exact
+/// (one version back instead of everything). A failpoint leaves version 4
+/// unprotected, as a node lost within its protection's window would.
+#[test]
+fn a_node_lost_before_the_newest_version_is_protected_falls_back_one_version() {
+    let service = LocalService::up_with_failpoints(
+        &icheck_in_target(),
+        "red-window",
+        4,
+        &["--provider", "tcp", "--manager-relaunches", "0"],
+        None,
+        // Versions 1 to 3 are protected; the fourth recorded is not.
+        Some("controller.protect_recorded=3*error"),
+    );
+    commit_three(&service, "rw", "rs:2+1");
+    wait_protected(&service, "rw", 3);
+    restart_bit_exact(&service, "rw", "rs:2+1", 6);
+    let report = app(&service, "rw");
+    assert_eq!(report.latest.as_ref().map(|l| l.version), Some(4), "{report:?}");
+    assert_eq!(report.protected, Some(3), "version 4 is left unprotected: {report:?}");
+    let lost = report.agents[0].node.clone();
+    lose_node(&service, &lost);
+    let rebuilt = wait_rebuilt(&service, "rw", 3, &[&lost]);
+    assert_eq!(rebuilt.latest.as_ref().map(|l| l.version), Some(3), "not fallen back: {rebuilt:?}");
+    let args = ["--app", "rw", "--steps", "6", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(4, &service.config_path(), &args, &[("ICHECK_REDUNDANCY", "rs:2+1")])
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4")), "version 4 is written again: {lines:?}");
+    pfs_untouched(&service, "rw");
+    assert!(service.log("controller.log").contains("falling back to the protected one"));
+}
+
 #[test]
 fn a_damaged_parity_shard_is_refused_and_the_rank_decoded_from_the_others() {
     let service = service("red-rs22", 4);

@@ -205,6 +205,19 @@ impl KeptVersions {
         })
     }
 
+    /// Forgets every rank's kept version that `stale(version)` says is
+    /// stale (before their files go).
+    pub(super) fn forget_all_if(&self, stale: impl Fn(u64) -> bool) {
+        let forgotten: Vec<Kept> = {
+            let mut by_rank = self.by_rank.lock().unwrap_or_else(|p| p.into_inner());
+            let ranks: Vec<u32> = by_rank.iter().filter(|(_, kept)| stale(kept.version)).map(|(r, _)| *r).collect();
+            ranks.into_iter().filter_map(|rank| by_rank.remove(&rank)).collect()
+        };
+        for kept in forgotten {
+            kept.check.finish();
+        }
+    }
+
     /// Forgets `rank`'s kept version if `stale(version)` says so: before
     /// its file can be cut (see the module's invariant).
     pub(super) fn forget_if(&self, rank: u32, stale: impl FnOnce(u64) -> bool) {

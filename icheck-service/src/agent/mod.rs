@@ -40,7 +40,7 @@ use icheck_core::protocol::{
 };
 use icheck_core::redundancy::PieceId;
 
-use crate::store::{MappedFile, SharedMapping, Store, StoreError};
+use crate::store::{MappedFile, Pruned, SharedMapping, Store, StoreError};
 use icheck_core::format::first_bad_chunk;
 use kept::KeptVersions;
 use session::{admit, Abandoned, BeginChecked, Found, Sealed, Serve, SessionCore};
@@ -140,6 +140,11 @@ struct Shared {
     /// Each rank's newest sealed version, kept mapped (and checked) for
     /// its next restart after its session ends; see [`kept`].
     kept: Arc<KeptVersions>,
+    /// The application's newest version protected by redundancy (0: none
+    /// known). A rank's versions from it on are not pruned: if a node is
+    /// lost before a newer version is protected, the controller rebuilds
+    /// this one from its pieces and these primaries ([`Shared::keep_from`]).
+    protected: AtomicU64,
 }
 
 impl Shared {
@@ -157,6 +162,17 @@ impl Shared {
                  started (they do at their next session)",
                 self.app
             )),
+        }
+    }
+
+    /// The oldest version of a rank to keep when `newest` is its newest
+    /// complete one: `newest` itself, or the newest protected version when
+    /// that is older (it is what a rebuild falls back to until `newest` is
+    /// protected).
+    fn keep_from(&self, newest: u64) -> u64 {
+        match self.protected.load(Ordering::Acquire) {
+            0 => newest,
+            protected => newest.min(protected),
         }
     }
 
@@ -251,6 +267,9 @@ pub struct AgentTask {
     pub complete: Option<u64>,
     /// Its PFS copies are encrypted: none is written without the key.
     pub encrypted: bool,
+    /// Its newest version protected by redundancy, if any: versions from
+    /// it on are kept until a newer one is protected.
+    pub protected: Option<u64>,
 }
 
 /// A running agent.
@@ -265,7 +284,7 @@ impl Agent {
     /// channel and starts the agent's threads. Versions that would take the
     /// node's store beyond `mem_budget` bytes are spilled to the PFS.
     pub fn start(settings: &AgentSettings, node: &str, id: u64, task: &AgentTask) -> Result<Agent, FabricError> {
-        let AgentTask { app, mem_budget, owner, complete, encrypted } = task;
+        let AgentTask { app, mem_budget, owner, complete, encrypted, protected } = task;
         let mem_budget = store_budget(*mem_budget, &settings.store);
         let domain = Domain::open(&settings.fabric)?;
         let endpoint = Endpoint::new(&domain)?;
@@ -301,6 +320,7 @@ impl Agent {
             next_session: AtomicU64::new(0),
             counters: AgentCounters::default(),
             kept: Arc::default(),
+            protected: AtomicU64::new(protected.unwrap_or(0)),
         });
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
@@ -428,6 +448,20 @@ impl Agent {
         if self.shared.app == app {
             self.shared.kept.forget_if(rank, |_| true);
         }
+    }
+
+    /// The controller says `version` of the application is protected: older
+    /// versions may go at each rank's next Begin or Complete.
+    pub fn protected(&self, version: u64) {
+        self.shared.protected.fetch_max(version, Ordering::AcqRel);
+    }
+
+    /// The controller fell back to an older version (see
+    /// `ControllerToManager::DropNewer`): kept versions `above < v <=
+    /// through` are forgotten before their files go. (Begin writes their
+    /// numbers again once the files are gone: it refuses only stored ones.)
+    pub fn fell_back(&self, above: u64, through: u64) {
+        self.shared.kept.forget_all_if(|kept| kept > above && kept <= through);
     }
 
     /// The application this agent serves.
@@ -1071,6 +1105,7 @@ fn begin_version(
     push: bool,
     begun: Instant,
 ) -> Result<AgentReply, String> {
+    prune_protected(shared, session)?;
     let store = &shared.settings.store;
     let version = checked.version;
     let (app, rank, total_len) = (session.core.app(), session.core.rank(), checked.total_len);
@@ -1275,25 +1310,16 @@ fn handle_rest(
             let sealed = || store.is_sealed(&shared.app, rank, version);
             session.core.complete(version, shared.complete(rank), sealed)?;
             shared.completed(rank, version);
-            // Pruned below: its file may become the spare and be cut.
-            shared.kept.forget_if(rank, |kept| kept < version);
             let pruning = Instant::now();
-            let pinned = shared.pinned_versions();
-            let pruned =
-                store.prune(session.core.app(), session.core.rank(), version, &pinned).map_err(|e| e.to_string())?;
-            // One pruned version's file became the spare (see Store::prune);
-            // its mapping goes with it. Pinned versions stay on the store
-            // for their PFS copies (unmapped here: the copy maps them itself).
-            let (old, kept): (Vec<_>, Vec<_>) = session.sealed.drain(..).partition(|(v, _)| *v < version);
-            session.sealed = kept;
-            // (A reader still holding it leaves the next version to map it.)
-            session.spare =
-                old.into_iter().find(|(v, _)| Some(*v) == pruned.spare).and_then(|(_, file)| file.into_inner());
+            let pruned = prune_older(shared, session, shared.keep_from(version))?;
             // Nothing was pruned (the first version, or older ones still
             // pinned): the next version would map fresh memory inside its
             // commit; make its file now, while the application computes.
+            // (Not while an older version waits for this one's protection:
+            // it usually comes before the next Begin, which then reuses it.)
+            let waiting = session.sealed.iter().any(|(v, _)| *v < version);
             let len = session.sealed.iter().find(|(v, _)| *v == version).map(|(_, file)| file.data_len() as u64);
-            if let (None, None, Some(len)) = (&session.spare, &session.prepared, len) {
+            if let (None, None, Some(len), false) = (&session.spare, &session.prepared, len, waiting) {
                 session.prepared = prepare_next_file(shared, rank, len);
             }
             let prune_ms = pruning.elapsed().as_secs_f64() * 1e3;
@@ -1302,6 +1328,7 @@ fn handle_rest(
                 rank = session.core.rank(),
                 removed = pruned.removed,
                 kept_for_pfs_copy = ?pruned.pinned,
+                kept_until_protected = waiting,
                 prune_ms,
                 "older versions pruned"
             );
@@ -1492,6 +1519,44 @@ fn serve_reads(shared: &Shared, caller: Caller) -> Result<ProgressThread, String
         ProgressThread::serving_reads(&shared.endpoint)
     };
     spawned.map_err(|e| e.to_string())
+}
+
+/// Prunes the session's rank below `keep_from` (see [`Store::prune`]):
+/// one pruned version's file becomes the spare for the next version,
+/// with its mapping; versions a PFS copy reads stay.
+fn prune_older(shared: &Shared, session: &mut Session, keep_from: u64) -> Result<Pruned, String> {
+    let rank = session.core.rank();
+    // Pruned below: its file may become the spare and be cut.
+    shared.kept.forget_if(rank, |kept| kept < keep_from);
+    let pinned = shared.pinned_versions();
+    let pruned =
+        shared.settings.store.prune(session.core.app(), rank, keep_from, &pinned).map_err(|e| e.to_string())?;
+    // Pinned versions stay on the store for their PFS copies (unmapped
+    // here: the copy maps them itself).
+    let (old, kept): (Vec<_>, Vec<_>) = session.sealed.drain(..).partition(|(v, _)| *v < keep_from);
+    session.sealed = kept;
+    // (A reader still holding it leaves the next version to map it.)
+    if let Some(spare) = old.into_iter().find(|(v, _)| Some(*v) == pruned.spare).and_then(|(_, f)| f.into_inner()) {
+        session.spare = Some(spare);
+    }
+    Ok(pruned)
+}
+
+/// Before a Begin: a version kept at the last Complete until a newer one
+/// was protected goes now if that happened, its file the new version's.
+fn prune_protected(shared: &Shared, session: &mut Session) -> Result<(), String> {
+    let Some(newest) = shared.complete(session.core.rank()) else { return Ok(()) };
+    let keep_from = shared.keep_from(newest);
+    if session.sealed.iter().any(|(v, _)| *v < keep_from) {
+        let pruned = prune_older(shared, session, keep_from)?;
+        tracing::debug!(
+            rank = session.core.rank(),
+            keep_from,
+            removed = pruned.removed,
+            "protected: older versions pruned"
+        );
+    }
+    Ok(())
 }
 
 /// Which kind of reusable file a `Begin` takes.

@@ -125,8 +125,8 @@ pub enum Event {
 /// after a lost node, also when the node was lost while no controller ran.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct JournaledProtection {
-    /// The version.
-    pub version: u64,
+    /// The version's record.
+    pub record: VersionRecord,
     /// The policy it was protected under.
     pub policy: Redundancy,
     /// Where its copies or parity shards are (slots of `agents`).
@@ -561,7 +561,7 @@ mod tests {
             state.apply(&complete("a", version));
         }
         let protection = JournaledProtection {
-            version: 6,
+            record: record(6),
             policy: "rs:2+1".parse().unwrap(),
             plan: Plan::default(),
             agents: vec![],

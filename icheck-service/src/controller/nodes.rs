@@ -33,6 +33,8 @@ pub(crate) struct StartSpec<'a> {
     pub(crate) owner: icheck_core::credentials::Owner,
     pub(crate) complete: Option<u64>,
     pub(crate) encrypted: bool,
+    /// The newest protected version (see `ControllerToManager::StartAgent`).
+    pub(crate) protected: Option<u64>,
 }
 
 /// Where the controller's messages to one manager go.
@@ -346,6 +348,7 @@ impl<L: ManagerLink> NodeBook<L> {
             owner: spec.owner,
             complete: spec.complete,
             encrypted: spec.encrypted,
+            protected: spec.protected,
         });
         // Counted even if the connection just closed: the answer (a failure,
         // or the controller's timeout) uncounts it, like any other start.
@@ -405,6 +408,7 @@ mod tests {
             owner: icheck_core::credentials::Owner { verifier: owner.verifier(), uid: 0 },
             complete: None,
             encrypted: false,
+            protected: None,
         }
     }
 

@@ -13,7 +13,7 @@
 use std::collections::BTreeSet;
 
 use icheck_core::decide;
-use icheck_core::protocol::{AgentInfo, PieceTask, RebuildSource};
+use icheck_core::protocol::{AgentInfo, PieceTask, RebuildSource, VersionRecord};
 use icheck_core::redundancy::{self, PieceId, Plan, Redundancy, Slot};
 
 use super::journal::JournaledProtection;
@@ -22,6 +22,9 @@ use super::journal::JournaledProtection;
 #[derive(Clone, Debug)]
 pub(super) struct Protected {
     pub(super) version: u64,
+    /// Its record: the newest complete version again if a rebuild falls
+    /// back to it (a node lost before a newer version was protected).
+    pub(super) record: VersionRecord,
     pub(super) plan: Plan,
     /// The application's agents when it was protected (rank-mapping order):
     /// the primaries and the pieces' holders.
@@ -34,7 +37,7 @@ impl Protected {
     /// What the journal keeps of it.
     pub(super) fn journaled(&self, policy: Redundancy) -> JournaledProtection {
         JournaledProtection {
-            version: self.version,
+            record: self.record.clone(),
             policy,
             plan: self.plan.clone(),
             agents: self.agents.clone(),
@@ -46,6 +49,7 @@ impl Protected {
 #[derive(Clone, Debug)]
 struct Protecting {
     version: u64,
+    record: VersionRecord,
     plan: Plan,
     agents: Vec<AgentInfo>,
     units: u32,
@@ -94,10 +98,10 @@ pub(super) type PieceRequest = (u64, String, PieceTask);
 impl ProtectionBook {
     /// The book of an application the journal remembers protected.
     pub(super) fn from_journal(journaled: &JournaledProtection) -> ProtectionBook {
-        let JournaledProtection { version, policy, plan, agents, units } = journaled.clone();
+        let JournaledProtection { record, policy, plan, agents, units } = journaled.clone();
         ProtectionBook {
             policy,
-            journaled: Some(Protected { version, plan, agents, units }),
+            journaled: Some(Protected { version: record.version, record, plan, agents, units }),
             ..ProtectionBook::default()
         }
     }
@@ -118,11 +122,12 @@ impl ProtectionBook {
     /// the plan cannot be had, which [`problem`](Self::problem) says).
     pub(super) fn begin(
         &mut self,
-        version: u64,
+        record: &VersionRecord,
         units: u32,
         agents: &[AgentInfo],
         groups: &dyn Fn(&str) -> Option<String>,
     ) -> Vec<PieceRequest> {
+        let version = record.version;
         self.protecting = None;
         if self.policy.is_none() || agents.is_empty() {
             self.problem = None;
@@ -169,7 +174,8 @@ impl ProtectionBook {
             };
             requests.push((holder.id, holder.node.clone(), PieceTask { version, piece, members, parity, also }));
         }
-        self.protecting = Some(Protecting { version, plan, agents: agents.to_vec(), units, outstanding });
+        let record = record.clone();
+        self.protecting = Some(Protecting { version, record, plan, agents: agents.to_vec(), units, outstanding });
         requests
     }
 
@@ -194,8 +200,8 @@ impl ProtectionBook {
         if !protecting.outstanding.is_empty() {
             return None;
         }
-        let Protecting { version, plan, agents, units, .. } = self.protecting.take().expect("matched above");
-        self.protected = Some(Protected { version, plan, agents, units });
+        let Protecting { version, record, plan, agents, units, .. } = self.protecting.take().expect("matched above");
+        self.protected = Some(Protected { version, record, plan, agents, units });
         self.problem = None;
         self.lost = None;
         Some(version)
@@ -241,7 +247,7 @@ pub(super) fn rebuild_sources(
     policy: Redundancy,
     dead: &BTreeSet<String>,
 ) -> Result<Vec<(u32, usize, RebuildSource)>, String> {
-    let Protected { plan, agents, units, version } = protected;
+    let Protected { plan, agents, units, version, .. } = protected;
     let count = agents.len() as u32;
     let slot_of = |rank: u32| decide::agent_for_rank(rank, *units, count) as usize;
     let alive = |slot: usize| !dead.contains(&agents[slot].node);
@@ -330,6 +336,10 @@ mod tests {
     use super::super::apps::tests::agent;
     use super::*;
 
+    fn record(version: u64) -> VersionRecord {
+        VersionRecord { version, ranks: 4, epoch: 0, bytes: 1 << 20, commit_secs: 0.1, completed_unix_ms: 1 }
+    }
+
     fn book(policy: &str) -> ProtectionBook {
         ProtectionBook { policy: policy.parse().unwrap(), ..ProtectionBook::default() }
     }
@@ -338,7 +348,7 @@ mod tests {
     fn a_version_is_protected_once_every_piece_is_built() {
         let agents = [agent(1, "a"), agent(2, "b"), agent(3, "c")];
         let mut book = book("rs:2+1");
-        let requests = book.begin(7, 4, &agents, &|_| None);
+        let requests = book.begin(&record(7), 4, &agents, &|_| None);
         assert!(!requests.is_empty());
         assert_eq!(book.protecting(), Some(7));
         let (last, rest) = requests.split_last().unwrap();
@@ -356,7 +366,7 @@ mod tests {
     fn one_agent_encodes_each_group_and_answers_for_every_shard() {
         let agents: Vec<AgentInfo> = (1..=6).map(|i| agent(i, &format!("n{i}"))).collect();
         let mut book = book("rs:4+2");
-        let requests = book.begin(3, 4, &agents, &|_| None);
+        let requests = book.begin(&record(3), 4, &agents, &|_| None);
         assert_eq!(requests.len(), 1, "one encoder for the one group: {requests:?}");
         let (encoder, _, task) = &requests[0];
         assert_eq!(task.piece, PieceId::Parity { group: 0, index: 0 });
@@ -370,10 +380,10 @@ mod tests {
         assert_eq!(book.piece_done(other, 3, PieceId::Parity { group: 0, index: 1 }, Ok(8)), Some(3));
         // rs:2+1 has nothing to write elsewhere.
         let mut book = super::tests::book("rs:2+1");
-        assert!(book.begin(4, 4, &agents, &|_| None).iter().all(|(_, _, task)| task.also.is_empty()));
+        assert!(book.begin(&record(4), 4, &agents, &|_| None).iter().all(|(_, _, task)| task.also.is_empty()));
         // A group of one rank: each parity holder encodes its own shard.
         let mut book = super::tests::book("rs:4+2");
-        let requests = book.begin(5, 1, &agents, &|_| None);
+        let requests = book.begin(&record(5), 1, &agents, &|_| None);
         assert_eq!(requests.len(), 2, "{requests:?}");
         assert!(requests.iter().all(|(_, _, task)| task.also.is_empty() && task.members.len() == 1));
     }
@@ -382,12 +392,12 @@ mod tests {
     fn a_failed_piece_leaves_the_version_unprotected_and_says_why() {
         let agents = [agent(1, "a"), agent(2, "b")];
         let mut book = book("partner");
-        let requests = book.begin(3, 2, &agents, &|_| None);
+        let requests = book.begin(&record(3), 2, &agents, &|_| None);
         let (agent, _, task) = &requests[0];
         assert_eq!(book.piece_done(*agent, 3, task.piece, Err("no room".into())), None);
         assert!(book.problem.as_deref().unwrap().contains("no room"));
         assert!(book.protected.is_none());
-        let too_few = book.begin(4, 2, &agents[..1], &|_| None);
+        let too_few = book.begin(&record(4), 2, &agents[..1], &|_| None);
         assert!(too_few.is_empty());
         assert!(book.problem.as_deref().unwrap().contains("needs 2"), "{:?}", book.problem);
     }
@@ -397,7 +407,7 @@ mod tests {
         let agents: Vec<AgentInfo> =
             ["a", "b", "c", "d"].iter().enumerate().map(|(i, n)| agent(i as u64 + 1, n)).collect();
         let mut book = book("rs:2+1");
-        for (agent, _, task) in book.begin(5, 4, &agents, &|_| None) {
+        for (agent, _, task) in book.begin(&record(5), 4, &agents, &|_| None) {
             book.piece_done(agent, 5, task.piece, Ok(1));
         }
         let journaled = book.protected.as_ref().unwrap().journaled(book.policy);
@@ -428,7 +438,7 @@ mod tests {
         let agents = vec![agent(1, "a"), agent(2, "b"), agent(3, "c"), agent(4, "d")];
         for policy in ["partner", "rs:2+1"] {
             let mut book = book(policy);
-            for (agent, _, task) in book.begin(5, 4, &agents, &|_| None) {
+            for (agent, _, task) in book.begin(&record(5), 4, &agents, &|_| None) {
                 book.piece_done(agent, 5, task.piece, Ok(1));
             }
             let protected = book.protected.clone().unwrap();

@@ -95,12 +95,25 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
             return Ok(None);
         }
         let latest = app.latest.as_ref().map(|l| l.version);
-        if latest != Some(protected.version) {
+        // The newest version was not protected yet: the agents keep the
+        // protected one until it is (`Shared::keep_from`), so that one is
+        // rebuilt and becomes the newest complete version again.
+        let falls_back = latest.is_some_and(|l| l > protected.version);
+        if latest != Some(protected.version) && !falls_back {
             return Err(format!(
                 "version {:?} was not protected yet when nodes {dead:?} were lost (version {} was); it may be \
                  lost, and a restart falls back to what the PFS holds",
                 latest, protected.version
             ));
+        }
+        if falls_back {
+            tracing::warn!(
+                app = name,
+                newest = ?latest,
+                protected = protected.version,
+                lost = ?dead,
+                "the newest version was not protected yet: falling back to the protected one"
+            );
         }
         let policy = app.protection.policy;
         let owner = app.owner.ok_or("the application has no recorded owner")?;
@@ -126,8 +139,14 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         let places: Vec<String> =
             (0..lost_slots.len()).map(|i| candidates[i % candidates.len()].node.clone()).collect();
         let config = shared.dynamic();
-        let spec =
-            nodes::StartSpec { app: name, mem_budget: config.max_mem_node_bytes(), owner, complete: latest, encrypted };
+        let spec = nodes::StartSpec {
+            app: name,
+            mem_budget: config.max_mem_node_bytes(),
+            owner,
+            complete: Some(protected.version),
+            encrypted,
+            protected: Some(protected.version),
+        };
         let waiters = send_starts(state, &spec, places);
         (protected, policy, dead, owner, waiters, lost_slots)
     };
@@ -167,9 +186,32 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
             failures.join("; ")
         ));
     }
-    let registration = state.apps.get(name).ok_or("the application went away")?.registration.clone();
-    journal(state, &Event::Placed { registration, agents: agents.clone(), owner: Some(owner) })?;
+    let app = state.apps.get(name).ok_or("the application went away")?;
+    let (registration, newest) = (app.registration.clone(), app.latest.clone());
+    journal(state, &Event::Placed { registration: registration.clone(), agents: agents.clone(), owner: Some(owner) })?;
+    let fell_back = newest.as_ref().is_some_and(|n| n.version > protected.version);
+    if fell_back {
+        // Journaled again, it is the newest the journal knows (the newer
+        // ones leave it); the survivors drop the newer versions' files,
+        // which the application writes again.
+        let writers = icheck_core::decide::mapping_units(&registration);
+        journal(state, &Event::VersionComplete { app: name.to_string(), record: protected.record.clone(), writers })?;
+        let (above, through) = (protected.version, newest.as_ref().map_or(0, |n| n.version));
+        let nodes: BTreeSet<&str> = agents.iter().map(|a| a.node.as_str()).collect();
+        for node in nodes {
+            state.nodes.send(node, ControllerToManager::DropNewer { app: name.to_string(), above, through });
+        }
+    }
     let app = state.apps.get_mut(name).ok_or("the application went away")?;
+    if fell_back {
+        tracing::warn!(
+            app = name,
+            lost = newest.map(|n| n.version),
+            newest = protected.version,
+            "fell back to the protected version: the newer one was lost with its node"
+        );
+        app.latest = Some(protected.record.clone());
+    }
     // The old agents on the lost nodes are gone; the survivors stay.
     app.agents = agents.clone();
     app.protection.wiped.clear();
