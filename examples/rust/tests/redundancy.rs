@@ -241,8 +241,25 @@ fn a_node_lost_before_the_newest_version_is_protected_falls_back_one_version() {
         .finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4")), "version 4 is written again: {lines:?}");
-    pfs_untouched(&service, "rw");
     assert!(service.log("controller.log").contains("falling back to the protected one"));
+
+    // Again version 4 unprotected, and now a node lost while no controller
+    // runs: the restarted controller finds version 4 incomplete, keeps the
+    // protected version 3 from its journal, rebuilds it, and the survivors
+    // delete their files of version 4 (the same agents take it again).
+    let report = app(&service, "rw");
+    assert_eq!((report.latest.as_ref().map(|l| l.version), report.protected), (Some(4), Some(3)), "{report:?}");
+    kill_controller(&service);
+    let lost = report.agents[0].node.clone();
+    lose_node(&service, &lost);
+    service.up_again();
+    let rebuilt = wait_rebuilt(&service, "rw", 3, &[&lost]);
+    assert_eq!(rebuilt.latest.as_ref().map(|l| l.version), Some(3), "not fallen back: {rebuilt:?}");
+    let lines = Job::start(4, &service.config_path(), &args, &[("ICHECK_REDUNDANCY", "rs:2+1")])
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4")), "version 4 is written again: {lines:?}");
+    pfs_untouched(&service, "rw");
 }
 
 #[test]

@@ -736,6 +736,8 @@ fn reconcile_pending(state: &mut State, now: Instant) {
                 latest.version
             ));
             app.protection.wiped = lost_nodes.into_iter().filter(|node| reported.contains(node)).collect();
+            app.protection.lost_newer =
+                versions.last().map(|v| v.record.version).filter(|newest| *newest > latest.version);
         }
         match &outcome.latest {
             Some(latest) if outcome.rebuild => {

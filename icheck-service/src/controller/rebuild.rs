@@ -192,11 +192,17 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     let fell_back = newest.as_ref().is_some_and(|n| n.version > protected.version);
     if fell_back {
         // Journaled again, it is the newest the journal knows (the newer
-        // ones leave it); the survivors drop the newer versions' files,
-        // which the application writes again.
+        // ones leave it).
         let writers = icheck_core::decide::mapping_units(&registration);
         journal(state, &Event::VersionComplete { app: name.to_string(), record: protected.record.clone(), writers })?;
-        let (above, through) = (protected.version, newest.as_ref().map_or(0, |n| n.version));
+    }
+    // The survivors delete the lost versions' files (found here, or by the
+    // reconciliation after a restart), which the application writes again.
+    let app = state.apps.get_mut(name).ok_or("the application went away")?;
+    let lost_newer = app.protection.lost_newer.take();
+    let through = newest.as_ref().map(|n| n.version).filter(|_| fell_back).max(lost_newer);
+    if let Some(through) = through.filter(|t| *t > protected.version) {
+        let above = protected.version;
         let nodes: BTreeSet<&str> = agents.iter().map(|a| a.node.as_str()).collect();
         for node in nodes {
             state.nodes.send(node, ControllerToManager::DropNewer { app: name.to_string(), above, through });
