@@ -143,7 +143,7 @@ struct Shared {
     /// The application's newest version protected by redundancy (0: none
     /// known). A rank's versions from it on are not pruned: if a node is
     /// lost before a newer version is protected, the controller rebuilds
-    /// this one from its pieces and these primaries ([`Shared::keep_from`]).
+    /// this one from its pieces and these primaries ([`Shared::held_back`]).
     protected: AtomicU64,
 }
 
@@ -165,15 +165,14 @@ impl Shared {
         }
     }
 
-    /// The oldest version of a rank to keep when `newest` is its newest
-    /// complete one: `newest` itself, or the newest protected version when
-    /// that is older (it is what a rebuild falls back to until `newest` is
-    /// protected).
-    fn keep_from(&self, newest: u64) -> u64 {
-        match self.protected.load(Ordering::Acquire) {
-            0 => newest,
-            protected => newest.min(protected),
-        }
+    /// The version of a rank kept besides its newest complete one `newest`:
+    /// the newest protected version while it is older (what a rebuild falls
+    /// back to until `newest` is protected). Only that one: the versions
+    /// between them were never protected, and a protection that stalls
+    /// (a failing piece, a policy set to `none`) holds one version, not
+    /// every later one.
+    fn held_back(&self, newest: u64) -> Option<u64> {
+        held_back(self.protected.load(Ordering::Acquire), newest)
     }
 
     /// The newest complete version of `rank` this agent knows of.
@@ -1311,13 +1310,14 @@ fn handle_rest(
             session.core.complete(version, shared.complete(rank), sealed)?;
             shared.completed(rank, version);
             let pruning = Instant::now();
-            let pruned = prune_older(shared, session, shared.keep_from(version))?;
+            let held = shared.held_back(version);
+            let pruned = prune_older(shared, session, version, held)?;
             // Nothing was pruned (the first version, or older ones still
             // pinned): the next version would map fresh memory inside its
             // commit; make its file now, while the application computes.
             // (Not while an older version waits for this one's protection:
             // it usually comes before the next Begin, which then reuses it.)
-            let waiting = session.sealed.iter().any(|(v, _)| *v < version);
+            let waiting = held.is_some();
             let len = session.sealed.iter().find(|(v, _)| *v == version).map(|(_, file)| file.data_len() as u64);
             if let (None, None, Some(len), false) = (&session.spare, &session.prepared, len, waiting) {
                 session.prepared = prepare_next_file(shared, rank, len);
@@ -1521,19 +1521,27 @@ fn serve_reads(shared: &Shared, caller: Caller) -> Result<ProgressThread, String
     spawned.map_err(|e| e.to_string())
 }
 
-/// Prunes the session's rank below `keep_from` (see [`Store::prune`]):
-/// one pruned version's file becomes the spare for the next version,
-/// with its mapping; versions a PFS copy reads stay.
-fn prune_older(shared: &Shared, session: &mut Session, keep_from: u64) -> Result<Pruned, String> {
+/// [`Shared::held_back`] given the newest protected version (0: none).
+fn held_back(protected: u64, newest: u64) -> Option<u64> {
+    Some(protected).filter(|protected| *protected > 0 && *protected < newest)
+}
+
+/// Prunes the session's rank below `keep_from` but for `held` (see
+/// [`Store::prune`]): one pruned version's file becomes the spare for the
+/// next version, with its mapping; versions a PFS copy reads stay.
+fn prune_older(shared: &Shared, session: &mut Session, keep_from: u64, held: Option<u64>) -> Result<Pruned, String> {
     let rank = session.core.rank();
-    // Pruned below: its file may become the spare and be cut.
-    shared.kept.forget_if(rank, |kept| kept < keep_from);
-    let pinned = shared.pinned_versions();
+    let stale = |v: u64| v < keep_from && Some(v) != held;
+    // Pruned: its file may become the spare and be cut.
+    shared.kept.forget_if(rank, stale);
+    let mut pinned = shared.pinned_versions();
+    pinned.extend(held);
     let pruned =
         shared.settings.store.prune(session.core.app(), rank, keep_from, &pinned).map_err(|e| e.to_string())?;
-    // Pinned versions stay on the store for their PFS copies (unmapped
-    // here: the copy maps them itself).
-    let (old, kept): (Vec<_>, Vec<_>) = session.sealed.drain(..).partition(|(v, _)| *v < keep_from);
+    // Versions a PFS copy pins stay on the store (unmapped here: the copy
+    // maps them itself); the held one stays mapped, for the Begin that
+    // prunes it to take its file as the spare.
+    let (old, kept): (Vec<_>, Vec<_>) = session.sealed.drain(..).partition(|(v, _)| stale(*v));
     session.sealed = kept;
     // (A reader still holding it leaves the next version to map it.)
     if let Some(spare) = old.into_iter().find(|(v, _)| Some(*v) == pruned.spare).and_then(|(_, f)| f.into_inner()) {
@@ -1542,16 +1550,18 @@ fn prune_older(shared: &Shared, session: &mut Session, keep_from: u64) -> Result
     Ok(pruned)
 }
 
-/// Before a Begin: a version kept at the last Complete until a newer one
-/// was protected goes now if that happened, its file the new version's.
+/// Before a Begin: a version held back at the last Complete until a newer
+/// one was protected goes now if that happened, its file the new
+/// version's.
 fn prune_protected(shared: &Shared, session: &mut Session) -> Result<(), String> {
     let Some(newest) = shared.complete(session.core.rank()) else { return Ok(()) };
-    let keep_from = shared.keep_from(newest);
-    if session.sealed.iter().any(|(v, _)| *v < keep_from) {
-        let pruned = prune_older(shared, session, keep_from)?;
+    let held = shared.held_back(newest);
+    if session.sealed.iter().any(|(v, _)| *v < newest && Some(*v) != held) {
+        let pruned = prune_older(shared, session, newest, held)?;
         tracing::debug!(
             rank = session.core.rank(),
-            keep_from,
+            newest,
+            ?held,
             removed = pruned.removed,
             "protected: older versions pruned"
         );
@@ -1786,6 +1796,14 @@ fn unix_ms() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_newest_protected_version_is_held_back_and_only_while_older() {
+        assert_eq!(held_back(0, 5), None, "nothing protected yet: the usual pruning");
+        assert_eq!(held_back(4, 5), Some(4), "version 5 unprotected: 4 is what a rebuild falls back to");
+        assert_eq!(held_back(2, 5), Some(2), "a stalled protection holds one version, not 2 to 4");
+        assert_eq!(held_back(5, 5), None, "the newest is protected");
+    }
     use icheck_core::format::check_layout;
     use icheck_core::protocol::{DataKind, LabelLayout};
 
