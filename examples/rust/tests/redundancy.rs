@@ -262,6 +262,35 @@ fn a_node_lost_before_the_newest_version_is_protected_falls_back_one_version() {
     pfs_untouched(&service, "rw");
 }
 
+/// The newest version is unprotected and the lost node held none of its
+/// ranks (one rank, the node of a piece): nothing falls back, and the
+/// restart restores the newest version.
+#[test]
+fn a_lost_node_without_ranks_of_the_unprotected_newest_version_loses_nothing() {
+    let service = LocalService::up_with_failpoints(
+        &icheck_in_target(),
+        "red-window-pieces",
+        3,
+        &["--provider", "tcp", "--manager-relaunches", "0"],
+        None,
+        Some("controller.protect_recorded=3*error"),
+    );
+    commit_three_with(&service, "rp", "rs:2+1", 1);
+    wait_protected(&service, "rp", 3);
+    restart_bit_exact_with(&service, "rp", "rs:2+1", 6, 1);
+    let report = app(&service, "rp");
+    assert_eq!((report.latest.as_ref().map(|l| l.version), report.protected), (Some(4), Some(3)), "{report:?}");
+    let slot = icheck_core::decide::agent_for_rank(0, 1, report.agents.len() as u32) as usize;
+    let lost = report.agents.iter().enumerate().find(|(i, _)| *i != slot).map(|(_, a)| a.node.clone()).unwrap();
+    lose_node(&service, &lost);
+    let args = ["--app", "rp", "--steps", "8", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(1, &service.config_path(), &args, &[("ICHECK_REDUNDANCY", "rs:2+1")])
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
+    pfs_untouched(&service, "rp");
+    assert!(!service.log("controller.log").contains("falling back to the protected one"));
+}
+
 #[test]
 fn a_damaged_parity_shard_is_refused_and_the_rank_decoded_from_the_others() {
     let service = service("red-rs22", 4);

@@ -1730,13 +1730,27 @@ async fn register_app(
         if let Some(app) = state.apps.get(&registration.name) {
             tell_agents(&state.nodes, &app.agents, |id| ControllerToManager::StopAgent { id, discard: false });
         }
-        let nodes = if !previous.is_empty()
-            && previous.len() == count as usize
-            && previous.iter().all(|n| snapshot.iter().any(|s| &s.node == n && s.alive && !s.draining))
-        {
-            previous
-        } else {
-            decide::choose_nodes(&snapshot, count, &config).map_err(|e| e.to_string())?
+        let usable = |node: &String| snapshot.iter().any(|s| &s.node == node && s.alive && !s.draining);
+        let lost_slots: Vec<usize> = (0..previous.len()).filter(|i| !usable(&previous[*i])).collect();
+        let same_count = previous.len() == count as usize;
+        // Slots whose node lives keep it (their ranks' files are there);
+        // the others go to nodes the application does not use yet.
+        let replacements = (same_count && !lost_slots.is_empty() && lost_slots.len() < previous.len())
+            .then(|| {
+                let others: Vec<_> = snapshot.iter().filter(|s| !previous.contains(&s.node)).cloned().collect();
+                decide::choose_nodes(&others, lost_slots.len() as u32, &config).ok()
+            })
+            .flatten();
+        let nodes = match replacements {
+            _ if same_count && lost_slots.is_empty() => previous,
+            Some(new) => {
+                let mut nodes = previous;
+                for (slot, node) in lost_slots.into_iter().zip(new) {
+                    nodes[slot] = node;
+                }
+                nodes
+            }
+            None => decide::choose_nodes(&snapshot, count, &config).map_err(|e| e.to_string())?,
         };
         let complete = latest.as_ref().map(|l| l.version);
         let protected =

@@ -10,6 +10,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use icheck_core::decide;
 use icheck_core::protocol::{AgentInfo, ControllerToManager};
 use tokio::sync::oneshot;
 
@@ -78,13 +79,13 @@ async fn rebuild_once(shared: &Shared, name: &str) {
 /// when there is nothing to do (no protected version, or no node of it is
 /// down). Returns the ranks rebuilt.
 async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String> {
-    let (protected, policy, dead, owner, waiters, lost_slots) = {
+    let (protected, policy, dead, owner, waiters, lost_slots, fell_back) = {
         let mut state = shared.state();
         let state = &mut *state;
         let now = Instant::now();
         let Some(app) = state.apps.get_mut(name) else { return Ok(None) };
         let Some(protected) = app.protection.protected.clone() else { return Ok(None) };
-        let wiped = &app.protection.wiped;
+        let wiped = app.protection.wiped.clone();
         let dead: BTreeSet<String> = protected
             .agents
             .iter()
@@ -95,11 +96,39 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
             return Ok(None);
         }
         let latest = app.latest.as_ref().map(|l| l.version);
-        // The newest version was not protected yet: the agents keep the
-        // protected one until it is (`Shared::keep_from`), so that one is
-        // rebuilt and becomes the newest complete version again.
-        let falls_back = latest.is_some_and(|l| l > protected.version);
-        if latest != Some(protected.version) && !falls_back {
+        let newer = latest.is_some_and(|l| l > protected.version);
+        // Whether a rank of the newest version was on a lost node (the
+        // application's slots hold the newest version).
+        let (units, slots) = (decide::mapping_units(&app.registration), app.homes.len() as u32);
+        let gone = |node: &String| !state.nodes.is_alive(node, now) || wiped.contains(node);
+        let newest_lost =
+            slots > 0 && (0..units).any(|r| gone(&app.homes[decide::agent_for_rank(r, units, slots) as usize]));
+        let same_placement = app.homes.iter().eq(protected.agents.iter().map(|a| &a.node));
+        if newer && !newest_lost && !same_placement {
+            // Only pieces of the older version were there, and the newest
+            // was written on other agents: it is whole, and is protected on
+            // the agents that replace the lost ones (the application's next
+            // registration or probe).
+            tracing::warn!(app = name, ?latest, lost = ?dead, "the lost nodes held none of the newest version's ranks");
+            app.protection.problem = Some(format!(
+                "nodes {dead:?} were lost with pieces of version {}; version {} is whole, and is protected once \
+                 the application's lost agents are replaced",
+                protected.version,
+                latest.unwrap_or_default()
+            ));
+            return Ok(None);
+        }
+        // The newest version was not protected yet and lost ranks: the
+        // agents hold back the protected one until it is
+        // (`Shared::held_back`), so that one is rebuilt and becomes the
+        // newest complete version again. (Without lost ranks, the lost
+        // slots only get replacement agents, and the newest is protected
+        // on them.)
+        let falls_back = newer && newest_lost;
+        if newer && !newest_lost {
+            tracing::warn!(app = name, ?latest, lost = ?dead, "the lost nodes held none of the newest version's ranks");
+        }
+        if latest != Some(protected.version) && !newer {
             return Err(format!(
                 "version {:?} was not protected yet when nodes {dead:?} were lost (version {} was); it may be \
                  lost, and a restart falls back to what the PFS holds",
@@ -143,12 +172,12 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
             app: name,
             mem_budget: config.max_mem_node_bytes(),
             owner,
-            complete: Some(protected.version),
+            complete: latest.filter(|_| !falls_back).or(Some(protected.version)),
             encrypted,
             protected: Some(protected.version),
         };
         let waiters = send_starts(state, &spec, places);
-        (protected, policy, dead, owner, waiters, lost_slots)
+        (protected, policy, dead, owner, waiters, lost_slots, falls_back)
     };
     tracing::warn!(app = name, version = protected.version, lost = ?dead, slots = ?lost_slots, "rebuilding on other nodes");
     let started = await_starts(shared, name, waiters).await?;
@@ -189,11 +218,10 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     let app = state.apps.get(name).ok_or("the application went away")?;
     let (registration, newest) = (app.registration.clone(), app.latest.clone());
     journal(state, &Event::Placed { registration: registration.clone(), agents: agents.clone(), owner: Some(owner) })?;
-    let fell_back = newest.as_ref().is_some_and(|n| n.version > protected.version);
     if fell_back {
         // Journaled again, it is the newest the journal knows (the newer
         // ones leave it).
-        let writers = icheck_core::decide::mapping_units(&registration);
+        let writers = decide::mapping_units(&registration);
         journal(state, &Event::VersionComplete { app: name.to_string(), record: protected.record.clone(), writers })?;
     }
     // The survivors delete the lost versions' files (found here, or by the
