@@ -13,8 +13,18 @@ use icheck_core::protocol::AppReport;
 use icheck_service::testkit::{icheck_in_target, metric_sample, poll_until, LocalService};
 
 fn service(name: &str, managers: u32) -> LocalService {
-    LocalService::up(&icheck_in_target(), name, managers, &["--provider", "tcp", "--manager-relaunches", "0"])
+    service_with(name, managers, None)
 }
+
+/// [`service`] with the daemons under `failpoints`.
+fn service_with(name: &str, managers: u32, failpoints: Option<&str>) -> LocalService {
+    let args = ["--provider", "tcp", "--manager-relaunches", "0"];
+    LocalService::up_with_failpoints(&icheck_in_target(), name, managers, &args, None, failpoints)
+}
+
+/// Versions 1 to 3 are protected; the fourth one recorded is not, as when
+/// a node is lost within its protection's window.
+const FOURTH_UNPROTECTED: &str = "controller.protect_recorded=3*error";
 
 fn app(service: &LocalService, name: &str) -> AppReport {
     service.status().apps.into_iter().find(|a| a.registration.name == name).expect("the application is known")
@@ -217,15 +227,7 @@ fn a_restarted_controller_rebuilds_a_protected_version_from_its_journal() {
 /// unprotected, as a node lost within its protection's window would.
 #[test]
 fn a_node_lost_before_the_newest_version_is_protected_falls_back_one_version() {
-    let service = LocalService::up_with_failpoints(
-        &icheck_in_target(),
-        "red-window",
-        4,
-        &["--provider", "tcp", "--manager-relaunches", "0"],
-        None,
-        // Versions 1 to 3 are protected; the fourth recorded is not.
-        Some("controller.protect_recorded=3*error"),
-    );
+    let service = service_with("red-window", 4, Some(FOURTH_UNPROTECTED));
     commit_three(&service, "rw", "rs:2+1");
     wait_protected(&service, "rw", 3);
     restart_bit_exact(&service, "rw", "rs:2+1", 6);
@@ -267,14 +269,7 @@ fn a_node_lost_before_the_newest_version_is_protected_falls_back_one_version() {
 /// restart restores the newest version.
 #[test]
 fn a_lost_node_without_ranks_of_the_unprotected_newest_version_loses_nothing() {
-    let service = LocalService::up_with_failpoints(
-        &icheck_in_target(),
-        "red-window-pieces",
-        3,
-        &["--provider", "tcp", "--manager-relaunches", "0"],
-        None,
-        Some("controller.protect_recorded=3*error"),
-    );
+    let service = service_with("red-window-pieces", 3, Some(FOURTH_UNPROTECTED));
     commit_three_with(&service, "rp", "rs:2+1", 1);
     wait_protected(&service, "rp", 3);
     restart_bit_exact_with(&service, "rp", "rs:2+1", 6, 1);
