@@ -736,8 +736,17 @@ fn reconcile_pending(state: &mut State, now: Instant) {
                 latest.version
             ));
             app.protection.wiped = lost_nodes.into_iter().filter(|node| reported.contains(node)).collect();
-            app.protection.lost_newer =
-                versions.last().map(|v| v.record.version).filter(|newest| *newest > latest.version);
+        }
+        // Newer journaled versions were dropped: their files go from the
+        // nodes that reported, so that the application, restarting from
+        // the older one (perhaps on the same agents), writes those numbers
+        // again (an agent never overwrites a stored complete version).
+        let newest = versions.last().map(|v| v.record.version);
+        if let Some(above) = outcome.latest.as_ref().map(|l| l.version).filter(|l| newest > Some(*l)) {
+            let through = newest.unwrap_or(above);
+            for node in app.homes.iter().filter(|node| reported.contains(*node)).collect::<BTreeSet<_>>() {
+                state.nodes.send(node, ControllerToManager::DropNewer { app: name.clone(), above, through });
+            }
         }
         match &outcome.latest {
             Some(latest) if outcome.rebuild => {

@@ -87,10 +87,6 @@ pub(super) struct ProtectionBook {
     /// Nodes lost to the protected version although their managers run
     /// (they came back without its files): a rebuild treats them as dead.
     pub(super) wiped: BTreeSet<String>,
-    /// Reconciliation kept the protected version although the journal had
-    /// newer ones (lost with the nodes): the newest of them, whose files
-    /// the rebuild has the survivors delete (`DropNewer`).
-    pub(super) lost_newer: Option<u64>,
 }
 
 /// Protections remembered for the status.

@@ -224,12 +224,10 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         let writers = decide::mapping_units(&registration);
         journal(state, &Event::VersionComplete { app: name.to_string(), record: protected.record.clone(), writers })?;
     }
-    // The survivors delete the lost versions' files (found here, or by the
-    // reconciliation after a restart), which the application writes again.
-    let app = state.apps.get_mut(name).ok_or("the application went away")?;
-    let lost_newer = app.protection.lost_newer.take();
-    let through = newest.as_ref().map(|n| n.version).filter(|_| fell_back).max(lost_newer);
-    if let Some(through) = through.filter(|t| *t > protected.version) {
+    // The survivors delete the lost versions' files, which the application
+    // writes again (after a controller restart, reconciliation did).
+    let through = newest.as_ref().map(|n| n.version).filter(|_| fell_back);
+    if let Some(through) = through {
         let above = protected.version;
         let nodes: BTreeSet<&str> = agents.iter().map(|a| a.node.as_str()).collect();
         for node in nodes {
