@@ -238,6 +238,7 @@ fn a_node_lost_before_the_newest_version_is_protected_falls_back_one_version() {
     lose_node(&service, &lost);
     let rebuilt = wait_rebuilt(&service, "rw", 3, &[&lost]);
     assert_eq!(rebuilt.latest.as_ref().map(|l| l.version), Some(3), "not fallen back: {rebuilt:?}");
+    assert!(rebuilt.dropped.iter().any(|d| d.starts_with("version 4: lost with nodes")), "{:?}", rebuilt.dropped);
     let args = ["--app", "rw", "--steps", "6", "--every", "2", "--mib", "2", "--persist"];
     let lines = Job::start(4, &service.config_path(), &args, &[("ICHECK_REDUNDANCY", "rs:2+1")])
         .finish(Duration::from_secs(120));

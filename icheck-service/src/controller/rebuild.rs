@@ -236,12 +236,18 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     }
     let app = state.apps.get_mut(name).ok_or("the application went away")?;
     if fell_back {
+        let lost = newest.map_or(0, |n| n.version);
         tracing::warn!(
             app = name,
-            lost = newest.map(|n| n.version),
+            lost,
             newest = protected.version,
             "fell back to the protected version: the newer one was lost with its node"
         );
+        app.dropped.push(format!(
+            "version {lost}: lost with nodes {dead:?} before it was protected; the newest complete version is \
+             version {} again",
+            protected.version
+        ));
         app.latest = Some(protected.record.clone());
     }
     // The old agents on the lost nodes are gone; the survivors stay.
