@@ -204,7 +204,11 @@ fn a_restarted_controller_rebuilds_a_protected_version_from_its_journal() {
     lose_node(&service, &first);
     let said = service.up_again();
     assert!(said.contains("controller"), "{said}");
-    let rebuilt = wait_rebuilt(&service, "rj", 3, &[&first]);
+    // Its manager came back too, with an empty store: the rebuild may
+    // place the replacement there, as a new agent.
+    let rebuilt = wait_protected(&service, "rj", 3);
+    let old: Vec<u64> = report.agents.iter().filter(|a| a.node == first).map(|a| a.id).collect();
+    assert!(rebuilt.agents.iter().all(|a| !old.contains(&a.id)), "{:?} still counted", rebuilt.agents);
     assert_eq!(rebuilt.latest.as_ref().map(|l| l.version), Some(3), "{rebuilt:?}");
     assert!(
         service.log("controller.log").contains("on nodes lost while no controller ran; rebuilding them"),
@@ -285,6 +289,33 @@ fn a_lost_node_without_ranks_of_the_unprotected_newest_version_loses_nothing() {
     assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
     pfs_untouched(&service, "rp");
     assert!(!service.log("controller.log").contains("falling back to the protected one"));
+}
+
+/// Three nodes under rs:2+1, one lost and started again empty (the
+/// controller relaunches its manager): the rebuild waits for it instead of
+/// doubling up on a survivor (which would leave the version protected only
+/// as copies), and the version is protected on three distinct nodes again.
+#[test]
+fn a_rebuild_waits_for_a_relaunched_node_rather_than_share_a_survivor() {
+    let args = ["--provider", "tcp", "--manager-relaunches", "1"];
+    let service = LocalService::up_with_failpoints(&icheck_in_target(), "red-relaunch", 3, &args, None, None);
+    commit_three(&service, "rr", "rs:2+1");
+    let report = wait_protected(&service, "rr", 3);
+    let lost = report.agents[0].node.clone();
+    lose_node(&service, &lost);
+    let mut last = None;
+    let spread = poll_until(Duration::from_secs(90), || {
+        let report = app(&service, "rr");
+        let nodes: std::collections::BTreeSet<&str> = report.agents.iter().map(|a| a.node.as_str()).collect();
+        let protected = report.protected == Some(3) && report.protecting.is_none() && !report.rebuilding;
+        let done = nodes.len() == 3 && protected && report.protection_problem.is_none();
+        last = Some(report);
+        done
+    });
+    assert!(spread, "not protected on three nodes again: {last:?}");
+    assert!(service.log("controller.log").contains("rebuilt after a lost node"));
+    restart_bit_exact(&service, "rr", "rs:2+1", 6);
+    pfs_untouched(&service, "rr");
 }
 
 #[test]

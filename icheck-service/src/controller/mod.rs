@@ -778,6 +778,10 @@ fn reconcile_pending(state: &mut State, now: Instant) {
 /// counts it (a restart then looks on the PFS); the status says why.
 fn check_returning_node(state: &mut State, node: &str, stored: &[protocol::StoredVersion]) {
     for (name, app) in state.apps.iter_mut().filter(|(_, a)| a.unconfirmed.is_none()) {
+        // A rebuild under way replaces what the node lost.
+        if app.protection.rebuilding && app.protection.nodes().contains(node) {
+            continue;
+        }
         let Some(latest) = app.latest.as_ref().filter(|l| l.ranks == app.registration.ranks) else { continue };
         let writers = decide::mapping_units(&app.registration);
         if let Some(reason) = reconcile::check_node(name, latest.version, writers, &app.homes, node, stored) {
@@ -1266,9 +1270,15 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
     let mut state = shared.state();
     if state.nodes.disconnected(&node, connection) {
         let rebuilds = node_lost(&mut state, &node, "its manager's connection closed");
+        if shared.launcher.is_some() {
+            // Marked before the rebuild looks: it waits for this node to
+            // come back (`rebuild::await_relaunched`) rather than double up
+            // on a survivor.
+            state.nodes.set_relaunching(&node, true);
+        }
         drop(state);
-        rebuild::spawn(&shared, rebuilds);
         tokio::spawn(relaunch_when_dead(shared.clone(), node, pid));
+        rebuild::spawn(&shared, rebuilds);
     }
     result
 }

@@ -17,7 +17,7 @@ use tokio::sync::oneshot;
 use super::journal::Event;
 use super::{
     await_ranks, await_starts, journal, nodes, protection, send_starts, start_protection, tell_agents, RankWaiter,
-    Shared,
+    Shared, State,
 };
 
 /// Longest a registration or probe waits for a rebuild under way.
@@ -53,6 +53,48 @@ pub(super) fn spawn(shared: &Arc<Shared>, apps: Vec<String>) {
     }
 }
 
+/// Longest a rebuild waits for a lost node's manager to be started again.
+const RELAUNCH_WAIT: Duration = Duration::from_secs(60);
+
+/// The nodes of `name`'s protected version lost to it at `now`: down, or
+/// back without its files (`ProtectionBook::wiped`).
+fn lost_nodes(state: &State, name: &str, now: Instant) -> BTreeSet<String> {
+    let Some(app) = state.apps.get(name) else { return BTreeSet::new() };
+    let Some(protected) = &app.protection.protected else { return BTreeSet::new() };
+    let wiped = &app.protection.wiped;
+    protected
+        .agents
+        .iter()
+        .map(|a| a.node.clone())
+        .filter(|n| !state.nodes.is_alive(n, now) || wiped.contains(n))
+        .collect()
+}
+
+/// Waits (at most [`RELAUNCH_WAIT`]) while a lost node's manager is being
+/// started again and too few live nodes hold nothing of the version: the
+/// replacement agents then go to the node that comes back, keeping the
+/// pieces on distinct nodes, where sharing a survivor would leave the
+/// version protected only as copies (or not at all).
+async fn await_relaunched(shared: &Shared, name: &str, dead: &BTreeSet<String>) {
+    let since = Instant::now();
+    while since.elapsed() < RELAUNCH_WAIT {
+        {
+            let state = shared.state();
+            let Some(protected) = state.apps.get(name).and_then(|a| a.protection.protected.as_ref()) else { return };
+            let survivors: BTreeSet<&str> =
+                protected.agents.iter().map(|a| a.node.as_str()).filter(|n| !dead.contains(*n)).collect();
+            let free = (state.nodes.snapshot(Instant::now()).iter())
+                .filter(|n| n.alive && !n.draining && !survivors.contains(n.node.as_str()))
+                .count();
+            let relaunching = dead.iter().any(|n| state.nodes.is_relaunching(n));
+            if free >= dead.len() || !relaunching {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 /// One pass of [`after_loss`], with its outcome logged and recorded.
 async fn rebuild_once(shared: &Shared, name: &str) {
     let started = Instant::now();
@@ -79,28 +121,25 @@ async fn rebuild_once(shared: &Shared, name: &str) {
 /// when there is nothing to do (no protected version, or no node of it is
 /// down). Returns the ranks rebuilt.
 async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String> {
+    // Lost now: a node whose manager is started again later still lost
+    // its part of the version (it comes back empty, or is treated so).
+    let dead = lost_nodes(&shared.state(), name, Instant::now());
+    if dead.is_empty() {
+        return Ok(None);
+    }
+    await_relaunched(shared, name, &dead).await;
     let (protected, policy, dead, owner, waiters, lost_slots, fell_back) = {
         let mut state = shared.state();
         let state = &mut *state;
         let now = Instant::now();
         let Some(app) = state.apps.get_mut(name) else { return Ok(None) };
         let Some(protected) = app.protection.protected.clone() else { return Ok(None) };
-        let wiped = app.protection.wiped.clone();
-        let dead: BTreeSet<String> = protected
-            .agents
-            .iter()
-            .map(|a| a.node.clone())
-            .filter(|n| !state.nodes.is_alive(n, now) || wiped.contains(n))
-            .collect();
-        if dead.is_empty() {
-            return Ok(None);
-        }
         let latest = app.latest.as_ref().map(|l| l.version);
         let newer = latest.is_some_and(|l| l > protected.version);
         // Whether a rank of the newest version was on a lost node (the
         // application's slots hold the newest version).
         let (units, slots) = (decide::mapping_units(&app.registration), app.homes.len() as u32);
-        let gone = |node: &String| !state.nodes.is_alive(node, now) || wiped.contains(node);
+        let gone = |node: &String| dead.contains(node);
         let newest_lost =
             slots > 0 && (0..units).any(|r| gone(&app.homes[decide::agent_for_rank(r, units, slots) as usize]));
         let same_placement = app.homes.iter().eq(protected.agents.iter().map(|a| &a.node));
@@ -153,14 +192,11 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
             (0..protected.agents.len()).filter(|s| dead.contains(&protected.agents[*s].node)).collect();
         let survivors: BTreeSet<&str> =
             protected.agents.iter().filter(|a| !dead.contains(&a.node)).map(|a| a.node.as_str()).collect();
-        // A replacement goes to a live node holding none of the version,
-        // the emptiest first; only without one does it share a node.
-        let mut candidates: Vec<_> = state
-            .nodes
-            .snapshot(now)
-            .into_iter()
-            .filter(|n| n.alive && !n.draining && !dead.contains(&n.node))
-            .collect();
+        // A replacement goes to a live node holding none of the version
+        // (a lost node whose manager came back counts: it holds nothing of
+        // it any more), the emptiest first; only without one does it share
+        // a node.
+        let mut candidates: Vec<_> = state.nodes.snapshot(now).into_iter().filter(|n| n.alive && !n.draining).collect();
         candidates.sort_by_key(|n| (survivors.contains(n.node.as_str()), n.agents, n.node.clone()));
         if candidates.is_empty() {
             return Err(format!("no live checkpoint node is left to rebuild on after losing {dead:?}"));
