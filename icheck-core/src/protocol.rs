@@ -555,10 +555,10 @@ pub enum ControllerToManager {
         /// Its PFS copies must be encrypted: without the key (from a rank's
         /// `Open`) the agent writes none.
         encrypted: bool,
-        /// The application's newest version protected by redundancy: the
-        /// agent keeps each rank's versions from it on until a newer one is
-        /// protected (`DropPieces`), so that a node lost before then costs
-        /// at most the unprotected newest version.
+        /// The application's newest version protected by redundancy: each
+        /// rank holds it back from pruning until a newer one is protected
+        /// (`DropPieces`), so that a node lost before then costs at most the
+        /// unprotected newest version.
         protected: Option<u64>,
     },
     /// Copy the agent's ranks of a complete version to the PFS.
@@ -629,11 +629,12 @@ pub enum ControllerToManager {
         /// The newest protected version.
         below: u64,
     },
-    /// A lost node took the application's newest versions before they were
-    /// protected, and the controller fell back to version `above`: delete
-    /// versions `above + 1 ..= through` here, so that the application
-    /// writes those numbers again (an agent never overwrites a stored
-    /// complete version). Newer ones (a commit under way) stay.
+    /// The controller no longer counts the application's versions
+    /// `above + 1 ..= through` (lost with a node before they were
+    /// protected, or dropped by reconciliation) and restarts it from
+    /// `above`: delete them here, so that the application writes those
+    /// numbers again (an agent never overwrites a stored complete version).
+    /// Newer ones (a commit under way) stay.
     DropNewer {
         /// Application.
         app: String,

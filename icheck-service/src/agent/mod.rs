@@ -141,8 +141,8 @@ struct Shared {
     /// its next restart after its session ends; see [`kept`].
     kept: Arc<KeptVersions>,
     /// The application's newest version protected by redundancy (0: none
-    /// known). A rank's versions from it on are not pruned: if a node is
-    /// lost before a newer version is protected, the controller rebuilds
+    /// known). Each rank holds it back from pruning until a newer one is
+    /// protected: if a node is lost before then, the controller rebuilds
     /// this one from its pieces and these primaries ([`Shared::held_back`]).
     protected: AtomicU64,
 }
@@ -266,8 +266,8 @@ pub struct AgentTask {
     pub complete: Option<u64>,
     /// Its PFS copies are encrypted: none is written without the key.
     pub encrypted: bool,
-    /// Its newest version protected by redundancy, if any: versions from
-    /// it on are kept until a newer one is protected.
+    /// Its newest version protected by redundancy, if any: each rank holds
+    /// it back from pruning until a newer one is protected.
     pub protected: Option<u64>,
 }
 
@@ -1796,6 +1796,8 @@ fn unix_ms() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use icheck_core::format::check_layout;
+    use icheck_core::protocol::{DataKind, LabelLayout};
 
     #[test]
     fn only_the_newest_protected_version_is_held_back_and_only_while_older() {
@@ -1804,8 +1806,6 @@ mod tests {
         assert_eq!(held_back(2, 5), Some(2), "a stalled protection holds one version, not 2 to 4");
         assert_eq!(held_back(5, 5), None, "the newest is protected");
     }
-    use icheck_core::format::check_layout;
-    use icheck_core::protocol::{DataKind, LabelLayout};
 
     fn label(name: &str, offset: u64, len: u64) -> LabelLayout {
         LabelLayout { label: name.into(), kind: DataKind::Double, offset, len, adapt: None }
