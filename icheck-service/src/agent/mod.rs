@@ -1557,12 +1557,14 @@ fn prune_protected(shared: &Shared, session: &mut Session) -> Result<(), String>
     let Some(newest) = shared.complete(session.core.rank()) else { return Ok(()) };
     let held = shared.held_back(newest);
     if session.sealed.iter().any(|(v, _)| *v < newest && Some(*v) != held) {
+        let pruning = Instant::now();
         let pruned = prune_older(shared, session, newest, held)?;
         tracing::debug!(
             rank = session.core.rank(),
             newest,
             ?held,
             removed = pruned.removed,
+            prune_ms = pruning.elapsed().as_secs_f64() * 1e3,
             "protected: older versions pruned"
         );
     }
