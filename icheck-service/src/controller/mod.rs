@@ -707,12 +707,12 @@ fn reconcile_pending(state: &mut State, now: Instant) {
         let (journaled, policy) = (app.protection.journaled.as_ref(), app.protection.policy);
         let mut lost_nodes = BTreeSet::new();
         let rebuildable = |version: &JournaledVersion, missing: &[u32]| {
-            let Some(protected) = journaled.filter(|p| p.version == version.record.version) else {
+            let Some(protected) = journaled.filter(|p| p.version() == version.record.version) else {
                 return false;
             };
             match protection::rebuildable(protected, policy, missing, &reported) {
                 Ok(lost) => {
-                    tracing::warn!(app = %name, version = protected.version, ?missing, ?lost,
+                    tracing::warn!(app = %name, version = protected.version(), ?missing, ?lost,
                         "ranks of the protected version are on nodes lost while no controller ran; rebuilding them");
                     lost_nodes = lost;
                     true
@@ -1286,10 +1286,11 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
 /// §6.5.2: a manager whose connection closed is started again through the
 /// launcher once its process is dead (a live one, even stopped or hung,
 /// reconnects by itself or stays down; it is never started twice). Gives
-/// the node up after `ManagerRelaunches` relaunches in ten minutes.
+/// the node up after `ManagerRelaunches` relaunches in ten minutes. The
+/// caller marks the node relaunching (under the lock that marks it down);
+/// this clears the mark when it is done.
 async fn relaunch_when_dead(shared: Arc<Shared>, node: String, pid: u32) {
     let Some(launcher) = shared.launcher.clone() else { return };
-    shared.state().nodes.set_relaunching(&node, true);
     relaunch_until_registered(&shared, launcher, &node, pid).await;
     shared.state().nodes.set_relaunching(&node, false);
 }
@@ -1570,7 +1571,7 @@ fn app_report(a: &AppEntry, node_failure: f64) -> AppReport {
     let latest = a.latest.as_ref().map(|l| l.version);
     AppReport {
         redundancy: a.protection.policy,
-        protected: a.protection.protected.as_ref().map(|p| p.version),
+        protected: a.protection.protected.as_ref().map(|p| p.version()),
         protecting: a.protection.protecting(),
         rebuilding: a.protection.rebuilding || a.protection.rebuild_due,
         protection_problem: a.protection.problem.clone(),
@@ -1760,20 +1761,20 @@ async fn register_app(
                 decide::choose_nodes(&others, lost_slots.len() as u32, &config).ok()
             })
             .flatten();
-        let nodes = match replacements {
-            _ if same_count && lost_slots.is_empty() => previous,
-            Some(new) => {
-                let mut nodes = previous;
-                for (slot, node) in lost_slots.into_iter().zip(new) {
-                    nodes[slot] = node;
-                }
-                nodes
+        let nodes = if same_count && lost_slots.is_empty() {
+            previous
+        } else if let Some(new) = replacements {
+            let mut nodes = previous;
+            for (slot, node) in lost_slots.into_iter().zip(new) {
+                nodes[slot] = node;
             }
-            None => decide::choose_nodes(&snapshot, count, &config).map_err(|e| e.to_string())?,
+            nodes
+        } else {
+            decide::choose_nodes(&snapshot, count, &config).map_err(|e| e.to_string())?
         };
         let complete = latest.as_ref().map(|l| l.version);
         let protected =
-            state.apps.get(&registration.name).and_then(|a| a.protection.protected.as_ref()).map(|p| p.version);
+            state.apps.get(&registration.name).and_then(|a| a.protection.protected.as_ref()).map(|p| p.version());
         let spec = nodes::StartSpec {
             app: &registration.name,
             mem_budget: config.max_mem_node_bytes(),
@@ -2256,7 +2257,7 @@ async fn change_agents(
             (app.agents.clone(), decide::mapping_units(&app.registration), app.latest.as_ref().map(|l| l.version));
         let owner = app.owner.ok_or("the application has no recorded owner")?;
         let encrypted = app.registration.encrypted;
-        let protected = app.protection.protected.as_ref().map(|p| p.version);
+        let protected = app.protection.protected.as_ref().map(|p| p.version());
         let kept = (0..old.len().min(to as usize)).filter(|i| !replace.contains(i)).count() as u32;
         let waiters = match to - kept {
             0 => Vec::new(),

@@ -21,9 +21,9 @@ use super::journal::JournaledProtection;
 /// A version whose pieces are all in place.
 #[derive(Clone, Debug)]
 pub(super) struct Protected {
-    pub(super) version: u64,
-    /// Its record: the newest complete version again if a rebuild falls
-    /// back to it (a node lost before a newer version was protected).
+    /// The version's record: the newest complete version again if a
+    /// rebuild falls back to it (a node lost before a newer version was
+    /// protected).
     pub(super) record: VersionRecord,
     pub(super) plan: Plan,
     /// The application's agents when it was protected (rank-mapping order):
@@ -34,6 +34,11 @@ pub(super) struct Protected {
 }
 
 impl Protected {
+    /// The version.
+    pub(super) fn version(&self) -> u64 {
+        self.record.version
+    }
+
     /// What the journal keeps of it.
     pub(super) fn journaled(&self, policy: Redundancy) -> JournaledProtection {
         JournaledProtection {
@@ -48,7 +53,6 @@ impl Protected {
 
 #[derive(Clone, Debug)]
 struct Protecting {
-    version: u64,
     record: VersionRecord,
     plan: Plan,
     agents: Vec<AgentInfo>,
@@ -101,7 +105,7 @@ impl ProtectionBook {
         let JournaledProtection { record, policy, plan, agents, units } = journaled.clone();
         ProtectionBook {
             policy,
-            journaled: Some(Protected { version: record.version, record, plan, agents, units }),
+            journaled: Some(Protected { record, plan, agents, units }),
             ..ProtectionBook::default()
         }
     }
@@ -111,7 +115,7 @@ impl ProtectionBook {
     /// forgotten otherwise.
     pub(super) fn confirm(&mut self, latest: Option<u64>) {
         if let Some(journaled) = self.journaled.take() {
-            if latest == Some(journaled.version) && self.protected.is_none() {
+            if latest == Some(journaled.version()) && self.protected.is_none() {
                 self.protected = Some(journaled);
             }
         }
@@ -175,7 +179,7 @@ impl ProtectionBook {
             requests.push((holder.id, holder.node.clone(), PieceTask { version, piece, members, parity, also }));
         }
         let record = record.clone();
-        self.protecting = Some(Protecting { version, record, plan, agents: agents.to_vec(), units, outstanding });
+        self.protecting = Some(Protecting { record, plan, agents: agents.to_vec(), units, outstanding });
         requests
     }
 
@@ -188,7 +192,7 @@ impl ProtectionBook {
         piece: PieceId,
         result: Result<u64, String>,
     ) -> Option<u64> {
-        let protecting = self.protecting.as_mut().filter(|p| p.version == version)?;
+        let protecting = self.protecting.as_mut().filter(|p| p.record.version == version)?;
         if !protecting.outstanding.remove(&(agent, piece)) {
             return None;
         }
@@ -200,8 +204,8 @@ impl ProtectionBook {
         if !protecting.outstanding.is_empty() {
             return None;
         }
-        let Protecting { version, record, plan, agents, units, .. } = self.protecting.take().expect("matched above");
-        self.protected = Some(Protected { version, record, plan, agents, units });
+        let Protecting { record, plan, agents, units, .. } = self.protecting.take().expect("matched above");
+        self.protected = Some(Protected { record, plan, agents, units });
         self.problem = None;
         self.lost = None;
         Some(version)
@@ -209,7 +213,7 @@ impl ProtectionBook {
 
     /// The version being protected, if any.
     pub(super) fn protecting(&self) -> Option<u64> {
-        self.protecting.as_ref().map(|p| p.version)
+        self.protecting.as_ref().map(|p| p.record.version)
     }
 
     /// Nodes holding the protected version's primaries or pieces.
@@ -226,7 +230,7 @@ impl ProtectionBook {
             agents.iter().map(|a| Slot { node: a.node.clone(), group: None }).collect()
         };
         match &self.protected {
-            Some(protected) if protected.version == latest => {
+            Some(protected) if protected.version() == latest => {
                 let slots = slots(&protected.agents);
                 Some(redundancy::loss_probability(&protected.plan.units(self.policy, protected.units, &slots), p))
             }
@@ -247,7 +251,8 @@ pub(super) fn rebuild_sources(
     policy: Redundancy,
     dead: &BTreeSet<String>,
 ) -> Result<Vec<(u32, usize, RebuildSource)>, String> {
-    let Protected { plan, agents, units, version, .. } = protected;
+    let Protected { plan, agents, units, record } = protected;
+    let version = record.version;
     let count = agents.len() as u32;
     let slot_of = |rank: u32| decide::agent_for_rank(rank, *units, count) as usize;
     let alive = |slot: usize| !dead.contains(&agents[slot].node);
@@ -320,7 +325,7 @@ pub(super) fn rebuildable(
 ) -> Result<BTreeSet<String>, String> {
     let count = protected.agents.len() as u32;
     if count == 0 {
-        return Err(format!("version {} has no agents on record", protected.version));
+        return Err(format!("version {} has no agents on record", protected.version()));
     }
     let mut lost: BTreeSet<String> =
         protected.agents.iter().map(|a| a.node.clone()).filter(|node| !reported.contains(node)).collect();
@@ -358,7 +363,7 @@ mod tests {
         assert_eq!(book.piece_done(99, 7, last.2.piece, Ok(10)), None, "an agent that was not asked");
         assert_eq!(book.piece_done(last.0, 6, last.2.piece, Ok(10)), None, "an older version");
         assert_eq!(book.piece_done(last.0, 7, last.2.piece, Ok(10)), Some(7));
-        assert_eq!(book.protected.as_ref().map(|p| p.version), Some(7));
+        assert_eq!(book.protected.as_ref().map(|p| p.version()), Some(7));
         assert!(book.exposure(Some(7), 4, &agents, 0.01).unwrap() < book.exposure(Some(8), 4, &agents, 0.01).unwrap());
     }
 

@@ -135,50 +135,48 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         let Some(app) = state.apps.get_mut(name) else { return Ok(None) };
         let Some(protected) = app.protection.protected.clone() else { return Ok(None) };
         let latest = app.latest.as_ref().map(|l| l.version);
-        let newer = latest.is_some_and(|l| l > protected.version);
+        let newer = latest.is_some_and(|l| l > protected.version());
         // Whether a rank of the newest version was on a lost node (the
         // application's slots hold the newest version).
         let (units, slots) = (decide::mapping_units(&app.registration), app.homes.len() as u32);
         let gone = |node: &String| dead.contains(node);
         let newest_lost =
             slots > 0 && (0..units).any(|r| gone(&app.homes[decide::agent_for_rank(r, units, slots) as usize]));
-        let same_placement = app.homes.iter().eq(protected.agents.iter().map(|a| &a.node));
-        if newer && !newest_lost && !same_placement {
-            // Only pieces of the older version were there, and the newest
-            // was written on other agents: it is whole, and is protected on
-            // the agents that replace the lost ones (the application's next
-            // registration or probe).
+        if newer && !newest_lost {
             tracing::warn!(app = name, ?latest, lost = ?dead, "the lost nodes held none of the newest version's ranks");
-            app.protection.problem = Some(format!(
-                "nodes {dead:?} were lost with pieces of version {}; version {} is whole, and is protected once \
-                 the application's lost agents are replaced",
-                protected.version,
-                latest.unwrap_or_default()
-            ));
-            return Ok(None);
+            // Only pieces of the older version were there. With the same
+            // placement, the lost slots just get replacement agents (below)
+            // and the newest is protected on them; written on other agents,
+            // it is protected on those that replace the lost ones at the
+            // application's next registration or probe.
+            if !app.homes.iter().eq(protected.agents.iter().map(|a| &a.node)) {
+                app.protection.problem = Some(format!(
+                    "nodes {dead:?} were lost with pieces of version {}; version {} is whole, and is protected once \
+                     the application's lost agents are replaced",
+                    protected.version(),
+                    latest.unwrap_or_default()
+                ));
+                return Ok(None);
+            }
         }
         // The newest version was not protected yet and lost ranks: the
         // agents hold back the protected one until it is
         // (`Shared::held_back`), so that one is rebuilt and becomes the
-        // newest complete version again. (Without lost ranks, the lost
-        // slots only get replacement agents, and the newest is protected
-        // on them.)
+        // newest complete version again.
         let falls_back = newer && newest_lost;
-        if newer && !newest_lost {
-            tracing::warn!(app = name, ?latest, lost = ?dead, "the lost nodes held none of the newest version's ranks");
-        }
-        if latest != Some(protected.version) && !newer {
+        if latest != Some(protected.version()) && !newer {
             return Err(format!(
                 "version {:?} was not protected yet when nodes {dead:?} were lost (version {} was); it may be \
                  lost, and a restart falls back to what the PFS holds",
-                latest, protected.version
+                latest,
+                protected.version()
             ));
         }
         if falls_back {
             tracing::warn!(
                 app = name,
                 newest = ?latest,
-                protected = protected.version,
+                protected = protected.version(),
                 lost = ?dead,
                 "the newest version was not protected yet: falling back to the protected one"
             );
@@ -208,14 +206,14 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
             app: name,
             mem_budget: config.max_mem_node_bytes(),
             owner,
-            complete: latest.filter(|_| !falls_back).or(Some(protected.version)),
+            complete: latest.filter(|_| !falls_back).or(Some(protected.version())),
             encrypted,
-            protected: Some(protected.version),
+            protected: Some(protected.version()),
         };
         let waiters = send_starts(state, &spec, places);
         (protected, policy, dead, owner, waiters, lost_slots, falls_back)
     };
-    tracing::warn!(app = name, version = protected.version, lost = ?dead, slots = ?lost_slots, "rebuilding on other nodes");
+    tracing::warn!(app = name, version = protected.version(), lost = ?dead, slots = ?lost_slots, "rebuilding on other nodes");
     let started = await_starts(shared, name, waiters).await?;
     let mut agents: Vec<AgentInfo> = protected.agents.clone();
     for (slot, agent) in lost_slots.iter().zip(&started) {
@@ -230,7 +228,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
                 let to = &agents[slot];
                 let (tx, rx) = oneshot::channel();
                 state.takeovers.insert((to.id, rank), tx);
-                let message = ControllerToManager::Rebuild { agent: to.id, rank, version: protected.version, source };
+                let message = ControllerToManager::Rebuild { agent: to.id, rank, version: protected.version(), source };
                 state.nodes.send(&to.node, message);
                 (to.id, rank, rx)
             })
@@ -247,7 +245,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         tell_agents(&state.nodes, &started, |id| ControllerToManager::StopAgent { id, discard: false });
         return Err(format!(
             "version {} could not be rebuilt after losing nodes {dead:?}: ranks {failed_ranks:?} failed ({})",
-            protected.version,
+            protected.version(),
             failures.join("; ")
         ));
     }
@@ -264,7 +262,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     // writes again (after a controller restart, reconciliation did).
     let through = newest.as_ref().map(|n| n.version).filter(|_| fell_back);
     if let Some(through) = through {
-        let above = protected.version;
+        let above = protected.version();
         let nodes: BTreeSet<&str> = agents.iter().map(|a| a.node.as_str()).collect();
         for node in nodes {
             state.nodes.send(node, ControllerToManager::DropNewer { app: name.to_string(), above, through });
@@ -276,13 +274,13 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         tracing::warn!(
             app = name,
             lost,
-            newest = protected.version,
+            newest = protected.version(),
             "fell back to the protected version: the newer one was lost with its node"
         );
         app.dropped.push(format!(
             "version {lost}: lost with nodes {dead:?} before it was protected; the newest complete version is \
              version {} again",
-            protected.version
+            protected.version()
         ));
         app.latest = Some(protected.record.clone());
     }

@@ -35,13 +35,12 @@ pub(super) struct Reconciled {
     pub(super) rebuild: bool,
 }
 
-/// Why `version` of `app` is not restorable from the stores, or `None`
-/// when every file of it is present and verified somewhere.
-fn missing_reason(app: &str, version: &JournaledVersion, holdings: &Holdings) -> Option<String> {
+/// Why `version` of `app` is not restorable from the stores: rank
+/// `writer`'s file, which [`missing_ranks`] found missing, is damaged or
+/// nowhere.
+fn missing_reason(app: &str, version: &JournaledVersion, writer: u32, holdings: &Holdings) -> String {
     let number = version.record.version;
-    let writer = *missing_ranks(app, version, holdings).first()?;
-    let copies = files_of(app, version, writer, holdings);
-    Some(match copies.first() {
+    match files_of(app, version, writer, holdings).first() {
         Some((node, stored)) => format!(
             "version {number}: the file of rank {writer} on node {node} is damaged ({})",
             stored.damage.as_deref().unwrap_or("written by another number of processes")
@@ -53,7 +52,7 @@ fn missing_reason(app: &str, version: &JournaledVersion, holdings: &Holdings) ->
                 if nodes.is_empty() { "none".to_string() } else { nodes.join(", ") }
             )
         }
-    })
+    }
 }
 
 /// The files of rank `writer` of `version` that the stores announced, by node.
@@ -101,13 +100,13 @@ pub(super) fn reconcile_or_rebuild(
     let mut dropped = Vec::new();
     for version in versions.iter().rev() {
         let missing = missing_ranks(app, version, holdings);
-        if missing.is_empty() {
+        let Some(first) = missing.first() else {
             return Reconciled { latest: Some(version.record.clone()), dropped, rebuild: false };
-        }
+        };
         if rebuildable(version, &missing) {
             return Reconciled { latest: Some(version.record.clone()), dropped, rebuild: true };
         }
-        dropped.extend(missing_reason(app, version, holdings));
+        dropped.push(missing_reason(app, version, *first, holdings));
     }
     Reconciled { latest: None, dropped, rebuild: false }
 }
