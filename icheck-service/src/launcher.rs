@@ -99,6 +99,12 @@ pub trait Launcher: Send + Sync {
     fn idle_nodes(&self) -> Option<u32> {
         None
     }
+    /// Gives up the lost `node` (its manager is not started there again)
+    /// and asks for another checkpoint node in its place; says what was
+    /// asked. Used by a rebuild that has no free node to place on.
+    fn replace_node(&self, node: &str) -> Result<String, String> {
+        Err(format!("this launcher cannot replace the lost node {node}"))
+    }
     /// Checkpoint nodes the resource manager asks back (Algorithm 9's
     /// REMOVE_NODES): the controller empties and releases them.
     fn reclaimed(&self) -> Vec<String> {
@@ -256,7 +262,9 @@ impl SlurmLauncher {
             format!("exec '{}' manager --config '{}' --node \"$SLURMD_NODENAME\"", exe.display(), config.display());
         let mut sbatch = Command::new("sbatch");
         sbatch
-            .args(["--parsable", "--nodes=1", "--ntasks=1", "--job-name=icheck-manager"])
+            // Not requeued when its node fails: the controller decides
+            // where a lost node's manager goes (relaunched, or replaced).
+            .args(["--parsable", "--nodes=1", "--ntasks=1", "--no-requeue", "--job-name=icheck-manager"])
             .arg(format!("--output={}/logs/manager-slurm-%j.log", self.dir.display()))
             .args(&self.sbatch_args);
         if let Some(node) = node {
@@ -374,6 +382,15 @@ impl Launcher for SlurmLauncher {
         self.submit(None).map(|id| format!("Slurm job {id}"))
     }
 
+    fn replace_node(&self, node: &str) -> Result<String, String> {
+        // Recorded as given back first: a relaunch waiting for the lost
+        // node (pending while Slurm has it down) is cancelled and not
+        // submitted again, and the new job does not count against it.
+        let gave_up = self.release(node)?;
+        let added = self.add_node()?;
+        Ok(format!("{added} ({gave_up})"))
+    }
+
     fn reclaimed(&self) -> Vec<String> {
         // An administrator (or a Slurm policy) drains a node to have it
         // back: `scontrol update NodeName=X State=DRAIN Reason=...`.
@@ -411,8 +428,13 @@ impl Launcher for SlurmLauncher {
         released.push_str(&format!("{node}\n"));
         fs::write(self.dir.join(SLURM_RELEASED), released)
             .map_err(|err| format!("cannot record {node} as released in {}: {err}", self.dir.display()))?;
-        let jobs: Vec<String> =
-            self.live_jobs().into_iter().filter(|(_, _, n)| n == node).map(|(id, _, _)| id.to_string()).collect();
+        // Running there, or waiting to (a relaunch pinned to the node).
+        let pinned: Vec<u64> =
+            self.recorded().iter().filter(|j| j.node.as_deref() == Some(node)).map(|j| j.id).collect();
+        let jobs: Vec<String> = (self.live_jobs().into_iter())
+            .filter(|(id, state, n)| n == node || (state == "PENDING" && pinned.contains(id)))
+            .map(|(id, _, _)| id.to_string())
+            .collect();
         if jobs.is_empty() {
             return Ok(format!("no manager job ran on {node}"));
         }

@@ -15,7 +15,7 @@ use icheck_core::config::StaticConfig;
 use icheck_core::control::request_blocking;
 use icheck_core::protocol::{ClientReply, ClientRequest, StatusReport};
 use icheck_service::testkit::slurm::TestSlurm;
-use icheck_service::testkit::{icheck_in_target, wait_for};
+use icheck_service::testkit::{icheck_in_target, poll_until, wait_for};
 
 /// A Slurm-backed icheck service; `icheck down` on drop.
 struct SlurmService<'a> {
@@ -445,4 +445,74 @@ fn a_node_released_while_an_application_commits_loses_no_version() {
     let lines = Job::start(2, &config, &["--app", "live", "--steps", "42", "--every", "2", "--mib", "4"], &[])
         .finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=21 step=40 verified"), "{lines:?}");
+}
+
+/// A checkpoint node lost for good (Slurm has it down: its manager job
+/// killed, its memory gone) while no other node is free: the rebuild gives
+/// the node up and asks Slurm for another in its place, instead of doubling
+/// up on a survivor, and the version is protected on three distinct nodes
+/// again without a restart. The restart is bit-exact and reads no PFS.
+#[test]
+fn a_lost_node_is_replaced_through_slurm_and_the_version_rebuilt_on_the_new_one() {
+    let slurm = TestSlurm::start("replace", "cx", 4);
+    let service = SlurmService::up_with_dynamic(&slurm, "replace", "3..4", Some("readInterval = 1\n"));
+    let before = service.alive_nodes();
+    assert_eq!(before.len(), 3, "{before:?}");
+    let config = service.config_path();
+    let env = [("ICHECK_REDUNDANCY", "rs:2+1")];
+    let args = ["--app", "rx", "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(4, &config, &args, &env).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    let app = |service: &SlurmService| service.status().apps.into_iter().find(|a| a.registration.name == "rx").unwrap();
+    wait_for("version 3 protected", Duration::from_secs(60), || {
+        let report = app(&service);
+        report.protected == Some(3) && report.protecting.is_none()
+    });
+    let lost = app(&service).agents[0].node.clone();
+
+    // The machine fails: Slurm loses it, its manager dies with it, and
+    // what the manager held in memory is gone.
+    let manager = service.status().nodes.into_iter().find(|n| n.node == lost).unwrap().pid;
+    slurm.fail_node(&lost);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(manager as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    std::fs::remove_dir_all(StaticConfig::load(&config).unwrap().agent_store_dir.join(&lost)).unwrap();
+
+    let mut last = None;
+    let rebuilt = poll_until(Duration::from_secs(180), || {
+        let report = app(&service);
+        let nodes: std::collections::BTreeSet<&str> = report.agents.iter().map(|a| a.node.as_str()).collect();
+        let done = nodes.len() == 3
+            && !nodes.contains(lost.as_str())
+            && report.protected == Some(3)
+            && report.protecting.is_none()
+            && !report.rebuilding
+            && report.protection_problem.is_none();
+        last = Some(report);
+        done
+    });
+    let log = std::fs::read_to_string(service.dir.join("logs/controller.log")).unwrap();
+    assert!(
+        rebuilt,
+        "version 3 is not protected on three other nodes than {lost}: {last:?}\n{log}\n{:?}",
+        slurm.jobs()
+    );
+    let report = last.unwrap();
+    let added: Vec<&str> =
+        report.agents.iter().map(|a| a.node.as_str()).filter(|n| !before.iter().any(|b| b == n)).collect();
+    assert_eq!(added.len(), 1, "one agent on the node Slurm gave: {:?} (before {before:?})", report.agents);
+    let asked = log
+        .lines()
+        .find(|l| l.contains("asked the resource manager for a node in place of a lost one"))
+        .unwrap_or_else(|| panic!("{log}"));
+    assert!(asked.contains(&lost) && asked.contains("Slurm job"), "{asked}");
+    // Given up: no manager job waits for the down node.
+    assert!(manager_jobs(&slurm).iter().all(|(_, _, node)| *node != lost), "{:?}", slurm.jobs());
+
+    let args = ["--app", "rx", "--steps", "6", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(4, &config, &args, &env).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    let pfs = icheck_core::pfs::PfsStore::new(StaticConfig::load(&config).unwrap().pfs_dir.expect("a PFS"));
+    assert_eq!(pfs.versions("rx").unwrap_or_default(), Vec::<u64>::new(), "restored from the PFS: proves nothing");
+    assert!(service.down().status.success());
+    assert!(slurm.jobs().is_empty(), "{:?}", slurm.jobs());
 }

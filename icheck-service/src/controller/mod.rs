@@ -1272,7 +1272,7 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
         let rebuilds = node_lost(&mut state, &node, "its manager's connection closed");
         if shared.launcher.is_some() {
             // Marked before the rebuild looks: it waits for this node to
-            // come back (`rebuild::await_relaunched`) rather than double up
+            // come back (`rebuild::await_free_nodes`) rather than double up
             // on a survivor.
             state.nodes.set_relaunching(&node, true);
         }

@@ -19,6 +19,7 @@ use super::{
     await_ranks, await_starts, journal, nodes, protection, send_starts, start_protection, tell_agents, RankWaiter,
     Shared, State,
 };
+use crate::launcher::Launcher;
 
 /// Longest a registration or probe waits for a rebuild under way.
 pub(super) const REBUILD_WAIT: Duration = Duration::from_secs(180);
@@ -56,6 +57,9 @@ pub(super) fn spawn(shared: &Arc<Shared>, apps: Vec<String>) {
 /// Longest a rebuild waits for a lost node's manager to be started again.
 const RELAUNCH_WAIT: Duration = Duration::from_secs(60);
 
+/// Longest a rebuild waits for a node it asked the resource manager for.
+const NEW_NODE_WAIT: Duration = Duration::from_secs(120);
+
 /// The nodes of `name`'s protected version lost to it at `now`: down, or
 /// back without its files (`ProtectionBook::wiped`).
 fn lost_nodes(state: &State, name: &str, now: Instant) -> BTreeSet<String> {
@@ -70,29 +74,81 @@ fn lost_nodes(state: &State, name: &str, now: Instant) -> BTreeSet<String> {
         .collect()
 }
 
-/// Waits (at most [`RELAUNCH_WAIT`]) while a lost node's manager is being
-/// started again and too few live nodes hold nothing of the version: the
-/// replacement agents then go to the node that comes back, keeping the
-/// pieces on distinct nodes, where sharing a survivor would leave the
-/// version protected only as copies (or not at all).
-async fn await_relaunched(shared: &Shared, name: &str, dead: &BTreeSet<String>) {
-    let since = Instant::now();
-    while since.elapsed() < RELAUNCH_WAIT {
-        {
-            let state = shared.state();
-            let Some(protected) = state.apps.get(name).and_then(|a| a.protection.protected.as_ref()) else { return };
-            let survivors: BTreeSet<&str> =
-                protected.agents.iter().map(|a| a.node.as_str()).filter(|n| !dead.contains(*n)).collect();
-            let free = (state.nodes.snapshot(Instant::now()).iter())
-                .filter(|n| n.alive && !n.draining && !survivors.contains(n.node.as_str()))
-                .count();
-            let relaunching = dead.iter().any(|n| state.nodes.is_relaunching(n));
-            if free >= dead.len() || !relaunching {
+/// How many live nodes hold nothing of `name`'s protected version except
+/// on the `dead` ones (a lost node that came back holds nothing of it), and
+/// whether a `dead` node's manager is being started again.
+fn free_nodes(state: &State, name: &str, dead: &BTreeSet<String>) -> Option<(usize, bool)> {
+    let protected = state.apps.get(name)?.protection.protected.as_ref()?;
+    let survivors: BTreeSet<&str> =
+        protected.agents.iter().map(|a| a.node.as_str()).filter(|n| !dead.contains(*n)).collect();
+    let free = (state.nodes.snapshot(Instant::now()).iter())
+        .filter(|n| n.alive && !n.draining && !survivors.contains(n.node.as_str()))
+        .count();
+    Some((free, dead.iter().any(|n| state.nodes.is_relaunching(n))))
+}
+
+/// Waits until enough nodes hold nothing of the version to take the lost
+/// nodes' slots, so the pieces stay on distinct nodes where sharing a
+/// survivor would leave the version protected only as copies (or not at
+/// all): at most [`RELAUNCH_WAIT`] while a lost node's manager is being
+/// started again; then, with a launcher that can add nodes (Slurm), it
+/// gives up each lost node still missing and asks the resource manager
+/// for one in its place, and waits at most [`NEW_NODE_WAIT`] for it. A
+/// replacement only keeps the service at the size it had, so
+/// `manager_count` does not hold it back (the launcher's own most, `icheck
+/// up --nodes A..B`, does). Returns without a free node for each slot when
+/// none can come: the rebuild then shares a survivor.
+async fn await_free_nodes(shared: &Shared, name: &str, dead: &BTreeSet<String>) {
+    let relaunch_deadline = Instant::now() + RELAUNCH_WAIT;
+    let mut deadline = relaunch_deadline;
+    let mut asked = false;
+    loop {
+        let Some((free, relaunching)) = free_nodes(&shared.state(), name, dead) else { return };
+        if free >= dead.len() {
+            return;
+        }
+        let now = Instant::now();
+        if !asked && (!relaunching || now >= relaunch_deadline) {
+            let Some(launcher) = shared.launcher.clone().filter(|l| l.can_scale()) else { return };
+            let granted = replace_lost(launcher, name, dead.iter().take(dead.len() - free)).await;
+            if granted.is_empty() {
                 return;
             }
+            if let Some(app) = shared.state().apps.get_mut(name) {
+                app.protection.problem = Some(format!(
+                    "nodes {dead:?} were lost; waiting for the resource manager's replacement(s) to rebuild on ({})",
+                    granted.join("; ")
+                ));
+            }
+            asked = true;
+            deadline = now + NEW_NODE_WAIT;
+        } else if now >= deadline {
+            return;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Asks `launcher` for a node in place of each of `lost`; returns what was
+/// granted, one line per node.
+async fn replace_lost<'a>(
+    launcher: Arc<dyn Launcher>,
+    name: &str,
+    lost: impl Iterator<Item = &'a String>,
+) -> Vec<String> {
+    let mut granted = Vec::new();
+    for node in lost {
+        let (ask, gone) = (launcher.clone(), node.clone());
+        match tokio::task::spawn_blocking(move || ask.replace_node(&gone)).await {
+            Ok(Ok(what)) => {
+                tracing::warn!(app = name, %node, %what, "asked the resource manager for a node in place of a lost one");
+                granted.push(format!("{node}: {what}"));
+            }
+            Ok(Err(why)) => tracing::warn!(app = name, %node, %why, "cannot get a node in place of a lost one"),
+            Err(err) => tracing::error!(app = name, %node, %err, "the request for a replacement node failed"),
+        }
+    }
+    granted
 }
 
 /// One pass of [`after_loss`], with its outcome logged and recorded.
@@ -127,7 +183,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     if dead.is_empty() {
         return Ok(None);
     }
-    await_relaunched(shared, name, &dead).await;
+    await_free_nodes(shared, name, &dead).await;
     let (protected, policy, dead, owner, waiters, lost_slots, fell_back) = {
         let mut state = shared.state();
         let state = &mut *state;

@@ -148,6 +148,18 @@ impl TestSlurm {
         self.daemons.push(child);
     }
 
+    /// Takes `node` out as a failed machine would: its slurmd is killed
+    /// (it never answers again) and Slurm marks the node down; jobs that
+    /// ran there are Slurm's to end, their processes the caller's to kill.
+    pub fn fail_node(&self, node: &str) {
+        let at = self.nodes.iter().position(|n| n == node).unwrap_or_else(|| panic!("{node} is not a test node"));
+        // munged and slurmctld come first, then one slurmd per node; it is
+        // reaped when the cluster is dropped.
+        let slurmd = nix::unistd::Pid::from_raw(self.daemons[2 + at].id() as i32);
+        nix::sys::signal::kill(slurmd, nix::sys::signal::Signal::SIGKILL).expect("kill the node's slurmd");
+        self.run("scontrol", &["update", &format!("NodeName={node}"), "State=DOWN", "Reason=icheck-test-failed"]);
+    }
+
     /// A Slurm command (`sbatch`, `squeue`, ...) of this cluster.
     pub fn command(&self, program: &str) -> Command {
         let mut command = Command::new(program);
