@@ -272,6 +272,48 @@ fn resized_restore(provider: &str, rank_size: usize, runs: usize) -> Result<f64>
     Ok(median(secs))
 }
 
+/// Seconds of each commit (rank 0's, as the `mpi_checkpoint` example
+/// times them) of a new four-rank application with `rank_size` bytes per
+/// rank on two agents, committing back to back (no computation between),
+/// on a fresh service whose managers keep `warm_pool` bytes of backed files
+/// (0: none), once the pools are full.
+fn new_app_back_to_back(provider: &str, rank_size: usize, warm_pool: ByteSize, commits: usize) -> Result<Vec<f64>> {
+    let name = format!("bench-new-{provider}-{}", warm_pool.0 >> 20);
+    let dynamic = "init_agent_count = 2\nreadInterval = 5\n";
+    let args = ["--provider", provider, "--warm-pool", &warm_pool.to_string()];
+    let svc = LocalService::up_with_dynamic(&icheck_binary()?, &name, 2, &args, Some(dynamic));
+    let started = Instant::now();
+    while !svc.status().nodes.iter().all(|n| n.status.warm_bytes >= warm_pool.0) {
+        if started.elapsed() > std::time::Duration::from_secs(120) {
+            bail!("the managers' warm pools did not fill to {warm_pool} in 120 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let example = std::env::current_exe()?.with_file_name("mpi_checkpoint");
+    let mib = (rank_size >> 20).max(1).to_string();
+    let out = Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "4"])
+        .arg(&example)
+        .args(["--app", "bench-new", "--steps", &commits.to_string(), "--every", "1", "--mib", &mib])
+        .env("ICHECK_CONFIG", svc.config_path())
+        .env("ICHECK_INCREMENTAL", "0")
+        .output()
+        .with_context(|| format!("running {} under mpirun", example.display()))?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let secs: Vec<f64> = stdout
+        .lines()
+        .filter(|l| l.starts_with("COMMITTED "))
+        .filter_map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("seconds="))?.parse().ok())
+        .collect();
+    if !out.status.success() || secs.len() < commits {
+        bail!(
+            "mpi_checkpoint failed or committed too few versions:\n{stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(secs)
+}
+
 /// A single-rank application `app` pulling one label of `size` bytes
 /// (pattern `seed`) under `config`: registered, nothing committed yet.
 fn one_rank_app(config: &Path, app: &str, size: usize, seed: u64) -> Result<(Icheck, Region<u8>)> {
@@ -1117,6 +1159,31 @@ fn main() -> Result<()> {
             format!("median of later {:.1} ms", later * 1e3),
             slowest_later / later,
         ));
+    }
+    if let (Some(provider), true) = (cli.providers.first(), rank_size > 0 && !cli.incremental_only) {
+        // Each node holds two ranks' two first versions: the pool covers them.
+        let pool = ByteSize((4 * rank_size) as u64);
+        let case = format!("4 ranks, 2 agents, {} per rank, a new application committing back to back", cli.rank_size);
+        for warm in [ByteSize(0), pool] {
+            let times = new_app_back_to_back(provider, rank_size, warm, 6)?;
+            eprintln!("{provider}: commits of a new four-rank application, warm pool {warm}: {times:?}");
+            let later = median(times[1..].to_vec());
+            let slowest_later = times[1..].iter().copied().fold(0.0, f64::max);
+            let pool_name = match warm.0 {
+                0 => "no warm pool".to_string(),
+                _ => format!("warm pool {warm} per node"),
+            };
+            for (what, secs) in [("first commit", times[0]), ("slowest commit after the first", slowest_later)] {
+                lines.push(Line::new(
+                    &case,
+                    provider,
+                    &format!("{what}, {pool_name}"),
+                    format!("{:.1} ms", secs * 1e3),
+                    format!("median of later {:.1} ms", later * 1e3),
+                    secs / later,
+                ));
+            }
+        }
     }
     if let (Some(provider), true) = (cli.providers.first(), cli.idle_seconds > 0 && !cli.incremental_only) {
         let share = idle_service_cpu(provider, std::time::Duration::from_secs(cli.idle_seconds))?;

@@ -185,6 +185,16 @@ pub struct StaticConfig {
     /// it in RAM yet outside the manager, so a restarted manager finds it.
     #[serde(rename = "AgentStoreDir", default = "default_store")]
     pub agent_store_dir: PathBuf,
+    /// Bytes of already-backed files each manager keeps in its store for
+    /// the next new version files of any application (`.warm/`): tmpfs
+    /// allocates and zeroes every page of a new file, which made an
+    /// application's first two commits several times slower than later
+    /// ones when it commits back to back. Filled at low priority while the
+    /// node is quiet; held in addition to what versions hold, and given
+    /// back first when the store's file system is full. 0 (the default):
+    /// no pool.
+    #[serde(rename = "WarmPool", default = "no_warm_pool")]
+    pub warm_pool: crate::units::ByteSize,
     /// The parallel file system directory for the PFS level (version copies
     /// by agents); unset: no PFS level.
     #[serde(rename = "PfsDir", default)]
@@ -487,6 +497,10 @@ fn default_missed() -> u32 {
 
 fn default_client_idle() -> f64 {
     600.0
+}
+
+fn no_warm_pool() -> crate::units::ByteSize {
+    crate::units::ByteSize(0)
 }
 
 fn default_relaunches() -> u32 {

@@ -448,6 +448,10 @@ pub struct NodeStatus {
     /// Package power draw in watts from RAPL (powercap), where readable.
     #[serde(default)]
     pub power_watts: Option<f64>,
+    /// Bytes in the node's warm pool (`WarmPool`): backed files ready for
+    /// the next new version files, not counted in `bytes_held`.
+    #[serde(default)]
+    pub warm_bytes: u64,
 }
 
 /// Messages a manager sends to the controller.

@@ -109,7 +109,60 @@ impl Monitor {
             last_cop_interval: self.activity.cop_interval(),
             agent_bandwidth: agents.iter().map(|(id, a)| (*id, a.counters().last_bandwidth())).collect(),
             power_watts: self.power.watts(),
+            warm_bytes: store.warm_bytes(),
         }
+    }
+}
+
+/// Size of a warm file before the node has made any version's file (at
+/// most a quarter of the pool).
+const FIRST_WARM_FILE: u64 = 256 << 20;
+/// How long no version's file must have been made before the warm pool
+/// fills: its page zeroing would compete with a commit for memory
+/// bandwidth and cores.
+const WARM_WHEN_QUIET_FOR: Duration = Duration::from_secs(2);
+
+/// Keeps `target` bytes of backed files in the store's warm pool
+/// (`WarmPool`), on a thread of the lowest priority, one file at a time and
+/// only while the node is quiet; each file has the size of the last version
+/// file made here (a new version's file takes the best fit), and is made
+/// only while its file system keeps twice its size free beside it.
+fn spawn_warm_pool(store: Store, target: u64) {
+    let fill = move || {
+        lower_thread_priority();
+        let mut ready = false;
+        loop {
+            std::thread::sleep(Duration::from_millis(500));
+            let warm = store.warm_bytes();
+            if warm >= target {
+                if !ready {
+                    tracing::info!(bytes = warm, "warm pool ready");
+                }
+                ready = true;
+                continue;
+            }
+            let last = crate::store::last_new_file();
+            if last.is_some_and(|(since, _)| since < WARM_WHEN_QUIET_FOR) {
+                continue;
+            }
+            let unknown = FIRST_WARM_FILE.min(target / 4);
+            let len = last.map_or(unknown, |(_, len)| len).max(1 << 20).min(target - warm);
+            let free = store.capacity().map_or(0, |c| c.available);
+            if free < len.saturating_mul(3) {
+                continue;
+            }
+            let started = std::time::Instant::now();
+            match store.fill_warm(len) {
+                Ok(()) => {
+                    ready = false;
+                    tracing::debug!(bytes = len, ms = started.elapsed().as_secs_f64() * 1e3, "warm file made");
+                }
+                Err(err) => tracing::warn!(%err, "cannot fill the warm pool"),
+            }
+        }
+    };
+    if let Err(err) = std::thread::Builder::new().name("icheck-warm".into()).spawn(fill) {
+        tracing::warn!(%err, "cannot start filling the warm pool");
     }
 }
 
@@ -177,6 +230,9 @@ async fn serve(config: StaticConfig, node: String, agents: Agents) -> Result<(),
     let (files, bytes) = settings.store.sweep_unsealed();
     if files > 0 {
         tracing::warn!(files, bytes, "removed unsealed version files a previous manager left in the store");
+    }
+    if config.warm_pool.0 > 0 {
+        spawn_warm_pool(settings.store.clone(), config.warm_pool.0);
     }
     let inventory = Arc::new(Mutex::new(InventoryCache::default()));
     let stopping = Arc::new(StoppingAgents::default());

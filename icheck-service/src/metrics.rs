@@ -88,6 +88,12 @@ pub fn render(report: &StatusReport) -> String {
             samples: vec![],
         },
         Family {
+            name: "icheck_node_warm_pool_bytes",
+            help: "Backed files in the node's warm pool (WarmPool), ready for new version files",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
             name: "icheck_node_checkpoint_received_bytes_total",
             help: "Checkpoint bytes received by the node's agents (incremental versions: changed blocks only)",
             kind: "counter",
@@ -304,6 +310,7 @@ pub fn render(report: &StatusReport) -> String {
         put("icheck_node_agents", l.clone(), Some(f64::from(s.agents)));
         put("icheck_node_agent_fill_rate", l.clone(), n.trend.agent_fill_rate);
         put("icheck_node_checkpoint_bytes_held", l.clone(), Some(s.bytes_held as f64));
+        put("icheck_node_warm_pool_bytes", l.clone(), Some(s.warm_bytes as f64));
         put("icheck_node_checkpoint_received_bytes_total", l.clone(), Some(s.checkpoint_bytes as f64));
         put("icheck_node_checkpoint_operations_total", l.clone(), Some(s.checkpoint_ops as f64));
         put("icheck_node_checkpoint_operations_per_minute", l.clone(), Some(s.cops_per_min));

@@ -12,6 +12,7 @@
 //! <root>/<app>/pieces/spare.<piece>.data              a dropped version's piece, reused
 //! <root>/<app>/rank<R>/v<V>.map    an incremental version's BlockMap, written before its .meta
 //! <root>/<app>/rank<R>/b<V>.data   a dropped version's data that newer versions still share
+//! <root>/.warm/w<N>.data           a file with its pages backed, for any next new file (WarmPool)
 //! ```
 //!
 //! Incremental versions (`icheck_core::delta`): `v<V>.data` holds only the
@@ -54,6 +55,42 @@ const PREPARED: &str = "prepared.data";
 const PIECES: &str = "pieces";
 /// Prefix of a piece's spare data file in the pieces directory.
 const SPARE_PREFIX: &str = "spare.";
+/// Directory under the root of the warm pool: files whose pages are
+/// already backed, for any application's next new file
+/// ([`Store::fill_warm`]). Never an application's directory: names cannot
+/// start with a dot.
+const WARM: &str = ".warm";
+
+/// When (milliseconds since [`new_file_epoch`]) and at what size this
+/// process last made a version's file: the warm pool fills only while the
+/// node is quiet, with files of the size it last needed (one store per
+/// manager process).
+static LAST_NEW_FILE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static LAST_NEW_FILE_LEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn new_file_epoch() -> std::time::Instant {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(std::time::Instant::now)
+}
+
+/// Records that a version's file of `len` bytes is being made now.
+fn note_new_file(len: u64) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let now = u64::try_from(new_file_epoch().elapsed().as_millis()).unwrap_or(u64::MAX);
+    LAST_NEW_FILE.store(now.max(1), Relaxed);
+    LAST_NEW_FILE_LEN.store(len, Relaxed);
+}
+
+/// How long ago this process last made a version's file, and its size;
+/// `None` if it never did.
+pub fn last_new_file() -> Option<(std::time::Duration, u64)> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let at = LAST_NEW_FILE.load(Relaxed);
+    (at > 0).then(|| {
+        let since = new_file_epoch().elapsed().saturating_sub(std::time::Duration::from_millis(at));
+        (since, LAST_NEW_FILE_LEN.load(Relaxed))
+    })
+}
 
 /// Why the store refused or failed.
 #[derive(Debug, thiserror::Error)]
@@ -352,6 +389,10 @@ impl Store {
                 reused = true;
             }
         }
+        if !reused {
+            note_new_file(len);
+            self.take_warm(&data, len)?;
+        }
         self.create_mapped(&data, len, false)
     }
 
@@ -360,7 +401,10 @@ impl Store {
     /// preparing the next one (its file must stay where that thread put it).
     pub fn create_new(&self, app: &str, rank: u32, version: u64, len: u64) -> Result<MappedFile> {
         let (_, data) = self.new_data_path(app, rank, version)?;
-        self.create_mapped(&data, len, true)
+        note_new_file(len);
+        // A warm file replaces whatever an interrupted run left there.
+        let warm = self.take_warm(&data, len)?;
+        self.create_mapped(&data, len, !warm)
     }
 
     /// The rank's directory (made if missing) and the data file path of a
@@ -379,12 +423,16 @@ impl Store {
     /// node's memory from here on ([`Store::bytes_held`] counts lengths),
     /// so the caller reserves it under the same lock as a version's file.
     /// [`Store::map_prepared`] then backs and maps it, outside that lock.
-    pub fn reserve_prepared(&self, app: &str, rank: u32, len: u64) -> Result<()> {
+    /// True if the file came from the warm pool, its pages already backed.
+    pub fn reserve_prepared(&self, app: &str, rank: u32, len: u64) -> Result<bool> {
         let dir = self.rank_dir(app, rank)?;
         fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
         let path = dir.join(PREPARED);
+        note_new_file(len);
+        let warm = !path.exists() && self.take_warm(&path, len)?;
         let file = OpenOptions::new().write(true).create(true).truncate(false).open(&path);
-        file.and_then(|f| f.set_len(len.max(4096))).map_err(io("cannot size", &path))
+        file.and_then(|f| f.set_len(len.max(4096))).map_err(io("cannot size", &path))?;
+        Ok(warm)
     }
 
     /// Backs every page of the rank's prepared file and maps it: the slow
@@ -498,7 +546,12 @@ impl Store {
             return Ok(());
         }
         let len = i64::try_from(size).unwrap_or(i64::MAX);
-        match nix::fcntl::posix_fallocate(file, 0, len) {
+        let mut allocated = nix::fcntl::posix_fallocate(file, 0, len);
+        // The warm pool gives its memory back before a version goes short.
+        if allocated == Err(nix::errno::Errno::ENOSPC) && self.release_warm(size) > 0 {
+            allocated = nix::fcntl::posix_fallocate(file, 0, len);
+        }
+        match allocated {
             Ok(()) => Ok(()),
             Err(errno) => {
                 let available = self.capacity().map_or(0, |c| c.available);
@@ -509,6 +562,81 @@ impl Store {
                 Err(StoreError::Io { what: "cannot reserve space for", path: path.to_path_buf(), error: errno.into() })
             }
         }
+    }
+
+    /// The warm pool's files with their sizes (half-made ones excluded).
+    fn warm_files(&self) -> Vec<(PathBuf, u64)> {
+        let entries = fs::read_dir(self.root.join(WARM)).into_iter().flatten().filter_map(|e| e.ok());
+        entries
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".data"))
+            .filter_map(|e| Some((e.path(), e.metadata().ok()?.len())))
+            .collect()
+    }
+
+    /// Bytes in the warm pool (not counted by [`Store::bytes_held`]: they
+    /// hold no version and are given back on demand).
+    pub fn warm_bytes(&self) -> u64 {
+        self.warm_files().iter().map(|(_, len)| len).sum()
+    }
+
+    /// Adds a file of `len` bytes with every page backed to the warm pool
+    /// (the slow part of a new file: tmpfs allocates and zeroes each page).
+    /// It is made under a temporary name and appears whole.
+    pub fn fill_warm(&self, len: u64) -> Result<()> {
+        static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let dir = self.root.join(WARM);
+        fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
+        let name = format!("w{}-{}", std::process::id(), MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        let (tmp, path) = (dir.join(format!("{name}.tmp")), dir.join(format!("{name}.data")));
+        let file = File::create(&tmp).map_err(io("cannot create", &tmp))?;
+        let size = len.max(4096);
+        let made = file.set_len(size).map_err(io("cannot size", &tmp)).and_then(|()| {
+            let bytes = i64::try_from(size).unwrap_or(i64::MAX);
+            nix::fcntl::posix_fallocate(&file, 0, bytes).map_err(|errno| StoreError::Io {
+                what: "cannot back",
+                path: tmp.clone(),
+                error: errno.into(),
+            })
+        });
+        if let Err(err) = made {
+            let _ = fs::remove_file(&tmp);
+            return Err(err);
+        }
+        fs::rename(&tmp, &path).map_err(io("cannot rename into", &path))
+    }
+
+    /// Moves the warm file that best fits `len` bytes (the smallest one at
+    /// least that large, else the largest) to `dest`, for the caller to cut
+    /// or grow. False when the pool is empty. Agents of several
+    /// applications take from it at once: a file another one took first
+    /// is skipped.
+    fn take_warm(&self, dest: &Path, len: u64) -> Result<bool> {
+        let mut files = self.warm_files();
+        // Fitting ones first, smallest first; then the rest, largest first.
+        files.sort_by_key(|(_, size)| if *size >= len { (0, *size) } else { (1, u64::MAX - size) });
+        for (path, _) in files {
+            match fs::rename(&path, dest) {
+                Ok(()) => return Ok(true),
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(err) => return Err(StoreError::Io { what: "cannot take", path, error: err }),
+            }
+        }
+        Ok(false)
+    }
+
+    /// Deletes warm files until at least `bytes` are freed or none is left;
+    /// the bytes freed.
+    pub fn release_warm(&self, bytes: u64) -> u64 {
+        let mut freed = 0;
+        for (path, len) in self.warm_files() {
+            if freed >= bytes {
+                break;
+            }
+            if fs::remove_file(&path).is_ok() {
+                freed += len;
+            }
+        }
+        freed
     }
 
     /// Size and free space of the file system the store lives on (of its
@@ -533,6 +661,16 @@ impl Store {
     /// and bytes removed.
     pub fn sweep_unsealed(&self) -> (usize, u64) {
         let mut removed = (0, 0);
+        // A warm file the dying manager was still making.
+        for entry in fs::read_dir(self.root.join(WARM)).into_iter().flatten().filter_map(|e| e.ok()) {
+            if entry.file_name().to_string_lossy().ends_with(".tmp") {
+                let bytes = entry.metadata().map_or(0, |m| m.len());
+                if fs::remove_file(entry.path()).is_ok() {
+                    removed.0 += 1;
+                    removed.1 += bytes;
+                }
+            }
+        }
         let Ok(apps) = fs::read_dir(&self.root) else { return removed };
         for rank_dir in apps.filter_map(|e| e.ok()).filter_map(|app| fs::read_dir(app.path()).ok()).flatten() {
             let Ok(rank_dir) = rank_dir else { continue };
@@ -1012,6 +1150,7 @@ impl Store {
             fs::read_dir(dir).map_or(0, |entries| {
                 entries
                     .filter_map(|e| e.ok())
+                    .filter(|e| e.file_name() != WARM)
                     .map(|e| match e.file_type() {
                         Ok(t) if t.is_dir() => walk(&e.path()),
                         // Shared blocks hold only what was not punched out.
@@ -1387,6 +1526,47 @@ mod tests {
         let fresh = store.create_new("app", 0, 4, 4096).unwrap();
         assert_eq!(fresh.as_slice(), vec![0u8; 4096]);
         assert_eq!(fs::metadata(rank_dir.join(PREPARED)).unwrap().len(), len);
+        let _ = fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn warm_files_become_new_files_best_fit_first_hold_no_version_and_are_given_back() {
+        let dir = std::env::temp_dir().join(format!("icheck-store-warm-{}", std::process::id()));
+        let store = Store::new(&dir);
+        let page = 4096u64;
+        let backed = |path: &Path| fs::metadata(path).unwrap().blocks() * 512;
+        for pages in [8, 2, 4] {
+            store.fill_warm(pages * page).unwrap();
+        }
+        assert_eq!(store.warm_bytes(), 14 * page);
+        assert_eq!(store.bytes_held(), 0, "the pool holds no version");
+        assert!(store.inventory(&mut InventoryCache::default()).is_empty());
+
+        // Three pages: the smallest file that fits (four) is cut to size;
+        // its pages were backed by the pool, not by this call.
+        let file = store.create("app", 0, 1, 3 * page).unwrap();
+        assert_eq!((file.as_slice().len() as u64, store.warm_bytes()), (3 * page, 10 * page));
+        assert!(file.as_slice().iter().all(|b| *b == 0), "a warm file holds nothing of anyone");
+        // A prepared file is backed as soon as it is reserved: eight pages for six.
+        assert!(store.reserve_prepared("app", 1, 6 * page).unwrap(), "taken from the pool");
+        assert_eq!(store.warm_bytes(), 2 * page);
+        assert!(backed(&dir.join("app/rank1").join(PREPARED)) >= 6 * page);
+        assert_eq!(store.bytes_held(), 9 * page, "taken files count as the ranks'");
+        // Nothing fits sixteen pages: the largest file is taken and grown.
+        store.create_new("app", 2, 1, 16 * page).unwrap();
+        assert_eq!(store.warm_bytes(), 0);
+        assert!(store.create("app", 3, 1, page).is_ok(), "an empty pool: a file of its own");
+
+        // Given back on demand, whole files at a time.
+        store.fill_warm(page).unwrap();
+        store.fill_warm(page).unwrap();
+        assert_eq!(store.release_warm(1), page);
+        assert_eq!(store.warm_bytes(), page);
+        // A starting manager sweeps a half-made warm file and keeps whole ones.
+        fs::write(dir.join(WARM).join("w0-9.tmp"), b"half").unwrap();
+        assert_eq!(store.sweep_unsealed().0, 4, "the .tmp and the three unsealed version files");
+        assert!(!dir.join(WARM).join("w0-9.tmp").exists());
+        assert_eq!(store.warm_bytes(), page);
         let _ = fs::remove_dir_all(dir);
     }
 

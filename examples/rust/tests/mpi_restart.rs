@@ -619,3 +619,34 @@ fn draining_a_node_moves_its_agents_and_their_data_at_the_next_probe() {
     let printed = Command::new(&service.icheck).args(["status", "--state-dir"]).arg(&service.dir).output().unwrap();
     assert!(String::from_utf8_lossy(&printed.stdout).contains("DRAIN"));
 }
+
+/// Managers keep a warm pool of backed files (`--warm-pool`): status and
+/// `/metrics` show it full, a new application's first version files come
+/// out of it (its bytes become the versions'), it fills again once the
+/// node is quiet, and the restart from those files is bit-exact.
+#[test]
+fn a_warm_pool_gives_a_new_application_its_first_files_and_fills_again() {
+    let pool: u64 = 48 << 20;
+    let args = ["--provider", "tcp", "--warm-pool", "48MiB"];
+    let service = LocalService::up(&icheck_in_target(), "mpi-warm", 1, &args);
+    let warm = |service: &LocalService| service.status().nodes[0].status.warm_bytes;
+    icheck_service::testkit::wait_for("the warm pool to fill", Duration::from_secs(60), || warm(&service) >= pool);
+    assert_eq!(service.status().nodes[0].status.bytes_held, 0, "the pool holds no version");
+    let node = &service.status().nodes[0].node;
+    let metric = format!("icheck_node_warm_pool_bytes{{node=\"{node}\"}}");
+    assert_eq!(sample(&scrape(&service), &metric), Some(pool as f64));
+
+    let config = service.config_path();
+    let args = ["--app", "warm", "--steps", "4", "--every", "2", "--mib", "8", "--persist"];
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    // Taken, then filled again: the manager says so a second time.
+    icheck_service::testkit::wait_for("the warm pool to fill again", Duration::from_secs(60), || {
+        service.log(&format!("manager-{node}.log")).matches("warm pool ready").count() >= 2
+    });
+    assert!(warm(&service) >= pool);
+
+    let args = ["--app", "warm", "--steps", "6", "--every", "2", "--mib", "8"];
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+}

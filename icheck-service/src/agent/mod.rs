@@ -1591,8 +1591,7 @@ enum Reuse {
 fn prepare_next_file(shared: &Shared, rank: u32, len: u64) -> Option<JoinHandle<Option<MappedFile>>> {
     let (store, app, budget) = (shared.settings.store.clone(), shared.app.clone(), shared.mem_budget);
     let spawned = std::thread::Builder::new().name("icheck-prepare".into()).spawn(move || {
-        crate::manager::lower_thread_priority();
-        {
+        let warm = {
             let _space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
             // Only with room for the prepared file and another version
             // besides: it is a bet on the next commit, never worth making
@@ -1604,16 +1603,25 @@ fn prepare_next_file(shared: &Shared, rank: u32, len: u64) -> Option<JoinHandle<
             if room < len.saturating_mul(2) {
                 return None;
             }
-            if let Err(err) = store.reserve_prepared(&app, rank, len) {
-                tracing::warn!(rank, %err, "cannot prepare the next version's file");
-                return None;
+            match store.reserve_prepared(&app, rank, len) {
+                Ok(warm) => warm,
+                Err(err) => {
+                    tracing::warn!(rank, %err, "cannot prepare the next version's file");
+                    return None;
+                }
             }
+        };
+        // Zeroing fresh pages is long work that must not take the cores
+        // from a commit; a warm file only needs its mapping, which a
+        // back-to-back Begin waits for: that keeps normal priority.
+        if !warm {
+            crate::manager::lower_thread_priority();
         }
         let started = Instant::now();
         match store.map_prepared(&app, rank, len) {
             Ok(file) => {
                 let ms = started.elapsed().as_secs_f64() * 1e3;
-                tracing::debug!(rank, bytes = len, ms, "next version's file prepared");
+                tracing::debug!(rank, bytes = len, ms, warm, "next version's file prepared");
                 Some(file)
             }
             Err(err) => {

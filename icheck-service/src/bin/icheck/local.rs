@@ -36,6 +36,8 @@ pub struct UpOptions {
     pub client_idle_timeout: f64,
     /// Managers as Slurm jobs instead of local processes.
     pub slurm: Option<SlurmUp>,
+    /// `WarmPool` of every manager.
+    pub warm_pool: icheck_core::units::ByteSize,
 }
 
 /// `icheck up --slurm`: how the manager jobs are submitted.
@@ -139,7 +141,9 @@ fn write_static(dir: &Path, port: u16, standby: Option<u16>, tokens: &Tokens, op
          AdminToken = \"{admin}\"\nNodeToken = \"{node}\"\n\
          HeartBeatInterval = {hb}\nStatusMessageInterval = {hb}\nDynamicConfig = \"dynamic.toml\"\n\
          ManagerRelaunches = {relaunches}\nClientIdleTimeout = {idle}\n\
-         AgentStoreDir = \"{store}\"\nPfsDir = \"{pfs}\"\n\n\
+         AgentStoreDir = \"{store}\"\nPfsDir = \"{pfs}\"\n\
+         # Backed files each manager keeps for new version files (0: none).\n\
+         WarmPool = \"{warm}\"\n\n\
          [fabric]\nprovider = \"{provider}\"\n\n\
          # How applications move data; ICHECK_TRANSFER, ICHECK_RESTORE and ICHECK_MODE override.\n\
          [client]\ntransfer = \"pull\"   # or \"push\", or \"auto\" (both measured, the faster kept)\n\
@@ -162,6 +166,7 @@ fn write_static(dir: &Path, port: u16, standby: Option<u16>, tokens: &Tokens, op
             .map_or_else(|| store_dir(dir), |given| std::path::absolute(given).unwrap_or_else(|_| given.clone()))
             .display(),
         pfs = dir.join("pfs").display(),
+        warm = options.warm_pool,
     );
     icheck_core::credentials::write_private(&path, text.as_bytes())?;
     Ok(path)
@@ -535,6 +540,9 @@ pub fn print_status(report: &StatusReport) {
             "  {}: memory depletion {rate}, forecast {forecast}, agent fill {fill}, Δcop {dcop}",
             n.node
         ));
+        if s.warm_bytes > 0 {
+            details.push(format!("  {}: warm pool {} ready for new version files", n.node, human_bytes(s.warm_bytes)));
+        }
         if let Some(failure) = &n.start_failure {
             details.push(format!("  {}: takes no new agents for now: {failure}", n.node));
         }

@@ -74,6 +74,13 @@ enum Command_ {
         /// minutes before it gives the node up (ManagerRelaunches; 0: never).
         #[arg(long, default_value_t = 3)]
         manager_relaunches: u32,
+        /// Bytes of already-backed files each manager keeps ready for new
+        /// version files (WarmPool), e.g. 2GiB: an application's first
+        /// commits then skip the page zeroing that makes them slower than
+        /// later ones. Held beside the versions; given back when the store
+        /// fills. 0: none.
+        #[arg(long, default_value = "0")]
+        warm_pool: icheck_core::units::ByteSize,
         /// Also start a standby controller that follows the primary's
         /// journal and takes over when it is silent (TakeoverAfter).
         #[arg(long)]
@@ -626,6 +633,7 @@ fn run(cli: Cli) -> Result<()> {
             detach,
             store_dir,
             manager_relaunches,
+            warm_pool,
             standby,
             takeover_after,
             client_idle_timeout,
@@ -655,6 +663,7 @@ fn run(cli: Cli) -> Result<()> {
                 port,
                 store_dir,
                 manager_relaunches,
+                warm_pool,
                 standby,
                 takeover_after,
                 client_idle_timeout,
