@@ -59,6 +59,11 @@ struct Cli {
     /// Run only the incremental-commit sweep.
     #[arg(long)]
     incremental_only: bool,
+    /// Run only the new-application cases (one rank with computation
+    /// between commits; four ranks back to back, with and without a warm
+    /// pool), on the first provider.
+    #[arg(long)]
+    new_app_only: bool,
     /// Directory of the four-rank case's MPI-IO baseline (each rank's bytes
     /// with MPI_File_write_at_all, then MPI_File_sync); a disk, as a PFS
     /// would be. Empty skips it.
@@ -952,7 +957,7 @@ fn main() -> Result<()> {
         }
     };
     let incremental_size = usize::try_from(cli.incremental_size.0)?;
-    if let (Some(provider), true) = (cli.providers.first(), incremental_size > 0) {
+    if let (Some(provider), true) = (cli.providers.first(), incremental_size > 0 && !cli.new_app_only) {
         let Sweep { plain, points, tracked, writes, checksum_pass } =
             incremental_sweep(provider, incremental_size, runs)?;
         let all = points.first().map_or(plain, |p| p.secs);
@@ -1018,7 +1023,7 @@ fn main() -> Result<()> {
             all / plain,
         ));
     }
-    let providers = if cli.incremental_only { &[][..] } else { &cli.providers[..] };
+    let providers = if cli.incremental_only || cli.new_app_only { &[][..] } else { &cli.providers[..] };
     for provider in providers {
         // Measured before and after this provider's cases; the faster of
         // the two is the baseline (the stricter one): on this shared machine
@@ -1185,7 +1190,8 @@ fn main() -> Result<()> {
             }
         }
     }
-    if let (Some(provider), true) = (cli.providers.first(), cli.idle_seconds > 0 && !cli.incremental_only) {
+    let others = !cli.incremental_only && !cli.new_app_only;
+    if let (Some(provider), true) = (cli.providers.first(), cli.idle_seconds > 0 && others) {
         let share = idle_service_cpu(provider, std::time::Duration::from_secs(cli.idle_seconds))?;
         eprintln!("{provider}: idle service used {:.3}% of a core", share * 100.0);
         lines.push(Line::new(
@@ -1198,12 +1204,12 @@ fn main() -> Result<()> {
         ));
     }
     let pfs_size = usize::try_from(cli.pfs_size.0)?;
-    if let (Some(provider), true) = (cli.providers.first(), pfs_size > 0 && !cli.incremental_only) {
+    if let (Some(provider), true) = (cli.providers.first(), pfs_size > 0 && others) {
         let pfs = pfs_level(provider, pfs_size, runs)?;
         eprintln!("{provider}: PFS level done");
         lines.extend(pfs);
     }
-    if let (Some(dir), false) = (&cli.plots, cli.incremental_only) {
+    if let (Some(dir), true) = (&cli.plots, others) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let title = "Commit and restart rates through a local service, beside raw RMA and memcpy (same run)";
         plots::rates(&dir.join("rates.svg"), title, &KINDS, &bars)?;
