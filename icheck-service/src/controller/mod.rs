@@ -1225,7 +1225,15 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             }
             ManagerToController::Protected { agent, version, piece, result } => {
                 if let Err(reason) = &result {
-                    tracing::warn!(%node, agent, version, %piece, %reason, "a piece of redundancy could not be built");
+                    // A version no longer being protected (a newer one took
+                    // its place, and its pieces were dropped under the
+                    // builder) costs nothing: not worth a warning.
+                    let wanted = state.apps.values().any(|a| a.protection.protecting() == Some(version));
+                    if wanted {
+                        tracing::warn!(%node, agent, version, %piece, %reason, "a piece of redundancy could not be built");
+                    } else {
+                        tracing::debug!(%node, agent, version, %piece, %reason, "a superseded version's piece was not built");
+                    }
                 }
                 let state = &mut *state;
                 let mut protected = None;
