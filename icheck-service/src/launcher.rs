@@ -300,6 +300,30 @@ impl SlurmLauncher {
         Ok(id)
     }
 
+    /// The recorded jobs pinned to `node` (relaunches) that wait to run.
+    fn pinned_pending(&self, node: &str) -> Vec<u64> {
+        let recorded = self.recorded();
+        let pinned = |id: &u64| recorded.iter().any(|j| j.id == *id && j.node.as_deref() == Some(node));
+        let live = self.live_jobs();
+        live.into_iter().filter(|(id, state, _)| state == "PENDING" && pinned(id)).map(|(id, _, _)| id).collect()
+    }
+
+    /// Cancels the relaunch jobs pinned to `node` that wait to run; their ids.
+    fn cancel_pinned(&self, node: &str) -> Result<Vec<String>, String> {
+        let jobs: Vec<String> = self.pinned_pending(node).iter().map(u64::to_string).collect();
+        if jobs.is_empty() {
+            return Ok(jobs);
+        }
+        let out = Command::new("scancel")
+            .args(&jobs)
+            .output()
+            .map_err(|err| format!("cannot run scancel for {node}: {err}"))?;
+        if !out.status.success() {
+            return Err(format!("scancel {}: {}", jobs.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
+        }
+        Ok(jobs)
+    }
+
     /// The recorded jobs that run or wait to run, with their state and
     /// node (`PENDING` jobs have none yet).
     pub fn live_jobs(&self) -> Vec<(u64, String, String)> {
@@ -383,12 +407,14 @@ impl Launcher for SlurmLauncher {
     }
 
     fn replace_node(&self, node: &str) -> Result<String, String> {
-        // Recorded as given back first: a relaunch waiting for the lost
-        // node (pending while Slurm has it down) is cancelled and not
-        // submitted again, and the new job does not count against it.
-        let gave_up = self.release(node)?;
+        // A relaunch waiting for the lost node (pending while Slurm has it
+        // down) goes first: the new job takes its place in the count.
+        let cancelled = self.cancel_pinned(node)?;
         let added = self.add_node()?;
-        Ok(format!("{added} ({gave_up})"))
+        Ok(match cancelled.is_empty() {
+            true => added,
+            false => format!("{added}; cancelled the pending relaunch job(s) {} for {node}", cancelled.join(", ")),
+        })
     }
 
     fn reclaimed(&self) -> Vec<String> {
@@ -429,10 +455,9 @@ impl Launcher for SlurmLauncher {
         fs::write(self.dir.join(SLURM_RELEASED), released)
             .map_err(|err| format!("cannot record {node} as released in {}: {err}", self.dir.display()))?;
         // Running there, or waiting to (a relaunch pinned to the node).
-        let pinned: Vec<u64> =
-            self.recorded().iter().filter(|j| j.node.as_deref() == Some(node)).map(|j| j.id).collect();
+        let pinned = self.pinned_pending(node);
         let jobs: Vec<String> = (self.live_jobs().into_iter())
-            .filter(|(id, state, n)| n == node || (state == "PENDING" && pinned.contains(id)))
+            .filter(|(id, _, n)| n == node || pinned.contains(id))
             .map(|(id, _, _)| id.to_string())
             .collect();
         if jobs.is_empty() {

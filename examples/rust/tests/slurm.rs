@@ -505,8 +505,11 @@ fn a_lost_node_is_replaced_through_slurm_and_the_version_rebuilt_on_the_new_one(
         .find(|l| l.contains("asked the resource manager for a node in place of a lost one"))
         .unwrap_or_else(|| panic!("{log}"));
     assert!(asked.contains(&lost) && asked.contains("Slurm job"), "{asked}");
-    // Given up: no manager job waits for the down node.
+    // Given up: no manager job waits for the down node, and the status
+    // says it is gone.
     assert!(manager_jobs(&slurm).iter().all(|(_, _, node)| *node != lost), "{:?}", slurm.jobs());
+    let gone = service.status().nodes.into_iter().find(|n| n.node == lost).unwrap();
+    assert!(!gone.alive && gone.given_up, "{gone:?}");
 
     let args = ["--app", "rx", "--steps", "6", "--every", "2", "--mib", "2", "--persist"];
     let lines = Job::start(4, &config, &args, &env).finish(Duration::from_secs(120));

@@ -1322,6 +1322,10 @@ async fn relaunch_until_registered(shared: &Shared, launcher: Arc<dyn Launcher>,
             tracing::info!(%node, "the node was given back to the resource manager; its manager stays down");
             return;
         }
+        if shared.state().nodes.is_given_up(&node) {
+            tracing::info!(%node, "the node was given up (replaced); its manager is not started again");
+            return;
+        }
         let allowed =
             shared.state().nodes.relaunch_allowed(&node, Instant::now(), shared.relaunch_limit, RELAUNCH_WINDOW);
         if !allowed {

@@ -247,6 +247,19 @@ impl<L: ManagerLink> NodeBook<L> {
         true
     }
 
+    /// Gives `node` up now (a resource manager's node replaces it): its
+    /// manager is not started again until one registers it.
+    pub(crate) fn give_up(&mut self, node: &str) {
+        if let Some(entry) = self.nodes.get_mut(node) {
+            entry.given_up = true;
+        }
+    }
+
+    /// Whether `node` was given up.
+    pub(crate) fn is_given_up(&self, node: &str) -> bool {
+        self.nodes.get(node).is_some_and(|entry| entry.given_up)
+    }
+
     /// Records that agent `id` on `node` is being stopped; false if it
     /// already was (so each stale agent is asked to stop once).
     pub(crate) fn note_stopping(&mut self, node: &str, id: u64) -> bool {

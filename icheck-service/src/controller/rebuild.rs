@@ -110,7 +110,7 @@ async fn await_free_nodes(shared: &Shared, name: &str, dead: &BTreeSet<String>) 
         let now = Instant::now();
         if !asked && (!relaunching || now >= relaunch_deadline) {
             let Some(launcher) = shared.launcher.clone().filter(|l| l.can_scale()) else { return };
-            let granted = replace_lost(launcher, name, dead.iter().take(dead.len() - free)).await;
+            let granted = replace_lost(shared, launcher, name, dead.iter().take(dead.len() - free)).await;
             if granted.is_empty() {
                 return;
             }
@@ -129,9 +129,11 @@ async fn await_free_nodes(shared: &Shared, name: &str, dead: &BTreeSet<String>) 
     }
 }
 
-/// Asks `launcher` for a node in place of each of `lost`; returns what was
-/// granted, one line per node.
+/// Asks `launcher` for a node in place of each of `lost`, and gives each
+/// replaced node up (its manager is not started there again); returns what
+/// was granted, one line per node.
 async fn replace_lost<'a>(
+    shared: &Shared,
     launcher: Arc<dyn Launcher>,
     name: &str,
     lost: impl Iterator<Item = &'a String>,
@@ -142,6 +144,7 @@ async fn replace_lost<'a>(
         match tokio::task::spawn_blocking(move || ask.replace_node(&gone)).await {
             Ok(Ok(what)) => {
                 tracing::warn!(app = name, %node, %what, "asked the resource manager for a node in place of a lost one");
+                shared.state().nodes.give_up(node);
                 granted.push(format!("{node}: {what}"));
             }
             Ok(Err(why)) => tracing::warn!(app = name, %node, %why, "cannot get a node in place of a lost one"),
