@@ -216,6 +216,18 @@ pub fn parse_squeue(text: &str) -> Vec<(u64, String, String)> {
         .collect()
 }
 
+/// Cancels Slurm jobs `ids`.
+fn scancel(ids: &[String]) -> Result<(), String> {
+    let out = Command::new("scancel")
+        .args(ids)
+        .output()
+        .map_err(|err| format!("cannot run scancel (is SLURM_CONF set?): {err}"))?;
+    if !out.status.success() {
+        return Err(format!("scancel {}: {}", ids.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    Ok(())
+}
+
 /// A Slurm job of a manager, as recorded.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SlurmJob {
@@ -314,13 +326,7 @@ impl SlurmLauncher {
         if jobs.is_empty() {
             return Ok(jobs);
         }
-        let out = Command::new("scancel")
-            .args(&jobs)
-            .output()
-            .map_err(|err| format!("cannot run scancel for {node}: {err}"))?;
-        if !out.status.success() {
-            return Err(format!("scancel {}: {}", jobs.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
-        }
+        scancel(&jobs).map_err(|err| format!("giving up {node}: {err}"))?;
         Ok(jobs)
     }
 
@@ -352,14 +358,7 @@ impl SlurmLauncher {
         if ids.is_empty() {
             return Ok(ids);
         }
-        let list: Vec<String> = ids.iter().map(u64::to_string).collect();
-        let out = Command::new("scancel")
-            .args(&list)
-            .output()
-            .map_err(|err| format!("cannot run scancel (is SLURM_CONF set?): {err}"))?;
-        if !out.status.success() {
-            return Err(format!("scancel {}: {}", list.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
-        }
+        scancel(&ids.iter().map(u64::to_string).collect::<Vec<_>>())?;
         let deadline = std::time::Instant::now() + wait;
         while !self.known_jobs().is_empty() {
             if std::time::Instant::now() > deadline {
@@ -463,13 +462,7 @@ impl Launcher for SlurmLauncher {
         if jobs.is_empty() {
             return Ok(format!("no manager job ran on {node}"));
         }
-        let out = Command::new("scancel")
-            .args(&jobs)
-            .output()
-            .map_err(|err| format!("cannot run scancel for {node}: {err}"))?;
-        if !out.status.success() {
-            return Err(format!("scancel {}: {}", jobs.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
-        }
+        scancel(&jobs).map_err(|err| format!("releasing {node}: {err}"))?;
         Ok(format!("cancelled Slurm job(s) {} on {node}", jobs.join(", ")))
     }
 
