@@ -61,10 +61,11 @@ const SPARE_PREFIX: &str = "spare.";
 /// start with a dot.
 const WARM: &str = ".warm";
 
-/// When (milliseconds since [`new_file_epoch`]) and at what size this
-/// process last made a version's file: the warm pool fills only while the
-/// node is quiet, with files of the size it last needed (one store per
-/// manager process).
+/// When (milliseconds since [`new_file_epoch`]) this process last made a
+/// version's file, and the largest it made: the warm pool fills only while
+/// the node is quiet, with files of the largest size it needed (whole
+/// versions; an incremental version's file is smaller). One store per
+/// manager process.
 static LAST_NEW_FILE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 static LAST_NEW_FILE_LEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
@@ -78,11 +79,15 @@ fn note_new_file(len: u64) {
     use std::sync::atomic::Ordering::Relaxed;
     let now = u64::try_from(new_file_epoch().elapsed().as_millis()).unwrap_or(u64::MAX);
     LAST_NEW_FILE.store(now.max(1), Relaxed);
-    LAST_NEW_FILE_LEN.store(len, Relaxed);
+    LAST_NEW_FILE_LEN.fetch_max(len, Relaxed);
 }
 
-/// How long ago this process last made a version's file, and its size;
-/// `None` if it never did.
+/// Files below this size never come from the warm pool: their zeroing is
+/// short, and cutting a large warm file down to them would waste it.
+const WARM_MIN: u64 = 8 << 20;
+
+/// How long ago this process last made a version's file, and the largest
+/// it made; `None` if it never did.
 pub fn last_new_file() -> Option<(std::time::Duration, u64)> {
     use std::sync::atomic::Ordering::Relaxed;
     let at = LAST_NEW_FILE.load(Relaxed);
@@ -607,11 +612,16 @@ impl Store {
 
     /// Moves the warm file that best fits `len` bytes (the smallest one at
     /// least that large, else the largest) to `dest`, for the caller to cut
-    /// or grow. False when the pool is empty. Agents of several
-    /// applications take from it at once: a file another one took first
-    /// is skipped.
+    /// or grow; only files of half to twice `len`, and only for `len` of
+    /// [`WARM_MIN`] or more, so that little of a file's zeroing is wasted.
+    /// False when none fits. Agents of several applications take from it at
+    /// once: a file another one took first is skipped.
     fn take_warm(&self, dest: &Path, len: u64) -> Result<bool> {
+        if len < WARM_MIN {
+            return Ok(false);
+        }
         let mut files = self.warm_files();
+        files.retain(|(_, size)| *size >= len / 2 && *size <= len.saturating_mul(2));
         // Fitting ones first, smallest first; then the rest, largest first.
         files.sort_by_key(|(_, size)| if *size >= len { (0, *size) } else { (1, u64::MAX - size) });
         for (path, _) in files {
@@ -1533,7 +1543,8 @@ mod tests {
     fn warm_files_become_new_files_best_fit_first_hold_no_version_and_are_given_back() {
         let dir = std::env::temp_dir().join(format!("icheck-store-warm-{}", std::process::id()));
         let store = Store::new(&dir);
-        let page = 4096u64;
+        // Units of 4 MiB: every size here is at least WARM_MIN.
+        let page = 4u64 << 20;
         let backed = |path: &Path| fs::metadata(path).unwrap().blocks() * 512;
         for pages in [8, 2, 4] {
             store.fill_warm(pages * page).unwrap();
@@ -1552,10 +1563,17 @@ mod tests {
         assert_eq!(store.warm_bytes(), 2 * page);
         assert!(backed(&dir.join("app/rank1").join(PREPARED)) >= 6 * page);
         assert_eq!(store.bytes_held(), 9 * page, "taken files count as the ranks'");
-        // Nothing fits sixteen pages: the largest file is taken and grown.
-        store.create_new("app", 2, 1, 16 * page).unwrap();
+        // Nothing reaches three pages: the largest of half its size or more
+        // is taken and grown.
+        store.create_new("app", 2, 1, 3 * page).unwrap();
         assert_eq!(store.warm_bytes(), 0);
         assert!(store.create("app", 3, 1, page).is_ok(), "an empty pool: a file of its own");
+        // Neither a file of less than half the size nor a small file takes one.
+        store.fill_warm(2 * page).unwrap();
+        store.create("app", 4, 1, 5 * page).unwrap();
+        store.create("app", 5, 1, 4096).unwrap();
+        assert_eq!(store.warm_bytes(), 2 * page);
+        assert_eq!(store.release_warm(1), 2 * page);
 
         // Given back on demand, whole files at a time.
         store.fill_warm(page).unwrap();
@@ -1564,7 +1582,7 @@ mod tests {
         assert_eq!(store.warm_bytes(), page);
         // A starting manager sweeps a half-made warm file and keeps whole ones.
         fs::write(dir.join(WARM).join("w0-9.tmp"), b"half").unwrap();
-        assert_eq!(store.sweep_unsealed().0, 4, "the .tmp and the three unsealed version files");
+        assert_eq!(store.sweep_unsealed().0, 6, "the .tmp and the five unsealed version files");
         assert!(!dir.join(WARM).join("w0-9.tmp").exists());
         assert_eq!(store.warm_bytes(), page);
         let _ = fs::remove_dir_all(dir);
