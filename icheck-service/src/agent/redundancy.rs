@@ -500,11 +500,16 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
             .collect();
         asks.into_iter().map(|ask| ask.join().unwrap_or_else(|_| Err("a fetching thread panicked".into()))).collect()
     });
+    let fetched: Vec<Option<FetchedMember>> = fetched.into_iter().collect::<Result<_, _>>()?;
+    if let ([Some(_)], true) = (fetched.as_slice(), task.also.is_empty()) {
+        let Some(Some(member)) = fetched.into_iter().next() else { unreachable!("matched above") };
+        return build_repeated(shared, task, group, index, member, started);
+    }
     let mut manifests = Vec::with_capacity(task.members.len());
     let mut sources = Vec::with_capacity(task.members.len());
     // The code is over the present members only (`ParityMeta::members`).
     for member in fetched {
-        match member? {
+        match member {
             None => manifests.push(None),
             Some((session, manifest, region)) => {
                 sources.push(ShardSource::with(shared, Some(session), region, manifest.total_len)?);
@@ -672,6 +677,65 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
         "group's timeline"
     );
     Ok(outcomes)
+}
+
+// A shard's stripe checksums are the version grid's block checksums.
+const _: () = assert!(STRIPE == icheck_core::delta::BLOCK_SIZE);
+
+/// Parity shard `index` of a group of one member, whose every parity shard
+/// is the member's bytes zero-padded to the shard's length (a repetition
+/// code, [`redundancy::StripeEncoder`]): read straight into the shard's
+/// file as a copy is, the fabric pipelining the whole version and each
+/// chunk checked against the member's checksums as it arrives, instead of
+/// block by block through a buffer and the coder.
+fn build_repeated(
+    shared: &Shared,
+    task: &PieceTask,
+    group: u32,
+    index: u8,
+    (mut session, manifest, region): FetchedMember,
+    started: Instant,
+) -> Result<Vec<PieceOutcome>, String> {
+    let version = task.version;
+    let piece = PieceId::Parity { group, index };
+    let fail = |what: String| format!("building the {piece} for version {version}: {what}");
+    let fetched_at = started.elapsed();
+    let (len, shard_len) = (manifest.total_len, shard_len(manifest.total_len));
+    let store = &shared.settings.store;
+    let file = store.create_piece(&shared.app, version, piece, shard_len).map_err(|e| fail(e.to_string()))?;
+    let mut file = shared.endpoint.register(file, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
+    let created_at = started.elapsed();
+    session.read_checked(shared, region, &mut file, &manifest).map_err(fail)?;
+    session.done_reading();
+    let read_at = started.elapsed();
+    let (Ok(len), Ok(shard)) = (usize::try_from(len), usize::try_from(shard_len)) else {
+        return Err(fail(format!("a shard of {shard_len} bytes does not fit this machine's memory")));
+    };
+    // A reused spare piece holds an older shard's bytes past the member's.
+    file.as_mut_slice()[len..shard].fill(0);
+    let (_, crcs) = icheck_core::delta::checksums(&[&file.as_slice()[..shard]]);
+    let meta = ParityMeta {
+        app: shared.app.clone(),
+        version,
+        group,
+        index,
+        parity: task.parity,
+        shard_len,
+        members: vec![Some(manifest)],
+        crcs,
+    };
+    store.seal_piece(&shared.app, version, piece, &PieceMeta::Parity(meta)).map_err(|e| fail(e.to_string()))?;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    tracing::debug!(
+        version,
+        group,
+        fetched_ms = ms(fetched_at),
+        created_ms = ms(created_at),
+        read_and_check_ms = ms(read_at),
+        sealed_ms = ms(started.elapsed()),
+        "repeated shard's timeline"
+    );
+    Ok(vec![PieceOutcome { agent: shared.id, piece, result: Ok(shard_len) }])
 }
 
 /// Rebuilds `rank`'s `version` into this node's store (as its primary) from
