@@ -306,6 +306,10 @@ fn case(cli: &Cli, data: Dataset, policy: &str) -> Result<Row> {
                 a.registration.name == app
                     && a.protected == latest
                     && !a.rebuilding
+                    // Protected again, not still building its pieces anew
+                    // (a restart then would share the rebuilt agent with
+                    // that reading: measured apart, in the README).
+                    && a.protecting.is_none()
                     && a.protection_problem.is_none()
                     && a.agents.iter().all(|agent| agent.node != node)
             })
