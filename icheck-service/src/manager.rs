@@ -121,12 +121,15 @@ const FIRST_WARM_FILE: u64 = 256 << 20;
 /// fills: its page zeroing would compete with a commit for memory
 /// bandwidth and cores.
 const WARM_WHEN_QUIET_FOR: Duration = Duration::from_secs(2);
+/// How long the warm pool waits after a file could not be made.
+const WARM_RETRY: Duration = Duration::from_secs(30);
 
 /// Keeps `target` bytes of backed files in the store's warm pool
 /// (`WarmPool`), on a thread of the lowest priority, one file at a time and
-/// only while the node is quiet; each file has the size of the last version
-/// file made here (a new version's file takes the best fit), and is made
-/// only while its file system keeps twice its size free beside it.
+/// only while the node is quiet; each file has the size of the largest
+/// version file made here (a new version's file takes the best fit), and is
+/// made only while its file system keeps twice its size free beside it. A
+/// file that cannot be made is tried again after [`WARM_RETRY`].
 fn spawn_warm_pool(store: Store, target: u64) {
     let fill = move || {
         lower_thread_priority();
@@ -157,7 +160,10 @@ fn spawn_warm_pool(store: Store, target: u64) {
                     ready = false;
                     tracing::debug!(bytes = len, ms = started.elapsed().as_secs_f64() * 1e3, "warm file made");
                 }
-                Err(err) => tracing::warn!(%err, "cannot fill the warm pool"),
+                Err(err) => {
+                    tracing::warn!(%err, retry_secs = WARM_RETRY.as_secs(), "cannot fill the warm pool");
+                    std::thread::sleep(WARM_RETRY);
+                }
             }
         }
     };
