@@ -74,7 +74,8 @@ fn new_file_epoch() -> std::time::Instant {
     *EPOCH.get_or_init(std::time::Instant::now)
 }
 
-/// Records that a version's file of `len` bytes is being made now.
+/// Records that a version's file of `len` bytes is being made (or a spare
+/// reused for one) now.
 fn note_new_file(len: u64) {
     use std::sync::atomic::Ordering::Relaxed;
     let now = u64::try_from(new_file_epoch().elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -394,8 +395,9 @@ impl Store {
                 reused = true;
             }
         }
+        // Reused or not, a version's file is being written: the node is busy.
+        note_new_file(len);
         if !reused {
-            note_new_file(len);
             self.take_warm(&data, len)?;
         }
         self.create_mapped(&data, len, false)
