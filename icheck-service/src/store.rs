@@ -715,6 +715,7 @@ impl Store {
     /// Renames the rank's file `name` to the data file of `version` if it
     /// has the version's size.
     fn reuse_named(&self, name: &str, app: &str, rank: u32, version: u64, len: u64) -> Result<bool> {
+        note_new_file(len);
         let dir = self.rank_dir(app, rank)?;
         let spare = dir.join(name);
         let on_disk = fs::metadata(&spare).map(|m| m.len()).ok();
