@@ -637,16 +637,8 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
         writing_ms = spent.coding.writing.as_secs_f64() * 1e3,
         "group's steps (reading overlaps the rest)"
     );
-    let meta = |index: u8, crcs: Vec<u32>| ParityMeta {
-        app: shared.app.clone(),
-        version,
-        group,
-        index,
-        parity: task.parity,
-        shard_len,
-        members: manifests.clone(),
-        crcs,
-    };
+    let meta =
+        |index: u8, crcs: Vec<u32>| parity_meta(shared, task, (group, index), shard_len, manifests.clone(), crcs);
     let encoded_at = started.elapsed();
     store.seal_piece(&shared.app, version, piece, &PieceMeta::Parity(meta(index, crcs))).map_err(|e| e.to_string())?;
     let sealed_at = started.elapsed();
@@ -677,6 +669,19 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
         "group's timeline"
     );
     Ok(outcomes)
+}
+
+/// The description of parity shard `index` of `group` for `task`'s version.
+fn parity_meta(
+    shared: &Shared,
+    task: &PieceTask,
+    (group, index): (u32, u8),
+    shard_len: u64,
+    members: Vec<Option<Manifest>>,
+    crcs: Vec<u32>,
+) -> ParityMeta {
+    let (app, version, parity) = (shared.app.clone(), task.version, task.parity);
+    ParityMeta { app, version, group, index, parity, shard_len, members, crcs }
 }
 
 // A shard's stripe checksums are the version grid's block checksums.
@@ -714,27 +719,11 @@ fn build_repeated(
     // A reused spare piece holds an older shard's bytes past the member's.
     file.as_mut_slice()[len..shard].fill(0);
     let (_, crcs) = icheck_core::delta::checksums(&[&file.as_slice()[..shard]]);
-    let meta = ParityMeta {
-        app: shared.app.clone(),
-        version,
-        group,
-        index,
-        parity: task.parity,
-        shard_len,
-        members: vec![Some(manifest)],
-        crcs,
-    };
+    let meta = parity_meta(shared, task, (group, index), shard_len, vec![Some(manifest)], crcs);
     store.seal_piece(&shared.app, version, piece, &PieceMeta::Parity(meta)).map_err(|e| fail(e.to_string()))?;
-    let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    tracing::debug!(
-        version,
-        group,
-        fetched_ms = ms(fetched_at),
-        created_ms = ms(created_at),
-        read_and_check_ms = ms(read_at),
-        sealed_ms = ms(started.elapsed()),
-        "repeated shard's timeline"
-    );
+    let (fetched, created, read) = (fetched_at.as_secs_f64(), created_at.as_secs_f64(), read_at.as_secs_f64());
+    let sealed = started.elapsed().as_secs_f64();
+    tracing::debug!(version, group, fetched, created, read, sealed, "repeated shard's timeline (seconds)");
     Ok(vec![PieceOutcome { agent: shared.id, piece, result: Ok(shard_len) }])
 }
 
