@@ -99,9 +99,10 @@ pub trait Launcher: Send + Sync {
     fn idle_nodes(&self) -> Option<u32> {
         None
     }
-    /// Gives up the lost `node` (its manager is not started there again)
+    /// Withdraws what still waits to start a manager on the lost `node`
     /// and asks for another checkpoint node in its place; says what was
-    /// asked. Used by a rebuild that has no free node to place on.
+    /// asked. Used by a rebuild that has no free node to place on (the
+    /// controller then gives the lost node up).
     fn replace_node(&self, node: &str) -> Result<String, String> {
         Err(format!("this launcher cannot replace the lost node {node}"))
     }
@@ -312,17 +313,17 @@ impl SlurmLauncher {
         Ok(id)
     }
 
-    /// The recorded jobs pinned to `node` (relaunches) that wait to run.
-    fn pinned_pending(&self, node: &str) -> Vec<u64> {
+    /// Of the `live` jobs ([`SlurmLauncher::live_jobs`]), the recorded ones
+    /// pinned to `node` (relaunches) that wait to run.
+    fn pinned_pending(&self, node: &str, live: &[(u64, String, String)]) -> Vec<u64> {
         let recorded = self.recorded();
         let pinned = |id: &u64| recorded.iter().any(|j| j.id == *id && j.node.as_deref() == Some(node));
-        let live = self.live_jobs();
-        live.into_iter().filter(|(id, state, _)| state == "PENDING" && pinned(id)).map(|(id, _, _)| id).collect()
+        live.iter().filter(|(id, state, _)| state == "PENDING" && pinned(id)).map(|(id, _, _)| *id).collect()
     }
 
     /// Cancels the relaunch jobs pinned to `node` that wait to run; their ids.
     fn cancel_pinned(&self, node: &str) -> Result<Vec<String>, String> {
-        let jobs: Vec<String> = self.pinned_pending(node).iter().map(u64::to_string).collect();
+        let jobs: Vec<String> = self.pinned_pending(node, &self.live_jobs()).iter().map(u64::to_string).collect();
         if jobs.is_empty() {
             return Ok(jobs);
         }
@@ -454,8 +455,9 @@ impl Launcher for SlurmLauncher {
         fs::write(self.dir.join(SLURM_RELEASED), released)
             .map_err(|err| format!("cannot record {node} as released in {}: {err}", self.dir.display()))?;
         // Running there, or waiting to (a relaunch pinned to the node).
-        let pinned = self.pinned_pending(node);
-        let jobs: Vec<String> = (self.live_jobs().into_iter())
+        let live = self.live_jobs();
+        let pinned = self.pinned_pending(node, &live);
+        let jobs: Vec<String> = (live.into_iter())
             .filter(|(id, _, n)| n == node || pinned.contains(id))
             .map(|(id, _, _)| id.to_string())
             .collect();
