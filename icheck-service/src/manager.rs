@@ -117,9 +117,9 @@ impl Monitor {
 /// Size of a warm file before the node has made any version's file (at
 /// most a quarter of the pool).
 const FIRST_WARM_FILE: u64 = 256 << 20;
-/// How long no version's file must have been made before the warm pool
-/// fills: its page zeroing would compete with a commit for memory
-/// bandwidth and cores.
+/// How long no version's file must have been made or reused before the
+/// warm pool fills: its page zeroing would compete with a commit for
+/// memory bandwidth and cores.
 const WARM_WHEN_QUIET_FOR: Duration = Duration::from_secs(2);
 /// How long the warm pool waits after a file could not be made.
 const WARM_RETRY: Duration = Duration::from_secs(30);
@@ -144,7 +144,7 @@ fn spawn_warm_pool(store: Store, target: u64) {
                 ready = true;
                 continue;
             }
-            let last = crate::store::last_new_file();
+            let last = crate::store::version_file_activity();
             if last.is_some_and(|(since, _)| since < WARM_WHEN_QUIET_FOR) {
                 continue;
             }

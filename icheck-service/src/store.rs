@@ -61,40 +61,40 @@ const SPARE_PREFIX: &str = "spare.";
 /// start with a dot.
 const WARM: &str = ".warm";
 
-/// When (milliseconds since [`new_file_epoch`]) this process last made a
-/// version's file, and the largest it made: the warm pool fills only while
-/// the node is quiet, with files of the largest size it needed (whole
-/// versions; an incremental version's file is smaller). One store per
-/// manager process.
-static LAST_NEW_FILE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-static LAST_NEW_FILE_LEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// When (milliseconds since [`activity_epoch`]) this process last made or
+/// reused a version's file, and the largest such file: the warm pool fills
+/// only while the node is quiet, with files of the largest size it needed
+/// (whole versions; an incremental version's file is smaller). One store
+/// per manager process.
+static LAST_VERSION_FILE_AT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static LARGEST_VERSION_FILE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-fn new_file_epoch() -> std::time::Instant {
+fn activity_epoch() -> std::time::Instant {
     static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
     *EPOCH.get_or_init(std::time::Instant::now)
 }
 
 /// Records that a version's file of `len` bytes is being made (or a spare
 /// reused for one) now.
-fn note_new_file(len: u64) {
+fn note_version_file(len: u64) {
     use std::sync::atomic::Ordering::Relaxed;
-    let now = u64::try_from(new_file_epoch().elapsed().as_millis()).unwrap_or(u64::MAX);
-    LAST_NEW_FILE.store(now.max(1), Relaxed);
-    LAST_NEW_FILE_LEN.fetch_max(len, Relaxed);
+    let now = u64::try_from(activity_epoch().elapsed().as_millis()).unwrap_or(u64::MAX);
+    LAST_VERSION_FILE_AT.store(now.max(1), Relaxed);
+    LARGEST_VERSION_FILE.fetch_max(len, Relaxed);
 }
 
 /// Files below this size never come from the warm pool: their zeroing is
 /// short, and cutting a large warm file down to them would waste it.
 const WARM_MIN: u64 = 8 << 20;
 
-/// How long ago this process last made a version's file, and the largest
-/// it made; `None` if it never did.
-pub fn last_new_file() -> Option<(std::time::Duration, u64)> {
+/// How long ago this process last made or reused a version's file, and
+/// the largest such file; `None` if it never did.
+pub fn version_file_activity() -> Option<(std::time::Duration, u64)> {
     use std::sync::atomic::Ordering::Relaxed;
-    let at = LAST_NEW_FILE.load(Relaxed);
+    let at = LAST_VERSION_FILE_AT.load(Relaxed);
     (at > 0).then(|| {
-        let since = new_file_epoch().elapsed().saturating_sub(std::time::Duration::from_millis(at));
-        (since, LAST_NEW_FILE_LEN.load(Relaxed))
+        let since = activity_epoch().elapsed().saturating_sub(std::time::Duration::from_millis(at));
+        (since, LARGEST_VERSION_FILE.load(Relaxed))
     })
 }
 
@@ -396,7 +396,7 @@ impl Store {
             }
         }
         // Reused or not, a version's file is being written: the node is busy.
-        note_new_file(len);
+        note_version_file(len);
         if !reused {
             self.take_warm(&data, len)?;
         }
@@ -408,7 +408,7 @@ impl Store {
     /// preparing the next one (its file must stay where that thread put it).
     pub fn create_new(&self, app: &str, rank: u32, version: u64, len: u64) -> Result<MappedFile> {
         let (_, data) = self.new_data_path(app, rank, version)?;
-        note_new_file(len);
+        note_version_file(len);
         // A warm file replaces whatever an interrupted run left there.
         let warm = self.take_warm(&data, len)?;
         self.create_mapped(&data, len, !warm)
@@ -435,7 +435,7 @@ impl Store {
         let dir = self.rank_dir(app, rank)?;
         fs::create_dir_all(&dir).map_err(io("cannot create", &dir))?;
         let path = dir.join(PREPARED);
-        note_new_file(len);
+        note_version_file(len);
         let warm = !path.exists() && self.take_warm(&path, len)?;
         let file = OpenOptions::new().write(true).create(true).truncate(false).open(&path);
         file.and_then(|f| f.set_len(len.max(4096))).map_err(io("cannot size", &path))?;
@@ -715,7 +715,7 @@ impl Store {
     /// Renames the rank's file `name` to the data file of `version` if it
     /// has the version's size.
     fn reuse_named(&self, name: &str, app: &str, rank: u32, version: u64, len: u64) -> Result<bool> {
-        note_new_file(len);
+        note_version_file(len);
         let dir = self.rank_dir(app, rank)?;
         let spare = dir.join(name);
         let on_disk = fs::metadata(&spare).map(|m| m.len()).ok();
