@@ -251,10 +251,11 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
             protected.agents.iter().filter(|a| !dead.contains(&a.node)).map(|a| a.node.as_str()).collect();
         // A replacement goes to a live node holding none of the version
         // (a lost node whose manager came back counts: it holds nothing of
-        // it any more), the emptiest first; only without one does it share
-        // a node.
+        // it any more, but a node that did not just fail goes first), the
+        // emptiest first; only without one does it share a node.
         let mut candidates: Vec<_> = state.nodes.snapshot(now).into_iter().filter(|n| n.alive && !n.draining).collect();
-        candidates.sort_by_key(|n| (survivors.contains(n.node.as_str()), n.agents, n.node.clone()));
+        candidates
+            .sort_by_key(|n| (survivors.contains(n.node.as_str()), dead.contains(&n.node), n.agents, n.node.clone()));
         if candidates.is_empty() {
             return Err(format!("no live checkpoint node is left to rebuild on after losing {dead:?}"));
         }
