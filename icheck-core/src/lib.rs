@@ -10,6 +10,8 @@
 //! * [`pfs`] is the PFS level's on-disk format (its copies encrypted by
 //!   [`cipher`] where the application asks), read by restarting
 //!   applications and written by agents and the library's fallback.
+//! * [`handoff`] gives a restarting rank on its agent's own host the
+//!   version's file (a descriptor over a Unix socket) instead of the fabric.
 //! * [`credentials`] is who may do what: tokens, per-application
 //!   capabilities and the client's capability store.
 //! * [`config`], [`decide`], [`distribution`], [`monitor`] and [`units`] are
@@ -32,6 +34,7 @@ pub mod distribution;
 pub mod fabric;
 pub mod failpoint;
 pub mod format;
+pub mod handoff;
 pub mod monitor;
 pub mod pattern;
 pub mod pfs;

@@ -452,6 +452,11 @@ pub struct NodeStatus {
     /// the next new version files, not counted in `bytes_held`.
     #[serde(default)]
     pub warm_bytes: u64,
+    /// Version files the node's agents handed to restarting ranks on their
+    /// own host (read with `pread`, not over the fabric) since the manager
+    /// started.
+    #[serde(default)]
+    pub files_handed_over: u64,
 }
 
 /// Messages a manager sends to the controller.
@@ -1103,6 +1108,10 @@ pub enum AgentRequest {
     Fetch {
         /// Version number.
         version: u64,
+        /// The rank's host, when it can take the version's file from an
+        /// agent on the same host ([`crate::handoff`]); `None` reads over
+        /// the fabric.
+        reader: Option<crate::handoff::HostId>,
     },
     /// The rank has read what Fetch exposed.
     FetchDone,
@@ -1321,6 +1330,8 @@ pub struct Fetched {
     pub region: RemoteRegion,
     /// What the agent found damaged, if anything (see [`AgentReply::Fetch`]).
     pub damaged: Option<String>,
+    /// The version's file, offered to a reader on the agent's host.
+    pub handoff: Option<crate::handoff::Handoff>,
 }
 
 /// Why an agent's answer to Fetch cannot be used.
@@ -1362,8 +1373,8 @@ pub enum FetchRefused {
 /// over from a peer agent. A damaged or hostile manifest is a typed error
 /// here, never an out-of-range offset later.
 pub fn check_fetched(reply: AgentReply, wanted: FetchWanted<'_>) -> Result<Fetched, FetchRefused> {
-    let (manifest, region, damaged) = match reply {
-        AgentReply::Fetch { manifest, region, damaged } => (manifest, region, damaged),
+    let (manifest, region, damaged, handoff) = match reply {
+        AgentReply::Fetch { manifest, region, damaged, handoff } => (manifest, region, damaged, handoff),
         AgentReply::Error(message) => return Err(FetchRefused::Agent(message)),
         other => return Err(FetchRefused::Unexpected(format!("{other:?}"))),
     };
@@ -1379,7 +1390,7 @@ pub fn check_fetched(reply: AgentReply, wanted: FetchWanted<'_>) -> Result<Fetch
     if region.len < manifest.total_len {
         return Err(FetchRefused::ShortRegion { region: region.len, total: manifest.total_len });
     }
-    Ok(Fetched { manifest, region, damaged })
+    Ok(Fetched { manifest, region, damaged, handoff })
 }
 
 /// Answers of an agent.
@@ -1412,6 +1423,10 @@ pub enum AgentReply {
         /// no PFS copy could replace them: what is damaged. The data is
         /// exposed all the same (intact labels still verify on restore).
         damaged: Option<String>,
+        /// Offered to a reader on the agent's host: the version's file,
+        /// read-only (the region is exposed over the fabric only when
+        /// this is `None`).
+        handoff: Option<crate::handoff::Handoff>,
     },
     /// The request failed.
     Error(String),
@@ -1556,7 +1571,7 @@ mod tests {
         let region = RemoteRegion { addr: 0, key: 1, len: data.len() as u64 };
         let wanted = FetchWanted { app: &good.app, rank: good.rank, version: good.version };
         let received = |manifest: Manifest, region: RemoteRegion| -> AgentReply {
-            decode(&encode(&AgentReply::Fetch { manifest, region, damaged: None }).unwrap()).unwrap()
+            decode(&encode(&AgentReply::Fetch { manifest, region, damaged: None, handoff: None }).unwrap()).unwrap()
         };
         let fetched = check_fetched(received(good.clone(), region), wanted).unwrap();
         assert_eq!((fetched.manifest, fetched.region), (good.clone(), region));

@@ -181,3 +181,111 @@ pub unsafe fn read_checked_from(
         read.map(|_| bad)
     })
 }
+/// Reads `out.len()` bytes at `offset` of `file` (a version's data file an
+/// agent on this host handed over, [`crate::handoff`]) into `out`, on
+/// `threads` threads that each read a contiguous run of whole chunks and
+/// check every chunk as soon as they have read it, while it is still in the
+/// cache. Returns the index of the first chunk that does not match its
+/// checksum, if any (a checksum list of the wrong length counts as damage at
+/// chunk 0); a file shorter than the range is an error.
+pub fn read_file_checked(
+    file: &std::fs::File,
+    offset: u64,
+    out: &mut [u8],
+    crcs: &[u32],
+    threads: usize,
+) -> std::io::Result<Option<usize>> {
+    use std::os::unix::fs::FileExt;
+    let chunks = out.len().div_ceil(CHUNK_BYTES);
+    if crcs.len() != chunks {
+        return Ok(Some(0));
+    }
+    let per_thread = chunks.div_ceil(threads.clamp(1, chunks.max(1)));
+    let read_run = |first: usize, run: &mut [u8]| -> std::io::Result<Option<usize>> {
+        for (i, bytes) in run.chunks_mut(CHUNK_BYTES).enumerate() {
+            let chunk = first + i;
+            file.read_exact_at(bytes, offset + (chunk * CHUNK_BYTES) as u64)?;
+            if first_bad_chunk(bytes, &crcs[chunk..=chunk]).is_some() {
+                return Ok(Some(chunk));
+            }
+        }
+        Ok(None)
+    };
+    if per_thread >= chunks {
+        return read_run(0, out);
+    }
+    std::thread::scope(|scope| {
+        let runs: Vec<_> = out
+            .chunks_mut(per_thread * CHUNK_BYTES)
+            .enumerate()
+            .map(|(i, run)| {
+                let first = i * per_thread;
+                (first, scope.spawn(move || read_run(first, run)))
+            })
+            .collect();
+        let mut bad: Option<usize> = None;
+        for (first, run) in runs {
+            let found = run.join().unwrap_or(Ok(Some(first)))?;
+            bad = match (bad, found) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+        }
+        Ok(bad)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::chunk_crcs;
+    use std::io::Write;
+
+    /// An unlinked file holding `bytes`.
+    fn file_with(bytes: &[u8]) -> std::fs::File {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("icheck-verified-test-{}-{n}", std::process::id()));
+        let mut file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        file.write_all(bytes).unwrap();
+        file
+    }
+
+    #[test]
+    fn a_file_range_is_read_bit_exact_on_any_number_of_threads() {
+        // Three and a half chunks after a 1000-byte header.
+        let data: Vec<u8> = (0..CHUNK_BYTES * 7 / 2).map(|i| (i * 31 % 251) as u8).collect();
+        let file = file_with(&[vec![9u8; 1000], data.clone()].concat());
+        let crcs = chunk_crcs(&data);
+        for threads in [1, 2, 3, 8] {
+            let mut out = vec![0u8; data.len()];
+            assert_eq!(read_file_checked(&file, 1000, &mut out, &crcs, threads).unwrap(), None, "{threads}");
+            assert!(out == data, "{threads} threads");
+        }
+        let mut empty = [];
+        assert_eq!(read_file_checked(&file, 0, &mut empty, &[], 2).unwrap(), None);
+    }
+
+    #[test]
+    fn the_earliest_damaged_chunk_is_named_and_a_short_file_is_an_error() {
+        let mut data: Vec<u8> = (0..CHUNK_BYTES * 4).map(|i| (i % 253) as u8).collect();
+        let crcs = chunk_crcs(&data);
+        data[CHUNK_BYTES * 3 + 5] ^= 1;
+        data[CHUNK_BYTES + 7] ^= 1;
+        let file = file_with(&data);
+        for threads in [1, 2, 4] {
+            let mut out = vec![0u8; data.len()];
+            assert_eq!(read_file_checked(&file, 0, &mut out, &crcs, threads).unwrap(), Some(1), "{threads}");
+        }
+        let mut out = vec![0u8; data.len()];
+        assert_eq!(read_file_checked(&file, 0, &mut out, &crcs[..3], 2).unwrap(), Some(0), "wrong checksum count");
+        // The range runs past the file's end: one chunk more than it holds.
+        let three = vec![5u8; CHUNK_BYTES * 3];
+        let short = file_with(&three);
+        let four_crcs = [chunk_crcs(&three), vec![0]].concat();
+        let mut longer = vec![0u8; CHUNK_BYTES * 4];
+        let err = read_file_checked(&short, 0, &mut longer, &four_crcs, 2).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+}

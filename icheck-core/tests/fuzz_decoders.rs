@@ -129,9 +129,19 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 manifest: manifest(),
                 region: RemoteRegion { addr: 0, key: 1, len: 128 },
                 damaged: None,
+                handoff: Some(icheck_core::handoff::Handoff {
+                    socket: "icheck-handoff-1-00".into(),
+                    ticket: icheck_core::handoff::Ticket([3; 16]),
+                }),
             })),
         ),
-        ("frame", enc(protocol::encode_frame(&AgentRequest::Fetch { version: 5 }))),
+        (
+            "frame",
+            enc(protocol::encode_frame(&AgentRequest::Fetch {
+                version: 5,
+                reader: Some(icheck_core::handoff::HostId { boot: "b".into(), net_namespace: 7 }),
+            })),
+        ),
         ("manifest", format::encode_stored(&manifest()).expect("encodes")),
         ("config", include_bytes!("../../config/icheck.toml").to_vec()),
         ("dynamic", include_bytes!("../../config/dynamic.toml").to_vec()),

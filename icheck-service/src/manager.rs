@@ -80,7 +80,8 @@ impl Monitor {
         Monitor { started: std::time::Instant::now(), activity: NodeActivity::default(), power: PowerMeter::default() }
     }
 
-    fn measure(&mut self, agents: &Agents, store: &Store) -> NodeStatus {
+    fn measure(&mut self, agents: &Agents, settings: &AgentSettings) -> NodeStatus {
+        let store = &settings.store;
         use std::sync::atomic::Ordering::Relaxed;
         let now = self.started.elapsed().as_secs_f64();
         let (mem_available, mem_total) = read_meminfo();
@@ -110,6 +111,7 @@ impl Monitor {
             agent_bandwidth: agents.iter().map(|(id, a)| (*id, a.counters().last_bandwidth())).collect(),
             power_watts: self.power.watts(),
             warm_bytes: store.warm_bytes(),
+            files_handed_over: settings.handoff.as_ref().map_or(0, |h| h.files_taken()),
         }
     }
 }
@@ -195,6 +197,7 @@ pub fn agent_settings(config: &StaticConfig, node: &str) -> AgentSettings {
         store: Store::new(config.agent_store_dir.join(node)),
         pfs: config.pfs_dir.clone().map(icheck_core::pfs::PfsStore::new),
         idle_timeout: config.client_idle_timeout(),
+        handoff: None,
     }
 }
 
@@ -229,8 +232,16 @@ async fn shutdown_signal() {
 }
 
 async fn serve(config: StaticConfig, node: String, agents: Agents) -> Result<(), ServiceError> {
-    let settings = agent_settings(&config, &node);
+    let mut settings = agent_settings(&config, &node);
     tracing::info!(store = %settings.store.root().display(), "checkpoint store");
+    // Restarting ranks on this host take their version's file here.
+    settings.handoff = match icheck_core::handoff::HandoffServer::bind() {
+        Ok(server) => Some(Arc::new(server)),
+        Err(err) => {
+            tracing::warn!(%err, "no same-host handoff socket: restarts on this host read over the fabric");
+            None
+        }
+    };
     // No agent runs yet: whatever is unsealed was left by a manager that died
     // mid-commit, and would only take the room later versions need.
     let (files, bytes) = settings.store.sweep_unsealed();
@@ -323,7 +334,7 @@ async fn session(
     let register = ManagerToController::Register {
         node: node.to_string(),
         pid: std::process::id(),
-        status: Monitor::new().measure(agents, &settings.store),
+        status: Monitor::new().measure(agents, settings),
         agents: running,
         stored,
     };
@@ -347,7 +358,7 @@ async fn session(
     });
     // Heartbeats, status and the agent watchdog.
     let timers = {
-        let (tx, agents, store) = (tx.clone(), agents.clone(), settings.store.clone());
+        let (tx, agents, settings) = (tx.clone(), agents.clone(), settings.clone());
         let (heartbeat, status_every) = (config.heartbeat(), config.status());
         tokio::spawn(async move {
             let mut beat = tokio::time::interval(heartbeat);
@@ -368,7 +379,7 @@ async fn session(
                         if tx.send(ManagerToController::Heartbeat).is_err() { break; }
                     }
                     _ = status.tick() => {
-                        let measured = monitor.measure(&agents, &store);
+                        let measured = monitor.measure(&agents, &settings);
                         if tx.send(ManagerToController::Status(measured)).is_err() { break; }
                     }
                 }

@@ -94,6 +94,12 @@ pub fn render(report: &StatusReport) -> String {
             samples: vec![],
         },
         Family {
+            name: "icheck_node_files_handed_over_total",
+            help: "Version files handed to restarting ranks on the node's own host (read without the fabric)",
+            kind: "counter",
+            samples: vec![],
+        },
+        Family {
             name: "icheck_node_checkpoint_received_bytes_total",
             help: "Checkpoint bytes received by the node's agents (incremental versions: changed blocks only)",
             kind: "counter",
@@ -311,6 +317,7 @@ pub fn render(report: &StatusReport) -> String {
         put("icheck_node_agent_fill_rate", l.clone(), n.trend.agent_fill_rate);
         put("icheck_node_checkpoint_bytes_held", l.clone(), Some(s.bytes_held as f64));
         put("icheck_node_warm_pool_bytes", l.clone(), Some(s.warm_bytes as f64));
+        put("icheck_node_files_handed_over_total", l.clone(), Some(s.files_handed_over as f64));
         put("icheck_node_checkpoint_received_bytes_total", l.clone(), Some(s.checkpoint_bytes as f64));
         put("icheck_node_checkpoint_operations_total", l.clone(), Some(s.checkpoint_ops as f64));
         put("icheck_node_checkpoint_operations_per_minute", l.clone(), Some(s.cops_per_min));

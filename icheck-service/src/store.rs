@@ -185,6 +185,12 @@ impl SharedMapping {
         self.0.len
     }
 
+    /// Whether this is an incremental version composed of shared blocks
+    /// (no single file holds its bytes).
+    pub fn is_composed(&self) -> bool {
+        self.0.is_composed()
+    }
+
     /// The mapping itself, if this is its last holder.
     pub fn into_inner(self) -> Option<MappedFile> {
         std::sync::Arc::into_inner(self.0)
@@ -800,6 +806,17 @@ impl Store {
         let (data, _) = self.paths(app, rank, version)?;
         let meta = fs::metadata(&data).map_err(|_| StoreError::Missing { app: app.to_string(), rank, version })?;
         Ok(FileIdentity::of(&meta))
+    }
+
+    /// A sealed version's data file opened read-only, with its identity as
+    /// opened (taken from the open file, so it describes exactly what the
+    /// holder reads).
+    pub fn open_data_read_only(&self, app: &str, rank: u32, version: u64) -> Result<(File, FileIdentity)> {
+        let (data, _) = self.paths(app, rank, version)?;
+        let missing = || StoreError::Missing { app: app.to_string(), rank, version };
+        let file = File::open(&data).map_err(|_| missing())?;
+        let meta = file.metadata().map_err(|_| missing())?;
+        Ok((file, FileIdentity::of(&meta)))
     }
 
     /// Opens a stored version: its manifest and its mapped data.

@@ -587,6 +587,74 @@ fn restores_pushed_by_the_agents_are_bit_exact_and_damage_is_named() {
     assert!(!ok && output.contains("ICHECK_RESTORE") && output.contains("\"sideways\""), "{output}");
 }
 
+/// Files the service's agents handed to restarting ranks on their host, as
+/// the managers last reported.
+fn files_handed_over(service: &LocalService) -> u64 {
+    service.status().nodes.iter().map(|n| n.status.files_handed_over).sum()
+}
+
+/// With `restore = "auto"` (the default) a rank on its agent's host takes
+/// the version's file and reads it with `pread`: the managers count every
+/// file handed over, and `icheck status` and `/metrics` say so. A fixed
+/// direction (`pull`, `push`) still moves the bytes over the fabric. Damage
+/// in a handed-over file is caught by the rank's own per-chunk check,
+/// which names the label and the bytes, as over the fabric.
+#[test]
+fn a_restart_on_the_agents_host_reads_the_version_file_and_fixed_directions_use_the_fabric() {
+    for provider in ["tcp", "shm"] {
+        let service = service(&format!("mpi-local-{provider}"), 2, provider);
+        let config = service.config_path();
+        let app = format!("local-{provider}");
+        let mut args = vec!["--app", app.as_str(), "--steps", "4", "--every", "2", "--mib", "40", "--persist"];
+        let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+        assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{provider}: {lines:?}");
+        assert_eq!(files_handed_over(&service), 0, "{provider}: commits hand nothing over");
+        args[3] = "6";
+        let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+        assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{provider}: {lines:?}");
+        assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{provider}: {lines:?}");
+        icheck_service::testkit::wait_for("both ranks' files counted", Duration::from_secs(30), || {
+            files_handed_over(&service) == 2
+        });
+        let out = Command::new(&service.icheck).args(["status", "--state-dir"]).arg(&service.dir).output().unwrap();
+        let printed = String::from_utf8_lossy(&out.stdout);
+        assert!(printed.contains("2 version file(s) handed to restarting ranks on this host"), "{printed}");
+        let metrics = scrape(&service);
+        let counted: f64 = metrics
+            .lines()
+            .filter(|l| l.starts_with("icheck_node_files_handed_over_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        assert_eq!(counted, 2.0, "{metrics}");
+
+        // Fixed directions: over the fabric, nothing handed over.
+        for (restore, version, step) in [("pull", 4, 6), ("push", 5, 8)] {
+            args[3] = if restore == "pull" { "8" } else { "10" };
+            let env = [("ICHECK_RESTORE", restore)];
+            let lines = Job::start(2, &config, &args, &env).finish(Duration::from_secs(120));
+            let restored = format!("RESTORED version={version} step={step} verified");
+            assert!(lines.iter().any(|l| *l == restored), "{provider} {restore}: {lines:?}");
+        }
+        std::thread::sleep(Duration::from_secs(2));
+        assert_eq!(files_handed_over(&service), 2, "{provider}: fixed directions read over the fabric");
+    }
+
+    // Damage in the file (one process, no PFS copy): the rank names it.
+    let service = service("mpi-local-damage", 1, "tcp");
+    let config = service.config_path();
+    let args = ["--app", "ldmg", "--steps", "4", "--every", "2", "--mib", "40", "--persist"];
+    let lines = Job::start(1, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    flip_middle_byte(&service.config.agent_store_dir.join("local-1/ldmg/rank0/v3.data"));
+    let (ok, output) = Job::start(1, &config, &args, &[]).finish_any(Duration::from_secs(60));
+    assert!(!ok, "{output}");
+    assert!(output.contains("rank 0: restore failed: version 3 of rank 0: bytes "), "{output}");
+    assert!(output.contains("(labels \"big\") fail their crc32c checksum"), "{output}");
+    icheck_service::testkit::wait_for("the damaged file counted as handed over", Duration::from_secs(30), || {
+        files_handed_over(&service) == 1
+    });
+}
+
 #[test]
 fn draining_a_node_moves_its_agents_and_their_data_at_the_next_probe() {
     // No scaling: the only change a probe can bring is the drain.

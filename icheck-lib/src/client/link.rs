@@ -100,10 +100,11 @@ impl AgentLink {
     }
 
     /// Asks for `version` to restart from (on a session opened again if the
-    /// agent closed the idle one).
-    pub(super) fn fetch(&mut self, version: u64) -> Result<AgentReply> {
+    /// agent closed the idle one); `reader` (this process's host) lets an
+    /// agent on the same host offer the version's file instead.
+    pub(super) fn fetch(&mut self, version: u64, reader: Option<HostId>) -> Result<AgentReply> {
         self.reopen_if_closed()?;
-        self.call(&AgentRequest::Fetch { version })
+        self.call(&AgentRequest::Fetch { version, reader })
     }
 
     /// Tells the agent the restart data is no longer needed. A session the

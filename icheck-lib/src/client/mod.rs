@@ -28,6 +28,7 @@ use icheck_core::fabric::{
     RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
 };
 use icheck_core::format::{label_crcs, CHUNK_BYTES, CHUNK_SIZE};
+use icheck_core::handoff::HostId;
 use icheck_core::protocol::ProtocolError;
 use icheck_core::protocol::{
     self, check_fetched, AgentInfo, AgentReply, AgentRequest, AppRegistration, ClientReply, ClientRequest, DataKind,
@@ -152,9 +153,12 @@ pub struct Icheck {
     direction: TransferDirection,
     /// `transfer = "auto"`: the measurement that sets `direction`.
     auto: Option<AutoDirection>,
-    /// How a restart's data comes back from this rank's agent (`Auto`
-    /// resolved for the provider: never `Auto`).
+    /// How a restart's data comes back from this rank's agent over the
+    /// fabric (`Auto` resolved for the provider: never `Auto`).
     restore_direction: RestoreDirection,
+    /// `restore = "auto"`: a restart takes the version's file from an agent
+    /// on this host instead of the fabric ([`icheck_core::handoff`]).
+    restore_same_host: bool,
     zero_copy: bool,
     /// `incremental` (see `ClientConfig`): send only changed blocks.
     incremental: bool,
@@ -361,6 +365,7 @@ impl Icheck {
         let _entered = span.enter();
         let domain = Domain::open(&config.fabric)?;
         let endpoint = Endpoint::new(&domain)?;
+        let restore_same_host = restore_direction == RestoreDirection::Auto;
         let restore_direction = restore_direction.on(endpoint.provider());
 
         // Rank 0 registers; everyone learns the outcome (or the error).
@@ -510,6 +515,7 @@ impl Icheck {
             direction,
             auto,
             restore_direction,
+            restore_same_host,
             zero_copy,
             incremental,
             sealed_blocks: None,

@@ -518,10 +518,10 @@ impl Icheck {
         let agent = &self.agents[agent_for_rank(rank, written, self.agents.len() as u32) as usize];
         let mut link = AgentLink::open(&self.endpoint, agent, &self.access, &self.app, rank, self.waits())?;
         link.expect_bytes(self.version_bytes());
-        let reply = link.call(&AgentRequest::Fetch { version })?;
+        let reply = link.call(&AgentRequest::Fetch { version, reader: None })?;
         let (manifest, region) = match check_fetched(reply, FetchWanted { app: &self.app, rank, version }) {
             Ok(Fetched { damaged: Some(damage), .. }) => return Err(link.error(damage)),
-            Ok(Fetched { manifest, region, damaged: None }) => (manifest, region),
+            Ok(Fetched { manifest, region, damaged: None, .. }) => (manifest, region),
             Err(refused) => return Err(link.error(format!("version {version}, old rank {rank}: {refused}"))),
         };
         let old = OldRank::Agent { link: Box::new(link), manifest, region };

@@ -24,6 +24,10 @@ pub(super) struct Restored {
 pub(super) enum RestoredData {
     /// At this rank's agent, exposed for reading until `FetchDone`.
     Agent(RemoteRegion),
+    /// At this rank's agent on this host, which handed over the version's
+    /// file ([`icheck_core::handoff`]): read with `pread` until
+    /// `FetchDone`.
+    AgentFile(std::fs::File),
     /// SHMR: in the node segment, read and verified by the node leader;
     /// labels are named `<rank>/<label>` there.
     Segment,
@@ -162,6 +166,28 @@ pub(super) fn deliver_and_verify(
 }
 
 impl Icheck {
+    /// Reads `out.len()` bytes at `file_offset` of a version's file an
+    /// agent on this host handed over, checking each chunk against `crcs`
+    /// as it is read, on this process's share of the node's cores (its
+    /// neighbours restore at the same time). Returns the first bad chunk.
+    fn read_file_and_verify(
+        &self,
+        file: &std::fs::File,
+        file_offset: u64,
+        out: &mut [u8],
+        chunk: usize,
+        crcs: &[u32],
+    ) -> Result<Option<usize>> {
+        if chunk != CHUNK_BYTES {
+            return Ok(Some(0));
+        }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let (_, on_this_node) = self.comm.node_counts();
+        let threads = (cores / on_this_node.max(1) as usize).max(1);
+        icheck_core::verified::read_file_checked(file, file_offset, out, crcs, threads)
+            .map_err(|err| Error::Unsupported(format!("reading the version's file handed over by the agent: {err}")))
+    }
+
     /// Prepares a restart from the newest complete version (*collective*):
     /// this rank's agent exposes its data, and `restore` / `restore_all`
     /// then read each label straight into the caller's memory, verifying its
@@ -255,18 +281,40 @@ impl Icheck {
         icheck_core::failpoint::hit("client.before_fetch");
         // The agent may check (or read from the PFS) the whole version first.
         link.expect_bytes(bytes);
-        let reply = link.fetch(version)?;
+        // `restore = "auto"` takes the version's file from an agent on this
+        // host; a fixed direction always moves the bytes over the fabric.
+        let reader = if self.restore_same_host { HostId::current() } else { None };
+        let reply = link.fetch(version, reader.clone())?;
         // From the agent: checked before any offset in it is used.
-        let Fetched { manifest, region, damaged } =
+        let Fetched { manifest, region, damaged, handoff } =
             check_fetched(reply, wanted).map_err(|e| link.error(format!("version {version}: {e}")))?;
+        let data = match handoff.map(|handoff| icheck_core::handoff::take_file(&handoff)) {
+            None => RestoredData::Agent(region),
+            Some(Ok(file)) => {
+                tracing::debug!(version, "the agent on this host handed over the version's file");
+                RestoredData::AgentFile(file)
+            }
+            Some(Err(err)) => {
+                // The agent started no reads for this fetch: ask again, for
+                // the fabric.
+                tracing::warn!(version, %err, "cannot take the version's file from the agent on this host; reading over the fabric");
+                let reply = link.fetch(version, None)?;
+                let fetched =
+                    check_fetched(reply, wanted).map_err(|e| link.error(format!("version {version}: {e}")))?;
+                if fetched.manifest != manifest {
+                    return Err(link.error(format!("version {version}: the manifest changed between two fetches")));
+                }
+                RestoredData::Agent(fetched.region)
+            }
+        };
         self.restart_damage = damaged;
-        self.restored = Some(Restored { manifest, data: RestoredData::Agent(region) });
+        self.restored = Some(Restored { manifest, data });
         Ok(version)
     }
 
     /// Tells the agent the restart data is no longer needed.
     pub(super) fn release_restart(&mut self) {
-        if self.restored.take().is_some_and(|r| matches!(r.data, RestoredData::Agent(_))) {
+        if self.restored.take().is_some_and(|r| matches!(r.data, RestoredData::Agent(_) | RestoredData::AgentFile(_))) {
             if let Some(link) = self.link.as_mut() {
                 if let Err(err) = link.fetch_done() {
                     tracing::warn!(%err, "agent did not acknowledge the end of a restart");
@@ -324,7 +372,8 @@ impl Icheck {
         }
         let start = layout.offset as usize;
         let region = match &restored.data {
-            RestoredData::Agent(region) => *region,
+            RestoredData::Agent(region) => Some(*region),
+            RestoredData::AgentFile(_) => None,
             // Verified when read from the PFS.
             RestoredData::Local(bytes) => {
                 out.copy_from_slice(&bytes[start..start + out.len()]);
@@ -346,11 +395,17 @@ impl Icheck {
         let started = Instant::now();
         let chunk = manifest.chunk_size as usize;
         let crcs = &manifest.crcs[index];
-        let bad = match self.restore_direction {
-            RestoreDirection::Push => deliver_and_verify(&self.endpoint, link, layout.offset, out, chunk, crcs),
-            RestoreDirection::Pull | RestoreDirection::Auto => {
+        let bad = match (region, &restored.data, self.restore_direction) {
+            (None, RestoredData::AgentFile(file), _) => {
+                self.read_file_and_verify(file, layout.offset, out, chunk, crcs)
+            }
+            (Some(_), _, RestoreDirection::Push) => {
+                deliver_and_verify(&self.endpoint, link, layout.offset, out, chunk, crcs)
+            }
+            (Some(region), _, _) => {
                 read_and_verify(&self.endpoint, &link.peer, region, layout.offset, out, chunk, crcs)
             }
+            (None, _, _) => unreachable!("only a handed-over file has no region"),
         }
         .map_err(|err| match err {
             Error::Fabric(err) => link.error(format!("reading label {label:?}: {err}")),

@@ -218,9 +218,9 @@ impl Icheck {
         let fetched: std::result::Result<(Manifest, RemoteRegion), String> = match self.link.as_mut() {
             Some(link) => {
                 link.expect_bytes(bytes);
-                match link.fetch(version).map(|reply| check_fetched(reply, wanted)) {
+                match link.fetch(version, None).map(|reply| check_fetched(reply, wanted)) {
                     Ok(Ok(Fetched { damaged: Some(damage), .. })) => Err(damage),
-                    Ok(Ok(Fetched { manifest, region, damaged: None })) => Ok((manifest, region)),
+                    Ok(Ok(Fetched { manifest, region, damaged: None, .. })) => Ok((manifest, region)),
                     Ok(Err(refused)) => Err(refused.to_string()),
                     Err(err) => Err(err.to_string()),
                 }

@@ -79,6 +79,10 @@ pub struct AgentSettings {
     /// How long a session waits for its rank's next request before it is
     /// closed (`ClientIdleTimeout`; the library then opens a new one).
     pub idle_timeout: Duration,
+    /// The manager's socket that hands version files to restarting ranks on
+    /// this host ([`icheck_core::handoff`]); `None`: every restart reads
+    /// over the fabric.
+    pub handoff: Option<Arc<icheck_core::handoff::HandoffServer>>,
 }
 
 /// Counters an agent keeps for the manager's status reports.
@@ -798,8 +802,12 @@ struct Fetching {
     /// Bytes of the rank's version a `Deliver` may write from (`None`: a
     /// piece of redundancy, which only another agent reads).
     deliverable: Option<u64>,
-    /// Drives reads of `exposed`; stopped while the agent itself writes.
+    /// Drives reads of `exposed`; stopped while the agent itself writes,
+    /// and not started while a same-host reader may take the file instead.
     progress: Option<ProgressThread>,
+    /// The version's file offered to a reader on this host: held only to
+    /// revoke the offer when the fetch ends.
+    _offered: Option<icheck_core::handoff::Offered>,
 }
 
 /// The memory a fetched version is read from.
@@ -1334,7 +1342,7 @@ fn handle_rest(
             );
             Ok(AgentReply::Ok)
         }
-        AgentRequest::Fetch { version } => {
+        AgentRequest::Fetch { version, reader } => {
             let fetch_started = Instant::now();
             session.fetching = None;
             let (app, rank) = (session.core.app().to_string(), session.core.rank());
@@ -1370,12 +1378,19 @@ fn handle_rest(
             }
             let pfs = shared.settings.pfs.as_ref();
             let has_copy = || pfs.is_some_and(|pfs| pfs.manifest(&app, version).is_ok());
-            let (manifest, exposed, damaged) =
+            // A reader on this host takes the very file the check above
+            // vouched for, or reads over the fabric.
+            let offer = |file: &SharedMapping| offer_file(shared, reader.as_ref(), rank, version, file, identity);
+            let (manifest, exposed, damaged, offered) =
                 match (session.core.serve_fetch(version, found, pfs.is_some(), has_copy)?, opened) {
-                    (Serve::Stored, Ok((manifest, file))) => (manifest, expose_file(shared, file)?, None),
+                    (Serve::Stored, Ok((manifest, file))) => {
+                        let offered = offer(&file);
+                        (manifest, expose_file(shared, file)?, None, offered)
+                    }
                     (Serve::Damaged(report), Ok((manifest, file))) => {
                         tracing::warn!(version, rank, %report, "stored version is damaged and has no PFS copy");
-                        (manifest, expose_file(shared, file)?, Some(report))
+                        let offered = offer(&file);
+                        (manifest, expose_file(shared, file)?, Some(report), offered)
                     }
                     (Serve::FromPfs { replacing }, opened) => {
                         // Unmapped before the damaged version's files go.
@@ -1385,7 +1400,7 @@ fn handle_rest(
                             store.remove_version(&app, rank, version).map_err(|e| e.to_string())?;
                         }
                         let (manifest, exposed) = expose_from_pfs(shared, &app, rank, version)?;
-                        (manifest, exposed, None)
+                        (manifest, exposed, None, None)
                     }
                     (_, Err(err)) => return Err(err.to_string()),
                 };
@@ -1394,8 +1409,11 @@ fn handle_rest(
                 Exposed::Loaded(buffer) => buffer.remote(),
             };
             region.len = manifest.total_len.min(region.len);
-            let progress = serve_reads(shared, caller)?;
-            session.fetching = Some(Fetching { exposed, deliverable: Some(region.len), progress: Some(progress) });
+            // A reader that takes the file reads nothing over the fabric: no
+            // thread spins for it (one that cannot take it fetches again).
+            let (handoff, offered) = offered.unzip();
+            let progress = if offered.is_none() { Some(serve_reads(shared, caller)?) } else { None };
+            session.fetching = Some(Fetching { exposed, deliverable: Some(region.len), progress, _offered: offered });
             let ms = fetch_started.elapsed().as_secs_f64() * 1e3;
             tracing::debug!(
                 version,
@@ -1404,9 +1422,10 @@ fn handle_rest(
                 kept,
                 open_ms,
                 ms,
+                same_host = handoff.is_some(),
                 "version checked and exposed for reading"
             );
-            Ok(AgentReply::Fetch { manifest, region, damaged })
+            Ok(AgentReply::Fetch { manifest, region, damaged, handoff })
         }
         AgentRequest::Deliver(segments) => {
             let ops = session::deliver_ops(session.fetching.as_ref().and_then(|f| f.deliverable), &segments)?;
@@ -1439,7 +1458,7 @@ fn handle_rest(
             let Exposed::Stored(registered) = &exposed else { unreachable!("expose_file exposes the stored file") };
             let region = registered.remote();
             let progress = serve_reads(shared, caller)?;
-            session.fetching = Some(Fetching { exposed, deliverable: None, progress: Some(progress) });
+            session.fetching = Some(Fetching { exposed, deliverable: None, progress: Some(progress), _offered: None });
             Ok(AgentReply::Piece { meta, region })
         }
         AgentRequest::PutPiece { version, piece, len } => {
@@ -1508,6 +1527,42 @@ fn verify_piece(meta: &PieceMeta, bytes: &[u8], version: u64, piece: PieceId) ->
 /// agent's read (a copy, a rebuild, a take-over) is background work and
 /// runs at nice 19 like the reader's side, or its spinning would starve
 /// that reader on a busy node.
+/// The version's data file for a reader on this host (`reader`), when it
+/// is exactly the file the Fetch checked or kept (`identity`) and holds the
+/// whole version (not an incremental version composed of several files).
+fn offer_file(
+    shared: &Shared,
+    reader: Option<&icheck_core::handoff::HostId>,
+    rank: u32,
+    version: u64,
+    file: &SharedMapping,
+    identity: Option<crate::store::FileIdentity>,
+) -> Option<(icheck_core::handoff::Handoff, icheck_core::handoff::Offered)> {
+    let server = shared.settings.handoff.as_ref()?;
+    if reader.is_none() || reader != server.host() || file.is_composed() {
+        return None;
+    }
+    let (data, opened) = match shared.settings.store.open_data_read_only(&shared.app, rank, version) {
+        Ok(found) => found,
+        Err(err) => {
+            tracing::debug!(%err, version, rank, "no file to hand over; the rank reads over the fabric");
+            return None;
+        }
+    };
+    if Some(opened) != identity {
+        tracing::debug!(
+            version,
+            rank,
+            "the version's file changed since it was checked; the rank reads over the fabric"
+        );
+        return None;
+    }
+    server
+        .offer(data)
+        .map_err(|err| tracing::warn!(%err, version, rank, "cannot offer the version's file to a rank on this host"))
+        .ok()
+}
+
 fn serve_reads(shared: &Shared, caller: Caller) -> Result<ProgressThread, String> {
     let spawned = if caller.privilege == Privilege::Node {
         ProgressThread::spawn_with(

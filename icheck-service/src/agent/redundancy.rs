@@ -75,11 +75,11 @@ impl PeerSession {
         rank: u32,
         version: u64,
     ) -> Result<(Manifest, RemoteRegion), String> {
-        let reply = self.call(&AgentRequest::Fetch { version })?;
+        let reply = self.call(&AgentRequest::Fetch { version, reader: None })?;
         self.fetching = true;
         match check_fetched(reply, FetchWanted { app: &shared.app, rank, version }) {
             Ok(Fetched { damaged: Some(damage), .. }) => Err(self.fail(format!("rank {rank} is damaged: {damage}"))),
-            Ok(Fetched { manifest, region, damaged: None }) => Ok((manifest, region)),
+            Ok(Fetched { manifest, region, damaged: None, .. }) => Ok((manifest, region)),
             Err(refused) => Err(self.fail(refused)),
         }
     }

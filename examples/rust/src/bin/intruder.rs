@@ -176,7 +176,10 @@ fn main() {
         };
         report("agent-open", attempt(open, false));
         for version in [1, 2, 3] {
-            report(&format!("agent-fetch-{version}"), attempt(AgentRequest::Fetch { version }, true));
+            // As a process on the agent's host: a fetch it may not make must
+            // not offer the version's file either.
+            let reader = icheck_core::handoff::HostId::current();
+            report(&format!("agent-fetch-{version}"), attempt(AgentRequest::Fetch { version, reader }, true));
         }
         report("agent-complete", attempt(AgentRequest::Complete { version: 1000 }, true));
         let label = LabelLayout { label: "x".into(), kind: DataKind::Binary, offset: 0, len: 8, adapt: None };

@@ -543,6 +543,12 @@ pub fn print_status(report: &StatusReport) {
         if s.warm_bytes > 0 {
             details.push(format!("  {}: warm pool {} ready for new version files", n.node, human_bytes(s.warm_bytes)));
         }
+        if s.files_handed_over > 0 {
+            details.push(format!(
+                "  {}: {} version file(s) handed to restarting ranks on this host (read without the fabric)",
+                n.node, s.files_handed_over
+            ));
+        }
         if let Some(failure) = &n.start_failure {
             details.push(format!("  {}: takes no new agents for now: {failure}", n.node));
         }
