@@ -98,6 +98,11 @@ struct ModeTimes {
     /// Restarts with `restore = "push"` (the agent writes), interleaved
     /// with the pulled ones.
     restart_pushed: f64,
+    /// Restarts with `restore = "auto"` (the default) on the agents' host:
+    /// the rank reads the version's file the agent handed over, interleaved
+    /// with the others.
+    #[serde(default)]
+    restart_same_host: f64,
 }
 
 /// Changes one byte in every page of `data` (differently each run), so a
@@ -154,8 +159,8 @@ fn measure<C: Communicator + 'static>(
         total.push(start.elapsed().as_secs_f64());
     }
     ic.finalize(true)?;
-    let (mut restarts, mut restarts_pushed) = (Vec::new(), Vec::new());
-    for restore in ["pull", "push"].into_iter().cycle().take(2 * runs) {
+    let (mut restarts, mut restarts_pushed, mut restarts_same_host) = (Vec::new(), Vec::new(), Vec::new());
+    for restore in ["pull", "push", "auto"].into_iter().cycle().take(3 * runs) {
         std::env::set_var("ICHECK_RESTORE", restore);
         let (mut ic, status) = Icheck::init(Some(config), app, comm_factory())?;
         if !matches!(status, InitStatus::Restart { .. }) {
@@ -170,10 +175,10 @@ fn measure<C: Communicator + 'static>(
         ic.restore_all()?;
         timing.barrier();
         let secs = start.elapsed().as_secs_f64();
-        if restore == "push" {
-            restarts_pushed.push(secs)
-        } else {
-            restarts.push(secs)
+        match restore {
+            "push" => restarts_pushed.push(secs),
+            "auto" => restarts_same_host.push(secs),
+            _ => restarts.push(secs),
         }
         ic.finalize(true)?;
     }
@@ -187,6 +192,7 @@ fn measure<C: Communicator + 'static>(
         async_total: median(total),
         restart: median(restarts),
         restart_pushed: median(restarts_pushed),
+        restart_same_host: median(restarts_same_host),
     })
 }
 
@@ -663,6 +669,18 @@ fn rows_for(
             pull.restart_pushed / pull.restart,
         ),
         line(
+            "restart + restore, same host: the rank reads the agent's file (restore = auto)",
+            format!("{:.2} GB/s", gb(pull.restart_same_host)),
+            format!("fi_read {:.2} GB/s", raw.0),
+            gb(pull.restart_same_host) / raw.0,
+        ),
+        line(
+            "restart + restore, same host, vs memcpy",
+            format!("{:.1} ms", pull.restart_same_host * 1e3),
+            format!("memcpy {:.1} ms", memcpy * 1e3),
+            pull.restart_same_host / memcpy,
+        ),
+        line(
             "restart + restore vs fi_read into fresh memory",
             format!("{:.2} GB/s", gb(pull.restart)),
             format!("fi_read {:.2} GB/s", raw.2),
@@ -935,7 +953,7 @@ fn main() -> Result<()> {
     eprintln!("memcpy {}: {:.1} ms ({:.2} GB/s)", cli.size, memcpy * 1e3, size as f64 / memcpy / 1e9);
     let mut lines = Vec::new();
     // Kinds of bars in the rates plot, in legend order.
-    const KINDS: [&str; 7] = [
+    const KINDS: [&str; 8] = [
         "icheck commit, pull",
         "icheck commit, push",
         "icheck restart + restore, the rank pulls",
@@ -943,6 +961,7 @@ fn main() -> Result<()> {
         "raw fi_write",
         "memcpy",
         "icheck restart + restore, the agent pushes",
+        "icheck restart + restore, same host (the agent's file)",
     ];
     let mut bars =
         vec![plots::Bar { label: format!("memcpy, {}", cli.size), gb_per_s: size as f64 / memcpy / 1e9, kind: 5 }];
@@ -952,6 +971,7 @@ fn main() -> Result<()> {
             (1, "commit, push", push.commit),
             (2, "restart + restore, pulled", pull.restart),
             (6, "restart + restore, pushed", pull.restart_pushed),
+            (7, "restart + restore, same host", pull.restart_same_host),
         ] {
             bars.push(plots::Bar { label: format!("{case}: {what}"), gb_per_s: bytes / secs / 1e9, kind });
         }
@@ -1126,20 +1146,26 @@ fn main() -> Result<()> {
                 ));
             }
             // The one-host restart target: no slower than the peers'
-            // node-local restarts, 2.7× the same bytes' memcpy; restored the
-            // default way for the provider.
-            let (direction, secs) = match RestoreDirection::Auto.on(provider) {
+            // node-local restarts, 2.7× the same bytes' memcpy: restored the
+            // default way (the agents' files, read on this host), and over
+            // the fabric the way `auto` chooses where the agents are remote.
+            let (direction, fabric) = match RestoreDirection::Auto.on(provider) {
                 RestoreDirection::Push => ("push", results[0].restart_pushed),
                 _ => ("pull", results[0].restart),
             };
-            lines.push(Line::new(
-                &case,
-                provider,
-                &format!("restart + restore (restore = auto: {direction}), vs 4 ranks copying at once"),
-                format!("{:.1} ms", secs * 1e3),
-                format!("memcpy ×4 at once {:.1} ms", result.memcpy_all * 1e3),
-                secs / result.memcpy_all,
-            ));
+            for (how, secs) in [
+                ("restore = auto: the agents' files on this host".to_string(), results[0].restart_same_host),
+                (format!("over the fabric, restore = {direction}"), fabric),
+            ] {
+                lines.push(Line::new(
+                    &case,
+                    provider,
+                    &format!("restart + restore ({how}), vs 4 ranks copying at once"),
+                    format!("{:.1} ms", secs * 1e3),
+                    format!("memcpy ×4 at once {:.1} ms", result.memcpy_all * 1e3),
+                    secs / result.memcpy_all,
+                ));
+            }
         }
     }
     if let (Some(provider), false) = (cli.providers.first(), cli.incremental_only) {

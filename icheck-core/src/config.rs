@@ -404,14 +404,18 @@ impl std::str::FromStr for crate::protocol::TransferMode {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RestoreDirection {
-    /// Whichever `commit-bench` measured faster on the provider: push over
-    /// `shm` (four ranks restored in 0.56-0.87 of the pulled time, one rank
-    /// alike), pull over the others (tcp: pushes took 1.02-1.60×).
+    /// From an agent on the rank's own host (and network namespace): the
+    /// version's file, handed over and read with `pread`
+    /// ([`crate::handoff`]). Otherwise whichever `commit-bench` measured
+    /// faster on the provider: push over `shm` (four ranks restored in
+    /// 0.56-0.87 of the pulled time, one rank alike), pull over the others
+    /// (tcp: pushes took 1.02-1.60×).
     #[default]
     Auto,
-    /// The rank reads its data from the agent's memory.
+    /// The rank reads its data from the agent's memory over the fabric.
     Pull,
-    /// The agent writes the data into the rank's registered memory.
+    /// The agent writes the data into the rank's registered memory over the
+    /// fabric.
     Push,
 }
 

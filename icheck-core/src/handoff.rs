@@ -88,13 +88,87 @@ impl std::fmt::Debug for Ticket {
     }
 }
 
-/// Where and with what a rank takes the file of the version it fetched.
+/// Most files one handoff carries (one message's descriptors): an
+/// incremental version whose blocks lie in more files is read over the
+/// fabric.
+pub const MAX_FILES: usize = 64;
+
+/// `len` bytes at `offset` of a version lie at `file_offset` of handed-over
+/// file number `file`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileExtent {
+    /// Offset in the version's data.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Which of the handed-over files.
+    pub file: u32,
+    /// Offset in that file.
+    pub file_offset: u64,
+}
+
+/// Where and with what a rank takes the files of the version it fetched.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Handoff {
     /// The abstract socket's name (without the leading NUL).
     pub socket: String,
-    /// Opens the file once.
+    /// Opens the files once.
     pub ticket: Ticket,
+    /// Where the version's bytes lie in the files, in order: one extent of
+    /// one file for a version stored whole, several for an incremental
+    /// version whose blocks other versions' files hold.
+    pub extents: Vec<FileExtent>,
+}
+
+/// The handed-over files of one version, and where its bytes lie in them
+/// (checked to cover the version exactly once, in order).
+#[derive(Debug)]
+pub struct VersionFiles {
+    files: Vec<File>,
+    extents: Vec<FileExtent>,
+}
+
+impl VersionFiles {
+    /// Checks that `extents` lie back to back from 0 to `total_len`, each
+    /// in one of `files`.
+    pub fn new(files: Vec<File>, extents: Vec<FileExtent>, total_len: u64) -> Result<VersionFiles, HandoffError> {
+        let mut next = 0u64;
+        for extent in &extents {
+            let fits = extent.offset == next
+                && extent.len > 0
+                && (extent.file as usize) < files.len()
+                && extent.file_offset.checked_add(extent.len).is_some();
+            if !fits {
+                return Err(HandoffError::Layout(format!(
+                    "extent {extent:?} after {next} bytes, {} files",
+                    files.len()
+                )));
+            }
+            next += extent.len;
+        }
+        if next != total_len {
+            return Err(HandoffError::Layout(format!("the extents cover {next} bytes, the version has {total_len}")));
+        }
+        Ok(VersionFiles { files, extents })
+    }
+
+    /// Reads exactly `buf.len()` bytes at `offset` of the version.
+    pub fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        let past = || std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "past the version's end");
+        let mut at = self.extents.partition_point(|e| e.offset + e.len <= offset);
+        let (mut done, mut offset) = (0usize, offset);
+        while done < buf.len() {
+            let extent = self.extents.get(at).ok_or_else(past)?;
+            let into = offset - extent.offset;
+            let take = usize::try_from(extent.len - into).unwrap_or(usize::MAX).min(buf.len() - done);
+            self.files[extent.file as usize].read_exact_at(&mut buf[done..done + take], extent.file_offset + into)?;
+            done += take;
+            offset += take as u64;
+            at += 1;
+        }
+        Ok(())
+    }
 }
 
 /// Why a handoff failed.
@@ -117,6 +191,12 @@ pub enum HandoffError {
     /// No random bytes for a ticket.
     #[error("no random bytes for a ticket: {0}")]
     Random(String),
+    /// The extents do not describe the version.
+    #[error("the handed-over files do not describe the version: {0}")]
+    Layout(String),
+    /// More files than one handoff carries.
+    #[error("{0} files are more than one handoff carries ({MAX_FILES})")]
+    TooManyFiles(usize),
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> HandoffError {
@@ -128,9 +208,10 @@ fn errno(what: &str) -> impl FnOnce(nix::errno::Errno) -> HandoffError + '_ {
     move |errno| HandoffError::Io { what: what.to_string(), source: errno.into() }
 }
 
-/// Connects to `handoff.socket`, presents the ticket and returns the file
-/// it opens (read-only, close-on-exec).
-pub fn take_file(handoff: &Handoff) -> Result<File, HandoffError> {
+/// Connects to `handoff.socket`, presents the ticket and returns the files
+/// it opens (read-only, close-on-exec), checked against the extents of a
+/// version of `total_len` bytes.
+pub fn take_files(handoff: &Handoff, total_len: u64) -> Result<VersionFiles, HandoffError> {
     let address = SocketAddr::from_abstract_name(handoff.socket.as_bytes())
         .map_err(io(format!("socket name {:?}", handoff.socket)))?;
     let mut stream = UnixStream::connect_addr(&address).map_err(io(format!("connect to @{}", handoff.socket)))?;
@@ -139,7 +220,7 @@ pub fn take_file(handoff: &Handoff) -> Result<File, HandoffError> {
     stream.write_all(&handoff.ticket.0).map_err(io(format!("send the ticket to @{}", handoff.socket)))?;
     let mut answer = [0u8; 1];
     let mut iov = [IoSliceMut::new(&mut answer)];
-    let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+    let mut space = nix::cmsg_space!([std::os::fd::RawFd; MAX_FILES]);
     let message = nix::sys::socket::recvmsg::<()>(
         stream.as_raw_fd(),
         &mut iov,
@@ -155,16 +236,17 @@ pub fn take_file(handoff: &Handoff) -> Result<File, HandoffError> {
             received.extend(fds.into_iter().map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }));
         }
     }
-    let bytes = message.bytes;
-    match (bytes, answer[0], received.len()) {
-        (1, b'Y', 1) => Ok(File::from(received.pop().expect("one descriptor"))),
+    match (message.bytes, answer[0], received.is_empty()) {
+        (1, b'Y', false) => {
+            VersionFiles::new(received.into_iter().map(File::from).collect(), handoff.extents.clone(), total_len)
+        }
         (1, b'N', _) => Err(HandoffError::Refused),
         _ => Err(HandoffError::NoDescriptor),
     }
 }
 
 /// Offered files by ticket.
-type Offers = Mutex<HashMap<Ticket, (File, Instant)>>;
+type Offers = Mutex<HashMap<Ticket, (Vec<File>, Instant)>>;
 
 /// The manager's side: offers files to same-host ranks on one abstract
 /// socket, served by one thread.
@@ -238,15 +320,19 @@ impl HandoffServer {
         &self.name
     }
 
-    /// Offers `file` under a new ticket until the returned guard drops.
-    pub fn offer(&self, file: File) -> Result<(Handoff, Offered), HandoffError> {
+    /// Offers `files`, holding a version's bytes where `extents` say, under
+    /// a new ticket until the returned guard drops.
+    pub fn offer(&self, files: Vec<File>, extents: Vec<FileExtent>) -> Result<(Handoff, Offered), HandoffError> {
+        if files.is_empty() || files.len() > MAX_FILES {
+            return Err(HandoffError::TooManyFiles(files.len()));
+        }
         let mut ticket = [0u8; 16];
         getrandom::fill(&mut ticket).map_err(|e| HandoffError::Random(e.to_string()))?;
         let ticket = Ticket(ticket);
         let mut offers = self.offers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         offers.retain(|_, (_, offered)| offered.elapsed() < TICKET_LIFETIME);
-        offers.insert(ticket, (file, Instant::now()));
-        let handoff = Handoff { socket: self.name.clone(), ticket };
+        offers.insert(ticket, (files, Instant::now()));
+        let handoff = Handoff { socket: self.name.clone(), ticket, extents };
         Ok((handoff, Offered { offers: self.offers.clone(), ticket }))
     }
 
@@ -308,11 +394,11 @@ fn answer(stream: &mut UnixStream, offers: &Offers) -> Result<(), HandoffError> 
         let mut offers = offers.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         offers.remove(&Ticket(ticket)).filter(|(_, offered)| offered.elapsed() < TICKET_LIFETIME)
     };
-    let Some((file, _)) = offered else {
+    let Some((files, _)) = offered else {
         stream.write_all(b"N").map_err(io("refuse a ticket"))?;
         return Err(HandoffError::Refused);
     };
-    let fds = [file.as_raw_fd()];
+    let fds: Vec<std::os::fd::RawFd> = files.iter().map(AsRawFd::as_raw_fd).collect();
     let control = [nix::sys::socket::ControlMessage::ScmRights(&fds)];
     nix::sys::socket::sendmsg::<()>(
         stream.as_raw_fd(),
@@ -329,43 +415,42 @@ fn answer(stream: &mut UnixStream, offers: &Offers) -> Result<(), HandoffError> 
 mod tests {
     use super::*;
     use std::io::Seek;
-    use std::os::unix::fs::FileExt;
 
     fn file_with(bytes: &[u8]) -> File {
-        let mut file = tempfile_in_tmp();
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("icheck-handoff-test-{}-{n}", std::process::id()));
+        let mut file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
         file.write_all(bytes).unwrap();
         file.rewind().unwrap();
         file
     }
 
-    fn tempfile_in_tmp() -> File {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!("icheck-handoff-test-{}-{n}", std::process::id()));
-        let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path).unwrap();
-        std::fs::remove_file(&path).unwrap();
-        file
+    /// One file holding a whole version of `len` bytes.
+    fn whole(len: u64) -> Vec<FileExtent> {
+        vec![FileExtent { offset: 0, len, file: 0, file_offset: 0 }]
+    }
+
+    fn read_all(files: &VersionFiles, len: usize) -> Vec<u8> {
+        let mut bytes = vec![0u8; len];
+        files.read_exact_at(&mut bytes, 0).unwrap();
+        bytes
     }
 
     #[test]
-    fn a_ticket_opens_its_file_once_and_only_its_file() {
+    fn a_ticket_opens_its_files_once_and_only_its_files() {
         let server = HandoffServer::bind().unwrap();
-        let (first, _first_guard) = server.offer(file_with(b"first file")).unwrap();
-        let (second, _second_guard) = server.offer(file_with(b"second")).unwrap();
+        let (first, _first_guard) = server.offer(vec![file_with(b"first file")], whole(10)).unwrap();
+        let (second, _second_guard) = server.offer(vec![file_with(b"second")], whole(6)).unwrap();
         assert_eq!(server.outstanding(), 2);
-        let taken = take_file(&second).unwrap();
-        let mut bytes = [0u8; 6];
-        taken.read_exact_at(&mut bytes, 0).unwrap();
-        assert_eq!(&bytes, b"second");
-        assert!(matches!(take_file(&second), Err(HandoffError::Refused)), "a ticket opens once");
+        assert_eq!(read_all(&take_files(&second, 6).unwrap(), 6), b"second");
+        assert!(matches!(take_files(&second, 6), Err(HandoffError::Refused)), "a ticket opens once");
         let guessed = Handoff { ticket: Ticket([7; 16]), ..first.clone() };
-        assert!(matches!(take_file(&guessed), Err(HandoffError::Refused)));
-        let taken = take_file(&first).unwrap();
-        let mut bytes = [0u8; 10];
-        taken.read_exact_at(&mut bytes, 0).unwrap();
-        assert_eq!(&bytes, b"first file");
+        assert!(matches!(take_files(&guessed, 10), Err(HandoffError::Refused)));
+        assert_eq!(read_all(&take_files(&first, 10).unwrap(), 10), b"first file");
         assert_eq!(server.outstanding(), 0);
-        // Counted by the answering thread after it sent the descriptor.
+        // Counted by the answering thread after it sent the descriptors.
         let counted = Instant::now();
         while server.files_taken() < 2 && counted.elapsed() < Duration::from_secs(5) {
             std::thread::sleep(Duration::from_millis(5));
@@ -374,37 +459,74 @@ mod tests {
     }
 
     #[test]
+    fn a_version_in_several_files_reads_across_their_extents() {
+        let server = HandoffServer::bind().unwrap();
+        // "abcdefghij" = "ab" (file 1 at 3) + "cdefg" (file 0 at 0) + "hij" (file 1 at 0).
+        let files = vec![file_with(b"cdefgXX"), file_with(b"hijab")];
+        let extents = vec![
+            FileExtent { offset: 0, len: 2, file: 1, file_offset: 3 },
+            FileExtent { offset: 2, len: 5, file: 0, file_offset: 0 },
+            FileExtent { offset: 7, len: 3, file: 1, file_offset: 0 },
+        ];
+        let (handoff, _guard) = server.offer(files, extents).unwrap();
+        let version = take_files(&handoff, 10).unwrap();
+        assert_eq!(read_all(&version, 10), b"abcdefghij");
+        let mut middle = [0u8; 6];
+        version.read_exact_at(&mut middle, 1).unwrap();
+        assert_eq!(&middle, b"bcdefg");
+        let mut past = [0u8; 2];
+        assert_eq!(version.read_exact_at(&mut past, 9).unwrap_err().kind(), std::io::ErrorKind::UnexpectedEof);
+    }
+
+    #[test]
+    fn extents_that_do_not_describe_the_version_are_refused() {
+        let extent = |offset, len, file| FileExtent { offset, len, file, file_offset: 0 };
+        for (extents, total) in [
+            (vec![extent(0, 4, 0)], 5),                  // short
+            (vec![extent(0, 4, 0), extent(3, 2, 0)], 5), // overlapping
+            (vec![extent(1, 4, 0)], 5),                  // a hole at the start
+            (vec![extent(0, 5, 1)], 5),                  // no such file
+            (vec![extent(0, 0, 0), extent(0, 5, 0)], 5), // empty extent
+        ] {
+            let err = VersionFiles::new(vec![file_with(b"12345")], extents.clone(), total).unwrap_err();
+            assert!(matches!(err, HandoffError::Layout(_)), "{extents:?}: {err}");
+        }
+        let server = HandoffServer::bind().unwrap();
+        assert!(matches!(server.offer(Vec::new(), whole(0)), Err(HandoffError::TooManyFiles(0))));
+        let many: Vec<File> = (0..=MAX_FILES).map(|_| file_with(b"x")).collect();
+        assert!(matches!(server.offer(many, whole(1)), Err(HandoffError::TooManyFiles(_))));
+    }
+
+    #[test]
     fn a_dropped_guard_revokes_its_ticket() {
         let server = HandoffServer::bind().unwrap();
-        let (handoff, guard) = server.offer(file_with(b"x")).unwrap();
+        let (handoff, guard) = server.offer(vec![file_with(b"x")], whole(1)).unwrap();
         drop(guard);
         assert_eq!(server.outstanding(), 0);
-        assert!(matches!(take_file(&handoff), Err(HandoffError::Refused)));
+        assert!(matches!(take_files(&handoff, 1), Err(HandoffError::Refused)));
     }
 
     #[test]
     fn the_server_survives_hostile_connections() {
         let server = HandoffServer::bind().unwrap();
         let address = SocketAddr::from_abstract_name(server.name().as_bytes()).unwrap();
-        // Nothing sent, a short ticket, garbage beyond a ticket, a hang-up.
+        // Nothing sent, a short ticket, garbage beyond a ticket, silence.
         drop(UnixStream::connect_addr(&address).unwrap());
         let mut short = UnixStream::connect_addr(&address).unwrap();
         short.write_all(b"abc").unwrap();
         let mut long = UnixStream::connect_addr(&address).unwrap();
         long.write_all(&[0xff; 4096]).unwrap();
         let silent = UnixStream::connect_addr(&address).unwrap();
-        let (handoff, _guard) = server.offer(file_with(b"still served")).unwrap();
-        let taken = take_file(&handoff).unwrap();
-        let mut bytes = [0u8; 12];
-        taken.read_exact_at(&mut bytes, 0).unwrap();
-        assert_eq!(&bytes, b"still served");
+        let (handoff, _guard) = server.offer(vec![file_with(b"still served")], whole(12)).unwrap();
+        assert_eq!(read_all(&take_files(&handoff, 12).unwrap(), 12), b"still served");
         drop((short, long, silent));
     }
 
     #[test]
     fn no_socket_is_an_error_that_names_it() {
-        let handoff = Handoff { socket: "icheck-handoff-nobody-listens".into(), ticket: Ticket([1; 16]) };
-        let err = take_file(&handoff).unwrap_err().to_string();
+        let handoff =
+            Handoff { socket: "icheck-handoff-nobody-listens".into(), ticket: Ticket([1; 16]), extents: whole(1) };
+        let err = take_files(&handoff, 1).unwrap_err().to_string();
         assert!(err.contains("@icheck-handoff-nobody-listens"), "{err}");
     }
 

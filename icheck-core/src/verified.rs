@@ -181,21 +181,21 @@ pub unsafe fn read_checked_from(
         read.map(|_| bad)
     })
 }
-/// Reads `out.len()` bytes at `offset` of `file` (a version's data file an
-/// agent on this host handed over, [`crate::handoff`]) into `out`, on
-/// `threads` threads that each read a contiguous run of whole chunks and
-/// check every chunk as soon as they have read it, while it is still in the
-/// cache. Returns the index of the first chunk that does not match its
-/// checksum, if any (a checksum list of the wrong length counts as damage at
-/// chunk 0); a file shorter than the range is an error.
+/// Reads `out.len()` bytes at `offset` of a version through `read_at`
+/// (`pread` from the files an agent on this host handed over,
+/// `handoff::VersionFiles::read_exact_at`) into `out`, on `threads` threads
+/// that each read a contiguous run of whole chunks and check every chunk as
+/// soon as they have read it, while it is still in the cache. Returns the
+/// index of the first chunk that does not match its checksum, if any (a
+/// checksum list of the wrong length counts as damage at chunk 0); a
+/// failed read (a file shorter than the range) is an error.
 pub fn read_file_checked(
-    file: &std::fs::File,
+    read_at: &(impl Fn(&mut [u8], u64) -> std::io::Result<()> + Sync),
     offset: u64,
     out: &mut [u8],
     crcs: &[u32],
     threads: usize,
 ) -> std::io::Result<Option<usize>> {
-    use std::os::unix::fs::FileExt;
     let chunks = out.len().div_ceil(CHUNK_BYTES);
     if crcs.len() != chunks {
         return Ok(Some(0));
@@ -204,7 +204,7 @@ pub fn read_file_checked(
     let read_run = |first: usize, run: &mut [u8]| -> std::io::Result<Option<usize>> {
         for (i, bytes) in run.chunks_mut(CHUNK_BYTES).enumerate() {
             let chunk = first + i;
-            file.read_exact_at(bytes, offset + (chunk * CHUNK_BYTES) as u64)?;
+            read_at(bytes, offset + (chunk * CHUNK_BYTES) as u64)?;
             if first_bad_chunk(bytes, &crcs[chunk..=chunk]).is_some() {
                 return Ok(Some(chunk));
             }
@@ -240,6 +240,12 @@ mod tests {
     use super::*;
     use crate::format::chunk_crcs;
     use std::io::Write;
+    use std::os::unix::fs::FileExt;
+
+    /// `pread` from `file`.
+    fn reader(file: &std::fs::File) -> impl Fn(&mut [u8], u64) -> std::io::Result<()> + Sync + '_ {
+        move |buf, offset| file.read_exact_at(buf, offset)
+    }
 
     /// An unlinked file holding `bytes`.
     fn file_with(bytes: &[u8]) -> std::fs::File {
@@ -260,11 +266,11 @@ mod tests {
         let crcs = chunk_crcs(&data);
         for threads in [1, 2, 3, 8] {
             let mut out = vec![0u8; data.len()];
-            assert_eq!(read_file_checked(&file, 1000, &mut out, &crcs, threads).unwrap(), None, "{threads}");
+            assert_eq!(read_file_checked(&reader(&file), 1000, &mut out, &crcs, threads).unwrap(), None, "{threads}");
             assert!(out == data, "{threads} threads");
         }
         let mut empty = [];
-        assert_eq!(read_file_checked(&file, 0, &mut empty, &[], 2).unwrap(), None);
+        assert_eq!(read_file_checked(&reader(&file), 0, &mut empty, &[], 2).unwrap(), None);
     }
 
     #[test]
@@ -276,16 +282,20 @@ mod tests {
         let file = file_with(&data);
         for threads in [1, 2, 4] {
             let mut out = vec![0u8; data.len()];
-            assert_eq!(read_file_checked(&file, 0, &mut out, &crcs, threads).unwrap(), Some(1), "{threads}");
+            assert_eq!(read_file_checked(&reader(&file), 0, &mut out, &crcs, threads).unwrap(), Some(1), "{threads}");
         }
         let mut out = vec![0u8; data.len()];
-        assert_eq!(read_file_checked(&file, 0, &mut out, &crcs[..3], 2).unwrap(), Some(0), "wrong checksum count");
+        assert_eq!(
+            read_file_checked(&reader(&file), 0, &mut out, &crcs[..3], 2).unwrap(),
+            Some(0),
+            "wrong checksum count"
+        );
         // The range runs past the file's end: one chunk more than it holds.
         let three = vec![5u8; CHUNK_BYTES * 3];
         let short = file_with(&three);
         let four_crcs = [chunk_crcs(&three), vec![0]].concat();
         let mut longer = vec![0u8; CHUNK_BYTES * 4];
-        let err = read_file_checked(&short, 0, &mut longer, &four_crcs, 2).unwrap_err();
+        let err = read_file_checked(&reader(&short), 0, &mut longer, &four_crcs, 2).unwrap_err();
         assert_eq!(err.kind(), std::io::ErrorKind::UnexpectedEof);
     }
 }

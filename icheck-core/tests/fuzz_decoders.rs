@@ -132,6 +132,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 handoff: Some(icheck_core::handoff::Handoff {
                     socket: "icheck-handoff-1-00".into(),
                     ticket: icheck_core::handoff::Ticket([3; 16]),
+                    extents: vec![icheck_core::handoff::FileExtent { offset: 0, len: 128, file: 0, file_offset: 0 }],
                 }),
             })),
         ),

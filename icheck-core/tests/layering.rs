@@ -30,7 +30,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
         "protocol",
         &["credentials", "delta", "distribution", "fabric", "format", "handoff", "monitor", "pfs", "redundancy"],
     ),
-    ("config", &["credentials", "fabric", "pfs", "protocol", "redundancy", "scaling", "units"]),
+    ("config", &["credentials", "fabric", "handoff", "pfs", "protocol", "redundancy", "scaling", "units"]),
     ("control", &["config", "credentials", "fabric", "protocol"]),
     ("decide", &["config", "distribution", "pfs", "protocol"]),
 ];

@@ -330,6 +330,17 @@ fn incremental_commits_move_only_changed_blocks_and_restore_bit_exact() {
         ic.finalize(true).unwrap();
     };
     restore(&config);
+    // Version 9's blocks lie in four files (versions 2, 3, 4 and 9): the
+    // agent on this host handed them all over, and the library read them.
+    wait_for("the composed version handed over", Duration::from_secs(30), || {
+        service.status().nodes.iter().map(|n| n.status.files_handed_over).sum::<u64>() == 1
+    });
+    // The same version over the fabric.
+    let pulled = config.with_file_name("pull.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    assert!(text.contains("restore = \"auto\""), "{text}");
+    std::fs::write(&pulled, text.replace("restore = \"auto\"", "restore = \"pull\"")).unwrap();
+    restore(&pulled);
 
     let _manager = kill_and_restart_manager(&service);
     restore(&config);

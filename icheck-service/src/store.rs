@@ -42,6 +42,7 @@ use memmap2::MmapMut;
 use icheck_core::delta::{BlockMap, BLOCK_SIZE};
 use icheck_core::fabric::StableBuffer;
 use icheck_core::format::{self, check_app_name, FormatError, Manifest};
+use icheck_core::handoff::FileExtent;
 use icheck_core::protocol::{PieceMeta, StoredVersion};
 use icheck_core::redundancy::PieceId;
 
@@ -808,15 +809,59 @@ impl Store {
         Ok(FileIdentity::of(&meta))
     }
 
-    /// A sealed version's data file opened read-only, with its identity as
-    /// opened (taken from the open file, so it describes exactly what the
-    /// holder reads).
-    pub fn open_data_read_only(&self, app: &str, rank: u32, version: u64) -> Result<(File, FileIdentity)> {
+    /// A sealed version's bytes as read-only files for a reader on this
+    /// host ([`icheck_core::handoff`]): its own data file, and for an
+    /// incremental version every file holding its blocks, with where each
+    /// range of the version lies in them; and its own data file's identity
+    /// as opened (taken from the open file, so it describes exactly what
+    /// the reader reads).
+    pub fn open_read_only(
+        &self,
+        app: &str,
+        rank: u32,
+        version: u64,
+    ) -> Result<(Vec<File>, Vec<FileExtent>, FileIdentity)> {
+        let manifest = self.manifest(app, rank, version)?;
         let (data, _) = self.paths(app, rank, version)?;
         let missing = || StoreError::Missing { app: app.to_string(), rank, version };
-        let file = File::open(&data).map_err(|_| missing())?;
-        let meta = file.metadata().map_err(|_| missing())?;
-        Ok((file, FileIdentity::of(&meta)))
+        let own = File::open(&data).map_err(|_| missing())?;
+        let meta = own.metadata().map_err(|_| missing())?;
+        let identity = FileIdentity::of(&meta);
+        let Some(blocks) = read_block_map(&data, version, manifest.total_len, meta.len())? else {
+            if meta.len() < manifest.total_len {
+                return Err(StoreError::BadManifest {
+                    path: data,
+                    reason: format!("data file holds {} bytes, manifest says {}", meta.len(), manifest.total_len),
+                });
+            }
+            let whole = (manifest.total_len > 0).then_some(FileExtent {
+                offset: 0,
+                len: manifest.total_len,
+                file: 0,
+                file_offset: 0,
+            });
+            return Ok((vec![own], whole.into_iter().collect(), identity));
+        };
+        let mut files = vec![own];
+        let mut holders: std::collections::HashMap<u64, u32> = [(version, 0)].into();
+        let mut extents = Vec::new();
+        for extent in blocks.extents() {
+            let offset = extent.first * BLOCK_SIZE;
+            let len = (extent.count * BLOCK_SIZE).min(blocks.total_len - offset);
+            let holder = extent.source.version;
+            let file = match holders.get(&holder) {
+                Some(index) => *index,
+                None => {
+                    let (file, _) = open_holder(&data, holder)?;
+                    files.push(file);
+                    let index = u32::try_from(files.len() - 1).unwrap_or(u32::MAX);
+                    holders.insert(holder, index);
+                    index
+                }
+            };
+            extents.push(FileExtent { offset, len, file, file_offset: extent.source.index * BLOCK_SIZE });
+        }
+        Ok((files, extents, identity))
     }
 
     /// Opens a stored version: its manifest and its mapped data.

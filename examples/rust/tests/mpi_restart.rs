@@ -633,7 +633,7 @@ fn a_restart_on_the_agents_host_reads_the_version_file_and_fixed_directions_use_
             let env = [("ICHECK_RESTORE", restore)];
             let lines = Job::start(2, &config, &args, &env).finish(Duration::from_secs(120));
             let restored = format!("RESTORED version={version} step={step} verified");
-            assert!(lines.iter().any(|l| *l == restored), "{provider} {restore}: {lines:?}");
+            assert!(lines.contains(&restored), "{provider} {restore}: {lines:?}");
         }
         std::thread::sleep(Duration::from_secs(2));
         assert_eq!(files_handed_over(&service), 2, "{provider}: fixed directions read over the fabric");

@@ -27,7 +27,7 @@ pub(super) enum RestoredData {
     /// At this rank's agent on this host, which handed over the version's
     /// file ([`icheck_core::handoff`]): read with `pread` until
     /// `FetchDone`.
-    AgentFile(std::fs::File),
+    AgentFile(icheck_core::handoff::VersionFiles),
     /// SHMR: in the node segment, read and verified by the node leader;
     /// labels are named `<rank>/<label>` there.
     Segment,
@@ -166,13 +166,13 @@ pub(super) fn deliver_and_verify(
 }
 
 impl Icheck {
-    /// Reads `out.len()` bytes at `file_offset` of a version's file an
+    /// Reads `out.len()` bytes at `file_offset` of a version whose files an
     /// agent on this host handed over, checking each chunk against `crcs`
     /// as it is read, on this process's share of the node's cores (its
     /// neighbours restore at the same time). Returns the first bad chunk.
     fn read_file_and_verify(
         &self,
-        file: &std::fs::File,
+        files: &icheck_core::handoff::VersionFiles,
         file_offset: u64,
         out: &mut [u8],
         chunk: usize,
@@ -184,7 +184,8 @@ impl Icheck {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let (_, on_this_node) = self.comm.node_counts();
         let threads = (cores / on_this_node.max(1) as usize).max(1);
-        icheck_core::verified::read_file_checked(file, file_offset, out, crcs, threads)
+        let read_at = |buf: &mut [u8], offset: u64| files.read_exact_at(buf, offset);
+        icheck_core::verified::read_file_checked(&read_at, file_offset, out, crcs, threads)
             .map_err(|err| Error::Unsupported(format!("reading the version's file handed over by the agent: {err}")))
     }
 
@@ -288,11 +289,11 @@ impl Icheck {
         // From the agent: checked before any offset in it is used.
         let Fetched { manifest, region, damaged, handoff } =
             check_fetched(reply, wanted).map_err(|e| link.error(format!("version {version}: {e}")))?;
-        let data = match handoff.map(|handoff| icheck_core::handoff::take_file(&handoff)) {
+        let data = match handoff.map(|handoff| icheck_core::handoff::take_files(&handoff, manifest.total_len)) {
             None => RestoredData::Agent(region),
-            Some(Ok(file)) => {
-                tracing::debug!(version, "the agent on this host handed over the version's file");
-                RestoredData::AgentFile(file)
+            Some(Ok(files)) => {
+                tracing::debug!(version, "the agent on this host handed over the version's files");
+                RestoredData::AgentFile(files)
             }
             Some(Err(err)) => {
                 // The agent started no reads for this fetch: ask again, for

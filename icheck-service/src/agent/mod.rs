@@ -1522,14 +1522,10 @@ fn verify_piece(meta: &PieceMeta, bytes: &[u8], version: u64, piece: PieceId) ->
     }
 }
 
-/// Drives this endpoint's progress while a caller reads what it exposed. A
-/// rank restarting waits for it, so it spins at full priority; another
-/// agent's read (a copy, a rebuild, a take-over) is background work and
-/// runs at nice 19 like the reader's side, or its spinning would starve
-/// that reader on a busy node.
-/// The version's data file for a reader on this host (`reader`), when it
-/// is exactly the file the Fetch checked or kept (`identity`) and holds the
-/// whole version (not an incremental version composed of several files).
+/// The version's files for a reader on this host (`reader`), when its own
+/// data file is exactly the one the Fetch checked or kept (`identity`): the
+/// file of a version stored whole, or every file holding the blocks of an
+/// incremental one.
 fn offer_file(
     shared: &Shared,
     reader: Option<&icheck_core::handoff::HostId>,
@@ -1539,17 +1535,18 @@ fn offer_file(
     identity: Option<crate::store::FileIdentity>,
 ) -> Option<(icheck_core::handoff::Handoff, icheck_core::handoff::Offered)> {
     let server = shared.settings.handoff.as_ref()?;
-    if reader.is_none() || reader != server.host() || file.is_composed() {
+    if reader.is_none() || reader != server.host() {
         return None;
     }
-    let (data, opened) = match shared.settings.store.open_data_read_only(&shared.app, rank, version) {
+    let (files, extents, opened) = match shared.settings.store.open_read_only(&shared.app, rank, version) {
         Ok(found) => found,
         Err(err) => {
             tracing::debug!(%err, version, rank, "no file to hand over; the rank reads over the fabric");
             return None;
         }
     };
-    if Some(opened) != identity {
+    let covered: u64 = extents.iter().map(|e| e.len).sum();
+    if Some(opened) != identity || covered != file.data_len() as u64 {
         tracing::debug!(
             version,
             rank,
@@ -1558,11 +1555,16 @@ fn offer_file(
         return None;
     }
     server
-        .offer(data)
-        .map_err(|err| tracing::warn!(%err, version, rank, "cannot offer the version's file to a rank on this host"))
+        .offer(files, extents)
+        .map_err(|err| tracing::warn!(%err, version, rank, "cannot offer the version's files to a rank on this host"))
         .ok()
 }
 
+/// Drives this endpoint's progress while a caller reads what it exposed. A
+/// rank restarting waits for it, so it spins at full priority; another
+/// agent's read (a copy, a rebuild, a take-over) is background work and
+/// runs at nice 19 like the reader's side, or its spinning would starve
+/// that reader on a busy node.
 fn serve_reads(shared: &Shared, caller: Caller) -> Result<ProgressThread, String> {
     let spawned = if caller.privilege == Privilege::Node {
         ProgressThread::spawn_with(

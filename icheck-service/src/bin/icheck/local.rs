@@ -147,7 +147,7 @@ fn write_static(dir: &Path, port: u16, standby: Option<u16>, tokens: &Tokens, op
          [fabric]\nprovider = \"{provider}\"\n\n\
          # How applications move data; ICHECK_TRANSFER, ICHECK_RESTORE and ICHECK_MODE override.\n\
          [client]\ntransfer = \"pull\"   # or \"push\", or \"auto\" (both measured, the faster kept)\n\
-         restore = \"auto\"    # a restart's data: \"pull\", \"push\" (the agent writes), auto: push over shm\n\
+         restore = \"auto\"    # a restart's data: \"pull\", \"push\" (the agent writes), auto: the agent's file on this host\n\
          mode = \"mr\"         # or \"shmr\"\n\
          staging_buffer = \"64MiB\"\nzero_copy = true\n\
          pfs_interval = 0          # agents copy every Nth version to PfsDir (0: never)\n\
