@@ -172,9 +172,11 @@ fn measure<C: Communicator + 'static>(
         timing.barrier();
         let start = Instant::now();
         ic.restart()?;
+        let restarted = start.elapsed().as_secs_f64();
         ic.restore_all()?;
         timing.barrier();
         let secs = start.elapsed().as_secs_f64();
+        eprintln!("{app}: restore = {restore}: restart {:.1} ms, + restore {:.1} ms", restarted * 1e3, secs * 1e3);
         match restore {
             "push" => restarts_pushed.push(secs),
             "auto" => restarts_same_host.push(secs),
@@ -1071,6 +1073,11 @@ fn main() -> Result<()> {
                 .output()
                 .context("running mpirun")?;
             drop(svc);
+            // Each rank's restart and restore times, as the one-rank case prints them.
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .filter(|l| l.contains(": restore = "))
+                .for_each(|l| eprintln!("{l}"));
             let stdout = String::from_utf8_lossy(&out.stdout);
             let Some(json) = stdout.lines().find_map(|l| l.strip_prefix("RESULT ")) else {
                 bail!("the MPI case printed no result:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
