@@ -639,6 +639,21 @@ fn a_restart_on_the_agents_host_reads_the_version_file_and_fixed_directions_use_
         assert_eq!(files_handed_over(&service), 2, "{provider}: fixed directions read over the fabric");
     }
 
+    // SHMR: the node leader takes the node's one file and fills the segment.
+    let node = service("mpi-local-shmr", 1, "tcp");
+    let config = node.config_path();
+    let shmr = [("ICHECK_MODE", "shmr")];
+    let mut args = vec!["--app", "lshmr", "--steps", "4", "--every", "2", "--mib", "6", "--persist"];
+    let lines = Job::start(3, &config, &args, &shmr).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    args[3] = "6";
+    let lines = Job::start(3, &config, &args, &shmr).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    icheck_service::testkit::wait_for("the node's file counted", Duration::from_secs(30), || {
+        files_handed_over(&node) == 1
+    });
+    drop(node);
+
     // Damage in the file (one process, no PFS copy): the rank names it.
     let service = service("mpi-local-damage", 1, "tcp");
     let config = service.config_path();

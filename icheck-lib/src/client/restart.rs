@@ -5,6 +5,7 @@
 use super::*;
 use icheck_core::fabric::ProgressMode;
 use icheck_core::format::first_bad_chunk;
+use icheck_core::handoff::VersionFiles;
 use icheck_core::protocol::DeliverSegment;
 use icheck_core::verified::{read_checked_into, CheckedRange};
 
@@ -27,7 +28,7 @@ pub(super) enum RestoredData {
     /// At this rank's agent on this host, which handed over the version's
     /// file ([`icheck_core::handoff`]): read with `pread` until
     /// `FetchDone`.
-    AgentFile(icheck_core::handoff::VersionFiles),
+    AgentFile(VersionFiles),
     /// SHMR: in the node segment, read and verified by the node leader;
     /// labels are named `<rank>/<label>` there.
     Segment,
@@ -165,30 +166,71 @@ pub(super) fn deliver_and_verify(
     outcome
 }
 
-impl Icheck {
-    /// Reads `out.len()` bytes at `file_offset` of a version whose files an
-    /// agent on this host handed over, checking each chunk against `crcs`
-    /// as it is read, on this process's share of the node's cores (its
-    /// neighbours restore at the same time). Returns the first bad chunk.
-    fn read_file_and_verify(
-        &self,
-        files: &icheck_core::handoff::VersionFiles,
-        file_offset: u64,
-        out: &mut [u8],
-        chunk: usize,
-        crcs: &[u32],
-    ) -> Result<Option<usize>> {
-        if chunk != CHUNK_BYTES {
-            return Ok(Some(0));
-        }
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let (_, on_this_node) = self.comm.node_counts();
-        let threads = (cores / on_this_node.max(1) as usize).max(1);
-        let read_at = |buf: &mut [u8], offset: u64| files.read_exact_at(buf, offset);
-        icheck_core::verified::read_file_checked(&read_at, file_offset, out, crcs, threads)
-            .map_err(|err| Error::Unsupported(format!("reading the version's file handed over by the agent: {err}")))
-    }
+/// Where a fetched version's bytes are read from.
+pub(super) enum ReadFrom {
+    /// The agent's registered memory, over the fabric.
+    Fabric(RemoteRegion),
+    /// The version's files, handed over by an agent on this host.
+    Files(VersionFiles),
+}
 
+/// Asks `link`'s agent for `wanted.version` and checks the answer. With
+/// `same_host` (`restore = "auto"`) the rank names its host, and an agent on
+/// the same host hands over the version's files; one the rank cannot take
+/// is fetched again over the fabric (the agent started no reads for the
+/// first fetch). Returns the manifest, where to read, and the damage the
+/// agent reported.
+pub(super) fn fetch_version(
+    link: &mut AgentLink,
+    wanted: FetchWanted<'_>,
+    same_host: bool,
+) -> Result<(Manifest, ReadFrom, Option<String>)> {
+    let version = wanted.version;
+    let reader = if same_host { HostId::current() } else { None };
+    let reply = link.fetch(version, reader)?;
+    // From the agent: checked before any offset in it is used.
+    let Fetched { manifest, region, damaged, handoff } =
+        check_fetched(reply, wanted).map_err(|e| link.error(format!("version {version}: {e}")))?;
+    let source = match handoff.map(|handoff| icheck_core::handoff::take_files(&handoff, manifest.total_len)) {
+        None => ReadFrom::Fabric(region),
+        Some(Ok(files)) => {
+            tracing::debug!(version, "the agent on this host handed over the version's files");
+            ReadFrom::Files(files)
+        }
+        Some(Err(err)) => {
+            tracing::warn!(version, %err, "cannot take the version's files from the agent on this host; reading over the fabric");
+            let reply = link.fetch(version, None)?;
+            let fetched = check_fetched(reply, wanted).map_err(|e| link.error(format!("version {version}: {e}")))?;
+            if fetched.manifest != manifest {
+                return Err(link.error(format!("version {version}: the manifest changed between two fetches")));
+            }
+            ReadFrom::Fabric(fetched.region)
+        }
+    };
+    Ok((manifest, source, damaged))
+}
+
+/// Reads `out.len()` bytes at `file_offset` of a version whose files an
+/// agent on this host handed over, on `threads` threads, checking each
+/// chunk against `crcs` (one per `chunk` bytes of `out`) as it is read.
+/// Returns the first bad chunk.
+pub(super) fn read_files_and_verify(
+    files: &VersionFiles,
+    file_offset: u64,
+    out: &mut [u8],
+    chunk: usize,
+    crcs: &[u32],
+    threads: usize,
+) -> Result<Option<usize>> {
+    if chunk != CHUNK_BYTES {
+        return Ok(Some(0));
+    }
+    let read_at = |buf: &mut [u8], offset: u64| files.read_exact_at(buf, offset);
+    icheck_core::verified::read_file_checked(&read_at, file_offset, out, crcs, threads)
+        .map_err(|err| Error::Unsupported(format!("reading the version's files handed over by the agent: {err}")))
+}
+
+impl Icheck {
     /// Prepares a restart from the newest complete version (*collective*):
     /// this rank's agent exposes its data, and `restore` / `restore_all`
     /// then read each label straight into the caller's memory, verifying its
@@ -277,40 +319,28 @@ impl Icheck {
     pub(super) fn fetch(&mut self, version: u64) -> Result<u64> {
         let wanted = FetchWanted { app: &self.app, rank: self.comm.rank(), version };
         let bytes = self.version_bytes();
+        let same_host = self.restore_same_host;
         let link = self.link.as_mut().ok_or(Error::Order("no agent session (an earlier failure closed it)"))?;
         // A crash here: the rank dies in the middle of a restart.
         icheck_core::failpoint::hit("client.before_fetch");
         // The agent may check (or read from the PFS) the whole version first.
         link.expect_bytes(bytes);
-        // `restore = "auto"` takes the version's file from an agent on this
-        // host; a fixed direction always moves the bytes over the fabric.
-        let reader = if self.restore_same_host { HostId::current() } else { None };
-        let reply = link.fetch(version, reader.clone())?;
-        // From the agent: checked before any offset in it is used.
-        let Fetched { manifest, region, damaged, handoff } =
-            check_fetched(reply, wanted).map_err(|e| link.error(format!("version {version}: {e}")))?;
-        let data = match handoff.map(|handoff| icheck_core::handoff::take_files(&handoff, manifest.total_len)) {
-            None => RestoredData::Agent(region),
-            Some(Ok(files)) => {
-                tracing::debug!(version, "the agent on this host handed over the version's files");
-                RestoredData::AgentFile(files)
-            }
-            Some(Err(err)) => {
-                // The agent started no reads for this fetch: ask again, for
-                // the fabric.
-                tracing::warn!(version, %err, "cannot take the version's file from the agent on this host; reading over the fabric");
-                let reply = link.fetch(version, None)?;
-                let fetched =
-                    check_fetched(reply, wanted).map_err(|e| link.error(format!("version {version}: {e}")))?;
-                if fetched.manifest != manifest {
-                    return Err(link.error(format!("version {version}: the manifest changed between two fetches")));
-                }
-                RestoredData::Agent(fetched.region)
-            }
+        let (manifest, source, damaged) = fetch_version(link, wanted, same_host)?;
+        let data = match source {
+            ReadFrom::Fabric(region) => RestoredData::Agent(region),
+            ReadFrom::Files(files) => RestoredData::AgentFile(files),
         };
         self.restart_damage = damaged;
         self.restored = Some(Restored { manifest, data });
         Ok(version)
+    }
+
+    /// This process's share of the node's cores for reading handed-over
+    /// files: its neighbours restore at the same time.
+    pub(super) fn read_threads(&self) -> usize {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let (_, on_this_node) = self.comm.node_counts();
+        (cores / on_this_node.max(1) as usize).max(1)
     }
 
     /// Tells the agent the restart data is no longer needed.
@@ -397,8 +427,8 @@ impl Icheck {
         let chunk = manifest.chunk_size as usize;
         let crcs = &manifest.crcs[index];
         let bad = match (region, &restored.data, self.restore_direction) {
-            (None, RestoredData::AgentFile(file), _) => {
-                self.read_file_and_verify(file, layout.offset, out, chunk, crcs)
+            (None, RestoredData::AgentFile(files), _) => {
+                read_files_and_verify(files, layout.offset, out, chunk, crcs, self.read_threads())
             }
             (Some(_), _, RestoreDirection::Push) => {
                 deliver_and_verify(&self.endpoint, link, layout.offset, out, chunk, crcs)

@@ -215,43 +215,50 @@ impl Icheck {
     pub(super) fn fetch_shmr(&mut self, version: u64) -> Result<u64> {
         let wanted = FetchWanted { app: &self.app, rank: self.comm.node_index(), version };
         let bytes = self.version_bytes();
-        let fetched: std::result::Result<(Manifest, RemoteRegion), String> = match self.link.as_mut() {
+        let same_host = self.restore_same_host;
+        // The leader's answer: where it reads the node's data from (kept)
+        // and the manifest (for every node process).
+        let mut source = None;
+        let fetched: std::result::Result<Manifest, String> = match self.link.as_mut() {
             Some(link) => {
                 link.expect_bytes(bytes);
-                match link.fetch(version, None).map(|reply| check_fetched(reply, wanted)) {
-                    Ok(Ok(Fetched { damaged: Some(damage), .. })) => Err(damage),
-                    Ok(Ok(Fetched { manifest, region, damaged: None, .. })) => Ok((manifest, region)),
-                    Ok(Err(refused)) => Err(refused.to_string()),
+                match fetch_version(link, wanted, same_host) {
+                    Ok((_, _, Some(damage))) => Err(damage),
+                    Ok((manifest, from, None)) => {
+                        source = Some(from);
+                        Ok(manifest)
+                    }
                     Err(err) => Err(err.to_string()),
                 }
             }
             None => Err(String::new()),
         };
         let shared = self.comm.node_broadcast(protocol::encode(&fetched).unwrap_or_default());
-        let (manifest, region) = protocol::decode::<std::result::Result<(Manifest, RemoteRegion), String>>(&shared)
+        let manifest = protocol::decode::<std::result::Result<Manifest, String>>(&shared)
             .map_err(|e| e.to_string())
             .and_then(|r| r)
             .map_err(|message| Error::Unsupported(format!("SHMR restart, node leader: {message}")))?;
         self.ensure_segment(manifest.total_len as usize)?;
         let mut verified: std::result::Result<(), String> = Ok(());
-        if let Some(link) = self.link.as_mut() {
+        if let (Some(link), Some(source)) = (self.link.as_mut(), source) {
             let segment = self.segment.as_mut().expect("ensured");
             let base = segment.as_mut_ptr();
+            // The leader reads alone while the node's processes wait.
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
             for (index, label) in manifest.labels.iter().enumerate() {
                 // SAFETY: the label's range lies inside the segment, sized
                 // to the manifest's total; only the leader writes it now.
                 let out =
                     unsafe { std::slice::from_raw_parts_mut(base.add(label.offset as usize), label.len as usize) };
                 let chunk = manifest.chunk_size as usize;
-                match read_and_verify(
-                    &self.endpoint,
-                    &link.peer,
-                    region,
-                    label.offset,
-                    out,
-                    chunk,
-                    &manifest.crcs[index],
-                ) {
+                let crcs = &manifest.crcs[index];
+                let read = match &source {
+                    ReadFrom::Fabric(region) => {
+                        read_and_verify(&self.endpoint, &link.peer, *region, label.offset, out, chunk, crcs)
+                    }
+                    ReadFrom::Files(files) => read_files_and_verify(files, label.offset, out, chunk, crcs, threads),
+                };
+                match read {
                     Ok(None) => {}
                     Ok(Some(bad)) => {
                         verified =
