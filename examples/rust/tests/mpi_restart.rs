@@ -635,8 +635,14 @@ fn a_restart_on_the_agents_host_reads_the_version_file_and_fixed_directions_use_
             let restored = format!("RESTORED version={version} step={step} verified");
             assert!(lines.contains(&restored), "{provider} {restore}: {lines:?}");
         }
+        // A ticket the agent refuses: the ranks fetch again and read over
+        // the fabric.
+        args[3] = "12";
+        let refused = [("ICHECK_FAILPOINTS", "client.take_files=error")];
+        let lines = Job::start(2, &config, &args, &refused).finish(Duration::from_secs(120));
+        assert!(lines.iter().any(|l| l == "RESTORED version=6 step=10 verified"), "{provider} refused: {lines:?}");
         std::thread::sleep(Duration::from_secs(2));
-        assert_eq!(files_handed_over(&service), 2, "{provider}: fixed directions read over the fabric");
+        assert_eq!(files_handed_over(&service), 2, "{provider}: fixed directions and refusals read over the fabric");
     }
 
     // SHMR: the node leader takes the node's one file and fills the segment.

@@ -191,7 +191,13 @@ pub(super) fn fetch_version(
     // From the agent: checked before any offset in it is used.
     let Fetched { manifest, region, damaged, handoff } =
         check_fetched(reply, wanted).map_err(|e| link.error(format!("version {version}: {e}")))?;
-    let source = match handoff.map(|handoff| icheck_core::handoff::take_files(&handoff, manifest.total_len)) {
+    let source = match handoff.map(|mut handoff| {
+        // A test's way to make the agent refuse the ticket for real.
+        if icheck_core::failpoint::fails("client.take_files") {
+            handoff.ticket.0[0] ^= 1;
+        }
+        icheck_core::handoff::take_files(&handoff, manifest.total_len)
+    }) {
         None => ReadFrom::Fabric(region),
         Some(Ok(files)) => {
             tracing::debug!(version, "the agent on this host handed over the version's files");
