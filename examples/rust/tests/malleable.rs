@@ -211,3 +211,33 @@ fn ma_ma_agents_keep_the_ratio_and_ma_ra_agents_stay() {
     assert_eq!(agents_after_resizes("MA-MA", "malleable-mama"), [2, 4, 1]);
     assert_eq!(agents_after_resizes("MA-RA", "malleable-mara"), [2, 2, 2]);
 }
+
+/// Files the service's agents handed to restarting ranks on their host.
+fn files_handed_over(service: &LocalService) -> u64 {
+    service.status().nodes.iter().map(|n| n.status.files_handed_over).sum()
+}
+
+/// A resized restart on the agents' own host (`restore = "auto"`) takes
+/// every old rank's files and reads the pieces it needs from them; with
+/// `restore = "pull"` it reads them over the fabric and takes no file.
+/// The application checks every element either way.
+#[test]
+fn a_resized_restart_on_the_agents_host_reads_the_old_ranks_files() {
+    let service = LocalService::up(&icheck_in_target(), "malleable-local", 2, &[]);
+    let config = service.config_path();
+    let lines = run(4, &config, &["--app", "shrink", "--write"]);
+    assert!(has(&lines, "COMMITTED version=1 ranks=4 epoch=0"), "{lines:?}");
+    assert_eq!(files_handed_over(&service), 0);
+    let pulled =
+        Job::start_program(MALLEABLE, 3, &config, &["--app", "shrink", "--no-commit"], &[("ICHECK_RESTORE", "pull")])
+            .finish(LONG);
+    assert!(has(&pulled, "VERIFIED version=1 from=4 ranks=3"), "{pulled:?}");
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(files_handed_over(&service), 0, "pulled over the fabric");
+    let lines = run(3, &config, &["--app", "shrink", "--no-commit"]);
+    assert!(has(&lines, "VERIFIED version=1 from=4 ranks=3"), "{lines:?}");
+    // Three new ranks read pieces of all four old ranks.
+    icheck_service::testkit::wait_for("every old rank's files handed over", Duration::from_secs(30), || {
+        files_handed_over(&service) >= 4
+    });
+}

@@ -20,9 +20,11 @@ use icheck_core::decide::agent_for_rank;
 use icheck_core::distribution::{receive_plan, Adapt, Attribute, GlobalLayout, Piece};
 use icheck_core::fabric::{Access, RemoteRegion};
 use icheck_core::format::CHUNK_BYTES;
-use icheck_core::protocol::{check_fetched, AgentRequest, DataKind, FetchWanted, Fetched, LabelLayout, Manifest};
+use icheck_core::handoff::VersionFiles;
+use icheck_core::protocol::{DataKind, FetchWanted, LabelLayout, Manifest};
 use icheck_core::verified::{read_checked_from, CheckedRange, PeerRange};
 
+use super::{fetch_version, read_files_and_verify, ReadFrom};
 use super::{AgentLink, Error, Icheck, Restored, RestoredData, Result};
 use crate::region::{as_bytes_mut, Element, Region};
 
@@ -79,8 +81,9 @@ pub(super) struct Resized {
 
 /// One old rank's data, open for reading during one restore.
 enum OldRank {
-    /// Exposed by the agent holding it.
-    Agent { link: Box<AgentLink>, manifest: Manifest, region: RemoteRegion },
+    /// Exposed by the agent holding it: over the fabric, or as its files
+    /// when the agent runs on this host.
+    Agent { link: Box<AgentLink>, manifest: Manifest, from: ReadFrom },
     /// Read (and verified) from the PFS in fallback mode.
     Local { manifest: Manifest, bytes: Vec<u8> },
 }
@@ -172,11 +175,13 @@ struct OldRead<'a> {
 }
 
 /// One agent read of [`Icheck::read_old_spans`]: the chunk-aligned span,
-/// placed in the buffer at `range.local_offset`.
+/// placed in the buffer at `range.local_offset` (`range.remote` is unused
+/// when the agent handed over its files).
 struct AgentSpan<'a> {
     link: &'a AgentLink,
     manifest: &'a Manifest,
     label: &'a LabelLayout,
+    files: Option<&'a VersionFiles>,
     range: CheckedRange<'a>,
 }
 
@@ -203,8 +208,12 @@ struct OldSpans {
 /// first byte lies in it. `request.old` must be an agent's.
 fn agent_span<'a>(request: &OldRead<'a>, local_offset: usize) -> Result<(AgentSpan<'a>, usize)> {
     let OldRead { old, label, index, ref range } = *request;
-    let OldRank::Agent { link, manifest, region } = old else {
+    let OldRank::Agent { link, manifest, from } = old else {
         return Err(Error::Order("an old rank read from the PFS has no agent span"));
+    };
+    let (region, files) = match from {
+        ReadFrom::Fabric(region) => (*region, None),
+        ReadFrom::Files(files) => (RemoteRegion { addr: 0, key: 0, len: 0 }, Some(files)),
     };
     let chunk = manifest.chunk_size.max(1);
     let first = range.start / chunk;
@@ -220,8 +229,9 @@ fn agent_span<'a>(request: &OldRead<'a>, local_offset: usize) -> Result<(AgentSp
         link,
         manifest,
         label,
+        files,
         range: CheckedRange {
-            remote: *region,
+            remote: region,
             remote_offset: label.offset + first * chunk,
             local_offset,
             len: (end - first * chunk) as usize,
@@ -518,13 +528,17 @@ impl Icheck {
         let agent = &self.agents[agent_for_rank(rank, written, self.agents.len() as u32) as usize];
         let mut link = AgentLink::open(&self.endpoint, agent, &self.access, &self.app, rank, self.waits())?;
         link.expect_bytes(self.version_bytes());
-        let reply = link.call(&AgentRequest::Fetch { version, reader: None })?;
-        let (manifest, region) = match check_fetched(reply, FetchWanted { app: &self.app, rank, version }) {
-            Ok(Fetched { damaged: Some(damage), .. }) => return Err(link.error(damage)),
-            Ok(Fetched { manifest, region, damaged: None, .. }) => (manifest, region),
-            Err(refused) => return Err(link.error(format!("version {version}, old rank {rank}: {refused}"))),
+        let wanted = FetchWanted { app: &self.app, rank, version };
+        let (manifest, from) = match fetch_version(&mut link, wanted, self.restore_same_host) {
+            Ok((_, _, Some(damage))) => return Err(link.error(damage)),
+            Ok((manifest, from, None)) => (manifest, from),
+            // Which old rank, beside the agent's own words.
+            Err(Error::Agent { agent, node, peer, message }) => {
+                return Err(Error::Agent { agent, node, peer, message: format!("old rank {rank}: {message}") })
+            }
+            Err(err) => return Err(err),
         };
-        let old = OldRank::Agent { link: Box::new(link), manifest, region };
+        let old = OldRank::Agent { link: Box::new(link), manifest, from };
         manifest_check(old.manifest())?;
         Ok(old)
     }
@@ -585,6 +599,20 @@ impl Icheck {
     /// Reads `spans` from their agents into `local` as one fabric batch,
     /// each chunk checked against its rank's checksum as it arrives.
     fn read_agent_spans(&self, local: &mut [u8], spans: &[AgentSpan<'_>]) -> Result<()> {
+        // Spans of agents on this host: read from their files, one after
+        // another on this process's share of the cores.
+        for span in spans {
+            let (Some(files), range) = (span.files, &span.range) else { continue };
+            let out = &mut local[range.local_offset..range.local_offset + range.len];
+            let chunk = span.manifest.chunk_size.max(1);
+            if let Some(bad) =
+                read_files_and_verify(files, range.remote_offset, out, chunk as usize, range.crcs, self.read_threads())?
+            {
+                let start = range.remote_offset - span.label.offset + bad as u64 * chunk;
+                return Err(corrupt(span.manifest, span.label, start, chunk));
+            }
+        }
+        let spans: Vec<&AgentSpan<'_>> = spans.iter().filter(|s| s.files.is_none()).collect();
         if spans.iter().all(|s| s.range.len == 0) {
             return Ok(());
         }
