@@ -9,7 +9,7 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use common::Job;
+use common::{files_handed_over, Job};
 use icheck_service::testkit::{icheck_in_target, LocalService};
 
 const MALLEABLE: &str = env!("CARGO_BIN_EXE_malleable");
@@ -210,11 +210,6 @@ fn agents_after_resizes(strategy: &str, name: &str) -> Vec<usize> {
 fn ma_ma_agents_keep_the_ratio_and_ma_ra_agents_stay() {
     assert_eq!(agents_after_resizes("MA-MA", "malleable-mama"), [2, 4, 1]);
     assert_eq!(agents_after_resizes("MA-RA", "malleable-mara"), [2, 2, 2]);
-}
-
-/// Files the service's agents handed to restarting ranks on their host.
-fn files_handed_over(service: &LocalService) -> u64 {
-    service.status().nodes.iter().map(|n| n.status.files_handed_over).sum()
 }
 
 /// A resized restart on the agents' own host (`restore = "auto"`) takes

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use common::{without_a_controller, Job};
+use common::{files_handed_over, without_a_controller, Job};
 use icheck_service::testkit::{icheck_in_target, metric_sample as sample, LocalService};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
@@ -585,12 +585,6 @@ fn restores_pushed_by_the_agents_are_bit_exact_and_damage_is_named() {
     let wrong = [("ICHECK_RESTORE", "sideways")];
     let (ok, output) = Job::start(1, &config, &args, &wrong).finish_any(Duration::from_secs(60));
     assert!(!ok && output.contains("ICHECK_RESTORE") && output.contains("\"sideways\""), "{output}");
-}
-
-/// Files the service's agents handed to restarting ranks on their host, as
-/// the managers last reported.
-fn files_handed_over(service: &LocalService) -> u64 {
-    service.status().nodes.iter().map(|n| n.status.files_handed_over).sum()
 }
 
 /// With `restore = "auto"` (the default) a rank on its agent's host takes

@@ -169,6 +169,12 @@ impl Drop for Job {
     }
 }
 
+/// Version files the service's agents handed to restarting ranks on their
+/// host, as the managers last reported.
+pub fn files_handed_over(service: &LocalService) -> u64 {
+    service.status().nodes.iter().map(|n| n.status.files_handed_over).sum()
+}
+
 /// A client configuration with the service's PFS directory but a
 /// controller address nobody listens on.
 pub fn without_a_controller(service: &LocalService) -> PathBuf {
