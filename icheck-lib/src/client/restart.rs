@@ -23,12 +23,9 @@ pub(super) struct Restored {
 
 /// Where the bytes of a restarted version are.
 pub(super) enum RestoredData {
-    /// At this rank's agent, exposed for reading until `FetchDone`.
-    Agent(RemoteRegion),
-    /// At this rank's agent on this host, which handed over the version's
-    /// file ([`icheck_core::handoff`]): read with `pread` until
-    /// `FetchDone`.
-    AgentFile(VersionFiles),
+    /// At this rank's agent until `FetchDone`: exposed for reading over the
+    /// fabric, or (an agent on this host) as the version's files.
+    Agent(ReadFrom),
     /// SHMR: in the node segment, read and verified by the node leader;
     /// labels are named `<rank>/<label>` there.
     Segment,
@@ -331,13 +328,9 @@ impl Icheck {
         icheck_core::failpoint::hit("client.before_fetch");
         // The agent may check (or read from the PFS) the whole version first.
         link.expect_bytes(bytes);
-        let (manifest, source, damaged) = fetch_version(link, wanted, same_host)?;
-        let data = match source {
-            ReadFrom::Fabric(region) => RestoredData::Agent(region),
-            ReadFrom::Files(files) => RestoredData::AgentFile(files),
-        };
+        let (manifest, from, damaged) = fetch_version(link, wanted, same_host)?;
         self.restart_damage = damaged;
-        self.restored = Some(Restored { manifest, data });
+        self.restored = Some(Restored { manifest, data: RestoredData::Agent(from) });
         Ok(version)
     }
 
@@ -351,7 +344,7 @@ impl Icheck {
 
     /// Tells the agent the restart data is no longer needed.
     pub(super) fn release_restart(&mut self) {
-        if self.restored.take().is_some_and(|r| matches!(r.data, RestoredData::Agent(_) | RestoredData::AgentFile(_))) {
+        if self.restored.take().is_some_and(|r| matches!(r.data, RestoredData::Agent(_))) {
             if let Some(link) = self.link.as_mut() {
                 if let Err(err) = link.fetch_done() {
                     tracing::warn!(%err, "agent did not acknowledge the end of a restart");
@@ -408,9 +401,8 @@ impl Icheck {
             return Err(Error::KindMismatch { label: label.to_string(), stored: layout.kind, given: kind });
         }
         let start = layout.offset as usize;
-        let region = match &restored.data {
-            RestoredData::Agent(region) => Some(*region),
-            RestoredData::AgentFile(_) => None,
+        let from = match &restored.data {
+            RestoredData::Agent(from) => from,
             // Verified when read from the PFS.
             RestoredData::Local(bytes) => {
                 out.copy_from_slice(&bytes[start..start + out.len()]);
@@ -432,17 +424,16 @@ impl Icheck {
         let started = Instant::now();
         let chunk = manifest.chunk_size as usize;
         let crcs = &manifest.crcs[index];
-        let bad = match (region, &restored.data, self.restore_direction) {
-            (None, RestoredData::AgentFile(files), _) => {
+        let bad = match (from, self.restore_direction) {
+            (ReadFrom::Files(files), _) => {
                 read_files_and_verify(files, layout.offset, out, chunk, crcs, self.read_threads())
             }
-            (Some(_), _, RestoreDirection::Push) => {
+            (ReadFrom::Fabric(_), RestoreDirection::Push) => {
                 deliver_and_verify(&self.endpoint, link, layout.offset, out, chunk, crcs)
             }
-            (Some(region), _, _) => {
-                read_and_verify(&self.endpoint, &link.peer, region, layout.offset, out, chunk, crcs)
+            (ReadFrom::Fabric(region), _) => {
+                read_and_verify(&self.endpoint, &link.peer, *region, layout.offset, out, chunk, crcs)
             }
-            (None, _, _) => unreachable!("only a handed-over file has no region"),
         }
         .map_err(|err| match err {
             Error::Fabric(err) => link.error(format!("reading label {label:?}: {err}")),
