@@ -186,12 +186,6 @@ impl SharedMapping {
         self.0.len
     }
 
-    /// Whether this is an incremental version composed of shared blocks
-    /// (no single file holds its bytes).
-    pub fn is_composed(&self) -> bool {
-        self.0.is_composed()
-    }
-
     /// The mapping itself, if this is its last holder.
     pub fn into_inner(self) -> Option<MappedFile> {
         std::sync::Arc::into_inner(self.0)
@@ -828,12 +822,7 @@ impl Store {
         let meta = own.metadata().map_err(|_| missing())?;
         let identity = FileIdentity::of(&meta);
         let Some(blocks) = read_block_map(&data, version, manifest.total_len, meta.len())? else {
-            if meta.len() < manifest.total_len {
-                return Err(StoreError::BadManifest {
-                    path: data,
-                    reason: format!("data file holds {} bytes, manifest says {}", meta.len(), manifest.total_len),
-                });
-            }
+            holds_whole(&data, meta.len(), &manifest)?;
             let whole = (manifest.total_len > 0).then_some(FileExtent {
                 offset: 0,
                 len: manifest.total_len,
@@ -842,24 +831,10 @@ impl Store {
             });
             return Ok((vec![own], whole.into_iter().collect(), identity));
         };
-        let mut files = vec![own];
-        let mut holders: std::collections::HashMap<u64, u32> = [(version, 0)].into();
-        let mut extents = Vec::new();
-        for extent in blocks.extents() {
-            let offset = extent.first * BLOCK_SIZE;
-            let len = (extent.count * BLOCK_SIZE).min(blocks.total_len - offset);
-            let holder = extent.source.version;
-            let file = match holders.get(&holder) {
-                Some(index) => *index,
-                None => {
-                    let (file, _) = open_holder(&data, holder)?;
-                    files.push(file);
-                    let index = u32::try_from(files.len() - 1).unwrap_or(u32::MAX);
-                    holders.insert(holder, index);
-                    index
-                }
-            };
-            extents.push(FileExtent { offset, len, file, file_offset: extent.source.index * BLOCK_SIZE });
+        let (mut files, extents) = block_files(&data, &blocks)?;
+        // An empty version holds no block: its own file goes all the same.
+        if files.is_empty() {
+            files.push(own);
         }
         Ok((files, extents, identity))
     }
@@ -875,12 +850,7 @@ impl Store {
             let view = self.compose(&data, &blocks)?;
             return Ok((manifest, view));
         }
-        if on_disk < manifest.total_len {
-            return Err(StoreError::BadManifest {
-                path: meta,
-                reason: format!("data file holds {on_disk} bytes, manifest says {}", manifest.total_len),
-            });
-        }
+        holds_whole(&meta, on_disk, &manifest)?;
         let mapped = map(&file, &data, manifest.total_len)?;
         Ok((manifest, mapped))
     }
@@ -903,38 +873,24 @@ impl Store {
         .map_err(failed)?;
         // Owned from here: an error below unmaps the whole range.
         let view = ComposedView { base, mapped: mapped.get() };
-        let mut files: std::collections::HashMap<u64, (File, u64, PathBuf)> = Default::default();
-        for extent in blocks.extents() {
-            let start = usize::try_from(extent.first * BLOCK_SIZE).unwrap_or(usize::MAX);
-            let end = usize::try_from((extent.first + extent.count) * BLOCK_SIZE).unwrap_or(usize::MAX).min(len);
-            let holder = extent.source.version;
-            if let std::collections::hash_map::Entry::Vacant(slot) = files.entry(holder) {
-                let (file, path) = open_holder(data, holder)?;
-                let on_disk = file.metadata().map_err(io("cannot stat", &path))?.len();
-                slot.insert((file, on_disk, path));
-            }
-            let (file, on_disk, path) = &files[&holder];
-            let offset = extent.source.index * BLOCK_SIZE;
-            // Pages past a file's end would fault (SIGBUS) when read.
-            if offset + (end - start) as u64 > on_disk.next_multiple_of(page as u64) {
-                return Err(StoreError::BadManifest {
-                    path: path.clone(),
-                    reason: format!("holds {on_disk} bytes; block {} is past its end", extent.source.index),
-                });
-            }
+        let (files, extents) = block_files(data, blocks)?;
+        for extent in &extents {
+            let start = usize::try_from(extent.offset).unwrap_or(usize::MAX);
+            let Some(length) = NonZeroUsize::new(usize::try_from(extent.len).unwrap_or(usize::MAX)) else { continue };
             let at = NonZeroUsize::new(view.base.as_ptr() as usize + start).expect("inside a non-null range");
-            let Some(length) = NonZeroUsize::new(end - start) else { continue };
             // SAFETY: `at..at + length` lies inside the range `view` owns
-            // (end <= len <= mapped); MAP_FIXED replaces only that part of it.
-            // The files are the store's own, never truncated while sealed.
+            // (an extent ends at or before `len <= mapped`); MAP_FIXED
+            // replaces only that part of it. The files are the store's own,
+            // never truncated while sealed, and `block_files` checked that
+            // each extent lies inside its file's pages.
             unsafe {
                 mmap(
                     Some(at),
                     length,
                     ProtFlags::PROT_READ,
                     MapFlags::MAP_SHARED | MapFlags::MAP_FIXED | MapFlags::MAP_POPULATE,
-                    file,
-                    i64::try_from(offset).unwrap_or(i64::MAX),
+                    &files[extent.file as usize],
+                    i64::try_from(extent.file_offset).unwrap_or(i64::MAX),
                 )
             }
             .map_err(failed)?;
@@ -1264,6 +1220,59 @@ fn open_holder(data: &Path, holder: u64) -> Result<(File, PathBuf)> {
         }
         Err(error) => Err(StoreError::Io { what: "cannot open the blocks of", path: own, error }),
     }
+}
+
+/// Refuses a version stored whole whose data file (`on_disk` bytes) is
+/// shorter than its manifest says, naming `path`.
+fn holds_whole(path: &Path, on_disk: u64, manifest: &Manifest) -> Result<()> {
+    if on_disk < manifest.total_len {
+        return Err(StoreError::BadManifest {
+            path: path.to_path_buf(),
+            reason: format!("data file holds {on_disk} bytes, manifest says {}", manifest.total_len),
+        });
+    }
+    Ok(())
+}
+
+/// The files holding an incremental version's blocks (`data` is the
+/// version's own data file), each opened read-only once, in the order the
+/// version first uses them, and where each of its extents lies in them: one
+/// reading for [`Store::open`]'s composed mapping and for the files
+/// [`Store::open_read_only`] hands over. Refuses an extent past its file's
+/// last page (mapped, it would fault with SIGBUS when read).
+fn block_files(data: &Path, blocks: &BlockMap) -> Result<(Vec<File>, Vec<FileExtent>)> {
+    const PAGE: u64 = 4096;
+    let mut files: Vec<File> = Vec::new();
+    let mut sizes: Vec<(u64, PathBuf)> = Vec::new();
+    let mut holders: std::collections::HashMap<u64, u32> = Default::default();
+    let mut extents = Vec::new();
+    for extent in blocks.extents() {
+        let offset = extent.first * BLOCK_SIZE;
+        let len = (extent.count * BLOCK_SIZE).min(blocks.total_len.saturating_sub(offset));
+        let holder = extent.source.version;
+        let file = match holders.get(&holder) {
+            Some(index) => *index,
+            None => {
+                let (file, path) = open_holder(data, holder)?;
+                let on_disk = file.metadata().map_err(io("cannot stat", &path))?.len();
+                files.push(file);
+                sizes.push((on_disk, path));
+                let index = u32::try_from(files.len() - 1).unwrap_or(u32::MAX);
+                holders.insert(holder, index);
+                index
+            }
+        };
+        let file_offset = extent.source.index * BLOCK_SIZE;
+        let (on_disk, path) = &sizes[file as usize];
+        if file_offset + len > on_disk.next_multiple_of(PAGE) {
+            return Err(StoreError::BadManifest {
+                path: path.clone(),
+                reason: format!("holds {on_disk} bytes; block {} is past its end", extent.source.index),
+            });
+        }
+        extents.push(FileExtent { offset, len, file, file_offset });
+    }
+    Ok((files, extents))
 }
 
 /// The version whose shared blocks a directory entry holds, if it is such
