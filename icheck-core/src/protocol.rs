@@ -457,6 +457,10 @@ pub struct NodeStatus {
     /// started.
     #[serde(default)]
     pub files_handed_over: u64,
+    /// The fabric provider the node's agents use, as libfabric names it
+    /// (`shm`, `tcp;ofi_rxm`, ...); empty from a manager that predates it.
+    #[serde(default)]
+    pub provider: String,
 }
 
 /// Messages a manager sends to the controller.

@@ -112,6 +112,7 @@ impl Monitor {
             power_watts: self.power.watts(),
             warm_bytes: store.warm_bytes(),
             files_handed_over: settings.handoff.as_ref().map_or(0, |h| h.files_taken()),
+            provider: settings.provider.clone(),
         }
     }
 }
@@ -198,6 +199,10 @@ pub fn agent_settings(config: &StaticConfig, node: &str) -> AgentSettings {
         pfs: config.pfs_dir.clone().map(icheck_core::pfs::PfsStore::new),
         idle_timeout: config.client_idle_timeout(),
         handoff: None,
+        // Checked again by every agent that opens it; `FI_PROVIDER` counts.
+        provider: icheck_core::fabric::check_provider(&config.fabric)
+            .map(|offered| offered.provider)
+            .unwrap_or_else(|err| format!("(none: {err})")),
     }
 }
 

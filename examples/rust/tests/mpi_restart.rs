@@ -414,7 +414,19 @@ fn the_library_returns_to_the_agents_when_the_service_comes_back() {
     let mut job = Job::start(2, &app_config, &args, &[]);
     job.wait_line("COMMITTED version=2", Duration::from_secs(60));
     let up = Command::new(&icheck)
-        .args(["up", "--detach", "--managers", "1", "--heartbeat", "0.5", "--port", &port.to_string(), "--state-dir"])
+        .args([
+            "up",
+            "--detach",
+            "--managers",
+            "1",
+            "--heartbeat",
+            "0.5",
+            "--provider",
+            "tcp",
+            "--port",
+            &port.to_string(),
+        ])
+        .arg("--state-dir")
         .arg(&state)
         .env("ICHECK_TOKEN", token)
         .output()
@@ -585,6 +597,61 @@ fn restores_pushed_by_the_agents_are_bit_exact_and_damage_is_named() {
     let wrong = [("ICHECK_RESTORE", "sideways")];
     let (ok, output) = Job::start(1, &config, &args, &wrong).finish_any(Duration::from_secs(60));
     assert!(!ok && output.contains("ICHECK_RESTORE") && output.contains("\"sideways\""), "{output}");
+}
+
+/// `icheck up` without a provider (`--provider auto`) takes shm where
+/// libfabric offers it, since every daemon runs on this host; the written
+/// configuration says so and why, `icheck status` names each node's
+/// provider, and a job committed on it restarts bit-exact over the fabric
+/// (`restore = "pull"`) and from the agents' files (the default).
+#[test]
+fn a_local_service_takes_shm_by_default_and_a_job_restarts_on_it() {
+    let offered: Vec<String> =
+        icheck_core::fabric::list_providers(&Default::default()).unwrap().into_iter().map(|p| p.provider).collect();
+    let expected = if offered.iter().any(|p| p == "shm") { "shm" } else { "tcp;ofi_rxm" };
+    let service = LocalService::up(&icheck_in_target(), "mpi-auto-provider", 2, &["--provider", "auto"]);
+    assert_eq!(service.config.fabric.provider.as_deref(), Some(expected), "offered here: {offered:?}");
+    let written = std::fs::read_to_string(service.config_path()).unwrap();
+    assert!(written.contains("# chosen by `icheck up` (--provider auto): every daemon runs on this host"), "{written}");
+    let out = Command::new(&service.icheck).args(["status", "--state-dir"]).arg(&service.dir).output().unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout);
+    for node in ["local-1", "local-2"] {
+        assert!(printed.contains(&format!("{node}: fabric provider {expected}")), "{printed}");
+    }
+
+    let config = service.config_path();
+    let mut args = vec!["--app", "auto-provider", "--steps", "4", "--every", "2", "--mib", "24", "--persist"];
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    args[3] = "6";
+    let pulled = [("ICHECK_RESTORE", "pull")];
+    let lines = Job::start(2, &config, &args, &pulled).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "pulled: {lines:?}");
+    args[3] = "8";
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "default: {lines:?}");
+
+    // A killed job's ranks leave their shm regions; their agents, which
+    // talked to them over shm, remove them once the processes are gone.
+    if expected != "shm" {
+        return;
+    }
+    let args = ["--app", "auto-killed", "--steps", "400", "--every", "2", "--mib", "8", "--step-ms", "50"];
+    let mut job = Job::start(2, &config, &args, &[]);
+    job.wait_line("COMMITTED version=2", Duration::from_secs(60));
+    let regions_of = |pids: &[u32]| -> Vec<String> {
+        let names = std::fs::read_dir("/dev/shm").unwrap().filter_map(|e| e.ok()?.file_name().into_string().ok());
+        names.filter(|n| pids.iter().any(|pid| n.starts_with(&format!("{pid}:")))).collect()
+    };
+    let pids = job.processes();
+    let left = regions_of(&pids);
+    assert!(left.len() >= 2, "the ranks have no shm regions: {left:?} (processes {pids:?})");
+    job.kill();
+    icheck_service::testkit::wait_for(
+        "the agents to remove the killed ranks' shm regions",
+        Duration::from_secs(20),
+        || regions_of(&pids).is_empty(),
+    );
 }
 
 /// With `restore = "auto"` (the default) a rank on its agent's host takes

@@ -375,6 +375,55 @@ pub fn remove_shm_regions_of(pid: u32) {
     }
 }
 
+/// The shm provider's region behind a peer's printable address
+/// (`fi_shm://<pid>:<n>:<m>`, [`super::Peer::name`]): the owner's process
+/// id and the region's file name under `/dev/shm`. `None` for any other
+/// provider's address, or one that does not have exactly that shape.
+pub fn shm_region_of(peer_name: &str) -> Option<(u32, String)> {
+    let name = peer_name.strip_prefix("fi_shm://")?.trim_end_matches('\0');
+    let parts: Vec<&str> = name.split(':').collect();
+    let numeric = |p: &&str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
+    if parts.len() != 3 || !parts.iter().all(numeric) {
+        return None;
+    }
+    Some((parts[0].parse().ok()?, name.to_string()))
+}
+
+/// Removes the shm region of a peer (`peer_name`, see [`shm_region_of`])
+/// once its process has ended, waiting up to `patience` for that: a
+/// killed process stays a zombie until its parent reaps it. Touches only
+/// a region owned by the Unix user `owner` (the peer's user, as its
+/// socket showed it). Returns whether it removed one.
+///
+/// A killed rank leaves its region behind (16 MiB of tmpfs, ~4 MiB of it
+/// touched), and nobody else frees it. Only a party that talked to the
+/// peer over shm on this host may call this: that the id names no process
+/// here then means the process is gone, which a scan of every region
+/// could not know where several pid namespaces share `/dev/shm`.
+pub fn remove_dead_peer_region(peer_name: &str, owner: u32, patience: std::time::Duration) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Some((pid, name)) = shm_region_of(peer_name) else { return false };
+    let region = std::path::Path::new("/dev/shm").join(name);
+    let deadline = std::time::Instant::now() + patience;
+    loop {
+        match std::fs::symlink_metadata(&region) {
+            Ok(meta) if meta.is_file() && meta.uid() == owner => {}
+            // Gone already (the process closed its endpoint), or not the peer's.
+            _ => return false,
+        }
+        // A zombie still has its /proc entry; its region is no longer used.
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+        let zombie = state.as_deref().and_then(|s| s.rsplit_once(") ")).is_some_and(|(_, rest)| rest.starts_with('Z'));
+        if state.is_none() || zombie {
+            return std::fs::remove_file(&region).is_ok();
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
 /// Removes the shm provider's regions (`/dev/shm/<pid>:*`) of every
 /// process of this user that no longer exists, and returns how many files
 /// and bytes went. Each is 16 MiB of memory on tmpfs that nobody frees
@@ -463,7 +512,55 @@ mod tests {
     use super::*;
 
     #[test]
+    fn shm_addresses_name_their_region() {
+        assert_eq!(shm_region_of("fi_shm://15841:0:0"), Some((15841, "15841:0:0".into())));
+        assert_eq!(shm_region_of("fi_shm://7:1:2\0"), Some((7, "7:1:2".into())));
+        for other in [
+            "fi_sockaddr_in://127.0.0.1:40211",
+            "fi_shm://../etc:0:0",
+            "fi_shm://1:2",
+            "fi_shm://1:2:3:4",
+            "fi_shm://1::3",
+        ] {
+            assert_eq!(shm_region_of(other), None, "{other}");
+        }
+    }
+
+    /// The tests that make dead processes' regions: the reclaiming one
+    /// would take the others' too.
+    static DEAD_REGIONS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    #[test]
+    fn a_dead_peers_region_goes_and_a_live_or_foreign_one_stays() {
+        use std::time::Duration;
+        let _serial = DEAD_REGIONS.lock().unwrap_or_else(|p| p.into_inner());
+        let dead = {
+            let mut child = std::process::Command::new("true").spawn().unwrap();
+            let pid = child.id();
+            child.wait().unwrap();
+            pid
+        };
+        let alive = std::process::id();
+        // SAFETY: geteuid has no preconditions.
+        let me = unsafe { libc::geteuid() };
+        let region = |pid: u32| std::path::PathBuf::from("/dev/shm").join(format!("{pid}:9:77"));
+        for pid in [dead, alive] {
+            std::fs::write(region(pid), [0u8; 4096]).unwrap();
+        }
+        let address = |pid: u32| format!("fi_shm://{pid}:9:77");
+        assert!(!remove_dead_peer_region(&address(dead), me + 1, Duration::ZERO), "another user's region went");
+        assert!(region(dead).exists());
+        assert!(!remove_dead_peer_region(&address(alive), me, Duration::from_millis(250)), "a live peer's region went");
+        assert!(region(alive).exists());
+        assert!(remove_dead_peer_region(&address(dead), me, Duration::ZERO));
+        assert!(!region(dead).exists(), "a dead peer's region stays");
+        assert!(!remove_dead_peer_region(&address(dead), me, Duration::ZERO), "removed twice");
+        std::fs::remove_file(region(alive)).unwrap();
+    }
+
+    #[test]
     fn only_dead_processes_regions_are_reclaimed() {
+        let _serial = DEAD_REGIONS.lock().unwrap_or_else(|p| p.into_inner());
         let dead = {
             let mut child = std::process::Command::new("true").spawn().unwrap();
             let pid = child.id();

@@ -39,6 +39,7 @@
 // they are no-ops for the headers at hand.
 #![allow(clippy::unnecessary_cast)]
 
+mod choice;
 mod crash_handlers;
 mod domain;
 mod endpoint;
@@ -46,10 +47,11 @@ mod error;
 mod mr;
 mod progress;
 
+pub use choice::{choose_provider, ProviderChoice, Reach};
 pub use crash_handlers::{disarm_provider_crash_handlers, NO_BACKTRACE_ENV};
 pub use domain::{
-    check_provider, libfabric_version, list_providers, reclaim_dead_processes_shm_regions, remove_shm_regions_of,
-    Domain, FabricConfig, LibfabricVersion, MrMode, ProviderInfo,
+    check_provider, libfabric_version, list_providers, reclaim_dead_processes_shm_regions, remove_dead_peer_region,
+    remove_shm_regions_of, shm_region_of, Domain, FabricConfig, LibfabricVersion, MrMode, ProviderInfo,
 };
 pub use endpoint::{Endpoint, FabricAddress, Peer, PeerOp, RmaKind, RmaOp, TransferOptions, TransferStats};
 pub use error::FabricError;

@@ -83,6 +83,9 @@ pub struct AgentSettings {
     /// this host ([`icheck_core::handoff`]); `None`: every restart reads
     /// over the fabric.
     pub handoff: Option<Arc<icheck_core::handoff::HandoffServer>>,
+    /// The provider this node's agents open, as libfabric names it
+    /// (`shm`, `tcp;ofi_rxm`, ...): reported in the node's status.
+    pub provider: String,
 }
 
 /// Counters an agent keeps for the manager's status reports.
@@ -939,20 +942,47 @@ fn serve_session(shared: &Shared, mut stream: TcpStream, privilege: Privilege) -
     };
     let caller = Caller { privilege, seen_uid };
     let mut session: Option<Session> = None;
+    let ended = serve_requests(shared, &mut stream, caller, &mut session);
+    let shm_peer = session.take().filter(|_| shared.endpoint.provider() == "shm").map(|s| s.peer.name().to_string());
+    drop(stream);
+    if let (Some(owner), Some(peer)) = (seen_uid, shm_peer) {
+        // A rank killed on this host leaves its shm region behind, and
+        // nobody else frees it; this agent talked to it over shm here, so
+        // its process id is this host's (see `remove_dead_peer_region`).
+        if icheck_core::fabric::remove_dead_peer_region(&peer, owner, DEAD_PEER_PATIENCE) {
+            tracing::info!(%peer, "removed the shm region a dead rank left");
+        }
+    }
+    ended
+}
+
+/// How long a session's thread waits, after the session ended, for its
+/// rank's process to be gone before it leaves the rank's shm region alone
+/// (a killed rank is a zombie until its parent reaps it; a live one keeps
+/// its region).
+const DEAD_PEER_PATIENCE: Duration = Duration::from_secs(5);
+
+/// Answers a session's requests until it ends.
+fn serve_requests(
+    shared: &Shared,
+    stream: &mut TcpStream,
+    caller: Caller,
+    session: &mut Option<Session>,
+) -> Result<(), SessionEnd> {
     let mut wait = HANDSHAKE_TIMEOUT;
     loop {
-        let request: AgentRequest = match protocol::recv_blocking(&mut stream, wait) {
+        let request: AgentRequest = match protocol::recv_blocking(stream, wait) {
             Err(ProtocolError::Timeout(_)) if session.is_some() => return Err(SessionEnd::Idle(wait)),
             request => request?,
         };
-        let reply = match handle(shared, &mut session, request, caller) {
+        let reply = match handle(shared, session, request, caller) {
             Ok(reply) => reply,
             Err(message) => {
                 tracing::warn!(%message, "request failed");
                 AgentReply::Error(message)
             }
         };
-        protocol::send_blocking(&mut stream, &reply)?;
+        protocol::send_blocking(stream, &reply)?;
         let Some(session) = session.as_mut() else {
             // A session that is not open (a refused or missing Open) serves nothing.
             return Err(SessionEnd::Failed("closed: the session was not opened".into()));

@@ -67,6 +67,12 @@ impl LocalService {
         if !extra.contains(&"--heartbeat") {
             up_args.extend(["--heartbeat", "0.5"].map(String::from));
         }
+        // The tests were written against tcp, which `icheck up` took by
+        // default before it chose shm on one host; a test that means
+        // another provider (or `auto`) says so.
+        if !extra.contains(&"--provider") {
+            up_args.extend(["--provider", "tcp"].map(String::from));
+        }
         up_args.extend(extra.iter().map(|s| s.to_string()));
         let mut service = LocalService {
             icheck: icheck.to_path_buf(),
@@ -269,7 +275,7 @@ pub fn mpirun(label: &str, np: u32) -> std::io::Result<(Command, PathBuf)> {
 }
 
 /// `pid` and every process descended from it, parents first (from /proc).
-fn process_tree(pid: u32) -> Vec<u32> {
+pub fn process_tree(pid: u32) -> Vec<u32> {
     let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
         .into_iter()
         .flatten()

@@ -151,6 +151,11 @@ impl Job {
         }
     }
 
+    /// mpirun and every process it started, parents first.
+    pub fn processes(&self) -> Vec<u32> {
+        icheck_service::testkit::process_tree(self.child.id())
+    }
+
     /// SIGKILL to mpirun, its ranks and whatever else it started (each rank
     /// sits in a process group of its own), waiting until they are gone.
     pub fn kill(&mut self) {

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use icheck_core::config::StaticConfig;
 use icheck_core::control::request_blocking;
+use icheck_core::fabric::{choose_provider, ProviderChoice, Reach};
 use icheck_core::protocol::{ClientReply, ClientRequest, StatusReport};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -121,7 +122,14 @@ pub fn store_dir(dir: &Path) -> PathBuf {
     PathBuf::from(format!("/dev/shm/icheck-{hash:016x}"))
 }
 
-fn write_static(dir: &Path, port: u16, standby: Option<u16>, tokens: &Tokens, options: &UpOptions) -> Result<PathBuf> {
+fn write_static(
+    dir: &Path,
+    port: u16,
+    standby: Option<u16>,
+    tokens: &Tokens,
+    options: &UpOptions,
+    provider: &ProviderChoice,
+) -> Result<PathBuf> {
     let path = dir.join(CLIENT_CONFIG);
     let mut controllers = match standby {
         None => "ControllerAddress = \"127.0.0.1\"".to_string(),
@@ -144,7 +152,7 @@ fn write_static(dir: &Path, port: u16, standby: Option<u16>, tokens: &Tokens, op
          AgentStoreDir = \"{store}\"\nPfsDir = \"{pfs}\"\n\
          # Backed files each manager keeps for new version files (0: none).\n\
          WarmPool = \"{warm}\"\n\n\
-         [fabric]\nprovider = \"{provider}\"\n\n\
+         [fabric]\n# {why}\nprovider = \"{provider}\"\n\n\
          # How applications move data; ICHECK_TRANSFER, ICHECK_RESTORE and ICHECK_MODE override.\n\
          [client]\ntransfer = \"pull\"   # or \"push\", or \"auto\" (both measured, the faster kept)\n\
          restore = \"auto\"    # a restart's data: \"pull\", \"push\" (the agent writes), auto: the agent's file on this host\n\
@@ -159,7 +167,12 @@ fn write_static(dir: &Path, port: u16, standby: Option<u16>, tokens: &Tokens, op
         hb = options.heartbeat,
         relaunches = options.manager_relaunches,
         idle = options.client_idle_timeout,
-        provider = options.provider,
+        provider = provider.provider,
+        why = if provider.reason.starts_with("given") {
+            provider.reason.clone()
+        } else {
+            format!("chosen by `icheck up` (--provider auto): {}", provider.reason)
+        },
         store = options
             .store_dir
             .as_ref()
@@ -187,6 +200,41 @@ fn log_tail(dir: &Path, log_name: &str) -> String {
     lines[lines.len().saturating_sub(10)..].join("\n")
 }
 
+/// The provider `up` writes into the configuration: the one `--provider`
+/// names (checked to be offered here), the one `FI_PROVIDER` names (which
+/// every daemon obeys anyway), or for `auto` the one
+/// [`choose_provider`] takes among those libfabric offers here: `shm`
+/// when every daemon runs on this host, libfabric's first that leaves the
+/// host when Slurm places the managers.
+fn resolve_provider(given: &str, other_hosts: bool) -> Result<ProviderChoice> {
+    use icheck_core::fabric::{check_provider, list_providers, FabricConfig};
+    let checked = |choice: ProviderChoice| -> Result<ProviderChoice> {
+        check_provider(&FabricConfig::provider(&choice.provider)).context("--provider")?;
+        Ok(choice)
+    };
+    if let Ok(named) = std::env::var("FI_PROVIDER") {
+        let reason = "FI_PROVIDER in the environment names it (it wins over the configuration)".to_string();
+        return checked(ProviderChoice { provider: named, reason });
+    }
+    if !given.is_empty() && given != "auto" {
+        return checked(ProviderChoice { provider: given.to_string(), reason: "given with --provider".into() });
+    }
+    let offered: Vec<String> = list_providers(&FabricConfig::default())
+        .context("--provider auto: listing the providers libfabric offers here")?
+        .into_iter()
+        .map(|p| p.provider)
+        .collect();
+    let reach = if other_hosts { Reach::Hosts } else { Reach::OneHost };
+    let choice = choose_provider(&offered, reach).with_context(|| {
+        format!(
+            "--provider auto: no provider here reaches {} (offered: {}); name one with --provider",
+            if other_hosts { "other hosts" } else { "this host's daemons" },
+            if offered.is_empty() { "none".to_string() } else { offered.join(", ") }
+        )
+    })?;
+    checked(choice)
+}
+
 /// Starts the local service and waits until every manager is registered.
 pub fn up(options: &UpOptions) -> Result<PathBuf> {
     let dir = &options.state_dir;
@@ -196,8 +244,8 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     if recorded.iter().any(|(_, pid)| is_icheck_process(*pid)) {
         return restart_dead(dir, &recorded);
     }
-    icheck_core::fabric::check_provider(&icheck_core::fabric::FabricConfig::provider(&options.provider))
-        .context("--provider")?;
+    let provider = resolve_provider(&options.provider, options.slurm.is_some())?;
+    println!("icheck up: fabric provider {}: {}", provider.provider, provider.reason);
     let dynamic = dir.join("dynamic.toml");
     if !dynamic.exists() {
         fs::write(&dynamic, include_str!("../../../../config/dynamic.toml")).context("writing dynamic.toml")?;
@@ -211,7 +259,7 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
         true if options.port == 0 => (free_port()?, Some(free_port()?)),
         true => (options.port, Some(free_port()?)),
     };
-    let config_path = write_static(dir, port, standby_port, &tokens, options)?;
+    let config_path = write_static(dir, port, standby_port, &tokens, options, &provider)?;
     let config_arg = config_path.to_string_lossy().into_owned();
     let dir_arg = dir.to_string_lossy().into_owned();
     let launcher = match &options.slurm {
@@ -261,7 +309,7 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     };
     let port: u16 =
         addr.trim().rsplit(':').next().and_then(|p| p.parse().ok()).context("controller.addr is malformed")?;
-    let config_path = write_static(dir, port, standby_port, &tokens, options)?;
+    let config_path = write_static(dir, port, standby_port, &tokens, options, &provider)?;
     let mut pids = format!("controller {controller}\n");
     if options.standby {
         let args = standby_args(&config_arg, &dir_arg);
@@ -540,6 +588,9 @@ pub fn print_status(report: &StatusReport) {
             "  {}: memory depletion {rate}, forecast {forecast}, agent fill {fill}, Δcop {dcop}",
             n.node
         ));
+        if !s.provider.is_empty() {
+            details.push(format!("  {}: fabric provider {}", n.node, s.provider));
+        }
         if s.warm_bytes > 0 {
             details.push(format!("  {}: warm pool {} ready for new version files", n.node, human_bytes(s.warm_bytes)));
         }

@@ -52,8 +52,13 @@ enum Command_ {
         /// Directory for configuration, logs and pids.
         #[arg(long, default_value = "icheck-state")]
         state_dir: PathBuf,
-        /// Fabric provider the agents use.
-        #[arg(long, default_value = "tcp")]
+        /// Fabric provider the agents and applications use: a libfabric
+        /// name (`icheck fabric info` lists them), or auto: shm when every
+        /// daemon runs on this host (one copy instead of tcp's loopback; tcp
+        /// where shm is not offered), with --slurm libfabric's first choice
+        /// that leaves the host. The choice and why go into the written
+        /// configuration; `icheck status` shows each node's provider.
+        #[arg(long, default_value = "auto")]
         provider: String,
         /// Seconds between manager heartbeats.
         #[arg(long, default_value_t = 1.0)]
