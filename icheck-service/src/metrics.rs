@@ -50,6 +50,12 @@ pub fn render(report: &StatusReport) -> String {
             samples: vec![],
         },
         Family {
+            name: "icheck_node_fabric_info",
+            help: "Constant 1; the provider label names the fabric provider the node's agents use",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
             name: "icheck_node_memory_available_bytes",
             help: "MemAvailable of the node",
             kind: "gauge",
@@ -308,6 +314,9 @@ pub fn render(report: &StatusReport) -> String {
         put("icheck_node_draining", l.clone(), Some(f64::from(u8::from(n.draining))));
         put("icheck_node_manager_relaunches", l.clone(), Some(f64::from(n.relaunches)));
         put("icheck_node_given_up", l.clone(), Some(f64::from(u8::from(n.given_up))));
+        if !s.provider.is_empty() {
+            put("icheck_node_fabric_info", format!("{l},provider=\"{}\"", escape(&s.provider)), Some(1.0));
+        }
         put("icheck_node_memory_available_bytes", l.clone(), Some(s.mem_available as f64));
         put("icheck_node_memory_total_bytes", l.clone(), Some(s.mem_total as f64));
         put("icheck_node_memory_depletion_bytes_per_second", l.clone(), n.trend.mem_depletion_rate);

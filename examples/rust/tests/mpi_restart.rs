@@ -615,8 +615,11 @@ fn a_local_service_takes_shm_by_default_and_a_job_restarts_on_it() {
     assert!(written.contains("# chosen by `icheck up` (--provider auto): every daemon runs on this host"), "{written}");
     let out = Command::new(&service.icheck).args(["status", "--state-dir"]).arg(&service.dir).output().unwrap();
     let printed = String::from_utf8_lossy(&out.stdout);
+    let metrics = scrape(&service);
     for node in ["local-1", "local-2"] {
         assert!(printed.contains(&format!("{node}: fabric provider {expected}")), "{printed}");
+        let info = format!("icheck_node_fabric_info{{node=\"{node}\",provider=\"{expected}\"}} 1");
+        assert!(metrics.lines().any(|l| l == info), "{info} in\n{metrics}");
     }
 
     let config = service.config_path();
