@@ -71,6 +71,11 @@ struct Cli {
     /// add controller takeovers to the faults.
     #[arg(long)]
     standby: bool,
+    /// Fabric provider of the service (`icheck up --provider`): tcp, as in
+    /// the README's runs, or shm (what `icheck up` takes on one host), or
+    /// auto.
+    #[arg(long, default_value = "tcp")]
+    provider: String,
     /// Draw faults only of these kinds (comma-separated, as the table
     /// names them, e.g. "kill rank,takeover: kill primary"); default: all.
     #[arg(long, value_delimiter = ',')]
@@ -314,9 +319,9 @@ fn signal(pid: u32, sig: Signal) {
 
 /// `icheck up` again in the service's directory (starts what died), with
 /// `failpoints` armed in what it starts.
-fn up_again(service: &LocalService, failpoints: Option<&str>) -> Result<()> {
+fn up_again(service: &LocalService, provider: &str, failpoints: Option<&str>) -> Result<()> {
     let mut up = Command::new(&service.icheck);
-    up.args(["up", "--detach", "--managers", "2", "--heartbeat", "0.5", "--provider", "tcp", "--state-dir"])
+    up.args(["up", "--detach", "--managers", "2", "--heartbeat", "0.5", "--provider", provider, "--state-dir"])
         .arg(&service.dir);
     if let Some(spec) = failpoints {
         up.env(icheck_core::failpoint::FAILPOINTS_ENV, spec);
@@ -332,12 +337,12 @@ fn up_again(service: &LocalService, failpoints: Option<&str>) -> Result<()> {
 /// Waits until every daemon recorded in the service's pids runs and every
 /// node is alive (and, with a standby, the standby follows the primary
 /// again); starts again what died (`icheck up`).
-fn heal(service: &LocalService, bound: Duration, standby: bool) -> Result<(), String> {
+fn heal(service: &LocalService, provider: &str, bound: Duration, standby: bool) -> Result<(), String> {
     let start = Instant::now();
     while start.elapsed() < bound {
         let pids = icheck_service::launcher::read_pids(&service.dir);
         if pids.iter().any(|(_, pid)| !is_icheck_process(*pid)) {
-            up_again(service, None).map_err(|e| e.to_string())?;
+            up_again(service, provider, None).map_err(|e| e.to_string())?;
         }
         let healthy = service.try_status().is_ok_and(|status| {
             status.nodes.len() == 2
@@ -417,7 +422,10 @@ fn campaign(cli: &Cli) -> Result<Tally> {
     let seed = cli.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
     });
-    println!("fault campaign: seed {seed}, {} faults, {} ranks x {}", cli.faults, cli.ranks, cli.size);
+    println!(
+        "fault campaign: seed {seed}, {} faults, {} ranks x {}, provider {}",
+        cli.faults, cli.ranks, cli.size, cli.provider
+    );
     let mut rng = Rng(seed);
     let icheck = std::env::current_exe()?.with_file_name("icheck");
     if !icheck.exists() {
@@ -425,9 +433,14 @@ fn campaign(cli: &Cli) -> Result<Tally> {
     }
     let service = if cli.standby {
         let after = TAKEOVER_AFTER.as_secs().to_string();
-        LocalService::up(&icheck, "campaign", 2, &["--provider", "tcp", "--standby", "--takeover-after", &after])
+        LocalService::up(
+            &icheck,
+            "campaign",
+            2,
+            &["--provider", &cli.provider, "--standby", "--takeover-after", &after],
+        )
     } else {
-        LocalService::up(&icheck, "campaign", 2, &["--provider", "tcp"])
+        LocalService::up(&icheck, "campaign", 2, &["--provider", &cli.provider])
     };
     let kinds: Vec<&str> = KINDS
         .iter()
@@ -478,7 +491,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
                     while is_icheck_process(pid) {
                         std::thread::sleep(Duration::from_millis(20));
                     }
-                    if let Err(err) = up_again(&service, Some(&spec)) {
+                    if let Err(err) = up_again(&service, &cli.provider, Some(&spec)) {
                         tally.hangs.push(format!("round {round}: arming {spec}: {err:#}"));
                         break;
                     }
@@ -612,7 +625,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
-        if let Err(why) = heal(&service, bound, cli.standby) {
+        if let Err(why) = heal(&service, &cli.provider, bound, cli.standby) {
             tally.hangs.push(format!("round {round}: {why}"));
         } else if let Err(wrong) = status_matches_reality(&service) {
             tally.status_mismatches.push(format!("round {round}: status does not match what runs: {wrong}"));

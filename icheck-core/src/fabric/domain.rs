@@ -530,17 +530,20 @@ mod tests {
     /// would take the others' too.
     static DEAD_REGIONS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+    /// Serializes with the other tests of dead regions; returns the process
+    /// id of a child that has ended (and been reaped) and this process's.
+    fn dead_and_alive() -> (std::sync::MutexGuard<'static, ()>, u32, u32) {
+        let serial = DEAD_REGIONS.lock().unwrap_or_else(|p| p.into_inner());
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        (serial, dead, std::process::id())
+    }
+
     #[test]
     fn a_dead_peers_region_goes_and_a_live_or_foreign_one_stays() {
         use std::time::Duration;
-        let _serial = DEAD_REGIONS.lock().unwrap_or_else(|p| p.into_inner());
-        let dead = {
-            let mut child = std::process::Command::new("true").spawn().unwrap();
-            let pid = child.id();
-            child.wait().unwrap();
-            pid
-        };
-        let alive = std::process::id();
+        let (_serial, dead, alive) = dead_and_alive();
         // SAFETY: geteuid has no preconditions.
         let me = unsafe { libc::geteuid() };
         let region = |pid: u32| std::path::PathBuf::from("/dev/shm").join(format!("{pid}:9:77"));
@@ -560,14 +563,7 @@ mod tests {
 
     #[test]
     fn only_dead_processes_regions_are_reclaimed() {
-        let _serial = DEAD_REGIONS.lock().unwrap_or_else(|p| p.into_inner());
-        let dead = {
-            let mut child = std::process::Command::new("true").spawn().unwrap();
-            let pid = child.id();
-            child.wait().unwrap();
-            pid
-        };
-        let alive = std::process::id();
+        let (_serial, dead, alive) = dead_and_alive();
         let path = |name: String| std::path::PathBuf::from("/dev/shm").join(name);
         let (dead_region, live_region, other) =
             (path(format!("{dead}:0:77")), path(format!("{alive}:0:77")), path(format!("icheck-test-{alive}:1:2")));
