@@ -301,6 +301,11 @@ struct Tally {
     lost: Vec<String>,
     hangs: Vec<String>,
     status_mismatches: Vec<String>,
+    /// Daemons that kept a core busy after healing, with no job running
+    /// (a thread spinning where nothing should run: libfabric 1.17's shm
+    /// provider can leave one spinning on the lock of a peer killed while
+    /// it held it).
+    busy: Vec<String>,
     slowest_recovery: Duration,
     /// The longest commit a rank reported (a commit during a fault waits
     /// for its bounds, then completes on new agents or fails).
@@ -416,6 +421,54 @@ fn files_per_rank(store: &Path) -> usize {
 fn rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     status.lines().find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
+}
+
+/// CPU seconds each thread of `pid` has used so far (utime + stime), by
+/// thread id, with its name.
+fn thread_cpu_seconds(pid: u32) -> BTreeMap<u32, (String, f64)> {
+    // SAFETY: sysconf has no preconditions.
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return BTreeMap::new() };
+    tasks
+        .filter_map(|task| {
+            let task = task.ok()?;
+            let tid: u32 = task.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
+            let (name, rest) = stat.split_once(" (")?.1.rsplit_once(')')?;
+            // Fields after the name: state is the first, utime the 12th.
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+            Some((tid, (name.to_string(), ticks as f64 / per_second)))
+        })
+        .collect()
+}
+
+/// How long each daemon's CPU is watched after healing, and the share of
+/// a core above which it counts as busy: an idle service uses well under
+/// 1% (`commit-bench`'s idle case), a spinning thread a whole core.
+const BUSY_WINDOW: Duration = Duration::from_secs(2);
+const BUSY_SHARE: f64 = 0.5;
+
+/// The daemons of `service` that used more than [`BUSY_SHARE`] of a core
+/// over [`BUSY_WINDOW`]: each with its share and its busiest thread's name.
+fn busy_daemons(service: &LocalService) -> Vec<(String, f64, String)> {
+    let daemons = icheck_service::launcher::read_pids(&service.dir);
+    let before: Vec<_> = daemons.iter().map(|(_, pid)| thread_cpu_seconds(*pid)).collect();
+    std::thread::sleep(BUSY_WINDOW);
+    let window = BUSY_WINDOW.as_secs_f64();
+    let mut busy = Vec::new();
+    for ((daemon, pid), before) in daemons.into_iter().zip(before) {
+        let used: Vec<(String, f64)> = thread_cpu_seconds(pid)
+            .into_iter()
+            .map(|(tid, (name, now))| (name, now - before.get(&tid).map_or(0.0, |(_, then)| *then)))
+            .collect();
+        let share = used.iter().map(|(_, secs)| secs).sum::<f64>() / window;
+        if share > BUSY_SHARE {
+            let busiest = used.into_iter().max_by(|a, b| a.1.total_cmp(&b.1)).map(|(name, _)| name);
+            busy.push((daemon, share, busiest.unwrap_or_default()));
+        }
+    }
+    busy
 }
 
 fn campaign(cli: &Cli) -> Result<Tally> {
@@ -629,6 +682,13 @@ fn campaign(cli: &Cli) -> Result<Tally> {
             tally.hangs.push(format!("round {round}: {why}"));
         } else if let Err(wrong) = status_matches_reality(&service) {
             tally.status_mismatches.push(format!("round {round}: status does not match what runs: {wrong}"));
+        } else {
+            for (daemon, share, thread) in busy_daemons(&service) {
+                tally.busy.push(format!(
+                    "round {round}: {daemon} used {:.0}% of a core with no job running (busiest thread: {thread})",
+                    share * 100.0
+                ));
+            }
         }
         tally.max_files_per_rank = tally.max_files_per_rank.max(files_per_rank(&service.config.agent_store_dir));
         for (name, pid) in icheck_service::launcher::read_pids(&service.dir) {
@@ -640,7 +700,12 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         tally.rounds += 1;
         let _ = std::io::stdout().flush();
     }
-    if cli.keep && !(tally.lost.is_empty() && tally.hangs.is_empty() && tally.status_mismatches.is_empty()) {
+    if cli.keep
+        && !(tally.lost.is_empty()
+            && tally.hangs.is_empty()
+            && tally.status_mismatches.is_empty()
+            && tally.busy.is_empty())
+    {
         let copy = service.dir.with_extension("kept");
         let _ = std::fs::remove_dir_all(&copy);
         std::fs::create_dir_all(&copy)?;
@@ -662,6 +727,7 @@ fn print_table(tally: &Tally) {
     println!("| versions lost (must be 0) | {} |", tally.lost.len());
     println!("| hangs (must be 0) | {} |", tally.hangs.len());
     println!("| status not matching what runs, after healing (must be 0) | {} |", tally.status_mismatches.len());
+    println!("| daemons busy with no job running, after healing (must be 0) | {} |", tally.busy.len());
     println!("| slowest recovery (fault to verified restart) | {:.1} s |", tally.slowest_recovery.as_secs_f64());
     println!("| slowest commit reported complete | {:.1} s |", tally.slowest_commit);
     println!("| most files in one rank's store directory | {} |", tally.max_files_per_rank);
@@ -678,7 +744,7 @@ fn print_table(tally: &Tally) {
     for (name, (first, last)) in &tally.rss {
         println!("| RSS of {name}, first -> last round | {} -> {} MiB |", first / 1024, last / 1024);
     }
-    for line in tally.lost.iter().chain(&tally.hangs).chain(&tally.status_mismatches) {
+    for line in tally.lost.iter().chain(&tally.hangs).chain(&tally.status_mismatches).chain(&tally.busy) {
         println!("{line}");
     }
 }
@@ -692,7 +758,10 @@ fn main() -> Result<()> {
     print_table(&tally);
     // Retention keeps at most a few versions per rank (the newest complete,
     // one in progress, one pinned by a PFS copy) and the spare file.
-    let broken = !tally.lost.is_empty() || !tally.hangs.is_empty() || !tally.status_mismatches.is_empty();
+    let broken = !tally.lost.is_empty()
+        || !tally.hangs.is_empty()
+        || !tally.status_mismatches.is_empty()
+        || !tally.busy.is_empty();
     if broken || tally.max_files_per_rank > 9 {
         bail!("the campaign broke an invariant (see above)");
     }

@@ -53,7 +53,9 @@ fn heat2d_in_c_restarts_to_the_fault_free_checksum() {
 fn heat1d_in_fortran_restarts_to_the_fault_free_checksum() {
     let installed = install("heat1d");
     let exe = installed.compile("mpifort", "examples/fortran/heat1d.f90", &["-Wall"]);
-    let service = LocalService::up(&icheck_in_target(), "f-heat1d", 2, &["--provider", "tcp"]);
+    // The provider users get from `icheck up` (shm on one host); the C
+    // tests run over tcp.
+    let service = LocalService::up(&icheck_in_target(), "f-heat1d", 2, &["--provider", "auto"]);
     // The application name is fixed ("heat1d"); the clean run cleans up.
     kill_and_restart(&exe, &service, &["512", "120", "20"], &["512", "120", "20", "70"], &["512", "120", "20"], &[]);
 }

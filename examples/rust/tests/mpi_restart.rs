@@ -657,6 +657,31 @@ fn a_local_service_takes_shm_by_default_and_a_job_restarts_on_it() {
     );
 }
 
+/// A rank that dies while its agent pulls its memory over shm: shm reports
+/// nothing for a dead peer, so the agent's read used to spin a core for its
+/// whole no-progress bound (10 s); it now sees the process gone, gives the
+/// endpoint up at once (the agent is replaced), and the next run restarts
+/// from the last complete version.
+#[test]
+fn an_agent_gives_up_at_once_on_a_rank_that_died_while_it_pulled_over_shm() {
+    let service = service("mpi-deadpull", 1, "shm");
+    let config = service.config_path();
+    let mut args = vec!["--app", "deadpull", "--steps", "4", "--every", "2", "--mib", "24", "--persist"];
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    args[3] = "8";
+    let dies = [("ICHECK_FAILPOINTS", "client.during_pull=abort")];
+    let (ok, output) = Job::start(2, &config, &args, &dies).finish_any(Duration::from_secs(120));
+    assert!(!ok, "the ranks were to die in their first pull: {output}");
+    icheck_service::testkit::wait_for("the agent to see its rank gone", Duration::from_secs(30), || {
+        service.log("manager-local-1.log").contains("the RMA peer's process has ended; giving the endpoint up")
+    });
+    assert!(!service.log("manager-local-1.log").contains("RMA batch timed out"), "the agent waited out its bound");
+    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
+}
+
 /// With `restore = "auto"` (the default) a rank on its agent's host takes
 /// the version's file and reads it with `pread`: the managers count every
 /// file handed over, and `icheck status` and `/metrics` say so. A fixed

@@ -389,6 +389,15 @@ pub fn shm_region_of(peer_name: &str) -> Option<(u32, String)> {
     Some((parts[0].parse().ok()?, name.to_string()))
 }
 
+/// Whether process `pid` has ended: no such process here, or a zombie
+/// (killed, not yet reaped by its parent; it runs nothing any more).
+pub(crate) fn process_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat.rsplit_once(") ").is_some_and(|(_, rest)| rest.starts_with('Z')),
+    }
+}
+
 /// Removes the shm region of a peer (`peer_name`, see [`shm_region_of`])
 /// once its process has ended, waiting up to `patience` for that: a
 /// killed process stays a zombie until its parent reaps it. Touches only
@@ -411,10 +420,7 @@ pub fn remove_dead_peer_region(peer_name: &str, owner: u32, patience: std::time:
             // Gone already (the process closed its endpoint), or not the peer's.
             _ => return false,
         }
-        // A zombie still has its /proc entry; its region is no longer used.
-        let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
-        let zombie = state.as_deref().and_then(|s| s.rsplit_once(") ")).is_some_and(|(_, rest)| rest.starts_with('Z'));
-        if state.is_none() || zombie {
+        if process_gone(pid) {
             return std::fs::remove_file(&region).is_ok();
         }
         if std::time::Instant::now() >= deadline {

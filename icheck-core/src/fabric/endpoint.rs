@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use libfabric_sys as sys;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::domain::{Domain, DomainInner};
+use super::domain::{process_gone, Domain, DomainInner};
 use super::mr::{Access, LocalSource, LocalTarget, MemoryRegion, RegisteredBuffer, RemoteRegion, StableBuffer};
 use super::{FabricError, Result};
 
@@ -69,6 +69,10 @@ impl<'de> Deserialize<'de> for FabricAddress {
 pub struct Peer {
     fi_addr: sys::fi_addr_t,
     name: Arc<str>,
+    /// An shm peer's process id, where that process was running in this
+    /// process's pid namespace when it was inserted: its disappearance
+    /// later means it ended (one in another namespace is never judged).
+    local_pid: Option<u32>,
 }
 
 impl Peer {
@@ -371,7 +375,8 @@ impl Endpoint {
             std::ffi::CStr::from_bytes_until_nul(&buf).map(|c| c.to_string_lossy().into_owned()).unwrap_or_default()
         };
         let name = if name.is_empty() { address.to_string() } else { name };
-        let peer = Peer { fi_addr, name: name.into() };
+        let local_pid = super::domain::shm_region_of(&name).map(|(pid, _)| pid).filter(|pid| !process_gone(*pid));
+        let peer = Peer { fi_addr, name: name.into(), local_pid };
         state.peers.insert(address.0.clone(), peer.clone());
         Ok(peer)
     }
@@ -595,6 +600,7 @@ impl Endpoint {
         let mut last_progress = Instant::now();
         let mut entries = [sys::fi_cq_entry::default(); 16];
         let mut idle_polls = 0u32;
+        let mut dead_peer_check = DeadPeerCheck::default();
         // Posted operations not yet part of the in-order prefix: (length,
         // completed), the front being operation number `prefix_seq`.
         let mut unordered: std::collections::VecDeque<(usize, bool)> = std::collections::VecDeque::new();
@@ -743,10 +749,26 @@ impl Endpoint {
                 state.abandon(kind, manual_progress);
                 abandon_contexts(slots, outstanding);
                 return Err(FabricError::call("fi_cq_read", ret as i64));
+            } else if let Some((peer, pid)) = dead_peer_check
+                .due(last_progress)
+                .then(|| {
+                    // A stalled batch whose shm peer died: nothing would ever
+                    // complete (nor would a full queue to it drain), and
+                    // waiting out the timeout spins a core.
+                    waited_on(&slots, &free, ops, op_index)
+                        .find_map(|peer| Some((peer.name(), peer.local_pid.filter(|pid| process_gone(*pid))?)))
+                })
+                .flatten()
+            {
+                tracing::warn!(op = %kind, %peer, pid, outstanding, "the RMA peer's process has ended; giving the endpoint up");
+                let peer = peer.to_string();
+                state.abandon(kind, manual_progress);
+                abandon_contexts(slots, outstanding);
+                return Err(FabricError::PeerGone { op: kind, peer, pid, outstanding });
             } else if last_progress.elapsed() > options.timeout {
-                // The peers whose operations never completed.
-                let mut stalled: Vec<&str> =
-                    (0..slots.len()).filter(|i| !free.contains(i)).map(|i| ops[slots[i].op].peer.name()).collect();
+                // The peers whose operations never completed, or whose
+                // queue never took the next one.
+                let mut stalled: Vec<&str> = waited_on(&slots, &free, ops, op_index).map(Peer::name).collect();
                 stalled.sort_unstable();
                 stalled.dedup();
                 let peer = stalled.join(", ");
@@ -772,6 +794,43 @@ impl Endpoint {
             Some(err) => Err(err),
             None => Ok(stats),
         }
+    }
+}
+
+/// The peers a batch waits for: those of its operations in flight, and
+/// the one its next operation goes to (a post refused with `EAGAIN`, the
+/// peer's queue full, waits for that peer too).
+fn waited_on<'a>(
+    slots: &'a [OpSlot],
+    free: &'a [usize],
+    ops: &'a [PeerOp<'a>],
+    next_op: usize,
+) -> impl Iterator<Item = &'a Peer> + 'a {
+    let in_flight = (0..slots.len()).filter(|i| !free.contains(i)).map(|i| ops[slots[i].op].peer);
+    in_flight.chain(ops.get(next_op).map(|op| op.peer))
+}
+
+/// How often a batch without completions looks whether an shm peer it
+/// waits for has died, and how long it waits before the first look: a
+/// live peer answers within microseconds, and the look reads `/proc`.
+const DEAD_PEER_CHECK: Duration = Duration::from_millis(100);
+
+/// When a stalled batch next looks for dead shm peers.
+#[derive(Default)]
+struct DeadPeerCheck {
+    last: Option<Instant>,
+}
+
+impl DeadPeerCheck {
+    /// Whether a look is due now, for a batch whose last completion was
+    /// at `last_progress`.
+    fn due(&mut self, last_progress: Instant) -> bool {
+        let since = self.last.map_or(last_progress, |last| last.max(last_progress));
+        if since.elapsed() < DEAD_PEER_CHECK {
+            return false;
+        }
+        self.last = Some(Instant::now());
+        true
     }
 }
 

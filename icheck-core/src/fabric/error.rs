@@ -75,6 +75,21 @@ pub enum FabricError {
         /// The progress timeout that expired.
         timeout: Duration,
     },
+    /// A peer of the shm provider died with operations of a batch
+    /// outstanding: shm reports nothing for a dead peer (tcp reports the
+    /// lost connection), so the batch saw its process gone instead of
+    /// waiting out its timeout. The endpoint was given up, as on a timeout.
+    #[error("{op} with peer {peer}: its process ({pid}) has ended with {outstanding} operation(s) outstanding; the endpoint was given up")]
+    PeerGone {
+        /// Read or write.
+        op: RmaKind,
+        /// The peer's printable address.
+        peer: String,
+        /// The peer's process id.
+        pid: u32,
+        /// Operations still outstanding.
+        outstanding: usize,
+    },
     /// A requested range does not fit the region it refers to.
     #[error("{side} range [{offset}, {offset}+{len}) lies outside the region of {region_len} bytes")]
     OutOfRange {

@@ -215,7 +215,12 @@ impl AgentLink {
     pub(super) fn pull(&mut self, endpoint: &Endpoint, segments: Vec<PullSegment>) -> Result<u64> {
         let progress = ProgressThread::serving_reads(endpoint)
             .map_err(|e| self.error(format!("cannot start a progress thread: {e}")))?;
-        let reply = self.call(&AgentRequest::Pull(segments));
+        let request = AgentRequest::Pull(segments);
+        let reply = self.send(&request).and_then(|()| {
+            // A crash here: the rank dies while its agent reads its memory.
+            icheck_core::failpoint::hit("client.during_pull");
+            self.receive(&request)
+        });
         progress.stop();
         match reply? {
             AgentReply::Pulled { bytes } => Ok(bytes),
