@@ -30,6 +30,10 @@
 //! * A batch never returns while one of its operations may still touch local
 //!   memory: it waits for every posted operation, and when a peer stops
 //!   answering it closes the endpoint before returning [`FabricError::Timeout`].
+//!   An shm peer that died is seen sooner: shm reports nothing for it, so a
+//!   batch without completions for 100 ms looks whether the processes it
+//!   waits for still run and gives the endpoint up the same way
+//!   ([`FabricError::PeerGone`]) instead of spinning out its timeout.
 //! * Writes a checkpoint version depends on use `FI_DELIVERY_COMPLETE`
 //!   ([`TransferOptions::delivery_complete`]), because the default completion
 //!   may be reported before the data reached target memory.
