@@ -599,6 +599,16 @@ fn restores_pushed_by_the_agents_are_bit_exact_and_damage_is_named() {
     assert!(!ok && output.contains("ICHECK_RESTORE") && output.contains("\"sideways\""), "{output}");
 }
 
+/// Runs a two-rank job of `app` that commits versions 1 to 3 (steps 0, 2
+/// and 4, 24 MiB per rank) and leaves them in agent memory; returns its
+/// arguments, whose `--steps` (index 3) a later run raises.
+fn three_versions<'a>(config: &std::path::Path, app: &'a str) -> Vec<&'a str> {
+    let args = vec!["--app", app, "--steps", "4", "--every", "2", "--mib", "24", "--persist"];
+    let lines = Job::start(2, config, &args, &[]).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{app}: {lines:?}");
+    args
+}
+
 /// `icheck up` without a provider (`--provider auto`) takes shm where
 /// libfabric offers it, since every daemon runs on this host; the written
 /// configuration says so and why, `icheck status` names each node's
@@ -623,9 +633,7 @@ fn a_local_service_takes_shm_by_default_and_a_job_restarts_on_it() {
     }
 
     let config = service.config_path();
-    let mut args = vec!["--app", "auto-provider", "--steps", "4", "--every", "2", "--mib", "24", "--persist"];
-    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
-    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    let mut args = three_versions(&config, "auto-provider");
     args[3] = "6";
     let pulled = [("ICHECK_RESTORE", "pull")];
     let lines = Job::start(2, &config, &args, &pulled).finish(Duration::from_secs(120));
@@ -666,9 +674,7 @@ fn a_local_service_takes_shm_by_default_and_a_job_restarts_on_it() {
 fn an_agent_gives_up_at_once_on_a_rank_that_died_while_it_pulled_over_shm() {
     let service = service("mpi-deadpull", 1, "shm");
     let config = service.config_path();
-    let mut args = vec!["--app", "deadpull", "--steps", "4", "--every", "2", "--mib", "24", "--persist"];
-    let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
-    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    let mut args = three_versions(&config, "deadpull");
     args[3] = "8";
     let dies = [("ICHECK_FAILPOINTS", "client.during_pull=abort")];
     let (ok, output) = Job::start(2, &config, &args, &dies).finish_any(Duration::from_secs(120));
