@@ -26,6 +26,8 @@ use serde::{Deserialize, Serialize};
 
 #[path = "plots.rs"]
 mod plots;
+#[path = "thread_cpu.rs"]
+mod thread_cpu;
 
 #[derive(Parser)]
 #[command(about = "Commit/restart throughput through a local icheck service, against raw fabric RMA and memcpy")]
@@ -487,32 +489,13 @@ fn first_commits(provider: &str, size: usize, count: usize) -> Result<Vec<f64>> 
     Ok(times)
 }
 
-/// CPU nanoseconds of every thread of `pids` so far, by thread id
-/// (`schedstat`: time on the CPU, exact where the tick-sampled `stat` is not).
-fn thread_cpu(pids: &[u32]) -> std::collections::HashMap<String, u64> {
-    let mut threads = std::collections::HashMap::new();
-    for pid in pids {
-        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { continue };
-        for task in tasks.filter_map(|t| t.ok()) {
-            let stat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
-            let nanos = stat.split_whitespace().next().and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
-            let name = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
-            threads.insert(format!("{} {}", task.path().display(), name.trim()), nanos);
-        }
-    }
-    threads
-}
-
-/// CPU time `pids` used between two [`thread_cpu`] snapshots: threads
-/// started in between count from zero; one that ended in between is lost
-/// (the service's threads live as long as their agents and sessions).
+/// CPU time `pids` used between two [`thread_cpu`] snapshots; prints the
+/// five busiest threads.
 fn cpu_between(
     before: &std::collections::HashMap<String, u64>,
     after: &std::collections::HashMap<String, u64>,
 ) -> std::time::Duration {
-    let mut used: Vec<(u64, &String)> =
-        after.iter().map(|(tid, now)| (now.saturating_sub(*before.get(tid).unwrap_or(&0)), tid)).collect();
-    used.sort_unstable_by(|a, b| b.cmp(a));
+    let used = thread_cpu::used_between(before, after);
     for (nanos, thread) in used.iter().take(5) {
         eprintln!("  {thread}: {:.1} ms", *nanos as f64 / 1e6);
     }
@@ -534,10 +517,10 @@ fn idle_service_cpu(provider: &str, over: std::time::Duration) -> Result<f64> {
     ic.commit()?;
     // Let the commit's aftermath (pruning, status reports) pass first.
     std::thread::sleep(std::time::Duration::from_secs(2));
-    let before = thread_cpu(&pids);
+    let before = thread_cpu::thread_cpu(&pids);
     let started = Instant::now();
     std::thread::sleep(over);
-    let used = cpu_between(&before, &thread_cpu(&pids));
+    let used = cpu_between(&before, &thread_cpu::thread_cpu(&pids));
     let share = used.as_secs_f64() / started.elapsed().as_secs_f64();
     ic.finalize(false)?;
     Ok(share)

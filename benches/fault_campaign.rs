@@ -28,6 +28,9 @@
 //! target/release/fault-campaign --faults 100 --seed 1 --standby
 //! ```
 
+#[path = "thread_cpu.rs"]
+mod thread_cpu;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -423,26 +426,6 @@ fn rss_kib(pid: u32) -> Option<u64> {
     status.lines().find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
 }
 
-/// CPU seconds each thread of `pid` has used so far (utime + stime), by
-/// thread id, with its name.
-fn thread_cpu_seconds(pid: u32) -> BTreeMap<u32, (String, f64)> {
-    // SAFETY: sysconf has no preconditions.
-    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return BTreeMap::new() };
-    tasks
-        .filter_map(|task| {
-            let task = task.ok()?;
-            let tid: u32 = task.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
-            let (name, rest) = stat.split_once(" (")?.1.rsplit_once(')')?;
-            // Fields after the name: state is the first, utime the 12th.
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-            Some((tid, (name.to_string(), ticks as f64 / per_second)))
-        })
-        .collect()
-}
-
 /// How long each daemon's CPU is watched after healing, and the share of
 /// a core above which it counts as busy: an idle service uses well under
 /// 1% (`commit-bench`'s idle case), a spinning thread a whole core.
@@ -453,19 +436,17 @@ const BUSY_SHARE: f64 = 0.5;
 /// over [`BUSY_WINDOW`]: each with its share and its busiest thread's name.
 fn busy_daemons(service: &LocalService) -> Vec<(String, f64, String)> {
     let daemons = icheck_service::launcher::read_pids(&service.dir);
-    let before: Vec<_> = daemons.iter().map(|(_, pid)| thread_cpu_seconds(*pid)).collect();
+    let before: Vec<_> = daemons.iter().map(|(_, pid)| thread_cpu::thread_cpu(&[*pid])).collect();
     std::thread::sleep(BUSY_WINDOW);
-    let window = BUSY_WINDOW.as_secs_f64();
     let mut busy = Vec::new();
     for ((daemon, pid), before) in daemons.into_iter().zip(before) {
-        let used: Vec<(String, f64)> = thread_cpu_seconds(pid)
-            .into_iter()
-            .map(|(tid, (name, now))| (name, now - before.get(&tid).map_or(0.0, |(_, then)| *then)))
-            .collect();
-        let share = used.iter().map(|(_, secs)| secs).sum::<f64>() / window;
+        let after = thread_cpu::thread_cpu(&[pid]);
+        let used = thread_cpu::used_between(&before, &after);
+        let nanos: u64 = used.iter().map(|(nanos, _)| nanos).sum();
+        let share = nanos as f64 / 1e9 / BUSY_WINDOW.as_secs_f64();
         if share > BUSY_SHARE {
-            let busiest = used.into_iter().max_by(|a, b| a.1.total_cmp(&b.1)).map(|(name, _)| name);
-            busy.push((daemon, share, busiest.unwrap_or_default()));
+            let busiest = used.first().map_or(String::new(), |(_, thread)| thread.to_string());
+            busy.push((daemon, share, busiest));
         }
     }
     busy
