@@ -381,12 +381,18 @@ pub fn remove_shm_regions_of(pid: u32) {
 /// provider's address, or one that does not have exactly that shape.
 pub fn shm_region_of(peer_name: &str) -> Option<(u32, String)> {
     let name = peer_name.strip_prefix("fi_shm://")?.trim_end_matches('\0');
+    Some((region_owner(name)?, name.to_string()))
+}
+
+/// The process id an shm region's file name (`<pid>:<n>:<m>`, three runs
+/// of digits) starts with; `None` for any other name.
+fn region_owner(name: &str) -> Option<u32> {
     let parts: Vec<&str> = name.split(':').collect();
     let numeric = |p: &&str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
     if parts.len() != 3 || !parts.iter().all(numeric) {
         return None;
     }
-    Some((parts[0].parse().ok()?, name.to_string()))
+    parts[0].parse().ok()
 }
 
 /// Whether process `pid` has ended: no such process here, or a zombie
@@ -446,11 +452,7 @@ pub fn reclaim_dead_processes_shm_regions() -> (usize, u64) {
     let Ok(entries) = std::fs::read_dir("/dev/shm") else { return (0, 0) };
     let mut reclaimed = (0, 0);
     for entry in entries.filter_map(|e| e.ok()) {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let mut parts = name.split(':');
-        let pid = parts.next().and_then(|p| p.parse::<u32>().ok());
-        let numbered = parts.clone().count() == 2 && parts.all(|p| p.parse::<u32>().is_ok());
-        let (Some(pid), true) = (pid, numbered) else { continue };
+        let Some(pid) = region_owner(&entry.file_name().to_string_lossy()) else { continue };
         let Ok(meta) = entry.metadata() else { continue };
         if meta.uid() != me || std::path::Path::new(&format!("/proc/{pid}")).exists() {
             continue;

@@ -943,12 +943,13 @@ fn serve_session(shared: &Shared, mut stream: TcpStream, privilege: Privilege) -
     let caller = Caller { privilege, seen_uid };
     let mut session: Option<Session> = None;
     let ended = serve_requests(shared, &mut stream, caller, &mut session);
-    let shm_peer = session.take().filter(|_| shared.endpoint.provider() == "shm").map(|s| s.peer.name().to_string());
+    let peer = session.take().map(|s| s.peer.name().to_string());
     drop(stream);
-    if let (Some(owner), Some(peer)) = (seen_uid, shm_peer) {
+    if let (Some(owner), Some(peer)) = (seen_uid, peer) {
         // A rank killed on this host leaves its shm region behind, and
         // nobody else frees it; this agent talked to it over shm here, so
-        // its process id is this host's (see `remove_dead_peer_region`).
+        // its process id is this host's (see `remove_dead_peer_region`,
+        // which leaves another provider's peer alone at once).
         if icheck_core::fabric::remove_dead_peer_region(&peer, owner, DEAD_PEER_PATIENCE) {
             tracing::info!(%peer, "removed the shm region a dead rank left");
         }
