@@ -168,11 +168,7 @@ fn write_static(
         relaunches = options.manager_relaunches,
         idle = options.client_idle_timeout,
         provider = provider.provider,
-        why = if provider.reason.starts_with("given") {
-            provider.reason.clone()
-        } else {
-            format!("chosen by `icheck up` (--provider auto): {}", provider.reason)
-        },
+        why = provider.reason,
         store = options
             .store_dir
             .as_ref()
@@ -200,7 +196,8 @@ fn log_tail(dir: &Path, log_name: &str) -> String {
     lines[lines.len().saturating_sub(10)..].join("\n")
 }
 
-/// The provider `up` writes into the configuration: the one `--provider`
+/// The provider `up` writes into the configuration, with the reason it
+/// writes beside it: the one `--provider`
 /// names (checked to be offered here), the one `FI_PROVIDER` names (which
 /// every daemon obeys anyway), or for `auto` the one
 /// [`choose_provider`] takes among those libfabric offers here: `shm`
@@ -213,7 +210,7 @@ fn resolve_provider(given: &str, other_hosts: bool) -> Result<ProviderChoice> {
         Ok(choice)
     };
     if let Ok(named) = std::env::var("FI_PROVIDER") {
-        let reason = "FI_PROVIDER in the environment names it (it wins over the configuration)".to_string();
+        let reason = "FI_PROVIDER in the environment names it; it wins over the configuration".to_string();
         return checked(ProviderChoice { provider: named, reason });
     }
     if !given.is_empty() && given != "auto" {
@@ -232,7 +229,8 @@ fn resolve_provider(given: &str, other_hosts: bool) -> Result<ProviderChoice> {
             if offered.is_empty() { "none".to_string() } else { offered.join(", ") }
         )
     })?;
-    checked(choice)
+    let reason = format!("chosen by `icheck up` (--provider auto): {}", choice.reason);
+    checked(ProviderChoice { reason, ..choice })
 }
 
 /// Starts the local service and waits until every manager is registered.
@@ -245,7 +243,7 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
         return restart_dead(dir, &recorded);
     }
     let provider = resolve_provider(&options.provider, options.slurm.is_some())?;
-    println!("icheck up: fabric provider {}: {}", provider.provider, provider.reason);
+    println!("icheck up: fabric provider {} ({})", provider.provider, provider.reason);
     let dynamic = dir.join("dynamic.toml");
     if !dynamic.exists() {
         fs::write(&dynamic, include_str!("../../../../config/dynamic.toml")).context("writing dynamic.toml")?;
