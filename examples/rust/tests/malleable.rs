@@ -23,6 +23,13 @@ fn has(lines: &[String], line: &str) -> bool {
     lines.iter().any(|l| l == line)
 }
 
+/// Writes version 1 of `app`'s arrays with four processes and checks it
+/// completed.
+fn write_with_four_ranks(config: &Path, app: &str) {
+    let lines = run(4, config, &["--app", app, "--write"]);
+    assert!(has(&lines, "COMMITTED version=1 ranks=4 epoch=0"), "{app}: {lines:?}");
+}
+
 /// Rank directories of `app` in the service's store, over all nodes.
 fn stored_ranks(service: &LocalService, app: &str) -> Vec<String> {
     let mut ranks = Vec::new();
@@ -39,8 +46,7 @@ fn stored_ranks(service: &LocalService, app: &str) -> Vec<String> {
 fn arrays_written_by_4_ranks_restore_on_1_3_4_and_6_ranks_element_by_element() {
     let service = LocalService::up(&icheck_in_target(), "malleable-counts", 2, &[]);
     let config = service.config_path();
-    let lines = run(4, &config, &["--app", "grow", "--write"]);
-    assert!(has(&lines, "COMMITTED version=1 ranks=4 epoch=0"), "{lines:?}");
+    write_with_four_ranks(&config, "grow");
     // Each run restores version 1 (written by 4) without committing.
     for np in [1u32, 3, 4, 6] {
         let lines = run(np, &config, &["--app", "grow", "--no-commit"]);
@@ -113,8 +119,7 @@ fn bad_declarations_get_errors_naming_the_label_and_the_numbers() {
         "{text}"
     );
     // No process count that the PREDEFINED grid lacks can restore it.
-    let lines = run(4, &config, &["--app", "bad2", "--write"]);
-    assert!(has(&lines, "COMMITTED version=1 ranks=4 epoch=0"), "{lines:?}");
+    write_with_four_ranks(&config, "bad2");
     let (ok, text) = Job::start_program(MALLEABLE, 5, &config, &["--app", "bad2"], &[]).finish_any(LONG);
     assert!(!ok, "{text}");
     assert!(
@@ -191,8 +196,7 @@ fn agents_after_resizes(strategy: &str, name: &str) -> Vec<usize> {
         status.apps.iter().find(|a| a.registration.name == "m").map_or(0, |a| a.agents.len())
     };
     let mut counts = Vec::new();
-    let lines = run(4, &config, &["--app", "m", "--write"]);
-    assert!(has(&lines, "COMMITTED version=1 ranks=4 epoch=0"), "{lines:?}");
+    write_with_four_ranks(&config, "m");
     counts.push(agents());
     for (np, version, from) in [(8u32, 1u64, 4u32), (2, 2, 8)] {
         // Each run restores through the agents the previous probe left.
@@ -220,8 +224,7 @@ fn ma_ma_agents_keep_the_ratio_and_ma_ra_agents_stay() {
 fn a_resized_restart_on_the_agents_host_reads_the_old_ranks_files() {
     let service = LocalService::up(&icheck_in_target(), "malleable-local", 2, &[]);
     let config = service.config_path();
-    let lines = run(4, &config, &["--app", "shrink", "--write"]);
-    assert!(has(&lines, "COMMITTED version=1 ranks=4 epoch=0"), "{lines:?}");
+    write_with_four_ranks(&config, "shrink");
     assert_eq!(files_handed_over(&service), 0);
     let pulled =
         Job::start_program(MALLEABLE, 3, &config, &["--app", "shrink", "--no-commit"], &[("ICHECK_RESTORE", "pull")])
