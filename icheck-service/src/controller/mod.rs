@@ -1278,10 +1278,12 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
     let mut state = shared.state();
     if state.nodes.disconnected(&node, connection) {
         let rebuilds = node_lost(&mut state, &node, "its manager's connection closed");
-        if shared.launcher.is_some() {
+        let may_return = state.nodes.relaunch_possible(&node, Instant::now(), shared.relaunch_limit, RELAUNCH_WINDOW);
+        if shared.launcher.is_some() && may_return {
             // Marked before the rebuild looks: it waits for this node to
             // come back (`rebuild::await_free_nodes`) rather than double up
-            // on a survivor.
+            // on a survivor. A node that will not be started again
+            // (relaunches used up, or none allowed) is not waited for.
             state.nodes.set_relaunching(&node, true);
         }
         drop(state);

@@ -247,6 +247,16 @@ impl<L: ManagerLink> NodeBook<L> {
         true
     }
 
+    /// Whether [`relaunch_allowed`](Self::relaunch_allowed) could let
+    /// `node`'s manager start again at `now`, without counting an attempt:
+    /// a rebuild waits for a node coming back only when one can.
+    pub(crate) fn relaunch_possible(&self, node: &str, now: Instant, limit: u32, window: Duration) -> bool {
+        self.nodes.get(node).is_some_and(|entry| {
+            let recent = entry.relaunched.iter().filter(|at| now.saturating_duration_since(**at) < window).count();
+            !entry.given_up && recent < limit as usize
+        })
+    }
+
     /// Gives `node` up now (a resource manager's node replaces it): its
     /// manager is not started again until one registers it.
     pub(crate) fn give_up(&mut self, node: &str) {
@@ -583,5 +593,21 @@ mod tests {
         assert!(book.trend("a", 60.0).is_some());
         let err = book.set_draining("x", true).unwrap_err();
         assert!(err.contains("\"x\"") && err.contains("\"a\""), "{err}");
+    }
+
+    #[test]
+    fn a_relaunch_is_possible_only_while_the_limit_allows_and_looking_counts_nothing() {
+        let t0 = Instant::now();
+        let window = Duration::from_secs(600);
+        let (mut book, _links) = book(t0, &["a"]);
+        assert!(!book.relaunch_possible("a", t0, 0, window), "no relaunches allowed: nothing to wait for");
+        assert!(!book.relaunch_possible("x", t0, 3, window), "an unknown node is never started");
+        assert!(book.relaunch_possible("a", t0, 1, window));
+        assert!(book.relaunch_possible("a", t0, 1, window), "asking twice counts no attempt");
+        assert!(book.relaunch_allowed("a", t0, 1, window));
+        assert!(!book.relaunch_possible("a", t0, 1, window), "the one relaunch is used");
+        assert!(book.relaunch_possible("a", t0 + window, 1, window), "outside the window it may be started again");
+        book.give_up("a");
+        assert!(!book.relaunch_possible("a", t0 + window, 1, window), "a node given up is not started again");
     }
 }
