@@ -495,3 +495,30 @@ fn checked_reads_from_two_peers_in_one_batch_land_in_place_and_name_the_bad_rang
         );
     }
 }
+
+/// One batch reads one process's memory while it writes another's: both
+/// arrive whole (odd sizes, many chunks of each in flight together), on
+/// each provider.
+#[test]
+fn one_batch_reads_one_peer_while_it_writes_another() {
+    for provider in ["tcp", "shm"] {
+        let source = start_target(provider, ODD_SIZE, 1);
+        let mut sink = start_target(provider, ODD_SIZE, 3);
+        let mut initiator = Initiator::connect(provider, &source);
+        let sink_peer = initiator.endpoint.insert_peer(&sink.announcement().address).unwrap();
+        let mut outgoing = initiator.endpoint.register(AlignedBuffer::zeroed(ODD_SIZE), Access::LOCAL).unwrap();
+        icheck_service::selftest::fill_pattern(outgoing.as_mut_slice(), 2);
+        let options = TransferOptions { chunk_size: 256 << 10, inflight: 16, ..TransferOptions::default() };
+        let reads = [icheck_core::fabric::PeerOp { peer: &initiator.peer, op: whole(&source) }];
+        let writes = [icheck_core::fabric::PeerOp { peer: &sink_peer, op: whole(&sink) }];
+        let stats = initiator
+            .endpoint
+            .read_and_write((initiator.local.target(), &reads), (outgoing.source(), &writes), &options)
+            .unwrap_or_else(|e| panic!("{provider}: {e}"));
+        assert_eq!(stats.bytes, 2 * ODD_SIZE as u64, "{provider}");
+        assert_eq!(stats.operations, 2 * ODD_SIZE.div_ceil(256 << 10) as u64, "{provider}");
+        verify_pattern(initiator.local.as_slice(), 1).unwrap_or_else(|e| panic!("{provider}: read side: {e}"));
+        assert_eq!(sink.command("verify 2").unwrap(), "ok", "{provider}: the written peer misses the bytes");
+        assert!(sink.command("verify 3").unwrap().starts_with("mismatch"), "{provider}: nothing was written");
+    }
+}

@@ -508,6 +508,24 @@ impl Endpoint {
         self.transfer(RmaKind::Write, &with_peer(peer, ops), local.ptr, local.len, local.desc, options, &mut |_| {})
     }
 
+    /// Reads `reads` into `into` and writes `from` by `writes` in one batch:
+    /// one pipeline and one completion queue for both directions, so a
+    /// thread that receives some peers' bytes while it sends others its own
+    /// keeps both in flight instead of draining one before the other (the
+    /// endpoint runs one batch at a time). Reads are posted first.
+    pub fn read_and_write(
+        &self,
+        (into, reads): (LocalTarget<'_>, &[PeerOp<'_>]),
+        (from, writes): (LocalSource<'_>, &[PeerOp<'_>]),
+        options: &TransferOptions,
+    ) -> Result<TransferStats> {
+        let read = Local { kind: RmaKind::Read, ptr: into.ptr, len: into.len, desc: into.desc };
+        let write = Local { kind: RmaKind::Write, ptr: from.ptr, len: from.len, desc: from.desc };
+        let mut ops = batch_ops(read, reads);
+        ops.extend(batch_ops(write, writes));
+        self.run_batch(&ops, options, &mut |_| {})
+    }
+
     /// Polls the completion queue once if no batch is running, which drives
     /// the provider's progress for peers that access this endpoint's memory.
     /// Returns false if the endpoint is busy or closed.
@@ -560,15 +578,28 @@ impl Endpoint {
         options: &TransferOptions,
         on_progress: &mut dyn FnMut(usize),
     ) -> Result<TransferStats> {
+        let local = Local { kind, ptr: local_ptr, len: local_len, desc };
+        self.run_batch(&batch_ops(local, ops), options, on_progress)
+    }
+
+    /// Runs one batch: every operation cut into chunks, `options.inflight`
+    /// of them in flight, until all completed (or the first error, once
+    /// those in flight are back).
+    fn run_batch(
+        &self,
+        ops: &[BatchOp<'_>],
+        options: &TransferOptions,
+        on_progress: &mut dyn FnMut(usize),
+    ) -> Result<TransferStats> {
         let started = Instant::now();
         // Validate every op before posting anything.
-        for PeerOp { op, .. } in ops {
-            if op.local_offset.checked_add(op.len).is_none_or(|end| end > local_len) {
+        for BatchOp { op, local, .. } in ops {
+            if op.local_offset.checked_add(op.len).is_none_or(|end| end > local.len) {
                 return Err(FabricError::OutOfRange {
                     side: "local",
                     offset: op.local_offset as u64,
                     len: op.len as u64,
-                    region_len: local_len as u64,
+                    region_len: local.len as u64,
                 });
             }
             op.remote.address_of(op.remote_offset, op.len as u64)?;
@@ -579,10 +610,13 @@ impl Endpoint {
         let max_msg = usize::try_from(self.shared.domain.description.max_msg_size).unwrap_or(usize::MAX).max(1);
         let chunk = options.chunk_size.min(max_msg);
         let inflight = options.inflight.max(1);
-        let mut flags = sys::FI_COMPLETION as u64;
-        if kind == RmaKind::Write && options.delivery_complete {
-            flags |= sys::FI_DELIVERY_COMPLETE as u64;
-        }
+        let flags_of = |kind: RmaKind| {
+            let delivery = kind == RmaKind::Write && options.delivery_complete;
+            sys::FI_COMPLETION as u64 | if delivery { sys::FI_DELIVERY_COMPLETE as u64 } else { 0 }
+        };
+        // What the batch is called in errors and logs, and how it is given
+        // up: a batch with reads in flight is abandoned as a read is.
+        let kind = if ops.iter().any(|op| op.local.kind == RmaKind::Read) { RmaKind::Read } else { RmaKind::Write };
 
         let manual_progress = self.shared.domain.description.manual_progress;
         let mut state = self.shared.lock();
@@ -609,7 +643,7 @@ impl Endpoint {
         loop {
             // Post as many chunks as slots allow.
             while first_error.is_none() && op_index < ops.len() {
-                let PeerOp { peer, op } = &ops[op_index];
+                let BatchOp { peer, op, local } = &ops[op_index];
                 if op_done >= op.len {
                     op_index += 1;
                     op_done = 0;
@@ -626,8 +660,8 @@ impl Endpoint {
                 slot.op = op_index;
                 slot.remote_addr = remote_addr;
                 slot.key = op.remote.key;
-                // SAFETY: local_ptr + local_offset + op_done .. + len lies in
-                // the local buffer (validated above), which the caller's
+                // SAFETY: local.ptr + local_offset + op_done .. + len lies in
+                // the op's local buffer (validated above), which the caller's
                 // LocalSource/LocalTarget borrow keeps alive until we return;
                 // we return only after this op completed or the endpoint was
                 // closed. The iov, desc and rma_iov structs only need to live
@@ -635,8 +669,8 @@ impl Endpoint {
                 // `slots`, which outlives every outstanding op.
                 let ret = unsafe {
                     let mut iov =
-                        sys::iovec { iov_base: local_ptr.add(op.local_offset + op_done).cast(), iov_len: len };
-                    let mut descs = [desc];
+                        sys::iovec { iov_base: local.ptr.add(op.local_offset + op_done).cast(), iov_len: len };
+                    let mut descs = [local.desc];
                     let mut rma_iov = sys::fi_rma_iov { addr: remote_addr, len, key: op.remote.key };
                     let msg = sys::fi_msg_rma {
                         msg_iov: &mut iov,
@@ -648,9 +682,9 @@ impl Endpoint {
                         context: (&mut slot.ctx as *mut sys::fi_context2).cast(),
                         data: 0,
                     };
-                    match kind {
-                        RmaKind::Read => sys::icheck_fi_readmsg(state.ep, &msg, flags),
-                        RmaKind::Write => sys::icheck_fi_writemsg(state.ep, &msg, flags),
+                    match local.kind {
+                        RmaKind::Read => sys::icheck_fi_readmsg(state.ep, &msg, flags_of(RmaKind::Read)),
+                        RmaKind::Write => sys::icheck_fi_writemsg(state.ep, &msg, flags_of(RmaKind::Write)),
                     }
                 };
                 if ret == 0 {
@@ -664,7 +698,7 @@ impl Endpoint {
                     break; // Queue full: reap completions, then retry.
                 } else {
                     first_error = Some(FabricError::Post {
-                        op: kind,
+                        op: local.kind,
                         peer: peer.name.to_string(),
                         len,
                         code: ret.unsigned_abs() as i32,
@@ -710,7 +744,7 @@ impl Endpoint {
                 if got == 1 && !err.op_context.is_null() {
                     let index = (err.op_context as usize - slot_base) / std::mem::size_of::<OpSlot>();
                     let slot = &slots[index];
-                    let peer = ops[slot.op].peer;
+                    let BatchOp { peer, local, .. } = ops[slot.op];
                     let mut text = vec![0u8; 256];
                     // SAFETY: CQ open; err_data belongs to the provider and is
                     // valid until the next CQ call; text has room for len bytes.
@@ -730,7 +764,7 @@ impl Endpoint {
                     };
                     if first_error.is_none() {
                         first_error = Some(FabricError::Completion {
-                            op: kind,
+                            op: local.kind,
                             peer: peer.name.to_string(),
                             remote_addr: slot.remote_addr,
                             key: slot.key,
@@ -803,7 +837,7 @@ impl Endpoint {
 fn waited_on<'a>(
     slots: &'a [OpSlot],
     free: &'a [usize],
-    ops: &'a [PeerOp<'a>],
+    ops: &'a [BatchOp<'a>],
     next_op: usize,
 ) -> impl Iterator<Item = &'a Peer> + 'a {
     let in_flight = (0..slots.len()).filter(|i| !free.contains(i)).map(|i| ops[slots[i].op].peer);
@@ -837,6 +871,29 @@ impl DeadPeerCheck {
 /// `ops`, all from `peer`.
 fn with_peer<'p>(peer: &'p Peer, ops: &[RmaOp]) -> Vec<PeerOp<'p>> {
     ops.iter().map(|op| PeerOp { peer, op: *op }).collect()
+}
+
+/// The local side of a batch's operations: which way they move bytes, and
+/// the registered memory their local offsets are in.
+#[derive(Clone, Copy)]
+struct Local {
+    kind: RmaKind,
+    ptr: *mut u8,
+    len: usize,
+    desc: *mut c_void,
+}
+
+/// One operation of a batch, with its peer and local side.
+#[derive(Clone, Copy)]
+struct BatchOp<'p> {
+    peer: &'p Peer,
+    op: RmaOp,
+    local: Local,
+}
+
+/// `ops`, each moving bytes of `local`.
+fn batch_ops<'p>(local: Local, ops: &[PeerOp<'p>]) -> Vec<BatchOp<'p>> {
+    ops.iter().map(|&PeerOp { peer, op }| BatchOp { peer, op, local }).collect()
 }
 
 /// Keeps the contexts of operations that never completed alive for the rest

@@ -13,7 +13,9 @@
 use std::time::{Duration, Instant};
 
 use icheck_core::control::BlockingConnection;
-use icheck_core::fabric::{Access, AlignedBuffer, Peer, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions};
+use icheck_core::fabric::{
+    Access, AlignedBuffer, Peer, PeerOp, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
+};
 use icheck_core::protocol::{
     check_fetched, AgentInfo, AgentReply, AgentRequest, FetchWanted, Fetched, Manifest, ParityMeta, PieceMeta,
     PieceTask, RebuildSource, STRIPE,
@@ -133,23 +135,6 @@ impl PeerSession {
             AgentReply::Target(region) => Err(self.fail(format!("it offers {} of the {len} bytes", region.len))),
             other => Err(self.fail(format!("unexpected answer to PutPiece: {other:?}"))),
         }
-    }
-
-    /// Writes the first `len` bytes of `from` at `offset` of `region`.
-    fn write(
-        &self,
-        shared: &Shared,
-        from: &RegisteredBuffer,
-        region: RemoteRegion,
-        offset: u64,
-        len: usize,
-    ) -> Result<(), String> {
-        let ops = [RmaOp { local_offset: 0, remote: region, remote_offset: offset, len }];
-        shared
-            .endpoint
-            .write(&self.peer, from.source(), &ops, &TransferOptions::default())
-            .map(|_| ())
-            .map_err(|e| self.fail(e))
     }
 
     /// Tells the peer its piece is written, as `meta` describes it.
@@ -315,64 +300,145 @@ fn protect_copy(shared: &Shared, task: &PieceTask) -> Result<u64, String> {
     Ok(bytes)
 }
 
-/// A source of one shard of a group, stripe by stripe: a member's primary
-/// (shorter ones read as zero-padded), a parity shard, or zeros.
+/// A source of one shard of a group: a member's primary (shorter ones read
+/// as zero-padded), a parity shard, or zeros.
 struct ShardSource {
     session: Option<PeerSession>,
     region: RemoteRegion,
     /// Bytes of real data (the rest of the shard is zeros).
     len: u64,
+}
+
+/// The shards a coder reads a block at a time, all into one registered
+/// buffer (shard i's block at `i * BLOCK`) in one fabric batch: the
+/// fabric keeps every member's reads in flight together instead of
+/// draining after each member's block.
+struct ShardBlocks {
+    sources: Vec<ShardSource>,
     buffer: RegisteredBuffer,
 }
 
-impl ShardSource {
-    fn with(
-        shared: &Shared,
-        session: Option<PeerSession>,
-        region: RemoteRegion,
-        len: u64,
-    ) -> Result<ShardSource, String> {
-        let buffer = shared
-            .endpoint
-            .register(AlignedBuffer::zeroed(BLOCK as usize), Access::LOCAL)
-            .map_err(|e| e.to_string())?;
-        Ok(ShardSource { session, region, len, buffer })
+impl ShardBlocks {
+    fn new(shared: &Shared, sources: Vec<ShardSource>) -> Result<ShardBlocks, String> {
+        let buffer = block_buffer(shared, sources.len())?;
+        Ok(ShardBlocks { sources, buffer })
     }
 
-    /// Loads block `[offset, offset + n)` of the shard into the buffer.
+    /// Loads block `[offset, offset + n)` of every shard into the buffer.
     fn load(&mut self, shared: &Shared, offset: u64, n: usize) -> Result<(), String> {
-        let ShardSource { session, region, len, buffer } = self;
-        read_block(shared, session.as_ref(), *region, *len, (offset, n), buffer)
+        read_blocks(shared, &self.sources, (offset, n), &mut self.buffer)
     }
 
-    /// Loads block `[offset, offset + n)` of the shard into `into`.
-    fn load_into(&self, shared: &Shared, offset: u64, n: usize, into: &mut RegisteredBuffer) -> Result<(), String> {
-        read_block(shared, self.session.as_ref(), self.region, self.len, (offset, n), into)
-    }
-
-    /// `n` bytes of the loaded block from `at`.
-    fn bytes(&self, at: usize, n: usize) -> &[u8] {
-        &self.buffer.as_slice()[at..at + n]
+    /// `n` bytes of shard `shard`'s loaded block from `at`.
+    fn bytes(&self, shard: usize, at: usize, n: usize) -> &[u8] {
+        let start = shard * BLOCK as usize + at;
+        &self.buffer.as_slice()[start..start + n]
     }
 }
 
-/// Reads block `(offset, n)` of a shard whose first `len` bytes are at
-/// `region` (zeros after them, and throughout without a session) into
-/// `into`: one read of its real bytes, which the fabric pipelines.
-fn read_block(
+/// A registered buffer with room for one block of each of `shards` shards.
+fn block_buffer(shared: &Shared, shards: usize) -> Result<RegisteredBuffer, String> {
+    shared
+        .endpoint
+        .register(AlignedBuffer::zeroed(shards.max(1) * BLOCK as usize), Access::LOCAL)
+        .map_err(|e| e.to_string())
+}
+
+/// Reads block `(offset, n)` of every shard of `sources` into `into`
+/// (shard i's at `i * BLOCK`) in one batch: each shard's real bytes from
+/// its peer, zeros after them (and throughout without a session).
+fn read_blocks(
     shared: &Shared,
-    session: Option<&PeerSession>,
-    region: RemoteRegion,
-    len: u64,
+    sources: &[ShardSource],
     (offset, n): (u64, usize),
     into: &mut RegisteredBuffer,
 ) -> Result<(), String> {
-    let real = len.saturating_sub(offset).min(n as u64) as usize;
-    if let Some(session) = session {
-        session.read(shared, region, offset, into, real)?;
+    let ops = read_ops(sources, (offset, n));
+    if !ops.is_empty() {
+        // A few operations per member keep every member's link busy.
+        let options = TransferOptions { inflight: (4 * ops.len()).clamp(8, 32), ..TransferOptions::default() };
+        shared.endpoint.read_observed_from(into.target(), &ops, &options, &mut |_| {}).map_err(|e| {
+            let from: Vec<String> =
+                sources.iter().filter_map(|s| s.session.as_ref()).map(|s| s.from.node.to_string()).collect();
+            format!("reading bytes {offset}.. of the group's shards from {}: {e}", from.join(", "))
+        })?;
     }
-    into.as_mut_slice()[real..n].fill(0);
+    zero_padding(sources, (offset, n), into);
     Ok(())
+}
+
+/// Bytes of block `(offset, n)` of `source` that its peer holds.
+fn real_bytes(source: &ShardSource, (offset, n): (u64, usize)) -> usize {
+    match source.session {
+        Some(_) => source.len.saturating_sub(offset).min(n as u64) as usize,
+        None => 0,
+    }
+}
+
+/// The reads of block `(offset, n)` of every shard: shard i's real bytes
+/// into `i * BLOCK`.
+fn read_ops(sources: &[ShardSource], (offset, n): (u64, usize)) -> Vec<PeerOp<'_>> {
+    sources
+        .iter()
+        .enumerate()
+        .filter_map(|(shard, source)| {
+            let session = source.session.as_ref()?;
+            let len = real_bytes(source, (offset, n));
+            let op = RmaOp { local_offset: shard * BLOCK as usize, remote: source.region, remote_offset: offset, len };
+            (len > 0).then_some(PeerOp { peer: &session.peer, op })
+        })
+        .collect()
+}
+
+/// Zeros each shard's block `(offset, n)` in `into` after its real bytes.
+fn zero_padding(sources: &[ShardSource], (offset, n): (u64, usize), into: &mut RegisteredBuffer) {
+    for (shard, source) in sources.iter().enumerate() {
+        let start = shard * BLOCK as usize;
+        into.as_mut_slice()[start + real_bytes(source, (offset, n))..start + n].fill(0);
+    }
+}
+
+/// Runs `code(offset, block, shards)` on each block of `shards` from 0 to
+/// `until`, cut as an encoder cuts shards of `shard_len` bytes, with the
+/// next block read on a second thread (at low priority) while `code` works
+/// on this one. Returns the time the reads took.
+fn for_each_block(
+    shared: &Shared,
+    shards: &mut ShardBlocks,
+    (until, shard_len): (u64, u64),
+    mut code: impl FnMut(u64, u64, &ShardBlocks) -> Result<(), String>,
+) -> Result<Duration, String> {
+    let block_at = |offset: u64| (shard_len - offset).min(BLOCK);
+    let mut ahead = block_buffer(shared, shards.sources.len())?;
+    let mut reading = Duration::ZERO;
+    if until > 0 {
+        let started = Instant::now();
+        shards.load(shared, 0, block_at(0) as usize)?;
+        reading += started.elapsed();
+    }
+    let mut offset = 0;
+    while offset < until {
+        let (block, next) = (block_at(offset), offset + block_at(offset));
+        let sources = &shards.sources;
+        let read_next = |ahead: &mut RegisteredBuffer| -> Result<Duration, String> {
+            crate::manager::lower_thread_priority();
+            let started = Instant::now();
+            read_blocks(shared, sources, (next, block_at(next) as usize), ahead)?;
+            Ok(started.elapsed())
+        };
+        let (coded, read) = std::thread::scope(|scope| {
+            let reader = (next < until).then(|| scope.spawn(|| read_next(&mut ahead)));
+            let coded = code(offset, block, shards);
+            let read = reader
+                .map_or(Ok(Duration::ZERO), |r| r.join().unwrap_or_else(|_| Err("the reading thread panicked".into())));
+            (coded, read)
+        });
+        coded?;
+        reading += read?;
+        std::mem::swap(&mut shards.buffer, &mut ahead);
+        offset = next;
+    }
+    Ok(reading)
 }
 
 /// Bytes of each shard read at once (a whole number of stripes): one RMA
@@ -399,50 +465,37 @@ struct ShardSink {
     index: u8,
     session: PeerSession,
     region: RemoteRegion,
-    /// The block being encoded, before it is written.
-    staging: RegisteredBuffer,
     crcs: Vec<u32>,
     /// Why the holder does not get its shard (it is written no more).
     failed: Option<String>,
 }
 
-/// Where an encoder's time went, summed over blocks.
+/// Where an encoder's time went: the blocks' wall time, and summed over
+/// blocks, the fabric's batches (each block's reads with the writes of the
+/// block before, on a second thread) and the coding, which overlap.
 #[derive(Default)]
 struct Spent {
     total: Duration,
-    reading: Duration,
-    coding: Coding,
-}
-
-/// Time spent on one block's encoding and on writing other holders' shards.
-#[derive(Default, Clone, Copy)]
-struct Coding {
+    moving: Duration,
     encoding: Duration,
-    writing: Duration,
-}
-
-impl std::ops::AddAssign for Coding {
-    fn add_assign(&mut self, other: Coding) {
-        self.encoding += other.encoding;
-        self.writing += other.writing;
-    }
 }
 
 /// Encodes one loaded block (`offset`, `block` bytes) of the sources:
-/// keeps shard `index` in `file` (and its stripe checksums), and writes
-/// each sink's shard of the block to its holder.
+/// keeps shard `index` in `file` (and its stripe checksums), and puts sink
+/// j's shard of the block at `j * BLOCK` of `staging` (and its checksums
+/// in `sink_crcs[j]`), to be written to its holder.
+#[allow(clippy::too_many_arguments)]
 fn encode_block(
-    shared: &Shared,
     task: &PieceTask,
-    sources: &[ShardSource],
+    sources: &ShardBlocks,
     (offset, block): (u64, u64),
     (index, file, crcs): (u8, &mut MappedFile, &mut Vec<u32>),
-    sinks: &mut [ShardSink],
+    sinks: &[ShardSink],
+    (staging, sink_crcs): (&mut RegisteredBuffer, &mut [Vec<u32>]),
     encoder: &mut redundancy::StripeEncoder,
-) -> Result<Coding, String> {
-    let started = Instant::now();
+) -> Result<(), String> {
     for (at, n) in stripes_of(block) {
-        let originals: Vec<&[u8]> = sources.iter().map(|source| source.bytes(at, n)).collect();
+        let originals: Vec<&[u8]> = (0..sources.sources.len()).map(|shard| sources.bytes(shard, at, n)).collect();
         let start = offset as usize + at;
         let mut kept = false;
         encoder
@@ -451,10 +504,11 @@ fn encode_block(
                     file.as_mut_slice()[start..start + n].copy_from_slice(shard);
                     crcs.push(icheck_core::format::crc32c(shard));
                     kept = true;
-                } else if let Some(sink) = sinks.iter_mut().find(|sink| usize::from(sink.index) == j) {
-                    if sink.failed.is_none() {
-                        sink.staging.as_mut_slice()[at..at + n].copy_from_slice(shard);
-                        sink.crcs.push(icheck_core::format::crc32c(shard));
+                } else if let Some(sink) = sinks.iter().position(|sink| usize::from(sink.index) == j) {
+                    if sinks[sink].failed.is_none() {
+                        let at = sink * BLOCK as usize + at;
+                        staging.as_mut_slice()[at..at + n].copy_from_slice(shard);
+                        sink_crcs[sink].push(icheck_core::format::crc32c(shard));
                     }
                 }
             })
@@ -463,13 +517,75 @@ fn encode_block(
             return Err(format!("the group has no parity shard {index}"));
         }
     }
-    let encoded = Instant::now();
-    for sink in sinks.iter_mut().filter(|sink| sink.failed.is_none()) {
-        if let Err(why) = sink.session.write(shared, &sink.staging, sink.region, offset, block as usize) {
-            sink.failed = Some(why);
+    Ok(())
+}
+
+/// One fabric batch of an encoder: block `read` of every source into
+/// `into`, and the coded block `write` (sink j's at `j * BLOCK` of
+/// `coded`) to every sink still taking its shard. A failed batch whose
+/// reads succeed again alone failed at the sinks: each is given up with
+/// the reason (returned as `(sink, why)`), and the encoding goes on for
+/// this shard and the other sinks'.
+fn move_blocks(
+    shared: &Shared,
+    sources: &[ShardSource],
+    (read, into): (Option<(u64, usize)>, &mut RegisteredBuffer),
+    sinks: &[ShardSink],
+    (write, coded): (Option<(u64, usize)>, &RegisteredBuffer),
+) -> Result<Vec<(usize, String)>, String> {
+    let writes: Vec<PeerOp<'_>> = write
+        .map(|(offset, len)| {
+            let live = sinks.iter().enumerate().filter(|(_, sink)| sink.failed.is_none());
+            live.map(|(j, sink)| {
+                let op = RmaOp { local_offset: j * BLOCK as usize, remote: sink.region, remote_offset: offset, len };
+                PeerOp { peer: &sink.session.peer, op }
+            })
+            .collect()
+        })
+        .unwrap_or_default();
+    let Some((offset, n)) = read else {
+        if writes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let options = TransferOptions { inflight: 16, ..TransferOptions::default() };
+        let empty: [PeerOp<'_>; 0] = [];
+        return match shared.endpoint.read_and_write((into.target(), &empty), (coded.source(), &writes), &options) {
+            Ok(_) => Ok(Vec::new()),
+            Err(e) => Ok(give_up_sinks(sinks, &e.to_string())),
+        };
+    };
+    if writes.is_empty() {
+        read_blocks(shared, sources, (offset, n), into)?;
+        return Ok(Vec::new());
+    }
+    let reads = read_ops(sources, (offset, n));
+    let options =
+        TransferOptions { inflight: (4 * (reads.len() + writes.len())).clamp(8, 32), ..TransferOptions::default() };
+    match shared.endpoint.read_and_write((into.target(), &reads), (coded.source(), &writes), &options) {
+        Ok(_) => {
+            zero_padding(sources, (offset, n), into);
+            Ok(Vec::new())
+        }
+        Err(e) => {
+            // Which side failed: the reads again, alone.
+            read_blocks(shared, sources, (offset, n), into)?;
+            Ok(give_up_sinks(sinks, &e.to_string()))
         }
     }
-    Ok(Coding { encoding: encoded - started, writing: encoded.elapsed() })
+}
+
+/// The live sinks a failed write names (by node or fabric peer), or all
+/// live sinks when it names none of them, each with the reason.
+fn give_up_sinks(sinks: &[ShardSink], why: &str) -> Vec<(usize, String)> {
+    let live = || sinks.iter().enumerate().filter(|(_, sink)| sink.failed.is_none());
+    let named: Vec<usize> = live()
+        .filter(|(_, sink)| why.contains(sink.session.peer.name()) || why.contains(&sink.holder.node.to_string()))
+        .map(|(j, _)| j)
+        .collect();
+    live()
+        .filter(|(j, _)| named.is_empty() || named.contains(j))
+        .map(|(j, _)| (j, format!("writing its shard: {why}")))
+        .collect()
 }
 
 /// A member's primary, exposed by its agent for this session: its manifest
@@ -512,7 +628,7 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
         match member {
             None => manifests.push(None),
             Some((session, manifest, region)) => {
-                sources.push(ShardSource::with(shared, Some(session), region, manifest.total_len)?);
+                sources.push(ShardSource { session: Some(session), region, len: manifest.total_len });
                 manifests.push(Some(manifest));
             }
         }
@@ -536,17 +652,12 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
         }
         let mut session = PeerSession::open(shared, holder, any_rank).map_err(refused)?;
         let region = session.put_piece(version, their, shard_len).map_err(refused)?;
-        let staging = shared
-            .endpoint
-            .register(AlignedBuffer::zeroed(BLOCK as usize), Access::LOCAL)
-            .map_err(|e| refused(e.to_string()))?;
         Ok(ShardSink {
             holder: holder.clone(),
             piece: their,
             index: their_index,
             session,
             region,
-            staging,
             crcs: Vec::new(),
             failed: None,
         })
@@ -576,66 +687,68 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
             Err(outcome) => unreachable.push(outcome),
         }
     }
-    // Block i+1 is read on a second thread into `ahead` while block i is
-    // encoded from the sources' own buffers; then the two swap.
-    let mut ahead = Vec::with_capacity(sources.len());
-    for _ in &sources {
-        ahead.push(
-            shared
-                .endpoint
-                .register(AlignedBuffer::zeroed(BLOCK as usize), Access::LOCAL)
-                .map_err(|e| e.to_string())?,
-        );
-    }
+    let mut sources = ShardBlocks::new(shared, sources)?;
+    // Block i+1 is read on a second thread into `ahead`, in one batch with
+    // the writes of block i-1's coded shards (`coded`), while block i is
+    // coded into `staging`; then each pair swaps.
+    let mut ahead = block_buffer(shared, sources.sources.len())?;
+    let mut staging = block_buffer(shared, sinks.len())?;
+    let mut coded = block_buffer(shared, sinks.len())?;
+    let mut sink_crcs: Vec<Vec<u32>> = vec![Vec::new(); sinks.len()];
     let sinks_at = started.elapsed();
-    let first = shard_len.min(BLOCK) as usize;
-    for source in &mut sources {
-        source.load(shared, 0, first)?;
-    }
     let mut crcs = Vec::new();
-    let mut offset = 0;
     let mut spent = Spent::default();
     let mut encoder = redundancy::StripeEncoder::default();
-    while offset < shard_len {
-        let block = (shard_len - offset).min(BLOCK);
+    let blocks_started = Instant::now();
+    let block_at = |offset: u64| (shard_len - offset).min(BLOCK);
+    sources.load(shared, 0, block_at(0) as usize)?;
+    let (mut offset, mut behind): (u64, Option<(u64, usize)>) = (0, None);
+    while offset < shard_len || behind.is_some() {
+        let block = if offset < shard_len { block_at(offset) } else { 0 };
         let next = offset + block;
-        let read_next = |ahead: &mut Vec<RegisteredBuffer>| -> Result<Duration, String> {
-            crate::manager::lower_thread_priority();
+        let read = (next < shard_len).then(|| (next, block_at(next) as usize));
+        let (moved, encoded) = std::thread::scope(|scope| {
+            let (shard_sources, sinks, coded) = (&sources.sources, &sinks, &coded);
+            let mover = scope.spawn(|| {
+                crate::manager::lower_thread_priority();
+                let started = Instant::now();
+                let failed = move_blocks(shared, shard_sources, (read, &mut ahead), sinks, (behind, coded))?;
+                Ok::<_, String>((failed, started.elapsed()))
+            });
             let started = Instant::now();
-            let n = (shard_len - next).min(BLOCK) as usize;
-            sources
-                .iter()
-                .zip(ahead.iter_mut())
-                .try_for_each(|(source, into)| source.load_into(shared, next, n, into))?;
-            Ok(started.elapsed())
-        };
-        let block_started = Instant::now();
-        let (encoded, read) = std::thread::scope(|scope| {
-            let reader = (next < shard_len).then(|| scope.spawn(|| read_next(&mut ahead)));
-            let mine = (index, &mut file, &mut crcs);
-            let encoded = encode_block(shared, task, &sources, (offset, block), mine, &mut sinks, &mut encoder);
-            let read = reader
-                .map_or(Ok(Duration::ZERO), |r| r.join().unwrap_or_else(|_| Err("the reading thread panicked".into())));
-            (encoded, read)
+            let encoded = if block > 0 {
+                let mine = (index, &mut file, &mut crcs);
+                let sinks_side = (&mut staging, sink_crcs.as_mut_slice());
+                encode_block(task, &sources, (offset, block), mine, sinks, sinks_side, &mut encoder)
+            } else {
+                Ok(())
+            };
+            let encoded = encoded.map(|()| started.elapsed());
+            (mover.join().unwrap_or_else(|_| Err("the fabric thread panicked".into())), encoded)
         });
-        spent.coding += encoded?;
-        spent.reading += read?;
-        spent.total += block_started.elapsed();
-        for (source, buffer) in sources.iter_mut().zip(ahead.iter_mut()) {
-            std::mem::swap(&mut source.buffer, buffer);
+        let (failed, moving) = moved?;
+        spent.encoding += encoded?;
+        spent.moving += moving;
+        for (j, why) in failed {
+            sinks[j].failed.get_or_insert(why);
         }
+        std::mem::swap(&mut sources.buffer, &mut ahead);
+        std::mem::swap(&mut staging, &mut coded);
+        behind = (block > 0).then_some((offset, block as usize));
         offset = next;
     }
-    drop(ahead);
+    for (sink, crcs) in sinks.iter_mut().zip(sink_crcs) {
+        sink.crcs = crcs;
+    }
+    spent.total = blocks_started.elapsed();
     drop(sources);
     tracing::debug!(
         version,
         group,
         blocks_ms = spent.total.as_secs_f64() * 1e3,
-        reading_ms = spent.reading.as_secs_f64() * 1e3,
-        encoding_ms = spent.coding.encoding.as_secs_f64() * 1e3,
-        writing_ms = spent.coding.writing.as_secs_f64() * 1e3,
-        "group's steps (reading overlaps the rest)"
+        moving_ms = spent.moving.as_secs_f64() * 1e3,
+        encoding_ms = spent.encoding.as_secs_f64() * 1e3,
+        "group's steps (moving overlaps encoding)"
     );
     let meta =
         |index: u8, crcs: Vec<u32>| parity_meta(shared, task, (group, index), shard_len, manifests.clone(), crcs);
@@ -820,7 +933,7 @@ fn decode_member(
                 }
                 parity_crcs.push(parity_meta.crcs.clone());
                 meta.get_or_insert(parity_meta);
-                parity_sources.push(Some(ShardSource::with(shared, Some(session), region, len)?));
+                parity_sources.push(Some(ShardSource { session: Some(session), region, len }));
             }
             Err(err) => {
                 tracing::warn!(group, index, %err, "a parity shard cannot be read; decoding without it");
@@ -858,7 +971,7 @@ fn decode_member(
                             ));
                             None
                         } else {
-                            Some(ShardSource::with(shared, Some(session), region, member_manifest.total_len)?)
+                            Some(ShardSource { session: Some(session), region, len: member_manifest.total_len })
                         }
                     }
                     Err(err) => {
@@ -878,21 +991,29 @@ fn decode_member(
             lost.join("; ")
         ));
     }
+    // Every readable shard is read in one batch per block; `data_at` and
+    // `parity_at` say where each data and parity shard's block lies.
+    let mut readable = Vec::with_capacity(survivors);
+    let mut place = |source: Option<ShardSource>| {
+        source.map(|source| {
+            readable.push(source);
+            readable.len() - 1
+        })
+    };
+    let data_at: Vec<Option<usize>> = data_sources.into_iter().map(&mut place).collect();
+    let parity_at: Vec<Option<usize>> = parity_sources.into_iter().map(&mut place).collect();
+    let mut shards = ShardBlocks::new(shared, readable)?;
     let store = &shared.settings.store;
     let mut file = store.create(&shared.app, rank, version, manifest.total_len).map_err(|e| e.to_string())?;
-    let mut offset = 0;
-    while offset < manifest.total_len {
-        let block = (meta.shard_len - offset).min(BLOCK);
-        for source in data_sources.iter_mut().chain(parity_sources.iter_mut()).flatten() {
-            source.load(shared, offset, block as usize)?;
-        }
+    let total = manifest.total_len;
+    for_each_block(shared, &mut shards, (total, meta.shard_len), |offset, block, shards| {
         for (at, n) in stripes_of(block) {
             let stripe = (offset as usize + at) / STRIPE as usize;
             let originals: Vec<Option<&[u8]>> =
-                data_sources.iter().map(|s| s.as_ref().map(|s| s.bytes(at, n))).collect();
-            let mut recovery: Vec<Option<&[u8]>> = Vec::with_capacity(parity_sources.len());
-            for (index, source) in parity_sources.iter().enumerate() {
-                let bytes = source.as_ref().map(|s| s.bytes(at, n));
+                data_at.iter().map(|shard| shard.map(|shard| shards.bytes(shard, at, n))).collect();
+            let mut recovery: Vec<Option<&[u8]>> = Vec::with_capacity(parity_at.len());
+            for (index, shard) in parity_at.iter().enumerate() {
+                let bytes = shard.map(|shard| shards.bytes(shard, at, n));
                 if bytes
                     .is_some_and(|bytes| parity_crcs[index].get(stripe) != Some(&icheck_core::format::crc32c(bytes)))
                 {
@@ -904,14 +1025,14 @@ fn decode_member(
             let restored = redundancy::decode(&originals, &recovery).map_err(|e| e.to_string())?;
             let mine = restored.get(&coded).ok_or("the decoder did not restore the shard")?;
             let start = offset + at as u64;
-            if start >= manifest.total_len {
+            if start >= total {
                 break;
             }
-            let real = (manifest.total_len - start).min(n as u64) as usize;
+            let real = (total - start).min(n as u64) as usize;
             file.as_mut_slice()[start as usize..start as usize + real].copy_from_slice(&mine[..real]);
         }
-        offset += block;
-    }
+        Ok(())
+    })?;
     manifest
         .verify(file.as_slice())
         .map_err(|e| format!("rank {rank} decoded from group {group} fails its checksums: {e}"))?;
