@@ -71,6 +71,11 @@ struct State {
     nodes: ManagerBook,
     apps: BTreeMap<String, AppEntry>,
     pending: HashMap<u64, oneshot::Sender<Result<AgentInfo, String>>>,
+    /// Agents started for an application that does not list them yet: its
+    /// registration, agent change or rebuild is still under way (waiting
+    /// for the other starts, moving or rebuilding ranks). Nothing stops
+    /// them as stale meanwhile ([`Placing`] ends the claim).
+    placing: BTreeSet<u64>,
     /// Take-overs under way, by (agent, rank): bytes moved or why not.
     takeovers: HashMap<(u64, u32), oneshot::Sender<Result<u64, String>>>,
     next_agent: u64,
@@ -407,6 +412,7 @@ async fn run(
             startup_settled: apps.is_empty(),
             apps,
             pending: HashMap::new(),
+            placing: BTreeSet::new(),
             takeovers: HashMap::new(),
             next_agent: u64::from(incarnation) * AGENT_IDS_PER_INCARNATION + 1,
             journal,
@@ -807,7 +813,7 @@ fn adopt_agents(state: &mut State, node: &str, running: &[AgentInfo]) {
     for agent in running {
         if claims_agent(state, agent.id) {
             tracing::info!(%node, agent = agent.id, "agent adopted from the manager's registration");
-        } else if !state.pending.contains_key(&agent.id) {
+        } else if !being_placed(state, agent.id) {
             tracing::info!(%node, agent = agent.id, "stopping an agent no application uses");
             state.nodes.send(node, ControllerToManager::StopAgent { id: agent.id, discard: false });
         }
@@ -1392,11 +1398,17 @@ fn claims_agent(state: &State, id: u64) -> bool {
     state.apps.values().any(|app| app.agents.iter().any(|a| a.id == id))
 }
 
+/// Whether agent `id` was started for a placement still under way: its
+/// start not answered yet, or answered and the application not told.
+fn being_placed(state: &State, id: u64) -> bool {
+    state.pending.contains_key(&id) || state.placing.contains(&id)
+}
+
 /// Stops the agents `node` reports running that no application claims and
-/// no start under way is waiting for (each is asked once).
+/// no placement under way started (each is asked once).
 fn stop_stale_agents(state: &mut State, node: &str) {
     for id in state.nodes.running_agents(node) {
-        if !claims_agent(state, id) && !state.pending.contains_key(&id) && state.nodes.note_stopping(node, id) {
+        if !claims_agent(state, id) && !being_placed(state, id) && state.nodes.note_stopping(node, id) {
             tracing::info!(%node, agent = id, "stopping an agent that was replaced while its node was silent");
             state.nodes.send(node, ControllerToManager::StopAgent { id, discard: false });
         }
@@ -1800,6 +1812,7 @@ async fn register_app(
         waiters = send_starts(state, &spec, nodes);
     }
     let placing = Instant::now();
+    let _claim = Placing::of(shared, &waiters);
     let agents = await_starts(shared, &registration.name, waiters).await?;
     let mut state = shared.state();
     let placed = Event::Placed { registration: registration.clone(), agents: agents.clone(), owner: Some(owner) };
@@ -2109,6 +2122,31 @@ fn start_deferred_copy(shared: &Shared, state: &mut State, name: &str) {
 /// An agent start the controller waits for: id, node, and the manager's answer.
 type StartWaiter = (u64, String, oneshot::Receiver<Result<AgentInfo, String>>);
 
+/// The claim of a placement on the agents it started ([`State::placing`]),
+/// ended when this drops: by then the application lists them, or they
+/// were stopped. Made right after [`send_starts`]; it locks the state when
+/// it drops, so it must outlive every state guard of its scope (declared
+/// before them).
+struct Placing<'s> {
+    shared: &'s Shared,
+    ids: Vec<u64>,
+}
+
+impl<'s> Placing<'s> {
+    fn of(shared: &'s Shared, waiters: &[StartWaiter]) -> Placing<'s> {
+        Placing { shared, ids: waiters.iter().map(|(id, _, _)| *id).collect() }
+    }
+}
+
+impl Drop for Placing<'_> {
+    fn drop(&mut self) {
+        let mut state = self.shared.state();
+        for id in &self.ids {
+            state.placing.remove(id);
+        }
+    }
+}
+
 /// Asks the managers of `nodes` to start one agent each for `app` (under
 /// the state lock; [`await_starts`] collects the answers after it).
 fn send_starts(state: &mut State, spec: &nodes::StartSpec<'_>, nodes: Vec<String>) -> Vec<StartWaiter> {
@@ -2118,6 +2156,7 @@ fn send_starts(state: &mut State, spec: &nodes::StartSpec<'_>, nodes: Vec<String
         state.next_agent += 1;
         let (tx, rx) = oneshot::channel();
         state.pending.insert(id, tx);
+        state.placing.insert(id);
         // Counted from now on, so parallel placements spread out.
         state.nodes.start_agent(&node, id, spec);
         waiters.push((id, node, rx));
@@ -2285,6 +2324,7 @@ async fn change_agents(
         (old, units, latest, owner, waiters)
     };
     let current = old.len() as u32;
+    let _claim = Placing::of(shared, &waiters);
     let started = await_starts(shared, name, waiters).await?;
     let mut fresh = started.iter().cloned();
     let new: Vec<AgentInfo> = (0..to as usize)

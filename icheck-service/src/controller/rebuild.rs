@@ -16,8 +16,8 @@ use tokio::sync::oneshot;
 
 use super::journal::Event;
 use super::{
-    await_ranks, await_starts, journal, nodes, protection, send_starts, start_protection, tell_agents, RankWaiter,
-    Shared, State,
+    await_ranks, await_starts, journal, nodes, protection, send_starts, start_protection, tell_agents, Placing,
+    RankWaiter, Shared, State,
 };
 use crate::launcher::Launcher;
 
@@ -274,6 +274,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         (protected, policy, dead, owner, waiters, lost_slots, falls_back)
     };
     tracing::warn!(app = name, version = protected.version(), lost = ?dead, slots = ?lost_slots, "rebuilding on other nodes");
+    let _claim = Placing::of(shared, &waiters);
     let started = await_starts(shared, name, waiters).await?;
     let mut agents: Vec<AgentInfo> = protected.agents.clone();
     for (slot, agent) in lost_slots.iter().zip(&started) {
