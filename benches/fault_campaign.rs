@@ -11,7 +11,12 @@
 //! * with `--standby` (a standby controller beside the primary), controller
 //!   takeovers: the current primary SIGKILLed, or SIGSTOPped past the
 //!   takeover window; the time from the fault to the job's next completed
-//!   commit is the takeover time the table reports.
+//!   commit is the takeover time the table reports;
+//! * with `--redundancy POLICY` (the job's policy, and no PFS copies, so
+//!   that only redundancy can save a version), lost nodes: a manager
+//!   holding the job's agents SIGKILLed and its store deleted. The version
+//!   protected when the node was lost (or a newer one) must come back
+//!   bit-exact; newer unprotected ones may go, as the policy says.
 //!
 //! After every fault the checker starts again what died (`icheck up`) and
 //! checks the invariants with the next round's job, which restarts:
@@ -26,6 +31,7 @@
 //! cargo build --release --workspace
 //! target/release/fault-campaign --faults 200 --seed 1
 //! target/release/fault-campaign --faults 100 --seed 1 --standby
+//! target/release/fault-campaign --faults 40 --seed 1 --redundancy rs:2+1
 //! ```
 
 #[path = "thread_cpu.rs"]
@@ -83,6 +89,16 @@ struct Cli {
     /// names them, e.g. "kill rank,takeover: kill primary"); default: all.
     #[arg(long, value_delimiter = ',')]
     kinds: Vec<String>,
+    /// The job's redundancy policy across checkpoint nodes (`partner:2`,
+    /// `rs:2+1`, ...; ICHECK_REDUNDANCY). The job then makes no PFS copies,
+    /// and lost nodes (a manager killed and its store deleted) join the
+    /// faults.
+    #[arg(long)]
+    redundancy: Option<String>,
+    /// Managers (checkpoint nodes) of the service [default: 2, or 4 with
+    /// --redundancy: the policy's nodes and a spare to rebuild on].
+    #[arg(long)]
+    managers: Option<u32>,
     /// Internal: run as one rank of the job, with this client configuration.
     #[arg(long, hide = true)]
     rank_of: Option<PathBuf>,
@@ -110,6 +126,12 @@ impl Rng {
 }
 
 const APP: &str = "campaign";
+
+/// What `icheck up` starts again: the service's managers and provider.
+struct Shape {
+    managers: u32,
+    provider: String,
+}
 
 /// One rank of the job: restore and verify (when there is a version), then
 /// commit the pattern of each step until killed. Rank 0 prints what the
@@ -281,6 +303,8 @@ const KINDS: [&str; 7] =
 /// With `--standby`: takeovers (the primary, wherever it runs, killed or
 /// stopped past the window).
 const TAKEOVERS: [&str; 2] = ["takeover: kill primary", "takeover: stop primary"];
+/// With `--redundancy`: a node lost with its memory.
+const LOSE_NODE: &str = "lose node";
 /// `TakeoverAfter` of the campaign's service with a standby.
 const TAKEOVER_AFTER: Duration = Duration::from_secs(3);
 
@@ -327,9 +351,11 @@ fn signal(pid: u32, sig: Signal) {
 
 /// `icheck up` again in the service's directory (starts what died), with
 /// `failpoints` armed in what it starts.
-fn up_again(service: &LocalService, provider: &str, failpoints: Option<&str>) -> Result<()> {
+fn up_again(service: &LocalService, shape: &Shape, failpoints: Option<&str>) -> Result<()> {
+    let managers = shape.managers.to_string();
     let mut up = Command::new(&service.icheck);
-    up.args(["up", "--detach", "--managers", "2", "--heartbeat", "0.5", "--provider", provider, "--state-dir"])
+    up.args(["up", "--detach", "--managers", &managers, "--heartbeat", "0.5", "--provider", &shape.provider])
+        .arg("--state-dir")
         .arg(&service.dir);
     if let Some(spec) = failpoints {
         up.env(icheck_core::failpoint::FAILPOINTS_ENV, spec);
@@ -345,15 +371,15 @@ fn up_again(service: &LocalService, provider: &str, failpoints: Option<&str>) ->
 /// Waits until every daemon recorded in the service's pids runs and every
 /// node is alive (and, with a standby, the standby follows the primary
 /// again); starts again what died (`icheck up`).
-fn heal(service: &LocalService, provider: &str, bound: Duration, standby: bool) -> Result<(), String> {
+fn heal(service: &LocalService, shape: &Shape, bound: Duration, standby: bool) -> Result<(), String> {
     let start = Instant::now();
     while start.elapsed() < bound {
         let pids = icheck_service::launcher::read_pids(&service.dir);
         if pids.iter().any(|(_, pid)| !is_icheck_process(*pid)) {
-            up_again(service, provider, None).map_err(|e| e.to_string())?;
+            up_again(service, shape, None).map_err(|e| e.to_string())?;
         }
         let healthy = service.try_status().is_ok_and(|status| {
-            status.nodes.len() == 2
+            status.nodes.len() == shape.managers as usize
                 && status.nodes.iter().all(|n| n.alive)
                 && (!standby || status.controller.is_some_and(|c| c.standby_follows()))
         });
@@ -414,7 +440,9 @@ fn status_matches_reality(service: &LocalService) -> Result<(), String> {
 fn files_per_rank(store: &Path) -> usize {
     let mut most = 0;
     for node in std::fs::read_dir(store).into_iter().flatten().flatten() {
-        for rank in std::fs::read_dir(node.path().join(APP)).into_iter().flatten().flatten() {
+        // `pieces/` holds redundancy's copies and shards, not a rank's versions.
+        let ranks = std::fs::read_dir(node.path().join(APP)).into_iter().flatten().flatten();
+        for rank in ranks.filter(|entry| entry.file_name() != "pieces") {
             most = most.max(std::fs::read_dir(rank.path()).map_or(0, |d| d.count()));
         }
     }
@@ -456,9 +484,18 @@ fn campaign(cli: &Cli) -> Result<Tally> {
     let seed = cli.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
     });
+    let shape = Shape {
+        managers: cli.managers.unwrap_or(if cli.redundancy.is_some() { 4 } else { 2 }),
+        provider: cli.provider.clone(),
+    };
     println!(
-        "fault campaign: seed {seed}, {} faults, {} ranks x {}, provider {}",
-        cli.faults, cli.ranks, cli.size, cli.provider
+        "fault campaign: seed {seed}, {} faults, {} ranks x {}, provider {}, {} managers, redundancy {}",
+        cli.faults,
+        cli.ranks,
+        cli.size,
+        cli.provider,
+        shape.managers,
+        cli.redundancy.as_deref().unwrap_or("none")
     );
     let mut rng = Rng(seed);
     let icheck = std::env::current_exe()?.with_file_name("icheck");
@@ -470,15 +507,16 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         LocalService::up(
             &icheck,
             "campaign",
-            2,
+            shape.managers,
             &["--provider", &cli.provider, "--standby", "--takeover-after", &after],
         )
     } else {
-        LocalService::up(&icheck, "campaign", 2, &["--provider", &cli.provider])
+        LocalService::up(&icheck, "campaign", shape.managers, &["--provider", &cli.provider])
     };
     let kinds: Vec<&str> = KINDS
         .iter()
         .chain(if cli.standby { &TAKEOVERS[..] } else { &[] })
+        .chain(if cli.redundancy.is_some() { &[LOSE_NODE][..] } else { &[] })
         .copied()
         .filter(|kind| cli.kinds.is_empty() || cli.kinds.iter().any(|k| k == kind))
         .collect();
@@ -486,7 +524,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         bail!(
             "--kinds {:?} names no fault kind of {:?}",
             cli.kinds,
-            KINDS.iter().chain(&TAKEOVERS).collect::<Vec<_>>()
+            KINDS.iter().chain(&TAKEOVERS).chain(&[LOSE_NODE]).collect::<Vec<_>>()
         );
     }
     let bound = Duration::from_secs(cli.bound);
@@ -501,6 +539,12 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         let kind = if last { "" } else { kinds[rng.below(kinds.len() as u64) as usize] };
         let failpoint = (kind == "failpoint").then(|| FAILPOINTS[rng.below(FAILPOINTS.len() as u64) as usize]);
         let mut job_env = Vec::new();
+        if let Some(policy) = &cli.redundancy {
+            // No PFS copies: a lost node's versions come back from the
+            // other nodes or not at all.
+            job_env.push((icheck_core::config::REDUNDANCY_ENV, policy.clone()));
+            job_env.push(("ICHECK_PFS_INTERVAL", "0".to_string()));
+        }
         let mut armed: Option<u32> = None;
         if let Some((place, name)) = failpoint {
             // A restart fetches once per job: only its first hit can strike.
@@ -518,14 +562,14 @@ fn campaign(cli: &Cli) -> Result<Tally> {
                     let target = if daemon == "controller" {
                         "controller".to_string()
                     } else {
-                        format!("manager-local-{}", 1 + rng.below(2))
+                        format!("manager-local-{}", 1 + rng.below(u64::from(shape.managers)))
                     };
                     let pid = service.pid_of(&target);
                     signal(pid, Signal::SIGKILL);
                     while is_icheck_process(pid) {
                         std::thread::sleep(Duration::from_millis(20));
                     }
-                    if let Err(err) = up_again(&service, &cli.provider, Some(&spec)) {
+                    if let Err(err) = up_again(&service, &shape, Some(&spec)) {
                         tally.hangs.push(format!("round {round}: arming {spec}: {err:#}"));
                         break;
                     }
@@ -589,6 +633,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
             _ => rng.millis(500, 4000),
         };
         let at = Instant::now();
+        let mut protected_at_fault: Option<u64> = None;
         let (what, pid) = match kind {
             "kill rank" | "stop rank" => {
                 let pids = job.rank_pids();
@@ -596,8 +641,27 @@ fn campaign(cli: &Cli) -> Result<Tally> {
                 (format!("rank pid {pid}"), pid)
             }
             "kill manager" | "stop manager" => {
-                let name = format!("manager-local-{}", 1 + rng.below(2));
+                let name = format!("manager-local-{}", 1 + rng.below(u64::from(shape.managers)));
                 (name.clone(), service.pid_of(&name))
+            }
+            LOSE_NODE => {
+                // A node holding some of the job's agents, with the version
+                // protected at that moment: what must survive.
+                let status = service.try_status().ok();
+                let app = status.as_ref().and_then(|s| s.apps.iter().find(|a| a.registration.name == APP));
+                let mut nodes: Vec<String> =
+                    app.map(|a| a.agents.iter().map(|agent| agent.node.clone()).collect()).unwrap_or_default();
+                nodes.sort();
+                nodes.dedup();
+                if nodes.is_empty() {
+                    nodes.push(format!("local-{}", 1 + rng.below(u64::from(shape.managers))));
+                }
+                let node = nodes[rng.below(nodes.len() as u64) as usize].clone();
+                protected_at_fault = app.and_then(|a| a.protected);
+                (
+                    format!("{node}, version {protected_at_fault:?} protected"),
+                    service.pid_of(&format!("manager-{node}")),
+                )
             }
             "kill controller" | "stop controller" => ("controller".to_string(), service.pid_of("controller")),
             "takeover: kill primary" | "takeover: stop primary" => {
@@ -613,6 +677,17 @@ fn campaign(cli: &Cli) -> Result<Tally> {
             "kill rank" => raw(pid, Signal::SIGKILL),
             "stop rank" => raw(pid, Signal::SIGSTOP),
             "kill manager" | "kill controller" | "takeover: kill primary" => signal(pid, Signal::SIGKILL),
+            LOSE_NODE => {
+                signal(pid, Signal::SIGKILL);
+                while is_icheck_process(pid) {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                let node = what.split(',').next().unwrap_or_default();
+                let store = service.config.agent_store_dir.join(node);
+                if let Err(err) = std::fs::remove_dir_all(&store) {
+                    tally.hangs.push(format!("round {round}: deleting {}: {err}", store.display()));
+                }
+            }
             "stop manager" | "stop controller" | "takeover: stop primary" => signal(pid, Signal::SIGSTOP),
             _ => {}
         }
@@ -643,11 +718,19 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         // The job goes on or ends; either way it is stopped after a while.
         let _ = job.wait_for(Duration::from_secs(3), |_| false);
         let reported = committed(&job.lines());
+        if kind == LOSE_NODE {
+            // Versions reported complete before the loss but not protected
+            // may go (the rebuild falls back to the protected one, and the
+            // job writes their numbers again); those reported after it (the
+            // first one aside, which may have completed before) must stay.
+            let after: Vec<u64> = reported.iter().skip(before_fault + 1).copied().collect();
+            told = after.iter().copied().max().max(protected_at_fault);
+        }
         let slowest =
             job.lines().iter().filter_map(|l| l.rsplit_once("secs=")?.1.parse::<f64>().ok()).fold(0.0, f64::max);
         tally.slowest_commit = tally.slowest_commit.max(slowest);
         job.kill();
-        if let Some(newest) = reported.iter().max() {
+        if let (false, Some(newest)) = (kind == LOSE_NODE, reported.iter().max()) {
             told = Some(told.map_or(*newest, |t| t.max(*newest)));
         }
         fault_at = Some(at);
@@ -659,7 +742,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
-        if let Err(why) = heal(&service, &cli.provider, bound, cli.standby) {
+        if let Err(why) = heal(&service, &shape, bound, cli.standby) {
             tally.hangs.push(format!("round {round}: {why}"));
         } else if let Err(wrong) = status_matches_reality(&service) {
             tally.status_mismatches.push(format!("round {round}: status does not match what runs: {wrong}"));
@@ -701,7 +784,8 @@ fn print_table(tally: &Tally) {
     println!("| what | value |");
     println!("|---|---|");
     println!("| rounds (one fault each) | {} |", tally.rounds);
-    for kind in KINDS.iter().chain(TAKEOVERS.iter().filter(|k| tally.faults.contains_key(**k))) {
+    let shown = TAKEOVERS.iter().chain([&LOSE_NODE]).filter(|k| tally.faults.contains_key(**k));
+    for kind in KINDS.iter().chain(shown) {
         println!("| faults: {kind} | {} |", tally.faults.get(*kind).copied().unwrap_or(0));
     }
     println!("| versions verified bit-exact after a fault | {} |", tally.verified);
