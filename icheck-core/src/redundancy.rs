@@ -480,28 +480,76 @@ pub fn decode(
     originals: &[Option<&[u8]>],
     parity: &[Option<&[u8]>],
 ) -> Result<BTreeMap<usize, Vec<u8>>, RedundancyError> {
-    let coding = |e: reed_solomon_simd::Error| RedundancyError::Coding(e.to_string());
-    let missing: Vec<usize> = (0..originals.len()).filter(|i| originals[*i].is_none()).collect();
-    if missing.is_empty() {
-        return Ok(BTreeMap::new());
+    let mut restored = BTreeMap::new();
+    StripeDecoder::default().decode(originals, parity, |i, shard| {
+        restored.insert(i, shard.to_vec());
+    })?;
+    Ok(restored)
+}
+
+/// [`decode`], stripe after stripe with one decoder: its working space
+/// (several times a stripe) is allocated once, where a decoder per stripe
+/// allocates, and the kernel zeroes, that space again for every stripe.
+#[derive(Default)]
+pub struct StripeDecoder {
+    coder: Option<reed_solomon_simd::ReedSolomonDecoder>,
+}
+
+impl fmt::Debug for StripeDecoder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StripeDecoder").field("ready", &self.coder.is_some()).finish()
     }
-    let survivors = originals.iter().flatten().count() + parity.iter().flatten().count();
-    if survivors < originals.len() {
-        return Err(RedundancyError::Coding(format!(
-            "{} of {} data shards are lost and only {} parity shards survive",
-            missing.len(),
-            originals.len(),
-            parity.iter().flatten().count()
-        )));
+}
+
+impl StripeDecoder {
+    /// Restores the missing data shards of one stripe (`originals[i]` and
+    /// `parity[j]` are the survivors, `None` the lost ones, all of one even
+    /// length); `each(i, shard)` receives each missing data shard i.
+    pub fn decode(
+        &mut self,
+        originals: &[Option<&[u8]>],
+        parity: &[Option<&[u8]>],
+        mut each: impl FnMut(usize, &[u8]),
+    ) -> Result<(), RedundancyError> {
+        let coding = |e: reed_solomon_simd::Error| RedundancyError::Coding(e.to_string());
+        let missing: Vec<usize> = (0..originals.len()).filter(|i| originals[*i].is_none()).collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let survivors = originals.iter().flatten().count() + parity.iter().flatten().count();
+        if survivors < originals.len() {
+            return Err(RedundancyError::Coding(format!(
+                "{} of {} data shards are lost and only {} parity shards survive",
+                missing.len(),
+                originals.len(),
+                parity.iter().flatten().count()
+            )));
+        }
+        let len = originals.iter().chain(parity).flatten().next().map_or(0, |s| s.len());
+        let coder = match &mut self.coder {
+            Some(coder) => {
+                coder.reset(originals.len(), parity.len(), len).map_err(coding)?;
+                coder
+            }
+            None => self.coder.insert(
+                reed_solomon_simd::ReedSolomonDecoder::new(originals.len(), parity.len(), len).map_err(coding)?,
+            ),
+        };
+        for (i, shard) in originals.iter().enumerate().filter_map(|(i, s)| s.map(|s| (i, s))) {
+            coder.add_original_shard(i, shard).map_err(coding)?;
+        }
+        for (j, shard) in parity.iter().enumerate().filter_map(|(j, s)| s.map(|s| (j, s))) {
+            coder.add_recovery_shard(j, shard).map_err(coding)?;
+        }
+        let result = coder.decode().map_err(coding)?;
+        for i in missing {
+            let shard = result
+                .restored_original(i)
+                .ok_or_else(|| RedundancyError::Coding(format!("the decoder did not restore data shard {i}")))?;
+            each(i, shard);
+        }
+        Ok(())
     }
-    let restored = reed_solomon_simd::decode(
-        originals.len(),
-        parity.len(),
-        originals.iter().enumerate().filter_map(|(i, s)| s.map(|s| (i, s))),
-        parity.iter().enumerate().filter_map(|(i, s)| s.map(|s| (i, s))),
-    )
-    .map_err(coding)?;
-    Ok(restored.into_iter().filter(|(i, _)| missing.contains(i)).collect())
 }
 
 #[cfg(test)]
@@ -656,6 +704,30 @@ mod tests {
         let three_lost = [None, None, None, Some(originals[3])];
         let err = decode(&three_lost, &one_parity).unwrap_err().to_string();
         assert!(err.contains("3 of 4 data shards are lost"), "{err}");
+    }
+
+    #[test]
+    fn a_reused_decoder_restores_stripe_after_stripe_whatever_was_lost() {
+        let stripe = |seed: u8, len: usize| -> Vec<Vec<u8>> {
+            (0..4u8).map(|i| (0..len).map(|b| (b as u8).wrapping_mul(13).wrapping_add(seed) ^ i).collect()).collect()
+        };
+        let mut decoder = StripeDecoder::default();
+        // Different losses, lengths and parity counts through one decoder.
+        for (seed, len, parity_count, lost) in [(1, 4096, 2, vec![0, 1]), (2, 8192, 2, vec![3]), (3, 2048, 1, vec![2])]
+        {
+            let data = stripe(seed, len);
+            let originals: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+            let parity = encode(parity_count, &originals).unwrap();
+            let survivors: Vec<Option<&[u8]>> =
+                originals.iter().enumerate().map(|(i, s)| (!lost.contains(&i)).then_some(*s)).collect();
+            let parity: Vec<Option<&[u8]>> = parity.iter().map(|p| Some(p.as_slice())).collect();
+            let mut restored = Vec::new();
+            decoder.decode(&survivors, &parity, |i, shard| restored.push((i, shard.to_vec()))).unwrap();
+            assert_eq!(restored.iter().map(|(i, _)| *i).collect::<Vec<_>>(), lost, "stripe {seed}");
+            for (i, shard) in restored {
+                assert_eq!(shard, data[i], "stripe {seed}, shard {i}");
+            }
+        }
     }
 
     #[test]

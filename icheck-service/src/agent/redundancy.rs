@@ -1006,6 +1006,7 @@ fn decode_member(
     let store = &shared.settings.store;
     let mut file = store.create(&shared.app, rank, version, manifest.total_len).map_err(|e| e.to_string())?;
     let total = manifest.total_len;
+    let mut decoder = redundancy::StripeDecoder::default();
     for_each_block(shared, &mut shards, (total, meta.shard_len), |offset, block, shards| {
         for (at, n) in stripes_of(block) {
             let stripe = (offset as usize + at) / STRIPE as usize;
@@ -1022,14 +1023,23 @@ fn decode_member(
                 }
                 recovery.push(bytes);
             }
-            let restored = redundancy::decode(&originals, &recovery).map_err(|e| e.to_string())?;
-            let mine = restored.get(&coded).ok_or("the decoder did not restore the shard")?;
             let start = offset + at as u64;
             if start >= total {
                 break;
             }
             let real = (total - start).min(n as u64) as usize;
-            file.as_mut_slice()[start as usize..start as usize + real].copy_from_slice(&mine[..real]);
+            let mut restored = false;
+            decoder
+                .decode(&originals, &recovery, |i, shard| {
+                    if i == coded {
+                        file.as_mut_slice()[start as usize..start as usize + real].copy_from_slice(&shard[..real]);
+                        restored = true;
+                    }
+                })
+                .map_err(|e| e.to_string())?;
+            if !restored {
+                return Err("the decoder did not restore the shard".into());
+            }
         }
         Ok(())
     })?;
