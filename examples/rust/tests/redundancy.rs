@@ -269,6 +269,45 @@ fn a_node_lost_before_the_newest_version_is_protected_falls_back_one_version() {
     pfs_untouched(&service, "rw");
 }
 
+/// A manager that dies on a live host leaves its store (tmpfs) whole: the
+/// controller starts it again, finds the newest version's files there and
+/// rebuilds nothing, so a version not protected yet is kept, as it is
+/// without redundancy (a lost node's would be dropped, above).
+#[test]
+fn a_killed_manager_whose_store_survives_keeps_the_unprotected_newest_version() {
+    let args = ["--provider", "tcp", "--manager-relaunches", "3"];
+    let service =
+        LocalService::up_with_failpoints(&icheck_in_target(), "red-relaunch", 4, &args, None, Some(FOURTH_UNPROTECTED));
+    commit_three(&service, "rk", "rs:2+1");
+    wait_protected(&service, "rk", 3);
+    restart_bit_exact(&service, "rk", "rs:2+1", 6);
+    let report = app(&service, "rk");
+    assert_eq!((report.latest.as_ref().map(|l| l.version), report.protected), (Some(4), Some(3)), "{report:?}");
+    let node = report.agents[0].node.clone();
+    let manager = format!("manager-{node}");
+    let dead = service.pid_of(&manager);
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(dead as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let back = poll_until(Duration::from_secs(30), || {
+        let pid = service.pid_of(&manager);
+        pid != dead && icheck_service::testkit::process_running(pid)
+    });
+    assert!(back, "{manager} was not started again:\n{}", service.log("controller.log"));
+    let settled = poll_until(Duration::from_secs(30), || {
+        service.log("controller.log").contains("came back with their stores: nothing to rebuild")
+            && !app(&service, "rk").rebuilding
+    });
+    assert!(settled, "{}", service.log("controller.log"));
+    let report = app(&service, "rk");
+    assert_eq!(report.latest.as_ref().map(|l| l.version), Some(4), "version 4 was dropped: {report:?}");
+    assert!(report.dropped.is_empty(), "{:?}", report.dropped);
+    assert!(!service.log("controller.log").contains("falling back to the protected one"));
+    let restart = ["--app", "rk", "--steps", "8", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(4, &service.config_path(), &restart, &[("ICHECK_REDUNDANCY", "rs:2+1")])
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
+    pfs_untouched(&service, "rk");
+}
+
 /// The newest version is unprotected and the lost node held none of its
 /// ranks (one rank, the node of a piece): nothing falls back, and the
 /// restart restores the newest version.

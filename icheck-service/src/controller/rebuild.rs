@@ -15,6 +15,7 @@ use icheck_core::protocol::{AgentInfo, ControllerToManager};
 use tokio::sync::oneshot;
 
 use super::journal::Event;
+use super::reconcile;
 use super::{
     await_ranks, await_starts, journal, nodes, protection, send_starts, start_protection, tell_agents, Placing,
     RankWaiter, Shared, State,
@@ -57,6 +58,11 @@ pub(super) fn spawn(shared: &Arc<Shared>, apps: Vec<String>) {
 /// Longest a rebuild waits for a lost node's manager to be started again.
 const RELAUNCH_WAIT: Duration = Duration::from_secs(60);
 
+/// Longest a rebuild waits for a lost node's manager being started again
+/// to register before it counts the node's memory as gone: a manager that
+/// died on a live host left its store (tmpfs) whole.
+const COMEBACK_WAIT: Duration = Duration::from_secs(10);
+
 /// Longest a rebuild waits for a node it asked the resource manager for.
 const NEW_NODE_WAIT: Duration = Duration::from_secs(120);
 
@@ -72,6 +78,40 @@ fn lost_nodes(state: &State, name: &str, now: Instant) -> BTreeSet<String> {
         .map(|a| a.node.clone())
         .filter(|n| !state.nodes.is_alive(n, now) || wiped.contains(n))
         .collect()
+}
+
+/// Waits (at most [`COMEBACK_WAIT`]) while a `dead` node's manager is
+/// being started again; true when every one is back with the files of
+/// `name`'s newest complete version that its ranks homed there left (as
+/// its manager's registration announced them): its manager died, its
+/// memory did not, and nothing is to be rebuilt.
+async fn came_back_whole(shared: &Shared, name: &str, dead: &BTreeSet<String>) -> bool {
+    let deadline = Instant::now() + COMEBACK_WAIT;
+    loop {
+        {
+            let state = shared.state();
+            let now = Instant::now();
+            if now >= deadline || !dead.iter().any(|node| state.nodes.is_relaunching(node)) {
+                return whole_again(&state, name, dead, now);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Whether every `dead` node is alive again at `now` and holds the files
+/// of `name`'s newest complete version for its ranks homed there.
+fn whole_again(state: &State, name: &str, dead: &BTreeSet<String>, now: Instant) -> bool {
+    let Some(app) = state.apps.get(name) else { return false };
+    let Some(latest) = app.latest.as_ref().filter(|l| l.ranks == app.registration.ranks) else { return false };
+    let writers = decide::mapping_units(&app.registration);
+    dead.iter().all(|node| {
+        state.nodes.is_alive(node, now)
+            && !app.protection.wiped.contains(node)
+            && state.holdings.get(node).is_some_and(|stored| {
+                reconcile::check_node(name, latest.version, writers, &app.homes, node, stored).is_none()
+            })
+    })
 }
 
 /// How many live nodes hold nothing of `name`'s protected version except
@@ -184,6 +224,16 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     // its part of the version (it comes back empty, or is treated so).
     let dead = lost_nodes(&shared.state(), name, Instant::now());
     if dead.is_empty() {
+        return Ok(None);
+    }
+    if came_back_whole(shared, name, &dead).await {
+        // As without redundancy: the application's agents there are
+        // replaced on its next commit, probe or registration, which finds
+        // the files where they were; the newest version is whole.
+        tracing::warn!(app = name, nodes = ?dead, "the lost nodes' managers came back with their stores: nothing to rebuild");
+        if let Some(app) = shared.state().apps.get_mut(name) {
+            app.protection.problem = None;
+        }
         return Ok(None);
     }
     await_free_nodes(shared, name, &dead).await;
