@@ -41,3 +41,17 @@ fn a_short_campaign_with_takeovers_loses_no_version_and_never_hangs() {
         assert!(drawn, "seed 5 no longer draws a {kind}:\n{stdout}");
     }
 }
+
+/// Under `rs:2+1` without PFS copies: lost nodes (a manager killed and its
+/// store deleted) and killed managers (store intact). The version
+/// protected at a loss, and every complete one after a manager kill, must
+/// come back bit-exact from the other nodes' memory.
+#[test]
+fn a_short_campaign_under_rs_2_1_loses_only_what_the_policy_allows() {
+    let kinds = "lose node,kill manager";
+    let stdout = campaign(&["--faults", "6", "--seed", "3", "--redundancy", "rs:2+1", "--kinds", kinds], 6);
+    for kind in ["lose node", "kill manager"] {
+        let drawn = stdout.lines().any(|l| l.starts_with(&format!("| faults: {kind} | ")) && !l.contains("| 0 |"));
+        assert!(drawn, "seed 3 no longer draws a {kind}:\n{stdout}");
+    }
+}
