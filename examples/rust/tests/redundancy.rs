@@ -404,6 +404,36 @@ fn rs_4_2_survives_two_lost_nodes_at_once() {
     pfs_untouched(&service, "r42");
 }
 
+/// An encoder whose writes to another parity shard's holder are refused
+/// (the `agent.shard_writes_refused` failpoint: a wrong key, which tcp
+/// fails in the batch that also reads the members) still builds its own
+/// shard: only that holder's piece fails, named, no version counts as
+/// protected, and the versions themselves stay whole.
+#[test]
+fn an_encoder_whose_writes_are_refused_fails_only_that_holders_shard() {
+    let service = service_with("red-refused", 4, Some("agent.shard_writes_refused=error"));
+    commit_three_with(&service, "rr", "rs:2+2", 2);
+    let refused = |log: &str| {
+        log.lines().any(|l| {
+            l.contains("could not be built")
+                && l.contains("parity shard 1 of group 0")
+                && l.contains("writing its shard")
+        })
+    };
+    assert!(
+        poll_until(Duration::from_secs(60), || refused(&service.log("controller.log"))),
+        "{}",
+        service.log("controller.log")
+    );
+    let log = service.log("controller.log");
+    let own_failed = log.lines().any(|l| l.contains("could not be built") && l.contains("parity shard 0 of group 0"));
+    assert!(!own_failed, "the encoder's own shard failed too:\n{log}");
+    let report = app(&service, "rr");
+    assert_eq!(report.protected, None, "{report:?}");
+    restart_bit_exact_with(&service, "rr", "rs:2+2", 6, 2);
+    pfs_untouched(&service, "rr");
+}
+
 #[test]
 fn a_parity_shard_written_by_another_agent_is_kept_only_when_its_bytes_match() {
     use icheck_core::control::BlockingConnection;

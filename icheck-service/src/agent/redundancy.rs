@@ -222,7 +222,9 @@ pub(super) fn protect(shared: &Shared, task: &PieceTask) -> Vec<PieceOutcome> {
         PieceId::Copy { .. } => vec![mine(protect_copy(shared, task))],
         PieceId::Parity { group, index } => {
             let started = Instant::now();
-            let fail = |what: String| format!("building the {} for version {}: {what}", task.piece, task.version);
+            // An encoder answers for other holders' shards too: the
+            // reason names the group, each outcome its own piece.
+            let fail = |what: String| format!("encoding group {group} of version {}: {what}", task.version);
             match build_parity(shared, task, group, index) {
                 Ok(mut outcomes) => {
                     let bytes = outcomes.first().and_then(|o| o.result.as_ref().ok().copied()).unwrap_or(0);
@@ -535,9 +537,17 @@ fn move_blocks(
 ) -> Result<Vec<(usize, String)>, String> {
     let writes: Vec<PeerOp<'_>> = write
         .map(|(offset, len)| {
+            // Tests make the holders refuse the writes (a wrong key, which
+            // providers that check keys fail in the batch, as a holder gone
+            // or its memory withdrawn would).
+            let refused = icheck_core::failpoint::fails("agent.shard_writes_refused");
             let live = sinks.iter().enumerate().filter(|(_, sink)| sink.failed.is_none());
             live.map(|(j, sink)| {
-                let op = RmaOp { local_offset: j * BLOCK as usize, remote: sink.region, remote_offset: offset, len };
+                let mut op =
+                    RmaOp { local_offset: j * BLOCK as usize, remote: sink.region, remote_offset: offset, len };
+                if refused {
+                    op.remote.key ^= 0x5a5a;
+                }
                 PeerOp { peer: &sink.session.peer, op }
             })
             .collect()
