@@ -293,7 +293,7 @@ fn a_killed_manager_whose_store_survives_keeps_the_unprotected_newest_version() 
     });
     assert!(back, "{manager} was not started again:\n{}", service.log("controller.log"));
     let settled = poll_until(Duration::from_secs(30), || {
-        service.log("controller.log").contains("came back with their stores: nothing to rebuild")
+        service.log("controller.log").contains("came back with their memory: nothing to rebuild")
             && !app(&service, "rk").rebuilding
     });
     assert!(settled, "{}", service.log("controller.log"));
@@ -306,6 +306,41 @@ fn a_killed_manager_whose_store_survives_keeps_the_unprotected_newest_version() 
         .finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
     pfs_untouched(&service, "rk");
+}
+
+/// A manager that only goes silent (SIGSTOP past the missed heartbeats, as
+/// a hung or cut-off node) and answers again within the rebuild's wait
+/// lost nothing: its agents are given up as without redundancy, but the
+/// newest version, not protected yet, is neither rebuilt nor dropped.
+#[test]
+fn a_silent_manager_that_answers_again_keeps_the_unprotected_newest_version() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let service = service_with("red-silent", 4, Some(FOURTH_UNPROTECTED));
+    commit_three(&service, "rs", "rs:2+1");
+    wait_protected(&service, "rs", 3);
+    restart_bit_exact(&service, "rs", "rs:2+1", 6);
+    let report = app(&service, "rs");
+    assert_eq!((report.latest.as_ref().map(|l| l.version), report.protected), (Some(4), Some(3)), "{report:?}");
+    let node = report.agents[0].node.clone();
+    let pid = Pid::from_raw(service.pid_of(&format!("manager-{node}")) as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let silent = poll_until(Duration::from_secs(20), || service.log("controller.log").contains("its node went silent"));
+    kill(pid, Signal::SIGCONT).unwrap();
+    assert!(silent, "{}", service.log("controller.log"));
+    let settled = poll_until(Duration::from_secs(30), || {
+        service.log("controller.log").contains("came back with their memory: nothing to rebuild")
+            && !app(&service, "rs").rebuilding
+    });
+    assert!(settled, "{}", service.log("controller.log"));
+    let report = app(&service, "rs");
+    assert_eq!(report.latest.as_ref().map(|l| l.version), Some(4), "version 4 was dropped: {report:?}");
+    assert!(report.dropped.is_empty(), "{:?}", report.dropped);
+    let restart = ["--app", "rs", "--steps", "8", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(4, &service.config_path(), &restart, &[("ICHECK_REDUNDANCY", "rs:2+1")])
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
+    pfs_untouched(&service, "rs");
 }
 
 /// The newest version is unprotected and the lost node held none of its

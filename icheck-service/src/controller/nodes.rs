@@ -288,6 +288,13 @@ impl<L: ManagerLink> NodeBook<L> {
         self.nodes.get(node).is_some_and(|entry| entry.relaunching)
     }
 
+    /// `node`'s manager connection (each registration opens a new one),
+    /// while it is open: the same value later means the same manager
+    /// process all along (silent for a while, perhaps, never restarted).
+    pub(crate) fn open_connection(&self, node: &str) -> Option<u64> {
+        self.nodes.get(node).filter(|entry| entry.connected).map(|entry| entry.connection)
+    }
+
     /// Whether a manager of `node` registered since the controller started.
     pub(crate) fn is_known(&self, node: &str) -> bool {
         self.nodes.contains_key(node)

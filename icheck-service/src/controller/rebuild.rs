@@ -6,7 +6,7 @@
 //! The application is not involved; its registrations and probes wait
 //! (bounded) until the rebuild ends, and then get the rebuilt agents.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -58,9 +58,10 @@ pub(super) fn spawn(shared: &Arc<Shared>, apps: Vec<String>) {
 /// Longest a rebuild waits for a lost node's manager to be started again.
 const RELAUNCH_WAIT: Duration = Duration::from_secs(60);
 
-/// Longest a rebuild waits for a lost node's manager being started again
-/// to register before it counts the node's memory as gone: a manager that
-/// died on a live host left its store (tmpfs) whole.
+/// Longest a rebuild waits for a lost node's manager, being started again
+/// or silent, to answer before it counts the node's memory as gone: a
+/// manager that died on a live host left its store (tmpfs) whole, and one
+/// that was only silent (stopped, cut off) lost nothing.
 const COMEBACK_WAIT: Duration = Duration::from_secs(10);
 
 /// Longest a rebuild waits for a node it asked the resource manager for.
@@ -81,36 +82,48 @@ fn lost_nodes(state: &State, name: &str, now: Instant) -> BTreeSet<String> {
 }
 
 /// Waits (at most [`COMEBACK_WAIT`]) while a `dead` node's manager is
-/// being started again; true when every one is back with the files of
-/// `name`'s newest complete version that its ranks homed there left (as
-/// its manager's registration announced them): its manager died, its
-/// memory did not, and nothing is to be rebuilt.
+/// being started again or is silent on an open connection; true when every
+/// one is back with its memory: the same manager answering again on the
+/// same connection (stopped or cut off for a while, never restarted), or a
+/// new one that registered the files of `name`'s newest complete version
+/// its ranks homed there left. Nothing is to be rebuilt then.
 async fn came_back_whole(shared: &Shared, name: &str, dead: &BTreeSet<String>) -> bool {
     let deadline = Instant::now() + COMEBACK_WAIT;
+    let at_loss: BTreeMap<String, Option<u64>> = {
+        let state = shared.state();
+        dead.iter().map(|node| (node.clone(), state.nodes.open_connection(node))).collect()
+    };
     loop {
         {
             let state = shared.state();
             let now = Instant::now();
-            if now >= deadline || !dead.iter().any(|node| state.nodes.is_relaunching(node)) {
-                return whole_again(&state, name, dead, now);
+            let coming = |node: &String| {
+                state.nodes.is_relaunching(node)
+                    || (state.nodes.open_connection(node).is_some() && !state.nodes.is_alive(node, now))
+            };
+            if now >= deadline || !dead.iter().any(coming) {
+                return whole_again(&state, name, &at_loss, now);
             }
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
-/// Whether every `dead` node is alive again at `now` and holds the files
-/// of `name`'s newest complete version for its ranks homed there.
-fn whole_again(state: &State, name: &str, dead: &BTreeSet<String>, now: Instant) -> bool {
+/// Whether every node of `at_loss` (with its manager connection when it
+/// was lost) is alive again at `now` with `name`'s newest complete version
+/// as its ranks left it there (see [`came_back_whole`]).
+fn whole_again(state: &State, name: &str, at_loss: &BTreeMap<String, Option<u64>>, now: Instant) -> bool {
     let Some(app) = state.apps.get(name) else { return false };
     let Some(latest) = app.latest.as_ref().filter(|l| l.ranks == app.registration.ranks) else { return false };
     let writers = decide::mapping_units(&app.registration);
-    dead.iter().all(|node| {
-        state.nodes.is_alive(node, now)
-            && !app.protection.wiped.contains(node)
-            && state.holdings.get(node).is_some_and(|stored| {
+    at_loss.iter().all(|(node, connection)| {
+        let same_manager = connection.is_some() && state.nodes.open_connection(node) == *connection;
+        let holds = || {
+            state.holdings.get(node).is_some_and(|stored| {
                 reconcile::check_node(name, latest.version, writers, &app.homes, node, stored).is_none()
             })
+        };
+        state.nodes.is_alive(node, now) && !app.protection.wiped.contains(node) && (same_manager || holds())
     })
 }
 
@@ -230,7 +243,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         // As without redundancy: the application's agents there are
         // replaced on its next commit, probe or registration, which finds
         // the files where they were; the newest version is whole.
-        tracing::warn!(app = name, nodes = ?dead, "the lost nodes' managers came back with their stores: nothing to rebuild");
+        tracing::warn!(app = name, nodes = ?dead, "the lost nodes came back with their memory: nothing to rebuild");
         if let Some(app) = shared.state().apps.get_mut(name) {
             app.protection.problem = None;
         }
