@@ -269,6 +269,37 @@ fn a_node_lost_before_the_newest_version_is_protected_falls_back_one_version() {
     pfs_untouched(&service, "rw");
 }
 
+/// Versions 1 to 4 of `name` under `rs:2+1` with 4 ranks, 3 protected and
+/// 4 not (the service runs [`FOURTH_UNPROTECTED`]); returns the node of
+/// rank 0's agent.
+fn fourth_unprotected(service: &LocalService, name: &str) -> String {
+    commit_three(service, name, "rs:2+1");
+    wait_protected(service, name, 3);
+    restart_bit_exact(service, name, "rs:2+1", 6);
+    let report = app(service, name);
+    assert_eq!((report.latest.as_ref().map(|l| l.version), report.protected), (Some(4), Some(3)), "{report:?}");
+    report.agents[0].node.clone()
+}
+
+/// After a node came back with its memory: nothing was rebuilt or dropped,
+/// and the unprotected version 4 restarts bit-exact from agent memory.
+fn version_4_kept(service: &LocalService, name: &str) {
+    let settled = poll_until(Duration::from_secs(30), || {
+        service.log("controller.log").contains("came back with their memory: nothing to rebuild")
+            && !app(service, name).rebuilding
+    });
+    assert!(settled, "{}", service.log("controller.log"));
+    let report = app(service, name);
+    assert_eq!(report.latest.as_ref().map(|l| l.version), Some(4), "version 4 was dropped: {report:?}");
+    assert!(report.dropped.is_empty(), "{:?}", report.dropped);
+    assert!(!service.log("controller.log").contains("falling back to the protected one"));
+    let restart = ["--app", name, "--steps", "8", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(4, &service.config_path(), &restart, &[("ICHECK_REDUNDANCY", "rs:2+1")])
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
+    pfs_untouched(service, name);
+}
+
 /// A manager that dies on a live host leaves its store (tmpfs) whole: the
 /// controller starts it again, finds the newest version's files there and
 /// rebuilds nothing, so a version not protected yet is kept, as it is
@@ -278,13 +309,7 @@ fn a_killed_manager_whose_store_survives_keeps_the_unprotected_newest_version() 
     let args = ["--provider", "tcp", "--manager-relaunches", "3"];
     let service =
         LocalService::up_with_failpoints(&icheck_in_target(), "red-relaunch", 4, &args, None, Some(FOURTH_UNPROTECTED));
-    commit_three(&service, "rk", "rs:2+1");
-    wait_protected(&service, "rk", 3);
-    restart_bit_exact(&service, "rk", "rs:2+1", 6);
-    let report = app(&service, "rk");
-    assert_eq!((report.latest.as_ref().map(|l| l.version), report.protected), (Some(4), Some(3)), "{report:?}");
-    let node = report.agents[0].node.clone();
-    let manager = format!("manager-{node}");
+    let manager = format!("manager-{}", fourth_unprotected(&service, "rk"));
     let dead = service.pid_of(&manager);
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(dead as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
     let back = poll_until(Duration::from_secs(30), || {
@@ -292,20 +317,7 @@ fn a_killed_manager_whose_store_survives_keeps_the_unprotected_newest_version() 
         pid != dead && icheck_service::testkit::process_running(pid)
     });
     assert!(back, "{manager} was not started again:\n{}", service.log("controller.log"));
-    let settled = poll_until(Duration::from_secs(30), || {
-        service.log("controller.log").contains("came back with their memory: nothing to rebuild")
-            && !app(&service, "rk").rebuilding
-    });
-    assert!(settled, "{}", service.log("controller.log"));
-    let report = app(&service, "rk");
-    assert_eq!(report.latest.as_ref().map(|l| l.version), Some(4), "version 4 was dropped: {report:?}");
-    assert!(report.dropped.is_empty(), "{:?}", report.dropped);
-    assert!(!service.log("controller.log").contains("falling back to the protected one"));
-    let restart = ["--app", "rk", "--steps", "8", "--every", "2", "--mib", "2", "--persist"];
-    let lines = Job::start(4, &service.config_path(), &restart, &[("ICHECK_REDUNDANCY", "rs:2+1")])
-        .finish(Duration::from_secs(120));
-    assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
-    pfs_untouched(&service, "rk");
+    version_4_kept(&service, "rk");
 }
 
 /// A manager that only goes silent (SIGSTOP past the missed heartbeats, as
@@ -317,30 +329,13 @@ fn a_silent_manager_that_answers_again_keeps_the_unprotected_newest_version() {
     use nix::sys::signal::{kill, Signal};
     use nix::unistd::Pid;
     let service = service_with("red-silent", 4, Some(FOURTH_UNPROTECTED));
-    commit_three(&service, "rs", "rs:2+1");
-    wait_protected(&service, "rs", 3);
-    restart_bit_exact(&service, "rs", "rs:2+1", 6);
-    let report = app(&service, "rs");
-    assert_eq!((report.latest.as_ref().map(|l| l.version), report.protected), (Some(4), Some(3)), "{report:?}");
-    let node = report.agents[0].node.clone();
+    let node = fourth_unprotected(&service, "rs");
     let pid = Pid::from_raw(service.pid_of(&format!("manager-{node}")) as i32);
     kill(pid, Signal::SIGSTOP).unwrap();
     let silent = poll_until(Duration::from_secs(20), || service.log("controller.log").contains("its node went silent"));
     kill(pid, Signal::SIGCONT).unwrap();
     assert!(silent, "{}", service.log("controller.log"));
-    let settled = poll_until(Duration::from_secs(30), || {
-        service.log("controller.log").contains("came back with their memory: nothing to rebuild")
-            && !app(&service, "rs").rebuilding
-    });
-    assert!(settled, "{}", service.log("controller.log"));
-    let report = app(&service, "rs");
-    assert_eq!(report.latest.as_ref().map(|l| l.version), Some(4), "version 4 was dropped: {report:?}");
-    assert!(report.dropped.is_empty(), "{:?}", report.dropped);
-    let restart = ["--app", "rs", "--steps", "8", "--every", "2", "--mib", "2", "--persist"];
-    let lines = Job::start(4, &service.config_path(), &restart, &[("ICHECK_REDUNDANCY", "rs:2+1")])
-        .finish(Duration::from_secs(120));
-    assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
-    pfs_untouched(&service, "rs");
+    version_4_kept(&service, "rs");
 }
 
 /// The newest version is unprotected and the lost node held none of its
