@@ -454,6 +454,25 @@ fn rss_kib(pid: u32) -> Option<u64> {
     status.lines().find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix("kB")?.trim().parse().ok())
 }
 
+/// Longest the busy-daemon check waits for protections and rebuilds the
+/// job left behind to end (slow in debug builds, as CI's are).
+const PROTECTION_SETTLE: Duration = Duration::from_secs(60);
+
+/// Waits (at most `bound`) until no application's redundancy is being
+/// built or rebuilt.
+fn protection_settled(service: &LocalService, bound: Duration) {
+    let start = Instant::now();
+    while start.elapsed() < bound {
+        let busy = service
+            .try_status()
+            .map_or(true, |status| status.apps.iter().any(|app| app.protecting.is_some() || app.rebuilding));
+        if !busy {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 /// How long each daemon's CPU is watched after healing, and the share of
 /// a core above which it counts as busy: an idle service uses well under
 /// 1% (`commit-bench`'s idle case), a spinning thread a whole core.
@@ -747,6 +766,9 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         } else if let Err(wrong) = status_matches_reality(&service) {
             tally.status_mismatches.push(format!("round {round}: status does not match what runs: {wrong}"));
         } else {
+            // Building the last versions' redundancy, or a rebuild, is work
+            // the job left behind, not a spin: the check waits for it.
+            protection_settled(&service, PROTECTION_SETTLE);
             for (daemon, share, thread) in busy_daemons(&service) {
                 tally.busy.push(format!(
                     "round {round}: {daemon} used {:.0}% of a core with no job running (busiest thread: {thread})",
