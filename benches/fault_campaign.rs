@@ -644,8 +644,9 @@ fn campaign(cli: &Cli) -> Result<Tally> {
                         job.stderr_tail()
                     )),
                 }
-                if let (Some(at), Some(_)) = (fault_at.take(), restored) {
+                if let (Some(at), Some(version)) = (fault_at.take(), restored) {
                     tally.slowest_recovery = tally.slowest_recovery.max(at.elapsed());
+                    println!("  restarted from version {version}, {:.1} s after the fault", at.elapsed().as_secs_f64());
                 }
             }
         }

@@ -634,6 +634,15 @@ pub enum ControllerToManager {
         /// Where it is rebuilt from.
         source: RebuildSource,
     },
+    /// The application's `version` is being protected: its agents here
+    /// hold it back from pruning until a newer one is protected, so that
+    /// the encoders still read it when newer versions complete meanwhile.
+    Protecting {
+        /// Application.
+        app: String,
+        /// The version whose pieces are being built.
+        version: u64,
+    },
     /// Delete the application's pieces of redundancy for versions older
     /// than `below` (a newer one is protected).
     DropPieces {
@@ -882,6 +891,10 @@ pub struct AppReport {
     /// The version whose redundancy is being built.
     #[serde(default)]
     pub protecting: Option<u64>,
+    /// A newer complete version whose redundancy is built once the one
+    /// under way ends (one protection at a time per application).
+    #[serde(default)]
+    pub protection_waiting: Option<u64>,
     /// A rebuild after a lost node is under way.
     #[serde(default)]
     pub rebuilding: bool,

@@ -528,6 +528,11 @@ async fn session(
                 let job = agent_job(agents, agent, |a| a.rebuild_job(rank, version, source));
                 fill_rank(tx.clone(), agent, rank, version, job, "rebuilding a lost rank failed");
             }
+            ControllerToManager::Protecting { app, version } => {
+                for agent in agents.lock().unwrap_or_else(|p| p.into_inner()).values().filter(|a| a.app() == app) {
+                    agent.protecting(version);
+                }
+            }
             ControllerToManager::DropPieces { app, below } => {
                 // `below` is protected: its agents here may let older versions go.
                 for agent in agents.lock().unwrap_or_else(|p| p.into_inner()).values().filter(|a| a.app() == app) {

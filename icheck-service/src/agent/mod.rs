@@ -152,6 +152,10 @@ struct Shared {
     /// protected: if a node is lost before then, the controller rebuilds
     /// this one from its pieces and these primaries ([`Shared::held_back`]).
     protected: AtomicU64,
+    /// The version whose redundancy is being built (0: none known): held
+    /// back too, so that the encoders still find it when newer versions
+    /// complete meanwhile (the controller protects one version at a time).
+    protecting: AtomicU64,
 }
 
 impl Shared {
@@ -172,14 +176,14 @@ impl Shared {
         }
     }
 
-    /// The version of a rank kept besides its newest complete one `newest`:
-    /// the newest protected version while it is older (what a rebuild falls
-    /// back to until `newest` is protected). Only that one: the versions
-    /// between them were never protected, and a protection that stalls
-    /// (a failing piece, a policy set to `none`) holds one version, not
-    /// every later one.
-    fn held_back(&self, newest: u64) -> Option<u64> {
-        held_back(self.protected.load(Ordering::Acquire), newest)
+    /// The versions of a rank kept besides its newest complete one
+    /// `newest`: the newest protected version while it is older (what a
+    /// rebuild falls back to until `newest` is protected), and the one
+    /// being protected. Only those: the versions between them were never
+    /// protected, and a protection that stalls (a failing piece, a policy
+    /// set to `none`) holds at most two versions, not every later one.
+    fn held_back(&self, newest: u64) -> Held {
+        held_back(self.protected.load(Ordering::Acquire), self.protecting.load(Ordering::Acquire), newest)
     }
 
     /// The newest complete version of `rank` this agent knows of.
@@ -327,6 +331,7 @@ impl Agent {
             counters: AgentCounters::default(),
             kept: Arc::default(),
             protected: AtomicU64::new(protected.unwrap_or(0)),
+            protecting: AtomicU64::new(0),
         });
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
@@ -460,6 +465,14 @@ impl Agent {
     /// versions may go at each rank's next Begin or Complete.
     pub fn protected(&self, version: u64) {
         self.shared.protected.fetch_max(version, Ordering::AcqRel);
+    }
+
+    /// The controller started protecting `version` of the application:
+    /// each rank holds it back until a newer one is protected or being
+    /// protected, so that newer versions completing meanwhile do not prune
+    /// it under the encoders.
+    pub fn protecting(&self, version: u64) {
+        self.shared.protecting.fetch_max(version, Ordering::AcqRel);
     }
 
     /// The controller fell back to an older version (see
@@ -1350,13 +1363,13 @@ fn handle_rest(
             shared.completed(rank, version);
             let pruning = Instant::now();
             let held = shared.held_back(version);
-            let pruned = prune_older(shared, session, version, held)?;
+            let pruned = prune_older(shared, session, version, &held)?;
             // Nothing was pruned (the first version, or older ones still
             // pinned): the next version would map fresh memory inside its
             // commit; make its file now, while the application computes.
             // (Not while an older version waits for this one's protection:
             // it usually comes before the next Begin, which then reuses it.)
-            let waiting = held.is_some();
+            let waiting = !held.is_empty();
             let len = session.sealed.iter().find(|(v, _)| *v == version).map(|(_, file)| file.data_len() as u64);
             if let (None, None, Some(len), false) = (&session.spare, &session.prepared, len, waiting) {
                 session.prepared = prepare_next_file(shared, rank, len);
@@ -1609,21 +1622,26 @@ fn serve_reads(shared: &Shared, caller: Caller) -> Result<ProgressThread, String
     spawned.map_err(|e| e.to_string())
 }
 
-/// [`Shared::held_back`] given the newest protected version (0: none).
-fn held_back(protected: u64, newest: u64) -> Option<u64> {
-    Some(protected).filter(|protected| *protected > 0 && *protected < newest)
+/// Versions a rank holds back from pruning besides its newest.
+type Held = std::collections::BTreeSet<u64>;
+
+/// [`Shared::held_back`] given the newest protected version and the one
+/// being protected (0: none).
+fn held_back(protected: u64, protecting: u64, newest: u64) -> Held {
+    let protecting = Some(protecting).filter(|v| *v > protected);
+    [Some(protected), protecting].into_iter().flatten().filter(|v| *v > 0 && *v < newest).collect()
 }
 
 /// Prunes the session's rank below `keep_from` but for `held` (see
 /// [`Store::prune`]): one pruned version's file becomes the spare for the
 /// next version, with its mapping; versions a PFS copy reads stay.
-fn prune_older(shared: &Shared, session: &mut Session, keep_from: u64, held: Option<u64>) -> Result<Pruned, String> {
+fn prune_older(shared: &Shared, session: &mut Session, keep_from: u64, held: &Held) -> Result<Pruned, String> {
     let rank = session.core.rank();
-    let stale = |v: u64| v < keep_from && Some(v) != held;
+    let stale = |v: u64| v < keep_from && !held.contains(&v);
     // Pruned: its file may become the spare and be cut.
     shared.kept.forget_if(rank, stale);
     let mut pinned = shared.pinned_versions();
-    pinned.extend(held);
+    pinned.extend(held.iter().copied());
     let pruned =
         shared.settings.store.prune(session.core.app(), rank, keep_from, &pinned).map_err(|e| e.to_string())?;
     // Versions a PFS copy pins stay on the store (unmapped here: the copy
@@ -1644,9 +1662,9 @@ fn prune_older(shared: &Shared, session: &mut Session, keep_from: u64, held: Opt
 fn prune_protected(shared: &Shared, session: &mut Session) -> Result<(), String> {
     let Some(newest) = shared.complete(session.core.rank()) else { return Ok(()) };
     let held = shared.held_back(newest);
-    if session.sealed.iter().any(|(v, _)| *v < newest && Some(*v) != held) {
+    if session.sealed.iter().any(|(v, _)| *v < newest && !held.contains(v)) {
         let pruning = Instant::now();
-        let pruned = prune_older(shared, session, newest, held)?;
+        let pruned = prune_older(shared, session, newest, &held)?;
         tracing::debug!(
             rank = session.core.rank(),
             newest,
@@ -1899,10 +1917,16 @@ mod tests {
 
     #[test]
     fn only_the_newest_protected_version_is_held_back_and_only_while_older() {
-        assert_eq!(held_back(0, 5), None, "nothing protected yet: the usual pruning");
-        assert_eq!(held_back(4, 5), Some(4), "version 5 unprotected: 4 is what a rebuild falls back to");
-        assert_eq!(held_back(2, 5), Some(2), "a stalled protection holds one version, not 2 to 4");
-        assert_eq!(held_back(5, 5), None, "the newest is protected");
+        let held = |versions: &[u64]| versions.iter().copied().collect::<Held>();
+        assert_eq!(held_back(0, 0, 5), held(&[]), "nothing protected yet: the usual pruning");
+        assert_eq!(held_back(4, 0, 5), held(&[4]), "version 5 unprotected: 4 is what a rebuild falls back to");
+        assert_eq!(held_back(2, 0, 5), held(&[2]), "a stalled protection holds one version, not 2 to 4");
+        assert_eq!(held_back(5, 0, 5), held(&[]), "the newest is protected");
+        assert_eq!(held_back(2, 3, 5), held(&[2, 3]), "3 is being protected: its encoders read it");
+        assert_eq!(held_back(0, 3, 5), held(&[3]), "the first protection");
+        assert_eq!(held_back(3, 3, 5), held(&[3]), "protected now: held once");
+        assert_eq!(held_back(4, 3, 5), held(&[4]), "a newer one was protected: 3 goes");
+        assert_eq!(held_back(2, 5, 5), held(&[2]), "the newest itself is being protected");
     }
 
     fn label(name: &str, offset: u64, len: u64) -> LabelLayout {

@@ -1243,8 +1243,16 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                 }
                 let state = &mut *state;
                 let mut protected = None;
+                let mut due = Vec::new();
                 for (name, app) in state.apps.iter_mut() {
-                    if let Some(done) = app.protection.piece_done(agent, version, piece, result.clone()) {
+                    let done = app.protection.piece_done(agent, version, piece, result.clone());
+                    // The protection ended (built or failed): the newest
+                    // version that waited for it is protected next.
+                    if let Some(next) = app.protection.next_due() {
+                        tracing::debug!(app = %name, ended = version, next, "protecting the version that waited");
+                        due.push(name.clone());
+                    }
+                    if let Some(done) = done {
                         let book = &mut app.protection;
                         let secs =
                             book.began.take().filter(|(v, _)| *v == done).map(|(_, at)| at.elapsed().as_secs_f64());
@@ -1273,6 +1281,9 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                     if let Err(reason) = journal(state, &event) {
                         tracing::error!(%reason, "cannot journal a protected version: a restarted controller would not know it");
                     }
+                }
+                for name in due {
+                    start_protection(&shared, state, &name);
                 }
             }
         }
@@ -1372,6 +1383,9 @@ fn node_lost(state: &mut State, node: &str, why: &str) -> Vec<String> {
     let mut rebuilds = Vec::new();
     for (name, app) in state.apps.iter_mut() {
         let lost = app.lose_node(node);
+        if let Some(version) = app.protection.node_lost(node) {
+            tracing::warn!(app = %name, %node, version, "{why}: the protection under way had pieces there; it ended");
+        }
         if app.protection.nodes().contains(node) {
             tracing::warn!(app = %name, %node, lost, "{why}: rebuilding its protected version on the other nodes");
             // Until the rebuild protects it again, the status says so.
@@ -1599,6 +1613,7 @@ fn app_report(a: &AppEntry, node_failure: f64) -> AppReport {
         redundancy: a.protection.policy,
         protected: a.protection.protected.as_ref().map(|p| p.version()),
         protecting: a.protection.protecting(),
+        protection_waiting: a.protection.waiting(),
         rebuilding: a.protection.rebuilding || a.protection.rebuild_due,
         protection_problem: a.protection.problem.clone(),
         protection_secs: a.protection.history.iter().copied().collect(),
@@ -1914,6 +1929,14 @@ fn start_protection(shared: &Shared, state: &mut State, name: &str) {
     if let Some(problem) = &app.protection.problem {
         tracing::warn!(app = name, %policy, %problem, "redundancy cannot be placed");
     }
+    // Before any piece is asked for (and before the application hears the
+    // version is complete): its primaries keep it while it is protected.
+    if !requests.is_empty() {
+        let nodes: BTreeSet<&String> = app.agents.iter().map(|a| &a.node).collect();
+        for node in nodes {
+            state.nodes.send(node, ControllerToManager::Protecting { app: name.to_string(), version });
+        }
+    }
     for (agent, node, task) in requests {
         state.nodes.send(&node, ControllerToManager::Protect { agent, task });
     }
@@ -2004,6 +2027,13 @@ fn record_version(
     // before its pieces are built.
     if icheck_core::failpoint::fails("controller.protect_recorded") {
         tracing::warn!(app = name, version, "failpoint: the version is not protected");
+    } else if app.protection.defer(version, Instant::now()) {
+        tracing::debug!(
+            app = name,
+            version,
+            under_way = app.protection.protecting(),
+            "protection waits for the one under way"
+        );
     } else {
         start_protection(shared, state, name);
     }

@@ -91,7 +91,15 @@ pub(super) struct ProtectionBook {
     /// Nodes lost to the protected version although their managers run
     /// (they came back without its files): a rebuild treats them as dead.
     pub(super) wiped: BTreeSet<String>,
+    /// A newer version completed while one was being protected: it is
+    /// protected once that protection ends ([`defer`](Self::defer)).
+    waiting: Option<u64>,
 }
+
+/// A protection under way for longer than this no longer holds a newer
+/// version back (a piece whose answer never comes must not leave every
+/// later version unprotected): the newer version replaces it.
+pub(super) const PROTECTION_PATIENCE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Protections remembered for the status.
 pub(super) const PROTECTION_HISTORY: usize = 16;
@@ -133,6 +141,8 @@ impl ProtectionBook {
     ) -> Vec<PieceRequest> {
         let version = record.version;
         self.protecting = None;
+        // Whatever waited is protected now, or superseded by this version.
+        self.waiting = None;
         if self.policy.is_none() || agents.is_empty() {
             self.problem = None;
             return Vec::new();
@@ -209,6 +219,57 @@ impl ProtectionBook {
         self.problem = None;
         self.lost = None;
         Some(version)
+    }
+
+    /// Whether `version`, just complete, waits for the protection under way
+    /// rather than replace it (`now`: the controller's clock). One
+    /// protection at a time per application: when versions complete faster
+    /// than they are protected, starting one per version made them run side
+    /// by side on the agents' threads, each slower than the last, and pile
+    /// up behind the job. Only the newest waits; the older waiting one is
+    /// skipped (its protection would be superseded at once).
+    pub(super) fn defer(&mut self, version: u64, now: std::time::Instant) -> bool {
+        let under_way = self.protecting.as_ref().is_some_and(|p| p.record.version < version);
+        let patient = self.began.is_some_and(|(_, at)| now.saturating_duration_since(at) < PROTECTION_PATIENCE);
+        if under_way && patient && !self.policy.is_none() {
+            self.waiting = Some(version);
+        }
+        self.waiting == Some(version)
+    }
+
+    /// The version to protect next, if the protection under way just ended
+    /// (built or failed) with a newer one waiting ([`defer`](Self::defer)).
+    pub(super) fn next_due(&mut self) -> Option<u64> {
+        match self.protecting {
+            Some(_) => None,
+            None => self.waiting.take(),
+        }
+    }
+
+    /// `node` was lost (its manager's connection closed, or it went
+    /// silent): a protection with pieces outstanding there ends, as failed,
+    /// since no answer will come for them (it would otherwise hold newer
+    /// versions back until [`PROTECTION_PATIENCE`]). What waited is
+    /// dropped too: protection starts again once the application has its
+    /// agents back (registration, rebuild, next commit). Returns the
+    /// version whose protection ended.
+    pub(super) fn node_lost(&mut self, node: &str) -> Option<u64> {
+        let protecting = self.protecting.as_ref()?;
+        let there = |id: u64| protecting.agents.iter().any(|a| a.id == id && a.node == node);
+        if !protecting.outstanding.iter().any(|(id, _)| there(*id)) {
+            return None;
+        }
+        let version = protecting.record.version;
+        self.problem =
+            Some(format!("version {version} is not protected: node {node} was lost while its pieces were built"));
+        self.protecting = None;
+        self.waiting = None;
+        Some(version)
+    }
+
+    /// The version waiting for the protection under way, if any.
+    pub(super) fn waiting(&self) -> Option<u64> {
+        self.waiting
     }
 
     /// The version being protected, if any.
@@ -365,6 +426,65 @@ mod tests {
         assert_eq!(book.piece_done(last.0, 7, last.2.piece, Ok(10)), Some(7));
         assert_eq!(book.protected.as_ref().map(|p| p.version()), Some(7));
         assert!(book.exposure(Some(7), 4, &agents, 0.01).unwrap() < book.exposure(Some(8), 4, &agents, 0.01).unwrap());
+    }
+
+    #[test]
+    fn versions_completing_during_a_protection_wait_and_only_the_newest_is_protected_next() {
+        let agents = [agent(1, "a"), agent(2, "b"), agent(3, "c")];
+        let mut book = book("rs:2+1");
+        let start = std::time::Instant::now();
+        let requests = book.begin(&record(7), 4, &agents, &|_| None);
+        book.began = Some((7, start));
+        assert!(book.defer(8, start), "version 8 waits for 7's protection");
+        assert!(book.defer(9, start), "and 9 takes its place");
+        assert_eq!((book.protecting(), book.waiting()), (Some(7), Some(9)));
+        assert_eq!(book.next_due(), None, "not while 7 is under way");
+        for (agent, _, task) in &requests {
+            book.piece_done(*agent, 7, task.piece, Ok(1));
+        }
+        assert_eq!(book.protected.as_ref().map(|p| p.version()), Some(7));
+        assert_eq!(book.next_due(), Some(9));
+        assert_eq!(book.next_due(), None, "taken once");
+        // Nothing under way: a complete version is protected at once.
+        assert!(!book.defer(10, start));
+
+        // A failed piece ends the protection too.
+        let requests = book.begin(&record(10), 4, &agents, &|_| None);
+        book.began = Some((10, start));
+        assert!(book.defer(11, start));
+        let (agent, _, task) = &requests[0];
+        book.piece_done(*agent, 10, task.piece, Err("no room".into()));
+        assert_eq!(book.next_due(), Some(11));
+
+        // A protection that never ends holds nothing back for ever.
+        book.begin(&record(12), 4, &agents, &|_| None);
+        book.began = Some((12, start));
+        assert!(!book.defer(13, start + PROTECTION_PATIENCE), "it replaces a protection under way too long");
+        // A replacing begin (new agents) drops what waited.
+        assert!(book.defer(13, start));
+        book.begin(&record(13), 4, &agents, &|_| None);
+        assert_eq!(book.waiting(), None);
+    }
+
+    #[test]
+    fn a_node_lost_with_pieces_outstanding_ends_the_protection_and_says_why() {
+        let agents = [agent(1, "a"), agent(2, "b"), agent(3, "c")];
+        let mut book = book("rs:2+1");
+        let requests = book.begin(&record(7), 4, &agents, &|_| None);
+        book.began = Some((7, std::time::Instant::now()));
+        assert!(book.defer(8, std::time::Instant::now()));
+        let holders: BTreeSet<&str> =
+            requests.iter().map(|(id, _, _)| agents.iter().find(|a| a.id == *id).unwrap().node.as_str()).collect();
+        let idle = ["a", "b", "c"]
+            .into_iter()
+            .find(|n| !holders.contains(n))
+            .expect("rs:2+1 over 4 ranks: a node builds nothing");
+        assert_eq!(book.node_lost(idle), None, "no piece of it was being built on {idle}");
+        assert_eq!(book.protecting(), Some(7));
+        let holder = *holders.iter().next().unwrap();
+        assert_eq!(book.node_lost(holder), Some(7));
+        assert_eq!((book.protecting(), book.waiting(), book.next_due()), (None, None, None));
+        assert!(book.problem.as_deref().unwrap().contains(&format!("node {holder} was lost")), "{:?}", book.problem);
     }
 
     #[test]

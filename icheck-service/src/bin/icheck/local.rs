@@ -907,8 +907,9 @@ fn protection_line(a: &icheck_core::protocol::AppReport) -> String {
         (_, None, None, _) if a.redundancy.is_none() => "primary copies only".to_string(),
         (_, None, None, _) => "nothing protected yet".to_string(),
     };
+    let waiting = a.protection_waiting.map_or(String::new(), |v| format!("; version {v} waits to be protected next"));
     let exposure = a.exposure.map_or(String::new(), |p| format!("; chance the newest version is lost: {p:.2e}"));
-    format!("redundancy {}: {state}{exposure}", a.redundancy)
+    format!("redundancy {}: {state}{waiting}{exposure}", a.redundancy)
 }
 
 #[cfg(test)]
