@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use icheck_core::control::BlockingConnection;
 use icheck_core::fabric::{
-    Access, AlignedBuffer, Peer, PeerOp, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
+    Access, AlignedBuffer, FabricError, Peer, PeerOp, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
 };
 use icheck_core::protocol::{
     check_fetched, AgentInfo, AgentReply, AgentRequest, FetchWanted, Fetched, Manifest, ParityMeta, PieceMeta,
@@ -553,48 +553,49 @@ fn move_blocks(
             .collect()
         })
         .unwrap_or_default();
-    let Some((offset, n)) = read else {
-        if writes.is_empty() {
-            return Ok(Vec::new());
+    let reads = read.map(|block| read_ops(sources, block)).unwrap_or_default();
+    if reads.is_empty() && writes.is_empty() {
+        if let Some(block) = read {
+            zero_padding(sources, block, into);
         }
-        let options = TransferOptions { inflight: 16, ..TransferOptions::default() };
-        let empty: [PeerOp<'_>; 0] = [];
-        return match shared.endpoint.read_and_write((into.target(), &empty), (coded.source(), &writes), &options) {
-            Ok(_) => Ok(Vec::new()),
-            Err(e) => Ok(give_up_sinks(sinks, &e.to_string())),
-        };
-    };
-    if writes.is_empty() {
-        read_blocks(shared, sources, (offset, n), into)?;
         return Ok(Vec::new());
     }
-    let reads = read_ops(sources, (offset, n));
     let options =
         TransferOptions { inflight: (4 * (reads.len() + writes.len())).clamp(8, 32), ..TransferOptions::default() };
     match shared.endpoint.read_and_write((into.target(), &reads), (coded.source(), &writes), &options) {
         Ok(_) => {
-            zero_padding(sources, (offset, n), into);
+            if let Some(block) = read {
+                zero_padding(sources, block, into);
+            }
             Ok(Vec::new())
+        }
+        // Only reads: a member's failure, named by `read_blocks`.
+        Err(_) if writes.is_empty() => {
+            read_blocks(shared, sources, read.expect("reads or writes"), into).map(|_| Vec::new())
         }
         Err(e) => {
             // Which side failed: the reads again, alone.
-            read_blocks(shared, sources, (offset, n), into)?;
-            Ok(give_up_sinks(sinks, &e.to_string()))
+            if let Some(block) = read {
+                read_blocks(shared, sources, block, into)?;
+            }
+            Ok(give_up_sinks(sinks, &e))
         }
     }
 }
 
-/// The live sinks a failed write names (by node or fabric peer), or all
-/// live sinks when it names none of them, each with the reason.
-fn give_up_sinks(sinks: &[ShardSink], why: &str) -> Vec<(usize, String)> {
+/// The live sinks a failed write names (its fabric peer), or all live
+/// sinks when it names none of them, each with the reason.
+fn give_up_sinks(sinks: &[ShardSink], error: &FabricError) -> Vec<(usize, String)> {
     let live = || sinks.iter().enumerate().filter(|(_, sink)| sink.failed.is_none());
-    let named: Vec<usize> = live()
-        .filter(|(_, sink)| why.contains(sink.session.peer.name()) || why.contains(&sink.holder.node.to_string()))
-        .map(|(j, _)| j)
-        .collect();
+    let named: Vec<usize> = match error {
+        FabricError::Completion { peer, .. } => {
+            live().filter(|(_, sink)| sink.session.peer.name() == peer.as_str()).map(|(j, _)| j).collect()
+        }
+        _ => Vec::new(),
+    };
     live()
         .filter(|(j, _)| named.is_empty() || named.contains(j))
-        .map(|(j, _)| (j, format!("writing its shard: {why}")))
+        .map(|(j, _)| (j, format!("writing its shard: {error}")))
         .collect()
 }
 

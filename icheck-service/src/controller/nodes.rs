@@ -237,9 +237,10 @@ impl<L: ManagerLink> NodeBook<L> {
     /// the node is given up (until a manager registers it again). True
     /// (and the attempt counted) when a relaunch may go ahead.
     pub(crate) fn relaunch_allowed(&mut self, node: &str, now: Instant, limit: u32, window: Duration) -> bool {
+        let possible = self.relaunch_possible(node, now, limit, window);
         let Some(entry) = self.nodes.get_mut(node) else { return false };
         entry.relaunched.retain(|at| now.saturating_duration_since(*at) < window);
-        if entry.given_up || entry.relaunched.len() >= limit as usize {
+        if !possible {
             entry.given_up = true;
             return false;
         }
