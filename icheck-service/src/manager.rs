@@ -512,6 +512,8 @@ async fn session(
                 // or this manager's heartbeats.
                 let build = move || {
                     lower_thread_priority();
+                    // For the tests: a protection that takes a while.
+                    icheck_core::failpoint::hit("manager.before_protect");
                     // An encoder answers for the shards it wrote elsewhere too.
                     for PieceOutcome { agent, piece, result } in job.map_or_else(|failed| failed, |job| job()) {
                         if let Err(reason) = &result {

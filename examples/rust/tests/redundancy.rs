@@ -555,3 +555,36 @@ fn a_parity_shard_written_by_another_agent_is_kept_only_when_its_bytes_match() {
     let gone = poll_until(Duration::from_secs(10), || !pieces.join("v10.parity7-1.data").exists());
     assert!(gone, "an unsealed shard outlived its writer's session");
 }
+
+/// Versions that complete while one is being protected wait: only the
+/// newest of them is protected next, and the version under way is still
+/// read whole by its encoders although newer ones completed (its
+/// primaries hold it back). Each protection sleeps 6 s before it starts
+/// (a failpoint), far longer than the job takes to commit four versions.
+#[test]
+fn versions_completing_during_a_protection_wait_and_only_the_newest_is_protected_next() {
+    let service = service_with("red-coalesce", 4, Some("manager.before_protect=sleep(6000)"));
+    let args = ["--app", "co", "--steps", "6", "--every", "2", "--mib", "2", "--persist"];
+    let env = [("ICHECK_REDUNDANCY", "rs:2+1")];
+    let lines = Job::start(4, &service.config_path(), &args, &env).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
+    let report = app(&service, "co");
+    assert_eq!(report.protecting, Some(1), "version 1's protection is still under way: {report:?}");
+    assert_eq!(report.protection_waiting, Some(4), "only the newest waits: {report:?}");
+    let report = wait_protected(&service, "co", 4);
+    let protected: Vec<u64> = report.protection_secs.iter().map(|(v, _)| *v).collect();
+    assert_eq!(protected, [1, 4], "version 1 was protected whole, 2 and 3 were skipped: {report:?}");
+    for node in ["local-1", "local-2", "local-3", "local-4"] {
+        let log = service.log(&format!("manager-{node}.log"));
+        for skipped in [2, 3] {
+            assert!(
+                !log.contains(&format!("group encoded version={skipped} ")),
+                "{node} encoded version {skipped}:\n{log}"
+            );
+        }
+    }
+    lose_node(&service, &report.agents[0].node);
+    wait_rebuilt(&service, "co", 4, &[&report.agents[0].node]);
+    restart_bit_exact(&service, "co", "rs:2+1", 10);
+    pfs_untouched(&service, "co");
+}
