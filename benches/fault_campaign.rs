@@ -494,6 +494,31 @@ fn busy_daemons(service: &LocalService) -> Vec<(String, f64, String)> {
     busy_over_a_window(&suspects)
 }
 
+/// Where a busy thread (`/proc/PID/task/TID name`, as [`busy_daemons`]
+/// names it) is: its kernel stack and, where `gdb` is installed, its
+/// backtrace, so that a spin found once in CI can be read afterwards.
+fn thread_stacks(thread: &str) -> String {
+    let Some(task) = thread.split_whitespace().next() else { return String::new() };
+    let kernel = std::fs::read_to_string(format!("{task}/stack")).unwrap_or_else(|err| format!("({err})"));
+    let mut out = format!("kernel stack of {task}:\n{kernel}");
+    let mut parts = task.trim_start_matches("/proc/").split("/task/");
+    let (Some(pid), Some(tid)) = (parts.next(), parts.next()) else { return out };
+    let gdb = Command::new("gdb")
+        .args(["-p", pid, "-batch", "-nx", "-ex", "set pagination off", "-ex", "thread apply all bt 40"])
+        .output();
+    match gdb {
+        Ok(gdb) => {
+            // Only the busy thread's part of every thread's backtrace.
+            let text = String::from_utf8_lossy(&gdb.stdout);
+            let marker = format!("(LWP {tid})");
+            let thread = text.split("\nThread ").find(|part| part.contains(&marker)).unwrap_or("(not found)");
+            out.push_str(&format!("backtrace (gdb):\nThread {thread}"));
+        }
+        Err(err) => out.push_str(&format!("(no backtrace: gdb: {err})\n")),
+    }
+    out
+}
+
 /// [`busy_daemons`]' measure: those of `daemons` above [`BUSY_SHARE`] over
 /// one [`BUSY_WINDOW`].
 fn busy_over_a_window(daemons: &[(String, u32)]) -> Vec<(String, f64, String)> {
@@ -786,8 +811,9 @@ fn campaign(cli: &Cli) -> Result<Tally> {
             protection_settled(&service, PROTECTION_SETTLE);
             for (daemon, share, thread) in busy_daemons(&service) {
                 tally.busy.push(format!(
-                    "round {round}: {daemon} used {:.0}% of a core with no job running (busiest thread: {thread})",
-                    share * 100.0
+                    "round {round}: {daemon} used {:.0}% of a core with no job running (busiest thread: {thread})\n{}",
+                    share * 100.0,
+                    thread_stacks(&thread)
                 ));
             }
         }

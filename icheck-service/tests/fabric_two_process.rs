@@ -211,6 +211,34 @@ fn peer_gone_is_an_error(provider: &str) {
     assert!(err.to_string().contains("fi_read"), "{err}");
 }
 
+/// A batch waiting on a stopped peer (SIGSTOP: a paused job, a debugger,
+/// a stalled node) polls now and then instead of spinning a core until
+/// its timeout: the fault campaign found an agent at 57–96% of a core
+/// with no job running.
+#[test]
+fn a_batch_stalled_on_a_stopped_peer_does_not_spin_a_core() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::time::{clock_gettime, ClockId};
+    use nix::unistd::Pid;
+    let target = start_target("tcp", 64 << 20, 1);
+    let mut initiator = Initiator::connect("tcp", &target);
+    initiator.read(whole(&target), Duration::from_secs(10)).unwrap();
+    let pid = Pid::from_raw(target.pid() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let cpu = || {
+        let t = clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID).unwrap();
+        Duration::new(t.tv_sec() as u64, t.tv_nsec() as u32)
+    };
+    let (started, cpu_before) = (Instant::now(), cpu());
+    let result = initiator.read(whole(&target), Duration::from_secs(2));
+    let (waited, used) = (started.elapsed(), cpu() - cpu_before);
+    kill(pid, Signal::SIGCONT).unwrap();
+    let err = result.expect_err("the peer is stopped: nothing completes");
+    assert!(err.to_string().contains("timed out"), "{err}");
+    let share = used.as_secs_f64() / waited.as_secs_f64();
+    assert!(share < 0.25, "the stalled batch used {:.0}% of a core ({used:?} in {waited:?})", share * 100.0);
+}
+
 #[test]
 fn shm_peer_gone_is_an_error() {
     peer_gone_is_an_error("shm");

@@ -817,7 +817,12 @@ impl Endpoint {
                 });
             } else {
                 idle_polls += 1;
-                if idle_polls > 4 {
+                if last_progress.elapsed() > STALLED_AFTER {
+                    // A peer stopped (SIGSTOP, a debugger) or cut off: look
+                    // once a millisecond rather than spin a core until the
+                    // timeout; the first completion restores spinning.
+                    std::thread::sleep(STALLED_POLL);
+                } else if idle_polls > 4 {
                     std::thread::yield_now();
                 }
             }
@@ -848,6 +853,15 @@ fn waited_on<'a>(
 /// waits for has died, and how long it waits before the first look: a
 /// live peer answers within microseconds, and the look reads `/proc`.
 const DEAD_PEER_CHECK: Duration = Duration::from_millis(100);
+
+/// How long a batch goes without a completion before it counts as stalled
+/// and polls every [`STALLED_POLL`] instead of spinning: a transfer that
+/// moves completes an operation (at most a few MiB) every few
+/// milliseconds, even on a loaded machine.
+const STALLED_AFTER: Duration = Duration::from_millis(100);
+
+/// How often a stalled batch polls (and drives the provider's progress).
+const STALLED_POLL: Duration = Duration::from_millis(1);
 
 /// When a stalled batch next looks for dead shm peers.
 #[derive(Default)]

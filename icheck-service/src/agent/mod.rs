@@ -727,7 +727,9 @@ fn advance_handshake(
         return HandshakeStep::Dropped;
     };
     let session_shared = shared.clone();
-    let spawned = std::thread::Builder::new().name(format!("icheck-agent-{}-session", shared.id)).spawn(move || {
+    // (Not `icheck-agent-{id}-session`: Linux keeps 15 bytes of a thread's
+    // name, which made sessions and the accept loop look alike in `top`.)
+    let spawned = std::thread::Builder::new().name("icheck-session".into()).spawn(move || {
         let _registration = registration;
         let _span = tracing::info_span!("session", agent = session_shared.id, %peer).entered();
         match serve_session(&session_shared, stream, privilege) {
