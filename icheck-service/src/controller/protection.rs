@@ -96,10 +96,22 @@ pub(super) struct ProtectionBook {
     waiting: Option<u64>,
 }
 
-/// A protection under way for longer than this no longer holds a newer
-/// version back (a piece whose answer never comes must not leave every
-/// later version unprotected): the newer version replaces it.
+/// A protection under way for longer than this (or than its version's
+/// bytes take at [`SLOWEST_PROTECTION_RATE`], if longer) no longer holds a
+/// newer version back: a piece whose answer never comes must not leave
+/// every later version unprotected, and the newer version replaces it.
 pub(super) const PROTECTION_PATIENCE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Bytes per second below which a protection counts as stuck: far below
+/// any fabric (this machine's tcp loopback protects about 2 GB/s), so a
+/// large version's protection is never replaced while it moves.
+const SLOWEST_PROTECTION_RATE: u64 = 50_000_000;
+
+/// How long the protection of a version of `bytes` (all ranks) may take
+/// before a newer version replaces it.
+fn patience(bytes: u64) -> std::time::Duration {
+    PROTECTION_PATIENCE.max(std::time::Duration::from_secs(bytes / SLOWEST_PROTECTION_RATE))
+}
 
 /// Protections remembered for the status.
 pub(super) const PROTECTION_HISTORY: usize = 16;
@@ -229,9 +241,11 @@ impl ProtectionBook {
     /// up behind the job. Only the newest waits; the older waiting one is
     /// skipped (its protection would be superseded at once).
     pub(super) fn defer(&mut self, version: u64, now: std::time::Instant) -> bool {
-        let under_way = self.protecting.as_ref().is_some_and(|p| p.record.version < version);
-        let patient = self.began.is_some_and(|(_, at)| now.saturating_duration_since(at) < PROTECTION_PATIENCE);
-        if under_way && patient && !self.policy.is_none() {
+        let running_for = self.began.map(|(_, at)| now.saturating_duration_since(at));
+        let patient = (self.protecting.as_ref())
+            .filter(|p| p.record.version < version)
+            .is_some_and(|p| running_for.is_some_and(|t| t < patience(p.record.bytes)));
+        if patient && !self.policy.is_none() {
             self.waiting = Some(version);
         }
         self.waiting == Some(version)
@@ -460,6 +474,9 @@ mod tests {
         book.begin(&record(12), 4, &agents, &|_| None);
         book.began = Some((12, start));
         assert!(!book.defer(13, start + PROTECTION_PATIENCE), "it replaces a protection under way too long");
+        // ... but a large version's protection is given the time its bytes take.
+        assert_eq!(patience(1 << 20), PROTECTION_PATIENCE);
+        assert_eq!(patience(10 * SLOWEST_PROTECTION_RATE * 60), 10 * PROTECTION_PATIENCE);
         // A replacing begin (new agents) drops what waited.
         assert!(book.defer(13, start));
         book.begin(&record(13), 4, &agents, &|_| None);
