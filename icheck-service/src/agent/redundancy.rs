@@ -553,13 +553,14 @@ fn move_blocks(
             .collect()
         })
         .unwrap_or_default();
-    let reads = read.map(|block| read_ops(sources, block)).unwrap_or_default();
-    if reads.is_empty() && writes.is_empty() {
+    if writes.is_empty() {
+        // Only reads (or nothing): a member's failure is named by `read_blocks`.
         if let Some(block) = read {
-            zero_padding(sources, block, into);
+            read_blocks(shared, sources, block, into)?;
         }
         return Ok(Vec::new());
     }
+    let reads = read.map(|block| read_ops(sources, block)).unwrap_or_default();
     let options =
         TransferOptions { inflight: (4 * (reads.len() + writes.len())).clamp(8, 32), ..TransferOptions::default() };
     match shared.endpoint.read_and_write((into.target(), &reads), (coded.source(), &writes), &options) {
@@ -568,10 +569,6 @@ fn move_blocks(
                 zero_padding(sources, block, into);
             }
             Ok(Vec::new())
-        }
-        // Only reads: a member's failure, named by `read_blocks`.
-        Err(_) if writes.is_empty() => {
-            read_blocks(shared, sources, read.expect("reads or writes"), into).map(|_| Vec::new())
         }
         Err(e) => {
             // Which side failed: the reads again, alone.
