@@ -531,15 +531,11 @@ async fn session(
                 fill_rank(tx.clone(), agent, rank, version, job, "rebuilding a lost rank failed");
             }
             ControllerToManager::Protecting { app, version } => {
-                for agent in agents.lock().unwrap_or_else(|p| p.into_inner()).values().filter(|a| a.app() == app) {
-                    agent.protecting(version);
-                }
+                for_app_agents(agents, &app, |agent| agent.protecting(version));
             }
             ControllerToManager::DropPieces { app, below } => {
                 // `below` is protected: its agents here may let older versions go.
-                for agent in agents.lock().unwrap_or_else(|p| p.into_inner()).values().filter(|a| a.app() == app) {
-                    agent.protected(below);
-                }
+                for_app_agents(agents, &app, |agent| agent.protected(below));
                 let store = settings.store.clone();
                 tokio::task::spawn_blocking(move || match store.drop_pieces_below(&app, below) {
                     Ok(0) => {}
@@ -548,9 +544,7 @@ async fn session(
                 });
             }
             ControllerToManager::DropNewer { app, above, through } => {
-                for agent in agents.lock().unwrap_or_else(|p| p.into_inner()).values().filter(|a| a.app() == app) {
-                    agent.fell_back(above, through);
-                }
+                for_app_agents(agents, &app, |agent| agent.fell_back(above, through));
                 let store = settings.store.clone();
                 tokio::task::spawn_blocking(move || match store.drop_newer(&app, above, through) {
                     Ok(removed) => tracing::warn!(%app, above, through, removed, "versions lost with a node deleted"),
@@ -590,6 +584,11 @@ fn fill_rank(
 
 /// A job built from agent `id` (taken under the agents' lock, run after
 /// it), or why there is none.
+/// Runs `each` on every agent here that serves application `app`.
+fn for_app_agents(agents: &Agents, app: &str, each: impl FnMut(&Agent)) {
+    agents.lock().unwrap_or_else(|p| p.into_inner()).values().filter(|a| a.app() == app).for_each(each);
+}
+
 fn agent_job<J>(agents: &Agents, id: u64, build: impl FnOnce(&Agent) -> J) -> Result<J, String> {
     let agents = agents.lock().unwrap_or_else(|p| p.into_inner());
     agents.get(&id).map(build).ok_or_else(|| format!("agent {id} is not running here"))

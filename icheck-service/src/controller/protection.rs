@@ -245,7 +245,8 @@ impl ProtectionBook {
         let patient = (self.protecting.as_ref())
             .filter(|p| p.record.version < version)
             .is_some_and(|p| running_for.is_some_and(|t| t < patience(p.record.bytes)));
-        if patient && !self.policy.is_none() {
+        // (A protection under way implies a policy other than `none`.)
+        if patient {
             self.waiting = Some(version);
         }
         self.waiting == Some(version)
