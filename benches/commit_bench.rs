@@ -105,6 +105,14 @@ struct ModeTimes {
     /// with the others.
     #[serde(default)]
     restart_same_host: f64,
+    /// Pulled restarts into freshly allocated memory (what a restarted
+    /// application restores into), its pages populated ahead of the
+    /// transfer (`prefault`, the default), interleaved with the others.
+    #[serde(default)]
+    restart_fresh: f64,
+    /// The same with `prefault = false`: the transfer faults every page.
+    #[serde(default)]
+    restart_fresh_unprefaulted: f64,
 }
 
 /// Changes one byte in every page of `data` (differently each run), so a
@@ -162,13 +170,19 @@ fn measure<C: Communicator + 'static>(
     }
     ic.finalize(true)?;
     let (mut restarts, mut restarts_pushed, mut restarts_same_host) = (Vec::new(), Vec::new(), Vec::new());
-    for restore in ["pull", "push", "auto"].into_iter().cycle().take(3 * runs) {
+    let (mut fresh_restarts, mut fresh_unprefaulted) = (Vec::new(), Vec::new());
+    let kinds = ["pull", "push", "auto", "pull into fresh memory", "pull into fresh memory, prefault = false"];
+    for kind in kinds.into_iter().cycle().take(kinds.len() * runs) {
+        let restore = kind.split(' ').next().unwrap_or(kind);
         std::env::set_var("ICHECK_RESTORE", restore);
+        std::env::set_var("ICHECK_PREFAULT", if kind.ends_with("prefault = false") { "0" } else { "1" });
         let (mut ic, status) = Icheck::init(Some(config), app, comm_factory())?;
         if !matches!(status, InitStatus::Restart { .. }) {
             bail!("no checkpoint to restart from");
         }
-        ic.add("data", data)?;
+        // Untouched pages: a large zeroed allocation is mapped, not written.
+        let fresh = kind.contains("fresh").then(|| Region::<u8>::zeroed(data.len()));
+        ic.add("data", fresh.as_ref().unwrap_or(data))?;
         // Timed until every rank has restored (restore_all is local).
         let timing = comm_factory();
         timing.barrier();
@@ -178,14 +192,22 @@ fn measure<C: Communicator + 'static>(
         ic.restore_all()?;
         timing.barrier();
         let secs = start.elapsed().as_secs_f64();
-        eprintln!("{app}: restore = {restore}: restart {:.1} ms, + restore {:.1} ms", restarted * 1e3, secs * 1e3);
-        match restore {
+        eprintln!("{app}: restore = {kind}: restart {:.1} ms, + restore {:.1} ms", restarted * 1e3, secs * 1e3);
+        if let Some(fresh) = &fresh {
+            if *fresh.read() != *data.read() {
+                bail!("{app}: the restore {kind} is not bit-exact");
+            }
+        }
+        match kind {
             "push" => restarts_pushed.push(secs),
             "auto" => restarts_same_host.push(secs),
+            "pull into fresh memory" => fresh_restarts.push(secs),
+            "pull into fresh memory, prefault = false" => fresh_unprefaulted.push(secs),
             _ => restarts.push(secs),
         }
         ic.finalize(true)?;
     }
+    std::env::remove_var("ICHECK_PREFAULT");
     std::env::remove_var("ICHECK_RESTORE");
     let (mut ic, _) = Icheck::init(Some(config), app, comm_factory())?;
     ic.finalize(false)?;
@@ -197,6 +219,8 @@ fn measure<C: Communicator + 'static>(
         restart: median(restarts),
         restart_pushed: median(restarts_pushed),
         restart_same_host: median(restarts_same_host),
+        restart_fresh: median(fresh_restarts),
+        restart_fresh_unprefaulted: median(fresh_unprefaulted),
     })
 }
 
@@ -666,10 +690,16 @@ fn rows_for(
             pull.restart_same_host / memcpy,
         ),
         line(
-            "restart + restore vs fi_read into fresh memory",
-            format!("{:.2} GB/s", gb(pull.restart)),
-            format!("fi_read {:.2} GB/s", raw.2),
-            gb(pull.restart) / raw.2,
+            "restart + restore into fresh memory, the rank pulls, its pages populated ahead (prefault)",
+            format!("{:.2} GB/s", gb(pull.restart_fresh)),
+            format!("fi_read into fresh memory {:.2} GB/s", raw.2),
+            gb(pull.restart_fresh) / raw.2,
+        ),
+        line(
+            "restart + restore into fresh memory, prefault vs prefault = false",
+            format!("{:.1} ms", pull.restart_fresh * 1e3),
+            format!("prefault = false {:.1} ms", pull.restart_fresh_unprefaulted * 1e3),
+            pull.restart_fresh / pull.restart_fresh_unprefaulted,
         ),
         line(
             "commit, pull, async: blocked",

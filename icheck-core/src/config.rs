@@ -257,6 +257,14 @@ pub struct ClientConfig {
     /// Where the kernel cannot track pages the library says so once and
     /// compares checksums. `ICHECK_PAGE_TRACKING` (0/1) overrides it.
     pub page_tracking: bool,
+    /// Fault a restore's destination in ahead of the transfer (on by
+    /// default): a helper thread asks the kernel to populate the pages the
+    /// restore is about to write (`MADV_POPULATE_WRITE`), so freshly
+    /// allocated memory is faulted beside the copy instead of inside it
+    /// (1 GiB restored into fresh memory: 0.75-0.94 s without, 0.39-0.48 s
+    /// with). Memory already present is left alone. `ICHECK_PREFAULT` (0/1)
+    /// overrides it.
+    pub prefault: bool,
     /// Seconds to wait for the controller at init before giving up.
     pub connect_timeout: f64,
     /// Agents copy every this many versions to the PFS (0 = never).
@@ -344,6 +352,7 @@ impl Default for ClientConfig {
             zero_copy: true,
             incremental: true,
             page_tracking: false,
+            prefault: true,
             connect_timeout: 5.0,
             pfs_interval: 0,
             compression: "auto".into(),

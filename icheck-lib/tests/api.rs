@@ -515,3 +515,40 @@ fn the_agent_prepares_the_first_versions_file_while_the_application_computes() {
     assert_eq!(first.ino(), inode, "the first version took the prepared file");
     ic.finalize(false).unwrap();
 }
+
+/// A restarted application restores into memory it has just allocated:
+/// with `prefault` (the default) a helper populates the destination ahead
+/// of the transfer. Every way a restore moves data (pulled, pushed, the
+/// agent's files on this host) lands bit-exact in fresh memory whose end is
+/// not page-aligned, with prefault on and off.
+#[test]
+fn restores_into_fresh_memory_are_bit_exact_with_and_without_prefault() {
+    let service = service("api-prefault");
+    let len = (48 << 20) + 4093;
+    let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8 ^ (i >> 20) as u8).collect();
+    let (mut ic, _) = init(&service, "prefault");
+    let region = Region::from_vec(data.clone());
+    ic.add("field", &region).unwrap();
+    assert_eq!(ic.commit().unwrap(), 1);
+    ic.finalize(true).unwrap();
+    for restore in ["pull", "push", "auto"] {
+        for prefault in [true, false] {
+            let config = client_config(
+                &service,
+                &format!("prefault-{restore}-{prefault}.toml"),
+                &format!("prefault = {prefault}"),
+            );
+            // The service's file already names a restore direction.
+            let text = std::fs::read_to_string(&config).unwrap();
+            let text = text.replacen("restore = \"auto\"", &format!("restore = \"{restore}\""), 1);
+            assert!(text.contains(&format!("restore = \"{restore}\"")), "{text}");
+            std::fs::write(&config, text).unwrap();
+            let (mut ic, _) = Icheck::init(Some(&config), "prefault", SingleProcess).expect("init");
+            assert_eq!(ic.restart().unwrap(), 1);
+            let fresh = Region::<u8>::zeroed(len);
+            ic.restore("field", &fresh).unwrap();
+            assert!(*fresh.read() == data, "restore = {restore}, prefault = {prefault}: not bit-exact");
+            ic.finalize(true).unwrap();
+        }
+    }
+}

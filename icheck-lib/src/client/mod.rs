@@ -44,6 +44,7 @@ mod direction;
 mod error;
 mod fallback;
 mod link;
+mod prefault;
 mod protection;
 mod resize;
 mod restart;
@@ -159,6 +160,9 @@ pub struct Icheck {
     /// `restore = "auto"`: a restart takes the version's file from an agent
     /// on this host instead of the fabric ([`icheck_core::handoff`]).
     restore_same_host: bool,
+    /// `prefault` (see `ClientConfig`): populate a restore's destination
+    /// ahead of the transfer.
+    prefault: bool,
     zero_copy: bool,
     /// `incremental` (see `ClientConfig`): send only changed blocks.
     incremental: bool,
@@ -298,6 +302,7 @@ impl Icheck {
         let zero_copy = env_flag("ICHECK_ZERO_COPY", client.zero_copy)?;
         let incremental = env_flag("ICHECK_INCREMENTAL", client.incremental)?;
         let page_tracking = env_flag("ICHECK_PAGE_TRACKING", client.page_tracking)?;
+        let prefault = env_flag("ICHECK_PREFAULT", client.prefault)?;
         let tracking = (page_tracking && incremental).then(Tracking::start).flatten();
         let staging_size = match std::env::var("ICHECK_STAGING_BUFFER") {
             Ok(text) => text
@@ -516,6 +521,7 @@ impl Icheck {
             auto,
             restore_direction,
             restore_same_host,
+            prefault,
             zero_copy,
             incremental,
             sealed_blocks: None,

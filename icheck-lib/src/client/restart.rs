@@ -365,7 +365,13 @@ impl Icheck {
         Ok((restored, index))
     }
 
+    /// Restores `label` into `out`, its pages populated ahead of the
+    /// transfer ([`prefault`]) where the configuration allows.
     pub(super) fn restore_bytes(&self, label: &str, kind: DataKind, out: &mut [u8]) -> Result<()> {
+        prefault::ahead_of(out, self.prefault, |out| self.restore_label(label, kind, out))
+    }
+
+    fn restore_label(&self, label: &str, kind: DataKind, out: &mut [u8]) -> Result<()> {
         if let Some(tracking) = &self.tracking {
             // The bytes may arrive by DMA, which page tracking cannot see.
             tracking.restored.store(true, std::sync::atomic::Ordering::Release);
