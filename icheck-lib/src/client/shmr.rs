@@ -216,6 +216,7 @@ impl Icheck {
         let wanted = FetchWanted { app: &self.app, rank: self.comm.node_index(), version };
         let bytes = self.version_bytes();
         let same_host = self.restore_same_host;
+        let prefault = self.prefault;
         // The leader's answer: where it reads the node's data from (kept)
         // and the manifest (for every node process).
         let mut source = None;
@@ -252,12 +253,13 @@ impl Icheck {
                     unsafe { std::slice::from_raw_parts_mut(base.add(label.offset as usize), label.len as usize) };
                 let chunk = manifest.chunk_size as usize;
                 let crcs = &manifest.crcs[index];
-                let read = match &source {
+                // A restarted node's segment is new memory, as a rank's is.
+                let read = prefault::ahead_of(out, prefault, |out| match &source {
                     ReadFrom::Fabric(region) => {
                         read_and_verify(&self.endpoint, &link.peer, *region, label.offset, out, chunk, crcs)
                     }
                     ReadFrom::Files(files) => read_files_and_verify(files, label.offset, out, chunk, crcs, threads),
-                };
+                });
                 match read {
                     Ok(None) => {}
                     Ok(Some(bad)) => {
