@@ -1540,8 +1540,11 @@ fn handle_rest(
                     .and_then(|()| store.seal_piece(&shared.app, version, piece, &meta).map_err(|e| e.to_string())),
             };
             drop(file);
-            if result.is_err() {
-                let _ = store.discard_piece(&shared.app, version, piece);
+            match &result {
+                Ok(()) => prepare_piece_spare(shared, version, piece, len),
+                Err(_) => {
+                    let _ = store.discard_piece(&shared.app, version, piece);
+                }
             }
             result.map(|()| AgentReply::Ok)
         }
@@ -1704,11 +1707,7 @@ fn prepare_next_file(shared: &Shared, rank: u32, len: u64) -> Option<JoinHandle<
             // Only with room for the prepared file and another version
             // besides: it is a bet on the next commit, never worth making
             // another application's version spill.
-            let room = match budget {
-                0 => store.capacity().map_or(0, |c| c.available),
-                _ => budget.saturating_sub(store.bytes_held()),
-            };
-            if room < len.saturating_mul(2) {
+            if node_room(&store, budget) < len.saturating_mul(2) {
                 return None;
             }
             match store.reserve_prepared(&app, rank, len) {
@@ -1740,6 +1739,46 @@ fn prepare_next_file(shared: &Shared, rank: u32, len: u64) -> Option<JoinHandle<
         }
     });
     spawned.map_err(|err| tracing::warn!(%err, "cannot start preparing the next version's file")).ok()
+}
+
+/// Bytes this node's store can still take: the agent's memory budget less
+/// what the store holds, or (no budget) what its file system has free.
+fn node_room(store: &Store, budget: u64) -> u64 {
+    match budget {
+        0 => store.capacity().map_or(0, |c| c.available),
+        _ => budget.saturating_sub(store.bytes_held()),
+    }
+}
+
+/// After version `version`'s `piece` (`len` bytes) was sealed here, gives
+/// the piece a spare for the next version on a background thread of low
+/// priority, when it has none and twice `len` is free (the bet on the next
+/// protection never pushes a version out): until an older version's piece
+/// was dropped, every protection allocated fresh files
+/// ([`Store::prepare_piece_spare`]). At steady state a piece has its
+/// protected version and a spare, so this holds no more than that.
+fn prepare_piece_spare(shared: &Shared, version: u64, piece: PieceId, len: u64) {
+    let (store, app, budget) = (shared.settings.store.clone(), shared.app.clone(), shared.mem_budget);
+    let spawned = std::thread::Builder::new().name("icheck-spare".into()).spawn(move || {
+        crate::manager::lower_thread_priority();
+        {
+            let _space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
+            if node_room(&store, budget) < len.saturating_mul(2) {
+                return;
+            }
+        }
+        let started = Instant::now();
+        match store.prepare_piece_spare(&app, version, piece) {
+            Ok(made) => {
+                let ms = started.elapsed().as_secs_f64() * 1e3;
+                tracing::debug!(version, %piece, bytes = len, made, ms, "spare for the next version's piece");
+            }
+            Err(err) => tracing::debug!(version, %piece, %err, "no spare for the next version's piece"),
+        }
+    });
+    if let Err(err) = spawned {
+        tracing::warn!(%err, "cannot start preparing a spare piece");
+    }
 }
 
 /// Serialises the budget check and file creation of `Begin` over every agent
