@@ -588,3 +588,38 @@ fn versions_completing_during_a_protection_wait_and_only_the_newest_is_protected
     restart_bit_exact(&service, "co", "rs:2+1", 10);
     pfs_untouched(&service, "co");
 }
+
+/// Until an older version's piece is dropped there is no spare to reuse,
+/// so the first protections built into fresh files: after version 1 is
+/// protected, every holder makes each of its pieces a spare for the next
+/// version (in the background), and no half-made file stays behind.
+#[test]
+fn the_first_protected_version_leaves_each_piece_a_spare_for_the_next() {
+    let service = service("red-first-spares", 4);
+    let args = ["--app", "fs", "--steps", "1", "--every", "2", "--mib", "2", "--persist"];
+    let env = [("ICHECK_REDUNDANCY", "partner")];
+    let lines = Job::start(4, &service.config_path(), &args, &env).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=1 ")), "{lines:?}");
+    assert!(!lines.iter().any(|l| l.starts_with("COMMITTED version=2 ")), "one version only: {lines:?}");
+    wait_protected(&service, "fs", 1);
+    let names_in = |dir: &std::path::Path| -> Vec<String> {
+        std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.file_name().into_string().unwrap()).collect()
+    };
+    let pieces_dirs: Vec<_> = (1..=4)
+        .map(|n| service.config.agent_store_dir.join(format!("local-{n}")).join("fs").join("pieces"))
+        .filter(|dir| dir.exists())
+        .collect();
+    let copies: usize =
+        pieces_dirs.iter().map(|dir| names_in(dir).iter().filter(|n| n.starts_with("v1.")).count()).sum();
+    assert!(copies >= 8, "four copies, each with data and description: {pieces_dirs:?}");
+    let spared = poll_until(Duration::from_secs(20), || {
+        pieces_dirs.iter().all(|dir| {
+            let names = names_in(dir);
+            names.iter().filter_map(|n| n.strip_prefix("v1.")?.strip_suffix(".data")).all(|piece| {
+                names.contains(&format!("spare.{piece}.data")) && !names.iter().any(|n| n.ends_with(".new"))
+            })
+        })
+    });
+    let listing: Vec<_> = pieces_dirs.iter().map(|dir| names_in(dir)).collect();
+    assert!(spared, "every piece of version 1 has a spare: {listing:?}");
+}
