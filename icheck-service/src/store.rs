@@ -1030,11 +1030,10 @@ impl Store {
     /// into place only if no spare appeared meanwhile, so a piece being created never sees a
     /// half-made spare. False when the piece already had one.
     pub fn prepare_piece_spare(&self, app: &str, version: u64, piece: PieceId) -> Result<bool> {
-        let spare = self.piece_spare(app, piece)?;
-        if spare.exists() || self.has_older_piece(app, version, piece)? {
-            // Dropping the older version's piece gives the spare.
+        if !self.needs_piece_spare(app, version, piece)? {
             return Ok(false);
         }
+        let spare = self.piece_spare(app, piece)?;
         let (data, _) = self.piece_paths(app, version, piece)?;
         let len = fs::metadata(&data).map_err(io("cannot read", &data))?.len();
         let making = spare.with_extension("data.new");
@@ -1051,12 +1050,10 @@ impl Store {
         // tmpfs allocates pages at `fallocate` but zeroes each only when it
         // is first mapped: mapping them here is what makes the spare cheap
         // to take (the second version's shard still took 0.54 s without).
-        let mapped = map(&file, &making, len);
-        if let Err(err) = mapped {
+        if let Err(err) = map(&file, &making, len) {
             let _ = fs::remove_file(&making);
             return Err(err);
         }
-        drop(mapped);
         let linked = fs::hard_link(&making, &spare);
         remove_if_present(&making)?;
         match linked {
@@ -1064,6 +1061,13 @@ impl Store {
             Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
             Err(err) => Err(StoreError::Io { what: "cannot link", path: spare, error: err }),
         }
+    }
+
+    /// Whether `piece` of version `version` lacks a spare for the next
+    /// version: it has none, and no older version's piece will become one
+    /// when it is dropped.
+    pub fn needs_piece_spare(&self, app: &str, version: u64, piece: PieceId) -> Result<bool> {
+        Ok(!self.piece_spare(app, piece)?.exists() && !self.has_older_piece(app, version, piece)?)
     }
 
     /// Whether a version older than `version` has a data file of `piece`.

@@ -1761,6 +1761,12 @@ fn prepare_piece_spare(shared: &Shared, version: u64, piece: PieceId, len: u64) 
     let (store, app, budget) = (shared.settings.store.clone(), shared.app.clone(), shared.mem_budget);
     let spawned = std::thread::Builder::new().name("icheck-spare".into()).spawn(move || {
         crate::manager::lower_thread_priority();
+        // Most protections have an older piece to drop: decided without
+        // the node's store lock, which `Begin` takes, or a walk of the
+        // store for its size.
+        if !store.needs_piece_spare(&app, version, piece).unwrap_or(false) {
+            return;
+        }
         {
             let _space = NODE_STORE_SPACE.lock().unwrap_or_else(|p| p.into_inner());
             if node_room(&store, budget) < len.saturating_mul(2) {
