@@ -582,13 +582,13 @@ fn fill_rank(
     });
 }
 
-/// A job built from agent `id` (taken under the agents' lock, run after
-/// it), or why there is none.
 /// Runs `each` on every agent here that serves application `app`.
 fn for_app_agents(agents: &Agents, app: &str, each: impl FnMut(&Agent)) {
     agents.lock().unwrap_or_else(|p| p.into_inner()).values().filter(|a| a.app() == app).for_each(each);
 }
 
+/// A job built from agent `id` (taken under the agents' lock, run after
+/// it), or why there is none.
 fn agent_job<J>(agents: &Agents, id: u64, build: impl FnOnce(&Agent) -> J) -> Result<J, String> {
     let agents = agents.lock().unwrap_or_else(|p| p.into_inner());
     agents.get(&id).map(build).ok_or_else(|| format!("agent {id} is not running here"))
