@@ -112,15 +112,20 @@ struct ModeTimes {
     /// with the others.
     #[serde(default)]
     restart_same_host: f64,
-    /// Pulled restarts into freshly allocated memory in a new process
-    /// each (what a restarted application does), its pages populated
-    /// ahead of the transfer (`prefault`, the default); 0 where not
-    /// measured (the four-rank case).
+    /// Pulled restarts into freshly allocated memory in a new process each
+    /// (what a restarted application does); not measured in the four-rank
+    /// case.
     #[serde(default)]
-    restart_fresh: f64,
-    /// The same with `prefault = false`: the transfer faults every page.
-    #[serde(default)]
-    restart_fresh_unprefaulted: f64,
+    restart_fresh: Option<FreshRestarts>,
+}
+
+/// Median seconds of a pulled restart into fresh memory in a new process.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+struct FreshRestarts {
+    /// Its pages populated ahead of the transfer (`prefault`, the default).
+    prefaulted: f64,
+    /// With `prefault = false`: the transfer faults every page.
+    unprefaulted: f64,
 }
 
 /// Changes one byte in every page of `data` (differently each run), so a
@@ -203,27 +208,7 @@ fn measure<C: Communicator + 'static>(
         }
         ic.finalize(true)?;
     }
-    // A restarted application restores into memory it has just allocated,
-    // in a process of its own: one new process per restore, the two
-    // settings alternating which goes first.
-    let (mut fresh_restarts, mut fresh_unprefaulted) = (Vec::new(), Vec::new());
-    if fresh_in_new_processes {
-        for run in 0..runs {
-            let order = if run % 2 == 0 { [true, false] } else { [false, true] };
-            for prefault in order {
-                let secs = restore_in_new_process(config, app, data.len(), prefault)?;
-                eprintln!(
-                    "{app}: restore = pull into fresh memory in a new process, prefault = {prefault}: {:.1} ms",
-                    secs * 1e3
-                );
-                if prefault {
-                    fresh_restarts.push(secs)
-                } else {
-                    fresh_unprefaulted.push(secs)
-                }
-            }
-        }
-    }
+    let restart_fresh = fresh_in_new_processes.then(|| fresh_restarts(config, app, data.len(), runs)).transpose()?;
     std::env::remove_var("ICHECK_RESTORE");
     let (mut ic, _) = Icheck::init(Some(config), app, comm_factory())?;
     ic.finalize(false)?;
@@ -235,9 +220,28 @@ fn measure<C: Communicator + 'static>(
         restart: median(restarts),
         restart_pushed: median(restarts_pushed),
         restart_same_host: median(restarts_same_host),
-        restart_fresh: if fresh_restarts.is_empty() { 0.0 } else { median(fresh_restarts) },
-        restart_fresh_unprefaulted: if fresh_unprefaulted.is_empty() { 0.0 } else { median(fresh_unprefaulted) },
+        restart_fresh,
     })
+}
+
+/// A restarted application restores into memory it has just allocated, in
+/// a process of its own: `runs` restores of `app` that way with prefault
+/// and `runs` without, one new process each, the two settings alternating
+/// which goes first.
+fn fresh_restarts(config: &Path, app: &str, len: usize, runs: usize) -> Result<FreshRestarts> {
+    let (mut prefaulted, mut unprefaulted) = (Vec::new(), Vec::new());
+    for run in 0..runs {
+        let order = if run % 2 == 0 { [true, false] } else { [false, true] };
+        for prefault in order {
+            let secs = restore_in_new_process(config, app, len, prefault)?;
+            eprintln!(
+                "{app}: restore = pull into fresh memory in a new process, prefault = {prefault}: {:.1} ms",
+                secs * 1e3
+            );
+            if prefault { &mut prefaulted } else { &mut unprefaulted }.push(secs);
+        }
+    }
+    Ok(FreshRestarts { prefaulted: median(prefaulted), unprefaulted: median(unprefaulted) })
 }
 
 /// Seconds a new process takes to restart `app` and restore its `len`
@@ -765,18 +769,18 @@ fn rows_for(
             pull.commit / pull.unchanged,
         ),
     ];
-    if pull.restart_fresh > 0.0 {
+    if let Some(fresh) = pull.restart_fresh {
         lines.push(line(
             "restart + restore into fresh memory in a new process, the rank pulls (prefault, the default)",
-            format!("{:.2} GB/s", gb(pull.restart_fresh)),
+            format!("{:.2} GB/s", gb(fresh.prefaulted)),
             format!("fi_read into fresh memory {:.2} GB/s", raw.2),
-            gb(pull.restart_fresh) / raw.2,
+            gb(fresh.prefaulted) / raw.2,
         ));
         lines.push(line(
             "restart + restore into fresh memory in a new process, prefault vs prefault = false",
-            format!("{:.1} ms", pull.restart_fresh * 1e3),
-            format!("prefault = false {:.1} ms", pull.restart_fresh_unprefaulted * 1e3),
-            pull.restart_fresh / pull.restart_fresh_unprefaulted,
+            format!("{:.1} ms", fresh.prefaulted * 1e3),
+            format!("prefault = false {:.1} ms", fresh.unprefaulted * 1e3),
+            fresh.prefaulted / fresh.unprefaulted,
         ));
     }
     lines
