@@ -1262,8 +1262,6 @@ impl Store {
     }
 }
 
-/// Deletes a file; one that is already gone is not an error. True if it
-/// was there.
 /// A piece's name in its files' names (after `v<version>.` or `spare.`).
 fn piece_name(piece: PieceId) -> String {
     match piece {
@@ -1404,6 +1402,8 @@ fn punch(file: &File, path: &Path, start: u64, end: u64) -> Result<()> {
     )
 }
 
+/// Deletes a file; one that is already gone is not an error. True if it
+/// was there.
 fn remove_if_present(path: &Path) -> Result<bool> {
     match fs::remove_file(path) {
         Ok(()) => Ok(true),
