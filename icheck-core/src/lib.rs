@@ -36,6 +36,7 @@ pub mod failpoint;
 pub mod format;
 pub mod handoff;
 pub mod monitor;
+pub mod pages;
 pub mod pattern;
 pub mod pfs;
 pub mod protocol;

@@ -23,9 +23,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// `MADV_POPULATE_WRITE` (Linux 5.14; not in every `libc` release): fault
-/// the range in writable, as a write to each page would, without writing.
-const MADV_POPULATE_WRITE: libc::c_int = 23;
+use icheck_core::pages::{page_size, populate_write};
 
 /// Bytes the helper populates per call: small enough that it stops soon
 /// after the transfer ends, large enough that calls are few.
@@ -62,12 +60,6 @@ fn whole_pages(addr: usize, len: usize) -> (usize, usize) {
     (start, end)
 }
 
-fn page_size() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(size).ok().filter(|&s| s > 0).unwrap_or(4096)
-}
-
 /// Populates `[start, end)` step by step until done or `done` is set,
 /// skipping steps whose pages are all present. Gives up quietly where the
 /// kernel cannot (before 5.14, device memory): the transfer then faults as
@@ -88,10 +80,8 @@ fn populate(start: usize, end: usize, done: &AtomicBool) {
         let present = unsafe { libc::mincore(at as *mut libc::c_void, len, residency.as_mut_ptr()) } == 0
             && residency[..pages].iter().all(|r| r & 1 == 1);
         if !present {
-            // SAFETY: as above; MADV_POPULATE_WRITE maps pages without
-            // changing what any byte of them reads as.
-            if unsafe { libc::madvise(at as *mut libc::c_void, len, MADV_POPULATE_WRITE) } != 0 {
-                tracing::debug!(err = %std::io::Error::last_os_error(), "cannot populate the restore's destination");
+            if let Err(err) = populate_write(at, len) {
+                tracing::debug!(%err, "cannot populate the restore's destination");
                 return;
             }
             populated += len;
