@@ -1539,10 +1539,13 @@ fn handle_rest(
                 Some(len) => verify_piece(&meta, &file.as_slice()[..len], version, piece)
                     .and_then(|()| store.seal_piece(&shared.app, version, piece, &meta).map_err(|e| e.to_string())),
             };
-            drop(file);
             match &result {
-                Ok(()) => prepare_piece_spare(shared, version, piece, len),
+                Ok(()) => {
+                    store.keep_piece_mapping(&shared.app, version, piece, file.into_inner());
+                    prepare_piece_spare(shared, version, piece, len);
+                }
                 Err(_) => {
+                    drop(file);
                     let _ = store.discard_piece(&shared.app, version, piece);
                 }
             }
