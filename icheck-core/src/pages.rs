@@ -95,7 +95,10 @@ pub fn populate_write_parallel(addr: usize, len: usize) -> Result<(), PopulateEr
             .filter(|(start, end)| start < end)
             .map(|(start, end)| scope.spawn(move || populate_write(addr + start, end - start)))
             .collect();
-        parts.into_iter().map(|part| part.join().unwrap_or(Ok(()))).fold(Ok(()), Result::and)
+        // A thread that panicked populated an unknown part: reported as
+        // unsupported, so that the caller backs the range its older way.
+        let panicked = || PopulateError::Unsupported(std::io::Error::other("a populating thread panicked"));
+        parts.into_iter().map(|part| part.join().unwrap_or_else(|_| Err(panicked()))).fold(Ok(()), Result::and)
     })
 }
 
