@@ -549,7 +549,7 @@ impl Store {
             .truncate(truncate)
             .open(data)
             .map_err(io("cannot create", data))?;
-        self.size_back_and_map(&file, data, len)
+        self.size_back_and_map(&file, data, len, true)
     }
 
     /// Gives `file` (at `path`) `len` bytes, every page backed now, and maps
@@ -564,7 +564,10 @@ impl Store {
     /// populated by two threads. A file already backed (a warm one) only
     /// has its pages mapped: 170-190 ms per GiB on one thread. On kernels
     /// without `MADV_POPULATE_WRITE` it falls back to the older way.
-    fn size_back_and_map(&self, file: &File, path: &Path, len: u64) -> Result<MappedFile> {
+    ///
+    /// With `release_warm`, a file system too full for the file first gets
+    /// the warm pool's memory back; the pool's own files never do that.
+    fn size_back_and_map(&self, file: &File, path: &Path, len: u64, release_warm: bool) -> Result<MappedFile> {
         let size = len.max(4096);
         if let Err(err) = file.set_len(size) {
             let _ = fs::remove_file(path);
@@ -574,14 +577,14 @@ impl Store {
         let (addr, bytes) = mapped.whole_range();
         let mut populated = pages::populate_write_parallel(addr, bytes);
         // The warm pool gives its memory back before a version goes short.
-        if matches!(populated, Err(PopulateError::NoSpace(_))) && self.release_warm(size) > 0 {
+        if matches!(populated, Err(PopulateError::NoSpace(_))) && release_warm && self.release_warm(size) > 0 {
             populated = pages::populate_write_parallel(addr, bytes);
         }
         match populated {
             Ok(()) => Ok(mapped),
             Err(PopulateError::Unsupported(_)) => {
                 drop(mapped);
-                self.reserve(file, path, size)?;
+                self.reserve(file, path, size, release_warm)?;
                 map(file, path, len, true)
             }
             Err(PopulateError::NoSpace(err)) => {
@@ -609,15 +612,16 @@ impl Store {
     /// Gives every page of `file` its backing now. A page of a mapped file
     /// that the file system cannot back is a SIGBUS at the first write, which
     /// for a store on a full tmpfs used to kill the manager (inside
-    /// libfabric's copy); reserved up front, a full store is an error here.
-    fn reserve(&self, file: &File, path: &Path, size: u64) -> Result<()> {
+    /// libfabric's copy); reserved up front, a full store is an error here
+    /// (after the warm pool's memory is given back, with `release_warm`).
+    fn reserve(&self, file: &File, path: &Path, size: u64, release_warm: bool) -> Result<()> {
         if is_backed(file, size) {
             return Ok(());
         }
         let len = i64::try_from(size).unwrap_or(i64::MAX);
         let mut allocated = nix::fcntl::posix_fallocate(file, 0, len);
         // The warm pool gives its memory back before a version goes short.
-        if allocated == Err(nix::errno::Errno::ENOSPC) && self.release_warm(size) > 0 {
+        if allocated == Err(nix::errno::Errno::ENOSPC) && release_warm && self.release_warm(size) > 0 {
             allocated = nix::fcntl::posix_fallocate(file, 0, len);
         }
         match allocated {
@@ -661,7 +665,7 @@ impl Store {
             OpenOptions::new().read(true).write(true).create_new(true).open(&tmp).map_err(io("cannot create", &tmp))?;
         // Zeroed as well as allocated (on failure the file has been
         // removed): a version's file taken from the pool then only maps it.
-        drop(self.size_back_and_map(&file, &tmp, len)?);
+        drop(self.size_back_and_map(&file, &tmp, len, false)?);
         fs::rename(&tmp, &path).map_err(io("cannot rename into", &path))
     }
 
@@ -1161,7 +1165,7 @@ impl Store {
         // mapped): that is what makes the spare cheap to take (the second
         // version's shard still took 0.54 s when it was only allocated).
         // On failure (a full store) the file has been removed.
-        let mapped = self.size_back_and_map(&file, &making, len)?;
+        let mapped = self.size_back_and_map(&file, &making, len, true)?;
         let linked = fs::hard_link(&making, &spare);
         remove_if_present(&making)?;
         match linked {
