@@ -16,6 +16,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("failpoint", &[]),
     ("monitor", &[]),
     ("pattern", &[]),
+    ("pages", &[]),
     ("units", &[]),
     ("credentials", &[]),
     ("handoff", &[]),
