@@ -1540,10 +1540,7 @@ fn handle_rest(
                     .and_then(|()| store.seal_piece(&shared.app, version, piece, &meta).map_err(|e| e.to_string())),
             };
             match &result {
-                Ok(()) => {
-                    store.keep_piece_mapping(&shared.app, version, piece, file.into_inner());
-                    prepare_piece_spare(shared, version, piece, len);
-                }
+                Ok(()) => piece_sealed(shared, version, piece, file.into_inner(), len),
                 Err(_) => {
                     drop(file);
                     let _ = store.discard_piece(&shared.app, version, piece);
@@ -1753,8 +1750,17 @@ fn node_room(store: &Store, budget: u64) -> u64 {
     }
 }
 
-/// After version `version`'s `piece` (`len` bytes) was sealed here, gives
-/// the piece a spare for the next version on a background thread of low
+/// After version `version`'s `piece` (`len` bytes) was sealed here from
+/// `file`: hands the file's mapping to the store, for the piece's next use
+/// as a spare ([`Store::keep_piece_mapping`]), and gives the piece a spare
+/// for the next version when it has none ([`prepare_piece_spare`]).
+fn piece_sealed(shared: &Shared, version: u64, piece: PieceId, file: MappedFile, len: u64) {
+    shared.settings.store.keep_piece_mapping(&shared.app, version, piece, file);
+    prepare_piece_spare(shared, version, piece, len);
+}
+
+/// Gives version `version`'s sealed `piece` (`len` bytes) a spare for the
+/// next version on a background thread of low
 /// priority, when it has none and twice `len` is free (the bet on the next
 /// protection never pushes a version out): until an older version's piece
 /// was dropped, every protection allocated fresh files

@@ -286,8 +286,7 @@ fn protect_copy(shared: &Shared, task: &PieceTask) -> Result<u64, String> {
             store
                 .seal_piece(&shared.app, version, task.piece, &PieceMeta::Copy(manifest.clone()))
                 .map_err(|e| fail(e.to_string()))?;
-            store.keep_piece_mapping(&shared.app, version, task.piece, file.into_inner());
-            super::prepare_piece_spare(shared, version, task.piece, manifest.total_len);
+            super::piece_sealed(shared, version, task.piece, file.into_inner(), manifest.total_len);
             tracing::debug!(
                 version,
                 rank,
@@ -764,8 +763,7 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
         |index: u8, crcs: Vec<u32>| parity_meta(shared, task, (group, index), shard_len, manifests.clone(), crcs);
     let encoded_at = started.elapsed();
     store.seal_piece(&shared.app, version, piece, &PieceMeta::Parity(meta(index, crcs))).map_err(|e| e.to_string())?;
-    store.keep_piece_mapping(&shared.app, version, piece, file);
-    super::prepare_piece_spare(shared, version, piece, shard_len);
+    super::piece_sealed(shared, version, piece, file, shard_len);
     let sealed_at = started.elapsed();
     let mut outcomes = vec![PieceOutcome { agent: shared.id, piece, result: Ok(shard_len) }];
     for mut sink in sinks {
@@ -846,8 +844,7 @@ fn build_repeated(
     let (_, crcs) = icheck_core::delta::checksums(&[&file.as_slice()[..shard]]);
     let meta = parity_meta(shared, task, (group, index), shard_len, vec![Some(manifest)], crcs);
     store.seal_piece(&shared.app, version, piece, &PieceMeta::Parity(meta)).map_err(|e| fail(e.to_string()))?;
-    store.keep_piece_mapping(&shared.app, version, piece, file.into_inner());
-    super::prepare_piece_spare(shared, version, piece, shard_len);
+    super::piece_sealed(shared, version, piece, file.into_inner(), shard_len);
     let (fetched, created, read) = (fetched_at.as_secs_f64(), created_at.as_secs_f64(), read_at.as_secs_f64());
     let sealed = started.elapsed().as_secs_f64();
     tracing::debug!(version, group, fetched, created, read, sealed, "repeated shard's timeline (seconds)");
