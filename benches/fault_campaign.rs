@@ -743,8 +743,13 @@ fn campaign(cli: &Cli) -> Result<Tally> {
                 }
                 let node = what.split(',').next().unwrap_or_default();
                 let store = service.config.agent_store_dir.join(node);
-                if let Err(err) = std::fs::remove_dir_all(&store) {
-                    tally.hangs.push(format!("round {round}: deleting {}: {err}", store.display()));
+                // A node that has stored nothing yet has no directory (the
+                // store makes it at its first file): it loses nothing.
+                match std::fs::remove_dir_all(&store) {
+                    Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
+                        tally.hangs.push(format!("round {round}: deleting {}: {err}", store.display()))
+                    }
+                    _ => {}
                 }
             }
             "stop manager" | "stop controller" | "takeover: stop primary" => signal(pid, Signal::SIGSTOP),
