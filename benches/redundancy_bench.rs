@@ -14,6 +14,10 @@
 //!   is protected (FTI's L2 checkpoint returns with its copy made);
 //! * after a node is lost (its manager killed, its store deleted): the
 //!   rebuild time and the restart time, against a restart with no loss.
+//!   A restart is `restart` + `restore_all` into memory the ranks touched
+//!   first; each rank's steps (touching its fresh memory, `init`, restart,
+//!   restore) are printed on stderr, and with `--keep-logs` the ranks' own
+//!   log (`ICHECK_LOG`) is kept as `ranks.log`.
 //!
 //! memcpy of the same bytes is measured in the same run.
 //!
@@ -22,6 +26,7 @@
 //! target/release/redundancy-bench --rank-size 256MiB --size 1GiB
 //! ```
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -83,6 +88,43 @@ struct Measured {
     commit_secs: Vec<f64>,
     protect_secs: Vec<f64>,
     restart_secs: f64,
+    /// Each rank's restart in steps, slowest rank first: where a slow
+    /// restart's time went (printed with the case's line).
+    restart_steps: Vec<RestartSteps>,
+}
+
+/// One rank's restart: the first touch of its fresh memory, `Icheck::init`
+/// (fabric, registration, agent session), `restart` (the agent exposes the
+/// version) and `restore_all`, in seconds.
+#[derive(Debug, Default, Clone, Copy, Serialize, Deserialize)]
+struct RestartSteps {
+    rank: u32,
+    touch: f64,
+    init: f64,
+    restart: f64,
+    restore: f64,
+}
+
+impl RestartSteps {
+    /// What the benchmark counts as the restart.
+    fn total(&self) -> f64 {
+        self.restart + self.restore
+    }
+}
+
+impl std::fmt::Display for RestartSteps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |s: f64| s * 1e3;
+        write!(
+            f,
+            "rank {}: touch {:.0} ms, init {:.0} ms, restart {:.0} ms, restore {:.0} ms",
+            self.rank,
+            ms(self.touch),
+            ms(self.init),
+            ms(self.restart),
+            ms(self.restore)
+        )
+    }
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -141,7 +183,14 @@ fn commit_phase<C: Communicator + 'static>(
     Ok(measured)
 }
 
-/// Restarts from the newest version and checks every byte.
+/// Restarts from the newest version and checks every byte. The time is
+/// `restart` + `restore_all` into memory the rank has touched, as
+/// commit-bench's restart rows: a restarted job's `Icheck::init` (which
+/// opens the fabric: every libfabric provider loads once per process) and
+/// its first touch of fresh memory cost the same with or without a lost
+/// node, and on this VM the second varies with how much memory was freed
+/// just before (freed pages go back to the host, and a page taken again is
+/// faulted in from it), so both are reported apart, in each rank's steps.
 fn restart_phase<C: Communicator + 'static>(
     config: &Path,
     app: &str,
@@ -152,16 +201,28 @@ fn restart_phase<C: Communicator + 'static>(
     let rank = comm.rank();
     let data = Region::<u8>::zeroed(size);
     let started = Instant::now();
+    data.write().fill(0xa5);
+    let touched = started.elapsed().as_secs_f64();
     let (mut ic, _) = Icheck::init(Some(config), app, comm)?;
+    let initialized = started.elapsed().as_secs_f64();
     ic.add("data", &data)?;
     ic.restart()?;
+    let restarted = started.elapsed().as_secs_f64();
     ic.restore_all()?;
-    let restart_secs = started.elapsed().as_secs_f64();
+    let restored = started.elapsed().as_secs_f64();
     if *data.read() != expected(rank, size, runs + 1)[..] {
         bail!("rank {rank}: the restored data differs from the last commit");
     }
+    let mine = RestartSteps {
+        rank,
+        touch: touched,
+        init: initialized - touched,
+        restart: restarted - initialized,
+        restore: restored - restarted,
+    };
+    let restart_secs = mine.total();
     ic.finalize(true)?;
-    Ok(Measured { restart_secs, ..Measured::default() })
+    Ok(Measured { restart_secs, restart_steps: vec![mine], ..Measured::default() })
 }
 
 /// Runs `phase` ("commit", else restart) as one rank of `comm`.
@@ -180,6 +241,11 @@ fn run_phase<C: Communicator + 'static>(
 }
 
 fn mpi_rank(cli: &Cli, config: &Path) -> Result<()> {
+    // The library's own log (ICHECK_LOG, as the daemons'): kept with
+    // `--keep-logs`.
+    if let Ok(filter) = std::env::var("ICHECK_LOG") {
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    }
     let universe = mpi::initialize().context("MPI init")?;
     let world = universe.world();
     let size = usize::try_from(cli.rank_size.0)?;
@@ -187,8 +253,14 @@ fn mpi_rank(cli: &Cli, config: &Path) -> Result<()> {
     let rank = comm.rank();
     let measured = run_phase(&cli.phase, config, &cli.app, comm, size, cli.runs);
     match measured {
-        Ok(measured) if rank == 0 => println!("RESULT {}", serde_json::to_string(&measured)?),
-        Ok(_) => {}
+        Ok(measured) => {
+            for steps in &measured.restart_steps {
+                println!("STEPS {}", serde_json::to_string(steps)?);
+            }
+            if rank == 0 {
+                println!("RESULT {}", serde_json::to_string(&measured)?);
+            }
+        }
         Err(err) => {
             eprintln!("rank {rank}: {err}");
             std::process::exit(3);
@@ -227,10 +299,24 @@ impl Dataset {
             .output()
             .context("running mpirun")?;
         let stdout = String::from_utf8_lossy(&out.stdout);
+        if let Some(dir) = &cli.keep_logs {
+            // The ranks' log, each phase appended (`ICHECK_LOG` sets what).
+            std::fs::create_dir_all(dir)?;
+            let mut log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("ranks.log"))?;
+            writeln!(log, "== {} ranks, {phase}", self.ranks)?;
+            log.write_all(&out.stderr)?;
+        }
         let Some(json) = stdout.lines().find_map(|l| l.strip_prefix("RESULT ")) else {
             bail!("{phase} printed no result:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
         };
-        Ok(serde_json::from_str(json)?)
+        let mut measured: Measured = serde_json::from_str(json)?;
+        // Every rank's steps, not only rank 0's, slowest first.
+        measured.restart_steps = stdout
+            .lines()
+            .filter_map(|l| serde_json::from_str::<RestartSteps>(l.strip_prefix("STEPS ")?).ok())
+            .collect();
+        measured.restart_steps.sort_by(|a, b| b.total().total_cmp(&a.total()));
+        Ok(measured)
     }
 }
 
@@ -288,7 +374,8 @@ fn case(cli: &Cli, data: Dataset, policy: &str) -> Result<Row> {
     std::thread::sleep(Duration::from_millis(1500));
     let report = service.status();
     let held: u64 = report.nodes.iter().map(|n| n.status.bytes_held).sum();
-    let restart = data.run(cli, &config, app, "restart")?.restart_secs;
+    let restarted = data.run(cli, &config, app, "restart")?;
+    let restart = restarted.restart_secs;
     // A node holding a primary is lost: manager killed, store deleted.
     let app_report = report.apps.iter().find(|a| a.registration.name == app).context("the application")?;
     let latest = app_report.latest.as_ref().map(|l| l.version);
@@ -298,6 +385,7 @@ fn case(cli: &Cli, data: Dataset, policy: &str) -> Result<Row> {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(i32::try_from(pid)?), nix::sys::signal::Signal::SIGKILL)?;
     poll_until(Duration::from_secs(10), || !icheck_service::testkit::process_running(pid));
     std::fs::remove_dir_all(service.config.agent_store_dir.join(&node))?;
+    let mut steps_after_loss = Vec::new();
     let (rebuild, restart_after_loss) = if policy == "none" {
         (None, None)
     } else {
@@ -327,9 +415,16 @@ fn case(cli: &Cli, data: Dataset, policy: &str) -> Result<Row> {
             bail!("{policy}: the version was not protected again after losing {node}: {why:?}");
         }
         let rebuild = lost_at.elapsed().as_secs_f64();
-        (Some(rebuild), Some(data.run(cli, &config, app, "restart")?.restart_secs))
+        let after_loss = data.run(cli, &config, app, "restart")?;
+        steps_after_loss = after_loss.restart_steps;
+        (Some(rebuild), Some(after_loss.restart_secs))
     };
     eprintln!("{} {policy}: commit {:?}, protect {:?}", data.label(), committed.commit_secs, committed.protect_secs);
+    for (which, steps) in [("restart", &restarted.restart_steps), ("restart after the loss", &steps_after_loss)] {
+        for step in steps {
+            eprintln!("  {which}: {step}");
+        }
+    }
     if let Some(dir) = &cli.keep_logs {
         let into = dir.join(&name);
         std::fs::create_dir_all(&into)?;
