@@ -42,6 +42,30 @@ fn four_ranks_commit_are_killed_and_restart_bit_exact() {
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=5 step=8")), "{lines:?}");
 }
 
+/// A rank whose fabric does not open ends `init` on every rank, each with
+/// an error that says why, instead of leaving the others waiting in a
+/// collective until mpirun kills them. Each rank's wrapper outlives a
+/// failed rank by 2 s, so that mpirun, which ends the job when a rank
+/// exits, does not cut rank 0 off before it answers.
+#[test]
+fn a_rank_whose_fabric_does_not_open_fails_init_on_every_rank() {
+    let service = service("mpi-fabric", 1, "tcp");
+    let config = service.config_path();
+    let wrapper = "if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then export ICHECK_FAILPOINTS=client.open_fabric=error; fi; \
+                   \"$0\" \"$@\"; status=$?; [ $status -eq 0 ] || sleep 2; exit $status";
+    let args = ["-c", wrapper, common::EXAMPLE, "--app", "nofabric", "--steps", "2", "--every", "1", "--mib", "1"];
+    let job = Job::start_program("sh", 2, &config, &args, &[]);
+    let (succeeded, output) = job.finish_any(Duration::from_secs(90));
+    assert!(!succeeded, "{output}");
+    assert!(
+        output.contains(
+            "rank 1: icheck init failed: invalid fabric configuration: the failpoint client.open_fabric refused it"
+        ),
+        "{output}"
+    );
+    assert!(output.contains("rank 0: icheck init failed: another rank could not open the fabric"), "{output}");
+}
+
 #[test]
 fn kill_during_a_commit_restarts_from_the_previous_version() {
     // No node is lost here: with the suite's 0.5 s heartbeat, a 1.5 s stall

@@ -368,10 +368,28 @@ impl Icheck {
         let (rank, size) = (comm.rank(), comm.size());
         let span = tracing::info_span!("icheck", app = app_name, rank);
         let _entered = span.enter();
-        let domain = Domain::open(&config.fabric)?;
-        let endpoint = Endpoint::new(&domain)?;
-        let restore_same_host = restore_direction == RestoreDirection::Auto;
-        let restore_direction = restore_direction.on(endpoint.provider());
+        // The fabric opens on a thread of its own while rank 0 registers
+        // (which may wait for managers to start agents): the first
+        // `fi_getinfo` of a process loads every libfabric provider, and on
+        // Debian's build the verbs provider scans /proc/kallsyms twice
+        // (about 100 ms of kernel time per process, and a node's ranks
+        // scan at once). Both times are logged with "initialised".
+        let init_started = Instant::now();
+        let fabric = config.fabric.clone();
+        let opening_span = span.clone();
+        let opening = std::thread::Builder::new()
+            .name("icheck-fabric-open".into())
+            .spawn(move || -> Result<(Endpoint, Duration)> {
+                let _entered = opening_span.enter();
+                // Tests make one rank's fabric fail to open.
+                if icheck_core::failpoint::fails("client.open_fabric") {
+                    return Err(FabricError::Config("the failpoint client.open_fabric refused it".into()).into());
+                }
+                let domain = Domain::open(&fabric)?;
+                let endpoint = Endpoint::new(&domain)?;
+                Ok((endpoint, init_started.elapsed()))
+            })
+            .map_err(|e| Error::Unsupported(format!("cannot start a thread to open the fabric: {e}")))?;
 
         // Rank 0 registers; everyone learns the outcome (or the error).
         let controller_peer = config.controller_endpoints().join(" or ");
@@ -452,6 +470,23 @@ impl Icheck {
             answer = protocol::encode(&result).unwrap_or_default();
         }
         let answer = comm.broadcast_from_root(answer);
+        let registered = init_started.elapsed();
+        let opened =
+            opening.join().unwrap_or_else(|_| Err(Error::Unsupported("the thread opening the fabric panicked".into())));
+        // Every rank learns whether all opened the fabric: one that failed
+        // ends init on every rank, not only its own.
+        let all_opened = comm.all_true(opened.is_ok());
+        let (endpoint, fabric_opened) = match opened {
+            Err(err) => return Err(err),
+            Ok(_) if !all_opened => {
+                return Err(Error::Unsupported(
+                    "another rank could not open the fabric (its own error says why)".into(),
+                ))
+            }
+            Ok(opened) => opened,
+        };
+        let restore_same_host = restore_direction == RestoreDirection::Auto;
+        let restore_direction = restore_direction.on(endpoint.provider());
         let result: std::result::Result<ClientReply, String> =
             protocol::decode(&answer).unwrap_or_else(|e| Err(format!("undecodable registration answer: {e}")));
         let (agents, latest, capability) = match result {
@@ -560,7 +595,19 @@ impl Icheck {
         }
         let _entered = span.enter();
         let agent = icheck.link.as_ref().map(|l| l.info.id);
-        tracing::info!(?status, ?agent, ?direction, ?mode, zero_copy, incremental, "initialised");
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        tracing::info!(
+            ?status,
+            ?agent,
+            ?direction,
+            ?mode,
+            zero_copy,
+            incremental,
+            fabric_ms = ms(fabric_opened),
+            registered_ms = ms(registered),
+            ms = ms(init_started.elapsed()),
+            "initialised"
+        );
         drop(_entered);
         Ok((icheck, status))
     }
