@@ -39,6 +39,11 @@ struct Cli {
     /// Timed repetitions per cell; the median is reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
+    /// Bytes past a page boundary where the local buffer starts: 0 is
+    /// page-aligned; 16 is where a large `malloc` (a `Vec`, an
+    /// application's array) puts its memory.
+    #[arg(long, default_value_t = 0)]
+    local_offset: usize,
     /// Internal: serve as the target process for one provider.
     #[arg(long, hide = true)]
     serve_target: Option<String>,
@@ -110,9 +115,9 @@ fn main() -> Result<()> {
         let domain = Domain::open(&FabricConfig::provider(provider))?;
         let endpoint = Endpoint::new(&domain)?;
         let peer = endpoint.insert_peer(&target.announcement().address)?;
-        let mut local = endpoint.register(AlignedBuffer::zeroed(size), Access::LOCAL)?;
+        let mut local = endpoint.register(AlignedBuffer::zeroed(size + cli.local_offset), Access::LOCAL)?;
         local.as_mut_slice().fill(0); // touch every page before timing
-        let whole = [RmaOp { local_offset: 0, remote: target.announcement().region, remote_offset: 0, len: size }];
+        let whole = [RmaOp { local_offset: cli.local_offset, remote: target.announcement().region, remote_offset: 0, len: size }];
         for &chunk in &cli.chunks {
             let options = TransferOptions {
                 chunk_size: usize::try_from(chunk.0)?,
@@ -123,7 +128,7 @@ fn main() -> Result<()> {
             // Read: warm up, verify, then time.
             local.as_mut_slice().fill(0);
             endpoint.read(&peer, local.target(), &whole, &options)?;
-            verify_pattern(local.as_slice(), read_seed)
+            verify_pattern(&local.as_slice()[cli.local_offset..], read_seed)
                 .map_err(|reason| anyhow::anyhow!("{provider} fi_read delivered wrong data: {reason}"))?;
             let read = median(
                 (0..runs)
@@ -132,7 +137,7 @@ fn main() -> Result<()> {
             );
             // Write: a new pattern, verified by the target, then timed.
             let write_seed = 100 + chunk.0;
-            fill_pattern(local.as_mut_slice(), write_seed);
+            fill_pattern(&mut local.as_mut_slice()[cli.local_offset..], write_seed);
             endpoint.write(&peer, local.source(), &whole, &options)?;
             target.verify(write_seed).with_context(|| format!("{provider} fi_write delivered wrong data"))?;
             let write = median(
@@ -141,7 +146,7 @@ fn main() -> Result<()> {
                     .collect::<Result<_, _>>()?,
             );
             // Restore the read pattern for the next chunk size.
-            fill_pattern(local.as_mut_slice(), read_seed);
+            fill_pattern(&mut local.as_mut_slice()[cli.local_offset..], read_seed);
             endpoint.write(&peer, local.source(), &whole, &options)?;
             eprintln!("{provider} chunk {chunk}: fi_read {read:.2} GB/s, fi_write {write:.2} GB/s");
             rows.push(Row { provider: target.announcement().provider.clone(), op: "fi_read", chunk, gbps: read });
