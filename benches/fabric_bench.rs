@@ -117,7 +117,12 @@ fn main() -> Result<()> {
         let peer = endpoint.insert_peer(&target.announcement().address)?;
         let mut local = endpoint.register(AlignedBuffer::zeroed(size + cli.local_offset), Access::LOCAL)?;
         local.as_mut_slice().fill(0); // touch every page before timing
-        let whole = [RmaOp { local_offset: cli.local_offset, remote: target.announcement().region, remote_offset: 0, len: size }];
+        let whole = [RmaOp {
+            local_offset: cli.local_offset,
+            remote: target.announcement().region,
+            remote_offset: 0,
+            len: size,
+        }];
         for &chunk in &cli.chunks {
             let options = TransferOptions {
                 chunk_size: usize::try_from(chunk.0)?,

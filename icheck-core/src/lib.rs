@@ -35,6 +35,7 @@ pub mod fabric;
 pub mod failpoint;
 pub mod format;
 pub mod handoff;
+pub mod kernel_copy;
 pub mod monitor;
 pub mod pages;
 pub mod pattern;

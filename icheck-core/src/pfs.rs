@@ -755,9 +755,8 @@ fn read_entry(dir: &Path, entry: &RankEntry, key: Option<&PfsKey>) -> Result<(Ma
     let damaged = |reason: String| PfsError::Damaged { path: path.clone(), reason };
     // Sizes come from the manifest, which a damaged file may contradict:
     // nothing is allocated from them up front, reads stop one byte past them.
-    let mut stored = Vec::new();
-    File::open(&path)
-        .and_then(|f| f.take(entry.stored_len.saturating_add(1)).read_to_end(&mut stored))
+    let stored = File::open(&path)
+        .and_then(|f| crate::kernel_copy::read_to_vec(&f, entry.stored_len.saturating_add(1)))
         .map_err(io("cannot read", &path))?;
     if stored.len() as u64 != entry.stored_len {
         return Err(damaged(format!("{} bytes, the manifest says {}", stored.len(), entry.stored_len)));

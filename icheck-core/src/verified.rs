@@ -17,6 +17,7 @@ use std::sync::mpsc;
 use crate::fabric::{Endpoint, FabricError, MemoryRegion, Peer, PeerOp, RegisteredBuffer, RemoteRegion, RmaOp};
 use crate::fabric::{StableBuffer, TransferOptions};
 use crate::format::{first_bad_chunk, CHUNK_BYTES};
+use crate::kernel_copy::{self, PlacedBuffer};
 
 /// One range to read: `len` bytes at `remote_offset` of `remote` into
 /// `local_offset` of the destination, with one checksum per
@@ -203,14 +204,18 @@ pub fn read_file_checked(
     let per_thread = chunks.div_ceil(threads.clamp(1, chunks.max(1)));
     let read_run = |first: usize, run: &mut [u8]| -> std::io::Result<Option<usize>> {
         // Chunks start at the same place in a page of the file, so one
-        // bounce buffer placed like them serves the whole run.
-        let mut bounce = kernel_copy_is_slow(run.as_ptr(), offset).then(|| Bounce::new(offset));
+        // bounce buffer placed like them serves the whole run. Its first
+        // touch costs about what the slow copy loses on one chunk (fresh
+        // pages: ~0.7 ms per MB here, against ~0.45 ms per MB lost), so a
+        // run shorter than two chunks reads directly.
+        let bounced = run.len() >= 2 * CHUNK_BYTES && kernel_copy::is_slow(run.as_ptr(), offset);
+        let mut bounce = bounced.then(|| PlacedBuffer::new(CHUNK_BYTES));
         for (i, bytes) in run.chunks_mut(CHUNK_BYTES).enumerate() {
             let chunk = first + i;
             let at = offset + (chunk * CHUNK_BYTES) as u64;
             let checked = match bounce.as_mut() {
                 Some(bounce) => {
-                    let staged = bounce.slice(bytes.len());
+                    let staged = bounce.placed(at, bytes.len());
                     read_at(staged, at)?;
                     let good = first_bad_chunk(staged, &crcs[chunk..=chunk]).is_none();
                     bytes.copy_from_slice(staged);
@@ -249,43 +254,6 @@ pub fn read_file_checked(
         }
         Ok(bad)
     })
-}
-
-/// Whether the kernel's copy from file offset `src_offset` into memory at
-/// `dst` (a `pread`) is one that `rep movsb`, the kernel's copy on CPUs
-/// with fast short string moves, does at a third of its speed on some
-/// (AMD EPYC here): the destination a few bytes past the source within a
-/// page. A page-aligned version file read into a large `malloc`ed array
-/// (a `Vec`, a C or Fortran array: 16 bytes past a page boundary) is
-/// exactly that case; measured here with 4 MiB `pread`s from tmpfs,
-/// 1.5–1.6 GB/s with the destination 8 or 16 bytes past the source
-/// against 3.8–4.9 GB/s at 0, 32, 64 and up to 4088 bytes past it.
-/// Copies whose destination lies less than a cache line past the source
-/// go through a [`Bounce`] buffer instead.
-pub fn kernel_copy_is_slow(dst: *const u8, src_offset: u64) -> bool {
-    let lag = (dst as u64).wrapping_sub(src_offset) % 4096;
-    (1..64).contains(&lag)
-}
-
-/// A chunk-sized buffer placed at the same offset within a page as the
-/// file offsets read into it, so the kernel copies into it at full speed;
-/// the bytes are checked there while they are in the cache and then copied
-/// out by the C library's `memcpy`, which aligns its own stores.
-struct Bounce {
-    bytes: Vec<u8>,
-    start: usize,
-}
-
-impl Bounce {
-    fn new(src_offset: u64) -> Bounce {
-        let bytes = vec![0u8; CHUNK_BYTES + 4096];
-        let start = (src_offset.wrapping_sub(bytes.as_ptr() as u64) % 4096) as usize;
-        Bounce { bytes, start }
-    }
-
-    fn slice(&mut self, len: usize) -> &mut [u8] {
-        &mut self.bytes[self.start..self.start + len]
-    }
 }
 
 #[cfg(test)]
@@ -340,7 +308,7 @@ mod tests {
         let mut backing = vec![0u8; data.len() + 8192];
         for past in [0, 16, 48, 64, 2000] {
             let out = placed(&mut backing, past, data.len());
-            assert_eq!(kernel_copy_is_slow(out.as_ptr(), 4096), (1..64).contains(&past), "{past}");
+            assert_eq!(kernel_copy::is_slow(out.as_ptr(), 4096), (1..64).contains(&past), "{past}");
             out.fill(0);
             for threads in [1, 2] {
                 assert_eq!(read_file_checked(&reader(&file), 4096, out, &crcs, threads).unwrap(), None, "{past}");
@@ -350,8 +318,11 @@ mod tests {
         data[CHUNK_BYTES * 2 + 9] ^= 0x40;
         let damaged = file_with(&data);
         let out = placed(&mut backing, 16, data.len());
-        assert!(kernel_copy_is_slow(out.as_ptr(), 0));
-        assert_eq!(read_file_checked(&reader(&damaged), 0, out, &crcs, 2).unwrap(), Some(2));
+        assert!(kernel_copy::is_slow(out.as_ptr(), 0));
+        // One thread: the whole range is one run, read through the bounce.
+        for threads in [1, 2] {
+            assert_eq!(read_file_checked(&reader(&damaged), 0, out, &crcs, threads).unwrap(), Some(2), "{threads}");
+        }
     }
 
     #[test]

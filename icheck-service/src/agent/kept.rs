@@ -305,7 +305,10 @@ fn check_file(manifest: &Manifest, file: &std::fs::File, stop: &AtomicBool) -> O
         return Some(false);
     }
     let chunk = usize::try_from(manifest.chunk_size).ok()?;
-    let mut buffer = vec![0u8; chunk];
+    // Placed like each chunk's file offset: labels lie anywhere in the
+    // file, and a chunk just behind its buffer's place in a page is the
+    // kernel's slow copy (`icheck_core::kernel_copy`).
+    let mut buffer = icheck_core::kernel_copy::PlacedBuffer::new(chunk);
     for (label, crcs) in manifest.labels.iter().zip(&manifest.crcs) {
         for (index, crc) in crcs.iter().enumerate() {
             if stop.load(Ordering::Relaxed) {
@@ -313,8 +316,9 @@ fn check_file(manifest: &Manifest, file: &std::fs::File, stop: &AtomicBool) -> O
             }
             let at = (index * chunk) as u64;
             let len = usize::try_from(label.len.saturating_sub(at)).ok()?.min(chunk);
-            file.read_exact_at(&mut buffer[..len], label.offset + at).ok()?;
-            if first_bad_chunk(&buffer[..len], std::slice::from_ref(crc)).is_some() {
+            let bytes = buffer.placed(label.offset + at, len);
+            file.read_exact_at(bytes, label.offset + at).ok()?;
+            if first_bad_chunk(bytes, std::slice::from_ref(crc)).is_some() {
                 return Some(false);
             }
         }
