@@ -101,10 +101,22 @@ fn read_some_at(file: &File, buf: &mut [u8], at: u64) -> std::io::Result<usize> 
     }
 }
 
+/// An unlinked file holding `bytes`, for tests that read files.
+#[cfg(test)]
+pub(crate) fn unlinked_file_with(bytes: &[u8]) -> File {
+    use std::io::Write;
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path = std::env::temp_dir().join(format!("icheck-core-test-file-{}-{n}", std::process::id()));
+    let mut file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    file.write_all(bytes).unwrap();
+    file
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
 
     #[test]
     fn only_a_destination_just_past_the_source_in_its_page_is_slow() {
@@ -130,20 +142,11 @@ mod tests {
         }
     }
 
-    /// An unlinked file holding `bytes`.
-    fn file_with(bytes: &[u8]) -> File {
-        let path = std::env::temp_dir().join(format!("icheck-kernel-copy-test-{}-{}", std::process::id(), bytes.len()));
-        let mut file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path).unwrap();
-        std::fs::remove_file(&path).unwrap();
-        file.write_all(bytes).unwrap();
-        file
-    }
-
     #[test]
     fn a_file_is_read_whole_or_up_to_the_limit_however_it_is_copied() {
         for len in [0usize, 5, (4 << 20) - 3, (9 << 20) + 11] {
             let data: Vec<u8> = (0..len).map(|i| (i * 13 % 251) as u8).collect();
-            let file = file_with(&data);
+            let file = unlinked_file_with(&data);
             assert!(read_to_vec(&file, u64::MAX).unwrap() == data, "{len} bytes, no limit");
             assert!(read_to_vec(&file, len as u64 + 1).unwrap() == data, "{len} bytes, limit one past");
             let cut = len / 2;

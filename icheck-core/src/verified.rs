@@ -260,7 +260,7 @@ pub fn read_file_checked(
 mod tests {
     use super::*;
     use crate::format::chunk_crcs;
-    use std::io::Write;
+    use crate::kernel_copy::unlinked_file_with;
     use std::os::unix::fs::FileExt;
 
     /// `pread` from `file`.
@@ -268,22 +268,11 @@ mod tests {
         move |buf, offset| file.read_exact_at(buf, offset)
     }
 
-    /// An unlinked file holding `bytes`.
-    fn file_with(bytes: &[u8]) -> std::fs::File {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!("icheck-verified-test-{}-{n}", std::process::id()));
-        let mut file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path).unwrap();
-        std::fs::remove_file(&path).unwrap();
-        file.write_all(bytes).unwrap();
-        file
-    }
-
     #[test]
     fn a_file_range_is_read_bit_exact_on_any_number_of_threads() {
         // Three and a half chunks after a 1000-byte header.
         let data: Vec<u8> = (0..CHUNK_BYTES * 7 / 2).map(|i| (i * 31 % 251) as u8).collect();
-        let file = file_with(&[vec![9u8; 1000], data.clone()].concat());
+        let file = unlinked_file_with(&[vec![9u8; 1000], data.clone()].concat());
         let crcs = chunk_crcs(&data);
         for threads in [1, 2, 3, 8] {
             let mut out = vec![0u8; data.len()];
@@ -304,7 +293,7 @@ mod tests {
     fn a_destination_just_past_the_source_in_its_page_is_read_through_a_bounce_buffer_bit_exact() {
         let mut data: Vec<u8> = (0..CHUNK_BYTES * 5 / 2).map(|i| (i * 7 % 241) as u8).collect();
         let crcs = chunk_crcs(&data);
-        let file = file_with(&[vec![3u8; 4096], data.clone()].concat());
+        let file = unlinked_file_with(&[vec![3u8; 4096], data.clone()].concat());
         let mut backing = vec![0u8; data.len() + 8192];
         for past in [0, 16, 31, 32, 48, 2000] {
             let out = placed(&mut backing, past, data.len());
@@ -316,7 +305,7 @@ mod tests {
             }
         }
         data[CHUNK_BYTES * 2 + 9] ^= 0x40;
-        let damaged = file_with(&data);
+        let damaged = unlinked_file_with(&data);
         let out = placed(&mut backing, 16, data.len());
         assert!(kernel_copy::is_slow(out.as_ptr(), 0));
         // One thread: the whole range is one run, read through the bounce.
@@ -331,7 +320,7 @@ mod tests {
         let crcs = chunk_crcs(&data);
         data[CHUNK_BYTES * 3 + 5] ^= 1;
         data[CHUNK_BYTES + 7] ^= 1;
-        let file = file_with(&data);
+        let file = unlinked_file_with(&data);
         for threads in [1, 2, 4] {
             let mut out = vec![0u8; data.len()];
             assert_eq!(read_file_checked(&reader(&file), 0, &mut out, &crcs, threads).unwrap(), Some(1), "{threads}");
@@ -344,7 +333,7 @@ mod tests {
         );
         // The range runs past the file's end: one chunk more than it holds.
         let three = vec![5u8; CHUNK_BYTES * 3];
-        let short = file_with(&three);
+        let short = unlinked_file_with(&three);
         let four_crcs = [chunk_crcs(&three), vec![0]].concat();
         let mut longer = vec![0u8; CHUNK_BYTES * 4];
         let err = read_file_checked(&reader(&short), 0, &mut longer, &four_crcs, 2).unwrap_err();
