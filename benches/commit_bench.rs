@@ -119,13 +119,19 @@ struct ModeTimes {
     restart_fresh: Option<FreshRestarts>,
 }
 
-/// Median seconds of a pulled restart into fresh memory in a new process.
+/// Median seconds of a restart into fresh memory in a new process.
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 struct FreshRestarts {
-    /// Its pages populated ahead of the transfer (`prefault`, the default).
+    /// Pulled, its pages populated ahead of the transfer (`prefault`, the
+    /// default).
     prefaulted: f64,
-    /// With `prefault = false`: the transfer faults every page.
+    /// Pulled with `prefault = false`: the transfer faults every page.
     unprefaulted: f64,
+    /// The defaults (`restore = auto`, prefault): on the agent's host the
+    /// rank reads the version's handed-over files, as a job restarted on
+    /// one host does.
+    #[serde(default)]
+    from_files: f64,
 }
 
 /// Changes one byte in every page of `data` (differently each run), so a
@@ -225,34 +231,38 @@ fn measure<C: Communicator + 'static>(
 }
 
 /// A restarted application restores into memory it has just allocated, in
-/// a process of its own: `runs` restores of `app` that way with prefault
-/// and `runs` without, one new process each, the two settings alternating
-/// which goes first.
+/// a process of its own: `runs` restores of `app` that way pulled with
+/// prefault, pulled without, and with the defaults (the agent's files),
+/// one new process each, the order rotating from run to run.
 fn fresh_restarts(config: &Path, app: &str, len: usize, runs: usize) -> Result<FreshRestarts> {
-    let (mut prefaulted, mut unprefaulted) = (Vec::new(), Vec::new());
+    let settings = [("pull", true), ("pull", false), ("auto", true)];
+    let mut secs: [Vec<f64>; 3] = Default::default();
     for run in 0..runs {
-        let order = if run % 2 == 0 { [true, false] } else { [false, true] };
-        for prefault in order {
-            let secs = restore_in_new_process(config, app, len, prefault)?;
+        for at in 0..settings.len() {
+            let which = (run + at) % settings.len();
+            let (restore, prefault) = settings[which];
+            let took = restore_in_new_process(config, app, len, restore, prefault)?;
             eprintln!(
-                "{app}: restore = pull into fresh memory in a new process, prefault = {prefault}: {:.1} ms",
-                secs * 1e3
+                "{app}: restore = {restore} into fresh memory in a new process, prefault = {prefault}: {:.1} ms",
+                took * 1e3
             );
-            if prefault { &mut prefaulted } else { &mut unprefaulted }.push(secs);
+            secs[which].push(took);
         }
     }
-    Ok(FreshRestarts { prefaulted: median(prefaulted), unprefaulted: median(unprefaulted) })
+    let [prefaulted, unprefaulted, from_files] = secs.map(median);
+    Ok(FreshRestarts { prefaulted, unprefaulted, from_files })
 }
 
 /// Seconds a new process takes to restart `app` and restore its `len`
-/// bytes, pulled, into memory it has just allocated, with `prefault` on or
-/// off (the child is this binary with `--restore-config`).
-fn restore_in_new_process(config: &Path, app: &str, len: usize, prefault: bool) -> Result<f64> {
+/// bytes with `restore` (`ICHECK_RESTORE`) into memory it has just
+/// allocated, with `prefault` on or off (the child is this binary with
+/// `--restore-config`).
+fn restore_in_new_process(config: &Path, app: &str, len: usize, restore: &str, prefault: bool) -> Result<f64> {
     let out = Command::new(std::env::current_exe()?)
         .arg("--restore-config")
         .arg(config)
         .args(["--restore-app", app, "--size", &len.to_string()])
-        .env("ICHECK_RESTORE", "pull")
+        .env("ICHECK_RESTORE", restore)
         .env("ICHECK_PREFAULT", if prefault { "1" } else { "0" })
         .output()
         .context("starting a restoring process")?;
@@ -781,6 +791,12 @@ fn rows_for(
             format!("{:.1} ms", fresh.prefaulted * 1e3),
             format!("prefault = false {:.1} ms", fresh.unprefaulted * 1e3),
             fresh.prefaulted / fresh.unprefaulted,
+        ));
+        lines.push(line(
+            "restart + restore into fresh memory in a new process, the defaults (same host: the agent's files)",
+            format!("{:.2} GB/s", gb(fresh.from_files)),
+            format!("fi_read into fresh memory {:.2} GB/s", raw.2),
+            gb(fresh.from_files) / raw.2,
         ));
     }
     lines
