@@ -64,6 +64,11 @@ fn a_rank_whose_fabric_does_not_open_fails_init_on_every_rank() {
         "{output}"
     );
     assert!(output.contains("rank 0: icheck init failed: another rank could not open the fabric"), "{output}");
+    // Rank 0 had registered the application before the failure was known:
+    // it is finished at the service, not left holding its agents.
+    icheck_service::testkit::wait_for("the unstarted application to be finished", Duration::from_secs(30), || {
+        !service.status().apps.iter().any(|a| a.registration.name == "nofabric")
+    });
 }
 
 #[test]

@@ -476,6 +476,11 @@ impl Icheck {
         // Every rank learns whether all opened the fabric: one that failed
         // ends init on every rank, not only its own.
         let all_opened = comm.all_true(opened.is_ok());
+        if !all_opened {
+            if let Some(controller) = controller.as_mut() {
+                finish_unstarted(controller, app_name, &answer);
+            }
+        }
         let (endpoint, fabric_opened) = match opened {
             Err(err) => return Err(err),
             Ok(_) if !all_opened => {
@@ -802,6 +807,23 @@ impl Icheck {
         }
         waited?;
         result
+    }
+}
+
+/// Rank 0 of a job whose `init` failed after it registered: the
+/// application ends at once, as a finished run would, instead of holding
+/// its agents like a crashed job until it comes back. Versions it would
+/// have restarted from stay (`persist`); a failure to say so is only
+/// logged, since `init` already fails with the reason that matters.
+fn finish_unstarted(controller: &mut ControllerLink, app: &str, answer: &[u8]) {
+    let decoded: std::result::Result<std::result::Result<ClientReply, String>, _> = protocol::decode(answer);
+    let Ok(Ok(ClientReply::Registered { latest, capability, .. })) = decoded else {
+        return;
+    };
+    let request = ClientRequest::FinishApp { name: app.to_string(), persist: latest.is_some(), capability };
+    match controller.request(&request) {
+        Ok(_) => tracing::info!(app, "init failed on a rank: the application is finished at the service"),
+        Err(err) => tracing::warn!(app, %err, "init failed on a rank and the service could not be told"),
     }
 }
 
