@@ -19,6 +19,10 @@ use crate::fabric::{StableBuffer, TransferOptions};
 use crate::format::{first_bad_chunk, CHUNK_BYTES};
 use crate::kernel_copy::{self, PlacedBuffer};
 
+// A handed-over file is read and checked a chunk at a time: the placed
+// reads' steps are those chunks.
+const _: () = assert!(kernel_copy::PLACED_STEP == CHUNK_BYTES);
+
 /// One range to read: `len` bytes at `remote_offset` of `remote` into
 /// `local_offset` of the destination, with one checksum per
 /// [`CHUNK_BYTES`] of it (chunks start at `local_offset`).
@@ -204,11 +208,8 @@ pub fn read_file_checked(
     let per_thread = chunks.div_ceil(threads.clamp(1, chunks.max(1)));
     let read_run = |first: usize, run: &mut [u8]| -> std::io::Result<Option<usize>> {
         // Chunks start at the same place in a page of the file, so one
-        // bounce buffer placed like them serves the whole run. Its first
-        // touch costs about what the slow copy loses on one chunk (fresh
-        // pages: ~0.7 ms per MB here, against ~0.45 ms per MB lost), so a
-        // run shorter than two chunks reads directly.
-        let bounced = run.len() >= 2 * CHUNK_BYTES && kernel_copy::is_slow(run.as_ptr(), offset);
+        // bounce buffer placed like them serves the whole run.
+        let bounced = kernel_copy::worth_placing(run.as_ptr(), offset, run.len());
         let mut bounce = bounced.then(|| PlacedBuffer::new(CHUNK_BYTES));
         for (i, bytes) in run.chunks_mut(CHUNK_BYTES).enumerate() {
             let chunk = first + i;

@@ -57,10 +57,7 @@ pub(super) fn read_and_verify(
     if out.is_empty() {
         return Ok(None);
     }
-    if endpoint.provider() == "shm"
-        && out.len() >= 2 * CHUNK_BYTES
-        && icheck_core::kernel_copy::is_slow(out.as_ptr(), remote_offset)
-    {
+    if endpoint.provider() == "shm" && icheck_core::kernel_copy::worth_placing(out.as_ptr(), remote_offset, out.len()) {
         return read_staged_and_verify(endpoint, peer, region, remote_offset, out, crcs);
     }
     // SAFETY: `out` stays borrowed, alive and unmoved until the registration
