@@ -23,8 +23,14 @@ pub struct TestSlurm {
     daemons: Vec<Child>,
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+/// `n` free ports, all different: each is held until all are picked, as
+/// a port released at once can be the kernel's next answer (once the
+/// controller's and a node's `slurmd`'s ports were the same, and the node
+/// never came up: "slurmctld is talking with itself").
+fn free_ports(n: usize) -> Vec<u16> {
+    let held: Vec<std::net::TcpListener> =
+        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a free port")).collect();
+    held.iter().map(|l| l.local_addr().expect("a bound port").port()).collect()
 }
 
 impl TestSlurm {
@@ -90,6 +96,7 @@ impl TestSlurm {
         let host = nix::unistd::gethostname().expect("hostname").to_string_lossy().into_owned();
         let host = host.split('.').next().unwrap_or("localhost").to_string();
         let d = self.dir.display();
+        let ports = free_ports(2 + self.nodes.len());
         let mut text = format!(
             "ClusterName=icheck-test\n\
              SlurmctldHost={host}(127.0.0.1)\n\
@@ -117,13 +124,12 @@ impl TestSlurm {
              AccountingStorageType=accounting_storage/none\n\
              KillWait=5\n\
              TmpFS={d}/tmp/%n\n",
-            ctld = free_port(),
-            slurmd = free_port(),
+            ctld = ports[0],
+            slurmd = ports[1],
         );
-        for node in &self.nodes {
+        for (node, port) in self.nodes.iter().zip(&ports[2..]) {
             text.push_str(&format!(
-                "NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={} CPUs=1 RealMemory=1000 State=UNKNOWN\n",
-                free_port()
+                "NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs=1 RealMemory=1000 State=UNKNOWN\n"
             ));
         }
         text.push_str(&format!(

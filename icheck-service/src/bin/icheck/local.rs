@@ -71,10 +71,18 @@ pub const STANDBY_DIR: &str = "standby";
 /// How long `up` waits for a live controller to listen and write its address.
 const CONTROLLER_START_LIMIT: Duration = Duration::from_secs(60);
 
-/// A port nothing listens on now (the kernel's pick).
-fn free_port() -> Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-    Ok(listener.local_addr()?.port())
+/// `N` ports nothing listens on now (the kernel's picks), all different:
+/// each is held until all are picked, as a port released at once can be
+/// the kernel's next answer.
+fn free_ports<const N: usize>() -> Result<[u16; N]> {
+    let mut held = Vec::with_capacity(N);
+    let mut ports = [0; N];
+    for port in &mut ports {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+        *port = listener.local_addr()?.port();
+        held.push(listener);
+    }
+    Ok(ports)
 }
 
 /// The three secrets of a local service, drawn fresh at every `icheck up`.
@@ -254,8 +262,11 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     // controller starts (each must know the other).
     let (port, standby_port) = match options.standby {
         false => (options.port, None),
-        true if options.port == 0 => (free_port()?, Some(free_port()?)),
-        true => (options.port, Some(free_port()?)),
+        true if options.port == 0 => {
+            let [port, standby] = free_ports()?;
+            (port, Some(standby))
+        }
+        true => (options.port, Some(free_ports::<1>()?[0])),
     };
     let config_path = write_static(dir, port, standby_port, &tokens, options, &provider)?;
     let config_arg = config_path.to_string_lossy().into_owned();
