@@ -99,6 +99,37 @@ impl ProgressThread {
         }
     }
 
+    /// Progress for an endpoint whose memory another agent reads as
+    /// background work (a partner copy, a parity encoder, a rebuild).
+    ///
+    /// Under `shm` the reader copies the bytes itself, and does so while it
+    /// holds this endpoint's region lock (libfabric's fast RMA path); a
+    /// progress poll takes the same lock, and spins on it for as long as
+    /// the reader's copy lasts. Polled often, the thread spent a fifth of a
+    /// two-core node's time spinning while an encoder read four members;
+    /// this side only has to take the reader's notices off its queue
+    /// (one per operation, from a queue of a thousand), so it polls every
+    /// [`BACKGROUND_SHM_POLL`] under `SCHED_IDLE` ([`idle_thread_priority`]).
+    /// Over other providers this side moves the bytes: it polls every
+    /// 50 µs at nice 19. (A restarting rank's reads keep
+    /// [`serving_reads`](Self::serving_reads): the rank waits for them, and an idle
+    /// thread could wait long for a core on a busy node.)
+    pub fn serving_background_reads(endpoint: &Endpoint) -> std::io::Result<ProgressThread> {
+        if endpoint.provider() == "shm" {
+            Self::spawn_with(endpoint, ProgressMode::Sleep(BACKGROUND_SHM_POLL), idle_thread_priority)
+        } else {
+            Self::serving_background_writes(endpoint)
+        }
+    }
+
+    /// Progress for an endpoint another agent writes into as background
+    /// work (a parity shard): the writes ask for delivery completion, so
+    /// this side copies them in (under `shm`) or receives them, polling
+    /// every 50 µs at nice 19.
+    pub fn serving_background_writes(endpoint: &Endpoint) -> std::io::Result<ProgressThread> {
+        Self::spawn_with(endpoint, ProgressMode::Sleep(Duration::from_micros(50)), lower_thread_priority)
+    }
+
     /// Stops the thread and waits for it.
     pub fn stop(mut self) {
         self.shutdown();
@@ -115,6 +146,26 @@ impl ProgressThread {
 impl Drop for ProgressThread {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// How often [`ProgressThread::serving_background_reads`] polls under `shm`.
+pub const BACKGROUND_SHM_POLL: Duration = Duration::from_millis(1);
+
+/// Moves the calling thread to `SCHED_IDLE` (after nice 19, which stays if
+/// the kernel refuses): it gets a core almost only when the core would
+/// otherwise idle, and loses it as soon as another thread wakes there, so
+/// whatever it spins on costs no other thread its time. Failure only
+/// leaves the priority.
+pub fn idle_thread_priority() {
+    lower_thread_priority();
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: `param` is a valid sched_param that outlives the call;
+    // pid 0 addresses the calling thread alone, whose policy is all that
+    // changes.
+    let failed = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0;
+    if failed {
+        tracing::debug!(err = %std::io::Error::last_os_error(), "cannot move a background thread to SCHED_IDLE");
     }
 }
 

@@ -1525,7 +1525,7 @@ fn handle_rest(
                 file: Some(file),
                 store: store.clone(),
                 app: shared.app.clone(),
-                _progress: serve_reads(shared, caller)?,
+                _progress: ProgressThread::serving_background_writes(&shared.endpoint).map_err(|e| e.to_string())?,
             });
             Ok(AgentReply::Target(region))
         }
@@ -1612,15 +1612,12 @@ fn offer_file(
 /// Drives this endpoint's progress while a caller reads what it exposed. A
 /// rank restarting waits for it, so it spins at full priority; another
 /// agent's read (a copy, a rebuild, a take-over) is background work and
-/// runs at nice 19 like the reader's side, or its spinning would starve
-/// that reader on a busy node.
+/// runs at the lowest priority like the reader's side, or its polling
+/// would starve that reader on a busy node
+/// ([`ProgressThread::serving_background_reads`]).
 fn serve_reads(shared: &Shared, caller: Caller) -> Result<ProgressThread, String> {
     let spawned = if caller.privilege == Privilege::Node {
-        ProgressThread::spawn_with(
-            &shared.endpoint,
-            ProgressMode::Sleep(Duration::from_micros(50)),
-            crate::manager::lower_thread_priority,
-        )
+        ProgressThread::serving_background_reads(&shared.endpoint)
     } else {
         ProgressThread::serving_reads(&shared.endpoint)
     };
