@@ -18,7 +18,12 @@ fn service(name: &str, managers: u32) -> LocalService {
 
 /// [`service`] with the daemons under `failpoints`.
 fn service_with(name: &str, managers: u32, failpoints: Option<&str>) -> LocalService {
-    let args = ["--provider", "tcp", "--manager-relaunches", "0"];
+    service_on("tcp", name, managers, failpoints)
+}
+
+/// [`service_with`] on fabric `provider`.
+fn service_on(provider: &str, name: &str, managers: u32, failpoints: Option<&str>) -> LocalService {
+    let args = ["--provider", provider, "--manager-relaunches", "0"];
     LocalService::up_with_failpoints(&icheck_in_target(), name, managers, &args, None, failpoints)
 }
 
@@ -159,6 +164,23 @@ fn reed_solomon_decodes_lost_ranks_and_names_them_when_too_many_are_lost() {
     assert!(!ok, "a restart after losing two of three nodes under rs:2+1 succeeded: {output}");
     assert!(output.contains("rebuilt") && output.contains("ranks ["), "the error names the missing ranks: {output}");
     assert!(output.contains(&nodes[0]) || output.contains(&nodes[1]), "the error names a lost node: {output}");
+}
+
+/// Over shm an agent reading another's memory copies it itself, under that
+/// agent's region lock, and the agent it reads only polls now and then at
+/// the lowest priority: the encoder's reads, the rebuild's and the
+/// restart's still complete, and the restart is bit-exact.
+#[test]
+fn reed_solomon_over_shm_rebuilds_a_lost_node_and_restarts_bit_exact() {
+    let service = service_on("shm", "red-shm", 4, None);
+    commit_three(&service, "rsm", "rs:2+1");
+    let report = wait_protected(&service, "rsm", 3);
+    assert!(report.agents.iter().all(|a| a.provider == "shm"), "{:?}", report.agents);
+    let first = report.agents[0].node.clone();
+    lose_node(&service, &first);
+    wait_rebuilt(&service, "rsm", 3, &[&first]);
+    restart_bit_exact(&service, "rsm", "rs:2+1", 6);
+    pfs_untouched(&service, "rsm");
 }
 
 /// Three ranks under rs:2+1: a group of two ranks and a group of one,
