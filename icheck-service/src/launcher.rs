@@ -15,6 +15,16 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
+/// `n` loopback ports nothing listens on now (the kernel's picks), all
+/// different: each is held until all are picked, because a port released
+/// at once can be the kernel's next answer (two daemons given the same
+/// port, as a test Slurm's controller and node once were: "slurmctld is
+/// talking with itself").
+pub fn free_ports(n: usize) -> std::io::Result<Vec<u16>> {
+    let held = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<std::io::Result<Vec<_>>>()?;
+    held.iter().map(|listener| Ok(listener.local_addr()?.port())).collect()
+}
+
 /// The file naming the daemons of a local service and their PIDs.
 pub const PIDS: &str = "pids";
 /// The configuration file of a local service.

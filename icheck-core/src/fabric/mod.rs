@@ -62,10 +62,7 @@ pub use error::FabricError;
 pub use mr::{
     Access, AlignedBuffer, LocalSource, LocalTarget, MemoryRegion, RegisteredBuffer, RemoteRegion, StableBuffer,
 };
-pub use progress::{
-    idle_thread_priority, lower_thread_priority, tune_connection_setup, ProgressMode, ProgressThread,
-    BACKGROUND_SHM_POLL, RXM_CM_PROGRESS_ENV,
-};
+pub use progress::{lower_thread_priority, tune_connection_setup, ProgressMode, ProgressThread, RXM_CM_PROGRESS_ENV};
 
 /// Result type of the fabric layer.
 pub type Result<T, E = FabricError> = std::result::Result<T, E>;

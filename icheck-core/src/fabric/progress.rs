@@ -109,7 +109,7 @@ impl ProgressThread {
     /// two-core node's time spinning while an encoder read four members;
     /// this side only has to take the reader's notices off its queue
     /// (one per operation, from a queue of a thousand), so it polls every
-    /// [`BACKGROUND_SHM_POLL`] under `SCHED_IDLE` ([`idle_thread_priority`]).
+    /// `BACKGROUND_SHM_POLL` under `SCHED_IDLE` (`idle_thread_priority`).
     /// Over other providers this side moves the bytes: it polls every
     /// 50 µs at nice 19. (A restarting rank's reads keep
     /// [`serving_reads`](Self::serving_reads): the rank waits for them, and an idle
@@ -150,14 +150,14 @@ impl Drop for ProgressThread {
 }
 
 /// How often [`ProgressThread::serving_background_reads`] polls under `shm`.
-pub const BACKGROUND_SHM_POLL: Duration = Duration::from_millis(1);
+const BACKGROUND_SHM_POLL: Duration = Duration::from_millis(1);
 
 /// Moves the calling thread to `SCHED_IDLE` (after nice 19, which stays if
 /// the kernel refuses): it gets a core almost only when the core would
 /// otherwise idle, and loses it as soon as another thread wakes there, so
 /// whatever it spins on costs no other thread its time. Failure only
 /// leaves the priority.
-pub fn idle_thread_priority() {
+fn idle_thread_priority() {
     lower_thread_priority();
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: `param` is a valid sched_param that outlives the call;

@@ -23,16 +23,6 @@ pub struct TestSlurm {
     daemons: Vec<Child>,
 }
 
-/// `n` free ports, all different: each is held until all are picked, as
-/// a port released at once can be the kernel's next answer (once the
-/// controller's and a node's `slurmd`'s ports were the same, and the node
-/// never came up: "slurmctld is talking with itself").
-fn free_ports(n: usize) -> Vec<u16> {
-    let held: Vec<std::net::TcpListener> =
-        (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a free port")).collect();
-    held.iter().map(|l| l.local_addr().expect("a bound port").port()).collect()
-}
-
 impl TestSlurm {
     /// Starts munged, slurmctld and `nodes` slurmd named `{name}1`,
     /// `{name}2`, ... in partition `ckpt`, and waits until every node is idle.
@@ -96,7 +86,7 @@ impl TestSlurm {
         let host = nix::unistd::gethostname().expect("hostname").to_string_lossy().into_owned();
         let host = host.split('.').next().unwrap_or("localhost").to_string();
         let d = self.dir.display();
-        let ports = free_ports(2 + self.nodes.len());
+        let ports = crate::launcher::free_ports(2 + self.nodes.len()).expect("free loopback ports");
         let mut text = format!(
             "ClusterName=icheck-test\n\
              SlurmctldHost={host}(127.0.0.1)\n\

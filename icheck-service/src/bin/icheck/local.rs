@@ -15,7 +15,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 pub use icheck_service::launcher::CLIENT_CONFIG;
-use icheck_service::launcher::{self, is_icheck_process, read_pids, PIDS};
+use icheck_service::launcher::{self, free_ports, is_icheck_process, read_pids, PIDS};
 
 /// Options of `icheck up`.
 pub struct UpOptions {
@@ -70,20 +70,6 @@ pub const STANDBY_DIR: &str = "standby";
 
 /// How long `up` waits for a live controller to listen and write its address.
 const CONTROLLER_START_LIMIT: Duration = Duration::from_secs(60);
-
-/// `N` ports nothing listens on now (the kernel's picks), all different:
-/// each is held until all are picked, as a port released at once can be
-/// the kernel's next answer.
-fn free_ports<const N: usize>() -> Result<[u16; N]> {
-    let mut held = Vec::with_capacity(N);
-    let mut ports = [0; N];
-    for port in &mut ports {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-        *port = listener.local_addr()?.port();
-        held.push(listener);
-    }
-    Ok(ports)
-}
 
 /// The three secrets of a local service, drawn fresh at every `icheck up`.
 struct Tokens {
@@ -263,10 +249,10 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     let (port, standby_port) = match options.standby {
         false => (options.port, None),
         true if options.port == 0 => {
-            let [port, standby] = free_ports()?;
-            (port, Some(standby))
+            let ports = free_ports(2).context("finding two free ports")?;
+            (ports[0], Some(ports[1]))
         }
-        true => (options.port, Some(free_ports::<1>()?[0])),
+        true => (options.port, Some(free_ports(1).context("finding a free port")?[0])),
     };
     let config_path = write_static(dir, port, standby_port, &tokens, options, &provider)?;
     let config_arg = config_path.to_string_lossy().into_owned();
