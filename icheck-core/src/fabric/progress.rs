@@ -150,7 +150,13 @@ impl Drop for ProgressThread {
 }
 
 /// How often [`ProgressThread::serving_background_reads`] polls under `shm`.
-const BACKGROUND_SHM_POLL: Duration = Duration::from_millis(1);
+/// A poll that lands during a reader's copy spins until the copy ends: at
+/// 1 ms, four members read by one encoder still spun through 10% of a
+/// two-core node's time (`perf`, the encoder's block loop); at 5 ms, 3.5%.
+/// A member's reader posts about one notice per megabyte it reads, so 5 ms
+/// of reads (about 25 at this machine's copy speed) is far from filling
+/// the queue of a thousand.
+const BACKGROUND_SHM_POLL: Duration = Duration::from_millis(5);
 
 /// Moves the calling thread to `SCHED_IDLE` (after nice 19, which stays if
 /// the kernel refuses): it gets a core almost only when the core would
