@@ -388,6 +388,67 @@ impl Manifest {
     }
 }
 
+/// Checks a rank's bytes against its manifest as they arrive, in order and
+/// in pieces of any size: a coder reading a member a stripe at a time,
+/// whose stripes cut the rank's chunks anywhere. Each chunk's checksum is
+/// combined from its pieces' and compared when the chunk is complete, so
+/// the bytes are checked while they are in cache, by the reader, instead
+/// of in a pass of their own. Bytes past the rank's data (a shard's zero
+/// padding) are not the rank's and are not checked.
+#[derive(Debug)]
+pub struct InOrderCheck<'a> {
+    manifest: &'a Manifest,
+    /// Bytes of the rank's data fed so far.
+    fed: u64,
+    /// The label and chunk the next byte belongs to.
+    label: usize,
+    chunk: usize,
+    /// The checksum of the current chunk's bytes fed so far.
+    partial: u32,
+}
+
+impl<'a> InOrderCheck<'a> {
+    /// A check of `manifest`'s rank from its first byte; refuses a manifest
+    /// whose checksums do not fit its labels.
+    pub fn new(manifest: &'a Manifest) -> Result<InOrderCheck<'a>, FormatError> {
+        manifest.validate()?;
+        Ok(InOrderCheck { manifest, fed: 0, label: 0, chunk: 0, partial: 0 })
+    }
+
+    /// The next `bytes` of the rank's data (and perhaps padding after it).
+    /// The error names the label and chunk that does not match.
+    pub fn feed(&mut self, mut bytes: &[u8]) -> Result<(), FormatError> {
+        let m = self.manifest;
+        while !bytes.is_empty() && self.fed < m.total_len {
+            let label = &m.labels[self.label];
+            let label_end = label.offset + label.len;
+            if self.fed == label_end {
+                // An empty label, or this one's last chunk was complete.
+                (self.label, self.chunk) = (self.label + 1, 0);
+                continue;
+            }
+            let chunk_end = (label.offset + (self.chunk as u64 + 1) * CHUNK_SIZE).min(label_end);
+            let take = bytes.len().min(usize::try_from(chunk_end - self.fed).unwrap_or(usize::MAX));
+            self.partial = crc32c_combine(self.partial, crc32c(&bytes[..take]), take);
+            (self.fed, bytes) = (self.fed + take as u64, &bytes[take..]);
+            if self.fed == chunk_end {
+                if self.partial != m.crcs[self.label][self.chunk] {
+                    let reason =
+                        format!("label {:?}: chunk {} does not match the rank's checksum", label.label, self.chunk);
+                    return Err(m.refuse(reason));
+                }
+                (self.chunk, self.partial) = (self.chunk + 1, 0);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether every byte of the rank's data has been fed (and checked).
+    pub fn complete(&self) -> bool {
+        self.fed == self.manifest.total_len
+    }
+}
+
 /// Manifests for decoder tests in every crate: one good manifest and every
 /// way a damaged or hostile one can lie. Not part of the format.
 #[doc(hidden)]
@@ -461,6 +522,29 @@ mod tests {
     use super::{
         chunk_crcs, crc32c, crc32c_combine, first_bad_chunk, first_bad_chunk_of, CHUNK_BYTES, PARALLEL_CHECK_BYTES,
     };
+
+    #[test]
+    fn in_order_checks_pieces_cut_anywhere_and_names_the_damaged_chunk() {
+        // Three chunks and a tail over two labels, fed in pieces that cut
+        // chunks and labels anywhere, then zero padding.
+        let mut data = vec![0u8; 2 * CHUNK_BYTES + CHUNK_BYTES / 2 + 1234];
+        crate::pattern::fill_pattern(&mut data, 7);
+        let good = manifest(&data);
+        for piece in [1 << 20, 999_998, CHUNK_BYTES + 2, data.len()] {
+            let mut check = super::InOrderCheck::new(&good).unwrap();
+            for bytes in data.chunks(piece) {
+                check.feed(bytes).unwrap();
+            }
+            assert!(check.complete(), "pieces of {piece}");
+            check.feed(&[0u8; 4096]).unwrap();
+        }
+        let mut damaged = data.clone();
+        damaged[CHUNK_BYTES + CHUNK_BYTES / 3 + 5] ^= 1;
+        let mut check = super::InOrderCheck::new(&good).unwrap();
+        let err = damaged.chunks(777_777).try_for_each(|bytes| check.feed(bytes)).expect_err("a flipped bit passed");
+        assert!(err.to_string().contains("label \"b\": chunk 0 does not match"), "{err}");
+        assert!(!check.complete());
+    }
 
     #[test]
     fn combined_checksums_equal_the_checksum_of_the_joined_bytes_and_the_crc32c_crates_combine() {

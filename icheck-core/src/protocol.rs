@@ -1129,6 +1129,10 @@ pub enum AgentRequest {
         /// agent on the same host ([`crate::handoff`]); `None` reads over
         /// the fabric.
         reader: Option<crate::handoff::HostId>,
+        /// The reader checks every chunk as it arrives (an agent copying
+        /// or encoding the version): the agent serves the version without
+        /// its own pass over the bytes first, and records no check.
+        reader_checks: bool,
     },
     /// The rank has read what Fetch exposed.
     FetchDone,

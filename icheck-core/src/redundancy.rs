@@ -22,6 +22,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::str::FromStr;
 
+use reed_solomon_simd::engine::{utils::xor_within, DefaultEngine, Engine, ShardsRefMut};
 use reed_solomon_simd::ReedSolomonEncoder;
 use serde::{Deserialize, Serialize};
 
@@ -417,10 +418,38 @@ pub fn encode(parity: usize, originals: &[&[u8]]) -> Result<Vec<Vec<u8>>, Redund
 
 /// Encodes stripe after stripe with one coder, whose working space is
 /// allocated once and reused (reset only when the shape changes), and
-/// hands each parity shard to the caller without copying it.
+/// hands each parity shard to the caller without copying it; or, for a
+/// stripe the caller has laid out as the coder's working space, in place
+/// ([`StripeEncoder::encode_in_place`]), without copying the data shards in.
 #[derive(Default)]
 pub struct StripeEncoder {
     coder: Option<(reed_solomon_simd::ReedSolomonEncoder, (usize, usize, usize))>,
+    engine: Option<DefaultEngine>,
+}
+
+/// The shard slots a stripe of `originals` data and `parity` parity shards
+/// takes when encoded in place ([`StripeEncoder::encode_in_place`]), or
+/// `None` when this code is not computed in place (then
+/// [`StripeEncoder::encode`]).
+///
+/// In place is the coder's "high rate" path, which
+/// `reed_solomon_simd::ReedSolomonEncoder` takes for these counts too (its
+/// rule is mirrored here, and `in_place_parity_is_the_coders` holds the
+/// two to the same bytes): the data shards are transformed where they lie
+/// and the parity comes out in the first M slots. The slots after the K
+/// data shards (up to a multiple of M rounded to a power of two) are the
+/// coder's padding.
+pub fn in_place_slots(originals: usize, parity: usize) -> Option<usize> {
+    if originals < 2
+        || parity == 0
+        || originals > usize::from(MAX_DATA_SHARDS)
+        || parity > usize::from(MAX_PARITY_SHARDS)
+    {
+        return None;
+    }
+    let (k, m) = (originals.next_power_of_two(), parity.next_power_of_two());
+    let high_rate = k > m || (k == m && originals <= parity);
+    high_rate.then(|| originals.next_multiple_of(m))
 }
 
 impl fmt::Debug for StripeEncoder {
@@ -469,6 +498,45 @@ impl StripeEncoder {
         for (j, shard) in result.recovery_iter().enumerate() {
             each(j, shard);
         }
+        Ok(())
+    }
+
+    /// Encodes one stripe in place: `work` holds
+    /// [`in_place_slots`]`(originals, parity)` shards of equal length, a
+    /// multiple of 64 bytes, one after another, the first `originals` of
+    /// them the data shards. Afterwards parity shard j is slot j (the data
+    /// shards are overwritten), the same bytes [`StripeEncoder::encode`]
+    /// gives. This spares the copy of every data shard into the coder's
+    /// working space, as much memory traffic as the coding itself.
+    pub fn encode_in_place(&mut self, originals: usize, parity: usize, work: &mut [u8]) -> Result<(), RedundancyError> {
+        let shape = || format!("{originals} data and {parity} parity shards in {} bytes", work.len());
+        let slots = in_place_slots(originals, parity)
+            .ok_or_else(|| RedundancyError::Coding(format!("{} cannot be encoded in place", shape())))?;
+        let shard_bytes = work.len() / slots;
+        if shard_bytes == 0 || !shard_bytes.is_multiple_of(64) || shard_bytes * slots != work.len() {
+            return Err(RedundancyError::Coding(format!("{}: not {slots} slots of a multiple of 64 bytes", shape())));
+        }
+        let engine = self.engine.get_or_insert_with(DefaultEngine::new);
+        let (chunks, _) = work.as_chunks_mut::<64>();
+        let mut work = ShardsRefMut::new(slots, shard_bytes / 64, chunks);
+        // The coder's high-rate encoding (reed-solomon-simd's
+        // `HighRateEncoder::encode`, whose "undo" step only concerns
+        // shards that are not a multiple of 64 bytes): each chunk of
+        // `chunk` data shards is transformed where it lies and added
+        // into the first, whose transform back gives the parity.
+        let chunk = parity.next_power_of_two();
+        let first = originals.min(chunk);
+        work.zero(first..chunk);
+        engine.ifft(&mut work, 0, chunk, first, chunk);
+        let mut start = chunk;
+        while start < originals {
+            let count = (originals - start).min(chunk);
+            work.zero(start + count..start + chunk);
+            engine.ifft(&mut work, start, chunk, count, start + chunk);
+            xor_within(&mut work, 0, start, chunk);
+            start += chunk;
+        }
+        engine.fft(&mut work, 0, chunk, parity, 0);
         Ok(())
     }
 }
@@ -569,6 +637,46 @@ mod tests {
             }
         }
         assert!(StripeEncoder::default().encode(2, &[&data[..3]], |_, _| ()).is_err(), "odd length");
+    }
+
+    #[test]
+    fn in_place_parity_is_the_coders() {
+        let shard_bytes = 64 * 37;
+        let mut in_place = 0;
+        for (k, m) in (2..=9).flat_map(|k| (1..=5).map(move |m| (k, m))).chain([(16, 4), (32, 8), (17, 3)]) {
+            let data: Vec<Vec<u8>> = (0..k)
+                .map(|i| {
+                    (0..shard_bytes).map(|b| ((b * 31 + i * 7919) as u32).wrapping_mul(2_654_435_761) as u8).collect()
+                })
+                .collect();
+            let originals: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+            let expected = encode(m, &originals).unwrap();
+            let Some(slots) = in_place_slots(k, m) else { continue };
+            assert!(slots >= k && slots >= m, "{k}+{m}: {slots} slots");
+            // Garbage in the padding slots must not matter.
+            let mut work = vec![0xa5u8; slots * shard_bytes];
+            for (i, shard) in data.iter().enumerate() {
+                work[i * shard_bytes..][..shard_bytes].copy_from_slice(shard);
+            }
+            let mut encoder = StripeEncoder::default();
+            // Twice with one encoder: nothing of the first stripe stays.
+            for _ in 0..2 {
+                let mut stripe = work.clone();
+                encoder.encode_in_place(k, m, &mut stripe).unwrap();
+                for (j, parity) in expected.iter().enumerate() {
+                    assert!(stripe[j * shard_bytes..][..shard_bytes] == parity[..], "rs:{k}+{m}: parity {j} differs");
+                }
+            }
+            in_place += 1;
+        }
+        assert!(in_place > 20, "only {in_place} shapes are encoded in place");
+        for (k, m) in [(2, 1), (4, 2), (8, 2), (3, 2)] {
+            assert!(in_place_slots(k, m).is_some(), "rs:{k}+{m} is encoded in place");
+        }
+        let mut encoder = StripeEncoder::default();
+        assert!(encoder.encode_in_place(4, 2, &mut [0u8; 4 * 96]).is_err(), "96-byte shards");
+        assert!(encoder.encode_in_place(4, 2, &mut [0u8; 3 * 64]).is_err(), "fewer slots than shards");
+        assert!(encoder.encode_in_place(1, 2, &mut [0u8; 2 * 64]).is_err(), "one data shard");
     }
 
     fn slots(nodes: &[&str]) -> Vec<Slot> {

@@ -141,6 +141,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
             enc(protocol::encode_frame(&AgentRequest::Fetch {
                 version: 5,
                 reader: Some(icheck_core::handoff::HostId { boot: "b".into(), net_namespace: 7 }),
+                reader_checks: true,
             })),
         ),
         ("manifest", format::encode_stored(&manifest()).expect("encodes")),

@@ -486,6 +486,32 @@ fn an_encoder_whose_writes_are_refused_fails_only_that_holders_shard() {
     pfs_untouched(&service, "rr");
 }
 
+/// Members expose their ranks to an encoder unchecked; the encoder checks
+/// every stripe against the rank's checksums before coding it, and damage
+/// fails the group's shards by name instead of coding bad bytes.
+#[test]
+fn an_encoder_refuses_a_member_whose_bytes_do_not_match_its_checksums() {
+    let service = service_with("red-damaged", 3, Some("agent.member_read_damaged=error"));
+    commit_three_with(&service, "rd", "rs:2+1", 2);
+    let refused = |log: &str| {
+        log.lines().any(|l| {
+            l.contains("could not be built")
+                && l.contains("parity shard 0 of group 0")
+                && l.contains("label \"step\": chunk 0 does not match the rank's checksum")
+        })
+    };
+    assert!(
+        poll_until(Duration::from_secs(60), || refused(&service.log("controller.log"))),
+        "{}",
+        service.log("controller.log")
+    );
+    let report = app(&service, "rd");
+    assert_eq!(report.protected, None, "{report:?}");
+    // The members' own copies are intact: the restart is.
+    restart_bit_exact_with(&service, "rd", "rs:2+1", 6, 2);
+    pfs_untouched(&service, "rd");
+}
+
 #[test]
 fn a_parity_shard_written_by_another_agent_is_kept_only_when_its_bytes_match() {
     use icheck_core::control::BlockingConnection;

@@ -104,7 +104,7 @@ impl AgentLink {
     /// agent on the same host offer the version's file instead.
     pub(super) fn fetch(&mut self, version: u64, reader: Option<HostId>) -> Result<AgentReply> {
         self.reopen_if_closed()?;
-        self.call(&AgentRequest::Fetch { version, reader })
+        self.call(&AgentRequest::Fetch { version, reader, reader_checks: false })
     }
 
     /// Tells the agent the restart data is no longer needed. A session the

@@ -9,7 +9,8 @@
 //! mapping the version was written into is shared from `Seal` on: the
 //! session holds it (to reuse it as the spare), this table holds it, and a
 //! Fetch registers it for reading. The first Fetch that checks it records
-//! the result; when the session ends an unchecked version is checked in
+//! the result (a Fetch whose reader checks every chunk itself, an agent
+//! copying or encoding the version, neither checks nor records); when the session ends an unchecked version is checked in
 //! the background at low priority, ready for the restart that usually
 //! follows. An incremental version (its own file holds only its changed
 //! blocks) is composed from the files holding its blocks in the background

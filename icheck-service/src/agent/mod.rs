@@ -1388,7 +1388,7 @@ fn handle_rest(
             );
             Ok(AgentReply::Ok)
         }
-        AgentRequest::Fetch { version, reader } => {
+        AgentRequest::Fetch { version, reader, reader_checks } => {
             let fetch_started = Instant::now();
             session.fetching = None;
             let (app, rank) = (session.core.app().to_string(), session.core.rank());
@@ -1408,6 +1408,8 @@ fn handle_rest(
                 Err(missing @ StoreError::Missing { .. }) => Found::Missing(missing.to_string()),
                 Err(err) => Found::Unreadable(err.to_string()),
                 Ok(_) if intact => Found::Intact,
+                // Served as found: the reader checks every chunk itself.
+                Ok(_) if reader_checks => Found::Intact,
                 Ok((manifest, file)) => match manifest.verify(file.as_slice()) {
                     Ok(()) => Found::Intact,
                     Err(damage) => Found::Damaged(damage.to_string()),
@@ -1415,7 +1417,7 @@ fn handle_rest(
             };
             match (&found, &opened, identity) {
                 // Checked: the next reader need not (see `kept`).
-                (Found::Intact, Ok((manifest, file)), Some(identity)) => {
+                (Found::Intact, Ok((manifest, file)), Some(identity)) if intact || !reader_checks => {
                     shared.kept.keep_intact(manifest, identity, file)
                 }
                 // Not worth keeping mapped (and perhaps about to be removed).
@@ -1880,7 +1882,8 @@ fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Resu
     let started = Instant::now();
     let fail = |what: String| format!("taking over rank {rank} version {version}: {what}");
     let mut session = redundancy::PeerSession::open(shared, from, rank).map_err(fail)?;
-    let (manifest, region) = session.fetch(shared, rank, version).map_err(fail)?;
+    // Checked by the peer first: a damaged version is served from its PFS copy.
+    let (manifest, region) = session.fetch(shared, (rank, version), false).map_err(fail)?;
     let store = &shared.settings.store;
     let file =
         store.create(&shared.app, rank, manifest.version, manifest.total_len).map_err(|e| fail(e.to_string()))?;

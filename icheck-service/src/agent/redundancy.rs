@@ -16,6 +16,7 @@ use icheck_core::control::BlockingConnection;
 use icheck_core::fabric::{
     Access, AlignedBuffer, FabricError, Peer, PeerOp, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
 };
+use icheck_core::format::InOrderCheck;
 use icheck_core::protocol::{
     check_fetched, AgentInfo, AgentReply, AgentRequest, FetchWanted, Fetched, Manifest, ParityMeta, PieceMeta,
     PieceTask, RebuildSource, STRIPE,
@@ -71,13 +72,16 @@ impl PeerSession {
 
     /// The rank's intact primary of `version` (the peer refuses to call a
     /// damaged one intact), checked like a restarting rank's.
+    /// Asks the peer to expose `rank`'s `version` for reading; with
+    /// `reader_checks` the peer does not check the bytes first, because
+    /// this reader checks every chunk as it arrives.
     pub(super) fn fetch(
         &mut self,
         shared: &Shared,
-        rank: u32,
-        version: u64,
+        (rank, version): (u32, u64),
+        reader_checks: bool,
     ) -> Result<(Manifest, RemoteRegion), String> {
-        let reply = self.call(&AgentRequest::Fetch { version, reader: None })?;
+        let reply = self.call(&AgentRequest::Fetch { version, reader: None, reader_checks })?;
         self.fetching = true;
         match check_fetched(reply, FetchWanted { app: &shared.app, rank, version }) {
             Ok(Fetched { damaged: Some(damage), .. }) => Err(self.fail(format!("rank {rank} is damaged: {damage}"))),
@@ -272,7 +276,8 @@ fn protect_copy(shared: &Shared, task: &PieceTask) -> Result<u64, String> {
                 return Err(fail(format!("the task names rank {member}")));
             }
             let mut session = PeerSession::open(shared, from, rank).map_err(fail)?;
-            let (manifest, region) = session.fetch(shared, rank, version).map_err(fail)?;
+            // `read_checked` checks every chunk it reads.
+            let (manifest, region) = session.fetch(shared, (rank, version), true).map_err(fail)?;
             let fetched = started.elapsed();
             let store = &shared.settings.store;
             let file = store
@@ -313,30 +318,50 @@ struct ShardSource {
 }
 
 /// The shards a coder reads a block at a time, all into one registered
-/// buffer (shard i's block at `i * BLOCK`) in one fabric batch: the
-/// fabric keeps every member's reads in flight together instead of
-/// draining after each member's block.
+/// buffer in one fabric batch: the fabric keeps every member's reads in
+/// flight together instead of draining after each member's block.
+///
+/// The buffer is laid out stripe by stripe, each stripe as `slots` shard
+/// slots of [`STRIPE`] bytes ([`slot_offset`]): the sources' in order,
+/// then (for an encoder) the coder's padding. A whole stripe is so already
+/// the coder's working space, and is encoded where the fabric put it
+/// ([`redundancy::StripeEncoder::encode_in_place`]).
 struct ShardBlocks {
     sources: Vec<ShardSource>,
+    slots: usize,
     buffer: RegisteredBuffer,
 }
 
 impl ShardBlocks {
-    fn new(shared: &Shared, sources: Vec<ShardSource>) -> Result<ShardBlocks, String> {
-        let buffer = block_buffer(shared, sources.len())?;
-        Ok(ShardBlocks { sources, buffer })
+    /// `slots` (at least one per source) shard slots per stripe.
+    fn new(shared: &Shared, sources: Vec<ShardSource>, slots: usize) -> Result<ShardBlocks, String> {
+        let slots = slots.max(sources.len());
+        let buffer = block_buffer(shared, slots)?;
+        Ok(ShardBlocks { sources, slots, buffer })
+    }
+
+    /// Another buffer of this layout, to read the next block into.
+    fn spare_buffer(&self, shared: &Shared) -> Result<RegisteredBuffer, String> {
+        block_buffer(shared, self.slots)
     }
 
     /// Loads block `[offset, offset + n)` of every shard into the buffer.
     fn load(&mut self, shared: &Shared, offset: u64, n: usize) -> Result<(), String> {
-        read_blocks(shared, &self.sources, (offset, n), &mut self.buffer)
+        read_blocks(shared, (&self.sources, self.slots), (offset, n), &mut self.buffer)
     }
 
-    /// `n` bytes of shard `shard`'s loaded block from `at`.
+    /// `n` bytes (within one stripe) of shard `shard`'s loaded block from `at`.
     fn bytes(&self, shard: usize, at: usize, n: usize) -> &[u8] {
-        let start = shard * BLOCK as usize + at;
+        let start = slot_offset(self.slots, shard, at);
         &self.buffer.as_slice()[start..start + n]
     }
+}
+
+/// Where byte `at` of a block of shard slot `shard` lies in a buffer of
+/// `slots` slots per stripe.
+fn slot_offset(slots: usize, shard: usize, at: usize) -> usize {
+    let stripe = STRIPE as usize;
+    (at / stripe) * slots * stripe + shard * stripe + at % stripe
 }
 
 /// A registered buffer with room for one block of each of `shards` shards.
@@ -347,16 +372,17 @@ fn block_buffer(shared: &Shared, shards: usize) -> Result<RegisteredBuffer, Stri
         .map_err(|e| e.to_string())
 }
 
-/// Reads block `(offset, n)` of every shard of `sources` into `into`
-/// (shard i's at `i * BLOCK`) in one batch: each shard's real bytes from
-/// its peer, zeros after them (and throughout without a session).
+/// Reads block `(offset, n)` of every shard of `sources` into `into` (laid
+/// out in `slots` slots per stripe, [`slot_offset`]) in one batch: each
+/// shard's real bytes from its peer, zeros after them (and throughout
+/// without a session).
 fn read_blocks(
     shared: &Shared,
-    sources: &[ShardSource],
+    (sources, slots): (&[ShardSource], usize),
     (offset, n): (u64, usize),
     into: &mut RegisteredBuffer,
 ) -> Result<(), String> {
-    let ops = read_ops(sources, (offset, n));
+    let ops = read_ops((sources, slots), (offset, n));
     if !ops.is_empty() {
         // A few operations per member keep every member's link busy.
         let options = TransferOptions { inflight: (4 * ops.len()).clamp(8, 32), ..TransferOptions::default() };
@@ -366,7 +392,7 @@ fn read_blocks(
             format!("reading bytes {offset}.. of the group's shards from {}: {e}", from.join(", "))
         })?;
     }
-    zero_padding(sources, (offset, n), into);
+    zero_padding((sources, slots), (offset, n), into);
     Ok(())
 }
 
@@ -378,26 +404,35 @@ fn real_bytes(source: &ShardSource, (offset, n): (u64, usize)) -> usize {
     }
 }
 
-/// The reads of block `(offset, n)` of every shard: shard i's real bytes
-/// into `i * BLOCK`.
-fn read_ops(sources: &[ShardSource], (offset, n): (u64, usize)) -> Vec<PeerOp<'_>> {
-    sources
-        .iter()
-        .enumerate()
-        .filter_map(|(shard, source)| {
-            let session = source.session.as_ref()?;
-            let len = real_bytes(source, (offset, n));
-            let op = RmaOp { local_offset: shard * BLOCK as usize, remote: source.region, remote_offset: offset, len };
-            (len > 0).then_some(PeerOp { peer: &session.peer, op })
-        })
-        .collect()
+/// The reads of block `(offset, n)` of every shard: one per stripe of
+/// shard i's real bytes, each into its slot.
+fn read_ops((sources, slots): (&[ShardSource], usize), (offset, n): (u64, usize)) -> Vec<PeerOp<'_>> {
+    let mut ops = Vec::new();
+    for (shard, source) in sources.iter().enumerate() {
+        let Some(session) = source.session.as_ref() else { continue };
+        let real = real_bytes(source, (offset, n));
+        for (at, len) in stripes_of(n as u64).take_while(|(at, _)| *at < real) {
+            let len = len.min(real - at);
+            let op = RmaOp {
+                local_offset: slot_offset(slots, shard, at),
+                remote: source.region,
+                remote_offset: offset + at as u64,
+                len,
+            };
+            ops.push(PeerOp { peer: &session.peer, op });
+        }
+    }
+    ops
 }
 
 /// Zeros each shard's block `(offset, n)` in `into` after its real bytes.
-fn zero_padding(sources: &[ShardSource], (offset, n): (u64, usize), into: &mut RegisteredBuffer) {
+fn zero_padding((sources, slots): (&[ShardSource], usize), (offset, n): (u64, usize), into: &mut RegisteredBuffer) {
     for (shard, source) in sources.iter().enumerate() {
-        let start = shard * BLOCK as usize;
-        into.as_mut_slice()[start + real_bytes(source, (offset, n))..start + n].fill(0);
+        let real = real_bytes(source, (offset, n));
+        for (at, len) in stripes_of(n as u64) {
+            let start = slot_offset(slots, shard, at);
+            into.as_mut_slice()[start + real.saturating_sub(at).min(len)..start + len].fill(0);
+        }
     }
 }
 
@@ -412,7 +447,7 @@ fn for_each_block(
     mut code: impl FnMut(u64, u64, &ShardBlocks) -> Result<(), String>,
 ) -> Result<Duration, String> {
     let block_at = |offset: u64| (shard_len - offset).min(BLOCK);
-    let mut ahead = block_buffer(shared, shards.sources.len())?;
+    let mut ahead = shards.spare_buffer(shared)?;
     let mut reading = Duration::ZERO;
     if until > 0 {
         let started = Instant::now();
@@ -422,7 +457,7 @@ fn for_each_block(
     let mut offset = 0;
     while offset < until {
         let (block, next) = (block_at(offset), offset + block_at(offset));
-        let sources = &shards.sources;
+        let sources = (shards.sources.as_slice(), shards.slots);
         let read_next = |ahead: &mut RegisteredBuffer| -> Result<Duration, String> {
             crate::manager::lower_thread_priority();
             let started = Instant::now();
@@ -483,39 +518,60 @@ struct Spent {
     encoding: Duration,
 }
 
-/// Encodes one loaded block (`offset`, `block` bytes) of the sources:
+/// Encodes one loaded block (`offset`, `block` bytes) of the data shards
+/// in `stripes` (a [`ShardBlocks`] buffer of `slots` slots per stripe,
+/// which whole stripes are encoded in, overwriting the data), each checked
+/// first against its rank's checksums by its `checks` (one per shard):
 /// keeps shard `index` in `file` (and its stripe checksums), and puts sink
 /// j's shard of the block at `j * BLOCK` of `staging` (and its checksums
 /// in `sink_crcs[j]`), to be written to its holder.
 #[allow(clippy::too_many_arguments)]
 fn encode_block(
     task: &PieceTask,
-    sources: &ShardBlocks,
+    (stripes, checks, slots): (&mut [u8], &mut [InOrderCheck<'_>], usize),
     (offset, block): (u64, u64),
     (index, file, crcs): (u8, &mut MappedFile, &mut Vec<u32>),
     sinks: &[ShardSink],
     (staging, sink_crcs): (&mut RegisteredBuffer, &mut [Vec<u32>]),
     encoder: &mut redundancy::StripeEncoder,
 ) -> Result<(), String> {
+    let (parity, shards) = (usize::from(task.parity), checks.len());
+    let in_place = redundancy::in_place_slots(shards, parity) == Some(slots);
     for (at, n) in stripes_of(block) {
-        let originals: Vec<&[u8]> = (0..sources.sources.len()).map(|shard| sources.bytes(shard, at, n)).collect();
         let start = offset as usize + at;
+        // Tests damage the first member's first byte as read (memory gone
+        // bad at its agent, or on the way).
+        if start == 0 && icheck_core::failpoint::fails("agent.member_read_damaged") {
+            stripes[slot_offset(slots, 0, 0)] ^= 1;
+        }
+        for (shard, check) in checks.iter_mut().enumerate() {
+            check.feed(&stripes[slot_offset(slots, shard, at)..][..n]).map_err(|e| format!("a member as read: {e}"))?;
+        }
         let mut kept = false;
-        encoder
-            .encode(usize::from(task.parity), &originals, |j, shard| {
-                if j == usize::from(index) {
-                    file.as_mut_slice()[start..start + n].copy_from_slice(shard);
-                    crcs.push(icheck_core::format::crc32c(shard));
-                    kept = true;
-                } else if let Some(sink) = sinks.iter().position(|sink| usize::from(sink.index) == j) {
-                    if sinks[sink].failed.is_none() {
-                        let at = sink * BLOCK as usize + at;
-                        staging.as_mut_slice()[at..at + n].copy_from_slice(shard);
-                        sink_crcs[sink].push(icheck_core::format::crc32c(shard));
-                    }
+        let mut each = |j: usize, shard: &[u8]| {
+            if j == usize::from(index) {
+                file.as_mut_slice()[start..start + n].copy_from_slice(shard);
+                crcs.push(icheck_core::format::crc32c(shard));
+                kept = true;
+            } else if let Some(sink) = sinks.iter().position(|sink| usize::from(sink.index) == j) {
+                if sinks[sink].failed.is_none() {
+                    let at = sink * BLOCK as usize + at;
+                    staging.as_mut_slice()[at..at + n].copy_from_slice(shard);
+                    sink_crcs[sink].push(icheck_core::format::crc32c(shard));
                 }
-            })
-            .map_err(|e| e.to_string())?;
+            }
+        };
+        // A whole stripe in place; a shard's last, shorter stripe (whose
+        // slots are not back to back) through the coder's own space.
+        if in_place && n == STRIPE as usize {
+            let stripe = &mut stripes[slot_offset(slots, 0, at)..][..slots * n];
+            encoder.encode_in_place(shards, parity, stripe).map_err(|e| e.to_string())?;
+            stripe.chunks_exact(n).take(parity).enumerate().for_each(|(j, shard)| each(j, shard));
+        } else {
+            let originals: Vec<&[u8]> =
+                (0..shards).map(|shard| &stripes[slot_offset(slots, shard, at)..][..n]).collect();
+            encoder.encode(parity, &originals, &mut each).map_err(|e| e.to_string())?;
+        }
         if !kept {
             return Err(format!("the group has no parity shard {index}"));
         }
@@ -531,7 +587,7 @@ fn encode_block(
 /// this shard and the other sinks'.
 fn move_blocks(
     shared: &Shared,
-    sources: &[ShardSource],
+    sources: (&[ShardSource], usize),
     (read, into): (Option<(u64, usize)>, &mut RegisteredBuffer),
     sinks: &[ShardSink],
     (write, coded): (Option<(u64, usize)>, &RegisteredBuffer),
@@ -618,7 +674,8 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
                 scope.spawn(move || {
                     let Some((rank, from)) = member else { return Ok(None) };
                     let mut session = PeerSession::open(shared, from, *rank)?;
-                    let (manifest, region) = session.fetch(shared, *rank, version)?;
+                    // The coder checks every stripe it reads (`InOrderCheck`).
+                    let (manifest, region) = session.fetch(shared, (*rank, version), true)?;
                     Ok(Some((session, manifest, region)))
                 })
             })
@@ -696,11 +753,15 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
             Err(outcome) => unreachable.push(outcome),
         }
     }
-    let mut sources = ShardBlocks::new(shared, sources)?;
+    let slots = redundancy::in_place_slots(sources.len(), usize::from(task.parity)).unwrap_or(sources.len());
+    let mut sources = ShardBlocks::new(shared, sources, slots)?;
+    // The members' agents exposed them unchecked (`reader_checks`).
+    let mut checks: Vec<InOrderCheck<'_>> =
+        manifests.iter().flatten().map(InOrderCheck::new).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
     // Block i+1 is read on a second thread into `ahead`, in one batch with
     // the writes of block i-1's coded shards (`coded`), while block i is
     // coded into `staging`; then each pair swaps.
-    let mut ahead = block_buffer(shared, sources.sources.len())?;
+    let mut ahead = sources.spare_buffer(shared)?;
     let mut staging = block_buffer(shared, sinks.len())?;
     let mut coded = block_buffer(shared, sinks.len())?;
     let mut sink_crcs: Vec<Vec<u32>> = vec![Vec::new(); sinks.len()];
@@ -717,18 +778,20 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
         let next = offset + block;
         let read = (next < shard_len).then(|| (next, block_at(next) as usize));
         let (moved, encoded) = std::thread::scope(|scope| {
-            let (shard_sources, sinks, coded) = (&sources.sources, &sinks, &coded);
-            let mover = scope.spawn(|| {
+            let shard_sources = (sources.sources.as_slice(), sources.slots);
+            let (sinks, coded, ahead) = (&sinks, &coded, &mut ahead);
+            let mover = scope.spawn(move || {
                 crate::manager::lower_thread_priority();
                 let started = Instant::now();
-                let failed = move_blocks(shared, shard_sources, (read, &mut ahead), sinks, (behind, coded))?;
+                let failed = move_blocks(shared, shard_sources, (read, ahead), sinks, (behind, coded))?;
                 Ok::<_, String>((failed, started.elapsed()))
             });
             let started = Instant::now();
             let encoded = if block > 0 {
                 let mine = (index, &mut file, &mut crcs);
                 let sinks_side = (&mut staging, sink_crcs.as_mut_slice());
-                encode_block(task, &sources, (offset, block), mine, sinks, sinks_side, &mut encoder)
+                let stripes = (sources.buffer.as_mut_slice(), checks.as_mut_slice(), sources.slots);
+                encode_block(task, stripes, (offset, block), mine, sinks, sinks_side, &mut encoder)
             } else {
                 Ok(())
             };
@@ -750,6 +813,10 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
         sink.crcs = crcs;
     }
     spent.total = blocks_started.elapsed();
+    if let Some(short) = checks.iter().position(|check| !check.complete()) {
+        return Err(format!("member {short} of group {group} was not read whole"));
+    }
+    drop(checks);
     drop(sources);
     tracing::debug!(
         version,
@@ -972,8 +1039,9 @@ fn decode_member(
                 None
             }
             Some((member_rank, Some(holder))) => {
-                let fetched = PeerSession::open(shared, holder, *member_rank)
-                    .and_then(|mut session| session.fetch(shared, *member_rank, version).map(|f| (session, f)));
+                let fetched = PeerSession::open(shared, holder, *member_rank).and_then(|mut session| {
+                    session.fetch(shared, (*member_rank, version), false).map(|f| (session, f))
+                });
                 match fetched {
                     Ok((session, (member_manifest, region))) => {
                         if meta.members[index].as_ref() != Some(&member_manifest) {
@@ -1013,7 +1081,8 @@ fn decode_member(
     };
     let data_at: Vec<Option<usize>> = data_sources.into_iter().map(&mut place).collect();
     let parity_at: Vec<Option<usize>> = parity_sources.into_iter().map(&mut place).collect();
-    let mut shards = ShardBlocks::new(shared, readable)?;
+    let slots = readable.len();
+    let mut shards = ShardBlocks::new(shared, readable, slots)?;
     let store = &shared.settings.store;
     let mut file = store.create(&shared.app, rank, version, manifest.total_len).map_err(|e| e.to_string())?;
     let total = manifest.total_len;
