@@ -456,6 +456,18 @@ fn rs_4_2_survives_two_lost_nodes_at_once() {
     pfs_untouched(&service, "r42");
 }
 
+/// Waits (up to a minute) until the controller logs that `piece` could not
+/// be built, for a reason containing `why`.
+fn wait_until_not_built(service: &LocalService, piece: &str, why: &str) {
+    let logged =
+        |log: &str| log.lines().any(|l| l.contains("could not be built") && l.contains(piece) && l.contains(why));
+    assert!(
+        poll_until(Duration::from_secs(60), || logged(&service.log("controller.log"))),
+        "no \"{piece} could not be built ... {why}\" in:\n{}",
+        service.log("controller.log")
+    );
+}
+
 /// An encoder whose writes to another parity shard's holder are refused
 /// (the `agent.shard_writes_refused` failpoint: a wrong key, which tcp
 /// fails in the batch that also reads the members) still builds its own
@@ -465,18 +477,7 @@ fn rs_4_2_survives_two_lost_nodes_at_once() {
 fn an_encoder_whose_writes_are_refused_fails_only_that_holders_shard() {
     let service = service_with("red-refused", 4, Some("agent.shard_writes_refused=error"));
     commit_three_with(&service, "rr", "rs:2+2", 2);
-    let refused = |log: &str| {
-        log.lines().any(|l| {
-            l.contains("could not be built")
-                && l.contains("parity shard 1 of group 0")
-                && l.contains("writing its shard")
-        })
-    };
-    assert!(
-        poll_until(Duration::from_secs(60), || refused(&service.log("controller.log"))),
-        "{}",
-        service.log("controller.log")
-    );
+    wait_until_not_built(&service, "parity shard 1 of group 0", "writing its shard");
     let log = service.log("controller.log");
     let own_failed = log.lines().any(|l| l.contains("could not be built") && l.contains("parity shard 0 of group 0"));
     assert!(!own_failed, "the encoder's own shard failed too:\n{log}");
@@ -493,17 +494,10 @@ fn an_encoder_whose_writes_are_refused_fails_only_that_holders_shard() {
 fn an_encoder_refuses_a_member_whose_bytes_do_not_match_its_checksums() {
     let service = service_with("red-damaged", 3, Some("agent.member_read_damaged=error"));
     commit_three_with(&service, "rd", "rs:2+1", 2);
-    let refused = |log: &str| {
-        log.lines().any(|l| {
-            l.contains("could not be built")
-                && l.contains("parity shard 0 of group 0")
-                && l.contains("label \"step\": chunk 0 does not match the rank's checksum")
-        })
-    };
-    assert!(
-        poll_until(Duration::from_secs(60), || refused(&service.log("controller.log"))),
-        "{}",
-        service.log("controller.log")
+    wait_until_not_built(
+        &service,
+        "parity shard 0 of group 0",
+        "label \"step\": chunk 0 does not match the rank's checksum",
     );
     let report = app(&service, "rd");
     assert_eq!(report.protected, None, "{report:?}");
