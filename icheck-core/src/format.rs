@@ -527,8 +527,9 @@ mod tests {
     fn in_order_checks_pieces_cut_anywhere_and_names_the_damaged_chunk() {
         // Three chunks and a tail over two labels, fed in pieces that cut
         // chunks and labels anywhere, then zero padding.
-        let mut data = vec![0u8; 2 * CHUNK_BYTES + CHUNK_BYTES / 2 + 1234];
-        crate::pattern::fill_pattern(&mut data, 7);
+        let data: Vec<u8> = (0..2 * CHUNK_BYTES + CHUNK_BYTES / 2 + 1234)
+            .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[2])
+            .collect();
         let good = manifest(&data);
         for piece in [1 << 20, 999_998, CHUNK_BYTES + 2, data.len()] {
             let mut check = super::InOrderCheck::new(&good).unwrap();
