@@ -528,7 +528,7 @@ mod tests {
         // Three chunks and a tail over two labels, fed in pieces that cut
         // chunks and labels anywhere, then zero padding.
         let data: Vec<u8> = (0..2 * CHUNK_BYTES + CHUNK_BYTES / 2 + 1234)
-            .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[2])
+            .map(|i| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[5])
             .collect();
         let good = manifest(&data);
         for piece in [1 << 20, 999_998, CHUNK_BYTES + 2, data.len()] {
