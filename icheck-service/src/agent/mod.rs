@@ -1404,12 +1404,15 @@ fn handle_rest(
                 }
             };
             let open_ms = fetch_started.elapsed().as_secs_f64() * 1e3;
+            // Intact only by the reader's word: nothing is checked here, and
+            // nothing is recorded as checked.
+            let unchecked = reader_checks && !intact;
             let found = match &opened {
                 Err(missing @ StoreError::Missing { .. }) => Found::Missing(missing.to_string()),
                 Err(err) => Found::Unreadable(err.to_string()),
                 Ok(_) if intact => Found::Intact,
                 // Served as found: the reader checks every chunk itself.
-                Ok(_) if reader_checks => Found::Intact,
+                Ok(_) if unchecked => Found::Intact,
                 Ok((manifest, file)) => match manifest.verify(file.as_slice()) {
                     Ok(()) => Found::Intact,
                     Err(damage) => Found::Damaged(damage.to_string()),
@@ -1417,7 +1420,7 @@ fn handle_rest(
             };
             match (&found, &opened, identity) {
                 // Checked: the next reader need not (see `kept`).
-                (Found::Intact, Ok((manifest, file)), Some(identity)) if intact || !reader_checks => {
+                (Found::Intact, Ok((manifest, file)), Some(identity)) if !unchecked => {
                     shared.kept.keep_intact(manifest, identity, file)
                 }
                 // Not worth keeping mapped (and perhaps about to be removed).

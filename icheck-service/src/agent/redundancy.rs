@@ -70,11 +70,11 @@ impl PeerSession {
         }
     }
 
-    /// The rank's intact primary of `version` (the peer refuses to call a
-    /// damaged one intact), checked like a restarting rank's.
-    /// Asks the peer to expose `rank`'s `version` for reading; with
-    /// `reader_checks` the peer does not check the bytes first, because
-    /// this reader checks every chunk as it arrives.
+    /// The rank's primary of `version`, exposed for reading. Without
+    /// `reader_checks` the peer checks it first (and refuses to call a
+    /// damaged one intact), as for a restarting rank; with it the peer
+    /// exposes it unchecked, because this reader checks every chunk as it
+    /// arrives.
     pub(super) fn fetch(
         &mut self,
         shared: &Shared,
