@@ -958,7 +958,7 @@ fn rebuild_from_copy(shared: &Shared, rank: u32, version: u64, holder: &AgentInf
     session.read_whole(shared, region, &mut file, manifest.total_len as usize)?;
     session.done_reading();
     manifest.verify(file.as_slice()).map_err(|e| format!("the copy on {} fails its checksums: {e}", holder.node))?;
-    store.seal(&manifest).map_err(|e| e.to_string())?;
+    super::seal_checked(shared, &manifest, file.into_inner())?;
     Ok(manifest)
 }
 
@@ -1126,7 +1126,6 @@ fn decode_member(
     manifest
         .verify(file.as_slice())
         .map_err(|e| format!("rank {rank} decoded from group {group} fails its checksums: {e}"))?;
-    drop(file);
-    store.seal(&manifest).map_err(|e| e.to_string())?;
+    super::seal_checked(shared, &manifest, file)?;
     Ok(manifest)
 }

@@ -18,10 +18,11 @@ pub struct LocalService {
     pub icheck: PathBuf,
     /// Arguments `icheck up` was given (before `--state-dir`).
     up_args: Vec<String>,
-    /// `ICHECK_FAILPOINTS` for the daemons (they inherit `icheck up`'s
-    /// environment), so one test can arm failpoints without touching the
-    /// environment of the other tests in its process.
-    failpoints: Option<String>,
+    /// Environment for the daemons (they inherit `icheck up`'s), such as
+    /// `ICHECK_FAILPOINTS` or `ICHECK_LOG`, so one test can arm failpoints
+    /// or read debug logs without touching the environment of the other
+    /// tests in its process.
+    daemon_env: Vec<(String, String)>,
     /// State directory (config, logs, pids).
     pub dir: PathBuf,
     /// The client configuration `icheck up` wrote.
@@ -56,6 +57,23 @@ impl LocalService {
         dynamic: Option<&str>,
         failpoints: Option<&str>,
     ) -> LocalService {
+        let env: Vec<(&str, &str)> =
+            failpoints.map(|spec| (icheck_core::failpoint::FAILPOINTS_ENV, spec)).into_iter().collect();
+        LocalService::up_with_env(icheck, name, managers, extra, dynamic, &env)
+    }
+
+    /// [`up_with_dynamic`](Self::up_with_dynamic), with the daemons started
+    /// with `env` added to this process's environment (e.g.
+    /// `("ICHECK_LOG", "info,icheck_service::agent=debug")` for a test that
+    /// reads the agents' debug lines).
+    pub fn up_with_env(
+        icheck: &Path,
+        name: &str,
+        managers: u32,
+        extra: &[&str],
+        dynamic: Option<&str>,
+        env: &[(&str, &str)],
+    ) -> LocalService {
         let dir = std::env::temp_dir().join(format!("icheck-test-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         if let Some(text) = dynamic {
@@ -77,7 +95,7 @@ impl LocalService {
         let mut service = LocalService {
             icheck: icheck.to_path_buf(),
             up_args,
-            failpoints: failpoints.map(str::to_string),
+            daemon_env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             config: StaticConfig::default(),
             dir,
         };
@@ -88,9 +106,7 @@ impl LocalService {
     fn start(&mut self) {
         let mut up = Command::new(&self.icheck);
         up.args(&self.up_args).arg("--state-dir").arg(&self.dir);
-        if let Some(spec) = &self.failpoints {
-            up.env(icheck_core::failpoint::FAILPOINTS_ENV, spec);
-        }
+        up.envs(self.daemon_env.iter().map(|(k, v)| (k, v)));
         let out = up.output().expect("run icheck up");
         assert!(
             out.status.success(),
@@ -114,9 +130,7 @@ impl LocalService {
     pub fn up_again(&self) -> String {
         let mut up = Command::new(&self.icheck);
         up.args(&self.up_args).arg("--state-dir").arg(&self.dir);
-        if let Some(spec) = &self.failpoints {
-            up.env(icheck_core::failpoint::FAILPOINTS_ENV, spec);
-        }
+        up.envs(self.daemon_env.iter().map(|(k, v)| (k, v)));
         let out = up.output().expect("run icheck up");
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         assert!(out.status.success(), "icheck up (again) failed: {text}");
