@@ -416,9 +416,13 @@ impl<'a> InOrderCheck<'a> {
     }
 
     /// The next `bytes` of the rank's data (and perhaps padding after it).
+    /// Returns the crc32c of all of `bytes`, padding included, combined
+    /// from the same pass (a reader that keeps its own checksums at another
+    /// granularity, as a parity shard's stripes, reads the bytes once).
     /// The error names the label and chunk that does not match.
-    pub fn feed(&mut self, mut bytes: &[u8]) -> Result<(), FormatError> {
+    pub fn feed(&mut self, mut bytes: &[u8]) -> Result<u32, FormatError> {
         let m = self.manifest;
+        let mut whole = 0;
         while !bytes.is_empty() && self.fed < m.total_len {
             let label = &m.labels[self.label];
             let label_end = label.offset + label.len;
@@ -429,7 +433,9 @@ impl<'a> InOrderCheck<'a> {
             }
             let chunk_end = (label.offset + (self.chunk as u64 + 1) * CHUNK_SIZE).min(label_end);
             let take = bytes.len().min(usize::try_from(chunk_end - self.fed).unwrap_or(usize::MAX));
-            self.partial = crc32c_combine(self.partial, crc32c(&bytes[..take]), take);
+            let crc = crc32c(&bytes[..take]);
+            self.partial = crc32c_combine(self.partial, crc, take);
+            whole = crc32c_combine(whole, crc, take);
             (self.fed, bytes) = (self.fed + take as u64, &bytes[take..]);
             if self.fed == chunk_end {
                 if self.partial != m.crcs[self.label][self.chunk] {
@@ -440,7 +446,8 @@ impl<'a> InOrderCheck<'a> {
                 (self.chunk, self.partial) = (self.chunk + 1, 0);
             }
         }
-        Ok(())
+        // Padding past the rank's data.
+        Ok(if bytes.is_empty() { whole } else { crc32c_combine(whole, crc32c(bytes), bytes.len()) })
     }
 
     /// Whether every byte of the rank's data has been fed (and checked).
@@ -531,18 +538,23 @@ mod tests {
             .map(|i| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[5])
             .collect();
         let good = manifest(&data);
-        for piece in [1 << 20, 999_998, CHUNK_BYTES + 2, data.len()] {
+        // Each piece's own checksum comes back, padding included (the last
+        // piece of some cuts is the data's tail and padding together).
+        let padded: Vec<u8> = data.iter().copied().chain([0u8; 4096]).collect();
+        for piece in [1 << 20, 999_998, CHUNK_BYTES + 2, data.len(), padded.len()] {
             let mut check = super::InOrderCheck::new(&good).unwrap();
-            for bytes in data.chunks(piece) {
-                check.feed(bytes).unwrap();
+            for bytes in padded.chunks(piece) {
+                assert_eq!(check.feed(bytes).unwrap(), crc32c(bytes), "pieces of {piece}");
             }
             assert!(check.complete(), "pieces of {piece}");
-            check.feed(&[0u8; 4096]).unwrap();
         }
         let mut damaged = data.clone();
         damaged[CHUNK_BYTES + CHUNK_BYTES / 3 + 5] ^= 1;
         let mut check = super::InOrderCheck::new(&good).unwrap();
-        let err = damaged.chunks(777_777).try_for_each(|bytes| check.feed(bytes)).expect_err("a flipped bit passed");
+        let err = damaged
+            .chunks(777_777)
+            .try_for_each(|bytes| check.feed(bytes).map(drop))
+            .expect_err("a flipped bit passed");
         assert!(err.to_string().contains("label \"b\": chunk 0 does not match"), "{err}");
         assert!(!check.complete());
     }

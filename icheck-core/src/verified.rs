@@ -94,6 +94,46 @@ pub unsafe fn read_checked_from(
     local: &MemoryRegion,
     ranges: &[PeerRange<'_>],
 ) -> Result<Option<(usize, usize)>, FabricError> {
+    if let Some(index) = ranges.iter().position(|r| r.range.crcs.len() != r.range.len.div_ceil(CHUNK_BYTES)) {
+        check_bounds(local, ranges)?;
+        return Ok(Some((index, 0)));
+    }
+    let check = |index: usize, start: usize, bytes: &[u8]| {
+        let chunk = start / CHUNK_BYTES;
+        first_bad_chunk(bytes, &ranges[index].range.crcs[chunk..=chunk]).is_none()
+    };
+    // SAFETY: the caller's guarantees, passed on.
+    let refused = unsafe { read_in_pieces_from(endpoint, local, ranges, CHUNK_BYTES, check) }?;
+    Ok(refused.map(|(index, start)| (index, start / CHUNK_BYTES)))
+}
+
+/// Reads `len` bytes at `remote_offset` of `remote` into the start of
+/// `into`, in one batch, and hands each `piece` bytes to `take` in order
+/// (the last piece shorter), on another thread, as soon as every byte of
+/// it has arrived: a reader that checksums what it reads at another
+/// granularity than the rank's chunks (a parity shard's stripes) does it
+/// while the bytes are in cache and the rest still moves. `take` returns
+/// false to refuse a piece; no later piece is handed over, and the
+/// refused piece's offset is returned.
+pub fn read_in_pieces<B: StableBuffer>(
+    endpoint: &Endpoint,
+    peer: &Peer,
+    into: &mut RegisteredBuffer<B>,
+    (remote, remote_offset, len): (RemoteRegion, u64, usize),
+    piece: usize,
+    mut take: impl FnMut(&[u8]) -> bool + Send,
+) -> Result<Option<usize>, FabricError> {
+    let range = CheckedRange { remote, remote_offset, local_offset: 0, len, crcs: &[] };
+    let ranges = [PeerRange { peer, range }];
+    // SAFETY: `&mut into` keeps every other user of the buffer out for the
+    // whole call, and the registration covers it.
+    let refused = unsafe { read_in_pieces_from(endpoint, into.region(), &ranges, piece, |_, _, bytes| take(bytes)) }?;
+    Ok(refused.map(|(_, start)| start))
+}
+
+/// Refuses ranges outside `local` or sharing a destination byte (a piece
+/// handed over must never be written again).
+fn check_bounds(local: &MemoryRegion, ranges: &[PeerRange<'_>]) -> Result<(), FabricError> {
     for PeerRange { range, .. } in ranges {
         if range.local_offset.checked_add(range.len).is_none_or(|end| end > local.len) {
             return Err(FabricError::OutOfRange {
@@ -104,8 +144,6 @@ pub unsafe fn read_checked_from(
             });
         }
     }
-    // A chunk handed to the checker must never be written again: no two
-    // ranges may share a destination byte.
     let mut spans: Vec<(usize, usize)> =
         ranges.iter().map(|r| (r.range.local_offset, r.range.local_offset + r.range.len)).collect();
     spans.sort_unstable();
@@ -115,29 +153,49 @@ pub unsafe fn read_checked_from(
             pair[0].0, pair[0].1, pair[1].0, pair[1].1
         )));
     }
-    if let Some(index) = ranges.iter().position(|r| r.range.crcs.len() != r.range.len.div_ceil(CHUNK_BYTES)) {
-        return Ok(Some((index, 0)));
+    Ok(())
+}
+
+/// The core of [`read_checked_from`] and [`read_in_pieces`]: reads the
+/// ranges as one batch and calls `take(range index, offset in the range,
+/// bytes)` for each `piece` bytes of each range (pieces start at the
+/// range's start) on a scoped thread, in order, as soon as all of the
+/// piece has arrived. Returns the first piece `take` refused, as (range
+/// index, offset in the range); none after it is handed over.
+///
+/// # Safety
+/// Nothing else may read or write `local`'s memory during the call, and
+/// that memory must stay valid for it.
+unsafe fn read_in_pieces_from(
+    endpoint: &Endpoint,
+    local: &MemoryRegion,
+    ranges: &[PeerRange<'_>],
+    piece: usize,
+    mut take: impl FnMut(usize, usize, &[u8]) -> bool + Send,
+) -> Result<Option<(usize, usize)>, FabricError> {
+    check_bounds(local, ranges)?;
+    if piece == 0 {
+        return Err(FabricError::Config("pieces of a read must not be empty".into()));
     }
     if ranges.iter().all(|r| r.range.len == 0) {
         return Ok(None);
     }
     let base = local.ptr as usize;
-    let (to_check, chunks) = mpsc::channel::<(usize, usize)>();
+    let (to_take, pieces) = mpsc::channel::<(usize, usize)>();
     std::thread::scope(|scope| {
-        let checker = scope.spawn(move || {
-            for (index, start) in chunks {
+        let taker = scope.spawn(move || {
+            for (index, start) in pieces {
                 let range = ranges[index].range;
-                let end = (start + CHUNK_BYTES).min(range.len);
+                let end = (start + piece).min(range.len);
                 // SAFETY: bytes start..end of the range were completely read
-                // before this chunk was sent, no later operation of the batch
+                // before this piece was sent, no later operation of the batch
                 // writes them (ranges do not overlap), and the caller keeps
                 // everyone else out.
                 let bytes = unsafe {
                     std::slice::from_raw_parts((base + range.local_offset + start) as *const u8, end - start)
                 };
-                let chunk = start / CHUNK_BYTES;
-                if first_bad_chunk(bytes, &range.crcs[chunk..=chunk]).is_some() {
-                    return Some((index, chunk));
+                if !take(index, start, bytes) {
+                    return Some((index, start));
                 }
             }
             None
@@ -155,8 +213,8 @@ pub unsafe fn read_checked_from(
             })
             .collect();
         // The batch's bytes arrive as a prefix over the ranges in order: the
-        // next chunk to hand over is chunk `next` of range `current`, which
-        // starts at byte `before` of the batch.
+        // next piece to hand over is the one at `next` of range `current`,
+        // which starts at byte `before` of the batch.
         let (mut current, mut next, mut before) = (0usize, 0usize, 0usize);
         let mut hand_over = |arrived: usize| {
             while current < ranges.len() {
@@ -167,23 +225,23 @@ pub unsafe fn read_checked_from(
                     next = 0;
                     continue;
                 }
-                let end = (next + CHUNK_BYTES).min(len);
+                let end = (next + piece).min(len);
                 if before + end > arrived {
                     break;
                 }
-                // A checker that stopped (a bad chunk) needs no more.
-                let _ = to_check.send((current, next));
-                next += CHUNK_BYTES;
+                // A taker that stopped (a refused piece) needs no more.
+                let _ = to_take.send((current, next));
+                next += piece;
             }
         };
-        // SAFETY: the checker reads only chunks handed over, whose bytes
+        // SAFETY: the taker reads only pieces handed over, whose bytes
         // have all arrived and which no later operation of the batch
         // writes; the caller keeps everyone else out.
         let target = unsafe { local.target_unchecked() };
         let read = endpoint.read_observed_from(target, &ops, &TransferOptions::default(), &mut hand_over);
-        drop(to_check);
-        let bad = checker.join().unwrap_or(Some((0, 0)));
-        read.map(|_| bad)
+        drop(to_take);
+        let refused = taker.join().unwrap_or(Some((0, 0)));
+        read.map(|_| refused)
     })
 }
 /// Reads `out.len()` bytes at `offset` of a version through `read_at`

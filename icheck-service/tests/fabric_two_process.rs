@@ -462,6 +462,54 @@ fn checked_reads_land_in_place_and_name_the_first_bad_chunk() {
     }
 }
 
+/// `verified::read_in_pieces` hands every piece of a read, in order and
+/// with the last one shorter, to its consumer only once all of it is in
+/// place; a refused piece stops the handing over and is named by offset.
+#[test]
+fn pieces_of_a_read_are_handed_over_in_order_once_arrived_and_a_refusal_stops_them() {
+    use icheck_core::verified::read_in_pieces;
+    const PIECE: usize = 1 << 20;
+    for provider in ["tcp", "shm"] {
+        let target = start_target(provider, ODD_SIZE, 1);
+        let mut initiator = Initiator::connect(provider, &target);
+        let mut expected = vec![0u8; ODD_SIZE];
+        icheck_core::pattern::fill_pattern(&mut expected, 1);
+        let region = target.announcement().region;
+        let mut seen = Vec::new();
+        let take = |bytes: &[u8]| {
+            let at = seen.iter().sum::<usize>();
+            assert!(
+                bytes == &expected[at..at + bytes.len()],
+                "{provider}: piece at {at} handed over before it arrived"
+            );
+            seen.push(bytes.len());
+            true
+        };
+        let refused = read_in_pieces(
+            &initiator.endpoint,
+            &initiator.peer,
+            &mut initiator.local,
+            (region, 0, ODD_SIZE),
+            PIECE,
+            take,
+        );
+        assert_eq!(refused.unwrap(), None, "{provider}");
+        let mut lengths = vec![PIECE; ODD_SIZE / PIECE];
+        lengths.push(ODD_SIZE % PIECE);
+        assert_eq!(seen, lengths, "{provider}: every piece once, in order, the last one shorter");
+        let mut handed = 0;
+        let refuse_third = |_: &[u8]| {
+            handed += 1;
+            handed < 3
+        };
+        let local = &mut initiator.local;
+        let refused =
+            read_in_pieces(&initiator.endpoint, &initiator.peer, local, (region, 0, ODD_SIZE), PIECE, refuse_third);
+        assert_eq!(refused.unwrap(), Some(2 * PIECE), "{provider}: the refused piece's offset");
+        assert_eq!(handed, 3, "{provider}: nothing handed over after a refusal");
+    }
+}
+
 /// `verified::read_checked_from` reads ranges held by two target processes
 /// in one batch: each lands in place, a damaged chunk is named by its range
 /// and chunk, and ranges that would share destination bytes are refused
