@@ -231,6 +231,35 @@ fn a_rebuilt_rank_is_served_without_being_mapped_or_checked_again() {
     assert!(fetches.iter().all(|l| l.contains(" kept=true ")), "rank 0 was mapped again: {fetches:#?}");
 }
 
+/// While an application runs, the agents copying its versions start no
+/// background check of them when their reading ends (before, every copy
+/// or encoding was followed by a second read of the version at low
+/// priority, for a restart that was not coming); the end of the rank's own
+/// session still starts one.
+#[test]
+fn copying_a_running_applications_versions_starts_no_background_check() {
+    let env = [("ICHECK_LOG", "info,icheck_service::agent=debug")];
+    let args = ["--provider", "tcp", "--manager-relaunches", "0"];
+    let service = LocalService::up_with_env(&icheck_in_target(), "red-nocheck", 4, &args, None, &env);
+    let args = ["--app", "nc", "--steps", "20", "--every", "2", "--mib", "2", "--hang-after", "3"];
+    let mut job = Job::start(4, &service.config_path(), &args, &[("ICHECK_REDUNDANCY", "partner")]);
+    job.wait_line("HANG", Duration::from_secs(120));
+    wait_protected(&service, "nc", 3);
+    let checked = || -> Vec<String> {
+        let logs = (1..=4).map(|n| service.log(&format!("manager-local-{n}.log")));
+        logs.flat_map(|log| {
+            log.lines().filter(|l| l.contains("kept version checked")).map(String::from).collect::<Vec<_>>()
+        })
+        .collect()
+    };
+    // Settled: a check a copier's session end started would have logged.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(checked(), Vec::<String>::new(), "versions checked again while the application runs");
+    job.kill();
+    let ranks_checked = poll_until(Duration::from_secs(30), || checked().len() >= 4);
+    assert!(ranks_checked, "the ranks' sessions ended, but their versions were not checked: {:?}", checked());
+}
+
 /// SIGKILLs the controller and waits until it is gone.
 fn kill_controller(service: &LocalService) {
     let pid = service.pid_of("controller");

@@ -879,6 +879,9 @@ struct Session {
     retired: Vec<Fetching>,
     /// A parity shard another agent is writing here (PutPiece to SealPiece).
     receiving: Option<Receiving>,
+    /// The rank's own session (its application's), rather than another
+    /// agent's reading the rank to copy, encode or take it over.
+    the_ranks_own: bool,
 }
 
 /// A piece being written by the agent that encodes its group. Its file is
@@ -935,8 +938,13 @@ impl Drop for Session {
         }
         // The rank's next session is likely a restart: its newest version
         // (kept mapped since its Seal) is checked before it is asked for;
-        // an incremental one, which nothing keeps yet, is composed.
-        self.kept.check_later(&self.store, self.core.app(), self.core.rank());
+        // an incremental one, which nothing keeps yet, is composed. Not
+        // when another agent's session ends: an encoder or a copier reads
+        // every version while the rank's own session goes on, and a check
+        // after each would read every version once more for nothing.
+        if self.the_ranks_own {
+            self.kept.check_later(&self.store, self.core.app(), self.core.rank());
+        }
         if let Some((newest, _)) = self.sealed.last() {
             self.kept.compose_later(&self.store, self.core.app(), self.core.rank(), *newest);
         }
@@ -1049,6 +1057,7 @@ fn handle(
             prepared_len: 0,
             retired: Vec::new(),
             receiving: None,
+            the_ranks_own: caller.privilege == Privilege::Client,
         });
         return Ok(AgentReply::Ok);
     }
@@ -1394,7 +1403,8 @@ fn handle_rest(
             let (app, rank) = (session.core.app().to_string(), session.core.rank());
             // Kept mapped since the rank's last session (and usually checked
             // since): no mapping and no second pass over the bytes.
-            let (opened, identity, intact, kept) = match shared.kept.share(store, &app, rank, version) {
+            let (opened, identity, intact, kept) = match shared.kept.share(store, &app, (rank, version), !reader_checks)
+            {
                 Some(kept) => (Ok((kept.manifest, kept.file)), Some(kept.identity), kept.intact, true),
                 // The identity before the check: a change after it shows.
                 None => {
