@@ -65,6 +65,11 @@ struct Cli {
     /// service goes (to see where a case's time went).
     #[arg(long)]
     keep_logs: Option<PathBuf>,
+    /// Where the agents keep checkpoints (`icheck up --store-dir`; each
+    /// case in a subdirectory of its own), e.g. a tmpfs mounted with
+    /// `huge=within_size`. Default: `icheck up`'s, on /dev/shm.
+    #[arg(long)]
+    store_dir: Option<PathBuf>,
     /// Commit incrementally (the library's default): each version then
     /// moves one changed block. Off here, so every commit moves its whole
     /// version, as FTI's and VeloC's checkpoints do, and the figures compare
@@ -353,7 +358,11 @@ fn case(cli: &Cli, data: Dataset, policy: &str) -> Result<Row> {
     // policies differ in their redundancy only (rs:4+2 adds agents).
     let dynamic = format!("init_agent_count = {}\ncandidate_count = 6\nreadInterval = 5\n", data.ranks);
     // Heartbeats every 2 s: six managers and the encoding share two cores.
-    let args = ["--provider", cli.provider.as_str(), "--manager-relaunches", "0", "--heartbeat", "2"];
+    let mut args = vec!["--provider", cli.provider.as_str(), "--manager-relaunches", "0", "--heartbeat", "2"];
+    let store = cli.store_dir.as_ref().map(|dir| dir.join(&name).display().to_string());
+    if let Some(store) = &store {
+        args.extend(["--store-dir", store.as_str()]);
+    }
     let service = LocalService::up_with_dynamic(&icheck_binary()?, &name, 6, &args, Some(&dynamic));
     let config = service.dir.join("bench.toml");
     let text = std::fs::read_to_string(service.config_path())?;
