@@ -27,6 +27,19 @@ fn service_on(provider: &str, name: &str, managers: u32, failpoints: Option<&str
     LocalService::up_with_failpoints(&icheck_in_target(), name, managers, &args, None, failpoints)
 }
 
+/// [`service`] with the agents' debug lines in the managers' logs, for
+/// tests that read what the agents did.
+fn service_logging_agents(name: &str, managers: u32) -> LocalService {
+    let env = [("ICHECK_LOG", "info,icheck_service::agent=debug")];
+    let args = ["--provider", "tcp", "--manager-relaunches", "0"];
+    LocalService::up_with_env(&icheck_in_target(), name, managers, &args, None, &env)
+}
+
+/// The logs of managers `local-1` to `local-{managers}`, in that order.
+fn manager_logs(service: &LocalService, managers: u32) -> Vec<String> {
+    (1..=managers).map(|n| service.log(&format!("manager-local-{n}.log"))).collect()
+}
+
 /// Versions 1 to 3 are protected; the fourth one recorded is not, as when
 /// a node is lost within its protection's window.
 const FOURTH_UNPROTECTED: &str = "controller.protect_recorded=3*error";
@@ -199,7 +212,7 @@ fn three_ranks_under_rs_2_1_survive_the_loss_of_rank_2s_node() {
     wait_protected(&service, "sh", 3);
     restart_bit_exact_with(&service, "sh", "rs:2+1", 6, 3);
     pfs_untouched(&service, "sh");
-    let managers: String = (1..=4).map(|n| service.log(&format!("manager-local-{n}.log"))).collect();
+    let managers = manager_logs(&service, 4).concat();
     let rebuilt = managers.lines().find(|l| l.contains("rank rebuilt") && l.contains("rank=2 "));
     assert!(rebuilt.is_some_and(|l| l.contains("decoded from group")), "rank 2 was not decoded: {rebuilt:?}");
 }
@@ -210,9 +223,7 @@ fn three_ranks_under_rs_2_1_survive_the_loss_of_rank_2s_node() {
 /// rank of 1 GiB that was about half of the restart's time).
 #[test]
 fn a_rebuilt_rank_is_served_without_being_mapped_or_checked_again() {
-    let env = [("ICHECK_LOG", "info,icheck_service::agent=debug")];
-    let args = ["--provider", "tcp", "--manager-relaunches", "0"];
-    let service = LocalService::up_with_env(&icheck_in_target(), "red-kept", 4, &args, None, &env);
+    let service = service_logging_agents("red-kept", 4);
     commit_three(&service, "kp", "partner");
     let report = wait_protected(&service, "kp", 3);
     let slot = icheck_core::decide::agent_for_rank(0, 4, report.agents.len() as u32) as usize;
@@ -220,7 +231,7 @@ fn a_rebuilt_rank_is_served_without_being_mapped_or_checked_again() {
     lose_node(&service, &lost);
     wait_rebuilt(&service, "kp", 3, &[&lost]);
     restart_bit_exact(&service, "kp", "partner", 6);
-    let logs: Vec<String> = (1..=4).map(|n| service.log(&format!("manager-local-{n}.log"))).collect();
+    let logs = manager_logs(&service, 4);
     let rebuilt = |line: &str| line.contains("rank rebuilt") && line.contains(" rank=0 ");
     let rebuilder = logs.iter().find(|log| log.lines().any(rebuilt)).expect("a node logged rank 0 rebuilt");
     let fetches: Vec<&str> = rebuilder
@@ -238,19 +249,18 @@ fn a_rebuilt_rank_is_served_without_being_mapped_or_checked_again() {
 /// session still starts one.
 #[test]
 fn copying_a_running_applications_versions_starts_no_background_check() {
-    let env = [("ICHECK_LOG", "info,icheck_service::agent=debug")];
-    let args = ["--provider", "tcp", "--manager-relaunches", "0"];
-    let service = LocalService::up_with_env(&icheck_in_target(), "red-nocheck", 4, &args, None, &env);
+    let service = service_logging_agents("red-nocheck", 4);
     let args = ["--app", "nc", "--steps", "20", "--every", "2", "--mib", "2", "--hang-after", "3"];
     let mut job = Job::start(4, &service.config_path(), &args, &[("ICHECK_REDUNDANCY", "partner")]);
     job.wait_line("HANG", Duration::from_secs(120));
     wait_protected(&service, "nc", 3);
     let checked = || -> Vec<String> {
-        let logs = (1..=4).map(|n| service.log(&format!("manager-local-{n}.log")));
-        logs.flat_map(|log| {
-            log.lines().filter(|l| l.contains("kept version checked")).map(String::from).collect::<Vec<_>>()
-        })
-        .collect()
+        manager_logs(&service, 4)
+            .into_iter()
+            .flat_map(|log| {
+                log.lines().filter(|l| l.contains("kept version checked")).map(String::from).collect::<Vec<_>>()
+            })
+            .collect()
     };
     // Settled: a check a copier's session end started would have logged.
     std::thread::sleep(Duration::from_secs(1));
