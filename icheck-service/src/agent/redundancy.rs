@@ -512,8 +512,9 @@ fn for_each_block(
 /// buffers (the block coded, the one read ahead and the coded shards, 20 MiB
 /// for `rs:4+2`) within this machine's 32 MiB L3, so the coder's checks and
 /// coding read from cache what the copy brought in (`rs:4+2` of 4 × 256 MiB
-/// protected in 540-630 ms against 610-655 ms with 8 MiB; over tcp 2 MiB
-/// blocks were slower, 807 and 1000 ms against 715 and 895).
+/// protected in 502-719 ms, median 581, over ten runs, against 610-655 ms
+/// in three with 8 MiB; over tcp 2 MiB blocks were slower, 807 and 1000 ms
+/// against 715 and 895).
 fn block_len(shared: &Shared) -> u64 {
     if shared.endpoint.provider() == "shm" {
         2 * STRIPE
