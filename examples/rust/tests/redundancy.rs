@@ -255,11 +255,11 @@ fn copying_a_running_applications_versions_starts_no_background_check() {
     job.wait_line("HANG", Duration::from_secs(120));
     wait_protected(&service, "nc", 3);
     let checked = || -> Vec<String> {
-        manager_logs(&service, 4)
-            .into_iter()
-            .flat_map(|log| {
-                log.lines().filter(|l| l.contains("kept version checked")).map(String::from).collect::<Vec<_>>()
-            })
+        let logs = manager_logs(&service, 4);
+        logs.iter()
+            .flat_map(|log| log.lines())
+            .filter(|l| l.contains("kept version checked"))
+            .map(String::from)
             .collect()
     };
     // Settled: a check a copier's session end started would have logged.
