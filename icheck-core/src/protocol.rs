@@ -1136,6 +1136,14 @@ pub enum AgentRequest {
     },
     /// The rank has read what Fetch exposed.
     FetchDone,
+    /// Another agent (node token only) will read what this session
+    /// exposes at the same time as other agents read this agent: the agent
+    /// serves the session's reads from an endpoint of its own where the
+    /// provider needs that for concurrent readers to copy side by side
+    /// (`shm`, [`crate::fabric::Endpoint::sibling`]) and replies
+    /// [`AgentReply::Apart`] with its address; elsewhere it replies `Ok`
+    /// and the reader keeps the agent's address.
+    ServeApart,
     /// Another agent (node token only) reads a piece of redundancy this
     /// agent holds for `version`; replies [`AgentReply::Piece`]. Ended,
     /// like a Fetch, by `FetchDone`.
@@ -1451,6 +1459,9 @@ pub enum AgentReply {
     },
     /// The request failed.
     Error(String),
+    /// The endpoint that serves this session's reads from now on
+    /// (answers [`AgentRequest::ServeApart`]).
+    Apart(FabricAddress),
     /// A piece of redundancy and the registered memory holding its data.
     Piece {
         /// What the piece is.

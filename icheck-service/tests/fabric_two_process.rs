@@ -598,3 +598,39 @@ fn one_batch_reads_one_peer_while_it_writes_another() {
         assert!(sink.command("verify 3").unwrap().starts_with("mismatch"), "{provider}: nothing was written");
     }
 }
+
+/// Another process reads and writes memory registered through one endpoint
+/// by addressing a *sibling* endpoint of the same domain (what agents hand
+/// concurrent readers under shm, so that the provider's per-region lock
+/// does not make them take turns): the key is valid there, the bytes read
+/// are the pattern, and the bytes written land in the registered buffer.
+#[test]
+fn shm_a_sibling_endpoint_serves_its_domains_registrations() {
+    let domain = Domain::open(&FabricConfig::provider("shm")).unwrap();
+    let owner = Endpoint::new(&domain).unwrap();
+    assert!(owner.registrations_are_domain_wide());
+    let size = ODD_SIZE;
+    let mut buffer = AlignedBuffer::zeroed(size);
+    icheck_service::selftest::fill_pattern(buffer.as_mut_slice(), 1);
+    let buffer = owner.register(buffer, Access::REMOTE_READ_WRITE).unwrap();
+    let sibling = owner.sibling().unwrap();
+    assert_ne!(sibling.address(), owner.address(), "a sibling has an address of its own");
+    let progress =
+        icheck_core::fabric::ProgressThread::spawn(&sibling, icheck_core::fabric::ProgressMode::Spin).unwrap();
+    let announcement = icheck_service::selftest::TargetAnnouncement {
+        provider: sibling.provider().to_string(),
+        address: sibling.address().clone(),
+        region: buffer.remote(),
+    };
+    let out = Command::new(ICHECK)
+        .args(["fabric", "initiator", "--provider", "shm", "--peer", &serde_json::to_string(&announcement).unwrap()])
+        .args(["--chunk", &(1 << 20).to_string(), "--inflight", "8"])
+        .args(["--read-seed", "1", "--write-seed", "2", "--timeout", "20"])
+        .output()
+        .expect("run icheck fabric initiator");
+    assert!(out.status.success(), "initiator through the sibling: {}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["bytes"].as_u64(), Some(size as u64), "{report}");
+    drop(progress);
+    verify_pattern(buffer.as_slice(), 2).expect("the initiator's writes through the sibling are in the buffer");
+}

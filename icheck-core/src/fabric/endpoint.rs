@@ -299,7 +299,29 @@ impl Endpoint {
     /// Opens an RDM endpoint on `domain`, binds a completion queue and an
     /// address vector, and enables it.
     pub fn new(domain: &Domain) -> Result<Endpoint> {
-        let dom = domain.inner.clone();
+        Self::open_on(domain.inner.clone())
+    }
+
+    /// Opens another endpoint on this one's domain, with an address, queue
+    /// and locks of its own. Memory registered through either is reachable
+    /// through both where registrations are not bound to an endpoint
+    /// ([`Endpoint::registrations_are_domain_wide`]).
+    ///
+    /// Why it exists: `shm` copies an RMA's bytes while holding a lock in
+    /// the *target* endpoint's shared region, so two peers reading one
+    /// endpoint at once take turns, the waiting one spinning on its core.
+    /// Readers sent to endpoints of their own copy side by side.
+    pub fn sibling(&self) -> Result<Endpoint> {
+        Self::open_on(self.shared.domain.clone())
+    }
+
+    /// Whether a key registered through this endpoint is valid on every
+    /// endpoint of its domain (no `FI_MR_ENDPOINT` binding).
+    pub fn registrations_are_domain_wide(&self) -> bool {
+        !self.shared.domain.mr_mode.endpoint
+    }
+
+    fn open_on(dom: Arc<DomainInner>) -> Result<Endpoint> {
         let mut state = EpState {
             ep: ptr::null_mut(),
             cq: ptr::null_mut(),

@@ -35,6 +35,8 @@ pub(super) struct PeerSession {
     peer: Peer,
     from: AgentInfo,
     fetching: bool,
+    /// Whether the peer was asked to serve this session's reads apart.
+    apart: bool,
 }
 
 impl PeerSession {
@@ -46,7 +48,7 @@ impl PeerSession {
                 .map_err(|e| fail(e.to_string()))?;
         conn.set_timeout(TAKE_OVER_TIMEOUT);
         let peer = shared.endpoint.insert_peer(&from.address).map_err(|e| fail(e.to_string()))?;
-        let mut session = PeerSession { conn, peer, from: from.clone(), fetching: false };
+        let mut session = PeerSession { conn, peer, from: from.clone(), fetching: false, apart: false };
         let open = AgentRequest::Open {
             app: shared.app.clone(),
             rank,
@@ -60,6 +62,24 @@ impl PeerSession {
 
     fn fail(&self, what: impl std::fmt::Display) -> String {
         format!("agent {} on {} ({}): {what}", self.from.id, self.from.node, self.from.control)
+    }
+
+    /// Before the first read: asks the peer to serve this session from an
+    /// endpoint of its own where the provider would otherwise make
+    /// concurrent readers of the peer take turns (`ServeApart`), and
+    /// reads from there.
+    fn serve_apart(&mut self, shared: &Shared) -> Result<(), String> {
+        if std::mem::replace(&mut self.apart, true) || shared.endpoint.provider() != "shm" {
+            return Ok(());
+        }
+        match self.call(&AgentRequest::ServeApart)? {
+            AgentReply::Apart(address) => {
+                self.peer = shared.endpoint.insert_peer(&address).map_err(|e| self.fail(e))?;
+                Ok(())
+            }
+            AgentReply::Ok => Ok(()),
+            other => Err(self.fail(format!("unexpected answer to ServeApart: {other:?}"))),
+        }
     }
 
     fn call(&mut self, request: &AgentRequest) -> Result<AgentReply, String> {
@@ -81,6 +101,7 @@ impl PeerSession {
         (rank, version): (u32, u64),
         reader_checks: bool,
     ) -> Result<(Manifest, RemoteRegion), String> {
+        self.serve_apart(shared)?;
         let reply = self.call(&AgentRequest::Fetch { version, reader: None, reader_checks })?;
         self.fetching = true;
         match check_fetched(reply, FetchWanted { app: &shared.app, rank, version }) {
@@ -98,6 +119,7 @@ impl PeerSession {
         version: u64,
         piece: PieceId,
     ) -> Result<(PieceMeta, RemoteRegion), String> {
+        self.serve_apart(shared)?;
         let reply = self.call(&AgentRequest::FetchPiece { version, piece })?;
         self.fetching = true;
         let AgentReply::Piece { meta, region } = reply else {
