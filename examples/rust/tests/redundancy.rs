@@ -217,6 +217,28 @@ fn three_ranks_under_rs_2_1_survive_the_loss_of_rank_2s_node() {
     assert!(rebuilt.is_some_and(|l| l.contains("decoded from group")), "rank 2 was not decoded: {rebuilt:?}");
 }
 
+/// One rank under rs:2+2: a group of one member, whose two parity shards
+/// are its bytes. Its node is lost: the rank is copied back from one shard,
+/// checked as it arrives, instead of decoded stripe by stripe from both;
+/// the version is protected again and the restart is bit-exact.
+#[test]
+fn a_lone_rank_under_reed_solomon_is_copied_back_from_one_shard() {
+    let service = service("red-lone", 4);
+    commit_three_with(&service, "lone", "rs:2+2", 1);
+    let report = wait_protected(&service, "lone", 3);
+    let slot = icheck_core::decide::agent_for_rank(0, 1, report.agents.len() as u32) as usize;
+    let node = report.agents[slot].node.clone();
+    lose_node(&service, &node);
+    wait_rebuilt(&service, "lone", 3, &[&node]);
+    restart_bit_exact_with(&service, "lone", "rs:2+2", 6, 1);
+    pfs_untouched(&service, "lone");
+    let managers = manager_logs(&service, 4).concat();
+    let copied = managers.lines().filter(|l| l.contains("rank copied from a parity shard")).count();
+    assert_eq!(copied, 1, "rank 0 was not copied back from one parity shard:\n{managers}");
+    let rebuilt = managers.lines().find(|l| l.contains("rank rebuilt") && l.contains("rank=0 "));
+    assert!(rebuilt.is_some_and(|l| l.contains("decoded from group")), "rank 0 was not rebuilt: {rebuilt:?}");
+}
+
 /// A rank rebuilt after a lost node is kept mapped, and known intact, by
 /// the agent that rebuilt it: the protection built anew and the restart
 /// that read it next neither mapped it again nor checked it again (for one

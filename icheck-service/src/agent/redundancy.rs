@@ -1047,6 +1047,27 @@ fn rebuild_from_copy(shared: &Shared, rank: u32, version: u64, holder: &AgentInf
     Ok(manifest)
 }
 
+/// Rebuilds the lone member of a group described by `manifest` from one of
+/// its parity shards (its bytes, zero-padded): read straight into the
+/// rank's new file, each chunk checked against the rank's checksums as it
+/// arrives, as a partner copy is.
+fn copy_repeated_member(shared: &Shared, manifest: &Manifest, source: ShardSource) -> Result<(), String> {
+    let mut session = source.session.ok_or("the shard has no session")?;
+    let len = usize::try_from(manifest.total_len).map_err(|_| "the rank does not fit this machine's memory")?;
+    let store = &shared.settings.store;
+    let file =
+        store.create(&shared.app, manifest.rank, manifest.version, manifest.total_len).map_err(|e| e.to_string())?;
+    let mut file = shared.endpoint.register(file, Access::LOCAL).map_err(|e| e.to_string())?;
+    let mut check = InOrderCheck::new(manifest).map_err(|e| e.to_string())?;
+    let take = |bytes: &[u8]| check.feed(bytes).map(drop).map_err(|e| e.to_string());
+    session.read_in_pieces(shared, (source.region, len), &mut file, STRIPE as usize, take)?;
+    session.done_reading();
+    if !check.complete() {
+        return Err("the shard's bytes ended before the rank's".into());
+    }
+    super::seal_checked(shared, manifest, file.into_inner())
+}
+
 /// Decodes member `shard` (rank `rank`) of `group` from the survivors.
 fn decode_member(
     shared: &Shared,
@@ -1114,6 +1135,26 @@ fn decode_member(
         .clone()
         .filter(|m| m.rank == rank)
         .ok_or_else(|| format!("the parity of group {group} does not describe rank {rank} as shard {shard}"))?;
+    if present == 1 {
+        // A lone member's every parity shard is its bytes, zero-padded (a
+        // repetition code): one shard read whole is the rank, where the
+        // decoder would read every shard and code each stripe (a lone
+        // 1 GiB rank: 3.5 s).
+        for (index, source) in parity_sources.into_iter().enumerate() {
+            let Some(source) = source else { continue };
+            match copy_repeated_member(shared, &manifest, source) {
+                Ok(()) => {
+                    tracing::info!(rank, version, group, index, "rank copied from a parity shard of its group of one");
+                    return Ok(manifest);
+                }
+                Err(err) => {
+                    tracing::warn!(group, index, %err, "a parity shard cannot be copied; trying the next");
+                    lost.push(format!("parity shard {index} ({err})"));
+                }
+            }
+        }
+        return Err(format!("no parity shard of group {group} could be copied: {}", lost.join("; ")));
+    }
     let mut data_sources: Vec<Option<ShardSource>> = Vec::with_capacity(present);
     for (index, member) in members.iter().enumerate() {
         let source = match member {
