@@ -173,6 +173,28 @@ struct Lane {
     users: Arc<()>,
 }
 
+/// Which lane a new reader gets.
+#[derive(Debug, PartialEq, Eq)]
+enum LaneChoice {
+    /// The lane at this index.
+    Reuse(usize),
+    /// A new lane.
+    Open,
+}
+
+/// The lane for a new reader, given how many readers each open lane
+/// serves: an idle one, else a new one while fewer than `max` are open,
+/// else the least used (the first of equals).
+fn choose_lane(readers: &[usize], max: usize) -> LaneChoice {
+    if let Some(idle) = readers.iter().position(|n| *n == 0) {
+        return LaneChoice::Reuse(idle);
+    }
+    if readers.len() < max {
+        return LaneChoice::Open;
+    }
+    readers.iter().enumerate().min_by_key(|(_, n)| **n).map_or(LaneChoice::Open, |(i, _)| LaneChoice::Reuse(i))
+}
+
 /// A session's use of a [`Lane`], released when dropped.
 struct LaneLease {
     endpoint: Endpoint,
@@ -189,25 +211,30 @@ impl Shared {
     /// lane each, 370-505 ms). Over tcp each lane is a connection with a
     /// progress thread of its own (the two shards over tcp: 912 and
     /// 1129 ms without, 837 and 891 ms with, in interleaved runs). `None`
-    /// where keys are bound to an endpoint.
-    fn lease_lane(&self) -> Result<Option<LaneLease>, String> {
+    /// where keys are bound to an endpoint, or when no endpoint can be
+    /// opened (the reader then reads through the agent's own, as before).
+    fn lease_lane(&self) -> Option<LaneLease> {
         if !self.endpoint.registrations_are_domain_wide() {
-            return Ok(None);
+            return None;
         }
         let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
         lanes.retain(|lane| !lane.endpoint.is_closed());
-        let idle = lanes.iter().position(|lane| Arc::strong_count(&lane.users) == 1);
-        let index = match idle {
-            Some(index) => index,
-            None if lanes.len() < MAX_LANES => {
-                let endpoint = self.endpoint.sibling().map_err(|e| format!("opening an endpoint for a reader: {e}"))?;
-                lanes.push(Lane { endpoint, users: Arc::new(()) });
-                lanes.len() - 1
-            }
-            None => (0..lanes.len()).min_by_key(|i| Arc::strong_count(&lanes[*i].users)).unwrap_or(0),
+        let readers: Vec<usize> = lanes.iter().map(|lane| Arc::strong_count(&lane.users) - 1).collect();
+        let index = match choose_lane(&readers, MAX_LANES) {
+            LaneChoice::Reuse(index) => index,
+            LaneChoice::Open => match self.endpoint.sibling() {
+                Ok(endpoint) => {
+                    lanes.push(Lane { endpoint, users: Arc::new(()) });
+                    lanes.len() - 1
+                }
+                Err(err) => {
+                    tracing::warn!(%err, "cannot open an endpoint for a reader; it shares the agent's own");
+                    return None;
+                }
+            },
         };
-        let lane = &lanes[index];
-        Ok(Some(LaneLease { endpoint: lane.endpoint.clone(), _user: lane.users.clone() }))
+        let lane = lanes.get(index)?;
+        Some(LaneLease { endpoint: lane.endpoint.clone(), _user: lane.users.clone() })
     }
 
     /// The PFS level as this application's copies use it: with its key
@@ -1575,7 +1602,7 @@ fn handle_rest(
                 return Err("only another agent (the node token) asks to be served apart".into());
             }
             if session.lane.is_none() {
-                session.lane = shared.lease_lane()?;
+                session.lane = shared.lease_lane();
             }
             Ok(session.lane.as_ref().map_or(AgentReply::Ok, |lane| AgentReply::Apart(lane.endpoint.address().clone())))
         }
@@ -2073,6 +2100,15 @@ mod tests {
     use super::*;
     use icheck_core::format::check_layout;
     use icheck_core::protocol::{DataKind, LabelLayout};
+
+    #[test]
+    fn a_reader_gets_an_idle_lane_then_a_new_one_then_the_least_used() {
+        assert_eq!(choose_lane(&[], 3), LaneChoice::Open, "no lane yet");
+        assert_eq!(choose_lane(&[1, 0, 2], 3), LaneChoice::Reuse(1), "an idle lane before a new one");
+        assert_eq!(choose_lane(&[1, 1], 3), LaneChoice::Open, "every lane busy, room for one more");
+        assert_eq!(choose_lane(&[2, 1, 1], 3), LaneChoice::Reuse(1), "at the cap: the least used, first of equals");
+        assert_eq!(choose_lane(&[1], 0), LaneChoice::Reuse(0), "over a cap of none: share");
+    }
 
     #[test]
     fn only_the_newest_protected_version_is_held_back_and_only_while_older() {
