@@ -196,6 +196,26 @@ fn reed_solomon_over_shm_rebuilds_a_lost_node_and_restarts_bit_exact() {
     pfs_untouched(&service, "rsm");
 }
 
+/// `(name, policy, ranks)` commits versions 1 to 3, protected; the node of
+/// `rank`'s primary is lost; once the version is protected again without
+/// it, a restart is bit-exact and never read the PFS. Returns the four
+/// managers' logs.
+fn lose_a_ranks_node_and_restart(
+    service: &LocalService,
+    (name, policy, ranks): (&str, &str, u32),
+    rank: u32,
+) -> String {
+    commit_three_with(service, name, policy, ranks);
+    let report = wait_protected(service, name, 3);
+    let slot = icheck_core::decide::agent_for_rank(rank, ranks, report.agents.len() as u32) as usize;
+    let node = report.agents[slot].node.clone();
+    lose_node(service, &node);
+    wait_rebuilt(service, name, 3, &[&node]);
+    restart_bit_exact_with(service, name, policy, 6, ranks);
+    pfs_untouched(service, name);
+    manager_logs(service, 4).concat()
+}
+
 /// Three ranks under rs:2+1: a group of two ranks and a group of one,
 /// whose parity shard is a copy of its rank (which group holds rank 2
 /// depends on where the agents went). The node of rank 2 is lost; the
@@ -204,15 +224,7 @@ fn reed_solomon_over_shm_rebuilds_a_lost_node_and_restarts_bit_exact() {
 #[test]
 fn three_ranks_under_rs_2_1_survive_the_loss_of_rank_2s_node() {
     let service = service("red-short", 4);
-    commit_three_with(&service, "sh", "rs:2+1", 3);
-    let report = wait_protected(&service, "sh", 3);
-    let slot = icheck_core::decide::agent_for_rank(2, 3, report.agents.len() as u32) as usize;
-    let node = report.agents[slot].node.clone();
-    lose_node(&service, &node);
-    wait_protected(&service, "sh", 3);
-    restart_bit_exact_with(&service, "sh", "rs:2+1", 6, 3);
-    pfs_untouched(&service, "sh");
-    let managers = manager_logs(&service, 4).concat();
+    let managers = lose_a_ranks_node_and_restart(&service, ("sh", "rs:2+1", 3), 2);
     let rebuilt = managers.lines().find(|l| l.contains("rank rebuilt") && l.contains("rank=2 "));
     assert!(rebuilt.is_some_and(|l| l.contains("decoded from group")), "rank 2 was not decoded: {rebuilt:?}");
 }
@@ -224,15 +236,7 @@ fn three_ranks_under_rs_2_1_survive_the_loss_of_rank_2s_node() {
 #[test]
 fn a_lone_rank_under_reed_solomon_is_copied_back_from_one_shard() {
     let service = service("red-lone", 4);
-    commit_three_with(&service, "lone", "rs:2+2", 1);
-    let report = wait_protected(&service, "lone", 3);
-    let slot = icheck_core::decide::agent_for_rank(0, 1, report.agents.len() as u32) as usize;
-    let node = report.agents[slot].node.clone();
-    lose_node(&service, &node);
-    wait_rebuilt(&service, "lone", 3, &[&node]);
-    restart_bit_exact_with(&service, "lone", "rs:2+2", 6, 1);
-    pfs_untouched(&service, "lone");
-    let managers = manager_logs(&service, 4).concat();
+    let managers = lose_a_ranks_node_and_restart(&service, ("lone", "rs:2+2", 1), 0);
     let copied = managers.lines().filter(|l| l.contains("rank copied from a parity shard")).count();
     assert_eq!(copied, 1, "rank 0 was not copied back from one parity shard:\n{managers}");
     let rebuilt = managers.lines().find(|l| l.contains("rank rebuilt") && l.contains("rank=0 "));
