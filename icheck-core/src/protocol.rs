@@ -1136,13 +1136,14 @@ pub enum AgentRequest {
     },
     /// The rank has read what Fetch exposed.
     FetchDone,
-    /// Another agent (node token only) will read what this session
-    /// exposes at the same time as other agents read this agent: the agent
-    /// serves the session's reads from an endpoint of its own where the
-    /// provider needs that for concurrent readers to copy side by side
-    /// (`shm`, [`crate::fabric::Endpoint::sibling`]) and replies
-    /// [`AgentReply::Apart`] with its address; elsewhere it replies `Ok`
-    /// and the reader keeps the agent's address.
+    /// The session (another agent's, or a restarting rank's) will read
+    /// what it fetches while others read this agent too: the agent serves
+    /// the session's reads from one of a few endpoints of its own
+    /// ([`crate::fabric::Endpoint::sibling`]; under `shm` concurrent
+    /// readers of one endpoint take turns on its region's lock) and
+    /// replies [`AgentReply::Apart`] with its address, for the session's
+    /// reads only; where keys are bound to an endpoint it replies `Ok` and
+    /// the reader keeps the agent's address.
     ServeApart,
     /// Another agent (node token only) reads a piece of redundancy this
     /// agent holds for `version`; replies [`AgentReply::Piece`]. Ended,

@@ -21,7 +21,16 @@ pub(super) struct Waits {
 /// This rank's session with its agent.
 pub(super) struct AgentLink {
     pub(super) info: AgentInfo,
+    /// The agent's endpoint: what this rank writes to (a push commit).
     pub(super) peer: Peer,
+    /// Where this session reads the agent's exposed versions from: an
+    /// endpoint the agent serves this session from apart
+    /// (`ServeApart`), so that ranks restoring from one agent at once
+    /// copy side by side instead of taking turns on the agent's shm lock;
+    /// `None`, the agent's own endpoint. Asked once per session.
+    reads_from: Option<Peer>,
+    apart_asked: bool,
+    endpoint: Endpoint,
     /// The session's connection; behind a lock so that a restore, which
     /// borrows the library shared, can carry `Deliver` requests on it.
     conn: std::sync::Mutex<BlockingConnection>,
@@ -77,6 +86,9 @@ impl AgentLink {
             open: open.clone(),
             spilled: false,
             moved: TransferTally::default(),
+            reads_from: None,
+            apart_asked: false,
+            endpoint: endpoint.clone(),
         };
         link.call(&open)?;
         Ok(link)
@@ -95,8 +107,37 @@ impl AgentLink {
             .map_err(|e| self.error(e.to_string()))?;
         conn.set_timeout(self.request_timeout);
         *self.conn() = conn;
+        // The new session is served from the agent's own endpoint until it
+        // asks again.
+        (self.reads_from, self.apart_asked) = (None, false);
         let open = self.open.clone();
         self.call(&open).map(|_| ())
+    }
+
+    /// The peer this session's reads of a fetched version go to.
+    pub(super) fn read_peer(&self) -> &Peer {
+        self.reads_from.as_ref().unwrap_or(&self.peer)
+    }
+
+    /// Before the session's first fetch: asks the agent to serve this
+    /// session's reads from an endpoint of its own. An agent that cannot
+    /// (or an older one) leaves the reads on its own endpoint.
+    fn serve_apart(&mut self) {
+        if std::mem::replace(&mut self.apart_asked, true) {
+            return;
+        }
+        match self.call(&AgentRequest::ServeApart) {
+            Ok(AgentReply::Apart(address)) => match self.endpoint.insert_peer(&address) {
+                Ok(peer) => self.reads_from = Some(peer),
+                Err(err) => {
+                    tracing::debug!(%err, "cannot reach the endpoint the agent serves reads from; reading from its own")
+                }
+            },
+            Ok(_) => {}
+            Err(err) => {
+                tracing::debug!(%err, "the agent does not serve this session apart; reading from its own endpoint")
+            }
+        }
     }
 
     /// Asks for `version` to restart from (on a session opened again if the
@@ -104,6 +145,7 @@ impl AgentLink {
     /// agent on the same host offer the version's file instead.
     pub(super) fn fetch(&mut self, version: u64, reader: Option<HostId>) -> Result<AgentReply> {
         self.reopen_if_closed()?;
+        self.serve_apart();
         self.call(&AgentRequest::Fetch { version, reader, reader_checks: false })
     }
 

@@ -617,7 +617,7 @@ impl Icheck {
             return Ok(());
         }
         let ranges: Vec<PeerRange<'_>> =
-            spans.iter().map(|r| PeerRange { peer: &r.link.peer, range: r.range }).collect();
+            spans.iter().map(|r| PeerRange { peer: r.link.read_peer(), range: r.range }).collect();
         // SAFETY: `local` stays borrowed, alive and unmoved until the
         // registration is dropped at the end of this function.
         let registered = unsafe { self.endpoint.register_raw(local.as_mut_ptr(), local.len(), Access::LOCAL)? };
@@ -636,7 +636,7 @@ impl Icheck {
             Err(err) => {
                 // Name the agent whose peer the fabric's error names.
                 let text = err.to_string();
-                match spans.iter().find(|r| text.contains(r.link.peer.name())) {
+                match spans.iter().find(|r| text.contains(r.link.read_peer().name())) {
                     Some(r) => Err(r.link.error(format!("reading label {:?}: {err}", r.label.label))),
                     None => Err(Error::Fabric(err)),
                 }

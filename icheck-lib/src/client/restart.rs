@@ -494,7 +494,7 @@ impl Icheck {
                 deliver_and_verify(&self.endpoint, link, layout.offset, out, chunk, crcs)
             }
             (ReadFrom::Fabric(region), _) => {
-                read_and_verify(&self.endpoint, &link.peer, *region, layout.offset, out, chunk, crcs)
+                read_and_verify(&self.endpoint, link.read_peer(), *region, layout.offset, out, chunk, crcs)
             }
         }
         .map_err(|err| match err {

@@ -203,7 +203,9 @@ struct LaneLease {
 
 impl Shared {
     /// An endpoint of its own for a session whose reads run beside other
-    /// agents' reads of this agent, where the provider serialises them
+    /// sessions' reads of this agent (another agent's, or a restarting
+    /// rank's: four ranks pulling from two agents restored at 2.94-2.96
+    /// GB/s against 2.16-2.53), where the provider serialises them
     /// otherwise: `shm` copies each read while holding a lock in the target
     /// endpoint's region, so two holders reading one primary at once took
     /// turns, the waiting one spinning (a lone 1 GiB rank's two `rs:4+2`
@@ -1598,9 +1600,6 @@ fn handle_rest(
             Ok(AgentReply::Ok)
         }
         AgentRequest::ServeApart => {
-            if caller.privilege != Privilege::Node {
-                return Err("only another agent (the node token) asks to be served apart".into());
-            }
             if session.lane.is_none() {
                 session.lane = shared.lease_lane();
             }
