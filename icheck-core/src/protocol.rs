@@ -22,7 +22,7 @@ use crate::fabric::{FabricAddress, RemoteRegion};
 pub use crate::format::{DataKind, LabelLayout, Manifest, VersionRecord};
 
 /// Version of this protocol; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 /// First bytes of every Hello.
 pub const MAGIC: [u8; 4] = *b"ICHK";
 /// Largest frame accepted, in bytes.
