@@ -156,17 +156,17 @@ struct Shared {
     /// back too, so that the encoders still find it when newer versions
     /// complete meanwhile (the controller protects one version at a time).
     protecting: AtomicU64,
-    /// Endpoints besides `endpoint` that serve other agents' concurrent
-    /// reads of this agent (see [`Shared::lease_lane`]); made on demand.
+    /// Endpoints besides `endpoint` that serve sessions' concurrent reads
+    /// of this agent (see [`Shared::lease_lane`]); made on demand.
     lanes: Mutex<Vec<Lane>>,
 }
 
 /// Most endpoints an agent opens besides its own to serve concurrent
-/// background readers (a lone rank's parity holders, rebuilds): beyond
-/// this many, readers share the least used.
+/// readers (a lone rank's parity holders, rebuilds, ranks restoring at
+/// once): beyond this many, readers share the least used.
 const MAX_LANES: usize = 3;
 
-/// An endpoint serving other agents' reads apart from the agent's own.
+/// An endpoint serving sessions' reads apart from the agent's own.
 struct Lane {
     endpoint: Endpoint,
     /// One clone per session using the lane.
