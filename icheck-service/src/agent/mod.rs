@@ -1997,13 +1997,9 @@ fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Resu
     let mut session = redundancy::PeerSession::open(shared, from, rank).map_err(fail)?;
     // Checked by the peer first: a damaged version is served from its PFS copy.
     let (manifest, region) = session.fetch(shared, (rank, version), false).map_err(fail)?;
-    let store = &shared.settings.store;
-    let file =
-        store.create(&shared.app, rank, manifest.version, manifest.total_len).map_err(|e| fail(e.to_string()))?;
-    let mut file = shared.endpoint.register(file, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
     let total = manifest.total_len as usize;
-    session.read_checked(shared, region, &mut file, &manifest).map_err(fail)?;
-    seal_checked(shared, &manifest, file.into_inner()).map_err(fail)?;
+    let from_node = format!("the primary on {}", from.node);
+    redundancy::read_rank_into_primary(shared, &mut session, &manifest, region, &from_node).map_err(fail)?;
     // The controller's newest complete version, now held here.
     shared.completed(rank, version);
     tracing::info!(

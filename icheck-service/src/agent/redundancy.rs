@@ -133,26 +133,6 @@ impl PeerSession {
         Ok((meta, region))
     }
 
-    /// Reads `len` bytes at `offset` of `region` into the start of `into`.
-    fn read<B: icheck_core::fabric::StableBuffer>(
-        &self,
-        shared: &Shared,
-        region: RemoteRegion,
-        offset: u64,
-        into: &mut RegisteredBuffer<B>,
-        len: usize,
-    ) -> Result<(), String> {
-        if len == 0 {
-            return Ok(());
-        }
-        let ops = [RmaOp { local_offset: 0, remote: region, remote_offset: offset, len }];
-        shared
-            .endpoint
-            .read(&self.peer, into.target(), &ops, &TransferOptions::default())
-            .map(|_| ())
-            .map_err(|e| self.fail(e))
-    }
-
     /// Asks the peer to take its parity shard `piece` of `version` (`len`
     /// bytes): returns the memory to write it into.
     fn put_piece(&mut self, version: u64, piece: PieceId, len: u64) -> Result<RemoteRegion, String> {
@@ -222,17 +202,6 @@ impl PeerSession {
             (None, _) => Ok(()),
             (Some(at), why) => Err(format!("bytes {at}..: {}", why.unwrap_or_default())),
         }
-    }
-
-    /// Reads all of `region` into a registered file.
-    pub(super) fn read_whole<B: icheck_core::fabric::StableBuffer>(
-        &self,
-        shared: &Shared,
-        region: RemoteRegion,
-        into: &mut RegisteredBuffer<B>,
-        len: usize,
-    ) -> Result<(), String> {
-        self.read(shared, region, 0, into, len)
     }
 }
 
@@ -1037,34 +1006,36 @@ fn rebuild_from_copy(shared: &Shared, rank: u32, version: u64, holder: &AgentInf
     let mut session = PeerSession::open(shared, holder, rank)?;
     let (meta, region) = session.fetch_piece(shared, version, PieceId::Copy { rank })?;
     let PieceMeta::Copy(manifest) = meta else { unreachable!("fetch_piece checked the kind") };
-    let store = &shared.settings.store;
-    let file = store.create(&shared.app, rank, version, manifest.total_len).map_err(|e| e.to_string())?;
-    let mut file = shared.endpoint.register(file, Access::LOCAL).map_err(|e| e.to_string())?;
-    session.read_whole(shared, region, &mut file, manifest.total_len as usize)?;
-    session.done_reading();
-    manifest.verify(file.as_slice()).map_err(|e| format!("the copy on {} fails its checksums: {e}", holder.node))?;
-    super::seal_checked(shared, &manifest, file.into_inner())?;
+    let from = format!("the copy on {}", holder.node);
+    read_rank_into_primary(shared, &mut session, &manifest, region, &from)?;
     Ok(manifest)
 }
 
 /// Rebuilds the lone member of a group described by `manifest` from one of
-/// its parity shards (its bytes, zero-padded): read straight into the
-/// rank's new file, each chunk checked against the rank's checksums as it
-/// arrives, as a partner copy is.
+/// its parity shards (its bytes, zero-padded), as a partner copy is.
 fn copy_repeated_member(shared: &Shared, manifest: &Manifest, source: ShardSource) -> Result<(), String> {
     let mut session = source.session.ok_or("the shard has no session")?;
-    let len = usize::try_from(manifest.total_len).map_err(|_| "the rank does not fit this machine's memory")?;
+    let from = format!("the parity shard on {}", session.from.node);
+    read_rank_into_primary(shared, &mut session, manifest, source.region, &from)
+}
+
+/// Reads the rank `manifest` describes from `region` of `session`'s peer
+/// (a copy, a repeated parity shard, or the primary taken over: `from`)
+/// into the rank's new file, each chunk checked as it arrives
+/// ([`PeerSession::read_checked`]), and seals it as this node's primary.
+pub(super) fn read_rank_into_primary(
+    shared: &Shared,
+    session: &mut PeerSession,
+    manifest: &Manifest,
+    region: RemoteRegion,
+    from: &str,
+) -> Result<(), String> {
     let store = &shared.settings.store;
     let file =
         store.create(&shared.app, manifest.rank, manifest.version, manifest.total_len).map_err(|e| e.to_string())?;
     let mut file = shared.endpoint.register(file, Access::LOCAL).map_err(|e| e.to_string())?;
-    let mut check = InOrderCheck::new(manifest).map_err(|e| e.to_string())?;
-    let take = |bytes: &[u8]| check.feed(bytes).map(drop).map_err(|e| e.to_string());
-    session.read_in_pieces(shared, (source.region, len), &mut file, STRIPE as usize, take)?;
+    session.read_checked(shared, region, &mut file, manifest).map_err(|e| format!("{from}: {e}"))?;
     session.done_reading();
-    if !check.complete() {
-        return Err("the shard's bytes ended before the rank's".into());
-    }
     super::seal_checked(shared, manifest, file.into_inner())
 }
 
