@@ -1171,16 +1171,13 @@ fn decode_member(
     // shards in order. Those beyond are let go unread (every holder checked
     // its shard before exposing it, so a spare one would only be read).
     let mut wanted = present - data_sources.iter().flatten().count();
-    let parity_sources: Vec<Option<ShardSource>> = parity_sources
-        .into_iter()
-        .map(|source| {
-            source.filter(|_| {
-                let take = wanted > 0;
-                wanted = wanted.saturating_sub(1);
-                take
-            })
-        })
-        .collect();
+    let mut parity_sources = parity_sources;
+    for source in parity_sources.iter_mut().filter(|source| source.is_some()) {
+        match wanted {
+            0 => *source = None,
+            _ => wanted -= 1,
+        }
+    }
     // Every readable shard is read in one batch per block; `data_at` and
     // `parity_at` say where each data and parity shard's block lies.
     let mut readable = Vec::with_capacity(survivors);
