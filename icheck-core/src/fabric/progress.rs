@@ -87,13 +87,20 @@ impl ProgressThread {
     /// (`process_vm_readv` inside its post; writes that ask for delivery
     /// completion are copied by the target instead, so this is for reads
     /// only), and this side only takes the reader's notices off its queue:
-    /// the thread runs at the lowest priority, because on a node with few
-    /// cores a full-priority spin takes CPU from the reader's copy and from
-    /// the checksum thread beside it. At nice 19 it still runs whenever a
-    /// core is free.
+    /// the thread spins under `SCHED_IDLE`, because on a node with few
+    /// cores any other policy takes CPU from the reader's copy and from the
+    /// checksum thread beside it. At nice 19 (as it was) the scheduler saw
+    /// its core as busy and stacked the rank's threads on the other one:
+    /// `perf` over a one-rank restore on two cores had the spin on one core
+    /// for the whole read, and one-rank pull commits measured 0.53–1.04 of
+    /// raw `fi_read` (0.71 in the middle of five runs) against 0.85–0.96
+    /// (0.89) under `SCHED_IDLE`, a core the scheduler hands to any other
+    /// thread as if it were idle. It still runs whenever a core is free, so
+    /// a provider that needs this side to copy (shm without CMA) still
+    /// progresses on an idle core.
     pub fn serving_reads(endpoint: &Endpoint) -> std::io::Result<ProgressThread> {
         if endpoint.provider() == "shm" {
-            Self::spawn_with(endpoint, ProgressMode::Spin, lower_thread_priority)
+            Self::spawn_with(endpoint, ProgressMode::Spin, idle_thread_priority)
         } else {
             Self::spawn(endpoint, ProgressMode::Spin)
         }
