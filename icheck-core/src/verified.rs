@@ -119,15 +119,32 @@ pub fn read_in_pieces<B: StableBuffer>(
     endpoint: &Endpoint,
     peer: &Peer,
     into: &mut RegisteredBuffer<B>,
+    from: (RemoteRegion, u64, usize),
+    piece: usize,
+    take: impl FnMut(&[u8]) -> bool + Send,
+) -> Result<Option<usize>, FabricError> {
+    // SAFETY: `&mut into` keeps every other user of the buffer out for the
+    // whole call, and the registration covers it.
+    unsafe { read_in_pieces_into(endpoint, peer, into.region(), from, piece, take) }
+}
+
+/// [`read_in_pieces`] into memory registered as `local`.
+///
+/// # Safety
+/// Nothing else may read or write `local`'s memory during the call, and
+/// that memory must stay valid for it.
+pub unsafe fn read_in_pieces_into(
+    endpoint: &Endpoint,
+    peer: &Peer,
+    local: &MemoryRegion,
     (remote, remote_offset, len): (RemoteRegion, u64, usize),
     piece: usize,
     mut take: impl FnMut(&[u8]) -> bool + Send,
 ) -> Result<Option<usize>, FabricError> {
     let range = CheckedRange { remote, remote_offset, local_offset: 0, len, crcs: &[] };
     let ranges = [PeerRange { peer, range }];
-    // SAFETY: `&mut into` keeps every other user of the buffer out for the
-    // whole call, and the registration covers it.
-    let refused = unsafe { read_in_pieces_from(endpoint, into.region(), &ranges, piece, |_, _, bytes| take(bytes)) }?;
+    // SAFETY: the caller's guarantees, passed on.
+    let refused = unsafe { read_in_pieces_from(endpoint, local, &ranges, piece, |_, _, bytes| take(bytes)) }?;
     Ok(refused.map(|(_, start)| start))
 }
 

@@ -163,6 +163,9 @@ pub struct Icheck {
     /// `prefault` (see `ClientConfig`): populate a restore's destination
     /// ahead of the transfer.
     prefault: bool,
+    /// The staging buffer of this restart's pulls over shm, kept from
+    /// label to label until the restart is released.
+    restore_staging: restart::RestoreStaging,
     zero_copy: bool,
     /// `incremental` (see `ClientConfig`): send only changed blocks.
     incremental: bool,
@@ -562,6 +565,7 @@ impl Icheck {
             restore_direction,
             restore_same_host,
             prefault,
+            restore_staging: restart::RestoreStaging::default(),
             zero_copy,
             incremental,
             sealed_blocks: None,

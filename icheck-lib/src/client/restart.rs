@@ -42,6 +42,7 @@ pub(super) enum RestoredData {
 /// cache ([`icheck_core::verified`]; 64 MiB steps checked from memory made a
 /// 256 MiB restore over tcp 0.65-0.75 of raw `fi_read`, 4 MiB chunks
 /// 0.83-0.96). Returns the first bad chunk.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn read_and_verify(
     endpoint: &Endpoint,
     peer: &Peer,
@@ -50,6 +51,7 @@ pub(super) fn read_and_verify(
     out: &mut [u8],
     chunk: usize,
     crcs: &[u32],
+    staging: &RestoreStaging,
 ) -> Result<Option<usize>> {
     if chunk != CHUNK_BYTES {
         return Ok(Some(0));
@@ -58,7 +60,10 @@ pub(super) fn read_and_verify(
         return Ok(None);
     }
     if endpoint.provider() == "shm" && icheck_core::kernel_copy::worth_placing(out.as_ptr(), remote_offset, out.len()) {
-        return read_staged_and_verify(endpoint, peer, region, remote_offset, out, crcs);
+        let mut buffer = staging.take();
+        let read = read_staged_and_verify(endpoint, peer, region, remote_offset, out, crcs, &mut buffer);
+        staging.give_back(buffer);
+        return read;
     }
     // SAFETY: `out` stays borrowed, alive and unmoved until the registration
     // is dropped at the end of this function.
@@ -69,16 +74,45 @@ pub(super) fn read_and_verify(
     Ok(unsafe { read_checked_into(endpoint, peer, &local, range) }?)
 }
 
-/// Bytes of [`read_staged_and_verify`]'s staging buffer: four chunks, so
-/// the copy out reads them from the last-level cache.
-const STAGE: usize = 4 * CHUNK_BYTES;
+/// Bytes of [`read_staged_and_verify`]'s staging buffer: eight chunks, so
+/// that the copy out of every chunk but the last of a stage overlaps the
+/// reads of the ones after it.
+const STAGE: usize = 8 * CHUNK_BYTES;
+
+/// The staging buffer of [`read_staged_and_verify`], kept from label to
+/// label of one restart: a new one's pages are faulted in by the reads
+/// (8,000 faults for each label), a kept one's only once. Let go when the
+/// restart is released (the next commit, or finalize). A restore that finds
+/// it in use by another thread stages through a buffer of its own.
+#[derive(Default)]
+pub(super) struct RestoreStaging(std::sync::Mutex<Option<icheck_core::kernel_copy::PlacedBuffer>>);
+
+impl RestoreStaging {
+    fn take(&self) -> icheck_core::kernel_copy::PlacedBuffer {
+        let kept = self.0.try_lock().ok().and_then(|mut kept| kept.take());
+        kept.unwrap_or_else(|| icheck_core::kernel_copy::PlacedBuffer::new(STAGE))
+    }
+
+    fn give_back(&self, buffer: icheck_core::kernel_copy::PlacedBuffer) {
+        if let Ok(mut kept) = self.0.try_lock() {
+            *kept = Some(buffer);
+        }
+    }
+
+    /// Frees the kept buffer.
+    pub(super) fn release(&mut self) {
+        *self.0.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()) = None;
+    }
+}
 
 /// [`read_and_verify`] over `shm` into memory just past the agent's bytes'
 /// place in a page: the provider copies a read with `process_vm_readv`,
 /// which is the kernel's slow copy there (`icheck_core::kernel_copy`;
 /// `fabric-bench --local-offset 16`: 1.25–1.88 against 2.96–3.14 GB/s
 /// page-aligned). Each [`STAGE`] is read into a registered buffer placed
-/// like the source, checked there as it arrives, and copied into `out`.
+/// like the source; each chunk is checked there as soon as it has arrived
+/// and copied into `out` while it is in the cache, on another thread than
+/// the one reading the chunks after it.
 /// (The agent's pushed writes over shm were tried the same way and came
 /// out no faster, so `deliver_and_verify` writes into `out` directly.)
 fn read_staged_and_verify(
@@ -88,35 +122,38 @@ fn read_staged_and_verify(
     remote_offset: u64,
     out: &mut [u8],
     crcs: &[u32],
+    staging: &mut icheck_core::kernel_copy::PlacedBuffer,
 ) -> Result<Option<usize>> {
     if crcs.len() != out.len().div_ceil(CHUNK_BYTES) {
         return Ok(Some(0));
     }
-    let mut staging = icheck_core::kernel_copy::PlacedBuffer::new(STAGE);
     // Every stage starts a whole number of pages after the first, so one
     // placement serves them all.
     let buffer = staging.placed(remote_offset, STAGE);
-    // SAFETY: `buffer` lives in `staging`, which outlives the registration
-    // (dropped at the end of this function, before `staging`), and nothing
-    // but the reads below and the copies after each of them touches it.
+    // SAFETY: `buffer` lives in `staging`, borrowed for the whole function
+    // (the registration is dropped at its end), and nothing
+    // but the reads below and the copies out of what they read touches it.
     let local = unsafe { endpoint.register_raw(buffer.as_mut_ptr(), STAGE, Access::LOCAL)? };
     for (stage, window) in out.chunks_mut(STAGE).enumerate() {
         let at = stage * STAGE;
         let first = at / CHUNK_BYTES;
-        let checks = &crcs[first..first + window.len().div_ceil(CHUNK_BYTES)];
-        let range = CheckedRange {
-            remote: region,
-            remote_offset: remote_offset + at as u64,
-            local_offset: 0,
-            len: window.len(),
-            crcs: checks,
+        let from = (region, remote_offset + at as u64, window.len());
+        let mut chunks = window.chunks_mut(CHUNK_BYTES).zip(&crcs[first..]);
+        let take = |bytes: &[u8]| match chunks.next() {
+            Some((place, crc)) => {
+                let good = first_bad_chunk(bytes, std::slice::from_ref(crc)).is_none();
+                place.copy_from_slice(bytes);
+                good
+            }
+            None => false,
         };
-        // SAFETY: the staging buffer is used by this read alone until it
-        // returns, and `local` registers all of it.
-        let bad = unsafe { read_checked_into(endpoint, peer, &local, range) }?;
-        window.copy_from_slice(&buffer[..window.len()]);
-        if let Some(bad) = bad {
-            return Ok(Some(first + bad));
+        // SAFETY: the staging buffer is used by this read alone (and the
+        // copies out of the chunks it has read) until it returns, and
+        // `local` registers all of it.
+        let refused =
+            unsafe { icheck_core::verified::read_in_pieces_into(endpoint, peer, &local, from, CHUNK_BYTES, take) }?;
+        if let Some(start) = refused {
+            return Ok(Some(first + start / CHUNK_BYTES));
         }
     }
     Ok(None)
@@ -400,6 +437,7 @@ impl Icheck {
 
     /// Tells the agent the restart data is no longer needed.
     pub(super) fn release_restart(&mut self) {
+        self.restore_staging.release();
         if self.restored.take().is_some_and(|r| matches!(r.data, RestoredData::Agent(_))) {
             if let Some(link) = self.link.as_mut() {
                 if let Err(err) = link.fetch_done() {
@@ -494,7 +532,8 @@ impl Icheck {
                 deliver_and_verify(&self.endpoint, link, layout.offset, out, chunk, crcs)
             }
             (ReadFrom::Fabric(region), _) => {
-                read_and_verify(&self.endpoint, link.read_peer(), *region, layout.offset, out, chunk, crcs)
+                let staging = &self.restore_staging;
+                read_and_verify(&self.endpoint, link.read_peer(), *region, layout.offset, out, chunk, crcs, staging)
             }
         }
         .map_err(|err| match err {
@@ -604,8 +643,8 @@ mod tests {
         };
         let agent = Endpoint::new(&domain).unwrap();
         let rank = Endpoint::new(&domain).unwrap();
-        // Five and a half chunks: a stage and a part of one.
-        let len = CHUNK_BYTES * 11 / 2;
+        // Eleven and a half chunks: a stage and a part of one.
+        let len = STAGE + CHUNK_BYTES * 7 / 2;
         let data: Vec<u8> = (0..len).map(|i| (i * 29 % 253) as u8).collect();
         let crcs = chunk_crcs(&data);
         let mut stored = AlignedBuffer::zeroed(len + 4096);
@@ -614,17 +653,29 @@ mod tests {
         let _progress = ProgressThread::spawn(&agent, ProgressMode::Spin).unwrap();
         let peer = rank.insert_peer(agent.address()).unwrap();
         let mut backing = vec![0u8; len + 8192];
+        let staging = RestoreStaging::default();
         for past in [16, 0] {
             let out = placed(&mut backing, past, len);
             assert_eq!(icheck_core::kernel_copy::is_slow(out.as_ptr(), 4096), past == 16);
             out.fill(0);
-            let bad = read_and_verify(&rank, &peer, stored.remote(), 4096, out, CHUNK_BYTES, &crcs).unwrap();
+            let bad = read_and_verify(&rank, &peer, stored.remote(), 4096, out, CHUNK_BYTES, &crcs, &staging).unwrap();
             assert_eq!(bad, None, "{past} bytes past a page");
             assert!(*out == data[..], "{past} bytes past a page");
         }
         let mut wrong = crcs.clone();
         wrong[4] ^= 1;
         let out = placed(&mut backing, 16, len);
-        assert_eq!(read_and_verify(&rank, &peer, stored.remote(), 4096, out, CHUNK_BYTES, &wrong).unwrap(), Some(4));
+        assert_eq!(
+            read_and_verify(&rank, &peer, stored.remote(), 4096, out, CHUNK_BYTES, &wrong, &staging).unwrap(),
+            Some(4)
+        );
+        // Damage in the second stage is named by its place in `out`.
+        let mut wrong = crcs.clone();
+        wrong[9] ^= 1;
+        let out = placed(&mut backing, 16, len);
+        assert_eq!(
+            read_and_verify(&rank, &peer, stored.remote(), 4096, out, CHUNK_BYTES, &wrong, &staging).unwrap(),
+            Some(9)
+        );
     }
 }

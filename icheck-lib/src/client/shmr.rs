@@ -256,7 +256,17 @@ impl Icheck {
                 // A restarted node's segment is new memory, as a rank's is.
                 let read = prefault::ahead_of(out, prefault, |out| match &source {
                     ReadFrom::Fabric(region) => {
-                        read_and_verify(&self.endpoint, link.read_peer(), *region, label.offset, out, chunk, crcs)
+                        let staging = &self.restore_staging;
+                        read_and_verify(
+                            &self.endpoint,
+                            link.read_peer(),
+                            *region,
+                            label.offset,
+                            out,
+                            chunk,
+                            crcs,
+                            staging,
+                        )
                     }
                     ReadFrom::Files(files) => read_files_and_verify(files, label.offset, out, chunk, crcs, threads),
                 });
