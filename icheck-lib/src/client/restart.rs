@@ -662,20 +662,16 @@ mod tests {
             assert_eq!(bad, None, "{past} bytes past a page");
             assert!(*out == data[..], "{past} bytes past a page");
         }
-        let mut wrong = crcs.clone();
-        wrong[4] ^= 1;
-        let out = placed(&mut backing, 16, len);
-        assert_eq!(
-            read_and_verify(&rank, &peer, stored.remote(), 4096, out, CHUNK_BYTES, &wrong, &staging).unwrap(),
-            Some(4)
-        );
-        // Damage in the second stage is named by its place in `out`.
-        let mut wrong = crcs.clone();
-        wrong[9] ^= 1;
-        let out = placed(&mut backing, 16, len);
-        assert_eq!(
-            read_and_verify(&rank, &peer, stored.remote(), 4096, out, CHUNK_BYTES, &wrong, &staging).unwrap(),
-            Some(9)
-        );
+        // Damage in the first stage, and in the second (named by its place
+        // in `out`, not in the stage).
+        for damaged in [4, 9] {
+            let mut wrong = crcs.clone();
+            wrong[damaged] ^= 1;
+            let out = placed(&mut backing, 16, len);
+            assert_eq!(
+                read_and_verify(&rank, &peer, stored.remote(), 4096, out, CHUNK_BYTES, &wrong, &staging).unwrap(),
+                Some(damaged)
+            );
+        }
     }
 }
