@@ -119,8 +119,8 @@ impl ProgressThread {
     /// `BACKGROUND_SHM_POLL` under `SCHED_IDLE` (`idle_thread_priority`).
     /// Over other providers this side moves the bytes: it polls every
     /// 50 µs at nice 19. (A restarting rank's reads keep
-    /// [`serving_reads`](Self::serving_reads): the rank waits for them, and an idle
-    /// thread could wait long for a core on a busy node.)
+    /// [`serving_reads`](Self::serving_reads), which spins between polls
+    /// instead of sleeping: the rank waits for them.)
     pub fn serving_background_reads(endpoint: &Endpoint) -> std::io::Result<ProgressThread> {
         if endpoint.provider() == "shm" {
             Self::spawn_with(endpoint, ProgressMode::Sleep(BACKGROUND_SHM_POLL), idle_thread_priority)

@@ -1725,10 +1725,12 @@ fn offer_file(
 }
 
 /// Drives this endpoint's progress while a caller reads what it exposed. A
-/// rank restarting waits for it, so it spins at full priority; another
-/// agent's read (a copy, a rebuild, a take-over) is background work and
-/// runs at the lowest priority like the reader's side, or its polling
-/// would starve that reader on a busy node
+/// rank restarting waits for it, so it spins
+/// ([`ProgressThread::serving_reads`]: at full priority where this side
+/// moves the bytes, under `SCHED_IDLE` over shm, where the reader copies);
+/// another agent's read (a copy, a rebuild, a take-over) is background
+/// work and polls at the lowest priority like the reader's side, or its
+/// polling would starve that reader on a busy node
 /// ([`ProgressThread::serving_background_reads`]).
 fn serve_reads(endpoint: &Endpoint, caller: Caller) -> Result<ProgressThread, String> {
     let spawned = if caller.privilege == Privilege::Node {
