@@ -71,6 +71,38 @@ fn a_rank_whose_fabric_does_not_open_fails_init_on_every_rank() {
     });
 }
 
+/// An async commit that one rank cannot stage fails on every rank with
+/// an error that says why, and the ranks that did stage do not wait for
+/// themselves: their background thread, held until every rank has
+/// staged, is let go and joined.
+#[test]
+fn an_async_commit_one_rank_cannot_stage_fails_on_every_rank() {
+    let service = service("mpi-stage", 1, "tcp");
+    let config = service.config_path();
+    let wrapper =
+        "if [ \"$OMPI_COMM_WORLD_RANK\" = 1 ]; then export ICHECK_FAILPOINTS=client.stage_async=1*error; fi; \
+                   \"$0\" \"$@\"; status=$?; [ $status -eq 0 ] || sleep 2; exit $status";
+    let args =
+        ["-c", wrapper, common::EXAMPLE, "--app", "nostage", "--steps", "3", "--every", "1", "--mib", "1", "--async"];
+    let job = Job::start_program("sh", 2, &config, &args, &[]);
+    let (succeeded, output) = job.finish_any(Duration::from_secs(90));
+    assert!(!succeeded, "{output}");
+    assert!(output.contains("COMMITTED version=1"), "{output}");
+    assert!(
+        output.contains(
+            "rank 1: commit failed: fi_mr_reg failed: the failpoint client.stage_async refused the staging buffer"
+        ),
+        "{output}"
+    );
+    assert!(
+        output.contains(
+            "rank 0: commit failed: version 2 is incomplete: another rank failed to stage its data; \
+             version 1 stays the newest complete version"
+        ),
+        "{output}"
+    );
+}
+
 #[test]
 fn kill_during_a_commit_restarts_from_the_previous_version() {
     // No node is lost here: with the suite's 0.5 s heartbeat, a 1.5 s stall

@@ -692,6 +692,11 @@ impl Icheck {
     pub(super) fn stage_async(&mut self, version: u64, started: Instant) -> Result<StartGate> {
         let lens: Vec<usize> = self.labels.iter().map(|l| l.source.bytes().len()).collect();
         let total: usize = lens.iter().sum();
+        // Tests make one rank's staging fail, as a refused registration would.
+        if icheck_core::failpoint::fails("client.stage_async") {
+            let refused = "the failpoint client.stage_async refused the staging buffer".to_string();
+            return Err(FabricError::Call { call: "fi_mr_reg", code: libc::ENOMEM, message: refused }.into());
+        }
         let mut staging = self.staging(total)?;
         {
             let out = staging.as_mut_slice();
