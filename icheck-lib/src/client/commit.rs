@@ -151,7 +151,7 @@ type Joined = (u64, Instant, u64, Result<()>, Option<Vec<LabelLayout>>);
 /// (one rank per core leaves none spare), and every rank's `commit`
 /// returns only when the slowest copy ends: four ranks × 256 MiB on two
 /// cores blocked for 1.2–3.6× four concurrent memcpys of their bytes
-/// without the gate, 0.9–1.3× with it in 14 of 16 medians
+/// without the gate, 0.9–1.3× with it in 13 of 16 medians
 /// (`commit-bench`). The cost: a rank that reaches `commit` early no
 /// longer transfers while it waits for the others. Opens when dropped,
 /// whichever way the commit goes on, so a rank that has to join the
