@@ -1042,6 +1042,10 @@ fn main() -> Result<()> {
     }
     let runs = cli.runs.max(1);
     if let Some(config) = &cli.mpi_rank {
+        // The library's own log (ICHECK_LOG, as the daemons'), on stderr.
+        if let Ok(filter) = std::env::var("ICHECK_LOG") {
+            tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+        }
         return mpi_rank(config, usize::try_from(cli.rank_size.0)?, runs, &cli.mpiio_dir);
     }
     let size = usize::try_from(cli.size.0)?;
@@ -1169,10 +1173,12 @@ fn main() -> Result<()> {
                 .output()
                 .context("running mpirun")?;
             drop(svc);
-            // Each rank's restart and restore times, as the one-rank case prints them.
+            // Each rank's restart and restore times, as the one-rank case
+            // prints them; with ICHECK_LOG, the ranks' whole log.
+            let logging = std::env::var_os("ICHECK_LOG").is_some();
             String::from_utf8_lossy(&out.stderr)
                 .lines()
-                .filter(|l| l.contains(": restore = "))
+                .filter(|l| logging || l.contains(": restore = "))
                 .for_each(|l| eprintln!("{l}"));
             let stdout = String::from_utf8_lossy(&out.stdout);
             let Some(json) = stdout.lines().find_map(|l| l.strip_prefix("RESULT ")) else {

@@ -245,7 +245,13 @@ impl Icheck {
         }
         if self.asynchronous {
             let staged = self.stage_async(version, started);
+            let staged_at = started.elapsed();
             let ok = self.comm.all_true(staged.is_ok());
+            tracing::debug!(
+                stage_ms = staged_at.as_secs_f64() * 1e3,
+                agreed_ms = started.elapsed().as_secs_f64() * 1e3,
+                "staged for an async commit"
+            );
             // Every rank has staged (or failed to): the transfers may start.
             let staged = staged.map(StartGate::open);
             return match (staged, ok) {
