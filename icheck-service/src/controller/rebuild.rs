@@ -43,11 +43,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, apps: Vec<String>) {
                 app.protection.rebuilding = true;
             }
             loop {
-                let mut tries = 1;
-                while !rebuild_once(&shared, &name, tries == REBUILD_TRIES).await && tries < REBUILD_TRIES {
-                    tries += 1;
-                    tokio::time::sleep(REBUILD_RETRY_AFTER).await;
-                }
+                rebuild_once(&shared, &name).await;
                 let mut state = shared.state();
                 let Some(app) = state.apps.get_mut(&name) else { return };
                 if !std::mem::take(&mut app.protection.look_again) {
@@ -83,34 +79,6 @@ fn lost_nodes(state: &State, name: &str, now: Instant) -> BTreeSet<String> {
         .map(|a| a.node.clone())
         .filter(|n| !state.nodes.is_alive(n, now) || wiped.contains(n))
         .collect()
-}
-
-/// The surviving slots of `holders` (a protected version's agents) whose
-/// agent is no longer among the application's `running` ones: each is
-/// served by a running agent of the application on the same node that no
-/// other slot uses (one placed there since), returned with its slot, or
-/// else needs an agent started on its node (the first list). Slots on
-/// `dead` nodes are the rebuild's own business.
-fn ended_holders(
-    holders: &[AgentInfo],
-    running: &[AgentInfo],
-    dead: &BTreeSet<String>,
-) -> (Vec<usize>, Vec<(usize, AgentInfo)>) {
-    let mut in_use: BTreeSet<u64> = holders.iter().map(|a| a.id).collect();
-    let (mut to_start, mut served_by) = (Vec::new(), Vec::new());
-    for (slot, holder) in holders.iter().enumerate() {
-        if dead.contains(&holder.node) || running.iter().any(|a| a.id == holder.id) {
-            continue;
-        }
-        match running.iter().find(|a| a.node == holder.node && !in_use.contains(&a.id)) {
-            Some(agent) => {
-                in_use.insert(agent.id);
-                served_by.push((slot, agent.clone()));
-            }
-            None => to_start.push(slot),
-        }
-    }
-    (to_start, served_by)
 }
 
 /// Waits (at most [`COMEBACK_WAIT`]) while a `dead` node's manager is
@@ -239,53 +207,15 @@ async fn replace_lost<'a>(
     granted
 }
 
-/// How many times a rebuild whose ranks failed is tried before its version
-/// counts as lost, and how long it waits between tries. A holder whose
-/// agent is ending (one of its transfers timed out and closed its
-/// endpoint) answers the first try with an error; by the next, its
-/// manager has reported it gone, and an agent started in its place on the
-/// same node serves the node's files ([`after_loss`]).
-const REBUILD_TRIES: u32 = 3;
-const REBUILD_RETRY_AFTER: Duration = Duration::from_secs(2);
-
-/// Why a rebuild did not happen.
-enum RebuildError {
-    /// It cannot: too many losses for the policy, no node to rebuild on, a
-    /// version that was not protected. Trying again changes nothing.
-    Cannot(String),
-    /// Ranks failed to be rebuilt from sources that were there: worth
-    /// another try.
-    Failed(String),
-}
-
-impl From<String> for RebuildError {
-    fn from(reason: String) -> RebuildError {
-        RebuildError::Cannot(reason)
-    }
-}
-
-impl From<&str> for RebuildError {
-    fn from(reason: &str) -> RebuildError {
-        RebuildError::Cannot(reason.to_string())
-    }
-}
-
-/// One pass of [`after_loss`], with its outcome logged and recorded; false
-/// when ranks failed and another try (unless this is the `last`) may
-/// succeed. Only the last failure counts the version as lost.
-async fn rebuild_once(shared: &Shared, name: &str, last: bool) -> bool {
+/// One pass of [`after_loss`], with its outcome logged and recorded.
+async fn rebuild_once(shared: &Shared, name: &str) {
     let started = Instant::now();
     match after_loss(shared, name).await {
         Ok(Some(ranks)) => {
-            tracing::info!(app = %name, ranks, secs = started.elapsed().as_secs_f64(), "rebuilt after a lost node");
-            true
+            tracing::info!(app = %name, ranks, secs = started.elapsed().as_secs_f64(), "rebuilt after a lost node")
         }
-        Ok(None) => true,
-        Err(RebuildError::Failed(reason)) if !last => {
-            tracing::warn!(app = %name, %reason, "rebuild after a lost node failed; trying again");
-            false
-        }
-        Err(RebuildError::Cannot(reason) | RebuildError::Failed(reason)) => {
+        Ok(None) => {}
+        Err(reason) => {
             tracing::error!(app = %name, %reason, "rebuild after a lost node failed");
             if let Some(app) = shared.state().apps.get_mut(name) {
                 // Agents are still missing: the newest version is
@@ -295,7 +225,6 @@ async fn rebuild_once(shared: &Shared, name: &str, last: bool) -> bool {
                 }
                 app.protection.problem = Some(reason);
             }
-            true
         }
     }
 }
@@ -303,13 +232,7 @@ async fn rebuild_once(shared: &Shared, name: &str, last: bool) -> bool {
 /// Rebuilds `name`'s protected version after its nodes died; `Ok(None)`
 /// when there is nothing to do (no protected version, or no node of it is
 /// down). Returns the ranks rebuilt.
-///
-/// A surviving slot whose agent has ended since the version was protected
-/// (its manager reported it lost) still has the version's files on its
-/// live node: another running agent of the application there, or one
-/// started there in its place, serves them as a source and becomes the
-/// application's agent for that slot.
-async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, RebuildError> {
+async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String> {
     // Lost now: a node whose manager is started again later still lost
     // its part of the version (it comes back empty, or is treated so).
     let dead = lost_nodes(&shared.state(), name, Instant::now());
@@ -327,7 +250,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, Rebuil
         return Ok(None);
     }
     await_free_nodes(shared, name, &dead).await;
-    let (protected, policy, dead, owner, waiters, lost_slots, ended_slots, served_by, fell_back) = {
+    let (protected, policy, dead, owner, waiters, lost_slots, fell_back) = {
         let mut state = shared.state();
         let state = &mut *state;
         let now = Instant::now();
@@ -364,12 +287,12 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, Rebuil
         // newest complete version again.
         let falls_back = newer && newest_lost;
         if latest != Some(protected.version()) && !newer {
-            return Err(RebuildError::Cannot(format!(
+            return Err(format!(
                 "version {:?} was not protected yet when nodes {dead:?} were lost (version {} was); it may be \
                  lost, and a restart falls back to what the PFS holds",
                 latest,
                 protected.version()
-            )));
+            ));
         }
         if falls_back {
             tracing::warn!(
@@ -387,7 +310,6 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, Rebuil
         protection::rebuild_sources(&protected, policy, &dead)?;
         let lost_slots: Vec<usize> =
             (0..protected.agents.len()).filter(|s| dead.contains(&protected.agents[*s].node)).collect();
-        let (ended_slots, served_by) = ended_holders(&protected.agents, &app.agents, &dead);
         let survivors: BTreeSet<&str> =
             protected.agents.iter().filter(|a| !dead.contains(&a.node)).map(|a| a.node.as_str()).collect();
         // A replacement goes to a live node holding none of the version
@@ -398,14 +320,10 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, Rebuil
         candidates
             .sort_by_key(|n| (survivors.contains(n.node.as_str()), dead.contains(&n.node), n.agents, n.node.clone()));
         if candidates.is_empty() {
-            return Err(RebuildError::Cannot(format!(
-                "no live checkpoint node is left to rebuild on after losing {dead:?}"
-            )));
+            return Err(format!("no live checkpoint node is left to rebuild on after losing {dead:?}"));
         }
-        let places: Vec<String> = (0..lost_slots.len())
-            .map(|i| candidates[i % candidates.len()].node.clone())
-            .chain(ended_slots.iter().map(|s| protected.agents[*s].node.clone()))
-            .collect();
+        let places: Vec<String> =
+            (0..lost_slots.len()).map(|i| candidates[i % candidates.len()].node.clone()).collect();
         let config = shared.dynamic();
         let spec = nodes::StartSpec {
             app: name,
@@ -416,37 +334,16 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, Rebuil
             protected: Some(protected.version()),
         };
         let waiters = send_starts(state, &spec, places);
-        (protected, policy, dead, owner, waiters, lost_slots, ended_slots, served_by, falls_back)
+        (protected, policy, dead, owner, waiters, lost_slots, falls_back)
     };
-    tracing::warn!(
-        app = name,
-        version = protected.version(),
-        lost = ?dead,
-        slots = ?lost_slots,
-        ended = ?ended_slots,
-        "rebuilding on other nodes"
-    );
+    tracing::warn!(app = name, version = protected.version(), lost = ?dead, slots = ?lost_slots, "rebuilding on other nodes");
     let _claim = Placing::of(shared, &waiters);
     let started = await_starts(shared, name, waiters).await?;
-    // The sources are the survivors' agents as they are now: the lost
-    // slots still name their lost agents here, which is how the sources
-    // know what to rebuild.
-    let mut survivors = protected.agents.clone();
-    for (slot, agent) in ended_slots.iter().zip(started.iter().skip(lost_slots.len())) {
-        survivors[*slot] = agent.clone();
-    }
-    for (slot, agent) in served_by {
-        survivors[slot] = agent;
-    }
-    let sources = protection::rebuild_sources(
-        &protection::Protected { agents: survivors.clone(), ..protected.clone() },
-        policy,
-        &dead,
-    )?;
-    let mut agents = survivors;
+    let mut agents: Vec<AgentInfo> = protected.agents.clone();
     for (slot, agent) in lost_slots.iter().zip(&started) {
         agents[*slot] = agent.clone();
     }
+    let sources = protection::rebuild_sources(&protected, policy, &dead)?;
     let waiters: Vec<RankWaiter> = {
         let mut state = shared.state();
         sources
@@ -470,11 +367,11 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, Rebuil
     if !failures.is_empty() {
         // Their node may hold other slots' files: nothing is discarded.
         tell_agents(&state.nodes, &started, |id| ControllerToManager::StopAgent { id, discard: false });
-        return Err(RebuildError::Failed(format!(
+        return Err(format!(
             "version {} could not be rebuilt after losing nodes {dead:?}: ranks {failed_ranks:?} failed ({})",
             protected.version(),
             failures.join("; ")
-        )));
+        ));
     }
     let app = state.apps.get(name).ok_or("the application went away")?;
     let (registration, newest) = (app.registration.clone(), app.latest.clone());
@@ -514,42 +411,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, Rebuil
     // The old agents on the lost nodes are gone; the survivors stay.
     app.agents = agents.clone();
     app.protection.wiped.clear();
-    // Whole again, whatever an earlier try recorded.
-    app.protection.lost = None;
     app.homes = agents.iter().map(|a| a.node.clone()).collect();
     start_protection(shared, state, name);
     Ok(Some(rebuilt))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use icheck_core::fabric::{FabricAddress, RemoteRegion};
-
-    fn agent(id: u64, node: &str) -> AgentInfo {
-        AgentInfo {
-            id,
-            node: node.to_string(),
-            address: FabricAddress(Vec::new()),
-            provider: "tcp".into(),
-            probe: RemoteRegion { addr: 0, len: 0, key: 0 },
-            control: format!("127.0.0.1:{id}"),
-        }
-    }
-
-    #[test]
-    fn ended_holders_on_live_nodes_are_served_by_a_free_running_agent_there_or_started_again() {
-        let holders = [agent(1, "a"), agent(2, "b"), agent(3, "c"), agent(4, "d"), agent(5, "d")];
-        // 1 is on a lost node; 2 runs; 3 ended and the application has
-        // agent 7 on c since; 4 and 5 ended on d, where only agent 8 runs.
-        let running = [agent(2, "b"), agent(7, "c"), agent(8, "d")];
-        let dead = BTreeSet::from(["a".to_string()]);
-        let (to_start, served_by) = ended_holders(&holders, &running, &dead);
-        assert_eq!(to_start, vec![4], "slot 4's node has no free running agent left");
-        let served: Vec<(usize, u64)> = served_by.iter().map(|(slot, a)| (*slot, a.id)).collect();
-        assert_eq!(served, vec![(2, 7), (3, 8)]);
-        // Nothing ended: nothing to do.
-        let (to_start, served_by) = ended_holders(&holders[1..2], &running, &dead);
-        assert!(to_start.is_empty() && served_by.is_empty());
-    }
 }
