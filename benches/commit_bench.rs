@@ -1043,9 +1043,7 @@ fn main() -> Result<()> {
     let runs = cli.runs.max(1);
     if let Some(config) = &cli.mpi_rank {
         // The library's own log (ICHECK_LOG, as the daemons'), on stderr.
-        if let Ok(filter) = std::env::var("ICHECK_LOG") {
-            tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
-        }
+        icheck_examples::log_to_stderr(None);
         return mpi_rank(config, usize::try_from(cli.rank_size.0)?, runs, &cli.mpiio_dir);
     }
     let size = usize::try_from(cli.size.0)?;

@@ -248,9 +248,7 @@ fn run_phase<C: Communicator + 'static>(
 fn mpi_rank(cli: &Cli, config: &Path) -> Result<()> {
     // The library's own log (ICHECK_LOG, as the daemons'): kept with
     // `--keep-logs`.
-    if let Ok(filter) = std::env::var("ICHECK_LOG") {
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
-    }
+    icheck_examples::log_to_stderr(None);
     let universe = mpi::initialize().context("MPI init")?;
     let world = universe.world();
     let size = usize::try_from(cli.rank_size.0)?;

@@ -1,5 +1,6 @@
 //! Shared pieces of the example applications: the deterministic contents
-//! they checkpoint, so a restarted run can check every restored byte.
+//! they checkpoint, so a restarted run can check every restored byte, and
+//! their log set-up.
 
 /// A word of the pattern for (rank, step, index): splitmix64 of the three.
 pub fn pattern_word(rank: u32, step: u64, index: u64) -> u64 {
@@ -24,6 +25,16 @@ pub fn first_mismatch(data: &[u8], rank: u32, step: u64) -> Option<usize> {
         let bad = chunk.iter().zip(word).position(|(a, b)| *a != b)?;
         Some(index * 8 + bad)
     })
+}
+
+/// Sends this process's `tracing` log to stderr, filtered by `ICHECK_LOG`
+/// as the daemons' is; without it, by `default`, or not at all when that
+/// is `None` (a benchmark rank, whose stderr the benchmark reads).
+pub fn log_to_stderr(default: Option<&str>) {
+    let Some(filter) = std::env::var("ICHECK_LOG").ok().or_else(|| default.map(str::to_string)) else {
+        return;
+    };
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
 }
 
 #[cfg(test)]

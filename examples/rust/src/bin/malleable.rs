@@ -116,10 +116,7 @@ fn first_bad<T: PartialEq + Copy>(got: &[T], want: &[T]) -> Option<usize> {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(std::env::var("ICHECK_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    icheck_examples::log_to_stderr(Some("warn"));
     let args = Args::parse();
     let universe = mpi::initialize().expect("MPI initialises");
     let world = universe.world();

@@ -168,10 +168,7 @@ fn probe(ic: &mut Icheck, state: &State, rank: u32, step: u64, version: u64, rem
 
 fn main() {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(std::env::var("ICHECK_LOG").unwrap_or_else(|_| "warn".into()))
-        .with_writer(std::io::stderr)
-        .init();
+    icheck_examples::log_to_stderr(Some("warn"));
     let universe = mpi::initialize().expect("MPI initialises");
     let world = universe.world();
     let rank = world.rank() as u32;
