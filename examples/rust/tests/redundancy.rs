@@ -216,6 +216,42 @@ fn lose_a_ranks_node_and_restart(
     manager_logs(service, 4).concat()
 }
 
+/// A member's node lost while an encoder is about to read it (the
+/// `agent.before_member_reads` failpoint holds every encoding but each
+/// manager's first): the encoder's transfer fails, and the fabric layer
+/// gives up the endpoint it ran on. That is the encoder's job endpoint,
+/// not its agent's: the agent goes on serving the parity shard it holds of
+/// the version protected before, which the rebuild of the lost rank reads.
+/// When the agent's own endpoint went, the agent ended, and such a rebuild
+/// could find the shard's holder gone (the `rs:2+1` fault campaign).
+#[test]
+fn a_member_lost_while_an_encoder_reads_it_leaves_the_encoders_agent_serving() {
+    let service = service_on("shm", "red-midway", 4, Some("agent.before_member_reads=1*sleep(5000)"));
+    commit_three_with(&service, "mw", "rs:2+1", 2);
+    let held =
+        |log: &String| log.lines().any(|l| l.contains("failpoint triggered") && l.contains("before_member_reads"));
+    let mut encoder = None;
+    let found = poll_until(Duration::from_secs(30), || {
+        encoder = manager_logs(&service, 4).iter().position(held).map(|n| format!("local-{}", n + 1));
+        encoder.is_some()
+    });
+    assert!(found, "no encoding was held:\n{}", manager_logs(&service, 4).concat());
+    let encoder = encoder.unwrap();
+    let report = app(&service, "mw");
+    let protected = report.protected.expect("a version was protected before the held encoding");
+    let member = (0..2)
+        .map(|rank| icheck_core::decide::agent_for_rank(rank, 2, report.agents.len() as u32) as usize)
+        .map(|slot| report.agents[slot].node.clone())
+        .find(|node| *node != encoder)
+        .expect("a rank's primary lies on another node than the encoder");
+    lose_node(&service, &member);
+    wait_rebuilt(&service, "mw", protected, &[&member]);
+    let logs = manager_logs(&service, 4).concat();
+    assert!(!logs.contains("stopping this agent"), "an agent ended after its endpoint was closed:\n{logs}");
+    restart_bit_exact_with(&service, "mw", "rs:2+1", 6, 2);
+    pfs_untouched(&service, "mw");
+}
+
 /// Three ranks under rs:2+1: a group of two ranks and a group of one,
 /// whose parity shard is a copy of its rank (which group holds rank 2
 /// depends on where the agents went). The node of rank 2 is lost; the

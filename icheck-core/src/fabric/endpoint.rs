@@ -315,6 +315,11 @@ impl Endpoint {
         Self::open_on(self.shared.domain.clone())
     }
 
+    /// Whether `other` is a handle on this same endpoint.
+    pub fn same_as(&self, other: &Endpoint) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
     /// Whether a key registered through this endpoint is valid on every
     /// endpoint of its domain (no `FI_MR_ENDPOINT` binding).
     pub fn registrations_are_domain_wide(&self) -> bool {

@@ -159,6 +159,46 @@ struct Shared {
     /// Endpoints besides `endpoint` that serve sessions' concurrent reads
     /// of this agent (see [`Shared::lease_lane`]); made on demand.
     lanes: Mutex<Vec<Lane>>,
+    /// Endpoints this agent's jobs reach other agents through, idle
+    /// between jobs (see [`Shared::outgoing_endpoint`]).
+    outgoing: Mutex<Vec<Endpoint>>,
+}
+
+/// One job of an agent (a take-over, a piece of redundancy, a rebuild):
+/// the agent's state, with the endpoint the job reads from and writes to
+/// other agents through. `job.endpoint` is that endpoint, not the agent's
+/// own; everything else derefs to [`Shared`].
+///
+/// Architecture invariant: every peer a job inserts and every transfer it
+/// makes go through this one endpoint (a peer's address handle is only
+/// valid on the endpoint that inserted it).
+struct Job<'a> {
+    shared: &'a Shared,
+    endpoint: Endpoint,
+}
+
+impl<'a> Job<'a> {
+    fn new(shared: &'a Shared) -> Job<'a> {
+        Job { shared, endpoint: shared.outgoing_endpoint() }
+    }
+}
+
+impl Drop for Job<'_> {
+    /// Gives the job's endpoint back for the next job, unless a transfer
+    /// closed it (or it is the agent's own).
+    fn drop(&mut self) {
+        if !self.endpoint.is_closed() && !self.endpoint.same_as(&self.shared.endpoint) {
+            self.shared.outgoing.lock().unwrap_or_else(|p| p.into_inner()).push(self.endpoint.clone());
+        }
+    }
+}
+
+impl std::ops::Deref for Job<'_> {
+    type Target = Shared;
+
+    fn deref(&self) -> &Shared {
+        self.shared
+    }
 }
 
 /// Most endpoints an agent opens besides its own to serve concurrent
@@ -202,6 +242,45 @@ struct LaneLease {
 }
 
 impl Shared {
+    /// An endpoint for one job's transfers to other agents, apart from the
+    /// one that serves this agent's memory and from other jobs' (an idle
+    /// one, else a new one).
+    ///
+    /// A transfer to a peer that stops answering (its node lost during a
+    /// protection or a take-over) fails, and the fabric layer gives up the
+    /// endpoint it ran on. On the agent's own endpoint that ended the
+    /// agent, and with it every read of the pieces and primaries it holds:
+    /// a rebuild after that loss found its parity shard's holder gone and
+    /// lost the version (the `rs:2+1` fault campaign, once in several CI
+    /// runs). On an endpoint of its own only that job fails. Jobs do not
+    /// share one at the same time, because the loss would fail the others
+    /// too (a re-protection running beside the encoding whose member was
+    /// lost did). Idle endpoints are kept for later jobs rather than opened
+    /// anew for each: every endpoint a reader opens stays known to the
+    /// agents it reads from (shm maps each in a table of 256 peers).
+    ///
+    /// Where keys are bound to an endpoint (`FI_MR_ENDPOINT`) a job's
+    /// memory could not be registered on another one, so jobs use the
+    /// agent's own, as they do if no other can be opened.
+    fn outgoing_endpoint(&self) -> Endpoint {
+        if !self.endpoint.registrations_are_domain_wide() {
+            return self.endpoint.clone();
+        }
+        let mut idle = self.outgoing.lock().unwrap_or_else(|p| p.into_inner());
+        idle.retain(|endpoint| !endpoint.is_closed());
+        if let Some(endpoint) = idle.pop() {
+            return endpoint;
+        }
+        drop(idle);
+        match self.endpoint.sibling() {
+            Ok(endpoint) => endpoint,
+            Err(err) => {
+                tracing::warn!(%err, "cannot open an endpoint for transfers to other agents; using the agent's own");
+                self.endpoint.clone()
+            }
+        }
+    }
+
     /// An endpoint of its own for a session whose reads run beside other
     /// sessions' reads of this agent (another agent's, or a restarting
     /// rank's: four ranks pulling from two agents restored at 2.94-2.96
@@ -413,6 +492,7 @@ impl Agent {
             protected: AtomicU64::new(protected.unwrap_or(0)),
             protecting: AtomicU64::new(0),
             lanes: Mutex::default(),
+            outgoing: Mutex::default(),
         });
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
@@ -510,7 +590,7 @@ impl Agent {
         from: AgentInfo,
     ) -> impl FnOnce() -> Result<u64, String> + Send + 'static {
         let shared = self.shared.clone();
-        move || take_over(&shared, rank, version, &from)
+        move || take_over(&Job::new(&shared), rank, version, &from)
     }
 
     /// A job that builds a piece of redundancy for a complete version
@@ -518,7 +598,7 @@ impl Agent {
     /// thread. Returns the bytes the piece holds.
     pub fn protect_job(&self, task: protocol::PieceTask) -> impl FnOnce() -> Vec<PieceOutcome> + Send + 'static {
         let shared = self.shared.clone();
-        move || redundancy::protect(&shared, &task)
+        move || redundancy::protect(&Job::new(&shared), &task)
     }
 
     /// A job that rebuilds `rank`'s `version`, lost with its node, from
@@ -530,7 +610,7 @@ impl Agent {
         source: protocol::RebuildSource,
     ) -> impl FnOnce() -> Result<u64, String> + Send + 'static {
         let shared = self.shared.clone();
-        move || redundancy::rebuild(&shared, rank, version, &source)
+        move || redundancy::rebuild(&Job::new(&shared), rank, version, &source)
     }
 
     /// Lets go of `rank`'s kept version of application `app` (if this agent
@@ -1993,17 +2073,17 @@ fn load_from_pfs(shared: &Shared, app: &str, rank: u32, version: u64) -> Result<
 /// Fetches `rank`'s `version` from the agent `from` exactly as a restarting
 /// rank would (Open, Fetch, RMA read, FetchDone), verifies every chunk
 /// against the rank's own checksums, and seals it in this node's store.
-fn take_over(shared: &Shared, rank: u32, version: u64, from: &AgentInfo) -> Result<u64, String> {
+fn take_over(job: &Job<'_>, rank: u32, version: u64, from: &AgentInfo) -> Result<u64, String> {
     let started = Instant::now();
     let fail = |what: String| format!("taking over rank {rank} version {version}: {what}");
-    let mut session = redundancy::PeerSession::open(shared, from, rank).map_err(fail)?;
+    let mut session = redundancy::PeerSession::open(job, from, rank).map_err(fail)?;
     // Checked by the peer first: a damaged version is served from its PFS copy.
-    let (manifest, region) = session.fetch(shared, (rank, version), false).map_err(fail)?;
+    let (manifest, region) = session.fetch(job, (rank, version), false).map_err(fail)?;
     let total = manifest.total_len as usize;
     let from_node = format!("the primary on {}", from.node);
-    redundancy::read_rank_into_primary(shared, &mut session, &manifest, region, &from_node).map_err(fail)?;
+    redundancy::read_rank_into_primary(job, &mut session, &manifest, region, &from_node).map_err(fail)?;
     // The controller's newest complete version, now held here.
-    shared.completed(rank, version);
+    job.completed(rank, version);
     tracing::info!(
         rank,
         version,

@@ -24,7 +24,7 @@ use icheck_core::protocol::{
 use icheck_core::redundancy::{self, PieceId};
 use icheck_core::verified::{read_checked, CheckedRange};
 
-use super::{Shared, TAKE_OVER_CONNECT_TIMEOUT, TAKE_OVER_TIMEOUT};
+use super::{Job, TAKE_OVER_CONNECT_TIMEOUT, TAKE_OVER_TIMEOUT};
 use crate::store::MappedFile;
 
 /// A session with another agent of the same application, admitted by the
@@ -41,18 +41,17 @@ pub(super) struct PeerSession {
 
 impl PeerSession {
     /// Opens a session with `from` bound to `rank`.
-    pub(super) fn open(shared: &Shared, from: &AgentInfo, rank: u32) -> Result<PeerSession, String> {
+    pub(super) fn open(job: &Job<'_>, from: &AgentInfo, rank: u32) -> Result<PeerSession, String> {
         let fail = |what: String| format!("agent {} on {} ({}): {what}", from.id, from.node, from.control);
-        let mut conn =
-            BlockingConnection::connect(&from.control, &shared.settings.node_token, TAKE_OVER_CONNECT_TIMEOUT)
-                .map_err(|e| fail(e.to_string()))?;
+        let mut conn = BlockingConnection::connect(&from.control, &job.settings.node_token, TAKE_OVER_CONNECT_TIMEOUT)
+            .map_err(|e| fail(e.to_string()))?;
         conn.set_timeout(TAKE_OVER_TIMEOUT);
-        let peer = shared.endpoint.insert_peer(&from.address).map_err(|e| fail(e.to_string()))?;
+        let peer = job.endpoint.insert_peer(&from.address).map_err(|e| fail(e.to_string()))?;
         let mut session = PeerSession { conn, peer, from: from.clone(), fetching: false, apart: false };
         let open = AgentRequest::Open {
-            app: shared.app.clone(),
+            app: job.app.clone(),
             rank,
-            address: shared.endpoint.address().clone(),
+            address: job.endpoint.address().clone(),
             capability: String::new(),
             pfs_key: None,
         };
@@ -68,13 +67,13 @@ impl PeerSession {
     /// endpoint of its own where the provider would otherwise make
     /// concurrent readers of the peer take turns (`ServeApart`), and
     /// reads from there.
-    fn serve_apart(&mut self, shared: &Shared) -> Result<(), String> {
+    fn serve_apart(&mut self, job: &Job<'_>) -> Result<(), String> {
         if std::mem::replace(&mut self.apart, true) {
             return Ok(());
         }
         match self.call(&AgentRequest::ServeApart)? {
             AgentReply::Apart(address) => {
-                self.peer = shared.endpoint.insert_peer(&address).map_err(|e| self.fail(e))?;
+                self.peer = job.endpoint.insert_peer(&address).map_err(|e| self.fail(e))?;
                 Ok(())
             }
             AgentReply::Ok => Ok(()),
@@ -97,14 +96,14 @@ impl PeerSession {
     /// arrives.
     pub(super) fn fetch(
         &mut self,
-        shared: &Shared,
+        job: &Job<'_>,
         (rank, version): (u32, u64),
         reader_checks: bool,
     ) -> Result<(Manifest, RemoteRegion), String> {
-        self.serve_apart(shared)?;
+        self.serve_apart(job)?;
         let reply = self.call(&AgentRequest::Fetch { version, reader: None, reader_checks })?;
         self.fetching = true;
-        match check_fetched(reply, FetchWanted { app: &shared.app, rank, version }) {
+        match check_fetched(reply, FetchWanted { app: &job.app, rank, version }) {
             Ok(Fetched { damaged: Some(damage), .. }) => Err(self.fail(format!("rank {rank} is damaged: {damage}"))),
             Ok(Fetched { manifest, region, damaged: None, .. }) => Ok((manifest, region)),
             Err(refused) => Err(self.fail(refused)),
@@ -115,18 +114,17 @@ impl PeerSession {
     /// checked before any of its lengths is used.
     pub(super) fn fetch_piece(
         &mut self,
-        shared: &Shared,
+        job: &Job<'_>,
         version: u64,
         piece: PieceId,
     ) -> Result<(PieceMeta, RemoteRegion), String> {
-        self.serve_apart(shared)?;
+        self.serve_apart(job)?;
         let reply = self.call(&AgentRequest::FetchPiece { version, piece })?;
         self.fetching = true;
         let AgentReply::Piece { meta, region } = reply else {
             return Err(self.fail(format!("unexpected answer to FetchPiece: {reply:?}")));
         };
-        let len =
-            meta.check(&shared.app, version, piece).map_err(|e| self.fail(format!("the {piece} it sent: {e}")))?;
+        let len = meta.check(&job.app, version, piece).map_err(|e| self.fail(format!("the {piece} it sent: {e}")))?;
         if region.len < len {
             return Err(self.fail(format!("the {piece} exposes {} of its {len} bytes", region.len)));
         }
@@ -157,7 +155,7 @@ impl PeerSession {
     /// over the whole version afterwards.
     pub(super) fn read_checked<B: icheck_core::fabric::StableBuffer>(
         &self,
-        shared: &Shared,
+        job: &Job<'_>,
         region: RemoteRegion,
         into: &mut RegisteredBuffer<B>,
         manifest: &Manifest,
@@ -171,7 +169,7 @@ impl PeerSession {
                 return Err(format!("label {:?} does not fit this machine's memory", label.label));
             };
             let range = CheckedRange { remote: region, remote_offset: label.offset, local_offset: offset, len, crcs };
-            match read_checked(&shared.endpoint, &self.peer, into, range).map_err(|e| self.fail(e))? {
+            match read_checked(&job.endpoint, &self.peer, into, range).map_err(|e| self.fail(e))? {
                 None => {}
                 Some(chunk) => {
                     return Err(format!("label {:?}: chunk {chunk} does not match the rank's checksum", label.label))
@@ -187,7 +185,7 @@ impl PeerSession {
     /// with the reason, which is returned.
     pub(super) fn read_in_pieces<B: icheck_core::fabric::StableBuffer>(
         &self,
-        shared: &Shared,
+        job: &Job<'_>,
         (region, len): (RemoteRegion, usize),
         into: &mut RegisteredBuffer<B>,
         piece: usize,
@@ -196,7 +194,7 @@ impl PeerSession {
         let mut refusal = None;
         let accept = |bytes: &[u8]| take(bytes).map_err(|why| refusal = Some(why)).is_ok();
         let refused =
-            icheck_core::verified::read_in_pieces(&shared.endpoint, &self.peer, into, (region, 0, len), piece, accept)
+            icheck_core::verified::read_in_pieces(&job.endpoint, &self.peer, into, (region, 0, len), piece, accept)
                 .map_err(|e| self.fail(e))?;
         match (refused, refusal) {
             (None, _) => Ok(()),
@@ -234,16 +232,16 @@ pub struct PieceOutcome {
 
 /// Builds `task`'s piece in this node's store, and for the encoder of a
 /// group the other parity shards at their holders: how each piece ended.
-pub(super) fn protect(shared: &Shared, task: &PieceTask) -> Vec<PieceOutcome> {
-    let mine = |result| PieceOutcome { agent: shared.id, piece: task.piece, result };
+pub(super) fn protect(job: &Job<'_>, task: &PieceTask) -> Vec<PieceOutcome> {
+    let mine = |result| PieceOutcome { agent: job.id, piece: task.piece, result };
     match task.piece {
-        PieceId::Copy { .. } => vec![mine(protect_copy(shared, task))],
+        PieceId::Copy { .. } => vec![mine(protect_copy(job, task))],
         PieceId::Parity { group, index } => {
             let started = Instant::now();
             // An encoder answers for other holders' shards too: the
             // reason names the group, each outcome its own piece.
             let fail = |what: String| format!("encoding group {group} of version {}: {what}", task.version);
-            match build_parity(shared, task, group, index) {
+            match build_parity(job, task, group, index) {
                 Ok(mut outcomes) => {
                     let bytes = outcomes.first().and_then(|o| o.result.as_ref().ok().copied()).unwrap_or(0);
                     let ms = started.elapsed().as_secs_f64() * 1e3;
@@ -254,7 +252,7 @@ pub(super) fn protect(shared: &Shared, task: &PieceTask) -> Vec<PieceOutcome> {
                     outcomes
                 }
                 // Nothing was built: every shard this agent answers for failed.
-                Err(why) => PieceOutcome::all_failed(shared.id, task, &fail(why)),
+                Err(why) => PieceOutcome::all_failed(job.id, task, &fail(why)),
             }
         }
     }
@@ -277,7 +275,7 @@ impl PieceOutcome {
 }
 
 /// Builds a copy of a rank. Returns the bytes it holds.
-fn protect_copy(shared: &Shared, task: &PieceTask) -> Result<u64, String> {
+fn protect_copy(job: &Job<'_>, task: &PieceTask) -> Result<u64, String> {
     let started = Instant::now();
     let version = task.version;
     let fail = |what: String| format!("building the {} for version {version}: {what}", task.piece);
@@ -289,23 +287,23 @@ fn protect_copy(shared: &Shared, task: &PieceTask) -> Result<u64, String> {
             if *member != rank {
                 return Err(fail(format!("the task names rank {member}")));
             }
-            let mut session = PeerSession::open(shared, from, rank).map_err(fail)?;
+            let mut session = PeerSession::open(job, from, rank).map_err(fail)?;
             // `read_checked` checks every chunk it reads.
-            let (manifest, region) = session.fetch(shared, (rank, version), true).map_err(fail)?;
+            let (manifest, region) = session.fetch(job, (rank, version), true).map_err(fail)?;
             let fetched = started.elapsed();
-            let store = &shared.settings.store;
+            let store = &job.settings.store;
             let file = store
-                .create_piece(&shared.app, version, task.piece, manifest.total_len)
+                .create_piece(&job.app, version, task.piece, manifest.total_len)
                 .map_err(|e| fail(e.to_string()))?;
-            let mut file = shared.endpoint.register(file, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
+            let mut file = job.endpoint.register(file, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
             let created = started.elapsed();
-            session.read_checked(shared, region, &mut file, &manifest).map_err(fail)?;
+            session.read_checked(job, region, &mut file, &manifest).map_err(fail)?;
             session.done_reading();
             let read = started.elapsed();
             store
-                .seal_piece(&shared.app, version, task.piece, &PieceMeta::Copy(manifest.clone()))
+                .seal_piece(&job.app, version, task.piece, &PieceMeta::Copy(manifest.clone()))
                 .map_err(|e| fail(e.to_string()))?;
-            super::piece_sealed(shared, version, task.piece, file.into_inner(), manifest.total_len);
+            super::piece_sealed(job, version, task.piece, file.into_inner(), manifest.total_len);
             tracing::debug!(
                 version,
                 rank,
@@ -348,20 +346,20 @@ struct ShardBlocks {
 
 impl ShardBlocks {
     /// `slots` (at least one per source) shard slots per stripe.
-    fn new(shared: &Shared, sources: Vec<ShardSource>, slots: usize) -> Result<ShardBlocks, String> {
+    fn new(job: &Job<'_>, sources: Vec<ShardSource>, slots: usize) -> Result<ShardBlocks, String> {
         let slots = slots.max(sources.len());
-        let buffer = block_buffer(shared, slots)?;
+        let buffer = block_buffer(job, slots)?;
         Ok(ShardBlocks { sources, slots, buffer })
     }
 
     /// Another buffer of this layout, to read the next block into.
-    fn spare_buffer(&self, shared: &Shared) -> Result<RegisteredBuffer, String> {
-        block_buffer(shared, self.slots)
+    fn spare_buffer(&self, job: &Job<'_>) -> Result<RegisteredBuffer, String> {
+        block_buffer(job, self.slots)
     }
 
     /// Loads block `[offset, offset + n)` of every shard into the buffer.
-    fn load(&mut self, shared: &Shared, offset: u64, n: usize) -> Result<(), String> {
-        read_blocks(shared, (&self.sources, self.slots), (offset, n), &mut self.buffer)
+    fn load(&mut self, job: &Job<'_>, offset: u64, n: usize) -> Result<(), String> {
+        read_blocks(job, (&self.sources, self.slots), (offset, n), &mut self.buffer)
     }
 
     /// `n` bytes (within one stripe) of shard `shard`'s loaded block from `at`.
@@ -379,10 +377,9 @@ fn slot_offset(slots: usize, shard: usize, at: usize) -> usize {
 }
 
 /// A registered buffer with room for one block of each of `shards` shards.
-fn block_buffer(shared: &Shared, shards: usize) -> Result<RegisteredBuffer, String> {
-    shared
-        .endpoint
-        .register(AlignedBuffer::zeroed(shards.max(1) * block_len(shared) as usize), Access::LOCAL)
+fn block_buffer(job: &Job<'_>, shards: usize) -> Result<RegisteredBuffer, String> {
+    job.endpoint
+        .register(AlignedBuffer::zeroed(shards.max(1) * block_len(job) as usize), Access::LOCAL)
         .map_err(|e| e.to_string())
 }
 
@@ -391,7 +388,7 @@ fn block_buffer(shared: &Shared, shards: usize) -> Result<RegisteredBuffer, Stri
 /// shard's real bytes from its peer, zeros after them (and throughout
 /// without a session).
 fn read_blocks(
-    shared: &Shared,
+    job: &Job<'_>,
     (sources, slots): (&[ShardSource], usize),
     (offset, n): (u64, usize),
     into: &mut RegisteredBuffer,
@@ -400,7 +397,7 @@ fn read_blocks(
     if !ops.is_empty() {
         // A few operations per member keep every member's link busy.
         let options = TransferOptions { inflight: (4 * ops.len()).clamp(8, 32), ..TransferOptions::default() };
-        shared.endpoint.read_observed_from(into.target(), &ops, &options, &mut |_| {}).map_err(|e| {
+        job.endpoint.read_observed_from(into.target(), &ops, &options, &mut |_| {}).map_err(|e| {
             let from: Vec<String> =
                 sources.iter().filter_map(|s| s.session.as_ref()).map(|s| s.from.node.to_string()).collect();
             format!("reading bytes {offset}.. of the group's shards from {}: {e}", from.join(", "))
@@ -455,18 +452,18 @@ fn zero_padding((sources, slots): (&[ShardSource], usize), (offset, n): (u64, us
 /// next block read on a second thread (at low priority) while `code` works
 /// on this one. Returns the time the reads took.
 fn for_each_block(
-    shared: &Shared,
+    job: &Job<'_>,
     shards: &mut ShardBlocks,
     (until, shard_len): (u64, u64),
     mut code: impl FnMut(u64, u64, &ShardBlocks) -> Result<(), String>,
 ) -> Result<Duration, String> {
-    let block_len = block_len(shared);
+    let block_len = block_len(job);
     let block_at = |offset: u64| (shard_len - offset).min(block_len);
-    let mut ahead = shards.spare_buffer(shared)?;
+    let mut ahead = shards.spare_buffer(job)?;
     let mut reading = Duration::ZERO;
     if until > 0 {
         let started = Instant::now();
-        shards.load(shared, 0, block_at(0) as usize)?;
+        shards.load(job, 0, block_at(0) as usize)?;
         reading += started.elapsed();
     }
     let mut offset = 0;
@@ -476,7 +473,7 @@ fn for_each_block(
         let read_next = |ahead: &mut RegisteredBuffer| -> Result<Duration, String> {
             crate::manager::lower_thread_priority();
             let started = Instant::now();
-            read_blocks(shared, sources, (next, block_at(next) as usize), ahead)?;
+            read_blocks(job, sources, (next, block_at(next) as usize), ahead)?;
             Ok(started.elapsed())
         };
         let (coded, read) = std::thread::scope(|scope| {
@@ -495,7 +492,7 @@ fn for_each_block(
 }
 
 /// Bytes of each shard read at once (a whole number of stripes) over
-/// `shared`'s provider. Each block is one fabric batch, drained before the
+/// `job`'s provider. Each block is one fabric batch, drained before the
 /// next: over a network, 8 MiB per member keeps every link busy through a
 /// batch, where a block per stripe would wait a round trip every megabyte.
 /// Over shm the reader's CPU copies every byte itself (`process_vm_readv`)
@@ -506,8 +503,8 @@ fn for_each_block(
 /// protected in 502-719 ms, median 581, over ten runs, against 610-655 ms
 /// in three with 8 MiB; over tcp 2 MiB blocks were slower, 807 and 1000 ms
 /// against 715 and 895).
-fn block_len(shared: &Shared) -> u64 {
-    if shared.endpoint.provider() == "shm" {
+fn block_len(job: &Job<'_>) -> u64 {
+    if job.endpoint.provider() == "shm" {
         2 * STRIPE
     } else {
         8 * STRIPE
@@ -617,7 +614,7 @@ fn encode_block(
 /// the reason (returned as `(sink, why)`), and the encoding goes on for
 /// this shard and the other sinks'.
 fn move_blocks(
-    shared: &Shared,
+    job: &Job<'_>,
     sources: (&[ShardSource], usize),
     (read, into): (Option<(u64, usize)>, &mut RegisteredBuffer),
     sinks: &[ShardSink],
@@ -644,14 +641,14 @@ fn move_blocks(
     if writes.is_empty() {
         // Only reads (or nothing): a member's failure is named by `read_blocks`.
         if let Some(block) = read {
-            read_blocks(shared, sources, block, into)?;
+            read_blocks(job, sources, block, into)?;
         }
         return Ok(Vec::new());
     }
     let reads = read.map(|block| read_ops(sources, block)).unwrap_or_default();
     let options =
         TransferOptions { inflight: (4 * (reads.len() + writes.len())).clamp(8, 32), ..TransferOptions::default() };
-    match shared.endpoint.read_and_write((into.target(), &reads), (coded.source(), &writes), &options) {
+    match job.endpoint.read_and_write((into.target(), &reads), (coded.source(), &writes), &options) {
         Ok(_) => {
             if let Some(block) = read {
                 zero_padding(sources, block, into);
@@ -661,7 +658,7 @@ fn move_blocks(
         Err(e) => {
             // Which side failed: the reads again, alone.
             if let Some(block) = read {
-                read_blocks(shared, sources, block, into)?;
+                read_blocks(job, sources, block, into)?;
             }
             Ok(give_up_sinks(sinks, &e))
         }
@@ -698,7 +695,7 @@ type FetchedMember = (PeerSession, Manifest, RemoteRegion);
 /// keeps parity shard `index` here, and writes the shards of `task.also`
 /// (indices `index + 1`..) to their holders. Returns how each shard ended,
 /// this agent's first; an error means none was built.
-fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Result<Vec<PieceOutcome>, String> {
+fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Result<Vec<PieceOutcome>, String> {
     let started = Instant::now();
     let version = task.version;
     // Every member's agent checks the rank before exposing it: asked all at
@@ -710,9 +707,9 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
             .map(|member| {
                 scope.spawn(move || {
                     let Some((rank, from)) = member else { return Ok(None) };
-                    let mut session = PeerSession::open(shared, from, *rank)?;
+                    let mut session = PeerSession::open(job, from, *rank)?;
                     // The coder checks every stripe it reads (`InOrderCheck`).
-                    let (manifest, region) = session.fetch(shared, (*rank, version), true)?;
+                    let (manifest, region) = session.fetch(job, (*rank, version), true)?;
                     Ok(Some((session, manifest, region)))
                 })
             })
@@ -720,9 +717,11 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
         asks.into_iter().map(|ask| ask.join().unwrap_or_else(|_| Err("a fetching thread panicked".into()))).collect()
     });
     let fetched: Vec<Option<FetchedMember>> = fetched.into_iter().collect::<Result<_, _>>()?;
+    // Tests lose a member's node here, between its exposure and the reads.
+    icheck_core::failpoint::hit("agent.before_member_reads");
     if let ([Some(_)], true) = (fetched.as_slice(), task.also.is_empty()) {
         let Some(Some(member)) = fetched.into_iter().next() else { unreachable!("matched above") };
-        return build_repeated(shared, task, group, index, member, started);
+        return build_repeated(job, task, group, index, member, started);
     }
     let mut manifests = Vec::with_capacity(task.members.len());
     let mut sources = Vec::with_capacity(task.members.len());
@@ -739,7 +738,7 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
     let fetched_at = started.elapsed();
     let longest = manifests.iter().flatten().map(|m| m.total_len).max().unwrap_or(0);
     let shard_len = shard_len(longest);
-    let store = &shared.settings.store;
+    let store = &job.settings.store;
     let piece = PieceId::Parity { group, index };
     let any_rank = task.members.iter().flatten().map(|(rank, _)| *rank).next().unwrap_or(0);
     // This shard's file and the other holders' (each made by its agent)
@@ -753,7 +752,7 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
         if their_index >= task.parity {
             return Err(refused(format!("the group has {} parity shards, not a shard {their_index}", task.parity)));
         }
-        let mut session = PeerSession::open(shared, holder, any_rank).map_err(refused)?;
+        let mut session = PeerSession::open(job, holder, any_rank).map_err(refused)?;
         let region = session.put_piece(version, their, shard_len).map_err(refused)?;
         Ok(ShardSink {
             holder: holder.clone(),
@@ -768,7 +767,7 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
     let (file, opened, created_at) = std::thread::scope(|scope| {
         let opening: Vec<_> =
             task.also.iter().enumerate().map(|(j, holder)| scope.spawn(move || open_sink(j, holder))).collect();
-        let file = store.create_piece(&shared.app, version, piece, shard_len).map_err(|e| e.to_string());
+        let file = store.create_piece(&job.app, version, piece, shard_len).map_err(|e| e.to_string());
         let created_at = started.elapsed();
         let opened: Vec<Result<ShardSink, PieceOutcome>> = opening
             .into_iter()
@@ -791,25 +790,25 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
         }
     }
     let slots = redundancy::in_place_slots(sources.len(), usize::from(task.parity)).unwrap_or(sources.len());
-    let mut sources = ShardBlocks::new(shared, sources, slots)?;
+    let mut sources = ShardBlocks::new(job, sources, slots)?;
     // The members' agents exposed them unchecked (`reader_checks`).
     let mut checks: Vec<InOrderCheck<'_>> =
         manifests.iter().flatten().map(InOrderCheck::new).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
     // Block i+1 is read on a second thread into `ahead`, in one batch with
     // the writes of block i-1's coded shards (`coded`), while block i is
     // coded into `staging`; then each pair swaps.
-    let mut ahead = sources.spare_buffer(shared)?;
-    let mut staging = block_buffer(shared, sinks.len())?;
-    let mut coded = block_buffer(shared, sinks.len())?;
+    let mut ahead = sources.spare_buffer(job)?;
+    let mut staging = block_buffer(job, sinks.len())?;
+    let mut coded = block_buffer(job, sinks.len())?;
     let mut sink_crcs: Vec<Vec<u32>> = vec![Vec::new(); sinks.len()];
     let sinks_at = started.elapsed();
     let mut crcs = Vec::new();
     let mut spent = Spent::default();
     let mut encoder = redundancy::StripeEncoder::default();
     let blocks_started = Instant::now();
-    let block_len = block_len(shared);
+    let block_len = block_len(job);
     let block_at = |offset: u64| (shard_len - offset).min(block_len);
-    sources.load(shared, 0, block_at(0) as usize)?;
+    sources.load(job, 0, block_at(0) as usize)?;
     let (mut offset, mut behind): (u64, Option<(u64, usize)>) = (0, None);
     while offset < shard_len || behind.is_some() {
         let block = if offset < shard_len { block_at(offset) } else { 0 };
@@ -821,7 +820,7 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
             let mover = scope.spawn(move || {
                 crate::manager::lower_thread_priority();
                 let started = Instant::now();
-                let failed = move_blocks(shared, shard_sources, (read, ahead), sinks, (behind, coded))?;
+                let failed = move_blocks(job, shard_sources, (read, ahead), sinks, (behind, coded))?;
                 Ok::<_, String>((failed, started.elapsed()))
             });
             let started = Instant::now();
@@ -864,13 +863,12 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
         encoding_ms = spent.encoding.as_secs_f64() * 1e3,
         "group's steps (moving overlaps encoding)"
     );
-    let meta =
-        |index: u8, crcs: Vec<u32>| parity_meta(shared, task, (group, index), shard_len, manifests.clone(), crcs);
+    let meta = |index: u8, crcs: Vec<u32>| parity_meta(job, task, (group, index), shard_len, manifests.clone(), crcs);
     let encoded_at = started.elapsed();
-    store.seal_piece(&shared.app, version, piece, &PieceMeta::Parity(meta(index, crcs))).map_err(|e| e.to_string())?;
-    super::piece_sealed(shared, version, piece, file, shard_len);
+    store.seal_piece(&job.app, version, piece, &PieceMeta::Parity(meta(index, crcs))).map_err(|e| e.to_string())?;
+    super::piece_sealed(job, version, piece, file, shard_len);
     let sealed_at = started.elapsed();
-    let mut outcomes = vec![PieceOutcome { agent: shared.id, piece, result: Ok(shard_len) }];
+    let mut outcomes = vec![PieceOutcome { agent: job.id, piece, result: Ok(shard_len) }];
     for mut sink in sinks {
         let result = match sink.failed.take() {
             Some(why) => Err(why),
@@ -901,14 +899,14 @@ fn build_parity(shared: &Shared, task: &PieceTask, group: u32, index: u8) -> Res
 
 /// The description of parity shard `index` of `group` for `task`'s version.
 fn parity_meta(
-    shared: &Shared,
+    job: &Job<'_>,
     task: &PieceTask,
     (group, index): (u32, u8),
     shard_len: u64,
     members: Vec<Option<Manifest>>,
     crcs: Vec<u32>,
 ) -> ParityMeta {
-    let (app, version, parity) = (shared.app.clone(), task.version, task.parity);
+    let (app, version, parity) = (job.app.clone(), task.version, task.parity);
     ParityMeta { app, version, group, index, parity, shard_len, members, crcs }
 }
 
@@ -924,7 +922,7 @@ const _: () = assert!(STRIPE == icheck_core::delta::BLOCK_SIZE);
 /// description in the same pass, as it arrives (a second pass over 1 GiB
 /// after the read took 100-130 ms of the shard's 1.0-1.1 s over tcp).
 fn build_repeated(
-    shared: &Shared,
+    job: &Job<'_>,
     task: &PieceTask,
     group: u32,
     index: u8,
@@ -936,9 +934,9 @@ fn build_repeated(
     let fail = |what: String| format!("building the {piece} for version {version}: {what}");
     let fetched_at = started.elapsed();
     let (len, shard_len) = (manifest.total_len, shard_len(manifest.total_len));
-    let store = &shared.settings.store;
-    let file = store.create_piece(&shared.app, version, piece, shard_len).map_err(|e| fail(e.to_string()))?;
-    let mut file = shared.endpoint.register(file, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
+    let store = &job.settings.store;
+    let file = store.create_piece(&job.app, version, piece, shard_len).map_err(|e| fail(e.to_string()))?;
+    let mut file = job.endpoint.register(file, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
     let created_at = started.elapsed();
     let (Ok(len), Ok(shard)) = (usize::try_from(len), usize::try_from(shard_len)) else {
         return Err(fail(format!("a shard of {shard_len} bytes does not fit this machine's memory")));
@@ -948,7 +946,7 @@ fn build_repeated(
     let mut check = InOrderCheck::new(&manifest).map_err(|e| fail(e.to_string()))?;
     let mut crcs = Vec::with_capacity(shard.div_ceil(STRIPE as usize));
     let take = |bytes: &[u8]| check.feed(bytes).map(|crc| crcs.push(crc)).map_err(|e| e.to_string());
-    session.read_in_pieces(shared, (region, len), &mut file, STRIPE as usize, take).map_err(fail)?;
+    session.read_in_pieces(job, (region, len), &mut file, STRIPE as usize, take).map_err(fail)?;
     session.done_reading();
     if !check.complete() {
         return Err(fail("the member's bytes ended early".into()));
@@ -963,18 +961,18 @@ fn build_repeated(
     crcs.extend(
         file.as_slice()[full * STRIPE as usize..shard].chunks(STRIPE as usize).map(icheck_core::format::crc32c),
     );
-    let meta = parity_meta(shared, task, (group, index), shard_len, vec![Some(manifest)], crcs);
-    store.seal_piece(&shared.app, version, piece, &PieceMeta::Parity(meta)).map_err(|e| fail(e.to_string()))?;
-    super::piece_sealed(shared, version, piece, file.into_inner(), shard_len);
+    let meta = parity_meta(job, task, (group, index), shard_len, vec![Some(manifest)], crcs);
+    store.seal_piece(&job.app, version, piece, &PieceMeta::Parity(meta)).map_err(|e| fail(e.to_string()))?;
+    super::piece_sealed(job, version, piece, file.into_inner(), shard_len);
     let (fetched, created, read) = (fetched_at.as_secs_f64(), created_at.as_secs_f64(), read_at.as_secs_f64());
     let sealed = started.elapsed().as_secs_f64();
     tracing::debug!(version, group, fetched, created, read, sealed, "repeated shard's timeline (seconds)");
-    Ok(vec![PieceOutcome { agent: shared.id, piece, result: Ok(shard_len) }])
+    Ok(vec![PieceOutcome { agent: job.id, piece, result: Ok(shard_len) }])
 }
 
 /// Rebuilds `rank`'s `version` into this node's store (as its primary) from
 /// `source`. Returns the rank's bytes.
-pub(super) fn rebuild(shared: &Shared, rank: u32, version: u64, source: &RebuildSource) -> Result<u64, String> {
+pub(super) fn rebuild(job: &Job<'_>, rank: u32, version: u64, source: &RebuildSource) -> Result<u64, String> {
     let started = Instant::now();
     let fail = |what: String| format!("rebuilding rank {rank} version {version}: {what}");
     let (manifest, how) = match source {
@@ -982,7 +980,7 @@ pub(super) fn rebuild(shared: &Shared, rank: u32, version: u64, source: &Rebuild
             let mut why = Vec::new();
             let mut rebuilt = None;
             for holder in holders {
-                match rebuild_from_copy(shared, rank, version, holder) {
+                match rebuild_from_copy(job, rank, version, holder) {
                     Ok(manifest) => {
                         rebuilt = Some((manifest, format!("copy on {}", holder.node)));
                         break;
@@ -993,30 +991,30 @@ pub(super) fn rebuild(shared: &Shared, rank: u32, version: u64, source: &Rebuild
             rebuilt.ok_or_else(|| fail(format!("no copy could be read ({})", why.join("; "))))?
         }
         RebuildSource::Decode { group, shard, members, parity } => {
-            let manifest = decode_member(shared, rank, version, *group, *shard, members, parity).map_err(fail)?;
+            let manifest = decode_member(job, rank, version, *group, *shard, members, parity).map_err(fail)?;
             (manifest, format!("decoded from group {group}"))
         }
     };
-    shared.completed(rank, version);
+    job.completed(rank, version);
     tracing::info!(rank, version, bytes = manifest.total_len, from = %how, ms = started.elapsed().as_secs_f64() * 1e3, "rank rebuilt");
     Ok(manifest.total_len)
 }
 
-fn rebuild_from_copy(shared: &Shared, rank: u32, version: u64, holder: &AgentInfo) -> Result<Manifest, String> {
-    let mut session = PeerSession::open(shared, holder, rank)?;
-    let (meta, region) = session.fetch_piece(shared, version, PieceId::Copy { rank })?;
+fn rebuild_from_copy(job: &Job<'_>, rank: u32, version: u64, holder: &AgentInfo) -> Result<Manifest, String> {
+    let mut session = PeerSession::open(job, holder, rank)?;
+    let (meta, region) = session.fetch_piece(job, version, PieceId::Copy { rank })?;
     let PieceMeta::Copy(manifest) = meta else { unreachable!("fetch_piece checked the kind") };
     let from = format!("the copy on {}", holder.node);
-    read_rank_into_primary(shared, &mut session, &manifest, region, &from)?;
+    read_rank_into_primary(job, &mut session, &manifest, region, &from)?;
     Ok(manifest)
 }
 
 /// Rebuilds the lone member of a group described by `manifest` from one of
 /// its parity shards (its bytes, zero-padded), as a partner copy is.
-fn copy_repeated_member(shared: &Shared, manifest: &Manifest, source: ShardSource) -> Result<(), String> {
+fn copy_repeated_member(job: &Job<'_>, manifest: &Manifest, source: ShardSource) -> Result<(), String> {
     let mut session = source.session.ok_or("the shard has no session")?;
     let from = format!("the parity shard on {}", session.from.node);
-    read_rank_into_primary(shared, &mut session, manifest, source.region, &from)
+    read_rank_into_primary(job, &mut session, manifest, source.region, &from)
 }
 
 /// Reads the rank `manifest` describes from `region` of `session`'s peer
@@ -1024,24 +1022,24 @@ fn copy_repeated_member(shared: &Shared, manifest: &Manifest, source: ShardSourc
 /// into the rank's new file, each chunk checked as it arrives
 /// ([`PeerSession::read_checked`]), and seals it as this node's primary.
 pub(super) fn read_rank_into_primary(
-    shared: &Shared,
+    job: &Job<'_>,
     session: &mut PeerSession,
     manifest: &Manifest,
     region: RemoteRegion,
     from: &str,
 ) -> Result<(), String> {
-    let store = &shared.settings.store;
+    let store = &job.settings.store;
     let file =
-        store.create(&shared.app, manifest.rank, manifest.version, manifest.total_len).map_err(|e| e.to_string())?;
-    let mut file = shared.endpoint.register(file, Access::LOCAL).map_err(|e| e.to_string())?;
-    session.read_checked(shared, region, &mut file, manifest).map_err(|e| format!("{from}: {e}"))?;
+        store.create(&job.app, manifest.rank, manifest.version, manifest.total_len).map_err(|e| e.to_string())?;
+    let mut file = job.endpoint.register(file, Access::LOCAL).map_err(|e| e.to_string())?;
+    session.read_checked(job, region, &mut file, manifest).map_err(|e| format!("{from}: {e}"))?;
     session.done_reading();
-    super::seal_checked(shared, manifest, file.into_inner())
+    super::seal_checked(job, manifest, file.into_inner())
 }
 
 /// Decodes member `shard` (rank `rank`) of `group` from the survivors.
 fn decode_member(
-    shared: &Shared,
+    job: &Job<'_>,
     rank: u32,
     version: u64,
     group: u32,
@@ -1072,8 +1070,8 @@ fn decode_member(
             parity_crcs.push(Vec::new());
             continue;
         };
-        let fetched = PeerSession::open(shared, holder, rank).and_then(|mut session| {
-            let (piece_meta, region) = session.fetch_piece(shared, version, piece)?;
+        let fetched = PeerSession::open(job, holder, rank).and_then(|mut session| {
+            let (piece_meta, region) = session.fetch_piece(job, version, piece)?;
             let PieceMeta::Parity(parity_meta) = piece_meta else { unreachable!("fetch_piece checked the kind") };
             Ok((session, region, parity_meta))
         });
@@ -1113,7 +1111,7 @@ fn decode_member(
         // 1 GiB rank: 3.5 s).
         for (index, source) in parity_sources.into_iter().enumerate() {
             let Some(source) = source else { continue };
-            match copy_repeated_member(shared, &manifest, source) {
+            match copy_repeated_member(job, &manifest, source) {
                 Ok(()) => {
                     tracing::info!(rank, version, group, index, "rank copied from a parity shard of its group of one");
                     return Ok(manifest);
@@ -1136,9 +1134,8 @@ fn decode_member(
                 None
             }
             Some((member_rank, Some(holder))) => {
-                let fetched = PeerSession::open(shared, holder, *member_rank).and_then(|mut session| {
-                    session.fetch(shared, (*member_rank, version), false).map(|f| (session, f))
-                });
+                let fetched = PeerSession::open(job, holder, *member_rank)
+                    .and_then(|mut session| session.fetch(job, (*member_rank, version), false).map(|f| (session, f)));
                 match fetched {
                     Ok((session, (member_manifest, region))) => {
                         if meta.members[index].as_ref() != Some(&member_manifest) {
@@ -1190,12 +1187,12 @@ fn decode_member(
     let data_at: Vec<Option<usize>> = data_sources.into_iter().map(&mut place).collect();
     let parity_at: Vec<Option<usize>> = parity_sources.into_iter().map(&mut place).collect();
     let slots = readable.len();
-    let mut shards = ShardBlocks::new(shared, readable, slots)?;
-    let store = &shared.settings.store;
-    let mut file = store.create(&shared.app, rank, version, manifest.total_len).map_err(|e| e.to_string())?;
+    let mut shards = ShardBlocks::new(job, readable, slots)?;
+    let store = &job.settings.store;
+    let mut file = store.create(&job.app, rank, version, manifest.total_len).map_err(|e| e.to_string())?;
     let total = manifest.total_len;
     let mut decoder = redundancy::StripeDecoder::default();
-    for_each_block(shared, &mut shards, (total, meta.shard_len), |offset, block, shards| {
+    for_each_block(job, &mut shards, (total, meta.shard_len), |offset, block, shards| {
         for (at, n) in stripes_of(block) {
             let stripe = (offset as usize + at) / STRIPE as usize;
             let originals: Vec<Option<&[u8]>> =
@@ -1234,6 +1231,6 @@ fn decode_member(
     manifest
         .verify(file.as_slice())
         .map_err(|e| format!("rank {rank} decoded from group {group} fails its checksums: {e}"))?;
-    super::seal_checked(shared, &manifest, file)?;
+    super::seal_checked(job, &manifest, file)?;
     Ok(manifest)
 }
