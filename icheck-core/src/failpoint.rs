@@ -1,11 +1,13 @@
 //! Failpoints for fault injection in multi-process tests (after TiKV's
 //! fail-rs, reduced to what icheck's tests need).
 //!
-//! `ICHECK_FAILPOINTS="name=[N*]action;name2=..."` arms failpoints in a
-//! process: the first N hits pass, later hits run the action:
+//! `ICHECK_FAILPOINTS="name=[N*]action[ xM];name2=..."` arms failpoints
+//! in a process: the first N hits pass, later hits run the action:
 //! `sleep(MS)`, `exit(CODE)`, `abort`, or `error` (the code at the
-//! failpoint fails the operation, where it asks with [`fails`]). Unset, a
-//! failpoint costs one atomic load.
+//! failpoint fails the operation, where it asks with [`fails`]). With
+//! `xM` the action runs on M hits only, and later hits pass again (a
+//! fault that goes away: `error x1` fails the first try, not the retry).
+//! Unset, a failpoint costs one atomic load.
 //!
 //! Why not the `fail` crate itself: its `N*` means "at most N times", the
 //! opposite of what these tests need (let N versions through, then stall
@@ -36,6 +38,8 @@ enum Action {
 #[derive(Debug)]
 struct Point {
     skip: u64,
+    /// Hits after the skipped ones that run the action (`u64::MAX`: all).
+    times: u64,
     action: Action,
     hits: AtomicU64,
 }
@@ -47,6 +51,12 @@ fn parse(spec: &str) -> Result<HashMap<String, Point>, String> {
         let (skip, action) = match rest.split_once('*') {
             Some((n, action)) => (n.trim().parse().map_err(|_| format!("{item:?}: bad count {n:?}"))?, action),
             None => (0, rest),
+        };
+        let (action, times) = match action.trim_end().rsplit_once('x') {
+            Some((action, m)) if !m.is_empty() && m.bytes().all(|b| b.is_ascii_digit()) => {
+                (action.trim_end(), m.parse().map_err(|_| format!("{item:?}: bad count x{m}"))?)
+            }
+            _ => (action, u64::MAX),
         };
         let arg = |prefix: &str| action.strip_prefix(prefix).and_then(|a| a.strip_suffix(')'));
         let action = if let Some(ms) = arg("sleep(") {
@@ -60,7 +70,7 @@ fn parse(spec: &str) -> Result<HashMap<String, Point>, String> {
         } else {
             return Err(format!("{item:?}: unknown action (sleep(MS), exit(CODE), abort, error)"));
         };
-        points.insert(name.trim().to_string(), Point { skip, action, hits: AtomicU64::new(0) });
+        points.insert(name.trim().to_string(), Point { skip, times, action, hits: AtomicU64::new(0) });
     }
     Ok(points)
 }
@@ -84,12 +94,16 @@ pub fn hit(name: &str) {
 /// [`hit`], and whether the operation at the failpoint must fail (the
 /// `error` action is armed and due).
 pub fn fails(name: &str) -> bool {
-    let points = points();
+    fails_in(points(), name)
+}
+
+fn fails_in(points: &HashMap<String, Point>, name: &str) -> bool {
     if points.is_empty() {
         return false;
     }
     let Some(point) = points.get(name) else { return false };
-    if point.hits.fetch_add(1, Ordering::Relaxed) < point.skip {
+    let hit = point.hits.fetch_add(1, Ordering::Relaxed);
+    if hit < point.skip || hit - point.skip >= point.times {
         return false;
     }
     tracing::warn!(failpoint = name, action = ?point.action, "failpoint triggered");
@@ -116,5 +130,17 @@ mod tests {
         assert!(parse("x=explode").unwrap_err().contains("\"x=explode\""));
         assert!(parse("x").is_err());
         assert!(parse("x=z*sleep(1)").is_err());
+        let limited = parse("e=1*error x2;f=exit(3)x1").unwrap();
+        assert_eq!((limited["e"].skip, limited["e"].times, &limited["e"].action), (1, 2, &Action::Error));
+        assert_eq!((limited["f"].times, &limited["f"].action), (1, &Action::Exit(3)));
+        assert_eq!(points["a"].times, u64::MAX);
+    }
+
+    #[test]
+    fn a_limited_failpoint_acts_on_its_hits_only() {
+        let point = Point { skip: 1, times: 2, action: Action::Error, hits: AtomicU64::new(0) };
+        let points = HashMap::from([("p".to_string(), point)]);
+        let acted: Vec<bool> = (0..5).map(|_| fails_in(&points, "p")).collect();
+        assert_eq!(acted, [false, true, true, false, false]);
     }
 }

@@ -252,6 +252,23 @@ fn a_member_lost_while_an_encoder_reads_it_leaves_the_encoders_agent_serving() {
     pfs_untouched(&service, "mw");
 }
 
+/// A rebuild whose first try fails (the `agent.rebuild_rank` failpoint,
+/// once per manager: a passing fault) is tried again from the same
+/// sources, and the version is protected again instead of lost.
+#[test]
+fn a_rebuild_whose_first_try_fails_is_tried_again() {
+    let service = service_with("red-retry", 4, Some("agent.rebuild_rank=error x1"));
+    commit_three_with(&service, "rt", "rs:2+1", 2);
+    let report = wait_protected(&service, "rt", 3);
+    let node = report.agents[0].node.clone();
+    lose_node(&service, &node);
+    wait_rebuilt(&service, "rt", 3, &[&node]);
+    let log = service.log("controller.log");
+    assert!(log.contains("trying them again") && log.contains("agent.rebuild_rank"), "no second try:\n{log}");
+    restart_bit_exact_with(&service, "rt", "rs:2+1", 6, 2);
+    pfs_untouched(&service, "rt");
+}
+
 /// Three ranks under rs:2+1: a group of two ranks and a group of one,
 /// whose parity shard is a copy of its rank (which group holds rank 2
 /// depends on where the agents went). The node of rank 2 is lost; the

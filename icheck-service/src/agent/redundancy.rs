@@ -975,6 +975,9 @@ fn build_repeated(
 pub(super) fn rebuild(job: &Job<'_>, rank: u32, version: u64, source: &RebuildSource) -> Result<u64, String> {
     let started = Instant::now();
     let fail = |what: String| format!("rebuilding rank {rank} version {version}: {what}");
+    if icheck_core::failpoint::fails("agent.rebuild_rank") {
+        return Err(fail("the failpoint agent.rebuild_rank refused it".into()));
+    }
     let (manifest, how) = match source {
         RebuildSource::Copies(holders) => {
             let mut why = Vec::new();

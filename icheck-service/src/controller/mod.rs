@@ -2387,7 +2387,7 @@ async fn change_agents(
                 })
                 .collect()
         };
-        let (bytes, failures) = await_ranks(shared, waiters).await;
+        let RanksAwaited { moved: bytes, failures, .. } = await_ranks(shared, waiters).await;
         moved_bytes = bytes;
         if let Some((_, reason)) = failures.into_iter().last() {
             let state = shared.state();
@@ -2419,23 +2419,33 @@ async fn change_agents(
 /// and where its answer arrives.
 type RankWaiter = (u64, u32, oneshot::Receiver<Result<u64, String>>);
 
+/// What became of the ranks of one [`await_ranks`].
+#[derive(Default)]
+struct RanksAwaited {
+    /// Bytes moved by the ranks that succeeded.
+    moved: u64,
+    /// Per rank that failed, why.
+    failures: Vec<(u32, String)>,
+    /// Whether some agent never answered: its job may still be running.
+    unanswered: bool,
+}
+
 /// Waits for every rank of `waiters` (each at most `TAKE_OVER_TIMEOUT`).
-/// Returns the bytes moved and, per rank that failed, why.
-async fn await_ranks(shared: &Shared, waiters: Vec<RankWaiter>) -> (u64, Vec<(u32, String)>) {
-    let mut moved = 0;
-    let mut failures = Vec::new();
+async fn await_ranks(shared: &Shared, waiters: Vec<RankWaiter>) -> RanksAwaited {
+    let mut awaited = RanksAwaited::default();
     for (agent, rank, rx) in waiters {
         match manager_answer(rx, TAKE_OVER_TIMEOUT).await {
-            Some(Ok(bytes)) => moved += bytes,
-            Some(Err(reason)) => failures.push((rank, reason)),
+            Some(Ok(bytes)) => awaited.moved += bytes,
+            Some(Err(reason)) => awaited.failures.push((rank, reason)),
             None => {
                 shared.state().takeovers.remove(&(agent, rank));
-                failures
-                    .push((rank, format!("agent {agent} did not answer for rank {rank} within {TAKE_OVER_TIMEOUT:?}")));
+                awaited.unanswered = true;
+                let why = format!("agent {agent} did not answer for rank {rank} within {TAKE_OVER_TIMEOUT:?}");
+                awaited.failures.push((rank, why));
             }
         }
     }
-    (moved, failures)
+    awaited
 }
 
 /// Operators: drain a node (no new agents; its agents move away on their

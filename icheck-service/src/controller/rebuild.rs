@@ -58,6 +58,17 @@ pub(super) fn spawn(shared: &Arc<Shared>, apps: Vec<String>) {
 /// Longest a rebuild waits for a lost node's manager to be started again.
 const RELAUNCH_WAIT: Duration = Duration::from_secs(60);
 
+/// Tries of a lost rank's rebuild before the version counts as lost. A
+/// try can fail for a passing reason (a source agent busy past a bound, a
+/// transfer cut by the same loss): one failed read used to lose the
+/// version while every piece it needed was still there. The same agents
+/// and sources are asked again; a rebuild whose sources are gone fails
+/// every try, [`REBUILD_RETRY_PAUSE`] apart.
+const REBUILD_TRIES: u32 = 3;
+
+/// Pause between tries of a rebuild ([`REBUILD_TRIES`]).
+const REBUILD_RETRY_PAUSE: Duration = Duration::from_secs(1);
+
 /// Longest a rebuild waits for a lost node's manager, being started again
 /// or silent, to answer before it counts the node's memory as gone: a
 /// manager that died on a live host left its store (tmpfs) whole, and one
@@ -344,22 +355,41 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         agents[*slot] = agent.clone();
     }
     let sources = protection::rebuild_sources(&protected, policy, &dead)?;
-    let waiters: Vec<RankWaiter> = {
-        let mut state = shared.state();
-        sources
-            .into_iter()
-            .map(|(rank, slot, source)| {
-                let to = &agents[slot];
-                let (tx, rx) = oneshot::channel();
-                state.takeovers.insert((to.id, rank), tx);
-                let message = ControllerToManager::Rebuild { agent: to.id, rank, version: protected.version(), source };
-                state.nodes.send(&to.node, message);
-                (to.id, rank, rx)
-            })
-            .collect()
-    };
-    let rebuilt = waiters.len();
-    let (_, failed) = await_ranks(shared, waiters).await;
+    let rebuilt = sources.len();
+    let mut pending = sources;
+    let mut failed = Vec::new();
+    for attempt in 1..=REBUILD_TRIES {
+        let waiters: Vec<RankWaiter> = {
+            let mut state = shared.state();
+            pending
+                .iter()
+                .map(|(rank, slot, source)| {
+                    let to = &agents[*slot];
+                    let (tx, rx) = oneshot::channel();
+                    state.takeovers.insert((to.id, *rank), tx);
+                    let message = ControllerToManager::Rebuild {
+                        agent: to.id,
+                        rank: *rank,
+                        version: protected.version(),
+                        source: source.clone(),
+                    };
+                    state.nodes.send(&to.node, message);
+                    (to.id, *rank, rx)
+                })
+                .collect()
+        };
+        let awaited = await_ranks(shared, waiters).await;
+        failed = awaited.failures;
+        // An agent that never answered may still be writing its rank: a
+        // second job beside it would write the same file.
+        if failed.is_empty() || awaited.unanswered || attempt == REBUILD_TRIES {
+            break;
+        }
+        let why: Vec<String> = failed.iter().map(|(rank, why)| format!("rank {rank}: {why}")).collect();
+        tracing::warn!(app = name, attempt, failed = %why.join("; "), "a rebuild's ranks failed; trying them again");
+        pending.retain(|(rank, _, _)| failed.iter().any(|(failed, _)| failed == rank));
+        tokio::time::sleep(REBUILD_RETRY_PAUSE).await;
+    }
     let failed_ranks: Vec<u32> = failed.iter().map(|(rank, _)| *rank).collect();
     let failures: Vec<String> = failed.iter().map(|(rank, why)| format!("rank {rank}: {why}")).collect();
     let mut state = shared.state();
