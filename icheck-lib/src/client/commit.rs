@@ -608,6 +608,16 @@ impl Icheck {
     /// A staging buffer of at least `len` bytes, registered for this
     /// transfer (the caller hands it back unregistered with `into_inner`).
     pub(super) fn staging(&mut self, len: usize) -> Result<RegisteredBuffer> {
+        if let Some(ahead) = self.staging_ahead.take() {
+            // The larger of the two is kept (the kept one may be a blocking
+            // commit's bounded buffer, or an async one of larger labels).
+            if let Ok(buffer) = ahead.join() {
+                let kept = self.staging.as_ref().map_or(0, icheck_core::fabric::StableBuffer::len);
+                if icheck_core::fabric::StableBuffer::len(&buffer) > kept {
+                    self.staging = Some(buffer);
+                }
+            }
+        }
         let buffer = match self.staging.take() {
             Some(buffer) if icheck_core::fabric::StableBuffer::len(&buffer) >= len => buffer,
             _ => AlignedBuffer::zeroed(len.max(4096)),
