@@ -69,6 +69,11 @@ const REBUILD_TRIES: u32 = 3;
 /// Pause between tries of a rebuild ([`REBUILD_TRIES`]).
 const REBUILD_RETRY_PAUSE: Duration = Duration::from_secs(1);
 
+/// `rank R: why; ...` for ranks whose rebuild failed.
+fn describe_failures(failed: &[(u32, String)]) -> String {
+    failed.iter().map(|(rank, why)| format!("rank {rank}: {why}")).collect::<Vec<_>>().join("; ")
+}
+
 /// Longest a rebuild waits for a lost node's manager, being started again
 /// or silent, to answer before it counts the node's memory as gone: a
 /// manager that died on a live host left its store (tmpfs) whole, and one
@@ -385,22 +390,21 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         if failed.is_empty() || awaited.unanswered || attempt == REBUILD_TRIES {
             break;
         }
-        let why: Vec<String> = failed.iter().map(|(rank, why)| format!("rank {rank}: {why}")).collect();
-        tracing::warn!(app = name, attempt, failed = %why.join("; "), "a rebuild's ranks failed; trying them again");
+        let why = describe_failures(&failed);
+        tracing::warn!(app = name, attempt, failed = %why, "a rebuild's ranks failed; trying them again");
         pending.retain(|(rank, _, _)| failed.iter().any(|(failed, _)| failed == rank));
         tokio::time::sleep(REBUILD_RETRY_PAUSE).await;
     }
     let failed_ranks: Vec<u32> = failed.iter().map(|(rank, _)| *rank).collect();
-    let failures: Vec<String> = failed.iter().map(|(rank, why)| format!("rank {rank}: {why}")).collect();
     let mut state = shared.state();
     let state = &mut *state;
-    if !failures.is_empty() {
+    if !failed.is_empty() {
         // Their node may hold other slots' files: nothing is discarded.
         tell_agents(&state.nodes, &started, |id| ControllerToManager::StopAgent { id, discard: false });
         return Err(format!(
             "version {} could not be rebuilt after losing nodes {dead:?}: ranks {failed_ranks:?} failed ({})",
             protected.version(),
-            failures.join("; ")
+            describe_failures(&failed)
         ));
     }
     let app = state.apps.get(name).ok_or("the application went away")?;
