@@ -1059,9 +1059,10 @@ fn main() -> Result<()> {
         return restore_child(config, app, usize::try_from(cli.size.0)?);
     }
     let runs = cli.runs.max(1);
+    // The library's own log (ICHECK_LOG, as the daemons'), on stderr: in
+    // MPI ranks and in this process's one-rank cases.
+    icheck_examples::log_to_stderr(None);
     if let Some(config) = &cli.mpi_rank {
-        // The library's own log (ICHECK_LOG, as the daemons'), on stderr.
-        icheck_examples::log_to_stderr(None);
         return mpi_rank(config, usize::try_from(cli.rank_size.0)?, runs, &cli.mpiio_dir);
     }
     let size = usize::try_from(cli.size.0)?;

@@ -294,7 +294,7 @@ fn a_batch_job_under_icheck_run_relaunches_a_killed_srun_step_inside_its_allocat
     let read = || std::fs::read_to_string(&output).unwrap_or_default();
     wait_for("the first step's third version", Duration::from_secs(90), || read().contains("COMMITTED version=3 "));
     // Slurm kills the step; the batch script (icheck run) lives on.
-    slurm.kill_first_step_and_wait(job, Duration::from_secs(180));
+    slurm.kill_first_step_and_wait(job, &output, Duration::from_secs(180));
     let text = read();
     assert!(text.contains("icheck run: relaunching (attempt 2"), "{text}");
     assert!(text.lines().any(|l| l.starts_with("RESTORED version=") && l.ends_with(" verified")), "{text}");
@@ -336,7 +336,7 @@ fn the_readme_batch_script_relaunches_heat2d_to_the_fault_free_checksum() {
     ]);
     let read = || std::fs::read_to_string(&output).unwrap_or_default();
     wait_for("heat2d's second commit", Duration::from_secs(120), || read().contains("COMMITTED iteration 500 "));
-    slurm.kill_first_step_and_wait(job, Duration::from_secs(240));
+    slurm.kill_first_step_and_wait(job, &output, Duration::from_secs(240));
     let text = read();
     assert!(text.contains("icheck run: relaunching (attempt 2"), "{text}");
     assert!(text.contains("RESTARTED at iteration "), "{text}");

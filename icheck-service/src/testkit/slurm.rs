@@ -177,11 +177,38 @@ impl TestSlurm {
     }
 
     /// Kills the first step of `job` (as a failing node would) and waits
-    /// until Slurm lists the job no more.
-    pub fn kill_first_step_and_wait(&self, job: u64, within: std::time::Duration) {
+    /// until Slurm lists the job no more. A job still listed after
+    /// `within` fails the test with everything needed to tell why: the
+    /// job's output (`output`), its steps, Slurm's account of it and the
+    /// end of slurmctld's log.
+    pub fn kill_first_step_and_wait(&self, job: u64, output: &Path, within: std::time::Duration) {
         self.run("scancel", &["--signal=KILL", &format!("{job}.0")]);
         let ended = || !self.jobs().iter().any(|(id, _, _)| *id == job);
-        crate::testkit::wait_for("the job to end", within, ended);
+        if !crate::testkit::poll_until(within, ended) {
+            panic!("timed out after {within:?} waiting for job {job} to end\n{}", self.diagnose(job, output));
+        }
+    }
+
+    /// What a test that waited in vain for `job` should print: the job's
+    /// output file, its steps, `scontrol show job` and the last lines of
+    /// slurmctld's log.
+    pub fn diagnose(&self, job: u64, output: &Path) -> String {
+        let quiet = |program: &str, args: &[&str]| {
+            self.command(program).args(args).output().map_or_else(
+                |e| format!("{program}: {e}"),
+                |o| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)),
+            )
+        };
+        let log = self.log("slurmctld.log");
+        let tail: Vec<&str> = log.lines().rev().take(40).collect();
+        format!(
+            "--- {} ---\n{}\n--- steps ---\n{}\n--- scontrol show job ---\n{}\n--- slurmctld.log (last 40 lines) ---\n{}",
+            output.display(),
+            std::fs::read_to_string(output).unwrap_or_else(|e| format!("(unreadable: {e})")),
+            quiet("squeue", &["-s", "-j", &job.to_string()]),
+            quiet("scontrol", &["show", "job", &job.to_string()]),
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n"),
+        )
     }
 
     /// `scontrol show job`'s account of `job`.
