@@ -74,16 +74,22 @@ pub(super) fn read_and_verify(
     Ok(unsafe { read_checked_into(endpoint, peer, &local, range) }?)
 }
 
-/// Bytes of [`read_staged_and_verify`]'s staging buffer: eight chunks, so
-/// that the copy out of every chunk but the last of a stage overlaps the
-/// reads of the ones after it.
-const STAGE: usize = 8 * CHUNK_BYTES;
+/// Chunks [`read_staged_and_verify`] stages at once: one is read while the
+/// chunk before it is checked and copied out, and one more lets the reader
+/// run ahead when a check is late. Few, because a restarted process's
+/// staging buffer is new memory whose every page is faulted in by the first
+/// read into it (32 MiB of slots, as eight were, cost a 256 MiB restore
+/// over shm 73–80 ms against 54–65 with two).
+const STAGED_SLOTS: usize = 3;
+
+/// Bytes of [`read_staged_and_verify`]'s staging buffer.
+const STAGE: usize = STAGED_SLOTS * CHUNK_BYTES;
 
 /// The staging buffer of [`read_staged_and_verify`], kept from label to
-/// label of one restart: a new one's pages are faulted in by the reads
-/// (8,000 faults for each label), a kept one's only once. Let go when the
-/// restart is released (the next commit, or finalize). A restore that finds
-/// it in use by another thread stages through a buffer of its own.
+/// label of one restart: a new one's pages are faulted in by the reads, a
+/// kept one's only once. Let go when the restart is released (the next
+/// commit, or finalize). A restore that finds it in use by another thread
+/// stages through a buffer of its own.
 #[derive(Default)]
 pub(super) struct RestoreStaging(std::sync::Mutex<Option<icheck_core::kernel_copy::PlacedBuffer>>);
 
@@ -109,10 +115,10 @@ impl RestoreStaging {
 /// place in a page: the provider copies a read with `process_vm_readv`,
 /// which is the kernel's slow copy there (`icheck_core::kernel_copy`;
 /// `fabric-bench --local-offset 16`: 1.25–1.88 against 2.96–3.14 GB/s
-/// page-aligned). Each [`STAGE`] is read into a registered buffer placed
-/// like the source; each chunk is checked there as soon as it has arrived
-/// and copied into `out` while it is in the cache, on another thread than
-/// the one reading the chunks after it.
+/// page-aligned). Each chunk is read into one of [`STAGED_SLOTS`] slots of
+/// a registered buffer placed like the source; another thread checks it
+/// there and copies it into `out` while it is in the cache, and hands the
+/// slot back, while this one reads the next chunks into the other slots.
 /// (The agent's pushed writes over shm were tried the same way and came
 /// out no faster, so `deliver_and_verify` writes into `out` directly.)
 fn read_staged_and_verify(
@@ -127,36 +133,64 @@ fn read_staged_and_verify(
     if crcs.len() != out.len().div_ceil(CHUNK_BYTES) {
         return Ok(Some(0));
     }
-    // Every stage starts a whole number of pages after the first, so one
-    // placement serves them all.
+    // Every chunk starts a whole number of pages after the first, and so
+    // does every slot: one placement serves them all.
     let buffer = staging.placed(remote_offset, STAGE);
+    let slots = buffer.as_mut_ptr() as usize;
     // SAFETY: `buffer` lives in `staging`, borrowed for the whole function
-    // (the registration is dropped at its end), and nothing
-    // but the reads below and the copies out of what they read touches it.
+    // (the registration is dropped at its end), and nothing but the reads
+    // below and the checks and copies out of what they read touches it.
     let local = unsafe { endpoint.register_raw(buffer.as_mut_ptr(), STAGE, Access::LOCAL)? };
-    for (stage, window) in out.chunks_mut(STAGE).enumerate() {
-        let at = stage * STAGE;
-        let first = at / CHUNK_BYTES;
-        let from = (region, remote_offset + at as u64, window.len());
-        let mut chunks = window.chunks_mut(CHUNK_BYTES).zip(&crcs[first..]);
-        let take = |bytes: &[u8]| match chunks.next() {
-            Some((place, crc)) => {
-                let good = first_bad_chunk(bytes, std::slice::from_ref(crc)).is_none();
-                place.copy_from_slice(bytes);
-                good
-            }
-            None => false,
-        };
-        // SAFETY: the staging buffer is used by this read alone (and the
-        // copies out of the chunks it has read) until it returns, and
-        // `local` registers all of it.
-        let refused =
-            unsafe { icheck_core::verified::read_in_pieces_into(endpoint, peer, &local, from, CHUNK_BYTES, take) }?;
-        if let Some(start) = refused {
-            return Ok(Some(first + start / CHUNK_BYTES));
-        }
+    let (chunks, total) = (crcs.len(), out.len());
+    let (to_check, arrived) = std::sync::mpsc::sync_channel::<(usize, usize)>(STAGED_SLOTS);
+    let (to_reuse, free) = std::sync::mpsc::sync_channel::<usize>(STAGED_SLOTS);
+    for slot in 0..STAGED_SLOTS {
+        let _ = to_reuse.send(slot);
     }
-    Ok(None)
+    std::thread::scope(|scope| {
+        let checker = scope.spawn(move || {
+            for (chunk, slot) in arrived {
+                let place = &mut out[chunk * CHUNK_BYTES..((chunk + 1) * CHUNK_BYTES).min(total)];
+                // SAFETY: the slot holds a completely read chunk, and the
+                // reader writes it again only after it comes back through
+                // `to_reuse` below.
+                let bytes =
+                    unsafe { std::slice::from_raw_parts((slots + slot * CHUNK_BYTES) as *const u8, place.len()) };
+                if first_bad_chunk(bytes, &crcs[chunk..=chunk]).is_some() {
+                    return Some(chunk);
+                }
+                place.copy_from_slice(bytes);
+                // A reader that stopped (an error) takes no slot back.
+                let _ = to_reuse.send(slot);
+            }
+            None
+        });
+        let read = (|| -> Result<()> {
+            for chunk in 0..chunks {
+                // A checker that stopped (a bad chunk) takes no more.
+                let Ok(slot) = free.recv() else { return Ok(()) };
+                let len = CHUNK_BYTES.min(total - chunk * CHUNK_BYTES);
+                let op = RmaOp {
+                    local_offset: slot * CHUNK_BYTES,
+                    remote: region,
+                    remote_offset: remote_offset + (chunk * CHUNK_BYTES) as u64,
+                    len,
+                };
+                // SAFETY: the slot was handed back (or never handed out):
+                // the checker no longer reads it, and nothing else uses the
+                // buffer `local` registers.
+                let target = unsafe { local.target_unchecked() };
+                endpoint.read(peer, target, &[op], &TransferOptions::default())?;
+                if to_check.send((chunk, slot)).is_err() {
+                    return Ok(());
+                }
+            }
+            Ok(())
+        })();
+        drop(to_check);
+        let refused = checker.join().unwrap_or(Some(0));
+        read.map(|()| refused)
+    })
 }
 
 /// `restore = "push"`: the agent writes `out.len()` bytes at
@@ -643,8 +677,9 @@ mod tests {
         };
         let agent = Endpoint::new(&domain).unwrap();
         let rank = Endpoint::new(&domain).unwrap();
-        // Eleven and a half chunks: a stage and a part of one.
-        let len = STAGE + CHUNK_BYTES * 7 / 2;
+        // Ten and a half chunks: every slot used again and again, the last
+        // chunk short.
+        let len = 3 * STAGE + CHUNK_BYTES * 3 / 2;
         let data: Vec<u8> = (0..len).map(|i| (i * 29 % 253) as u8).collect();
         let crcs = chunk_crcs(&data);
         let mut stored = AlignedBuffer::zeroed(len + 4096);
@@ -662,8 +697,8 @@ mod tests {
             assert_eq!(bad, None, "{past} bytes past a page");
             assert!(*out == data[..], "{past} bytes past a page");
         }
-        // Damage in the first stage, and in the second (named by its place
-        // in `out`, not in the stage).
+        // Damage in a slot's second use, and in its fourth (named by its
+        // place in `out`, not in the slot).
         for damaged in [4, 9] {
             let mut wrong = crcs.clone();
             wrong[damaged] ^= 1;

@@ -1805,9 +1805,9 @@ fn offer_file(
 }
 
 /// Drives this endpoint's progress while a caller reads what it exposed. A
-/// rank restarting waits for it, so it spins
-/// ([`ProgressThread::serving_reads`]: at full priority where this side
-/// moves the bytes, under `SCHED_IDLE` over shm, where the reader copies);
+/// rank restarting waits for it, so it spins where this side moves the
+/// bytes ([`ProgressThread::serving_restart_reads`]; over shm, where the
+/// reader copies, it polls under `SCHED_IDLE`);
 /// another agent's read (a copy, a rebuild, a take-over) is background
 /// work and polls at the lowest priority like the reader's side, or its
 /// polling would starve that reader on a busy node
@@ -1816,7 +1816,7 @@ fn serve_reads(endpoint: &Endpoint, caller: Caller) -> Result<ProgressThread, St
     let spawned = if caller.privilege == Privilege::Node {
         ProgressThread::serving_background_reads(endpoint)
     } else {
-        ProgressThread::serving_reads(endpoint)
+        ProgressThread::serving_restart_reads(endpoint)
     };
     spawned.map_err(|e| e.to_string())
 }
