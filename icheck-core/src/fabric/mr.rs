@@ -165,10 +165,8 @@ impl AlignedBuffer {
         if !self.mapped {
             return;
         }
-        // SAFETY: the range is this buffer's own mapping, readable and
-        // writable; populating it allocates pages and changes no byte.
-        let populated = unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_POPULATE_WRITE) } == 0;
-        if !populated {
+        // The range is this buffer's own page-aligned mapping.
+        if crate::pages::populate_write(self.ptr.as_ptr() as usize, self.len).is_err() {
             self.touch_each_page();
         }
     }

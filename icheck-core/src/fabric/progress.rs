@@ -109,18 +109,20 @@ impl ProgressThread {
     /// Progress for an agent's endpoint whose memory a restarting rank
     /// reads. Over shm the rank copies the bytes itself, and this side only
     /// takes its notices off the queue (about one per megabyte, from a
-    /// queue of a thousand), so it polls every `BACKGROUND_SHM_POLL` under
-    /// `SCHED_IDLE` instead of spinning: `perf` over a one-rank 256 MiB
-    /// restore on two cores had the spin (on the region lock the reader's
-    /// copy holds) alone on one core for the whole read, while the rank's
-    /// reader and the thread checking and copying out what it read shared
-    /// the other. Over other providers this side moves the bytes and spins
-    /// as [`serving_reads`](Self::serving_reads) does.
+    /// queue of a thousand), so it polls as for another agent's background
+    /// reads ([`serving_background_reads`](Self::serving_background_reads):
+    /// every `BACKGROUND_SHM_POLL` under `SCHED_IDLE`) instead of spinning:
+    /// `perf` over a one-rank 256 MiB restore on two cores had the spin (on
+    /// the region lock the reader's copy holds) alone on one core for the
+    /// whole read, while the rank's reader and the thread checking and
+    /// copying out what it read shared the other. Over other providers this
+    /// side moves the bytes and spins
+    /// ([`serving_reads`](Self::serving_reads)).
     pub fn serving_restart_reads(endpoint: &Endpoint) -> std::io::Result<ProgressThread> {
         if endpoint.provider() == "shm" {
-            Self::spawn_with(endpoint, ProgressMode::Sleep(BACKGROUND_SHM_POLL), idle_thread_priority)
+            Self::serving_background_reads(endpoint)
         } else {
-            Self::spawn(endpoint, ProgressMode::Spin)
+            Self::serving_reads(endpoint)
         }
     }
 
