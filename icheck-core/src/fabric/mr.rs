@@ -165,8 +165,12 @@ impl AlignedBuffer {
         if !self.mapped {
             return;
         }
-        // The range is this buffer's own page-aligned mapping.
-        if crate::pages::populate_write(self.ptr.as_ptr() as usize, self.len).is_err() {
+        // Not `pages::populate_write`: `fabric` is a leaf layer and may not
+        // import `pages` (tests/layering.rs).
+        // SAFETY: the range is this buffer's own mapping, readable and
+        // writable; populating it allocates pages and changes no byte.
+        let populated = unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_POPULATE_WRITE) } == 0;
+        if !populated {
             self.touch_each_page();
         }
     }
