@@ -16,19 +16,22 @@
 //! priority, ready for the restart that usually follows (not when another
 //! agent's session ends: a copier or encoder reads every version while
 //! the application runs, and a check after each read every version again,
-//! 140-220 ms per 256 MiB rank per version here). An incremental version (its own file holds only its changed
-//! blocks) is composed from the files holding its blocks in the background
-//! instead, mapped but not read, and the Fetch checks it. A version is
-//! served unchecked again only while its file's
-//! [`FileIdentity`] (inode, length, change times) is unchanged. The reader
+//! 140-220 ms per 256 MiB rank per version here). An incremental version
+//! (its own file holds only its changed blocks) is not kept from `Seal`:
+//! when the rank's own session ends it is composed in the background from
+//! the files holding its blocks (mapped, not read), then checked there
+//! like a whole one, reading those files. A version is served unchecked
+//! again only while its file's [`FileIdentity`] (inode, length, change
+//! times) is unchanged. The reader
 //! still checks every chunk it reads, so damage that happens in memory
 //! after the check is still caught, by the reader instead of the agent.
 //!
-//! Architecture invariant: the background check reads the data file, never
-//! the mapping (a file cut under a mapping faults the reader with SIGBUS:
-//! the first version of this module lost its manager when a test rewrote a
-//! version's file during the check), and its answer counts only if the
-//! file's identity held throughout. The store cuts a file only when it
+//! Architecture invariant: the background check reads the version's files
+//! (its data file, and an incremental version's block-holding files, with
+//! `pread`), never the mapping (a file cut under a mapping faults the
+//! reader with SIGBUS: the first version of this module lost its manager
+//! when a test rewrote a version's file during the check), and its answer
+//! counts only if the file's identity held throughout. The store cuts a file only when it
 //! reuses a pruned version's file for a new one, or when a version number
 //! is begun again; so a rank's kept version is forgotten (its check stopped
 //! and joined first) when a newer version of the rank completes, and when a
@@ -36,6 +39,7 @@
 
 use super::*;
 use crate::store::{FileIdentity, SharedMapping};
+use icheck_core::handoff::VersionFiles;
 use std::sync::atomic::AtomicBool;
 
 /// The versions kept for an application's ranks, one per rank at most.
@@ -152,14 +156,28 @@ impl KeptVersions {
     /// Composes `rank`'s incremental `version` (its blocks mapped from the
     /// files holding them, [`Store::open`]) on a low-priority thread and
     /// keeps the view unchecked, unless the rank has a version kept by
-    /// then: its session ended, and the restart that usually follows then
-    /// skips the composition (22 ms of the first restart's 32 ms Fetch for
-    /// 256 MiB here; the check that remains reads the bytes, which only the
-    /// Fetch does, see the module's invariant). Composing maps but never
+    /// then: the restart that usually follows a session's end then skips
+    /// the composition (22 ms of the first restart's 32 ms Fetch for
+    /// 256 MiB here), and checks the bytes itself. Composing maps but never
     /// reads, so a file cut meanwhile cannot fault it; what it keeps is
     /// served only while the version's own file keeps its identity, and is
     /// forgotten like any kept version before a newer one's prune.
     pub(super) fn compose_later(self: &Arc<Self>, store: &Store, app: &str, rank: u32, version: u64) {
+        self.compose_in_background(store, app, (rank, version), false);
+    }
+
+    /// [`compose_later`], then checks the composed version in the
+    /// background like a whole one ([`check_in_background`] reads the
+    /// files holding its blocks, not the view): the rank's own session
+    /// ended, and its restart then also skips the check (the other 10 ms of
+    /// that Fetch).
+    ///
+    /// [`compose_later`]: KeptVersions::compose_later
+    pub(super) fn compose_and_check_later(self: &Arc<Self>, store: &Store, app: &str, rank: u32, version: u64) {
+        self.compose_in_background(store, app, (rank, version), true);
+    }
+
+    fn compose_in_background(self: &Arc<Self>, store: &Store, app: &str, (rank, version): (u32, u64), check: bool) {
         if self.by_rank.lock().unwrap_or_else(|p| p.into_inner()).get(&rank).is_some_and(|k| k.version >= version) {
             return;
         }
@@ -174,7 +192,8 @@ impl KeptVersions {
             }
             let ms = started.elapsed().as_secs_f64() * 1e3;
             let file = SharedMapping::new(file);
-            kept.insert(rank, Kept { version, manifest, identity, file, check: Check::Unchecked });
+            let check = if check { check_in_background(&store, &app, &manifest, identity) } else { Check::Unchecked };
+            kept.insert(rank, Kept { version, manifest, identity, file, check });
             tracing::debug!(version, rank, ms, "incremental version composed for the next Fetch");
         });
         if let Err(err) = spawned {
@@ -279,11 +298,13 @@ impl Drop for KeptVersions {
 }
 
 /// Starts checking `rank`'s `version` against `manifest` on a low-priority
-/// thread, a chunk at a time so a stop is seen at once. It reads the data
-/// file (`pread`), not the mapping: a file someone else cuts meanwhile
-/// makes a short read, where a mapping would fault (SIGBUS) and take the
-/// manager down. The answer holds only if the file's identity is still
-/// `identity` at the end.
+/// thread, a chunk at a time so a stop is seen at once. It reads the
+/// version's files (`pread`: its data file, or an incremental version's
+/// block-holding files, [`Store::open_read_only`]), not the mapping: a file
+/// someone else cuts meanwhile makes a short read, where a mapping would
+/// fault (SIGBUS) and take the manager down. The answer holds only if the
+/// data file's identity is `identity` both when the files are opened and at
+/// the end.
 fn check_in_background(store: &Store, app: &str, manifest: &Manifest, identity: FileIdentity) -> Check {
     let stop = Arc::new(AtomicBool::new(false));
     let (store, app, manifest, stopped) = (store.clone(), app.to_string(), manifest.clone(), stop.clone());
@@ -292,10 +313,11 @@ fn check_in_background(store: &Store, app: &str, manifest: &Manifest, identity: 
         let (rank, version) = (manifest.rank, manifest.version);
         let started = Instant::now();
         let intact = store
-            .data_path(&app, rank, version)
+            .open_read_only(&app, rank, version)
             .ok()
-            .and_then(|path| std::fs::File::open(path).ok())
-            .and_then(|file| check_file(&manifest, &file, &stopped))
+            .filter(|(_, _, opened)| *opened == identity)
+            .and_then(|(files, extents, _)| VersionFiles::new(files, extents, manifest.total_len).ok())
+            .and_then(|files| check_file(&manifest, &files, &stopped))
             .filter(|_| store.data_identity(&app, rank, version).ok() == Some(identity));
         let ms = started.elapsed().as_secs_f64() * 1e3;
         match intact {
@@ -319,8 +341,7 @@ fn check_in_background(store: &Store, app: &str, manifest: &Manifest, identity: 
 /// Every label of the data file against `manifest`'s chunk checksums, a
 /// chunk at a time: `Some(intact)`, or `None` when `stop` was raised first
 /// or the file could not be read whole.
-fn check_file(manifest: &Manifest, file: &std::fs::File, stop: &AtomicBool) -> Option<bool> {
-    use std::os::unix::fs::FileExt;
+fn check_file(manifest: &Manifest, files: &VersionFiles, stop: &AtomicBool) -> Option<bool> {
     if manifest.validate().is_err() || manifest.chunk_size == 0 {
         return Some(false);
     }
@@ -337,7 +358,7 @@ fn check_file(manifest: &Manifest, file: &std::fs::File, stop: &AtomicBool) -> O
             let at = (index * chunk) as u64;
             let len = usize::try_from(label.len.saturating_sub(at)).ok()?.min(chunk);
             let bytes = buffer.placed(label.offset + at, len);
-            file.read_exact_at(bytes, label.offset + at).ok()?;
+            files.read_exact_at(bytes, label.offset + at).ok()?;
             if first_bad_chunk(bytes, std::slice::from_ref(crc)).is_some() {
                 return Some(false);
             }
@@ -350,6 +371,7 @@ fn check_file(manifest: &Manifest, file: &std::fs::File, stop: &AtomicBool) -> O
 mod tests {
     use super::*;
     use icheck_core::format::{chunk_crcs, DataKind, LabelLayout, CHUNK_SIZE};
+    use icheck_core::handoff::FileExtent;
 
     /// A store under the temporary directory holding version `version` of
     /// rank 0 of "app" (20 MiB, sealed), that version's mapping and manifest.
@@ -451,6 +473,65 @@ mod tests {
         let _ = std::fs::remove_dir_all(root);
     }
 
+    /// Seals version `version` of rank 0 of "app" over version `parent`
+    /// (from [`stored`]) as an incremental version: block 3 changed, the
+    /// other blocks read from `parent`'s file. Returns its manifest.
+    fn stored_delta(store: &Store, parent: &Manifest, version: u64) -> Manifest {
+        use icheck_core::delta::{BlockMap, BlockRun, BLOCK_BYTES};
+        let mut data = std::fs::read(store.data_path("app", 0, parent.version).unwrap()).unwrap();
+        let changed = 3 * BLOCK_BYTES..4 * BLOCK_BYTES;
+        data[changed.clone()].iter_mut().for_each(|b| *b = b.wrapping_add(1));
+        let mut file = store.create("app", 0, version, BLOCK_BYTES as u64).unwrap();
+        file.as_mut_slice()[..BLOCK_BYTES].copy_from_slice(&data[changed]);
+        let manifest = Manifest { version, crcs: vec![chunk_crcs(&data)], ..parent.clone() };
+        let map = BlockMap::whole(parent.version, parent.total_len).next(version, &[BlockRun { first: 3, count: 1 }]);
+        store.seal_delta(&manifest, &map).unwrap();
+        manifest
+    }
+
+    /// Polls until `rank` 0's `version` is kept and its background check
+    /// has ended, then shares it.
+    fn shared_once_checked(kept: &KeptVersions, store: &Store, version: u64) -> SharedVersion {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let composed = kept.by_rank.lock().unwrap().get(&0).is_some_and(|k| k.version == version);
+            if composed {
+                kept.wait_for_checks();
+                return kept.share(store, "app", (0, version), true).expect("kept");
+            }
+            assert!(Instant::now() < deadline, "never composed");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn an_incremental_version_left_by_its_session_is_composed_and_checked_from_its_files() {
+        let (store, root, file, parent) = stored("composed-checked", 1);
+        drop(file);
+        let manifest = stored_delta(&store, &parent, 2);
+        let kept = Arc::new(KeptVersions::default());
+        kept.compose_and_check_later(&store, "app", 0, 2);
+        let shared = shared_once_checked(&kept, &store, 2);
+        assert!(shared.intact, "checked in the background: the restart's Fetch need not");
+        assert_eq!(shared.manifest, manifest);
+        assert!(manifest.verify(shared.file.as_slice()).is_ok());
+        drop(shared);
+        kept.clear();
+
+        // A block of the parent's file that the version reads goes bad (not
+        // its own file: its identity holds): the check says so, and the
+        // Fetch checks for itself and names the damage.
+        let parent_path = store.data_path("app", 0, 1).unwrap();
+        let mut bytes = std::fs::read(&parent_path).unwrap();
+        bytes[(5 << 20) + 9] ^= 1;
+        std::fs::write(&parent_path, bytes).unwrap();
+        kept.compose_and_check_later(&store, "app", 0, 2);
+        let shared = shared_once_checked(&kept, &store, 2);
+        assert!(!shared.intact, "the parent's damaged block is the version's");
+        assert!(manifest.verify(shared.file.as_slice()).is_err());
+        let _ = std::fs::remove_dir_all(root);
+    }
+
     #[test]
     fn a_kept_version_whose_file_changed_is_not_served() {
         let (store, root, file, manifest) = stored("changed", 4);
@@ -495,7 +576,10 @@ mod tests {
         let (store, root, _file, manifest) = stored("stepwise", 7);
         let path = store.data_path("app", 0, 7).unwrap();
         let stop = AtomicBool::new(false);
-        let open = || std::fs::File::open(&path).unwrap();
+        let whole = |file| FileExtent { offset: 0, len: manifest.total_len, file, file_offset: 0 };
+        let open = || {
+            VersionFiles::new(vec![std::fs::File::open(&path).unwrap()], vec![whole(0)], manifest.total_len).unwrap()
+        };
         assert_eq!(check_file(&manifest, &open(), &stop), Some(true));
         let mut bytes = std::fs::read(&path).unwrap();
         bytes[(13 << 20) + 5] ^= 1;
