@@ -136,7 +136,16 @@ struct FreshRestarts {
     /// one host does.
     #[serde(default)]
     from_files: f64,
+    /// The first restart the agent serves: pulled (prefault) by a new
+    /// process [`JOB_GAP`] after the committing job's sessions ended, as a
+    /// job relaunched after a failure restarts (one run, not a median).
+    #[serde(default)]
+    first: f64,
 }
+
+/// How long after a job ends the benchmark's first restart starts: less
+/// than `mpirun` takes to relaunch a job.
+const JOB_GAP: Duration = Duration::from_secs(1);
 
 /// Changes one byte in every page of `data` (differently each run), so a
 /// commit has new data to move.
@@ -200,6 +209,13 @@ fn measure<C: Communicator + 'static>(
         total.push(start.elapsed().as_secs_f64());
     }
     ic.finalize(true)?;
+    // The job ended: the first restart comes from a new process.
+    let first_restart = fresh_in_new_processes
+        .then(|| {
+            std::thread::sleep(JOB_GAP);
+            restore_in_new_process(config, app, data.len(), "pull", true)
+        })
+        .transpose()?;
     let (mut restarts, mut restarts_pushed, mut restarts_same_host) = (Vec::new(), Vec::new(), Vec::new());
     for restore in ["pull", "push", "auto"].into_iter().cycle().take(3 * runs) {
         std::env::set_var("ICHECK_RESTORE", restore);
@@ -225,7 +241,9 @@ fn measure<C: Communicator + 'static>(
         }
         ic.finalize(true)?;
     }
-    let restart_fresh = fresh_in_new_processes.then(|| fresh_restarts(config, app, data.len(), runs)).transpose()?;
+    let restart_fresh = first_restart
+        .map(|first| fresh_restarts(config, app, data.len(), runs).map(|fresh| FreshRestarts { first, ..fresh }))
+        .transpose()?;
     std::env::remove_var("ICHECK_RESTORE");
     let (mut ic, _) = Icheck::init(Some(config), app, comm_factory())?;
     ic.finalize(false)?;
@@ -262,7 +280,7 @@ fn fresh_restarts(config: &Path, app: &str, len: usize, runs: usize) -> Result<F
         }
     }
     let [prefaulted, unprefaulted, from_files] = secs.map(median);
-    Ok(FreshRestarts { prefaulted, unprefaulted, from_files })
+    Ok(FreshRestarts { prefaulted, unprefaulted, from_files, first: 0.0 })
 }
 
 /// Seconds a new process takes to restart `app` and restore its `len`
@@ -798,6 +816,12 @@ fn rows_for(
         ),
     ];
     if let Some(fresh) = pull.restart_fresh {
+        lines.push(line(
+            "restart + restore, a new process 1 s after the job ended: the first restart the agent serves (pulled, prefault; one run)",
+            format!("{:.2} GB/s", gb(fresh.first)),
+            format!("fi_read into fresh memory {:.2} GB/s", raw.2),
+            gb(fresh.first) / raw.2,
+        ));
         lines.push(line(
             "restart + restore into fresh memory in a new process, the rank pulls (prefault, the default)",
             format!("{:.2} GB/s", gb(fresh.prefaulted)),
