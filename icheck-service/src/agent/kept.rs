@@ -22,18 +22,18 @@
 //! the files holding its blocks (mapped, not read), then checked there
 //! like a whole one, reading those files. A version is served unchecked
 //! again only while its file's [`FileIdentity`] (inode, length, change
-//! times) is unchanged. The reader
-//! still checks every chunk it reads, so damage that happens in memory
-//! after the check is still caught, by the reader instead of the agent.
+//! times) is unchanged. The reader still checks every chunk it reads, so
+//! damage that happens in memory after the check is still caught, by the
+//! reader instead of the agent.
 //!
 //! Architecture invariant: the background check reads the version's files
 //! (its data file, and an incremental version's block-holding files, with
 //! `pread`), never the mapping (a file cut under a mapping faults the
 //! reader with SIGBUS: the first version of this module lost its manager
 //! when a test rewrote a version's file during the check), and its answer
-//! counts only if the file's identity held throughout. The store cuts a file only when it
-//! reuses a pruned version's file for a new one, or when a version number
-//! is begun again; so a rank's kept version is forgotten (its check stopped
+//! counts only if the file's identity held throughout. The store cuts a
+//! file only when it reuses a pruned version's file for a new one, or when
+//! a version number is begun again; so a rank's kept version is forgotten (its check stopped
 //! and joined first) when a newer version of the rank completes, and when a
 //! version at or below it is begun. At most one version per rank is kept.
 
@@ -338,9 +338,9 @@ fn check_in_background(store: &Store, app: &str, manifest: &Manifest, identity: 
     }
 }
 
-/// Every label of the data file against `manifest`'s chunk checksums, a
-/// chunk at a time: `Some(intact)`, or `None` when `stop` was raised first
-/// or the file could not be read whole.
+/// Every label of the version in `files` against `manifest`'s chunk
+/// checksums, a chunk at a time: `Some(intact)`, or `None` when `stop` was
+/// raised first or the files could not be read whole.
 fn check_file(manifest: &Manifest, files: &VersionFiles, stop: &AtomicBool) -> Option<bool> {
     if manifest.validate().is_err() || manifest.chunk_size == 0 {
         return Some(false);

@@ -301,19 +301,12 @@ impl Shared {
     /// where keys are bound to an endpoint, or when no endpoint can be
     /// opened (the reader then reads through the agent's own, as before).
     fn lease_lane(&self) -> Option<LaneLease> {
-        if !self.endpoint.registrations_are_domain_wide() {
-            return None;
-        }
-        let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
-        lanes.retain(|lane| !lane.endpoint.is_closed());
+        let mut lanes = self.live_lanes()?;
         let readers: Vec<usize> = lanes.iter().map(|lane| Arc::strong_count(&lane.users) - 1).collect();
         let index = match choose_lane(&readers, MAX_LANES) {
             LaneChoice::Reuse(index) => index,
-            LaneChoice::Open => match self.endpoint.sibling() {
-                Ok(endpoint) => {
-                    lanes.push(Lane { endpoint, users: Arc::new(()) });
-                    lanes.len() - 1
-                }
+            LaneChoice::Open => match self.open_lane(&mut lanes) {
+                Ok(()) => lanes.len() - 1,
                 Err(err) => {
                     tracing::warn!(%err, "cannot open an endpoint for a reader; it shares the agent's own");
                     return None;
@@ -331,21 +324,33 @@ impl Shared {
     /// `restart()` here). Idle lanes cost no thread; they stay, as lanes
     /// opened on demand do.
     fn open_lanes_ahead(&self) {
-        if !self.endpoint.registrations_are_domain_wide() {
-            return;
-        }
         let ranks = self.completed.lock().unwrap_or_else(|p| p.into_inner()).len();
-        let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
-        lanes.retain(|lane| !lane.endpoint.is_closed());
+        let Some(mut lanes) = self.live_lanes() else { return };
         for _ in 0..lanes_to_open_ahead(ranks, lanes.len()) {
-            match self.endpoint.sibling() {
-                Ok(endpoint) => lanes.push(Lane { endpoint, users: Arc::new(()) }),
-                Err(err) => {
-                    tracing::debug!(%err, "cannot open a lane ahead of a restart; its reader opens one");
-                    return;
-                }
+            if let Err(err) = self.open_lane(&mut lanes) {
+                tracing::debug!(%err, "cannot open a lane ahead of a restart; its reader opens one");
+                return;
             }
         }
+    }
+
+    /// The agent's lanes still open, locked; `None` where the agent has no
+    /// lanes: its provider binds keys to an endpoint, so a lane could not
+    /// serve the agent's registrations.
+    fn live_lanes(&self) -> Option<std::sync::MutexGuard<'_, Vec<Lane>>> {
+        if !self.endpoint.registrations_are_domain_wide() {
+            return None;
+        }
+        let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        lanes.retain(|lane| !lane.endpoint.is_closed());
+        Some(lanes)
+    }
+
+    /// Opens one more lane, on the agent's domain, into `lanes` (from
+    /// [`Shared::live_lanes`]).
+    fn open_lane(&self, lanes: &mut Vec<Lane>) -> Result<(), FabricError> {
+        lanes.push(Lane { endpoint: self.endpoint.sibling()?, users: Arc::new(()) });
+        Ok(())
     }
 
     /// The PFS level as this application's copies use it: with its key
