@@ -241,9 +241,7 @@ fn measure<C: Communicator + 'static>(
         }
         ic.finalize(true)?;
     }
-    let restart_fresh = first_restart
-        .map(|first| fresh_restarts(config, app, data.len(), runs).map(|fresh| FreshRestarts { first, ..fresh }))
-        .transpose()?;
+    let restart_fresh = first_restart.map(|first| fresh_restarts(config, app, data.len(), runs, first)).transpose()?;
     std::env::remove_var("ICHECK_RESTORE");
     let (mut ic, _) = Icheck::init(Some(config), app, comm_factory())?;
     ic.finalize(false)?;
@@ -263,8 +261,9 @@ fn measure<C: Communicator + 'static>(
 /// A restarted application restores into memory it has just allocated, in
 /// a process of its own: `runs` restores of `app` that way pulled with
 /// prefault, pulled without, and with the defaults (the agent's files),
-/// one new process each, the order rotating from run to run.
-fn fresh_restarts(config: &Path, app: &str, len: usize, runs: usize) -> Result<FreshRestarts> {
+/// one new process each, the order rotating from run to run; with `first`,
+/// the seconds of the first restart, measured before them.
+fn fresh_restarts(config: &Path, app: &str, len: usize, runs: usize, first: f64) -> Result<FreshRestarts> {
     let settings = [("pull", true), ("pull", false), ("auto", true)];
     let mut secs: [Vec<f64>; 3] = Default::default();
     for run in 0..runs {
@@ -280,7 +279,7 @@ fn fresh_restarts(config: &Path, app: &str, len: usize, runs: usize) -> Result<F
         }
     }
     let [prefaulted, unprefaulted, from_files] = secs.map(median);
-    Ok(FreshRestarts { prefaulted, unprefaulted, from_files, first: 0.0 })
+    Ok(FreshRestarts { prefaulted, unprefaulted, from_files, first })
 }
 
 /// Seconds a new process takes to restart `app` and restore its `len`
