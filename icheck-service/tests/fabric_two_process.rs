@@ -507,6 +507,25 @@ fn pieces_of_a_read_are_handed_over_in_order_once_arrived_and_a_refusal_stops_th
             read_in_pieces(&initiator.endpoint, &initiator.peer, local, (region, 0, ODD_SIZE), PIECE, refuse_third);
         assert_eq!(refused.unwrap(), Some(2 * PIECE), "{provider}: the refused piece's offset");
         assert_eq!(handed, 3, "{provider}: nothing handed over after a refusal");
+        // A consumer runs inside the batch, with reads still in flight into
+        // the destination: its panic refuses the piece instead of unwinding
+        // out of the batch, and the endpoint reads on afterwards.
+        let mut handed = 0;
+        let panic_at_second = |_: &[u8]| {
+            handed += 1;
+            assert!(handed < 2, "a consumer that panics");
+            true
+        };
+        let local = &mut initiator.local;
+        let refused =
+            read_in_pieces(&initiator.endpoint, &initiator.peer, local, (region, 0, ODD_SIZE), PIECE, panic_at_second);
+        assert_eq!(refused.unwrap(), Some(PIECE), "{provider}: the piece whose consumer panicked");
+        assert_eq!(handed, 2, "{provider}: nothing handed over after a panic");
+        let local = &mut initiator.local;
+        local.as_mut_slice().fill(0);
+        let again = read_in_pieces(&initiator.endpoint, &initiator.peer, local, (region, 0, ODD_SIZE), PIECE, |_| true);
+        assert_eq!(again.unwrap(), None, "{provider}: the endpoint reads on after a consumer's panic");
+        assert!(local.as_slice() == &expected[..], "{provider}: the read after a panic is bit-exact");
     }
 }
 

@@ -497,8 +497,9 @@ impl Endpoint {
     /// first `bytes` of the batch (its ops in order, each from its start)
     /// have all arrived: a consumer can use that prefix while the rest is
     /// still in flight, with the pipeline kept full instead of drained
-    /// between steps. Runs on the calling thread, inside the batch: it must
-    /// be quick.
+    /// between steps. Runs on the calling thread, inside the batch, with
+    /// the operations in flight still moving: it must take less time than
+    /// they do (a checksum of what arrived, not a write to disk).
     pub fn read_observed(
         &self,
         peer: &Peer,

@@ -189,7 +189,7 @@ impl PeerSession {
         (region, len): (RemoteRegion, usize),
         into: &mut RegisteredBuffer<B>,
         piece: usize,
-        mut take: impl FnMut(&[u8]) -> Result<(), String> + Send,
+        mut take: impl FnMut(&[u8]) -> Result<(), String>,
     ) -> Result<(), String> {
         let mut refusal = None;
         let accept = |bytes: &[u8]| take(bytes).map_err(|why| refusal = Some(why)).is_ok();
