@@ -186,8 +186,7 @@ fn check_bounds(local: &MemoryRegion, ranges: &[PeerRange<'_>]) -> Result<(), Fa
 /// the reader would otherwise only spin. A checking thread of its own was
 /// a third busy thread beside the reader and the sender on two cores, and
 /// read bytes the cache had dropped: a 256 MiB restore took 66.5–68.8 ms
-/// over tcp with it and 59.7–61.5 ms without (44–48 ms against 48–49 over
-/// shm).
+/// over tcp with it and 59.7–61.5 ms without.
 ///
 /// # Safety
 /// Nothing else may read or write `local`'s memory during the call, and
