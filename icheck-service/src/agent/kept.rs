@@ -33,9 +33,10 @@
 //! when a test rewrote a version's file during the check), and its answer
 //! counts only if the file's identity held throughout. The store cuts a
 //! file only when it reuses a pruned version's file for a new one, or when
-//! a version number is begun again; so a rank's kept version is forgotten (its check stopped
-//! and joined first) when a newer version of the rank completes, and when a
-//! version at or below it is begun. At most one version per rank is kept.
+//! a version number is begun again; so a rank's kept version is forgotten
+//! (its check stopped and joined first) when a newer version of the rank
+//! completes, and when a version at or below it is begun. At most one
+//! version per rank is kept.
 
 use super::*;
 use crate::store::{FileIdentity, SharedMapping};
