@@ -11,10 +11,15 @@
 //! placed like the source; the bytes are then copied out with `memcpy`,
 //! which aligns its own stores.
 //!
-//! On a CPU without the weakness a placed read costs one extra copy out of
-//! the cache: 256 MiB in 4 MiB steps took 75–96 ms through a placed buffer
-//! against 62–83 ms straight into page-aligned memory here, and 160–210 ms
-//! straight into memory 16 bytes past a page.
+//! On a CPU without the weakness a placed read only costs one extra copy
+//! out of the cache, so whether this CPU has it is measured once per
+//! process ([`copies_slowly_behind_the_source`]): the same `pread` into
+//! memory placed like its source and 16 bytes past that. On the AMD host
+//! 256 MiB in 4 MiB steps took 75–96 ms through a placed buffer, 62–83 ms
+//! straight into page-aligned memory and 160–210 ms straight into memory
+//! 16 bytes past a page; on an Intel Xeon with fast short `rep movsb`
+//! (2026-11-28) `fi_read` over shm moved 3.7–4.1 GB/s into memory 16 bytes
+//! past a page and 3.9–4.1 GB/s into page-aligned memory.
 //!
 //! Architecture invariant: nothing here changes what is read, only through
 //! which memory it passes.
@@ -38,12 +43,76 @@ const PAGE: u64 = 4096;
 pub const PLACED_STEP: usize = 4 << 20;
 
 /// Whether reading `len` bytes from file offset `src_offset` into `dst` is
-/// worth a [`PlacedBuffer`]: the copy is slow ([`is_slow`]) and the read
-/// spans at least two [`PLACED_STEP`]s. A placed buffer's first touch costs
-/// about what the slow copy loses on one step (fresh pages: ~0.7 ms per MB
-/// here, against ~0.45 ms per MB lost), so shorter reads go directly.
+/// worth a [`PlacedBuffer`]: the copy is slow ([`is_slow`]) on this CPU
+/// ([`copies_slowly_behind_the_source`]) and the read spans at least two
+/// [`PLACED_STEP`]s. A placed buffer's first touch costs about what the
+/// slow copy loses on one step (fresh pages: ~0.7 ms per MB here, against
+/// ~0.45 ms per MB lost), so shorter reads go directly.
 pub fn worth_placing(dst: *const u8, src_offset: u64, len: usize) -> bool {
-    len >= 2 * PLACED_STEP && is_slow(dst, src_offset)
+    len >= 2 * PLACED_STEP && is_slow(dst, src_offset) && copies_slowly_behind_the_source()
+}
+
+/// The environment variable that overrides the measurement of
+/// [`copies_slowly_behind_the_source`]: `always` places every slow-case
+/// read, `never` none; anything else (or unset) measures.
+pub const PLACED_READS_ENV: &str = "ICHECK_PLACED_READS";
+
+/// Whether this CPU's kernel copy is the slow case of [`is_slow`]: measured
+/// once per process (a few milliseconds, [`measure_lag_penalty`]) unless
+/// [`PLACED_READS_ENV`] says `always` or `never`. Call it early from a
+/// thread of its own to keep the measurement off a restore's path.
+pub fn copies_slowly_behind_the_source() -> bool {
+    static SLOW: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SLOW.get_or_init(|| placing_decision(std::env::var(PLACED_READS_ENV).ok().as_deref(), measure_lag_penalty))
+}
+
+/// Whether to place slow-case reads, given [`PLACED_READS_ENV`]'s value and
+/// a way to measure the penalty (called only when the variable does not
+/// decide). A failed measurement places: placing is never wrong, only
+/// sometimes slower.
+fn placing_decision(forced: Option<&str>, measure: impl FnOnce() -> std::io::Result<f64>) -> bool {
+    match forced {
+        Some("always") => true,
+        Some("never") => false,
+        _ => match measure() {
+            Ok(penalty) => {
+                let slow = penalty > SLOW_PENALTY;
+                tracing::debug!(penalty, slow, "measured the kernel copy 16 bytes past its source's place");
+                slow
+            }
+            Err(err) => {
+                tracing::debug!(%err, "could not measure the kernel copy; placing reads");
+                true
+            }
+        },
+    }
+}
+
+/// [`measure_lag_penalty`] above which a CPU counts as having the weakness:
+/// the AMD hosts measured about 3, the Intel ones about 1.
+const SLOW_PENALTY: f64 = 1.5;
+
+/// The time the kernel takes to copy 1 MiB of page cache into memory 16
+/// bytes past the source's place in a page, over the time into memory
+/// placed like the source: the fastest of five alternated `pread`s each,
+/// so that a busy core slows both sides rather than one.
+pub fn measure_lag_penalty() -> std::io::Result<f64> {
+    const LEN: usize = 1 << 20;
+    let file = File::from(nix::sys::memfd::memfd_create(c"icheck-copy-probe", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?);
+    file.write_all_at(&vec![0x5au8; LEN], 0)?;
+    // Touched, so the timed reads fault in no pages.
+    let mut backing = vec![1u8; LEN + 2 * PAGE as usize];
+    let aligned = (PAGE as usize - backing.as_ptr() as usize % PAGE as usize) % PAGE as usize;
+    let mut fastest = [std::time::Duration::MAX; 2];
+    for _ in 0..5 {
+        for (lag, best) in [0usize, 16].into_iter().zip(fastest.iter_mut()) {
+            let dst = &mut backing[aligned + lag..aligned + lag + LEN];
+            let started = std::time::Instant::now();
+            file.read_exact_at(dst, 0)?;
+            *best = (*best).min(started.elapsed());
+        }
+    }
+    Ok(fastest[1].as_secs_f64() / fastest[0].as_secs_f64().max(1e-9))
 }
 
 /// A buffer of up to `capacity` bytes that [`placed`](Self::placed) hands
@@ -146,6 +215,23 @@ mod tests {
         assert!(!is_slow((page + 32) as *const u8, 0));
         assert!(!is_slow((page + 16) as *const u8, 32), "a destination before the source");
         assert!(is_slow((page + 16) as *const u8, 4096 * 7));
+    }
+
+    #[test]
+    fn the_environment_decides_before_any_measurement_and_a_failed_one_places() {
+        let unmeasured = || -> std::io::Result<f64> { panic!("measured although the environment decided") };
+        assert!(placing_decision(Some("always"), unmeasured));
+        assert!(!placing_decision(Some("never"), unmeasured));
+        assert!(placing_decision(Some("auto"), || Ok(3.1)), "the AMD hosts' penalty");
+        assert!(!placing_decision(None, || Ok(1.02)), "no penalty");
+        assert!(placing_decision(None, || Err(std::io::Error::other("no memfd"))));
+    }
+
+    #[test]
+    fn the_lag_penalty_is_measured_as_a_finite_positive_ratio() {
+        let penalty = measure_lag_penalty().unwrap();
+        assert!(penalty.is_finite() && penalty > 0.0, "{penalty}");
+        eprintln!("the kernel copy 16 bytes past its source here: {penalty:.2}x the placed one");
     }
 
     #[test]

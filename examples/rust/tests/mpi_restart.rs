@@ -766,7 +766,10 @@ fn a_restart_on_the_agents_host_reads_the_version_file_and_fixed_directions_use_
         assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{provider}: {lines:?}");
         assert_eq!(files_handed_over(&service), 0, "{provider}: commits hand nothing over");
         args[3] = "6";
-        let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
+        // tcp reads straight into the ranks' arrays, shm through placed
+        // buffers: bit-exact both ways, whatever this CPU would choose.
+        let placing = [("ICHECK_PLACED_READS", if provider == "tcp" { "never" } else { "always" })];
+        let lines = Job::start(2, &config, &args, &placing).finish(Duration::from_secs(120));
         assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{provider}: {lines:?}");
         assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{provider}: {lines:?}");
         icheck_service::testkit::wait_for("both ranks' files counted", Duration::from_secs(30), || {
@@ -823,13 +826,22 @@ fn a_restart_on_the_agents_host_reads_the_version_file_and_fixed_directions_use_
     let lines = Job::start(1, &config, &args, &[]).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
     flip_middle_byte(&service.config.agent_store_dir.join("local-1/ldmg/rank0/v3.data"));
-    let (ok, output) = Job::start(1, &config, &args, &[]).finish_any(Duration::from_secs(60));
-    assert!(!ok, "{output}");
-    assert!(output.contains("rank 0: restore failed: version 3 of rank 0: bytes "), "{output}");
-    assert!(output.contains("(labels \"big\") fail their crc32c checksum"), "{output}");
+    // Read straight into the rank's array, through a placed buffer (the
+    // copy out of it too is checked first), and as this CPU's measurement
+    // decides.
+    for placing in ["never", "always", "auto"] {
+        let env = [("ICHECK_PLACED_READS", placing)];
+        let (ok, output) = Job::start(1, &config, &args, &env).finish_any(Duration::from_secs(60));
+        assert!(!ok, "{placing}: {output}");
+        assert!(output.contains("rank 0: restore failed: version 3 of rank 0: bytes "), "{placing}: {output}");
+        assert!(output.contains("(labels \"big\") fail their crc32c checksum"), "{placing}: {output}");
+    }
     icheck_service::testkit::wait_for("the damaged file counted as handed over", Duration::from_secs(30), || {
-        files_handed_over(&service) == 1
+        files_handed_over(&service) == 3
     });
+    let wrong = [("ICHECK_PLACED_READS", "sometimes")];
+    let (ok, output) = Job::start(1, &config, &args, &wrong).finish_any(Duration::from_secs(60));
+    assert!(!ok && output.contains("ICHECK_PLACED_READS") && output.contains("\"sometimes\""), "{output}");
 }
 
 #[test]

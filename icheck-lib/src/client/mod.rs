@@ -310,6 +310,19 @@ impl Icheck {
                 .map_err(|e| Error::Unsupported(format!("environment variable ICHECK_MODE: {e}")))?,
             Err(_) => client.mode,
         };
+        if let Ok(text) = std::env::var(icheck_core::kernel_copy::PLACED_READS_ENV) {
+            if !["auto", "always", "never"].contains(&text.as_str()) {
+                return Err(Error::Unsupported(format!(
+                    "environment variable {}: {text:?} is not one of auto, always, never",
+                    icheck_core::kernel_copy::PLACED_READS_ENV
+                )));
+            }
+        }
+        // Measured (a few ms) while the application starts, not during its
+        // first restore.
+        let _ = std::thread::Builder::new()
+            .name("icheck-copy-probe".into())
+            .spawn(icheck_core::kernel_copy::copies_slowly_behind_the_source);
         let zero_copy = env_flag("ICHECK_ZERO_COPY", client.zero_copy)?;
         let incremental = env_flag("ICHECK_INCREMENTAL", client.incremental)?;
         let page_tracking = env_flag("ICHECK_PAGE_TRACKING", client.page_tracking)?;

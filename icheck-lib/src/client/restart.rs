@@ -59,7 +59,16 @@ pub(super) fn read_and_verify(
     if out.is_empty() {
         return Ok(None);
     }
-    if endpoint.provider() == "shm" && icheck_core::kernel_copy::worth_placing(out.as_ptr(), remote_offset, out.len()) {
+    // Staged whether or not this CPU copies slowly behind its source
+    // (`kernel_copy::worth_placing` would ask): on an Intel Xeon where it
+    // does not (2026-11-28, `commit-bench --providers shm`, three runs
+    // each), one rank of 256 MiB still restored at 0.75-0.82 of raw
+    // `fi_read` staged against 0.50-0.58 direct. Four ranks on two agents
+    // were faster direct (0.94-1.26 against 0.75-0.88), but `restore =
+    // auto` pushes over shm and the one-rank loss was the larger.
+    let staged = out.len() >= 2 * icheck_core::kernel_copy::PLACED_STEP
+        && icheck_core::kernel_copy::is_slow(out.as_ptr(), remote_offset);
+    if endpoint.provider() == "shm" && staged {
         let mut buffer = staging.take();
         let read = read_staged_and_verify(endpoint, peer, region, remote_offset, out, crcs, &mut buffer);
         staging.give_back(buffer);
@@ -697,12 +706,21 @@ mod tests {
             assert_eq!(bad, None, "{past} bytes past a page");
             assert!(*out == data[..], "{past} bytes past a page");
         }
+        // Staged directly.
+        let out = placed(&mut backing, 16, len);
+        out.fill(0);
+        let mut buffer = staging.take();
+        let bad = read_staged_and_verify(&rank, &peer, stored.remote(), 4096, out, &crcs, &mut buffer).unwrap();
+        assert_eq!(bad, None);
+        assert!(*out == data[..]);
         // Damage in a slot's second use, and in its fourth (named by its
         // place in `out`, not in the slot).
         for damaged in [4, 9] {
             let mut wrong = crcs.clone();
             wrong[damaged] ^= 1;
             let out = placed(&mut backing, 16, len);
+            let bad = read_staged_and_verify(&rank, &peer, stored.remote(), 4096, out, &wrong, &mut buffer).unwrap();
+            assert_eq!(bad, Some(damaged));
             assert_eq!(
                 read_and_verify(&rank, &peer, stored.remote(), 4096, out, CHUNK_BYTES, &wrong, &staging).unwrap(),
                 Some(damaged)
