@@ -41,7 +41,9 @@ pub(super) enum RestoredData {
 /// `out`) as soon as it has arrived, while it is still in the last-level
 /// cache ([`icheck_core::verified`]; 64 MiB steps checked from memory made a
 /// 256 MiB restore over tcp 0.65-0.75 of raw `fi_read`, 4 MiB chunks
-/// 0.83-0.96). Returns the first bad chunk.
+/// 0.83-0.96). Returns the first bad chunk. `spare_core`: this process
+/// has a core beside its own for a checking thread (see the staging rule
+/// below).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn read_and_verify(
     endpoint: &Endpoint,
@@ -52,6 +54,7 @@ pub(super) fn read_and_verify(
     chunk: usize,
     crcs: &[u32],
     staging: &RestoreStaging,
+    spare_core: bool,
 ) -> Result<Option<usize>> {
     if chunk != CHUNK_BYTES {
         return Ok(Some(0));
@@ -59,15 +62,17 @@ pub(super) fn read_and_verify(
     if out.is_empty() {
         return Ok(None);
     }
-    // Staged whether or not this CPU copies slowly behind its source
-    // (`kernel_copy::worth_placing` would ask): on an Intel Xeon where it
-    // does not (2026-11-28, `commit-bench --providers shm`, three runs
-    // each), one rank of 256 MiB still restored at 0.75-0.82 of raw
-    // `fi_read` staged against 0.50-0.58 direct. Four ranks on two agents
-    // were faster direct (0.94-1.26 against 0.75-0.88), but `restore =
-    // auto` pushes over shm and the one-rank loss was the larger.
+    // Over shm into memory just past the agent's bytes' place in a page:
+    // staged where this CPU copies slowly there, and also where a core is
+    // spare for the staging's checking thread. On an Intel Xeon without
+    // the slow copy (2026-11-28, `commit-bench --providers shm`, three runs
+    // each) one rank of 256 MiB on two cores restored at 0.75-0.82 of raw
+    // `fi_read` staged and 0.50-0.58 direct, while four ranks on two cores
+    // (no core spare, and the staging's extra copy competes with the
+    // others' reads) restored at 0.75-0.88 staged and 0.94-1.26 direct.
     let staged = out.len() >= 2 * icheck_core::kernel_copy::PLACED_STEP
-        && icheck_core::kernel_copy::is_slow(out.as_ptr(), remote_offset);
+        && icheck_core::kernel_copy::is_slow(out.as_ptr(), remote_offset)
+        && (spare_core || icheck_core::kernel_copy::copies_slowly_behind_the_source());
     if endpoint.provider() == "shm" && staged {
         let mut buffer = staging.take();
         let read = read_staged_and_verify(endpoint, peer, region, remote_offset, out, crcs, &mut buffer);
@@ -575,8 +580,9 @@ impl Icheck {
                 deliver_and_verify(&self.endpoint, link, layout.offset, out, chunk, crcs)
             }
             (ReadFrom::Fabric(region), _) => {
-                let staging = &self.restore_staging;
-                read_and_verify(&self.endpoint, link.read_peer(), *region, layout.offset, out, chunk, crcs, staging)
+                let (staging, spare_core) = (&self.restore_staging, self.read_threads() > 1);
+                let peer = link.read_peer();
+                read_and_verify(&self.endpoint, peer, *region, layout.offset, out, chunk, crcs, staging, spare_core)
             }
         }
         .map_err(|err| match err {
@@ -701,14 +707,20 @@ mod tests {
         for past in [16, 0] {
             let out = placed(&mut backing, past, len);
             assert_eq!(icheck_core::kernel_copy::is_slow(out.as_ptr(), 4096), past == 16);
-            out.fill(0);
-            let bad = read_and_verify(&rank, &peer, stored.remote(), 4096, out, CHUNK_BYTES, &crcs, &staging).unwrap();
-            assert_eq!(bad, None, "{past} bytes past a page");
-            assert!(*out == data[..], "{past} bytes past a page");
+            // Staged with a core spare; without one, staged only if this
+            // CPU copies slowly there.
+            for spare_core in [true, false] {
+                out.fill(0);
+                let read =
+                    read_and_verify(&rank, &peer, stored.remote(), 4096, out, CHUNK_BYTES, &crcs, &staging, spare_core);
+                assert_eq!(read.unwrap(), None, "{past} bytes past a page");
+                assert!(*out == data[..], "{past} bytes past a page");
+            }
         }
         // Staged directly.
         let out = placed(&mut backing, 16, len);
         out.fill(0);
+        // The staging buffer a read above kept (or a new one).
         let mut buffer = staging.take();
         let bad = read_staged_and_verify(&rank, &peer, stored.remote(), 4096, out, &crcs, &mut buffer).unwrap();
         assert_eq!(bad, None);
@@ -721,10 +733,20 @@ mod tests {
             let out = placed(&mut backing, 16, len);
             let bad = read_staged_and_verify(&rank, &peer, stored.remote(), 4096, out, &wrong, &mut buffer).unwrap();
             assert_eq!(bad, Some(damaged));
-            assert_eq!(
-                read_and_verify(&rank, &peer, stored.remote(), 4096, out, CHUNK_BYTES, &wrong, &staging).unwrap(),
-                Some(damaged)
-            );
+            for spare_core in [true, false] {
+                let read = read_and_verify(
+                    &rank,
+                    &peer,
+                    stored.remote(),
+                    4096,
+                    out,
+                    CHUNK_BYTES,
+                    &wrong,
+                    &staging,
+                    spare_core,
+                );
+                assert_eq!(read.unwrap(), Some(damaged), "spare core {spare_core}");
+            }
         }
     }
 }

@@ -266,6 +266,7 @@ impl Icheck {
                             chunk,
                             crcs,
                             staging,
+                            threads > 1,
                         )
                     }
                     ReadFrom::Files(files) => read_files_and_verify(files, label.offset, out, chunk, crcs, threads),
