@@ -64,12 +64,15 @@ pub(super) fn read_and_verify(
     }
     // Over shm into memory just past the agent's bytes' place in a page:
     // staged where this CPU copies slowly there, and also where a core is
-    // spare for the staging's checking thread. On an Intel Xeon without
-    // the slow copy (2026-11-28, `commit-bench --providers shm`, three runs
-    // each) one rank of 256 MiB on two cores restored at 0.75-0.82 of raw
-    // `fi_read` staged and 0.50-0.58 direct, while four ranks on two cores
-    // (no core spare, and the staging's extra copy competes with the
-    // others' reads) restored at 0.75-0.88 staged and 0.94-1.26 direct.
+    // spare for the staging's checking thread. Over shm the reader copies
+    // the bytes itself (`process_vm_readv` in its post), so a direct read
+    // copies and checks on one thread, while the staged one checks and
+    // copies out on another core. On an Intel Xeon without the slow copy
+    // (2026-11-28, `commit-bench --providers shm`, three runs each) one
+    // rank of 256 MiB on two cores restored at 0.75-0.82 of raw `fi_read`
+    // staged and 0.50-0.58 direct, while four ranks on two cores (no core
+    // spare, and the extra copy competes with the others' reads) restored
+    // at 0.75-0.88 staged and 0.94-1.26 direct.
     let staged = out.len() >= 2 * icheck_core::kernel_copy::PLACED_STEP
         && icheck_core::kernel_copy::is_slow(out.as_ptr(), remote_offset)
         && (spare_core || icheck_core::kernel_copy::copies_slowly_behind_the_source());
