@@ -57,6 +57,18 @@ pub fn worth_placing(dst: *const u8, src_offset: u64, len: usize) -> bool {
 /// read, `never` none; anything else (or unset) measures.
 pub const PLACED_READS_ENV: &str = "ICHECK_PLACED_READS";
 
+/// Checks [`PLACED_READS_ENV`]: unset or one of `auto`, `always`, `never`.
+/// The error names the variable and the value, for a process to refuse to
+/// start on (the client's `init`, the `icheck` command).
+pub fn check_placed_reads_env() -> Result<(), String> {
+    match std::env::var(PLACED_READS_ENV) {
+        Ok(text) if !["auto", "always", "never"].contains(&text.as_str()) => {
+            Err(format!("environment variable {PLACED_READS_ENV}: {text:?} is not one of auto, always, never"))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Whether this CPU's kernel copy is the slow case of [`is_slow`]: measured
 /// once per process (a few milliseconds, [`measure_lag_penalty`]) unless
 /// [`PLACED_READS_ENV`] says `always` or `never`. Call it early from a

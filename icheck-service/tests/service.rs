@@ -347,6 +347,25 @@ fn daemons_refuse_an_empty_token_and_up_refuses_an_unknown_provider() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A placed-reads setting the daemons do not know stops `icheck` before it
+/// starts anything, naming the variable and the value.
+#[test]
+fn an_unknown_placed_reads_setting_is_refused_by_name_before_any_daemon_starts() {
+    let dir = std::env::temp_dir().join(format!("icheck-test-placed-reads-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let out = Command::new(ICHECK)
+        .args(["up", "--detach", "--managers", "1", "--state-dir"])
+        .arg(&dir)
+        .env("ICHECK_PLACED_READS", "sometimes")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "icheck up started with ICHECK_PLACED_READS=sometimes: {stderr}");
+    assert!(stderr.contains("ICHECK_PLACED_READS") && stderr.contains("\"sometimes\""), "{stderr}");
+    assert!(!dir.join("pids").exists(), "no daemon may start");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn up_starts_again_only_the_daemons_that_died() {
     use nix::sys::signal::{kill, Signal};

@@ -310,14 +310,7 @@ impl Icheck {
                 .map_err(|e| Error::Unsupported(format!("environment variable ICHECK_MODE: {e}")))?,
             Err(_) => client.mode,
         };
-        if let Ok(text) = std::env::var(icheck_core::kernel_copy::PLACED_READS_ENV) {
-            if !["auto", "always", "never"].contains(&text.as_str()) {
-                return Err(Error::Unsupported(format!(
-                    "environment variable {}: {text:?} is not one of auto, always, never",
-                    icheck_core::kernel_copy::PLACED_READS_ENV
-                )));
-            }
-        }
+        icheck_core::kernel_copy::check_placed_reads_env().map_err(Error::Unsupported)?;
         // Measured (a few ms) while the application starts, not during its
         // first restore.
         let _ = std::thread::Builder::new()

@@ -517,6 +517,11 @@ fn main() {
     if disarmed {
         tracing::debug!("reset the signal handlers libpsm installed at load time");
     }
+    // The daemons' file reads (handed-over checks, the PFS level) follow it.
+    if let Err(err) = icheck_core::kernel_copy::check_placed_reads_env() {
+        eprintln!("icheck: error: {err}");
+        std::process::exit(2);
+    }
     if let Err(err) = run(cli) {
         eprintln!("icheck: error: {err:#}");
         std::process::exit(1);
