@@ -49,7 +49,15 @@ pub const PLACED_STEP: usize = 4 << 20;
 /// slow copy loses on one step (fresh pages: ~0.7 ms per MB here, against
 /// ~0.45 ms per MB lost), so shorter reads go directly.
 pub fn worth_placing(dst: *const u8, src_offset: u64, len: usize) -> bool {
-    len >= 2 * PLACED_STEP && is_slow(dst, src_offset) && copies_slowly_behind_the_source()
+    worth_placing_on_a_slow_cpu(dst, src_offset, len) && copies_slowly_behind_the_source()
+}
+
+/// [`worth_placing`] on a CPU with the weakness, whichever this one is:
+/// the addresses and the length alone. For a caller that places for
+/// reasons of its own as well (the client's staged shm pulls), and for
+/// tests of the placed reads.
+pub fn worth_placing_on_a_slow_cpu(dst: *const u8, src_offset: u64, len: usize) -> bool {
+    len >= 2 * PLACED_STEP && is_slow(dst, src_offset)
 }
 
 /// The environment variable that overrides the measurement of
@@ -110,15 +118,16 @@ const SLOW_PENALTY: f64 = 1.5;
 /// so that a busy core slows both sides rather than one.
 pub fn measure_lag_penalty() -> std::io::Result<f64> {
     const LEN: usize = 1 << 20;
+    const LAG: usize = 16;
     let file = File::from(nix::sys::memfd::memfd_create(c"icheck-copy-probe", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)?);
     file.write_all_at(&vec![0x5au8; LEN], 0)?;
+    let mut buffer = PlacedBuffer::new(LEN + LAG);
     // Touched, so the timed reads fault in no pages.
-    let mut backing = vec![1u8; LEN + 2 * PAGE as usize];
-    let aligned = (PAGE as usize - backing.as_ptr() as usize % PAGE as usize) % PAGE as usize;
+    buffer.placed(0, LEN + LAG).fill(1);
     let mut fastest = [std::time::Duration::MAX; 2];
     for _ in 0..5 {
-        for (lag, best) in [0usize, 16].into_iter().zip(fastest.iter_mut()) {
-            let dst = &mut backing[aligned + lag..aligned + lag + LEN];
+        for (lag, best) in [0, LAG].into_iter().zip(fastest.iter_mut()) {
+            let dst = &mut buffer.placed(0, LEN + LAG)[lag..lag + LEN];
             let started = std::time::Instant::now();
             file.read_exact_at(dst, 0)?;
             *best = (*best).min(started.elapsed());

@@ -383,9 +383,7 @@ mod tests {
         let file = unlinked_file_with(&[vec![3u8; 4096], data.clone()].concat());
         let mut backing = vec![0u8; data.len() + 8192];
         // As on a CPU with the weakness, whichever this one is.
-        let slow_cpu = |dst: *const u8, src_offset: u64, len: usize| {
-            len >= 2 * kernel_copy::PLACED_STEP && kernel_copy::is_slow(dst, src_offset)
-        };
+        let slow_cpu = kernel_copy::worth_placing_on_a_slow_cpu;
         for past in [0, 16, 31, 32, 48, 2000] {
             let out = placed(&mut backing, past, data.len());
             assert_eq!(kernel_copy::is_slow(out.as_ptr(), 4096), (1..32).contains(&past), "{past}");

@@ -73,8 +73,7 @@ pub(super) fn read_and_verify(
     // staged and 0.50-0.58 direct, while four ranks on two cores (no core
     // spare, and the extra copy competes with the others' reads) restored
     // at 0.75-0.88 staged and 0.94-1.26 direct.
-    let staged = out.len() >= 2 * icheck_core::kernel_copy::PLACED_STEP
-        && icheck_core::kernel_copy::is_slow(out.as_ptr(), remote_offset)
+    let staged = icheck_core::kernel_copy::worth_placing_on_a_slow_cpu(out.as_ptr(), remote_offset, out.len())
         && (spare_core || icheck_core::kernel_copy::copies_slowly_behind_the_source());
     if endpoint.provider() == "shm" && staged {
         let mut buffer = staging.take();
