@@ -334,10 +334,9 @@ struct ShardSource {
 /// flight together instead of draining after each member's block.
 ///
 /// The buffer is laid out stripe by stripe, each stripe as `slots` shard
-/// slots of [`STRIPE`] bytes ([`slot_offset`]): the sources' in order,
-/// then (for an encoder) the coder's padding. A whole stripe is so already
-/// the coder's working space, and is encoded where the fabric put it
-/// ([`redundancy::StripeEncoder::encode_in_place`]).
+/// slots of [`STRIPE`] bytes ([`slot_offset`]), the sources' in order: a
+/// stripe's shards lie side by side, in cache together while they are
+/// checked and coded where the fabric put them.
 struct ShardBlocks {
     sources: Vec<ShardSource>,
     slots: usize,
@@ -546,12 +545,12 @@ struct Spent {
 }
 
 /// Encodes one loaded block (`offset`, `block` bytes) of the data shards
-/// in `stripes` (a [`ShardBlocks`] buffer of `slots` slots per stripe,
-/// which whole stripes are encoded in, overwriting the data), each checked
-/// first against its rank's checksums by its `checks` (one per shard):
-/// keeps shard `index` in `file` (and its stripe checksums), and puts sink
-/// j's shard of the block at `j *` [`sink_stride`] of `staging` (and its checksums
-/// in `sink_crcs[j]`), to be written to its holder.
+/// in `stripes` (a [`ShardBlocks`] buffer of `slots` slots per stripe),
+/// each checked first against its rank's checksums by its `checks` (one
+/// per shard): codes shard `index` straight into `file` (and keeps its
+/// stripe checksums), and sink j's shard of the block at `j *`
+/// [`sink_stride`] of `staging` (its checksums in `sink_crcs[j]`), to be
+/// written to its holder. Nothing is copied after the coder.
 #[allow(clippy::too_many_arguments)]
 fn encode_block(
     task: &PieceTask,
@@ -563,8 +562,15 @@ fn encode_block(
     encoder: &mut redundancy::StripeEncoder,
 ) -> Result<(), String> {
     let (parity, shards) = (usize::from(task.parity), checks.len());
-    let in_place = redundancy::in_place_slots(shards, parity) == Some(slots);
+    if usize::from(index) >= parity {
+        return Err(format!("the group has no parity shard {index}"));
+    }
     let stride = sink_stride(staging, sinks);
+    // A parity shard whose holder is given up is still coded (the coder
+    // makes every row), into memory of its own that nobody reads.
+    let live = |j: usize| sinks.iter().position(|sink| usize::from(sink.index) == j && sink.failed.is_none());
+    let unread = (0..parity).filter(|j| *j != usize::from(index) && live(*j).is_none()).count();
+    let mut unread = vec![vec![0u8; STRIPE as usize]; unread];
     for (at, n) in stripes_of(block) {
         let start = offset as usize + at;
         // Tests damage the first member's first byte as read (memory gone
@@ -575,33 +581,27 @@ fn encode_block(
         for (shard, check) in checks.iter_mut().enumerate() {
             check.feed(&stripes[slot_offset(slots, shard, at)..][..n]).map_err(|e| format!("a member as read: {e}"))?;
         }
-        let mut kept = false;
-        let mut each = |j: usize, shard: &[u8]| {
-            if j == usize::from(index) {
-                file.as_mut_slice()[start..start + n].copy_from_slice(shard);
-                crcs.push(icheck_core::format::crc32c(shard));
-                kept = true;
-            } else if let Some(sink) = sinks.iter().position(|sink| usize::from(sink.index) == j) {
-                if sinks[sink].failed.is_none() {
-                    let at = sink * stride + at;
-                    staging.as_mut_slice()[at..at + n].copy_from_slice(shard);
-                    sink_crcs[sink].push(icheck_core::format::crc32c(shard));
-                }
-            }
-        };
-        // A whole stripe in place; a shard's last, shorter stripe (whose
-        // slots are not back to back) through the coder's own space.
-        if in_place && n == STRIPE as usize {
-            let stripe = &mut stripes[slot_offset(slots, 0, at)..][..slots * n];
-            encoder.encode_in_place(shards, parity, stripe).map_err(|e| e.to_string())?;
-            stripe.chunks_exact(n).take(parity).enumerate().for_each(|(j, shard)| each(j, shard));
-        } else {
-            let originals: Vec<&[u8]> =
-                (0..shards).map(|shard| &stripes[slot_offset(slots, shard, at)..][..n]).collect();
-            encoder.encode(parity, &originals, &mut each).map_err(|e| e.to_string())?;
+        let originals: Vec<&[u8]> = (0..shards).map(|shard| &stripes[slot_offset(slots, shard, at)..][..n]).collect();
+        // Each parity shard is coded where it goes: this agent's into its
+        // file, the others' into the staging buffer the fabric writes from.
+        let mut to_sinks: Vec<Option<&mut [u8]>> = staging.as_mut_slice().chunks_mut(stride.max(1)).map(Some).collect();
+        let mut to_nobody = unread.iter_mut();
+        let mut kept = Some(&mut file.as_mut_slice()[start..start + n]);
+        let mut out: Vec<&mut [u8]> = Vec::with_capacity(parity);
+        for j in 0..parity {
+            let place = match live(j) {
+                _ if j == usize::from(index) => kept.take(),
+                Some(sink) => to_sinks[sink].take().map(|part| &mut part[at..at + n]),
+                None => to_nobody.next().map(|spare| &mut spare[..n]),
+            };
+            out.push(place.ok_or_else(|| format!("no memory for parity shard {j} of the group"))?);
         }
-        if !kept {
-            return Err(format!("the group has no parity shard {index}"));
+        encoder.encode_into(&originals, &mut out).map_err(|e| e.to_string())?;
+        crcs.push(icheck_core::format::crc32c(&out[usize::from(index)][..]));
+        for (j, shard) in out.iter().enumerate() {
+            if let Some(sink) = live(j).filter(|_| j != usize::from(index)) {
+                sink_crcs[sink].push(icheck_core::format::crc32c(shard));
+            }
         }
     }
     Ok(())
@@ -789,7 +789,7 @@ fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Resul
             Err(outcome) => unreachable.push(outcome),
         }
     }
-    let slots = redundancy::in_place_slots(sources.len(), usize::from(task.parity)).unwrap_or(sources.len());
+    let slots = sources.len();
     let mut sources = ShardBlocks::new(job, sources, slots)?;
     // The members' agents exposed them unchecked (`reader_checks`).
     let mut checks: Vec<InOrderCheck<'_>> =
