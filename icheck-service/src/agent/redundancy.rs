@@ -10,11 +10,13 @@
 //! checksums, and every rebuilt rank against its manifest before it is
 //! sealed.
 
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use icheck_core::control::BlockingConnection;
 use icheck_core::fabric::{
-    Access, AlignedBuffer, FabricError, Peer, PeerOp, RegisteredBuffer, RemoteRegion, RmaOp, TransferOptions,
+    Access, AlignedBuffer, FabricError, Peer, PeerOp, RegisteredBuffer, RemoteRegion, RmaOp, StableBuffer,
+    TransferOptions,
 };
 use icheck_core::format::InOrderCheck;
 use icheck_core::protocol::{
@@ -340,7 +342,7 @@ struct ShardSource {
 struct ShardBlocks {
     sources: Vec<ShardSource>,
     slots: usize,
-    buffer: RegisteredBuffer,
+    buffer: BlockBuffer,
 }
 
 impl ShardBlocks {
@@ -352,7 +354,7 @@ impl ShardBlocks {
     }
 
     /// Another buffer of this layout, to read the next block into.
-    fn spare_buffer(&self, job: &Job<'_>) -> Result<RegisteredBuffer, String> {
+    fn spare_buffer(&self, job: &Job<'_>) -> Result<BlockBuffer, String> {
         block_buffer(job, self.slots)
     }
 
@@ -375,11 +377,59 @@ fn slot_offset(slots: usize, shard: usize, at: usize) -> usize {
     (at / stripe) * slots * stripe + shard * stripe + at % stripe
 }
 
-/// A registered buffer with room for one block of each of `shards` shards.
-fn block_buffer(job: &Job<'_>, shards: usize) -> Result<RegisteredBuffer, String> {
-    job.endpoint
-        .register(AlignedBuffer::zeroed(shards.max(1) * block_len(job) as usize), Access::LOCAL)
-        .map_err(|e| e.to_string())
+/// A registered buffer with room for one block of each of `shards` shards,
+/// its memory another job's ([`SPARE_BLOCKS`]) where one of this length
+/// was left.
+fn block_buffer(job: &Job<'_>, shards: usize) -> Result<BlockBuffer, String> {
+    let len = shards.max(1) * block_len(job) as usize;
+    let spare = {
+        let mut spares = SPARE_BLOCKS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        spares.iter().position(|spare| spare.len() == len).map(|at| spares.swap_remove(at))
+    };
+    let memory = spare.unwrap_or_else(|| AlignedBuffer::zeroed(len));
+    job.endpoint.register(memory, Access::LOCAL).map(|buffer| BlockBuffer(Some(buffer))).map_err(|e| e.to_string())
+}
+
+/// Block buffers that ended jobs (encoders, copies, rebuilds) left for the
+/// next ones in this manager: the pages of a fresh buffer are faulted in,
+/// and zeroed by the kernel, while the first block is read into it (four
+/// 64 MiB buffers' worth of faults per `rs:4+2` group over tcp, a tenth of
+/// the encoder's thread in `perf`). Their bytes are stale: every reader
+/// writes or zeroes all it uses (`read_blocks`, `zero_padding`).
+static SPARE_BLOCKS: Mutex<Vec<AlignedBuffer>> = Mutex::new(Vec::new());
+
+/// Most bytes [`SPARE_BLOCKS`] keeps: one `rs:4+2` encoder's buffers over
+/// tcp (two 32 MiB read blocks, two 8 MiB coded ones) and a rebuild's.
+const SPARE_BLOCK_BYTES: usize = 160 << 20;
+
+/// A block buffer whose memory goes back to [`SPARE_BLOCKS`] (deregistered
+/// first) when the job drops it, while the spares stay within
+/// [`SPARE_BLOCK_BYTES`].
+struct BlockBuffer(Option<RegisteredBuffer>);
+
+impl std::ops::Deref for BlockBuffer {
+    type Target = RegisteredBuffer;
+
+    fn deref(&self) -> &RegisteredBuffer {
+        self.0.as_ref().expect("a block buffer holds its memory until dropped")
+    }
+}
+
+impl std::ops::DerefMut for BlockBuffer {
+    fn deref_mut(&mut self) -> &mut RegisteredBuffer {
+        self.0.as_mut().expect("a block buffer holds its memory until dropped")
+    }
+}
+
+impl Drop for BlockBuffer {
+    fn drop(&mut self) {
+        let Some(registered) = self.0.take() else { return };
+        let memory = registered.into_inner();
+        let mut spares = SPARE_BLOCKS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if spares.iter().map(StableBuffer::len).sum::<usize>() + memory.len() <= SPARE_BLOCK_BYTES {
+            spares.push(memory);
+        }
+    }
 }
 
 /// Reads block `(offset, n)` of every shard of `sources` into `into` (laid
@@ -826,7 +876,7 @@ fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Resul
             let started = Instant::now();
             let encoded = if block > 0 {
                 let mine = (index, &mut file, &mut crcs);
-                let sinks_side = (&mut staging, sink_crcs.as_mut_slice());
+                let sinks_side = (&mut *staging, sink_crcs.as_mut_slice());
                 let stripes = (sources.buffer.as_mut_slice(), checks.as_mut_slice(), sources.slots);
                 encode_block(task, stripes, (offset, block), mine, sinks, sinks_side, &mut encoder)
             } else {
