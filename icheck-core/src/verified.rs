@@ -16,12 +16,19 @@
 
 use crate::fabric::{Endpoint, FabricError, MemoryRegion, Peer, PeerOp, RegisteredBuffer, RemoteRegion, RmaOp};
 use crate::fabric::{StableBuffer, TransferOptions};
-use crate::format::{first_bad_chunk, CHUNK_BYTES};
+use crate::format::{crc32c, crc32c_combine, CHUNK_BYTES};
 use crate::kernel_copy::{self, PlacedBuffer};
 
 // A handed-over file is read and checked a chunk at a time: the placed
 // reads' steps are those chunks.
 const _: () = assert!(kernel_copy::PLACED_STEP == CHUNK_BYTES);
+
+/// Bytes of a chunk checksummed at once as they arrive over the fabric:
+/// small enough to be still in the reading core's L2 (2 MiB on the Intel
+/// hosts here, 512 KiB on the AMD ones). `crc-fast` on this machine: ~95 GB/s
+/// over 1 MiB in L2, ~22 GB/s over a 4 MiB chunk, ~10 GB/s from memory.
+const CHECK_PIECE_BYTES: usize = 1 << 20;
+const _: () = assert!(CHUNK_BYTES.is_multiple_of(CHECK_PIECE_BYTES));
 
 /// One range to read: `len` bytes at `remote_offset` of `remote` into
 /// `local_offset` of the destination, with one checksum per
@@ -98,12 +105,29 @@ pub unsafe fn read_checked_from(
         check_bounds(local, ranges)?;
         return Ok(Some((index, 0)));
     }
+    // Each chunk is checksummed a piece at a time, each piece as soon as it
+    // has arrived (the pieces of a chunk combined, `crc32c_combine`), and
+    // compared when its last piece is in: a piece still in the reading
+    // core's L2 is checksummed several times faster than a whole chunk,
+    // which is larger than the L2 of the cores here.
+    let mut chunk_so_far: Option<(usize, usize, u32)> = None;
     let check = |index: usize, start: usize, bytes: &[u8]| {
+        let range = &ranges[index].range;
         let chunk = start / CHUNK_BYTES;
-        first_bad_chunk(bytes, &ranges[index].range.crcs[chunk..=chunk]).is_none()
+        let crc = crc32c(bytes);
+        let crc = match chunk_so_far.take() {
+            Some((i, c, before)) if (i, c) == (index, chunk) => crc32c_combine(before, crc, bytes.len()),
+            _ => crc,
+        };
+        let chunk_end = ((chunk + 1) * CHUNK_BYTES).min(range.len);
+        if start + bytes.len() < chunk_end {
+            chunk_so_far = Some((index, chunk, crc));
+            return true;
+        }
+        range.crcs.get(chunk) == Some(&crc)
     };
     // SAFETY: the caller's guarantees, passed on.
-    let refused = unsafe { read_in_pieces_from(endpoint, local, ranges, CHUNK_BYTES, check) }?;
+    let refused = unsafe { read_in_pieces_from(endpoint, local, ranges, CHECK_PIECE_BYTES, check) }?;
     Ok(refused.map(|(index, start)| (index, start / CHUNK_BYTES)))
 }
 
@@ -300,20 +324,26 @@ fn read_file_checked_placing(
         for (i, bytes) in run.chunks_mut(CHUNK_BYTES).enumerate() {
             let chunk = first + i;
             let at = offset + (chunk * CHUNK_BYTES) as u64;
-            let checked = match bounce.as_mut() {
-                Some(bounce) => {
-                    let staged = bounce.placed(at, bytes.len());
-                    read_at(staged, at)?;
-                    let good = first_bad_chunk(staged, &crcs[chunk..=chunk]).is_none();
-                    bytes.copy_from_slice(staged);
-                    good
-                }
-                None => {
-                    read_at(bytes, at)?;
-                    first_bad_chunk(bytes, &crcs[chunk..=chunk]).is_none()
-                }
-            };
-            if !checked {
+            // A piece at a time, each checksummed right after its read,
+            // while it is in the core's L2 (`CHECK_PIECE_BYTES`).
+            let mut crc = None;
+            for (j, piece) in bytes.chunks_mut(CHECK_PIECE_BYTES).enumerate() {
+                let at = at + (j * CHECK_PIECE_BYTES) as u64;
+                let piece_crc = match bounce.as_mut() {
+                    Some(bounce) => {
+                        let staged = bounce.placed(at, piece.len());
+                        read_at(staged, at)?;
+                        piece.copy_from_slice(staged);
+                        crc32c(staged)
+                    }
+                    None => {
+                        read_at(piece, at)?;
+                        crc32c(piece)
+                    }
+                };
+                crc = Some(crc.map_or(piece_crc, |before| crc32c_combine(before, piece_crc, piece.len())));
+            }
+            if crc != Some(crcs[chunk]) {
                 return Ok(Some(chunk));
             }
         }

@@ -453,6 +453,12 @@ fn checked_reads_land_in_place_and_name_the_first_bad_chunk() {
         wrong[2] ^= 1;
         let bad = read_checked(&initiator.endpoint, &initiator.peer, &mut initiator.local, range(&wrong)).unwrap();
         assert_eq!(bad, Some(1), "{provider}: the first bad chunk");
+        // Chunks are checksummed a piece at a time as the pieces arrive: the
+        // pieces of the last, partial chunk combine to its checksum too.
+        let mut wrong = good.clone();
+        *wrong.last_mut().unwrap() ^= 1;
+        let bad = read_checked(&initiator.endpoint, &initiator.peer, &mut initiator.local, range(&wrong)).unwrap();
+        assert_eq!(bad, Some(good.len() - 1), "{provider}: only the last, partial chunk is bad");
         let short = &good[1..];
         assert_eq!(
             read_checked(&initiator.endpoint, &initiator.peer, &mut initiator.local, range(short)).unwrap(),
