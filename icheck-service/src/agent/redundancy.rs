@@ -392,10 +392,11 @@ fn block_buffer(job: &Job<'_>, shards: usize) -> Result<BlockBuffer, String> {
 
 /// Block buffers that ended jobs (encoders, copies, rebuilds) left for the
 /// next ones in this manager: the pages of a fresh buffer are faulted in,
-/// and zeroed by the kernel, while the first block is read into it (four
-/// 64 MiB buffers' worth of faults per `rs:4+2` group over tcp, a tenth of
-/// the encoder's thread in `perf`). Their bytes are stale: every reader
-/// writes or zeroes all it uses (`read_blocks`, `zero_padding`).
+/// and zeroed by the kernel, while the first block is read into it (80 MiB
+/// of buffers per `rs:4+2` group over tcp, about a tenth of the encoder's
+/// threads' time in `perf`). Their bytes are stale: every user writes or
+/// zeroes all it uses (`read_blocks` and `zero_padding` for reads,
+/// `encode_block` for the coded blocks sent to other holders).
 static SPARE_BLOCKS: Mutex<Vec<AlignedBuffer>> = Mutex::new(Vec::new());
 
 /// Most bytes [`SPARE_BLOCKS`] keeps: one `rs:4+2` encoder's buffers over
