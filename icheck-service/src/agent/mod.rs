@@ -20,9 +20,10 @@ mod redundancy;
 pub use redundancy::PieceOutcome;
 mod session;
 
-use std::io::ErrorKind;
+use std::io::{ErrorKind, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -481,6 +482,9 @@ pub struct Agent {
     info: AgentInfo,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    /// One byte written here wakes the accept loop from its idle sleep, so
+    /// that stopping an agent does not wait for the loop's tick.
+    waker: Option<UnixStream>,
 }
 
 impl Agent {
@@ -499,6 +503,9 @@ impl Agent {
             .and_then(|l| l.set_nonblocking(true).map(|_| l))
             .map_err(|err| FabricError::Config(format!("agent {id}: cannot listen on {}: {err}", settings.host)))?;
         let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
+        let (waker, woken) = UnixStream::pair()
+            .and_then(|(waker, woken)| woken.set_nonblocking(true).map(|()| (waker, woken)))
+            .map_err(|err| FabricError::Config(format!("agent {id}: cannot make its wake-up socket pair: {err}")))?;
         let info = AgentInfo {
             id,
             node: node.to_string(),
@@ -535,11 +542,11 @@ impl Agent {
             .spawn(move || {
                 let _span = tracing::info_span!("agent", id, app = %thread_shared.app).entered();
                 tracing::info!(control = port, "agent running");
-                accept_loop(&thread_shared, &listener, probe);
+                accept_loop(&thread_shared, &listener, &woken, probe);
                 tracing::info!("agent stopped");
             })
             .map_err(|err| FabricError::Config(format!("cannot start agent thread: {err}")))?;
-        Ok(Agent { info, shared, thread: Some(thread) })
+        Ok(Agent { info, shared, thread: Some(thread), waker: Some(waker) })
     }
 
     /// What the application needs to reach this agent.
@@ -702,6 +709,10 @@ impl Agent {
 
     fn shutdown(&mut self) {
         self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(mut waker) = self.waker.take() {
+            // A failed write only leaves the loop to notice at its next tick.
+            let _ = waker.write_all(&[1]);
+        }
         self.shared.end_sessions();
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
@@ -780,10 +791,11 @@ fn pick_budget(configured: u64, store_size: u64) -> u64 {
 /// before they authenticate: the loop itself collects each connection's
 /// Hello without blocking (at most [`MAX_HANDSHAKES`] at once, each within
 /// [`HANDSHAKE_TIMEOUT`]); only an accepted Hello gets a session thread.
-fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener, _probe: RegisteredBuffer) {
+fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener, woken: &UnixStream, _probe: RegisteredBuffer) {
     let mut threads: Vec<JoinHandle<()>> = Vec::new();
     let mut handshakes: std::collections::VecDeque<Handshake> = std::collections::VecDeque::new();
     let mut evicted = 0u64;
+    let mut last_busy = Instant::now();
     while !shared.stop.load(Ordering::Relaxed) {
         if shared.endpoint.is_closed() {
             // A transfer to an unresponsive peer timed out and the fabric
@@ -835,9 +847,13 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener, _probe: RegisteredB
         }
         handshakes = waiting;
         threads.retain(|h| !h.is_finished());
+        if busy || !handshakes.is_empty() {
+            last_busy = Instant::now();
+        }
         if !busy {
             shared.endpoint.progress();
-            wait_for_connections(listener, &handshakes);
+            let tick = if last_busy.elapsed() < IDLE_AFTER { BUSY_TICK_MS } else { IDLE_TICK_MS };
+            wait_for_connections(listener, woken, &handshakes, tick);
         }
     }
     drop(handshakes);
@@ -847,26 +863,45 @@ fn accept_loop(shared: &Arc<Shared>, listener: &TcpListener, _probe: RegisteredB
     }
 }
 
-/// How long an idle agent sleeps between turns of its accept loop when no
-/// connection stirs. New connections and Hellos wake it at once (they are
-/// polled); what waits for the tick is only RMA against the probe region,
-/// which needs the agent's progress under manual progress and is read by
-/// diagnostics alone: every transfer of data has a session thread driving
-/// the endpoint. At 2000 turns a second (a 500 µs sleep) an idle agent cost
-/// 5% of a core; at ten it costs about 0.14% of one (`commit-bench
-/// --idle-seconds`).
-const IDLE_TICK_MS: u16 = 100;
+/// How long an agent sleeps between turns of its accept loop when no
+/// connection stirs, for [`IDLE_AFTER`] after the last one did. New
+/// connections, Hellos and [`Agent::stop`] wake it at once (they are
+/// polled); what waits for the tick is RMA against the probe region, which
+/// needs the agent's progress under manual progress and is read by
+/// diagnostics alone (every transfer of data has a session thread driving
+/// the endpoint), and noticing an endpoint closed by a timed-out transfer.
+/// At 2000 turns a second (a 500 µs sleep) an idle agent cost 5% of a core.
+const BUSY_TICK_MS: u16 = 100;
+
+/// The accept loop's tick once nothing has stirred for [`IDLE_AFTER`]: an
+/// agent whose application computes between commits wakes once a second,
+/// a tenth of the wake-ups of [`BUSY_TICK_MS`] (each costs a poll of the
+/// listener, an `accept` and a progress of the endpoint, which on a
+/// virtual machine's two cores add up to about a quarter of a percent of a
+/// core per agent at ten a second: `commit-bench --idle-seconds`).
+const IDLE_TICK_MS: u16 = 1000;
+
+/// How long after the last connection or Hello the accept loop keeps its
+/// short tick.
+const IDLE_AFTER: Duration = Duration::from_secs(2);
 
 /// Sleeps until the listener has a connection to accept, a waiting
-/// connection sent more of its Hello, or [`IDLE_TICK_MS`] pass.
-fn wait_for_connections(listener: &TcpListener, handshakes: &std::collections::VecDeque<Handshake>) {
+/// connection sent more of its Hello, the agent is stopped, or `tick_ms`
+/// pass.
+fn wait_for_connections(
+    listener: &TcpListener,
+    woken: &UnixStream,
+    handshakes: &std::collections::VecDeque<Handshake>,
+    tick_ms: u16,
+) {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    let mut fds: Vec<PollFd> = std::iter::once(listener.as_fd())
+    let mut fds: Vec<PollFd> = [listener.as_fd(), woken.as_fd()]
+        .into_iter()
         .chain(handshakes.iter().map(|h| h.stream.as_fd()))
         .map(|fd| PollFd::new(fd, PollFlags::POLLIN))
         .collect();
     // EINTR or any other failure only ends the wait early.
-    let _ = poll(&mut fds, PollTimeout::from(IDLE_TICK_MS));
+    let _ = poll(&mut fds, PollTimeout::from(tick_ms));
 }
 
 /// Reads what a waiting connection sent; admits it once its Hello is whole

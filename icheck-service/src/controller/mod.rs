@@ -18,7 +18,7 @@ mod replica;
 mod scaler;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -556,6 +556,14 @@ async fn follow(
     }
 }
 
+/// What tells whether a file changed: its inode, size and modification
+/// time (`None` where it cannot be read, which is then read and reported).
+fn file_identity(path: &Path) -> Option<(u64, u64, std::time::SystemTime)> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.ino(), meta.len(), meta.modified().ok()?))
+}
+
 /// Milliseconds since the Unix epoch.
 fn unix_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
@@ -820,13 +828,23 @@ fn adopt_agents(state: &mut State, node: &str, running: &[AgentInfo]) {
     }
 }
 
-/// Re-reads the dynamic configuration every `readInterval`; a broken file is
-/// rejected with a logged reason and the previous settings stay.
+/// Re-reads the dynamic configuration every `readInterval` if the file
+/// changed since the last read (its inode, size or modification time); a
+/// broken file is rejected with a logged reason and the previous settings
+/// stay.
 async fn reload_dynamic(shared: Arc<Shared>, path: PathBuf) {
     let mut last_error = String::new();
+    let mut last_read = file_identity(&path);
     loop {
         let every = shared.dynamic().read_every();
         tokio::time::sleep(every).await;
+        // An unchanged file is not parsed again: `icheck up` re-reads every
+        // 2 s, and parsing is most of what an idle controller does.
+        let identity = file_identity(&path);
+        if identity.is_some() && identity == last_read {
+            continue;
+        }
+        last_read = identity;
         let can_scale = shared.launcher.as_ref().is_some_and(|l| l.can_scale());
         match DynamicConfig::load(&path).and_then(|new| new.supported(&path, can_scale).map(|()| new)) {
             Ok(new) => {

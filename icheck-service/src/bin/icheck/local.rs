@@ -141,7 +141,7 @@ fn write_static(
          # users a copy without AdminToken and NodeToken (their jobs need only Token).\n\
          {controllers}\nControllerPort = {port}\nMetricsPort = 0\nToken = \"{client}\"\n\
          AdminToken = \"{admin}\"\nNodeToken = \"{node}\"\n\
-         HeartBeatInterval = {hb}\nStatusMessageInterval = {hb}\nDynamicConfig = \"dynamic.toml\"\n\
+         HeartBeatInterval = {hb}\nStatusMessageInterval = {status}\nDynamicConfig = \"dynamic.toml\"\n\
          ManagerRelaunches = {relaunches}\nClientIdleTimeout = {idle}\n\
          AgentStoreDir = \"{store}\"\nPfsDir = \"{pfs}\"\n\
          # Backed files each manager keeps for new version files (0: none).\n\
@@ -159,6 +159,11 @@ fn write_static(
         admin = tokens.admin,
         node = tokens.node,
         hb = options.heartbeat,
+        // Status every second heartbeat: the measurements (memory, the
+        // store's bytes, the agents' rates) feed decisions taken over
+        // seconds, and each report wakes a manager and the controller (an
+        // idle service's cost is mostly such wake-ups).
+        status = options.heartbeat * 2.0,
         relaunches = options.manager_relaunches,
         idle = options.client_idle_timeout,
         provider = provider.provider,

@@ -60,7 +60,8 @@ enum Command_ {
         /// configuration; `icheck status` shows each node's provider.
         #[arg(long, default_value = "auto")]
         provider: String,
-        /// Seconds between manager heartbeats.
+        /// Seconds between manager heartbeats; managers report their
+        /// status (memory, stored bytes, agents' rates) every second one.
         #[arg(long, default_value_t = 1.0)]
         heartbeat: f64,
         /// Controller port (0: a free one, written to the client configuration).
