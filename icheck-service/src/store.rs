@@ -222,6 +222,12 @@ pub struct FileIdentity {
 }
 
 impl FileIdentity {
+    /// The identity of the file at `path` now (`None` where it cannot be
+    /// read).
+    pub fn of_path(path: &Path) -> Option<FileIdentity> {
+        fs::metadata(path).ok().map(|meta| FileIdentity::of(&meta))
+    }
+
     fn of(meta: &fs::Metadata) -> FileIdentity {
         use std::os::unix::fs::MetadataExt;
         FileIdentity {

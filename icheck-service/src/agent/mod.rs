@@ -503,8 +503,9 @@ impl Agent {
             .and_then(|l| l.set_nonblocking(true).map(|_| l))
             .map_err(|err| FabricError::Config(format!("agent {id}: cannot listen on {}: {err}", settings.host)))?;
         let port = listener.local_addr().map(|a| a.port()).unwrap_or(0);
+        // Nothing reads `woken`: once written, it stays readable, and the
+        // loop ends at its next turn.
         let (waker, woken) = UnixStream::pair()
-            .and_then(|(waker, woken)| woken.set_nonblocking(true).map(|()| (waker, woken)))
             .map_err(|err| FabricError::Config(format!("agent {id}: cannot make its wake-up socket pair: {err}")))?;
         let info = AgentInfo {
             id,

@@ -18,7 +18,7 @@ mod replica;
 mod scaler;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -36,6 +36,7 @@ use icheck_core::protocol::{
 
 use crate::framing;
 use crate::launcher::Launcher;
+use crate::store::FileIdentity;
 use crate::ServiceError;
 use apps::{AppEntry, ProbePlan, Recorded};
 use copies::{Answered, CopyBook, OnRecorded};
@@ -556,14 +557,6 @@ async fn follow(
     }
 }
 
-/// What tells whether a file changed: its inode, size and modification
-/// time (`None` where it cannot be read, which is then read and reported).
-fn file_identity(path: &Path) -> Option<(u64, u64, std::time::SystemTime)> {
-    use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(path).ok()?;
-    Some((meta.ino(), meta.len(), meta.modified().ok()?))
-}
-
 /// Milliseconds since the Unix epoch.
 fn unix_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
@@ -829,18 +822,19 @@ fn adopt_agents(state: &mut State, node: &str, running: &[AgentInfo]) {
 }
 
 /// Re-reads the dynamic configuration every `readInterval` if the file
-/// changed since the last read (its inode, size or modification time); a
-/// broken file is rejected with a logged reason and the previous settings
-/// stay.
+/// changed since the last read (its `FileIdentity`: inode, size, change
+/// times); a broken file is rejected with a logged reason and the previous
+/// settings stay.
 async fn reload_dynamic(shared: Arc<Shared>, path: PathBuf) {
     let mut last_error = String::new();
-    let mut last_read = file_identity(&path);
+    let mut last_read = FileIdentity::of_path(&path);
     loop {
         let every = shared.dynamic().read_every();
         tokio::time::sleep(every).await;
         // An unchanged file is not parsed again: `icheck up` re-reads every
         // 2 s, and parsing is most of what an idle controller does.
-        let identity = file_identity(&path);
+        // A file that cannot be read is read (and its error reported) anyway.
+        let identity = FileIdentity::of_path(&path);
         if identity.is_some() && identity == last_read {
             continue;
         }
