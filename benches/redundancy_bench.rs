@@ -86,7 +86,7 @@ struct Cli {
     /// Seconds of FTI's L2 checkpoint (a local write plus a partner copy,
     /// inline) of 4 ranks × 256 MiB, which the "FTI L2 ÷" columns divide.
     /// The default is the issue's figure for this machine kind; hosts of
-    /// one kind differ by 2× (README), so pass FTI measured on this host
+    /// one kind differ by 2× (benches/results/JOURNAL.md), so pass FTI measured on this host
     /// beside the run where you can.
     #[arg(long, default_value_t = ISSUE_FTI_L2_SECS)]
     fti_l2: f64,
@@ -437,7 +437,7 @@ fn case(cli: &Cli, data: Dataset, policy: &str) -> Result<Row> {
                     && !a.rebuilding
                     // Protected again, not still building its pieces anew
                     // (a restart then would share the rebuilt agent with
-                    // that reading: measured apart, in the README).
+                    // that reading: measured apart, benches/results/JOURNAL.md).
                     && a.protecting.is_none()
                     && a.protection_problem.is_none()
                     && a.agents.iter().all(|agent| agent.node != node)
