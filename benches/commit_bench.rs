@@ -96,6 +96,14 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
+/// Prints `line` to stderr in one write: the ranks of the MPI case share
+/// it, and `eprintln!` writes a line in pieces that interleave.
+fn stderr_line(mut line: String) {
+    use std::io::Write as _;
+    line.push('\n');
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
 /// What one mode measured, in seconds per operation.
 #[derive(Debug, Default, Serialize, Deserialize)]
 struct ModeTimes {
@@ -121,6 +129,13 @@ struct ModeTimes {
     /// case.
     #[serde(default)]
     restart_fresh: Option<FreshRestarts>,
+    /// The blocking commits, each with a raw fi_read (pull) or fi_write
+    /// (push) of the rank's bytes made just before it ([`RawFabric`]).
+    #[serde(default)]
+    commit_pairs: Pairs,
+    /// The pulled restores, each with a raw fi_read made just before it.
+    #[serde(default)]
+    restart_pairs: Pairs,
 }
 
 /// Median seconds of a restart into fresh memory in a new process.
@@ -175,6 +190,10 @@ fn set_mode(transfer: &str) {
     std::env::set_var("ICHECK_ZERO_COPY", "1");
 }
 
+/// How long a measured application computes between the paired commits
+/// (`measure`).
+const COMPUTING: Duration = Duration::from_secs(1);
+
 /// How long a measured application computes between `set_async(true)` and
 /// its first async commit.
 const ASYNC_FIRST_PAUSE: Duration = Duration::from_millis(500);
@@ -185,16 +204,34 @@ fn measure<C: Communicator + 'static>(
     config: &Path,
     app: &str,
     comm_factory: impl Fn() -> C,
-    data: &Region<u8>,
+    (data, paired): (&Region<u8>, &mut RawFabric),
     runs: usize,
     transfer: &str,
     fresh_in_new_processes: bool,
 ) -> Result<ModeTimes> {
     set_mode(transfer);
+    let push = transfer == "push";
     let (mut ic, _) = Icheck::init(Some(config), app, comm_factory())?;
     ic.add("data", data)?;
     ic.commit()?; // warm-up: agent files exist, pages touched
     let commit = median(time_commits(&mut ic, runs, |run| change_every_page(data, run))?);
+    // Paired: each commit right after a raw operation of the same bytes
+    // (the agent reads a pulled commit's, the rank writes a pushed one's).
+    // The application computes between them, as between checkpoints: back
+    // to back, the raw operation would share the cores with the agents'
+    // work after the last commit (the next version's file being backed).
+    let timing = comm_factory();
+    let mut commit_pairs = Pairs::default();
+    for run in 0..runs {
+        std::thread::sleep(COMPUTING);
+        change_every_page(data, runs + run);
+        let raw = paired.time(&timing, if push { RawOp::Write } else { RawOp::Read })?;
+        let start = Instant::now();
+        ic.commit()?;
+        let secs = start.elapsed().as_secs_f64();
+        stderr_line(format!("{app}: commit {:.1} ms, the raw operation just before {:.1} ms", secs * 1e3, raw * 1e3));
+        commit_pairs.0.push((raw, secs));
+    }
     let unchanged = median(time_commits(&mut ic, runs, |_| {})?);
     ic.set_async(true);
     // The application computes between choosing async commits and its
@@ -217,7 +254,10 @@ fn measure<C: Communicator + 'static>(
         })
         .transpose()?;
     let (mut restarts, mut restarts_pushed, mut restarts_same_host) = (Vec::new(), Vec::new(), Vec::new());
+    let mut restart_pairs = Pairs::default();
     for restore in ["pull", "push", "auto"].into_iter().cycle().take(3 * runs) {
+        // A pulled restore against the rank's raw read made just before it.
+        let raw = if restore == "pull" { Some(paired.time(&timing, RawOp::Read)?) } else { None };
         std::env::set_var("ICHECK_RESTORE", restore);
         let (mut ic, status) = Icheck::init(Some(config), app, comm_factory())?;
         if !matches!(status, InitStatus::Restart { .. }) {
@@ -225,7 +265,6 @@ fn measure<C: Communicator + 'static>(
         }
         ic.add("data", data)?;
         // Timed until every rank has restored (restore_all is local).
-        let timing = comm_factory();
         timing.barrier();
         let start = Instant::now();
         ic.restart()?;
@@ -233,11 +272,19 @@ fn measure<C: Communicator + 'static>(
         ic.restore_all()?;
         timing.barrier();
         let secs = start.elapsed().as_secs_f64();
-        eprintln!("{app}: restore = {restore}: restart {:.1} ms, + restore {:.1} ms", restarted * 1e3, secs * 1e3);
+        let raw_before = raw.map(|raw| format!(" (fi_read just before: {:.1} ms)", raw * 1e3)).unwrap_or_default();
+        stderr_line(format!(
+            "{app}: restore = {restore}: restart {:.1} ms, + restore {:.1} ms{raw_before}",
+            restarted * 1e3,
+            secs * 1e3
+        ));
         match restore {
             "push" => restarts_pushed.push(secs),
             "auto" => restarts_same_host.push(secs),
             _ => restarts.push(secs),
+        }
+        if let Some(raw) = raw {
+            restart_pairs.0.push((raw, secs));
         }
         ic.finalize(true)?;
     }
@@ -255,6 +302,8 @@ fn measure<C: Communicator + 'static>(
         restart_pushed: median(restarts_pushed),
         restart_same_host: median(restarts_same_host),
         restart_fresh,
+        commit_pairs,
+        restart_pairs,
     })
 }
 
@@ -650,43 +699,116 @@ fn idle_service_cpu(provider: &str, over: std::time::Duration) -> Result<f64> {
     Ok(share)
 }
 
+/// The raw fabric operation a [`RawFabric`] times.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RawOp {
+    /// fi_read of the whole size into touched memory.
+    Read,
+    /// fi_write of the whole size from touched memory.
+    Write,
+    /// fi_read into memory registered just before, never touched (what a
+    /// restart must do: every page faults once); its allocation untimed.
+    FreshRead,
+}
+
+/// Raw fabric operations of a rank's size from this process to a target
+/// process of its own: the baselines of every rate the benchmark prints.
+///
+/// Paired (`pause_between`), each is made just before one measured commit
+/// or restore, under the same load (`measure`): on this host raw tcp
+/// `fi_read` alone has measured 1.8-5.3 GB/s within minutes, so a ratio
+/// against a baseline taken minutes apart mixes icheck's cost with the
+/// host's drift, and the median of the pairs' ratios separates them. The
+/// target's progress thread is paused between operations, so its spinning
+/// takes no core from what is measured in between. With several ranks,
+/// every rank reads at once from its own target (none waits for another's
+/// reads, as ranks reading one `shm` endpoint would: the stricter baseline).
+struct RawFabric {
+    target: TargetProcess,
+    pause_between: bool,
+    endpoint: Endpoint,
+    peer: icheck_core::fabric::Peer,
+    local: icheck_core::fabric::RegisteredBuffer,
+    whole: [RmaOp; 1],
+}
+
+impl RawFabric {
+    /// Collective over `comm`: every rank starts a target of `size` bytes
+    /// and connects to it.
+    fn start(comm: &impl Communicator, provider: &str, size: usize, pause_between: bool) -> Result<RawFabric> {
+        let mut command = Command::new(std::env::current_exe()?);
+        command.args(["--serve-target", provider, "--size", &size.to_string()]);
+        let target = TargetProcess::spawn(command).context("starting the raw-fabric target")?;
+        let domain = Domain::open(&FabricConfig::provider(provider))?;
+        let endpoint = Endpoint::new(&domain)?;
+        let peer = endpoint.insert_peer(&target.announcement().address)?;
+        let mut local = endpoint.register(AlignedBuffer::zeroed(size), Access::LOCAL)?;
+        fill_pattern(local.as_mut_slice(), 3);
+        let whole = [RmaOp { local_offset: 0, remote: target.announcement().region, remote_offset: 0, len: size }];
+        let mut raw = RawFabric { target, pause_between, endpoint, peer, local, whole };
+        // Warm-up: the connection is made and both sides' pages touched.
+        raw.time(comm, RawOp::Read)?;
+        raw.time(comm, RawOp::Write)?;
+        Ok(raw)
+    }
+
+    /// Seconds until every rank has done `op`, timed between two barriers
+    /// as the measured operations are.
+    fn time(&mut self, comm: &impl Communicator, op: RawOp) -> Result<f64> {
+        let options = TransferOptions::default();
+        let mut fresh = (op == RawOp::FreshRead)
+            .then(|| self.endpoint.register(AlignedBuffer::zeroed(self.whole[0].len), Access::LOCAL))
+            .transpose()?;
+        self.target.set_progress(true)?;
+        comm.barrier();
+        let start = Instant::now();
+        match (op, fresh.as_mut()) {
+            (RawOp::Write, _) => self.endpoint.write(&self.peer, self.local.source(), &self.whole, &options)?,
+            (_, Some(fresh)) => self.endpoint.read(&self.peer, fresh.target(), &self.whole, &options)?,
+            (_, None) => self.endpoint.read(&self.peer, self.local.target(), &self.whole, &options)?,
+        };
+        comm.barrier();
+        let secs = start.elapsed().as_secs_f64();
+        if self.pause_between {
+            self.target.set_progress(false)?;
+        }
+        Ok(secs)
+    }
+
+    /// The median GB/s of `runs` operations `op` by this process alone.
+    fn median_gb_per_s(&mut self, op: RawOp, runs: usize) -> Result<f64> {
+        let secs = (0..runs).map(|_| self.time(&SingleProcess, op)).collect::<Result<Vec<_>>>()?;
+        Ok(self.whole[0].len as f64 / median(secs) / 1e9)
+    }
+}
+
+/// Pairs of (raw seconds, measured seconds), each raw operation made just
+/// before its measured one ([`RawFabric`]).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+struct Pairs(Vec<(f64, f64)>);
+
+impl Pairs {
+    /// The median raw and measured seconds, and the median of the pairs'
+    /// ratios (raw ÷ measured: the measured rate as a fraction of raw).
+    fn medians(&self) -> Option<(f64, f64, f64)> {
+        if self.0.is_empty() {
+            return None;
+        }
+        let raw = median(self.0.iter().map(|p| p.0).collect());
+        let measured = median(self.0.iter().map(|p| p.1).collect());
+        let ratio = median(self.0.iter().map(|p| p.0 / p.1).collect());
+        Some((raw, measured, ratio))
+    }
+}
+
 /// Raw fabric rates: fi_read and fi_write into/from touched memory, and
 /// fi_read into freshly allocated memory (what a restart must do: its
 /// destination has never been touched, so every page faults once).
 fn raw_fabric(provider: &str, size: usize, runs: usize) -> Result<(f64, f64, f64)> {
-    let mut command = Command::new(std::env::current_exe()?);
-    command.args(["--serve-target", provider, "--size", &size.to_string()]);
-    let target = TargetProcess::spawn(command).context("starting the raw-fabric target")?;
-    let domain = Domain::open(&FabricConfig::provider(provider))?;
-    let endpoint = Endpoint::new(&domain)?;
-    let peer = endpoint.insert_peer(&target.announcement().address)?;
-    let mut local = endpoint.register(AlignedBuffer::zeroed(size), Access::LOCAL)?;
-    fill_pattern(local.as_mut_slice(), 3);
-    let whole = [RmaOp { local_offset: 0, remote: target.announcement().region, remote_offset: 0, len: size }];
-    let options = TransferOptions::default();
-    endpoint.read(&peer, local.target(), &whole, &options)?;
-    let read = median(
-        (0..runs)
-            .map(|_| endpoint.read(&peer, local.target(), &whole, &options).map(|s| s.gb_per_s()))
-            .collect::<Result<_, _>>()?,
-    );
-    endpoint.write(&peer, local.source(), &whole, &options)?;
-    let write = median(
-        (0..runs)
-            .map(|_| endpoint.write(&peer, local.source(), &whole, &options).map(|s| s.gb_per_s()))
-            .collect::<Result<_, _>>()?,
-    );
-    let fresh = median(
-        (0..runs)
-            .map(|_| -> Result<f64> {
-                let mut fresh = endpoint.register(AlignedBuffer::zeroed(size), Access::LOCAL)?;
-                let start = Instant::now();
-                endpoint.read(&peer, fresh.target(), &whole, &options)?;
-                Ok(size as f64 / start.elapsed().as_secs_f64() / 1e9)
-            })
-            .collect::<Result<_, _>>()?,
-    );
-    target.quit()?;
+    let mut raw = RawFabric::start(&SingleProcess, provider, size, false)?;
+    let read = raw.median_gb_per_s(RawOp::Read, runs)?;
+    let write = raw.median_gb_per_s(RawOp::Write, runs)?;
+    let fresh = raw.median_gb_per_s(RawOp::FreshRead, runs)?;
     Ok((read, write, fresh))
 }
 
@@ -733,6 +855,41 @@ impl Line {
     fn new(case: &str, provider: &str, what: &str, value: String, baseline: String, ratio: f64) -> Line {
         Line { case: case.into(), provider: provider.into(), what: what.into(), value, baseline, ratio }
     }
+}
+
+/// The paired rows ([`RawFabric`]): pulled and pushed blocking commits
+/// ([`COMPUTING`] apart) and pulled restores, each against the raw
+/// operation of the same bytes made just before it; the ratio is the
+/// median of the pairs' ratios. With
+/// `ranks` above one, every rank's raw operation ran at once.
+fn paired_rows(
+    case: &str,
+    provider: &str,
+    (bytes, ranks): (f64, u32),
+    pull: &ModeTimes,
+    push: &ModeTimes,
+) -> Vec<Line> {
+    let gb = |secs: f64| bytes / secs / 1e9;
+    let at_once = if ranks > 1 { format!(", {ranks} ranks at once") } else { String::new() };
+    let cases = [
+        ("commit, pull, blocking, 1 s after the last", "fi_read", &pull.commit_pairs),
+        ("commit, push, blocking, 1 s after the last", "fi_write", &push.commit_pairs),
+        ("restart + restore, the rank pulls (restore = pull)", "fi_read", &pull.restart_pairs),
+    ];
+    cases
+        .into_iter()
+        .filter_map(|(what, raw_op, pairs)| {
+            let (raw, measured, ratio) = pairs.medians()?;
+            Some(Line::new(
+                case,
+                provider,
+                &format!("{what}, paired: each against a {raw_op} just before it (median of {} ratios)", pairs.0.len()),
+                format!("{:.2} GB/s", gb(measured)),
+                format!("{raw_op}{at_once} {:.2} GB/s", gb(raw)),
+                ratio,
+            ))
+        })
+        .collect()
 }
 
 fn rows_for(
@@ -1042,7 +1199,7 @@ fn mpiio_write_secs(world: &mpi::topology::SimpleCommunicator, dir: &Path, data:
     Ok(median(times))
 }
 
-fn mpi_rank(config: &Path, rank_size: usize, runs: usize, mpiio_dir: &Path) -> Result<()> {
+fn mpi_rank(config: &Path, provider: &str, rank_size: usize, runs: usize, mpiio_dir: &Path) -> Result<()> {
     use mpi::collective::SystemOperation;
     use mpi::traits::{Communicator as _, CommunicatorCollectives as _};
     let universe = mpi::initialize().context("MPI init")?;
@@ -1053,11 +1210,13 @@ fn mpi_rank(config: &Path, rank_size: usize, runs: usize, mpiio_dir: &Path) -> R
     world.all_reduce_into(&mine, &mut memcpy_all, SystemOperation::max());
     let data = Region::<u8>::zeroed(rank_size);
     fill_pattern(&mut data.write(), 5);
+    let mut paired = RawFabric::start(&MpiComm::new(&world), provider, rank_size, true)?;
     let mut modes = Vec::new();
     for transfer in ["pull", "push"] {
         let app = format!("bench-mpi-{transfer}");
-        modes.push(measure(config, &app, || MpiComm::new(&world), &data, runs, transfer, false)?);
+        modes.push(measure(config, &app, || MpiComm::new(&world), (&data, &mut paired), runs, transfer, false)?);
     }
+    drop(paired);
     let auto = measure_auto(config, "bench-mpi-auto", || MpiComm::new(&world), &data, runs)?;
     let mpiio = if mpiio_dir.as_os_str().is_empty() {
         None
@@ -1086,7 +1245,8 @@ fn main() -> Result<()> {
     // MPI ranks and in this process's one-rank cases.
     icheck_examples::log_to_stderr(None);
     if let Some(config) = &cli.mpi_rank {
-        return mpi_rank(config, usize::try_from(cli.rank_size.0)?, runs, &cli.mpiio_dir);
+        let provider = cli.providers.first().context("--mpi-rank needs --providers")?;
+        return mpi_rank(config, provider, usize::try_from(cli.rank_size.0)?, runs, &cli.mpiio_dir);
     }
     let size = usize::try_from(cli.size.0)?;
     let rank_size = usize::try_from(cli.rank_size.0)?;
@@ -1194,8 +1354,12 @@ fn main() -> Result<()> {
         let svc = service(&format!("bench-{provider}"), provider, 1, 1)?;
         let data = Region::<u8>::zeroed(size);
         fill_pattern(&mut data.write(), 5);
-        let pull = measure(&svc.config_path(), "bench-pull", || SingleProcess, &data, runs, "pull", true)?;
-        let push = measure(&svc.config_path(), "bench-push", || SingleProcess, &data, runs, "push", false)?;
+        let mut paired = RawFabric::start(&SingleProcess, provider, size, true)?;
+        let pull =
+            measure(&svc.config_path(), "bench-pull", || SingleProcess, (&data, &mut paired), runs, "pull", true)?;
+        let push =
+            measure(&svc.config_path(), "bench-push", || SingleProcess, (&data, &mut paired), runs, "push", false)?;
+        drop(paired);
         let auto = measure_auto(&svc.config_path(), "bench-auto", || SingleProcess, &data, runs)?;
         drop(data);
         eprintln!("{provider}: 1 rank: pull {pull:?}, push {push:?}, auto {auto:?}");
@@ -1205,7 +1369,7 @@ fn main() -> Result<()> {
             let out = Command::new("mpirun")
                 .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "4"])
                 .arg(std::env::current_exe()?)
-                .args(["--rank-size", &rank_size.to_string(), "--runs", &runs.to_string()])
+                .args(["--rank-size", &rank_size.to_string(), "--runs", &runs.to_string(), "--providers", provider])
                 .arg("--mpiio-dir")
                 .arg(&cli.mpiio_dir)
                 .arg("--mpi-rank")
@@ -1218,7 +1382,7 @@ fn main() -> Result<()> {
             let logging = std::env::var_os("ICHECK_LOG").is_some();
             String::from_utf8_lossy(&out.stderr)
                 .lines()
-                .filter(|l| logging || l.contains(": restore = "))
+                .filter(|l| logging || l.contains(": restore = ") || l.contains("the raw operation just before"))
                 .for_each(|l| eprintln!("{l}"));
             let stdout = String::from_utf8_lossy(&out.stdout);
             let Some(json) = stdout.lines().find_map(|l| l.strip_prefix("RESULT ")) else {
@@ -1241,6 +1405,7 @@ fn main() -> Result<()> {
         icheck_bars(&mut bars, &format!("{provider}, 1 rank × {}", cli.size), size as f64, &pull, &push);
         let case = format!("1 rank, 1 agent, {}", cli.size);
         lines.extend(rows_for(&case, provider, size as f64, &pull, &push, raw, memcpy));
+        lines.extend(paired_rows(&case, provider, (size as f64, 1), &pull, &push));
         lines.push(auto_line(&case, provider, &auto, &pull, &push));
         if let Some(result) = mpi {
             let results = &result.modes;
@@ -1249,6 +1414,8 @@ fn main() -> Result<()> {
             let bar_case = format!("{provider}, 4 ranks × {}", cli.rank_size);
             icheck_bars(&mut bars, &bar_case, 4.0 * rank_size as f64, &results[0], &results[1]);
             lines.extend(rows_for(&case, provider, 4.0 * rank_size as f64, &results[0], &results[1], raw, memcpy_rank));
+            let (bytes, ranks) = (4.0 * rank_size as f64, 4);
+            lines.extend(paired_rows(&case, provider, (bytes, ranks), &results[0], &results[1]));
             lines.push(auto_line(&case, provider, &result.auto, &results[0], &results[1]));
             // The peers' PFS baseline on the same data, in the same run.
             if let Some(mpiio) = result.mpiio {

@@ -63,9 +63,27 @@ impl Target {
         verify_pattern(self.buffer.as_slice(), seed)
     }
 
+    /// Stops polling until [`resume`](Self::resume): a target kept between
+    /// measurements would otherwise keep a core busy spinning, taking it
+    /// from whatever is measured meanwhile.
+    pub fn pause(&mut self) {
+        if let Some(progress) = self.progress.take() {
+            progress.stop();
+        }
+    }
+
+    /// Polls again after [`pause`](Self::pause).
+    pub fn resume(&mut self) -> std::io::Result<()> {
+        if self.progress.is_none() {
+            self.progress = Some(ProgressThread::spawn(&self.endpoint, ProgressMode::Spin)?);
+        }
+        Ok(())
+    }
+
     /// Serves the line protocol on stdin/stdout until `quit` or end of input:
     /// prints the announcement as one JSON line, then answers `verify SEED`
-    /// with `ok` or `mismatch: ...`.
+    /// with `ok` or `mismatch: ...`, and `pause` and `resume` (progress)
+    /// with `ok`.
     pub fn serve(mut self, input: impl BufRead, mut output: impl Write) -> std::io::Result<()> {
         writeln!(output, "{}", serde_json::to_string(&self.announcement()).expect("announcement serializes"))?;
         output.flush()?;
@@ -77,8 +95,19 @@ impl Target {
                     Ok(()) => writeln!(output, "ok")?,
                     Err(reason) => writeln!(output, "mismatch: {reason}")?,
                 },
+                (Some("pause"), None) => {
+                    self.pause();
+                    writeln!(output, "ok")?
+                }
+                (Some("resume"), None) => match self.resume() {
+                    Ok(()) => writeln!(output, "ok")?,
+                    Err(err) => writeln!(output, "error: cannot start the progress thread: {err}")?,
+                },
                 (Some("quit"), _) => break,
-                _ => writeln!(output, "error: unknown command {line:?} (expected `verify SEED` or `quit`)")?,
+                _ => writeln!(
+                    output,
+                    "error: unknown command {line:?} (expected `verify SEED`, `pause`, `resume` or `quit`)"
+                )?,
             }
             output.flush()?;
         }
@@ -229,6 +258,22 @@ impl TargetProcess {
             .map_err(|e| SelftestError::Process(format!("talking to the target: {e}")))?;
         if answer != "ok" {
             return Err(SelftestError::Process(format!("the target found wrong data: {answer}")));
+        }
+        Ok(())
+    }
+
+    /// Asks the target to stop polling (`pause`) or to poll again
+    /// (`resume`), and waits until it has.
+    pub fn set_progress(&mut self, on: bool) -> Result<(), SelftestError> {
+        let command = if on { "resume" } else { "pause" };
+        let answer = self
+            .command(command)
+            .map_err(|e| SelftestError::Process(format!("talking to the target (pid {}): {e}", self.pid())))?;
+        if answer != "ok" {
+            return Err(SelftestError::Process(format!(
+                "the target (pid {}) refused `{command}`: {answer}",
+                self.pid()
+            )));
         }
         Ok(())
     }

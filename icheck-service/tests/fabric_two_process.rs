@@ -659,3 +659,23 @@ fn shm_a_sibling_endpoint_serves_its_domains_registrations() {
     drop(progress);
     verify_pattern(buffer.as_slice(), 2).expect("the initiator's writes through the sibling are in the buffer");
 }
+
+/// A target whose progress was paused (as `commit-bench` keeps its paired
+/// targets between measurements) serves reads again once resumed, and
+/// answers an unknown command with an error naming the ones it knows.
+#[test]
+fn a_paused_target_serves_reads_again_once_resumed() {
+    let provider = "tcp";
+    let mut target = start_target(provider, ODD_SIZE, 1);
+    let mut initiator = Initiator::connect(provider, &target);
+    initiator.read(whole(&target), Duration::from_secs(20)).expect("read before pausing");
+    target.set_progress(false).expect("pause");
+    target.set_progress(false).expect("pausing twice is harmless");
+    target.set_progress(true).expect("resume");
+    initiator.local.as_mut_slice().fill(0);
+    initiator.read(whole(&target), Duration::from_secs(20)).expect("read after resuming");
+    verify_pattern(initiator.local.as_slice(), 1).expect("the read after resuming brought the target's data");
+    let answer = target.command("progress off").unwrap();
+    assert!(answer.starts_with("error") && answer.contains("`pause`"), "{answer}");
+    assert_eq!(target.command("verify 1").unwrap(), "ok");
+}
