@@ -759,7 +759,10 @@ impl RawFabric {
         let mut fresh = (op == RawOp::FreshRead)
             .then(|| self.endpoint.register(AlignedBuffer::zeroed(self.whole[0].len), Access::LOCAL))
             .transpose()?;
-        self.target.set_progress(true)?;
+        // Unpaused, the target has polled since it started.
+        if self.pause_between {
+            self.target.set_progress(true)?;
+        }
         comm.barrier();
         let start = Instant::now();
         match (op, fresh.as_mut()) {

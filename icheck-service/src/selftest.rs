@@ -44,9 +44,11 @@ impl Target {
         let mut buffer = AlignedBuffer::zeroed(size);
         fill_pattern(buffer.as_mut_slice(), seed);
         let buffer = endpoint.register(buffer, Access::REMOTE_READ_WRITE)?;
-        let progress = ProgressThread::spawn(&endpoint, ProgressMode::Spin)
+        let mut target = Target { buffer, progress: None, endpoint };
+        target
+            .resume()
             .map_err(|err| icheck_core::fabric::FabricError::Config(format!("cannot start progress thread: {err}")))?;
-        Ok(Target { buffer, progress: Some(progress), endpoint })
+        Ok(target)
     }
 
     /// What an initiator needs.
@@ -111,9 +113,7 @@ impl Target {
             }
             output.flush()?;
         }
-        if let Some(progress) = self.progress.take() {
-            progress.stop();
-        }
+        self.pause();
         Ok(())
     }
 }
@@ -251,31 +251,30 @@ impl TargetProcess {
         Ok(answer.trim().to_string())
     }
 
-    /// Asks the target to verify its buffer against the pattern of `seed`.
-    pub fn verify(&mut self, seed: u64) -> Result<(), SelftestError> {
+    /// Sends `command` and expects `ok`; any other answer is the error
+    /// `refused(answer)` says.
+    fn command_ok(&mut self, command: &str, refused: impl FnOnce(&str) -> String) -> Result<(), SelftestError> {
+        let pid = self.pid();
         let answer = self
-            .command(&format!("verify {seed}"))
-            .map_err(|e| SelftestError::Process(format!("talking to the target: {e}")))?;
+            .command(command)
+            .map_err(|e| SelftestError::Process(format!("talking to the target (pid {pid}): {e}")))?;
         if answer != "ok" {
-            return Err(SelftestError::Process(format!("the target found wrong data: {answer}")));
+            return Err(SelftestError::Process(refused(&answer)));
         }
         Ok(())
+    }
+
+    /// Asks the target to verify its buffer against the pattern of `seed`.
+    pub fn verify(&mut self, seed: u64) -> Result<(), SelftestError> {
+        self.command_ok(&format!("verify {seed}"), |answer| format!("the target found wrong data: {answer}"))
     }
 
     /// Asks the target to stop polling (`pause`) or to poll again
     /// (`resume`), and waits until it has.
     pub fn set_progress(&mut self, on: bool) -> Result<(), SelftestError> {
         let command = if on { "resume" } else { "pause" };
-        let answer = self
-            .command(command)
-            .map_err(|e| SelftestError::Process(format!("talking to the target (pid {}): {e}", self.pid())))?;
-        if answer != "ok" {
-            return Err(SelftestError::Process(format!(
-                "the target (pid {}) refused `{command}`: {answer}",
-                self.pid()
-            )));
-        }
-        Ok(())
+        let pid = self.pid();
+        self.command_ok(command, |answer| format!("the target (pid {pid}) refused `{command}`: {answer}"))
     }
 
     /// Asks the target to quit and waits for it to exit.
