@@ -488,6 +488,29 @@ pub mod samples {
         }
     }
 
+    /// The manifest of one label "x" holding `data`: version `version` of
+    /// rank `rank` of `app`, a job of one process.
+    pub fn single_label(app: &str, rank: u32, version: u64, data: &[u8]) -> Manifest {
+        Manifest {
+            app: app.into(),
+            rank,
+            ranks: 1,
+            epoch: 0,
+            version,
+            labels: vec![LabelLayout {
+                label: "x".into(),
+                kind: DataKind::Binary,
+                offset: 0,
+                len: data.len() as u64,
+                adapt: None,
+            }],
+            total_len: data.len() as u64,
+            chunk_size: CHUNK_SIZE,
+            crcs: vec![chunk_crcs(data)],
+            sealed_unix_ms: 0,
+        }
+    }
+
     /// Every way a damaged or hostile manifest can lie, each refused with a
     /// typed error before any offset in it is used.
     pub fn damaged_manifests(data: &[u8]) -> Vec<(&'static str, Manifest)> {

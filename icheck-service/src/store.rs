@@ -1565,27 +1565,9 @@ mod tests {
     use super::*;
     use icheck_core::delta::BlockRun;
     use icheck_core::format::{chunk_crcs, first_bad_chunk, CHUNK_SIZE};
-    use icheck_core::format::{DataKind, LabelLayout};
 
     fn manifest(app: &str, rank: u32, version: u64, data: &[u8]) -> Manifest {
-        Manifest {
-            app: app.into(),
-            rank,
-            ranks: 1,
-            epoch: 0,
-            version,
-            labels: vec![LabelLayout {
-                label: "x".into(),
-                kind: DataKind::Binary,
-                offset: 0,
-                len: data.len() as u64,
-                adapt: None,
-            }],
-            total_len: data.len() as u64,
-            chunk_size: CHUNK_SIZE,
-            crcs: vec![chunk_crcs(data)],
-            sealed_unix_ms: 0,
-        }
+        icheck_core::format::samples::single_label(app, rank, version, data)
     }
 
     /// Stores version `version` of rank 0 of "app" as the blocks of `runs`

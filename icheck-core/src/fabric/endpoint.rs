@@ -912,11 +912,12 @@ const STALLED_POLL: Duration = Duration::from_millis(1);
 /// How long a batch of writes that the target copies
 /// ([`Endpoint::writes_copied_by_target`]) sleeps between polls that find
 /// nothing (after a few that do not sleep), instead of yielding. A
-/// yielding thread keeps its core whenever it is alone on it, and on a
-/// node with few cores it is not: `perf` over one rank's 256 MiB push
-/// over shm on two cores had the waiting rank thread on 40% of the
-/// samples, the rank's checksum thread squeezed beside it, and the
-/// agent's copying thread 18% in `__schedule`, switched out for them. A
+/// yielding thread still competes for a core on every poll, and on a node
+/// with few cores the threads that do the work need it: `perf` over one
+/// rank's 256 MiB push over shm on two cores had the waiting rank thread
+/// on 40% of the samples, the rank's checksum thread squeezed beside it,
+/// and the agent's copying thread 18% in `__schedule`, switched out for
+/// them. A
 /// completion is at most this (plus timer slack) late; the target has
 /// `inflight` chunks queued meanwhile (8 MiB by default, more than a
 /// millisecond of copying). Blocking pushes of 256 MiB, one rank, three

@@ -371,7 +371,7 @@ fn check_file(manifest: &Manifest, files: &VersionFiles, stop: &AtomicBool) -> O
 #[cfg(test)]
 mod tests {
     use super::*;
-    use icheck_core::format::{chunk_crcs, DataKind, LabelLayout, CHUNK_SIZE};
+    use icheck_core::format::chunk_crcs;
     use icheck_core::handoff::FileExtent;
 
     /// A store under the temporary directory holding version `version` of
@@ -383,24 +383,7 @@ mod tests {
         let data: Vec<u8> = (0..20u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
         let mut file = store.create("app", 0, version, data.len() as u64).unwrap();
         file.as_mut_slice()[..data.len()].copy_from_slice(&data);
-        let manifest = Manifest {
-            app: "app".into(),
-            rank: 0,
-            ranks: 1,
-            epoch: 0,
-            version,
-            labels: vec![LabelLayout {
-                label: "x".into(),
-                kind: DataKind::Binary,
-                offset: 0,
-                len: data.len() as u64,
-                adapt: None,
-            }],
-            total_len: data.len() as u64,
-            chunk_size: CHUNK_SIZE,
-            crcs: vec![chunk_crcs(&data)],
-            sealed_unix_ms: 0,
-        };
+        let manifest = icheck_core::format::samples::single_label("app", 0, version, &data);
         store.seal(&manifest).unwrap();
         (store, root, file, manifest)
     }
