@@ -1564,11 +1564,8 @@ fn map(file: &File, path: &Path, len: u64, populate: bool) -> Result<MappedFile>
 mod tests {
     use super::*;
     use icheck_core::delta::BlockRun;
+    use icheck_core::format::samples::single_label as manifest;
     use icheck_core::format::{chunk_crcs, first_bad_chunk, CHUNK_SIZE};
-
-    fn manifest(app: &str, rank: u32, version: u64, data: &[u8]) -> Manifest {
-        icheck_core::format::samples::single_label(app, rank, version, data)
-    }
 
     /// Stores version `version` of rank 0 of "app" as the blocks of `runs`
     /// of `data` over `parent`'s map (whole when `parent` is `None`).

@@ -917,9 +917,8 @@ const STALLED_POLL: Duration = Duration::from_millis(1);
 /// rank's 256 MiB push over shm on two cores had the waiting rank thread
 /// on 40% of the samples, the rank's checksum thread squeezed beside it,
 /// and the agent's copying thread 18% in `__schedule`, switched out for
-/// them. A
-/// completion is at most this (plus timer slack) late; the target has
-/// `inflight` chunks queued meanwhile (8 MiB by default, more than a
+/// them. A completion is at most this (plus timer slack) late; the target
+/// has `inflight` chunks queued meanwhile (8 MiB by default, more than a
 /// millisecond of copying). Blocking pushes of 256 MiB, one rank, three
 /// alternated runs of nine: 3.35–3.60 → 4.07–4.37 GB/s.
 const TARGET_COPY_POLL: Duration = Duration::from_micros(20);
