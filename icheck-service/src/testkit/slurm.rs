@@ -9,6 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// How long a node may stay unregistered before its slurmd is started again.
+const SLURMD_RESTART_AFTER: Duration = Duration::from_secs(15);
+
 /// A running test-local Slurm cluster.
 pub struct TestSlurm {
     /// Everything it writes: configuration, munge key and socket, state,
@@ -43,15 +46,39 @@ impl TestSlurm {
         slurm.write_conf();
         let conf = slurm.conf.to_string_lossy().into_owned();
         slurm.spawn("slurmctld", &["-D", "-f", &conf]);
+        // slurmctld answering first: a node that then does not register
+        // is its slurmd's doing (a slurmd started before slurmctld still
+        // registered within a second of it, when tried).
+        slurm.wait_controller(Duration::from_secs(30));
         for node in slurm.nodes.clone() {
             std::fs::create_dir_all(slurm.dir.join("spool").join(&node)).unwrap();
             // Each node's own temporary directory: the "nodes" share this
             // host, and PMIx keys its directories by job and step only.
             std::fs::create_dir_all(slurm.dir.join("tmp").join(&node)).unwrap();
-            slurm.spawn("slurmd", &["-D", "-f", &conf, "-N", &node]);
+            slurm.spawn("slurmd", &slurm.slurmd_args(&node));
         }
         slurm.wait_idle(Duration::from_secs(60));
         slurm
+    }
+
+    fn slurmd_args(&self, node: &str) -> Vec<String> {
+        ["-D", "-f", &self.conf.to_string_lossy(), "-N", node].map(String::from).to_vec()
+    }
+
+    /// Waits until slurmctld answers `scontrol ping`.
+    fn wait_controller(&self, timeout: Duration) {
+        let answers = || {
+            self.command("scontrol")
+                .arg("ping")
+                .output()
+                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("UP"))
+        };
+        if !crate::testkit::poll_until(timeout, answers) {
+            panic!(
+                "the test Slurm's slurmctld did not answer within {timeout:?}\nslurmctld log:\n{}",
+                self.log("slurmctld.log")
+            );
+        }
     }
 
     fn start_munge(&mut self) {
@@ -73,7 +100,7 @@ impl TestSlurm {
             arg("log-file", "munged.log"),
             arg("seed-file", "munged.seed"),
         ];
-        self.spawn("munged", &args.iter().map(String::as_str).collect::<Vec<_>>());
+        self.spawn("munged", &args);
         let socket = munge.join("munge.sock");
         let deadline = Instant::now() + Duration::from_secs(10);
         while !socket.exists() {
@@ -130,7 +157,7 @@ impl TestSlurm {
         std::fs::write(&self.conf, text).unwrap();
     }
 
-    fn spawn(&mut self, program: &str, args: &[&str]) {
+    fn spawn<A: AsRef<std::ffi::OsStr>>(&mut self, program: &str, args: &[A]) {
         let log = std::fs::File::create(self.dir.join("log").join(format!("{program}-{}.out", self.daemons.len())))
             .expect("daemon log");
         let child = Command::new(program)
@@ -221,22 +248,57 @@ impl TestSlurm {
         crate::launcher::parse_squeue(&self.run("squeue", &["-h", "-o", "%i %T %N"]))
     }
 
-    fn wait_idle(&self, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
+    /// Waits until every node is idle. A node still not idle after
+    /// [`SLURMD_RESTART_AFTER`] gets its slurmd started again (a new
+    /// slurmd registers at once), every such interval, until `timeout`.
+    fn wait_idle(&mut self, timeout: Duration) {
+        let started = Instant::now();
+        let mut restarted_at = started;
         loop {
             let out = self.command("sinfo").args(["-h", "-N", "-o", "%N %T"]).output();
             let text = out.as_ref().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
-            let idle = text.lines().filter(|l| l.ends_with(" idle")).count();
-            if idle == self.nodes.len() {
+            let idle: Vec<&str> = text.lines().filter_map(|l| l.strip_suffix(" idle")).map(str::trim).collect();
+            if self.nodes.iter().all(|node| idle.contains(&node.as_str())) {
                 return;
             }
-            assert!(
-                Instant::now() < deadline,
-                "the test Slurm's nodes did not become idle: {text}\nslurmctld log:\n{}",
-                std::fs::read_to_string(self.dir.join("log/slurmctld.log")).unwrap_or_default()
-            );
+            if started.elapsed() > timeout {
+                let slurmd_logs: String = self
+                    .nodes
+                    .iter()
+                    .map(|node| format!("--- slurmd-{node}.log ---\n{}\n", self.log(&format!("slurmd-{node}.log"))))
+                    .collect();
+                panic!(
+                    "the test Slurm's nodes did not become idle: {text}\nslurmctld log:\n{}\n{slurmd_logs}",
+                    self.log("slurmctld.log")
+                );
+            }
+            if restarted_at.elapsed() > SLURMD_RESTART_AFTER {
+                restarted_at = Instant::now();
+                for (at, node) in self.nodes.clone().iter().enumerate() {
+                    if !idle.contains(&node.as_str()) {
+                        let exited = self.daemons[2 + at].try_wait().ok().flatten();
+                        let state = exited.map_or("still running".to_string(), |status| format!("exited: {status}"));
+                        eprintln!(
+                            "test Slurm: node {node} is not idle after {:?} (its slurmd {state}); starting it again",
+                            started.elapsed()
+                        );
+                        self.respawn_slurmd(at);
+                    }
+                }
+            }
             std::thread::sleep(Duration::from_millis(200));
         }
+    }
+
+    /// Kills node `at`'s slurmd (by its PID) and starts another.
+    fn respawn_slurmd(&mut self, at: usize) {
+        let old = &mut self.daemons[2 + at];
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(old.id() as i32), nix::sys::signal::Signal::SIGKILL);
+        let _ = old.wait();
+        let node = self.nodes[at].clone();
+        self.spawn("slurmd", &self.slurmd_args(&node));
+        let fresh = self.daemons.pop().expect("the slurmd just started");
+        self.daemons[2 + at] = fresh;
     }
 
     /// The log of a daemon of this cluster.
