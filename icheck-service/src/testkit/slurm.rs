@@ -12,6 +12,10 @@ use std::time::{Duration, Instant};
 /// How long a node may stay unregistered before its slurmd is started again.
 const SLURMD_RESTART_AFTER: Duration = Duration::from_secs(15);
 
+/// Where node 0's slurmd is in `TestSlurm::daemons`: munged and slurmctld
+/// come first, then one slurmd per node in node order.
+const FIRST_SLURMD: usize = 2;
+
 /// A running test-local Slurm cluster.
 pub struct TestSlurm {
     /// Everything it writes: configuration, munge key and socket, state,
@@ -158,17 +162,25 @@ impl TestSlurm {
     }
 
     fn spawn<A: AsRef<std::ffi::OsStr>>(&mut self, program: &str, args: &[A]) {
-        let log = std::fs::File::create(self.dir.join("log").join(format!("{program}-{}.out", self.daemons.len())))
+        let child = self.launch(program, args, &format!("{program}-{}.out", self.daemons.len()));
+        self.daemons.push(child);
+    }
+
+    /// Starts `program` with its output appended to `log` (under `log/`).
+    fn launch<A: AsRef<std::ffi::OsStr>>(&self, program: &str, args: &[A], log: &str) -> Child {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("log").join(log))
             .expect("daemon log");
-        let child = Command::new(program)
+        Command::new(program)
             .args(args)
             .env("SLURM_CONF", &self.conf)
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {program} (are slurm-wlm and munge installed?): {e}"));
-        self.daemons.push(child);
+            .unwrap_or_else(|e| panic!("cannot start {program} (are slurm-wlm and munge installed?): {e}"))
     }
 
     /// Takes `node` out as a failed machine would: its slurmd is killed
@@ -176,9 +188,8 @@ impl TestSlurm {
     /// ran there are Slurm's to end, their processes the caller's to kill.
     pub fn fail_node(&self, node: &str) {
         let at = self.nodes.iter().position(|n| n == node).unwrap_or_else(|| panic!("{node} is not a test node"));
-        // munged and slurmctld come first, then one slurmd per node; it is
-        // reaped when the cluster is dropped.
-        let slurmd = nix::unistd::Pid::from_raw(self.daemons[2 + at].id() as i32);
+        // It is reaped when the cluster is dropped.
+        let slurmd = nix::unistd::Pid::from_raw(self.daemons[FIRST_SLURMD + at].id() as i32);
         nix::sys::signal::kill(slurmd, nix::sys::signal::Signal::SIGKILL).expect("kill the node's slurmd");
         self.run("scontrol", &["update", &format!("NodeName={node}"), "State=DOWN", "Reason=icheck-test-failed"]);
     }
@@ -276,7 +287,7 @@ impl TestSlurm {
                 restarted_at = Instant::now();
                 for (at, node) in self.nodes.clone().iter().enumerate() {
                     if !idle.contains(&node.as_str()) {
-                        let exited = self.daemons[2 + at].try_wait().ok().flatten();
+                        let exited = self.daemons[FIRST_SLURMD + at].try_wait().ok().flatten();
                         let state = exited.map_or("still running".to_string(), |status| format!("exited: {status}"));
                         eprintln!(
                             "test Slurm: node {node} is not idle after {:?} (its slurmd {state}); starting it again",
@@ -290,15 +301,15 @@ impl TestSlurm {
         }
     }
 
-    /// Kills node `at`'s slurmd (by its PID) and starts another.
+    /// Kills node `at`'s slurmd (by its PID) and starts another in its
+    /// place, its output appended to `slurmd-<node>-restarted.out`.
     fn respawn_slurmd(&mut self, at: usize) {
-        let old = &mut self.daemons[2 + at];
+        let old = &mut self.daemons[FIRST_SLURMD + at];
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(old.id() as i32), nix::sys::signal::Signal::SIGKILL);
         let _ = old.wait();
-        let node = self.nodes[at].clone();
-        self.spawn("slurmd", &self.slurmd_args(&node));
-        let fresh = self.daemons.pop().expect("the slurmd just started");
-        self.daemons[2 + at] = fresh;
+        let node = &self.nodes[at];
+        let fresh = self.launch("slurmd", &self.slurmd_args(node), &format!("slurmd-{node}-restarted.out"));
+        self.daemons[FIRST_SLURMD + at] = fresh;
     }
 
     /// The log of a daemon of this cluster.
