@@ -137,6 +137,11 @@ impl RestoreStaging {
 /// slot back, while this one reads the next chunks into the other slots.
 /// (The agent's pushed writes over shm were tried the same way and came
 /// out no faster, so `deliver_and_verify` writes into `out` directly.)
+///
+/// A slot the checker has just read may sit in the other core's cache,
+/// where taking it back for the next read costs little at times and at
+/// others triples the reader's copy ([`EvictionProbe`]): each read of a
+/// long label measures both ways early on and keeps the faster.
 fn read_staged_and_verify(
     endpoint: &Endpoint,
     peer: &Peer,
@@ -158,14 +163,14 @@ fn read_staged_and_verify(
     // below and the checks and copies out of what they read touches it.
     let local = unsafe { endpoint.register_raw(buffer.as_mut_ptr(), STAGE, Access::LOCAL)? };
     let (chunks, total) = (crcs.len(), out.len());
-    let (to_check, arrived) = std::sync::mpsc::sync_channel::<(usize, usize)>(STAGED_SLOTS);
+    let (to_check, arrived) = std::sync::mpsc::sync_channel::<(usize, usize, bool)>(STAGED_SLOTS);
     let (to_reuse, free) = std::sync::mpsc::sync_channel::<usize>(STAGED_SLOTS);
     for slot in 0..STAGED_SLOTS {
         let _ = to_reuse.send(slot);
     }
     std::thread::scope(|scope| {
         let checker = scope.spawn(move || {
-            for (chunk, slot) in arrived {
+            for (chunk, slot, evict) in arrived {
                 let place = &mut out[chunk * CHUNK_BYTES..((chunk + 1) * CHUNK_BYTES).min(total)];
                 // SAFETY: the slot holds a completely read chunk, and the
                 // reader writes it again only after it comes back through
@@ -176,11 +181,15 @@ fn read_staged_and_verify(
                     return Some(chunk);
                 }
                 place.copy_from_slice(bytes);
+                if evict {
+                    icheck_core::kernel_copy::evict_from_caches(bytes);
+                }
                 // A reader that stopped (an error) takes no slot back.
                 let _ = to_reuse.send(slot);
             }
             None
         });
+        let mut probe = EvictionProbe::new(chunks, icheck_core::kernel_copy::can_evict_from_caches());
         let read = (|| -> Result<()> {
             for chunk in 0..chunks {
                 // A checker that stopped (a bad chunk) takes no more.
@@ -196,8 +205,17 @@ fn read_staged_and_verify(
                 // the checker no longer reads it, and nothing else uses the
                 // buffer `local` registers.
                 let target = unsafe { local.target_unchecked() };
+                let started = Instant::now();
                 endpoint.read(peer, target, &[op], &TransferOptions::default())?;
-                if to_check.send((chunk, slot)).is_err() {
+                if let Some(evict) = probe.read_took(chunk, started.elapsed()) {
+                    tracing::debug!(
+                        evict,
+                        without = ?probe.without,
+                        with = ?probe.with,
+                        "staged reads: chose whether the checker evicts each slot from its cache"
+                    );
+                }
+                if to_check.send((chunk, slot, probe.evict_after(chunk))).is_err() {
                     return Ok(());
                 }
             }
@@ -207,6 +225,69 @@ fn read_staged_and_verify(
         let refused = checker.join().unwrap_or(Some(0));
         read.map(|()| refused)
     })
+}
+
+/// Chooses, during one [`read_staged_and_verify`], whether the checker
+/// evicts each slot from its cache once it has copied the chunk out
+/// ([`icheck_core::kernel_copy::evict_from_caches`]), by measuring both.
+///
+/// On this project's two-core virtual machines a read into a slot the
+/// checker has just read took 0.4–0.6 ms per 4 MiB for minutes, then
+/// 1.3–1.9 ms for minutes (the first reads, into slots no checker had
+/// read, 0.5 ms all along): a 256 MiB restore took 35–50 ms or 100–125.
+/// With every slot evicted it took 46–83 ms (mostly 50–63) either way.
+/// So the reads
+/// into the slots' second use (chunks S..2S, S = [`STAGED_SLOTS`]) are
+/// timed without eviction, those into their third use (2S..3S) with it,
+/// and eviction stays on for the rest only where it made them at least a
+/// fifth faster. Labels too short to measure (fewer than 4S chunks) are
+/// read without it, and a change of mode after the decision is not
+/// followed.
+///
+/// Architecture invariant: eviction never changes the bytes; only the
+/// time a read takes decides it.
+#[derive(Debug)]
+struct EvictionProbe {
+    measuring: bool,
+    without: Duration,
+    with: Duration,
+    decided: Option<bool>,
+}
+
+impl EvictionProbe {
+    fn new(chunks: usize, can_evict: bool) -> EvictionProbe {
+        let measuring = can_evict && chunks >= 4 * STAGED_SLOTS;
+        EvictionProbe { measuring, without: Duration::ZERO, with: Duration::ZERO, decided: None }
+    }
+
+    /// Whether the checker evicts the slot of `chunk` after copying it out:
+    /// never for the slots' first use (their second-use reads measure
+    /// without), always while measuring after that, then as decided.
+    fn evict_after(&self, chunk: usize) -> bool {
+        match self.decided {
+            Some(decided) => decided,
+            None => self.measuring && chunk >= STAGED_SLOTS,
+        }
+    }
+
+    /// Records how long the read of `chunk` took; returns the decision
+    /// when this read completes the measurement.
+    fn read_took(&mut self, chunk: usize, took: Duration) -> Option<bool> {
+        if !self.measuring || self.decided.is_some() {
+            return None;
+        }
+        match chunk / STAGED_SLOTS {
+            1 => self.without += took,
+            2 => self.with += took,
+            _ => {}
+        }
+        if chunk + 1 == 3 * STAGED_SLOTS {
+            let evict = self.with * 5 < self.without * 4;
+            self.decided = Some(evict);
+            return Some(evict);
+        }
+        None
+    }
 }
 
 /// `restore = "push"`: the agent writes `out.len()` bytes at
@@ -694,9 +775,11 @@ mod tests {
         };
         let agent = Endpoint::new(&domain).unwrap();
         let rank = Endpoint::new(&domain).unwrap();
-        // Ten and a half chunks: every slot used again and again, the last
-        // chunk short.
-        let len = 3 * STAGE + CHUNK_BYTES * 3 / 2;
+        // Thirteen and a half chunks: every slot used again and again, long
+        // enough for the eviction probe (slots evicted while it measures),
+        // the last chunk short.
+        let len = 4 * STAGE + CHUNK_BYTES * 3 / 2;
+        assert!(EvictionProbe::new(len.div_ceil(CHUNK_BYTES), true).measuring);
         let data: Vec<u8> = (0..len).map(|i| (i * 29 % 253) as u8).collect();
         let crcs = chunk_crcs(&data);
         let mut stored = AlignedBuffer::zeroed(len + 4096);
@@ -727,8 +810,8 @@ mod tests {
         let bad = read_staged_and_verify(&rank, &peer, stored.remote(), 4096, out, &crcs, &mut buffer).unwrap();
         assert_eq!(bad, None);
         assert!(*out == data[..]);
-        // Damage in a slot's second use, and in its fourth (named by its
-        // place in `out`, not in the slot).
+        // Damage in a slot's second use (measured, its slot evicted), and
+        // in its fourth (named by its place in `out`, not in the slot).
         for damaged in [4, 9] {
             let mut wrong = crcs.clone();
             wrong[damaged] ^= 1;
@@ -748,6 +831,62 @@ mod tests {
                     spare_core,
                 );
                 assert_eq!(read.unwrap(), Some(damaged), "spare core {spare_core}");
+            }
+        }
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_micros(n * 100)
+    }
+
+    /// Feeds the probe reads of `without` and then `with` (tenths of a ms)
+    /// for the slots' second and third use; returns what it evicts after
+    /// each chunk of a 20-chunk label and what it decided.
+    fn probe(without: u64, with: u64) -> (Vec<bool>, Option<bool>) {
+        let mut probe = EvictionProbe::new(20, true);
+        let mut evicted = Vec::new();
+        let mut decided = None;
+        for chunk in 0..20 {
+            let took = match chunk / STAGED_SLOTS {
+                0 => ms(5),
+                1 => ms(without),
+                2 => ms(with),
+                _ => ms(1),
+            };
+            if let Some(decision) = probe.read_took(chunk, took) {
+                assert_eq!(chunk, 3 * STAGED_SLOTS - 1, "decided once, after the third use's reads");
+                decided = Some(decision);
+            }
+            evicted.push(probe.evict_after(chunk));
+        }
+        (evicted, decided)
+    }
+
+    #[test]
+    fn eviction_is_measured_both_ways_and_kept_only_where_it_is_a_fifth_faster() {
+        let s = STAGED_SLOTS;
+        // The slow mode: reads into slots the checker read took 1.6 ms,
+        // into evicted ones 0.6.
+        let (evicted, decided) = probe(16, 6);
+        assert_eq!(decided, Some(true));
+        assert!(evicted[..s].iter().all(|e| !e), "first use: not evicted, the second use measures without");
+        assert!(evicted[s..].iter().all(|e| *e), "{evicted:?}");
+        // The fast mode, and eviction only a little faster: not kept.
+        for (without, with) in [(5, 6), (5, 5), (10, 9)] {
+            let (evicted, decided) = probe(without, with);
+            assert_eq!(decided, Some(false), "{without} vs {with}");
+            assert!(evicted[s..3 * s - 1].iter().all(|e| *e), "evicted while measuring");
+            assert!(evicted[3 * s - 1..].iter().all(|e| !e), "{evicted:?}");
+        }
+    }
+
+    #[test]
+    fn short_labels_and_cpus_that_cannot_evict_are_read_without_eviction() {
+        for (chunks, can_evict) in [(4 * STAGED_SLOTS - 1, true), (100, false), (0, true)] {
+            let mut probe = EvictionProbe::new(chunks, can_evict);
+            for chunk in 0..chunks {
+                assert_eq!(probe.read_took(chunk, ms(20)), None);
+                assert!(!probe.evict_after(chunk), "{chunks} chunks, can evict {can_evict}");
             }
         }
     }
