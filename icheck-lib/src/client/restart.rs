@@ -235,7 +235,7 @@ fn read_staged_and_verify(
 /// checker has just read took 0.4–0.6 ms per 4 MiB for minutes, then
 /// 1.3–1.9 ms for minutes (the first reads, into slots no checker had
 /// read, 0.5 ms all along): a 256 MiB restore took 35–50 ms or 100–125.
-/// With every slot evicted it took 46–83 ms (mostly 50–63) either way.
+/// With every slot evicted it took 46–83 ms (mostly 50–65) either way.
 /// So the reads
 /// into the slots' second use (chunks S..2S, S = [`STAGED_SLOTS`]) are
 /// timed without eviction, those into their third use (2S..3S) with it,
