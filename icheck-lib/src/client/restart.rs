@@ -232,9 +232,10 @@ fn read_staged_and_verify(
 /// ([`icheck_core::kernel_copy::evict_from_caches`]), by measuring both.
 ///
 /// On this project's two-core virtual machines a read into a slot the
-/// checker has just read took 0.4–0.6 ms per 4 MiB for minutes, then
-/// 1.3–1.9 ms for minutes (the first reads, into slots no checker had
-/// read, 0.5 ms all along): a 256 MiB restore took 35–50 ms or 100–125.
+/// checker has just read took 0.5–1.1 ms per 4 MiB for minutes, then
+/// 1.1–2.3 ms for minutes (the first reads, into slots no checker had
+/// read, 0.45–0.6 ms all along): a 256 MiB restore took 35–50 ms or
+/// 97–125.
 /// With every slot evicted it took 46–83 ms (mostly 50–65) either way.
 /// So the reads
 /// into the slots' second use (chunks S..2S, S = [`STAGED_SLOTS`]) are
