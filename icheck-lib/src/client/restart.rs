@@ -234,8 +234,8 @@ fn read_staged_and_verify(
 /// On this project's two-core virtual machines a read into a slot the
 /// checker has just read took 0.5–1.1 ms per 4 MiB for minutes, then
 /// 1.1–2.3 ms for minutes (the first reads, into slots no checker had
-/// read, 0.45–0.6 ms all along): a 256 MiB restore took 35–50 ms or
-/// 97–125.
+/// read, 0.45–0.6 ms all along): a 256 MiB restore took 35–66 ms
+/// (mostly under 50) or 97–126.
 /// With every slot evicted it took 46–83 ms (mostly 50–65) either way.
 /// So the reads
 /// into the slots' second use (chunks S..2S, S = [`STAGED_SLOTS`]) are
