@@ -228,8 +228,8 @@ pub fn can_evict_from_caches() -> bool {
 /// the other core's cache. On this project's virtual machines that costs
 /// little at times and at other times makes the reader's copy three times
 /// slower, for minutes on end, presumably as the host places the two
-/// virtual CPUs near or far from each other (the journal, "A pulled restore
-/// over shm that is sometimes three times slower"). The checker, which has
+/// virtual CPUs near or far from each other (the journal, "Why a pulled
+/// restore over shm was sometimes three times slower"). The checker, which has
 /// time to spare, evicting the lines itself takes that cost off the reader.
 pub fn evict_from_caches(bytes: &[u8]) {
     if !can_evict_from_caches() {

@@ -235,10 +235,9 @@ fn read_staged_and_verify(
 /// checker has just read took 0.5–1.1 ms per 4 MiB for minutes, then
 /// 1.1–2.3 ms for minutes (the first reads, into slots no checker had
 /// read, 0.45–0.6 ms all along): a 256 MiB restore took 35–66 ms
-/// (mostly under 50) or 97–126.
-/// With every slot evicted it took 46–83 ms (mostly 50–65) either way.
-/// So the reads
-/// into the slots' second use (chunks S..2S, S = [`STAGED_SLOTS`]) are
+/// (mostly under 50) or 97–126. With every slot evicted it took 46–83 ms
+/// (mostly 50–65) either way. So the reads into the slots' second use
+/// (chunks S..2S, S = [`STAGED_SLOTS`]) are
 /// timed without eviction, those into their third use (2S..3S) with it,
 /// and eviction stays on for the rest only where it made them at least a
 /// fifth faster. Labels too short to measure (fewer than 4S chunks) are
