@@ -16,7 +16,10 @@
 //!   that only redundancy can save a version), lost nodes: a manager
 //!   holding the job's agents SIGKILLed and its store deleted. The version
 //!   protected when the node was lost (or a newer one) must come back
-//!   bit-exact; newer unprotected ones may go, as the policy says.
+//!   bit-exact; newer unprotected ones may go, as the policy says. Where
+//!   the policy survives more than one lost node (`rs:4+2`, `partner:3`),
+//!   "lose nodes" loses as many as it tolerates at once: a node holding
+//!   some of the job's agents and others drawn from all of them.
 //!
 //! After every fault the checker starts again what died (`icheck up`) and
 //! checks the invariants with the next round's job, which restarts:
@@ -305,6 +308,9 @@ const KINDS: [&str; 7] =
 const TAKEOVERS: [&str; 2] = ["takeover: kill primary", "takeover: stop primary"];
 /// With `--redundancy`: a node lost with its memory.
 const LOSE_NODE: &str = "lose node";
+/// With a `--redundancy` that tolerates more than one lost node: as many
+/// nodes lost at once as it tolerates.
+const LOSE_NODES: &str = "lose nodes";
 /// `TakeoverAfter` of the campaign's service with a standby.
 const TAKEOVER_AFTER: Duration = Duration::from_secs(3);
 
@@ -571,10 +577,23 @@ fn campaign(cli: &Cli) -> Result<Tally> {
     } else {
         LocalService::up(&icheck, "campaign", shape.managers, &["--provider", &cli.provider])
     };
+    // Nodes the policy survives losing at once.
+    let tolerated = match &cli.redundancy {
+        Some(policy) => policy
+            .parse::<icheck_core::redundancy::Redundancy>()
+            .with_context(|| format!("--redundancy {policy}"))?
+            .tolerates(),
+        None => 0,
+    };
+    let losses: &[&str] = match tolerated {
+        0 => &[],
+        1 => &[LOSE_NODE],
+        _ => &[LOSE_NODE, LOSE_NODES],
+    };
     let kinds: Vec<&str> = KINDS
         .iter()
         .chain(if cli.standby { &TAKEOVERS[..] } else { &[] })
-        .chain(if cli.redundancy.is_some() { &[LOSE_NODE][..] } else { &[] })
+        .chain(losses)
         .copied()
         .filter(|kind| cli.kinds.is_empty() || cli.kinds.iter().any(|k| k == kind))
         .collect();
@@ -582,7 +601,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         bail!(
             "--kinds {:?} names no fault kind of {:?}",
             cli.kinds,
-            KINDS.iter().chain(&TAKEOVERS).chain(&[LOSE_NODE]).collect::<Vec<_>>()
+            KINDS.iter().chain(&TAKEOVERS).chain(losses).collect::<Vec<_>>()
         );
     }
     let bound = Duration::from_secs(cli.bound);
@@ -693,6 +712,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         };
         let at = Instant::now();
         let mut protected_at_fault: Option<u64> = None;
+        let mut lost_nodes: Vec<String> = Vec::new();
         let (what, pid) = match kind {
             "kill rank" | "stop rank" => {
                 let pids = job.rank_pids();
@@ -703,9 +723,10 @@ fn campaign(cli: &Cli) -> Result<Tally> {
                 let name = format!("manager-local-{}", 1 + rng.below(u64::from(shape.managers)));
                 (name.clone(), service.pid_of(&name))
             }
-            LOSE_NODE => {
+            LOSE_NODE | LOSE_NODES => {
                 // A node holding some of the job's agents, with the version
-                // protected at that moment: what must survive.
+                // protected at that moment: what must survive. "lose nodes"
+                // adds others, drawn from every node, up to the tolerance.
                 let status = service.try_status().ok();
                 let app = status.as_ref().and_then(|s| s.apps.iter().find(|a| a.registration.name == APP));
                 let mut nodes: Vec<String> =
@@ -715,12 +736,16 @@ fn campaign(cli: &Cli) -> Result<Tally> {
                 if nodes.is_empty() {
                     nodes.push(format!("local-{}", 1 + rng.below(u64::from(shape.managers))));
                 }
-                let node = nodes[rng.below(nodes.len() as u64) as usize].clone();
+                lost_nodes.push(nodes[rng.below(nodes.len() as u64) as usize].clone());
+                let wanted = if kind == LOSE_NODES { tolerated.min(shape.managers as usize) } else { 1 };
+                while lost_nodes.len() < wanted {
+                    let node = format!("local-{}", 1 + rng.below(u64::from(shape.managers)));
+                    if !lost_nodes.contains(&node) {
+                        lost_nodes.push(node);
+                    }
+                }
                 protected_at_fault = app.and_then(|a| a.protected);
-                (
-                    format!("{node}, version {protected_at_fault:?} protected"),
-                    service.pid_of(&format!("manager-{node}")),
-                )
+                (format!("{}, version {protected_at_fault:?} protected", lost_nodes.join(" and ")), 0)
             }
             "kill controller" | "stop controller" => ("controller".to_string(), service.pid_of("controller")),
             "takeover: kill primary" | "takeover: stop primary" => {
@@ -736,20 +761,29 @@ fn campaign(cli: &Cli) -> Result<Tally> {
             "kill rank" => raw(pid, Signal::SIGKILL),
             "stop rank" => raw(pid, Signal::SIGSTOP),
             "kill manager" | "kill controller" | "takeover: kill primary" => signal(pid, Signal::SIGKILL),
-            LOSE_NODE => {
-                signal(pid, Signal::SIGKILL);
-                while is_icheck_process(pid) {
-                    std::thread::sleep(Duration::from_millis(5));
+            LOSE_NODE | LOSE_NODES => {
+                // Every lost node's manager dies first, then the stores go:
+                // the nodes are lost together.
+                let managers: Vec<u32> =
+                    lost_nodes.iter().map(|node| service.pid_of(&format!("manager-{node}"))).collect();
+                for pid in &managers {
+                    signal(*pid, Signal::SIGKILL);
                 }
-                let node = what.split(',').next().unwrap_or_default();
-                let store = service.config.agent_store_dir.join(node);
-                // A node that has stored nothing yet has no directory (the
-                // store makes it at its first file): it loses nothing.
-                match std::fs::remove_dir_all(&store) {
-                    Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
-                        tally.hangs.push(format!("round {round}: deleting {}: {err}", store.display()))
+                for pid in managers {
+                    while is_icheck_process(pid) {
+                        std::thread::sleep(Duration::from_millis(5));
                     }
-                    _ => {}
+                }
+                for node in &lost_nodes {
+                    let store = service.config.agent_store_dir.join(node);
+                    // A node that has stored nothing yet has no directory (the
+                    // store makes it at its first file): it loses nothing.
+                    match std::fs::remove_dir_all(&store) {
+                        Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
+                            tally.hangs.push(format!("round {round}: deleting {}: {err}", store.display()))
+                        }
+                        _ => {}
+                    }
                 }
             }
             "stop manager" | "stop controller" | "takeover: stop primary" => signal(pid, Signal::SIGSTOP),
@@ -782,7 +816,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         // The job goes on or ends; either way it is stopped after a while.
         let _ = job.wait_for(Duration::from_secs(3), |_| false);
         let reported = committed(&job.lines());
-        if kind == LOSE_NODE {
+        if kind == LOSE_NODE || kind == LOSE_NODES {
             // Versions reported complete before the loss but not protected
             // may go (the rebuild falls back to the protected one, and the
             // job writes their numbers again); those reported after it (the
@@ -794,7 +828,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
             job.lines().iter().filter_map(|l| l.rsplit_once("secs=")?.1.parse::<f64>().ok()).fold(0.0, f64::max);
         tally.slowest_commit = tally.slowest_commit.max(slowest);
         job.kill();
-        if let (false, Some(newest)) = (kind == LOSE_NODE, reported.iter().max()) {
+        if let (false, Some(newest)) = (kind == LOSE_NODE || kind == LOSE_NODES, reported.iter().max()) {
             told = Some(told.map_or(*newest, |t| t.max(*newest)));
         }
         fault_at = Some(at);
@@ -852,7 +886,7 @@ fn print_table(tally: &Tally) {
     println!("| what | value |");
     println!("|---|---|");
     println!("| rounds (one fault each) | {} |", tally.rounds);
-    let shown = TAKEOVERS.iter().chain([&LOSE_NODE]).filter(|k| tally.faults.contains_key(**k));
+    let shown = TAKEOVERS.iter().chain([&LOSE_NODE, &LOSE_NODES]).filter(|k| tally.faults.contains_key(**k));
     for kind in KINDS.iter().chain(shown) {
         println!("| faults: {kind} | {} |", tally.faults.get(*kind).copied().unwrap_or(0));
     }

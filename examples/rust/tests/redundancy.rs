@@ -601,6 +601,31 @@ fn rs_4_2_survives_two_lost_nodes_at_once() {
     pfs_untouched(&service, "r42");
 }
 
+#[test]
+fn rs_4_2_rebuilds_two_nodes_lost_one_after_the_other_and_started_again_empty() {
+    // Managers started again (the default), and a seventh node to rebuild
+    // on: the second lost node's manager is back, with an empty store,
+    // while the rebuild after the first still waits. A rebuild planned
+    // without it read from it and left its rank unbuilt (and the restart
+    // failing on its old agent); the fault campaign found it.
+    let args = ["--provider", "tcp"];
+    let service = LocalService::up(&icheck_in_target(), "red-rs42-apart", 7, &args);
+    commit_three(&service, "r42a", "rs:4+2");
+    let report = wait_protected(&service, "r42a", 3);
+    let (a, b) = (report.agents[0].node.clone(), report.agents[1].node.clone());
+    lose_node(&service, &a);
+    assert!(
+        poll_until(Duration::from_secs(10), || app(&service, "r42a").rebuilding),
+        "no rebuild after losing {a}"
+    );
+    lose_node(&service, &b);
+    let rebuilt = wait_protected(&service, "r42a", 3);
+    let old: Vec<u64> = report.agents[..2].iter().map(|agent| agent.id).collect();
+    assert!(rebuilt.agents.iter().all(|agent| !old.contains(&agent.id)), "{:?}", rebuilt.agents);
+    restart_bit_exact(&service, "r42a", "rs:4+2", 6);
+    pfs_untouched(&service, "r42a");
+}
+
 /// Waits (up to a minute) until the controller logs that `piece` could not
 /// be built, for a reason containing `why`.
 fn wait_until_not_built(service: &LocalService, piece: &str, why: &str) {

@@ -1400,6 +1400,7 @@ fn node_lost(state: &mut State, node: &str, why: &str) -> Vec<String> {
         }
         if app.protection.nodes().contains(node) {
             tracing::warn!(app = %name, %node, lost, "{why}: rebuilding its protected version on the other nodes");
+            app.protection.lost_since.insert(node.to_string());
             // Until the rebuild protects it again, the status says so.
             app.protection.problem = Some(format!("node {node} was lost ({why}); its ranks are being rebuilt"));
             rebuilds.push(name.clone());

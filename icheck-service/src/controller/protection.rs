@@ -91,6 +91,18 @@ pub(super) struct ProtectionBook {
     /// Nodes lost to the protected version although their managers run
     /// (they came back without its files): a rebuild treats them as dead.
     pub(super) wiped: BTreeSet<String>,
+    /// Nodes of the protected version noticed lost (manager gone or
+    /// silent) and not rebuilt yet. A rebuild counts them lost even when
+    /// their managers run again by the time it looks, unless they came back
+    /// with their files: two nodes lost a few milliseconds apart are
+    /// noticed one by one, and the second may be back (empty) before a
+    /// rebuild gets to it.
+    pub(super) lost_since: BTreeSet<String>,
+    /// Nodes of the protected version whose ranks a rebuild has already
+    /// placed elsewhere. Their pieces are not rebuilt until the version is
+    /// protected anew, so until then a further rebuild of the same version
+    /// counts them lost too.
+    pub(super) rebuilt: BTreeSet<String>,
     /// A newer version completed while one was being protected: it is
     /// protected once that protection ends ([`defer`](Self::defer)).
     waiting: Option<u64>,
@@ -230,6 +242,9 @@ impl ProtectionBook {
         self.protected = Some(Protected { record, plan, agents, units });
         self.problem = None;
         self.lost = None;
+        // Losses counted against the record this one replaces.
+        self.lost_since.clear();
+        self.rebuilt.clear();
         Some(version)
     }
 

@@ -83,17 +83,21 @@ const COMEBACK_WAIT: Duration = Duration::from_secs(10);
 /// Longest a rebuild waits for a node it asked the resource manager for.
 const NEW_NODE_WAIT: Duration = Duration::from_secs(120);
 
-/// The nodes of `name`'s protected version lost to it at `now`: down, or
-/// back without its files (`ProtectionBook::wiped`).
-fn lost_nodes(state: &State, name: &str, now: Instant) -> BTreeSet<String> {
+/// The nodes of `name`'s protected version lost to it at `now` that no
+/// rebuild has handled yet: down, back without its files
+/// (`ProtectionBook::wiped`), or noticed lost since the version was
+/// protected (`ProtectionBook::lost_since`), but not already rebuilt
+/// elsewhere (`ProtectionBook::rebuilt`).
+fn fresh_losses(state: &State, name: &str, now: Instant) -> BTreeSet<String> {
     let Some(app) = state.apps.get(name) else { return BTreeSet::new() };
     let Some(protected) = &app.protection.protected else { return BTreeSet::new() };
-    let wiped = &app.protection.wiped;
+    let book = &app.protection;
     protected
         .agents
         .iter()
         .map(|a| a.node.clone())
-        .filter(|n| !state.nodes.is_alive(n, now) || wiped.contains(n))
+        .filter(|n| !state.nodes.is_alive(n, now) || book.wiped.contains(n) || book.lost_since.contains(n))
+        .filter(|n| !book.rebuilt.contains(n))
         .collect()
 }
 
@@ -251,25 +255,39 @@ async fn rebuild_once(shared: &Shared, name: &str) {
 async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String> {
     // Lost now: a node whose manager is started again later still lost
     // its part of the version (it comes back empty, or is treated so).
-    let dead = lost_nodes(&shared.state(), name, Instant::now());
-    if dead.is_empty() {
+    let mut fresh = fresh_losses(&shared.state(), name, Instant::now());
+    if fresh.is_empty() {
         return Ok(None);
     }
-    if came_back_whole(shared, name, &dead).await {
-        // As without redundancy: the application's agents there are
-        // replaced on its next commit, probe or registration, which finds
-        // the files where they were; the newest version is whole.
-        tracing::warn!(app = name, nodes = ?dead, "the lost nodes came back with their memory: nothing to rebuild");
-        if let Some(app) = shared.state().apps.get_mut(name) {
-            app.protection.problem = None;
+    let (protected, policy, dead, owner, waiters, lost_slots, reused, fell_back) = loop {
+        if came_back_whole(shared, name, &fresh).await {
+            // As without redundancy: the application's agents there are
+            // replaced on its next commit, probe or registration, which
+            // finds the files where they were; the newest version is whole.
+            tracing::warn!(app = name, nodes = ?fresh, "the lost nodes came back with their memory: nothing to rebuild");
+            if let Some(app) = shared.state().apps.get_mut(name) {
+                app.protection.problem = None;
+                app.protection.lost_since.retain(|n| !fresh.contains(n));
+            }
+            return Ok(None);
         }
-        return Ok(None);
-    }
-    await_free_nodes(shared, name, &dead).await;
-    let (protected, policy, dead, owner, waiters, lost_slots, fell_back) = {
+        // Nodes an earlier pass rebuilt are still missing the version's
+        // pieces they held: lost to it as well.
+        let rebuilt = shared.state().apps.get(name).map(|a| a.protection.rebuilt.clone()).unwrap_or_default();
+        let dead: BTreeSet<String> = fresh.union(&rebuilt).cloned().collect();
+        await_free_nodes(shared, name, &dead).await;
         let mut state = shared.state();
         let state = &mut *state;
         let now = Instant::now();
+        // A node lost while this pass waited (nodes lost together are
+        // noticed one by one) joins it: planned without it, the rebuild
+        // would read from it and leave its ranks unbuilt.
+        let grown: Vec<String> = fresh_losses(state, name, now).difference(&fresh).cloned().collect();
+        if !grown.is_empty() {
+            tracing::warn!(app = name, nodes = ?grown, "more nodes were lost while the rebuild waited: it takes them in");
+            fresh.extend(grown);
+            continue;
+        }
         let Some(app) = state.apps.get_mut(name) else { return Ok(None) };
         let Some(protected) = app.protection.protected.clone() else { return Ok(None) };
         let latest = app.latest.as_ref().map(|l| l.version);
@@ -326,6 +344,20 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         protection::rebuild_sources(&protected, policy, &dead)?;
         let lost_slots: Vec<usize> =
             (0..protected.agents.len()).filter(|s| dead.contains(&protected.agents[*s].node)).collect();
+        // A slot an earlier pass rebuilt keeps its replacement while that
+        // agent's node is alive and not lost now: its rank is there.
+        let reused: BTreeMap<usize, AgentInfo> = lost_slots
+            .iter()
+            .filter_map(|s| {
+                let current = app.agents.get(*s)?;
+                let replacement = current.id != protected.agents[*s].id
+                    && rebuilt.contains(&protected.agents[*s].node)
+                    && !fresh.contains(&current.node)
+                    && state.nodes.is_alive(&current.node, now);
+                replacement.then(|| (*s, current.clone()))
+            })
+            .collect();
+        let lost_slots: Vec<usize> = lost_slots.into_iter().filter(|s| !reused.contains_key(s)).collect();
         let survivors: BTreeSet<&str> =
             protected.agents.iter().filter(|a| !dead.contains(&a.node)).map(|a| a.node.as_str()).collect();
         // A replacement goes to a live node holding none of the version
@@ -350,16 +382,17 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
             protected: Some(protected.version()),
         };
         let waiters = send_starts(state, &spec, places);
-        (protected, policy, dead, owner, waiters, lost_slots, falls_back)
+        break (protected, policy, dead, owner, waiters, lost_slots, reused, falls_back);
     };
     tracing::warn!(app = name, version = protected.version(), lost = ?dead, slots = ?lost_slots, "rebuilding on other nodes");
     let _claim = Placing::of(shared, &waiters);
     let started = await_starts(shared, name, waiters).await?;
     let mut agents: Vec<AgentInfo> = protected.agents.clone();
-    for (slot, agent) in lost_slots.iter().zip(&started) {
+    for (slot, agent) in lost_slots.iter().zip(&started).chain(reused.iter()) {
         agents[*slot] = agent.clone();
     }
-    let sources = protection::rebuild_sources(&protected, policy, &dead)?;
+    let mut sources = protection::rebuild_sources(&protected, policy, &dead)?;
+    sources.retain(|(_, slot, _)| !reused.contains_key(slot));
     let rebuilt = sources.len();
     let mut pending = sources;
     let mut failed = Vec::new();
@@ -444,7 +477,9 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     }
     // The old agents on the lost nodes are gone; the survivors stay.
     app.agents = agents.clone();
-    app.protection.wiped.clear();
+    app.protection.wiped.retain(|n| !dead.contains(n));
+    app.protection.lost_since.retain(|n| !dead.contains(n));
+    app.protection.rebuilt.extend(dead.iter().cloned());
     app.homes = agents.iter().map(|a| a.node.clone()).collect();
     start_protection(shared, state, name);
     Ok(Some(rebuilt))
