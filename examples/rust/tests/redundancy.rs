@@ -614,10 +614,7 @@ fn rs_4_2_rebuilds_two_nodes_lost_one_after_the_other_and_started_again_empty() 
     let report = wait_protected(&service, "r42a", 3);
     let (a, b) = (report.agents[0].node.clone(), report.agents[1].node.clone());
     lose_node(&service, &a);
-    assert!(
-        poll_until(Duration::from_secs(10), || app(&service, "r42a").rebuilding),
-        "no rebuild after losing {a}"
-    );
+    assert!(poll_until(Duration::from_secs(10), || app(&service, "r42a").rebuilding), "no rebuild after losing {a}");
     lose_node(&service, &b);
     let rebuilt = wait_protected(&service, "r42a", 3);
     let old: Vec<u64> = report.agents[..2].iter().map(|agent| agent.id).collect();
