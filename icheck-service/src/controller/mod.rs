@@ -1393,6 +1393,8 @@ async fn relaunch_until_registered(shared: &Shared, launcher: Arc<dyn Launcher>,
 /// version had a primary or a piece there: they are rebuilt at once.
 fn node_lost(state: &mut State, node: &str, why: &str) -> Vec<String> {
     let mut rebuilds = Vec::new();
+    // Open still only when the node went silent: the same manager may answer again.
+    let connection = state.nodes.open_connection(node);
     for (name, app) in state.apps.iter_mut() {
         let lost = app.lose_node(node);
         if let Some(version) = app.protection.node_lost(node) {
@@ -1400,7 +1402,7 @@ fn node_lost(state: &mut State, node: &str, why: &str) -> Vec<String> {
         }
         if app.protection.nodes().contains(node) {
             tracing::warn!(app = %name, %node, lost, "{why}: rebuilding its protected version on the other nodes");
-            app.protection.lost_since.insert(node.to_string());
+            app.protection.lost_since.insert(node.to_string(), connection);
             // Until the rebuild protects it again, the status says so.
             app.protection.problem = Some(format!("node {node} was lost ({why}); its ranks are being rebuilt"));
             rebuilds.push(name.clone());

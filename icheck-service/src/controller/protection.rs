@@ -92,12 +92,14 @@ pub(super) struct ProtectionBook {
     /// (they came back without its files): a rebuild treats them as dead.
     pub(super) wiped: BTreeSet<String>,
     /// Nodes of the protected version noticed lost (manager gone or
-    /// silent) and not rebuilt yet. A rebuild counts them lost even when
-    /// their managers run again by the time it looks, unless they came back
-    /// with their files: two nodes lost a few milliseconds apart are
-    /// noticed one by one, and the second may be back (empty) before a
-    /// rebuild gets to it.
-    pub(super) lost_since: BTreeSet<String>,
+    /// silent) and not rebuilt yet, each with its manager connection at
+    /// that moment (still open only when it went silent). A rebuild counts
+    /// them lost even when their managers run again by the time it looks,
+    /// unless they came back with their files, which the connection at the
+    /// loss tells apart from a new manager: two nodes lost a few
+    /// milliseconds apart are noticed one by one, and the second may be
+    /// back (empty) before a rebuild gets to it.
+    pub(super) lost_since: std::collections::BTreeMap<String, Option<u64>>,
     /// Nodes of the protected version whose ranks a rebuild has already
     /// placed elsewhere. Their pieces are not rebuilt until the version is
     /// protected anew, so until then a further rebuild of the same version

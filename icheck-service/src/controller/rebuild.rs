@@ -96,7 +96,7 @@ fn fresh_losses(state: &State, name: &str, now: Instant) -> BTreeSet<String> {
         .agents
         .iter()
         .map(|a| a.node.clone())
-        .filter(|n| !state.nodes.is_alive(n, now) || book.wiped.contains(n) || book.lost_since.contains(n))
+        .filter(|n| !state.nodes.is_alive(n, now) || book.wiped.contains(n) || book.lost_since.contains_key(n))
         .filter(|n| !book.rebuilt.contains(n))
         .collect()
 }
@@ -109,9 +109,19 @@ fn fresh_losses(state: &State, name: &str, now: Instant) -> BTreeSet<String> {
 /// its ranks homed there left. Nothing is to be rebuilt then.
 async fn came_back_whole(shared: &Shared, name: &str, dead: &BTreeSet<String>) -> bool {
     let deadline = Instant::now() + COMEBACK_WAIT;
+    // Each node's manager connection when it was lost: recorded then
+    // (`ProtectionBook::lost_since`), else the one open now (the node is
+    // down, or silent on it). Taken now for a node already back, a new
+    // manager's connection would pass for the old one.
     let at_loss: BTreeMap<String, Option<u64>> = {
         let state = shared.state();
-        dead.iter().map(|node| (node.clone(), state.nodes.open_connection(node))).collect()
+        let recorded = state.apps.get(name).map(|app| &app.protection.lost_since);
+        dead.iter()
+            .map(|node| {
+                let at_loss = recorded.and_then(|lost| lost.get(node).copied());
+                (node.clone(), at_loss.unwrap_or_else(|| state.nodes.open_connection(node)))
+            })
+            .collect()
     };
     loop {
         {
@@ -267,7 +277,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
             tracing::warn!(app = name, nodes = ?fresh, "the lost nodes came back with their memory: nothing to rebuild");
             if let Some(app) = shared.state().apps.get_mut(name) {
                 app.protection.problem = None;
-                app.protection.lost_since.retain(|n| !fresh.contains(n));
+                app.protection.lost_since.retain(|n, _| !fresh.contains(n));
             }
             return Ok(None);
         }
@@ -478,7 +488,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     // The old agents on the lost nodes are gone; the survivors stay.
     app.agents = agents.clone();
     app.protection.wiped.retain(|n| !dead.contains(n));
-    app.protection.lost_since.retain(|n| !dead.contains(n));
+    app.protection.lost_since.retain(|n, _| !dead.contains(n));
     app.protection.rebuilt.extend(dead.iter().cloned());
     app.homes = agents.iter().map(|a| a.node.clone()).collect();
     start_protection(shared, state, name);
