@@ -2346,6 +2346,8 @@ async fn change_agents(
     config: &DynamicConfig,
 ) -> Result<Vec<AgentInfo>, String> {
     let changing = Instant::now();
+    // Nodes of the protected version already lost when the change began.
+    let lost_before: BTreeSet<String>;
     let (old, units, latest, owner, waiters) = {
         let mut state = shared.state();
         let now = Instant::now();
@@ -2356,6 +2358,7 @@ async fn change_agents(
         let owner = app.owner.ok_or("the application has no recorded owner")?;
         let encrypted = app.registration.encrypted;
         let protected = app.protection.protected.as_ref().map(|p| p.version());
+        lost_before = app.protection.lost_since.keys().cloned().collect();
         let kept = (0..old.len().min(to as usize)).filter(|i| !replace.contains(i)).count() as u32;
         let waiters = match to - kept {
             0 => Vec::new(),
@@ -2414,7 +2417,17 @@ async fn change_agents(
     let secs = changing.elapsed().as_secs_f64();
     let mut state = shared.state();
     let state = &mut *state;
-    let registration = state.apps.get(name).ok_or("the application went away")?.registration.clone();
+    let app = state.apps.get(name).ok_or("the application went away")?;
+    // A node of the protected version lost meanwhile starts a rebuild that
+    // places the version's agents from its record: moved ranks would leave
+    // the nodes that record names. The change yields and is undone.
+    let protection = &app.protection;
+    if protection.rebuilding || protection.lost_since.keys().any(|node| !lost_before.contains(node)) {
+        tell_agents(&state.nodes, &started, |id| ControllerToManager::StopAgent { id, discard: false });
+        drop_moved_ranks(&state.nodes, name, moves.iter().map(|(rank, _, to)| (*rank, to.node.as_str())));
+        return Err("a node of the protected version was lost during the change; its rebuild places the agents".into());
+    }
+    let registration = app.registration.clone();
     journal(state, &Event::Placed { registration, agents: new.clone(), owner: Some(owner) })?;
     let app = state.apps.get_mut(name).ok_or("the application went away")?;
     app.agents = new.clone();
