@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use common::Job;
 use icheck_core::protocol::AppReport;
+use icheck_core::redundancy::Slot;
 use icheck_service::testkit::{icheck_in_target, metric_sample, poll_until, LocalService};
 
 fn service(name: &str, managers: u32) -> LocalService {
@@ -617,6 +618,43 @@ fn rs_4_2_rebuilds_two_nodes_lost_moments_apart_and_both_started_again_empty() {
     // connections, both passed for nodes that kept their memory, and
     // nothing was rebuilt.
     lose_two_nodes_apart("red-rs42-close", false);
+}
+
+#[test]
+fn rs_4_2_rebuilds_a_node_lost_during_a_rebuild_and_keeps_the_first_replacement() {
+    // Every rebuilt rank waits 4 s before it reads (a failpoint), and the
+    // second node goes while the rebuild after the first waits so. It holds
+    // the group's second parity shard, which decoding rank 0 does not read:
+    // that pass succeeds, and a second one must protect the version around
+    // both losses, counting the first node still lost (its pieces are not
+    // rebuilt yet) but keeping the replacement that holds rank 0 (not a
+    // second one beside it, left running unlisted).
+    let service = service_with("red-rs42-during", 7, Some("agent.rebuild_rank=sleep(4000)"));
+    commit_three(&service, "r42d", "rs:4+2");
+    let report = wait_protected(&service, "r42d", 3);
+    let slots: Vec<Slot> = report.agents.iter().map(|a| Slot { node: a.node.clone(), group: None }).collect();
+    let plan = icheck_core::redundancy::plan("rs:4+2".parse().unwrap(), 4, &slots).unwrap();
+    let group = &plan.groups[0];
+    assert_eq!(group.members, [Some(0), Some(1), Some(2), Some(3)], "{plan:?}");
+    let (a, b) = (report.agents[0].node.clone(), report.agents[group.parity[1]].node.clone());
+    lose_node(&service, &a);
+    std::thread::sleep(Duration::from_millis(2500));
+    lose_node(&service, &b);
+    wait_rebuilt(&service, "r42d", 3, &[&a, &b]);
+    let mut mismatch = String::new();
+    let matches = poll_until(Duration::from_secs(10), || {
+        let status = service.status();
+        let listed = |node: &str| status.apps.iter().flat_map(|app| &app.agents).filter(|a| a.node == node).count();
+        mismatch = (status.nodes.iter().filter(|n| n.alive))
+            .filter(|n| n.status.agents as usize != listed(&n.node))
+            .map(|n| format!("{} runs {} agents, {} listed", n.node, n.status.agents, listed(&n.node)))
+            .collect::<Vec<_>>()
+            .join("; ");
+        mismatch.is_empty()
+    });
+    assert!(matches, "{mismatch}");
+    restart_bit_exact(&service, "r42d", "rs:4+2", 6);
+    pfs_untouched(&service, "r42d");
 }
 
 /// Under `rs:4+2` on seven managers (started again when they die, the
