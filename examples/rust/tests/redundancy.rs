@@ -657,6 +657,40 @@ fn rs_4_2_rebuilds_a_node_lost_during_a_rebuild_and_keeps_the_first_replacement(
     pfs_untouched(&service, "r42d");
 }
 
+#[test]
+fn a_version_whose_ranks_moved_is_protected_again_on_their_new_agents() {
+    // Draining rank 0's node moves its agent at the probe after version 2,
+    // and rank 0's files leave that node. No newer version follows (the
+    // job is killed), so version 2 must be protected again on the new
+    // agents: a rebuild of rank 1 from a record that still named the
+    // drained node would read rank 0 from an agent that was stopped there.
+    let dynamic = "readInterval = 0.5\nis_dynamic_as = false\n";
+    let args = ["--provider", "tcp", "--manager-relaunches", "0"];
+    let service = LocalService::up_with_dynamic(&icheck_in_target(), "red-moved", 5, &args, Some(dynamic));
+    let job_args =
+        ["--app", "moved", "--steps", "40", "--every", "4", "--mib", "2", "--probe-every", "2", "--step-ms", "1000"];
+    let mut job = Job::start(2, &service.config_path(), &job_args, &[("ICHECK_REDUNDANCY", "rs:2+1")]);
+    job.wait_line("COMMITTED version=1 ", Duration::from_secs(60));
+    let before = app(&service, "moved");
+    let (drained, other) = (before.agents[0].node.clone(), before.agents[1].node.clone());
+    let out = std::process::Command::new(&service.icheck)
+        .args(["drain", &drained, "--state-dir"])
+        .arg(&service.dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    job.wait_line("COMMITTED version=2 ", Duration::from_secs(60));
+    let moved = poll_until(Duration::from_secs(20), || !app(&service, "moved").agent_changes.is_empty());
+    assert!(moved, "no agent change after draining {drained}: {:?}", app(&service, "moved"));
+    wait_rebuilt(&service, "moved", 2, &[&drained]);
+    job.kill();
+    assert!(!job.has("COMMITTED version=3 "), "{:?}", job.lines());
+    lose_node(&service, &other);
+    wait_rebuilt(&service, "moved", 2, &[&drained, &other]);
+    restart_bit_exact_with(&service, "moved", "rs:2+1", 14, 2);
+    pfs_untouched(&service, "moved");
+}
+
 /// Under `rs:4+2` on seven managers (started again when they die, the
 /// default), loses the nodes of ranks 0 and 1 one after the other, the
 /// second once the controller reports a rebuild (`after_rebuild_starts`)

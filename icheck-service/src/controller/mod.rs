@@ -2436,10 +2436,18 @@ async fn change_agents(
     app.adaptation.changed_after = after_version;
     app.adaptation.reconfigure_secs = secs;
     app.adaptation.changes.push(AgentChange { after_version, from: current, to, secs, moved_bytes });
+    let reprotect = app.protection.protected.is_some() && !moves.is_empty();
     let retired: Vec<AgentInfo> = old.iter().filter(|a| !new.iter().any(|n| n.id == a.id)).cloned().collect();
     tell_agents(&state.nodes, &retired, |id| ControllerToManager::StopAgent { id, discard: false });
     drop_moved_ranks(&state.nodes, name, moves.iter().map(|(rank, from, _)| (*rank, from.node.as_str())));
     tracing::info!(from = current, to, moved = moves.len(), moved_bytes, secs, "agents changed");
+    if reprotect {
+        // The protected version's record names the nodes the moved ranks
+        // just left: a rebuild from it would read primaries that are gone.
+        // Protected again on the new agents, the record is current, rather
+        // than only once the application's next version is.
+        start_protection(shared, state, name);
+    }
     Ok(new)
 }
 
