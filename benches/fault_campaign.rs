@@ -816,7 +816,8 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         // The job goes on or ends; either way it is stopped after a while.
         let _ = job.wait_for(Duration::from_secs(3), |_| false);
         let reported = committed(&job.lines());
-        if kind == LOSE_NODE || kind == LOSE_NODES {
+        let lost_nodes_kind = matches!(kind, LOSE_NODE | LOSE_NODES);
+        if lost_nodes_kind {
             // Versions reported complete before the loss but not protected
             // may go (the rebuild falls back to the protected one, and the
             // job writes their numbers again); those reported after it (the
@@ -828,7 +829,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
             job.lines().iter().filter_map(|l| l.rsplit_once("secs=")?.1.parse::<f64>().ok()).fold(0.0, f64::max);
         tally.slowest_commit = tally.slowest_commit.max(slowest);
         job.kill();
-        if let (false, Some(newest)) = (kind == LOSE_NODE || kind == LOSE_NODES, reported.iter().max()) {
+        if let (false, Some(newest)) = (lost_nodes_kind, reported.iter().max()) {
             told = Some(told.map_or(*newest, |t| t.max(*newest)));
         }
         fault_at = Some(at);

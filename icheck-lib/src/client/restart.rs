@@ -835,7 +835,7 @@ mod tests {
         }
     }
 
-    fn ms(n: u64) -> Duration {
+    fn tenths_of_ms(n: u64) -> Duration {
         Duration::from_micros(n * 100)
     }
 
@@ -848,10 +848,10 @@ mod tests {
         let mut decided = None;
         for chunk in 0..20 {
             let took = match chunk / STAGED_SLOTS {
-                0 => ms(5),
-                1 => ms(without),
-                2 => ms(with),
-                _ => ms(1),
+                0 => tenths_of_ms(5),
+                1 => tenths_of_ms(without),
+                2 => tenths_of_ms(with),
+                _ => tenths_of_ms(1),
             };
             if let Some(decision) = probe.read_took(chunk, took) {
                 assert_eq!(chunk, 3 * STAGED_SLOTS - 1, "decided once, after the third use's reads");
@@ -885,7 +885,7 @@ mod tests {
         for (chunks, can_evict) in [(4 * STAGED_SLOTS - 1, true), (100, false), (0, true)] {
             let mut probe = EvictionProbe::new(chunks, can_evict);
             for chunk in 0..chunks {
-                assert_eq!(probe.read_took(chunk, ms(20)), None);
+                assert_eq!(probe.read_took(chunk, tenths_of_ms(20)), None);
                 assert!(!probe.evict_after(chunk), "{chunks} chunks, can evict {can_evict}");
             }
         }

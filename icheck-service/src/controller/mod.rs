@@ -2346,9 +2346,7 @@ async fn change_agents(
     config: &DynamicConfig,
 ) -> Result<Vec<AgentInfo>, String> {
     let changing = Instant::now();
-    // Nodes of the protected version already lost when the change began.
-    let lost_before: BTreeSet<String>;
-    let (old, units, latest, owner, waiters) = {
+    let (old, units, latest, owner, waiters, lost_before) = {
         let mut state = shared.state();
         let now = Instant::now();
         let snapshot = state.nodes.snapshot(now);
@@ -2358,7 +2356,8 @@ async fn change_agents(
         let owner = app.owner.ok_or("the application has no recorded owner")?;
         let encrypted = app.registration.encrypted;
         let protected = app.protection.protected.as_ref().map(|p| p.version());
-        lost_before = app.protection.lost_since.keys().cloned().collect();
+        // Nodes of the protected version already lost when the change began.
+        let lost_before: BTreeSet<String> = app.protection.lost_since.keys().cloned().collect();
         let kept = (0..old.len().min(to as usize)).filter(|i| !replace.contains(i)).count() as u32;
         let waiters = match to - kept {
             0 => Vec::new(),
@@ -2369,7 +2368,7 @@ async fn change_agents(
                 send_starts(&mut state, &spec, nodes)
             }
         };
-        (old, units, latest, owner, waiters)
+        (old, units, latest, owner, waiters, lost_before)
     };
     let current = old.len() as u32;
     let _claim = Placing::of(shared, &waiters);
@@ -2408,9 +2407,7 @@ async fn change_agents(
         let RanksAwaited { moved: bytes, failures, .. } = await_ranks(shared, waiters).await;
         moved_bytes = bytes;
         if let Some((_, reason)) = failures.into_iter().last() {
-            let state = shared.state();
-            tell_agents(&state.nodes, &started, |id| ControllerToManager::StopAgent { id, discard: false });
-            drop_moved_ranks(&state.nodes, name, moves.iter().map(|(rank, _, to)| (*rank, to.node.as_str())));
+            undo_agent_change(&shared.state().nodes, name, &started, &moves);
             return Err(reason);
         }
     }
@@ -2423,8 +2420,7 @@ async fn change_agents(
     // the nodes that record names. The change yields and is undone.
     let protection = &app.protection;
     if protection.rebuilding || protection.lost_since.keys().any(|node| !lost_before.contains(node)) {
-        tell_agents(&state.nodes, &started, |id| ControllerToManager::StopAgent { id, discard: false });
-        drop_moved_ranks(&state.nodes, name, moves.iter().map(|(rank, _, to)| (*rank, to.node.as_str())));
+        undo_agent_change(&state.nodes, name, &started, &moves);
         return Err("a node of the protected version was lost during the change; its rebuild places the agents".into());
     }
     let registration = app.registration.clone();
@@ -2449,6 +2445,14 @@ async fn change_agents(
         start_protection(shared, state, name);
     }
     Ok(new)
+}
+
+/// Undoes an agent change that will not be carried out: its new agents
+/// stop and the ranks moved to them leave their new nodes (the old agents
+/// kept serving them all along).
+fn undo_agent_change(nodes: &ManagerBook, name: &str, started: &[AgentInfo], moves: &[(u32, &AgentInfo, &AgentInfo)]) {
+    tell_agents(nodes, started, |id| ControllerToManager::StopAgent { id, discard: false });
+    drop_moved_ranks(nodes, name, moves.iter().map(|(rank, _, to)| (*rank, to.node.as_str())));
 }
 
 /// A rank an agent was asked to take over or rebuild: the agent, the rank
