@@ -273,3 +273,77 @@ fn a_restart_right_after_its_manager_died_waits_for_the_relaunch() {
     let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
     assert_eq!(restored(&lines), Some(3), "{lines:?}\n{}", service.log("controller.log"));
 }
+
+/// An agent change whose new node dies while a rank is taken over there:
+/// the node's manager will never answer, so the take-over fails at once,
+/// the change is undone (the job keeps its agents), and the next probe
+/// moves the agent to a live node. The controller used to wait out the
+/// take-over's bound (five minutes), holding the job's probe, with the
+/// change's new agents running unlisted; the fault campaign found it.
+#[test]
+fn an_agent_change_whose_new_node_dies_is_undone_at_once() {
+    // The only change a probe can bring is the drain; every take-over
+    // waits 6 s before it reads, and the node is lost meanwhile.
+    let dynamic = "readInterval = 0.5\ninit_agent_count = 1\nis_dynamic_as = false\n";
+    let args = ["--provider", "tcp", "--manager-relaunches", "0"];
+    let failpoints = Some("agent.take_over_rank=sleep(6000)");
+    let service =
+        LocalService::up_with_failpoints(&icheck_in_target(), "change-lost", 3, &args, Some(dynamic), failpoints);
+    let config = service.config_without_pfs();
+    let job_args = [
+        "--app",
+        "chg",
+        "--steps",
+        "40",
+        "--every",
+        "1",
+        "--mib",
+        "2",
+        "--probe-every",
+        "2",
+        "--step-ms",
+        "200",
+        "--persist",
+    ];
+    let mut job = Job::start(2, &config, &job_args, &[]);
+    job.wait_line("COMMITTED version=2 ", Duration::from_secs(60));
+    let home = service.status().apps[0].agents[0].node.clone();
+    let out = std::process::Command::new(&service.icheck)
+        .args(["drain", &home, "--state-dir"])
+        .arg(&service.dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The change's new agent: on a node other than the job's, which ran none.
+    let mut target = None;
+    let started = poll_until(Duration::from_secs(30), || {
+        let status = service.status();
+        target = (status.nodes.iter()).find(|n| n.node != home && n.status.agents > 0).map(|n| n.node.clone());
+        target.is_some()
+    });
+    assert!(started, "no agent change after draining {home}: {:?}", service.status());
+    let target = target.unwrap();
+    let manager = service.pid_of(&format!("manager-{target}"));
+    kill(Pid::from_raw(manager as i32), Signal::SIGKILL).expect("SIGKILL the manager");
+    assert!(poll_until(Duration::from_secs(10), || !process_running(manager)), "the manager did not die");
+
+    let lines = job.finish(Duration::from_secs(120));
+    let log = service.log("controller.log");
+    let undone = format!("node {target} was lost (its manager's connection closed) before its agent");
+    assert!(log.contains(&undone) && log.contains("cannot move agents off draining nodes"), "{log}");
+    // The next probe moved the agent to the third node, with the newest version.
+    let moved = lines.iter().position(|l| l.starts_with("PROBE agents=1 ")).unwrap_or_else(|| panic!("{lines:?}"));
+    assert!(lines[moved + 1].starts_with("VERIFIED version="), "{lines:?}");
+    assert_eq!(lines.iter().filter(|l| l.starts_with("PROBE agents=")).count(), 1, "{lines:?}");
+    assert!(lines.iter().any(|l| l == "DONE"), "{lines:?}");
+    let status = service.status();
+    let agents = &status.apps[0].agents;
+    assert!(agents.iter().all(|a| a.node != home && a.node != target), "{agents:?}");
+    // No live node runs an agent that the application does not list.
+    let settled = poll_until(Duration::from_secs(10), || {
+        let status = service.status();
+        let listed = |node: &str| status.apps[0].agents.iter().filter(|a| a.node == node).count();
+        (status.nodes.iter().filter(|n| n.alive)).all(|n| n.status.agents as usize == listed(&n.node))
+    });
+    assert!(settled, "{:?}", service.status());
+}

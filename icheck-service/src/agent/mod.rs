@@ -2157,6 +2157,9 @@ fn load_from_pfs(shared: &Shared, app: &str, rank: u32, version: u64) -> Result<
 fn take_over(job: &Job<'_>, rank: u32, version: u64, from: &AgentInfo) -> Result<u64, String> {
     let started = Instant::now();
     let fail = |what: String| format!("taking over rank {rank} version {version}: {what}");
+    if icheck_core::failpoint::fails("agent.take_over_rank") {
+        return Err(fail("the failpoint agent.take_over_rank refused it".into()));
+    }
     let mut session = redundancy::PeerSession::open(job, from, rank).map_err(fail)?;
     // Checked by the peer first: a damaged version is served from its PFS copy.
     let (manifest, region) = session.fetch(job, (rank, version), false).map_err(fail)?;

@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 mod apps;
+mod awaiting;
 mod copies;
 pub mod journal;
 mod nodes;
@@ -23,7 +24,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use icheck_core::config::{DaemonTokens, DynamicConfig, StaticConfig};
@@ -39,6 +40,7 @@ use crate::launcher::Launcher;
 use crate::store::FileIdentity;
 use crate::ServiceError;
 use apps::{AppEntry, ProbePlan, Recorded};
+use awaiting::{Answer, Awaiting};
 use copies::{Answered, CopyBook, OnRecorded};
 use journal::{Event, Journal, JournaledApp, JournaledVersion};
 use nodes::NodeBook;
@@ -71,14 +73,15 @@ struct State {
     /// The checkpoint nodes, and the channel to each manager.
     nodes: ManagerBook,
     apps: BTreeMap<String, AppEntry>,
-    pending: HashMap<u64, oneshot::Sender<Result<AgentInfo, String>>>,
+    /// Agent starts under way, by agent id: the agent or why not.
+    pending: Awaiting<u64, AgentInfo>,
     /// Agents started for an application that does not list them yet: its
     /// registration, agent change or rebuild is still under way (waiting
     /// for the other starts, moving or rebuilding ranks). Nothing stops
     /// them as stale meanwhile ([`Placing`] ends the claim).
     placing: BTreeSet<u64>,
     /// Take-overs under way, by (agent, rank): bytes moved or why not.
-    takeovers: HashMap<(u64, u32), oneshot::Sender<Result<u64, String>>>,
+    takeovers: Awaiting<(u64, u32), u64>,
     next_agent: u64,
     /// The durable state, when the controller has a state directory.
     journal: Option<Journal>,
@@ -412,9 +415,9 @@ async fn run(
             nodes: NodeBook::new(config.heartbeat(), config.missed_heartbeats),
             startup_settled: apps.is_empty(),
             apps,
-            pending: HashMap::new(),
+            pending: Awaiting::default(),
             placing: BTreeSet::new(),
-            takeovers: HashMap::new(),
+            takeovers: Awaiting::default(),
             next_agent: u64::from(incarnation) * AGENT_IDS_PER_INCARNATION + 1,
             journal,
             holdings: Holdings::new(),
@@ -1212,15 +1215,14 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                 }
             }
             ManagerToController::AgentReady(info) => {
-                if let Some(waiter) = state.pending.remove(&info.id) {
+                let id = info.id;
+                if state.pending.answer(&id, Ok(info)) {
                     state.nodes.start_answered(&node, true);
-                    let _ = waiter.send(Ok(info));
                 }
             }
             ManagerToController::AgentFailed { id, reason } => {
-                if let Some(waiter) = state.pending.remove(&id) {
+                if state.pending.answer(&id, Err(format!("node {node}: {reason}"))) {
                     state.nodes.start_answered(&node, false);
-                    let _ = waiter.send(Err(format!("node {node}: {reason}")));
                 }
             }
             ManagerToController::AgentLost { id } => {
@@ -1233,9 +1235,7 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                 tracing::warn!(%node, "manager registered twice on one connection; ignored");
             }
             ManagerToController::TookOver { agent, rank, result } => {
-                if let Some(waiter) = state.takeovers.remove(&(agent, rank)) {
-                    let _ = waiter.send(result.map_err(|reason| format!("node {node}: {reason}")));
-                }
+                state.takeovers.answer(&(agent, rank), result.map_err(|reason| format!("node {node}: {reason}")));
             }
             ManagerToController::PfsCopied { agent, version, result, superseded } => {
                 drop(state);
@@ -1393,6 +1393,17 @@ async fn relaunch_until_registered(shared: &Shared, launcher: Arc<dyn Launcher>,
 /// version had a primary or a piece there: they are rebuilt at once.
 fn node_lost(state: &mut State, node: &str, why: &str) -> Vec<String> {
     let mut rebuilds = Vec::new();
+    // Its manager will not answer what it was asked: the agent changes and
+    // rebuilds waiting on it learn so now, not at their bounds.
+    for _ in state.pending.node_lost(node, |id| format!("node {node} was lost ({why}) before agent {id} started")) {
+        state.nodes.start_answered(node, false);
+    }
+    let unanswered = state.takeovers.node_lost(node, |(agent, rank)| {
+        format!("node {node} was lost ({why}) before its agent {agent} answered for rank {rank}")
+    });
+    if !unanswered.is_empty() {
+        tracing::warn!(%node, ?unanswered, "{why}: the take-overs and rebuilds sent there (agent, rank) failed");
+    }
     // Open still only when the node went silent: the same manager may answer again.
     let connection = state.nodes.open_connection(node);
     for (name, app) in state.apps.iter_mut() {
@@ -1430,7 +1441,7 @@ fn claims_agent(state: &State, id: u64) -> bool {
 /// Whether agent `id` was started for a placement still under way: its
 /// start not answered yet, or answered and the application not told.
 fn being_placed(state: &State, id: u64) -> bool {
-    state.pending.contains_key(&id) || state.placing.contains(&id)
+    state.pending.contains(&id) || state.placing.contains(&id)
 }
 
 /// Stops the agents `node` reports running that no application claims and
@@ -2165,7 +2176,7 @@ fn start_deferred_copy(shared: &Shared, state: &mut State, name: &str) {
 }
 
 /// An agent start the controller waits for: id, node, and the manager's answer.
-type StartWaiter = (u64, String, oneshot::Receiver<Result<AgentInfo, String>>);
+type StartWaiter = (u64, String, Answer<AgentInfo>);
 
 /// The claim of a placement on the agents it started ([`State::placing`]),
 /// ended when this drops: by then the application lists them, or they
@@ -2199,8 +2210,7 @@ fn send_starts(state: &mut State, spec: &nodes::StartSpec<'_>, nodes: Vec<String
     for node in nodes {
         let id = state.next_agent;
         state.next_agent += 1;
-        let (tx, rx) = oneshot::channel();
-        state.pending.insert(id, tx);
+        let rx = state.pending.ask(id, &node);
         state.placing.insert(id);
         // Counted from now on, so parallel placements spread out.
         state.nodes.start_agent(&node, id, spec);
@@ -2223,16 +2233,22 @@ async fn await_starts(shared: &Shared, app: &str, waiters: Vec<StartWaiter>) -> 
             Some(Err(reason)) => format!("manager on {node} failed to start agent {id}: {reason}"),
             None => {
                 let mut state = shared.state();
-                if state.pending.remove(&id).is_some() {
+                if state.pending.forget(&id) {
                     state.nodes.start_answered(&node, false);
                 }
                 format!("manager on {node} did not start agent {id} within {AGENT_START_TIMEOUT:?}")
             }
         };
         // No more agents go there for a while: a broken (or hostile) node
-        // must not take every new application down with it.
-        tracing::warn!(%node, reason = %failed, "placing no agents on this node for {:?}", nodes::START_QUARANTINE);
-        shared.state().nodes.start_failed(&node, &failed, Instant::now());
+        // must not take every new application down with it. A node that
+        // was lost meanwhile is not quarantined: down, it takes no agents,
+        // and once its manager is back it is as good as new.
+        let mut state = shared.state();
+        let now = Instant::now();
+        if state.nodes.is_alive(&node, now) {
+            tracing::warn!(%node, reason = %failed, "placing no agents on this node for {:?}", nodes::START_QUARANTINE);
+            state.nodes.start_failed(&node, &failed, now);
+        }
         failure = Some(failed);
     }
     match failure {
@@ -2246,7 +2262,7 @@ async fn await_starts(shared: &Shared, app: &str, waiters: Vec<StartWaiter>) -> 
 
 /// A manager's answer to a request, or `None` when none came within
 /// `limit` (or its connection went away); the caller drops its waiter.
-async fn manager_answer<T>(rx: oneshot::Receiver<Result<T, String>>, limit: Duration) -> Option<Result<T, String>> {
+async fn manager_answer<T>(rx: Answer<T>, limit: Duration) -> Option<Result<T, String>> {
     tokio::time::timeout(limit, rx).await.ok().and_then(Result::ok)
 }
 
@@ -2395,12 +2411,9 @@ async fn change_agents(
             moves
                 .iter()
                 .map(|(rank, from, to)| {
-                    let (tx, rx) = oneshot::channel();
-                    state.takeovers.insert((to.id, *rank), tx);
                     let from = (*from).clone();
                     let message = ControllerToManager::TakeOver { agent: to.id, rank: *rank, version, from };
-                    state.nodes.send(&to.node, message);
-                    (to.id, *rank, rx)
+                    ask_rank(&mut state, to, *rank, message)
                 })
                 .collect()
         };
@@ -2457,7 +2470,19 @@ fn undo_agent_change(nodes: &ManagerBook, name: &str, started: &[AgentInfo], mov
 
 /// A rank an agent was asked to take over or rebuild: the agent, the rank
 /// and where its answer arrives.
-type RankWaiter = (u64, u32, oneshot::Receiver<Result<u64, String>>);
+type RankWaiter = (u64, u32, Answer<u64>);
+
+/// Sends `message` (a take-over or rebuild of `rank`) to agent `to`'s
+/// manager and returns where its answer arrives; a manager that cannot be
+/// reached answers at once.
+fn ask_rank(state: &mut State, to: &AgentInfo, rank: u32, message: ControllerToManager) -> RankWaiter {
+    let key = (to.id, rank);
+    let answer = state.takeovers.ask(key, &to.node);
+    if !state.nodes.send(&to.node, message) {
+        state.takeovers.answer(&key, Err(format!("node {} is not connected (agent {}, rank {rank})", to.node, to.id)));
+    }
+    (to.id, rank, answer)
+}
 
 /// What became of the ranks of one [`await_ranks`].
 #[derive(Default)]
@@ -2478,7 +2503,7 @@ async fn await_ranks(shared: &Shared, waiters: Vec<RankWaiter>) -> RanksAwaited 
             Some(Ok(bytes)) => awaited.moved += bytes,
             Some(Err(reason)) => awaited.failures.push((rank, reason)),
             None => {
-                shared.state().takeovers.remove(&(agent, rank));
+                shared.state().takeovers.forget(&(agent, rank));
                 awaited.unanswered = true;
                 let why = format!("agent {agent} did not answer for rank {rank} within {TAKE_OVER_TIMEOUT:?}");
                 awaited.failures.push((rank, why));

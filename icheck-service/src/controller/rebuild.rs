@@ -12,13 +12,12 @@ use std::time::{Duration, Instant};
 
 use icheck_core::decide;
 use icheck_core::protocol::{AgentInfo, ControllerToManager};
-use tokio::sync::oneshot;
 
 use super::journal::Event;
 use super::reconcile;
 use super::{
-    await_ranks, await_starts, journal, nodes, protection, send_starts, start_protection, tell_agents, Placing,
-    RankWaiter, Shared, State,
+    ask_rank, await_ranks, await_starts, journal, nodes, protection, send_starts, start_protection, tell_agents,
+    Placing, RankWaiter, Shared, State,
 };
 use crate::launcher::Launcher;
 
@@ -237,6 +236,19 @@ async fn replace_lost<'a>(
     granted
 }
 
+/// When one of `places` (nodes a pass placed replacements on) is down,
+/// has `name`'s rebuild look again once this pass ends (and place their
+/// slots elsewhere); returns whether one is.
+fn look_again_if_lost(shared: &Shared, name: &str, places: &[String]) -> bool {
+    let mut state = shared.state();
+    let now = Instant::now();
+    let lost = places.iter().any(|node| !state.nodes.is_alive(node, now));
+    if let Some(app) = state.apps.get_mut(name).filter(|_| lost) {
+        app.protection.look_again = true;
+    }
+    lost
+}
+
 /// One pass of [`after_loss`], with its outcome logged and recorded.
 async fn rebuild_once(shared: &Shared, name: &str) {
     let started = Instant::now();
@@ -396,7 +408,14 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     };
     tracing::warn!(app = name, version = protected.version(), lost = ?dead, slots = ?lost_slots, "rebuilding on other nodes");
     let _claim = Placing::of(shared, &waiters);
-    let started = await_starts(shared, name, waiters).await?;
+    let places: Vec<String> = waiters.iter().map(|(_, node, _)| node.clone()).collect();
+    let started = match await_starts(shared, name, waiters).await {
+        Ok(started) => started,
+        Err(reason) => {
+            look_again_if_lost(shared, name, &places);
+            return Err(reason);
+        }
+    };
     let mut agents: Vec<AgentInfo> = protected.agents.clone();
     for (slot, agent) in lost_slots.iter().zip(&started).chain(reused.iter()) {
         agents[*slot] = agent.clone();
@@ -413,24 +432,26 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
                 .iter()
                 .map(|(rank, slot, source)| {
                     let to = &agents[*slot];
-                    let (tx, rx) = oneshot::channel();
-                    state.takeovers.insert((to.id, *rank), tx);
                     let message = ControllerToManager::Rebuild {
                         agent: to.id,
                         rank: *rank,
                         version: protected.version(),
                         source: source.clone(),
                     };
-                    state.nodes.send(&to.node, message);
-                    (to.id, *rank, rx)
+                    ask_rank(&mut state, to, *rank, message)
                 })
                 .collect()
         };
         let awaited = await_ranks(shared, waiters).await;
         failed = awaited.failures;
+        // A replacement's node lost meanwhile: asking its agent again is
+        // no use. The application's rebuild looks again once this pass
+        // ends, and places the lost node's slots elsewhere.
+        let targets: Vec<String> = pending.iter().map(|(_, slot, _)| agents[*slot].node.clone()).collect();
+        let replacement_lost = !failed.is_empty() && look_again_if_lost(shared, name, &targets);
         // An agent that never answered may still be writing its rank: a
         // second job beside it would write the same file.
-        if failed.is_empty() || awaited.unanswered || attempt == REBUILD_TRIES {
+        if failed.is_empty() || awaited.unanswered || replacement_lost || attempt == REBUILD_TRIES {
             break;
         }
         let why = describe_failures(&failed);
