@@ -482,6 +482,10 @@ pub enum ManagerToController {
         /// manifest's checksums (for the controller's reconciliation).
         #[serde(default)]
         stored: Vec<StoredVersion>,
+        /// The sealed pieces of redundancy its store holds (a node holding
+        /// only pieces of a version says by them whether it kept them).
+        #[serde(default)]
+        pieces: Vec<StoredPiece>,
     },
     /// Liveness.
     Heartbeat,
@@ -1555,6 +1559,19 @@ pub struct JournalReport {
     /// What was wrong with it when this controller started, if anything
     /// (a truncated or corrupted tail: the valid prefix was used).
     pub damage: Option<String>,
+}
+
+/// A sealed piece of redundancy in a manager's store, as the manager
+/// announces it (its description checked, its data file long enough; the
+/// data itself is checked when a rebuild reads it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredPiece {
+    /// Application.
+    pub app: String,
+    /// The version it protects.
+    pub version: u64,
+    /// Which piece.
+    pub piece: crate::redundancy::PieceId,
 }
 
 /// A sealed version in a manager's store, as the manager announces it.

@@ -101,6 +101,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 status: NodeStatus::default(),
                 agents: vec![agent()],
                 stored: Vec::new(),
+                pieces: Vec::new(),
             })),
         ),
         ("controller", enc(protocol::encode(&ControllerToManager::DropRanks { app: "a".into(), ranks: vec![0, 1] }))),

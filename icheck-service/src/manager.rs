@@ -330,6 +330,10 @@ async fn session(
             .await
             .unwrap_or_default()
     };
+    let pieces = {
+        let store = settings.store.clone();
+        tokio::task::spawn_blocking(move || store.piece_inventory()).await.unwrap_or_default()
+    };
     let damaged = stored.iter().filter(|s| s.damage.is_some()).count();
     if damaged > 0 {
         tracing::warn!(damaged, "stored versions do not verify against their manifests; announcing them as damaged");
@@ -342,6 +346,7 @@ async fn session(
         status: Monitor::new().measure(agents, settings),
         agents: running,
         stored,
+        pieces,
     };
     framing::send(&mut stream, &register).await?;
     match framing::recv_timeout(&mut stream, protocol::REQUEST_TIMEOUT).await? {

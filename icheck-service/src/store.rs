@@ -44,7 +44,7 @@ use icheck_core::fabric::StableBuffer;
 use icheck_core::format::{self, check_app_name, FormatError, Manifest};
 use icheck_core::handoff::FileExtent;
 use icheck_core::pages::{self, PopulateError};
-use icheck_core::protocol::{PieceMeta, StoredVersion};
+use icheck_core::protocol::{PieceMeta, StoredPiece, StoredVersion};
 use icheck_core::redundancy::PieceId;
 
 /// Name of a rank's reusable data file.
@@ -1351,6 +1351,31 @@ impl Store {
         found
     }
 
+    /// Every sealed piece of redundancy in the store whose description
+    /// checks and whose data file is as long as it says (what a manager
+    /// announces beside its versions). The data is not read: a rebuild
+    /// checks what it reads.
+    pub fn piece_inventory(&self) -> Vec<StoredPiece> {
+        let mut found = Vec::new();
+        let apps = fs::read_dir(&self.root).into_iter().flatten().filter_map(|e| e.ok());
+        for app_entry in apps {
+            let Ok(app) = app_entry.file_name().into_string() else { continue };
+            if check_app_name(&app).is_err() {
+                continue;
+            }
+            let files = fs::read_dir(app_entry.path().join(PIECES)).into_iter().flatten().filter_map(|e| e.ok());
+            for file in files {
+                let name = file.file_name();
+                let Some((version, piece)) = name.to_str().and_then(parse_piece_meta_name) else { continue };
+                if self.open_piece(&app, version, piece).is_ok() {
+                    found.push(StoredPiece { app: app.clone(), version, piece });
+                }
+            }
+        }
+        found.sort_by(|a, b| (&a.app, a.version, a.piece).cmp(&(&b.app, b.version, b.piece)));
+        found
+    }
+
     /// Reads one sealed version and checks its data against its manifest.
     fn verify_version(&self, app: &str, rank: u32, version: u64, meta: &Path) -> StoredVersion {
         let manifest_crc = fs::read(meta).map_or(0, |bytes| crc32c::crc32c(&bytes));
@@ -1391,6 +1416,20 @@ fn piece_name(piece: PieceId) -> String {
         PieceId::Copy { rank } => format!("copy{rank}"),
         PieceId::Parity { group, index } => format!("parity{group}-{index}"),
     }
+}
+
+/// The version and piece of a sealed piece's description file's name,
+/// `v<V>.<piece>.meta` ([`piece_name`]); `None` for any other name.
+fn parse_piece_meta_name(name: &str) -> Option<(u64, PieceId)> {
+    let (version, piece) = name.strip_prefix('v')?.strip_suffix(".meta")?.split_once('.')?;
+    let piece = match piece.strip_prefix("copy") {
+        Some(rank) => PieceId::Copy { rank: rank.parse().ok()? },
+        None => {
+            let (group, index) = piece.strip_prefix("parity")?.split_once('-')?;
+            PieceId::Parity { group: group.parse().ok()?, index: index.parse().ok()? }
+        }
+    };
+    Some((version.parse().ok()?, piece))
 }
 
 /// Opens the data file holding `holder`'s blocks, beside `data`: its
@@ -1960,6 +1999,19 @@ mod tests {
     }
 
     #[test]
+    fn piece_file_names_parse_back() {
+        for piece in [PieceId::Copy { rank: 12 }, PieceId::Parity { group: 3, index: 1 }] {
+            let name = format!("v77.{}.meta", piece_name(piece));
+            assert_eq!(parse_piece_meta_name(&name), Some((77, piece)), "{name}");
+        }
+        for other in
+            ["v7.copy1.data", "spare.copy1.data", "v7.copy.meta", "v7.parity1.meta", "vx.copy1.meta", "v7.meta"]
+        {
+            assert_eq!(parse_piece_meta_name(other), None, "{other}");
+        }
+    }
+
+    #[test]
     fn pieces_are_kept_apart_from_ranks_and_dropped_by_version() {
         let dir = std::env::temp_dir().join(format!("icheck-store-pieces-{}", std::process::id()));
         let store = Store::new(&dir);
@@ -1983,6 +2035,10 @@ mod tests {
         assert!(err.contains("another piece"), "{err}");
         // Pieces are not ranks: the inventory a manager reports ignores them.
         assert!(store.inventory(&mut InventoryCache::default()).is_empty());
+        // The pieces' own inventory lists the sealed ones whose description
+        // checks: not the copy under another piece's name, nor a spare.
+        let stored = |version, piece| StoredPiece { app: "app".into(), version, piece };
+        assert_eq!(store.piece_inventory(), [stored(4, copy), stored(5, copy)]);
         assert_eq!(store.drop_pieces_below("app", 5).unwrap(), 2, "version 4's data and description");
         assert!(store.open_piece("app", 4, copy).is_err());
         assert!(store.open_piece("app", 5, copy).is_ok());

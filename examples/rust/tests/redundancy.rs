@@ -641,6 +641,32 @@ fn rs_4_2_rebuilds_a_node_lost_during_a_rebuild_and_keeps_the_first_replacement(
     std::thread::sleep(Duration::from_millis(2500));
     lose_node(&service, &b);
     wait_rebuilt(&service, "r42d", 3, &[&a, &b]);
+    managers_run_what_is_listed(&service);
+    restart_bit_exact(&service, "r42d", "rs:4+2", 6);
+    pfs_untouched(&service, "r42d");
+}
+
+/// Waits (up to a minute) until `version` of `name` is protected again
+/// with none of the agents `gone` (lost with their nodes, whose managers
+/// may have been started again and taken replacements).
+fn wait_rebuilt_without(service: &LocalService, name: &str, version: u64, gone: &[u64]) -> AppReport {
+    let mut last = None;
+    let done = poll_until(Duration::from_secs(60), || {
+        let report = app(service, name);
+        let replaced = report.agents.iter().all(|a| !gone.contains(&a.id));
+        let settled = !report.rebuilding && report.protecting != Some(version);
+        let done = replaced && settled && report.protected == Some(version) && report.protection_problem.is_none();
+        last = Some(report);
+        done
+    });
+    let last = last.unwrap();
+    assert!(done, "version {version} of {name} is not protected without agents {gone:?}: {last:?}");
+    last
+}
+
+/// Asserts (polling up to 10 s, as reports come every heartbeat) that every
+/// live manager runs exactly the agents the status lists on its node.
+fn managers_run_what_is_listed(service: &LocalService) {
     let mut mismatch = String::new();
     let matches = poll_until(Duration::from_secs(10), || {
         let status = service.status();
@@ -653,8 +679,77 @@ fn rs_4_2_rebuilds_a_node_lost_during_a_rebuild_and_keeps_the_first_replacement(
         mismatch.is_empty()
     });
     assert!(matches, "{mismatch}");
-    restart_bit_exact(&service, "r42d", "rs:4+2", 6);
-    pfs_untouched(&service, "r42d");
+}
+
+/// The `rs:4+2` plan of a 4-rank version protected on `agents`: the slots
+/// of group 0's parity shards, and the nodes holding ranks.
+fn rs_4_2_layout(agents: &[icheck_core::protocol::AgentInfo]) -> (Vec<usize>, Vec<String>) {
+    let slots: Vec<Slot> = agents.iter().map(|a| Slot { node: a.node.clone(), group: None }).collect();
+    let plan = icheck_core::redundancy::plan("rs:4+2".parse().unwrap(), 4, &slots).unwrap();
+    let count = agents.len() as u32;
+    let primaries = (0..4).map(|r| agents[icheck_core::decide::agent_for_rank(r, 4, count) as usize].node.clone());
+    (plan.groups[0].parity.clone(), primaries.collect())
+}
+
+#[test]
+fn a_rebuild_after_a_node_came_back_whole_gives_that_node_a_running_agent() {
+    // Rank 0's manager dies and comes back with its store: nothing is
+    // rebuilt, and the application gets an agent there again only at its
+    // next registration. Rank 1's node is lost before that; its rebuild
+    // set the agents from the protected version's record, which put
+    // rank 0's dead agent back on the list (the fault campaign found it).
+    let service = LocalService::up(&icheck_in_target(), "red-whole-then-lost", 7, &["--provider", "tcp"]);
+    commit_three(&service, "rwl", "rs:4+2");
+    let report = wait_protected(&service, "rwl", 3);
+    let (_, primaries) = rs_4_2_layout(&report.agents);
+    let (kept, lost) = (primaries[0].clone(), primaries[1].clone());
+    let dead = service.pid_of(&format!("manager-{kept}"));
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(dead as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let whole = poll_until(Duration::from_secs(30), || {
+        service.log("controller.log").contains("came back with their memory: nothing to rebuild")
+    });
+    assert!(whole, "{kept} was not found back whole:\n{}", service.log("controller.log"));
+    lose_node(&service, &lost);
+    let rebuilt = wait_rebuilt(&service, "rwl", 3, &[&lost]);
+    let old = &report.agents.iter().find(|a| a.node == kept).unwrap().id;
+    assert!(rebuilt.agents.iter().all(|a| a.id != *old), "{kept}'s dead agent is listed: {:?}", rebuilt.agents);
+    assert!(rebuilt.agents.iter().any(|a| a.node == kept), "rank 0's files stay on {kept}: {:?}", rebuilt.agents);
+    managers_run_what_is_listed(&service);
+    restart_bit_exact(&service, "rwl", "rs:4+2", 6);
+    pfs_untouched(&service, "rwl");
+}
+
+#[test]
+fn a_lost_parity_node_started_again_empty_is_rebuilt_and_two_more_losses_are_survived() {
+    // The node holds a parity shard and no rank. Started again empty, it
+    // passed for a node that kept its memory (none of the newest
+    // version's ranks was missing there), nothing was rebuilt, and the
+    // version was left with one parity shard: two more losses lost it.
+    // The fault campaign found it (a parity node lost with another).
+    let service = LocalService::up(&icheck_in_target(), "red-parity-back", 7, &["--provider", "tcp"]);
+    commit_three(&service, "rpb", "rs:4+2");
+    let report = wait_protected(&service, "rpb", 3);
+    let (parity, primaries) = rs_4_2_layout(&report.agents);
+    let lost = report.agents[parity[0]].node.clone();
+    assert!(!primaries.contains(&lost), "{lost} holds a rank: {primaries:?}");
+    let dead = service.pid_of(&format!("manager-{lost}"));
+    lose_node(&service, &lost);
+    let back = poll_until(Duration::from_secs(30), || {
+        service.status().nodes.iter().any(|n| n.node == lost && n.alive && n.pid != dead)
+    });
+    assert!(back, "{lost}'s manager was not started again:\n{}", service.log("controller.log"));
+    // Its manager started again, the node may take the replacement.
+    let rebuilt = wait_rebuilt_without(&service, "rpb", 3, &[report.agents[parity[0]].id]);
+    assert!(!service.log("controller.log").contains("came back with their memory"), "nothing was rebuilt");
+    managers_run_what_is_listed(&service);
+    let (_, primaries) = rs_4_2_layout(&rebuilt.agents);
+    let gone: Vec<u64> =
+        rebuilt.agents.iter().filter(|a| a.node == primaries[0] || a.node == primaries[1]).map(|a| a.id).collect();
+    lose_nodes(&service, &[&primaries[0], &primaries[1]]);
+    wait_rebuilt_without(&service, "rpb", 3, &gone);
+    managers_run_what_is_listed(&service);
+    restart_bit_exact(&service, "rpb", "rs:4+2", 6);
+    pfs_untouched(&service, "rpb");
 }
 
 #[test]

@@ -32,7 +32,8 @@ use icheck_core::credentials::Capability;
 use icheck_core::decide;
 use icheck_core::protocol::{
     self, AgentChange, AgentInfo, AppReport, ClientReply, ClientRequest, CommitSample, ControllerToManager, Hello,
-    HelloReply, ManagerToController, PfsCopyStats, Privilege, ProtocolError, Role, StatusReport, VersionRecord,
+    HelloReply, ManagerToController, PfsCopyStats, Privilege, ProtocolError, Role, StatusReport, StoredPiece,
+    VersionRecord,
 };
 
 use crate::framing;
@@ -87,6 +88,8 @@ struct State {
     journal: Option<Journal>,
     /// What each node's store held when its manager last registered.
     holdings: Holdings,
+    /// The pieces of redundancy each node's store held then.
+    piece_holdings: BTreeMap<String, Vec<StoredPiece>>,
     /// Until when journaled applications wait for the managers of their
     /// nodes to register before they are reconciled with what did.
     reconcile_by: Instant,
@@ -421,6 +424,7 @@ async fn run(
             next_agent: u64::from(incarnation) * AGENT_IDS_PER_INCARNATION + 1,
             journal,
             holdings: Holdings::new(),
+            piece_holdings: BTreeMap::new(),
             reconcile_by: Instant::now() + reconcile_window,
             returning: HashMap::new(),
             epoch,
@@ -1138,8 +1142,10 @@ async fn watch_partners(shared: Arc<Shared>) {
 
 async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), ProtocolError> {
     let (mut reader, mut writer) = stream.into_split();
-    let (node, pid, status, running, stored) = match framing::recv_timeout(&mut reader, HELLO_TIMEOUT).await? {
-        ManagerToController::Register { node, pid, status, agents, stored } => (node, pid, status, agents, stored),
+    let (node, pid, status, running, stored, pieces) = match framing::recv_timeout(&mut reader, HELLO_TIMEOUT).await? {
+        ManagerToController::Register { node, pid, status, agents, stored, pieces } => {
+            (node, pid, status, agents, stored, pieces)
+        }
         other => {
             let reason = format!("expected Register, got {other:?}");
             framing::send(&mut writer, &ControllerToManager::Rejected(reason.clone())).await?;
@@ -1164,6 +1170,7 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                 check_returning_node(&mut state, &node, &stored);
             }
             state.holdings.insert(node.clone(), stored);
+            state.piece_holdings.insert(node.clone(), pieces);
             tracing::info!(%node, pid, agents = running.len(), versions, "manager registered");
             reconcile_pending(&mut state, Instant::now());
             drop_obsolete_files(&mut state);

@@ -152,7 +152,25 @@ fn whole_again(state: &State, name: &str, at_loss: &BTreeMap<String, Option<u64>
                 reconcile::check_node(name, latest.version, writers, &app.homes, node, stored).is_none()
             })
         };
-        state.nodes.is_alive(node, now) && !app.protection.wiped.contains(node) && (same_manager || holds())
+        // A node that held pieces of the protected version (and perhaps no
+        // rank of the newest) is whole only with those pieces: a node
+        // holding parity alone, started again empty, passed for whole by
+        // its ranks, and the version stayed unprotected.
+        let kept_pieces = || {
+            let Some(protected) = &app.protection.protected else { return true };
+            let announced = state.piece_holdings.get(node.as_str());
+            let kept = |piece| {
+                announced.is_some_and(|held| {
+                    held.iter().any(|p| p.app == name && p.version == protected.version() && p.piece == piece)
+                })
+            };
+            (protected.plan.pieces().into_iter())
+                .filter(|(slot, _)| protected.agents.get(*slot).is_some_and(|a| a.node == *node))
+                .all(|(_, piece)| kept(piece))
+        };
+        state.nodes.is_alive(node, now)
+            && !app.protection.wiped.contains(node)
+            && (same_manager || (holds() && kept_pieces()))
     })
 }
 
@@ -281,7 +299,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     if fresh.is_empty() {
         return Ok(None);
     }
-    let (protected, policy, dead, owner, waiters, lost_slots, reused, fell_back) = loop {
+    let (protected, policy, dead, owner, waiters, lost_slots, stale, reused, fell_back) = loop {
         if came_back_whole(shared, name, &fresh).await {
             // As without redundancy: the application's agents there are
             // replaced on its next commit, probe or registration, which
@@ -379,7 +397,28 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
                 replacement.then(|| (*s, current.clone()))
             })
             .collect();
+        let mut reused = reused;
         let lost_slots: Vec<usize> = lost_slots.into_iter().filter(|s| !reused.contains_key(s)).collect();
+        // Slots on nodes not lost now whose agents are gone all the same:
+        // an earlier pass found their node back whole with a new manager
+        // (its store kept), and the application was not placed there again
+        // yet. Put back, the old agent would be listed with no manager
+        // running it; an agent the application got there since is kept,
+        // else a fresh one on the same node serves what its store kept.
+        let listed = |id: u64| app.agents.iter().any(|a| a.id == id);
+        let positional = app.agents.len() == protected.agents.len();
+        let mut stale = Vec::new();
+        for (slot, old) in protected.agents.iter().enumerate() {
+            if dead.contains(&old.node) || listed(old.id) {
+                continue;
+            }
+            match app.agents.get(slot).filter(|a| positional && a.node == old.node) {
+                Some(since) => {
+                    reused.insert(slot, since.clone());
+                }
+                None => stale.push(slot),
+            }
+        }
         let survivors: BTreeSet<&str> =
             protected.agents.iter().filter(|a| !dead.contains(&a.node)).map(|a| a.node.as_str()).collect();
         // A replacement goes to a live node holding none of the version
@@ -392,8 +431,9 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         if candidates.is_empty() {
             return Err(format!("no live checkpoint node is left to rebuild on after losing {dead:?}"));
         }
-        let places: Vec<String> =
+        let mut places: Vec<String> =
             (0..lost_slots.len()).map(|i| candidates[i % candidates.len()].node.clone()).collect();
+        places.extend(stale.iter().map(|slot| protected.agents[*slot].node.clone()));
         let config = shared.dynamic();
         let spec = nodes::StartSpec {
             app: name,
@@ -404,9 +444,16 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
             protected: Some(protected.version()),
         };
         let waiters = send_starts(state, &spec, places);
-        break (protected, policy, dead, owner, waiters, lost_slots, reused, falls_back);
+        break (protected, policy, dead, owner, waiters, lost_slots, stale, reused, falls_back);
     };
-    tracing::warn!(app = name, version = protected.version(), lost = ?dead, slots = ?lost_slots, "rebuilding on other nodes");
+    tracing::warn!(
+        app = name,
+        version = protected.version(),
+        lost = ?dead,
+        slots = ?lost_slots,
+        fresh_in_place = ?stale,
+        "rebuilding on other nodes"
+    );
     let _claim = Placing::of(shared, &waiters);
     let places: Vec<String> = waiters.iter().map(|(_, node, _)| node.clone()).collect();
     let started = match await_starts(shared, name, waiters).await {
@@ -417,7 +464,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         }
     };
     let mut agents: Vec<AgentInfo> = protected.agents.clone();
-    for (slot, agent) in lost_slots.iter().zip(&started).chain(reused.iter()) {
+    for (slot, agent) in lost_slots.iter().chain(&stale).zip(&started).chain(reused.iter()) {
         agents[*slot] = agent.clone();
     }
     let mut sources = protection::rebuild_sources(&protected, policy, &dead)?;
