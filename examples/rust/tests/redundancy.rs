@@ -692,6 +692,38 @@ fn rs_4_2_layout(agents: &[icheck_core::protocol::AgentInfo]) -> (Vec<usize>, Ve
 }
 
 #[test]
+fn a_parity_node_lost_while_no_controller_ran_is_rebuilt_and_two_more_losses_are_survived() {
+    // The same loss as above, while no controller runs: reconciliation
+    // finds every rank of the protected version in place and confirmed it
+    // protected, its parity shard gone; now the managers announce their
+    // pieces, and the missing shard's slot is rebuilt.
+    let service = service("red-parity-journal", 7);
+    commit_three(&service, "rpj", "rs:4+2");
+    let report = wait_protected(&service, "rpj", 3);
+    let (parity, primaries) = rs_4_2_layout(&report.agents);
+    let lost = report.agents[parity[0]].node.clone();
+    assert!(!primaries.contains(&lost), "{lost} holds a rank: {primaries:?}");
+    kill_controller(&service);
+    lose_node(&service, &lost);
+    let said = service.up_again();
+    assert!(said.contains("controller"), "{said}");
+    let rebuilt = wait_rebuilt_without(&service, "rpj", 3, &[report.agents[parity[0]].id]);
+    assert!(
+        service.log("controller.log").contains("nodes lost pieces of the protected version while no controller ran"),
+        "{}",
+        service.log("controller.log")
+    );
+    managers_run_what_is_listed(&service);
+    let (_, primaries) = rs_4_2_layout(&rebuilt.agents);
+    let gone: Vec<u64> =
+        rebuilt.agents.iter().filter(|a| a.node == primaries[0] || a.node == primaries[1]).map(|a| a.id).collect();
+    lose_nodes(&service, &[&primaries[0], &primaries[1]]);
+    wait_rebuilt_without(&service, "rpj", 3, &gone);
+    restart_bit_exact(&service, "rpj", "rs:4+2", 6);
+    pfs_untouched(&service, "rpj");
+}
+
+#[test]
 fn a_rebuild_after_a_node_came_back_whole_gives_that_node_a_running_agent() {
     // Rank 0's manager dies and comes back with its store: nothing is
     // rebuilt, and the application gets an agent there again only at its

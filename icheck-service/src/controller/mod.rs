@@ -743,6 +743,28 @@ fn reconcile_pending(state: &mut State, now: Instant) {
         }
         app.protection.confirm(outcome.latest.as_ref().map(|l| l.version));
         app.protection.rebuild_due = outcome.rebuild;
+        // Its ranks all there, the protected version may still miss
+        // pieces: a node holding parity alone, started again empty (or not
+        // back) while no controller ran. Its slots are rebuilt as a lost
+        // node's are.
+        if let Some(protected) = app.protection.protected.as_ref().filter(|_| !outcome.rebuild) {
+            let announced = |node: &str| state.piece_holdings.get(node).map(Vec::as_slice);
+            // A node holding ranks too is judged by them (above): one that
+            // lost its store lost those as well.
+            let primaries = protection::primary_nodes(protected);
+            let mut missing = protection::nodes_missing_pieces(protected, name, announced);
+            missing.retain(|node| !primaries.contains(node));
+            if !missing.is_empty() {
+                tracing::warn!(app = %name, version = protected.version(), nodes = ?missing,
+                    "nodes lost pieces of the protected version while no controller ran; rebuilding them");
+                app.protection.problem = Some(format!(
+                    "nodes {missing:?} lost their pieces of version {} while no controller ran; they are being rebuilt",
+                    protected.version()
+                ));
+                app.protection.wiped.extend(missing.into_iter().filter(|node| reported.contains(node)));
+                app.protection.rebuild_due = true;
+            }
+        }
         if let Some(latest) = outcome.latest.as_ref().filter(|_| outcome.rebuild) {
             // Until the rebuild protects it again, the status says so.
             app.protection.problem = Some(format!(
@@ -1262,6 +1284,7 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                 }
                 let state = &mut *state;
                 let mut protected = None;
+                let mut drops = Vec::new();
                 let mut due = Vec::new();
                 for (name, app) in state.apps.iter_mut() {
                     let done = app.protection.piece_done(agent, version, piece, result.clone());
@@ -1282,11 +1305,7 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                             }
                         }
                         tracing::info!(app = %name, version = done, policy = %book.policy, ?secs, "version protected");
-                        for holder in app.protection.nodes() {
-                            state
-                                .nodes
-                                .send(&holder, ControllerToManager::DropPieces { app: name.clone(), below: done });
-                        }
+                        drops = app.protection.nodes().into_iter().map(|n| (n, name.clone(), done)).collect();
                         // Journaled, so that a restarted controller (or the
                         // standby) can still rebuild it after a lost node.
                         protected = app.protection.protected.as_ref().map(|p| Event::Protected {
@@ -1297,8 +1316,20 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                     }
                 }
                 if let Some(event) = protected {
-                    if let Err(reason) = journal(state, &event) {
-                        tracing::error!(%reason, "cannot journal a protected version: a restarted controller would not know it");
+                    match journal(state, &event) {
+                        // Only once the journal names the new version do
+                        // the older pieces go: a controller restarted in
+                        // between finds those its journal names.
+                        Ok(()) => {
+                            for (holder, app, below) in drops {
+                                state.nodes.send(&holder, ControllerToManager::DropPieces { app, below });
+                            }
+                        }
+                        Err(reason) => tracing::error!(
+                            %reason,
+                            "cannot journal a protected version: a restarted controller would not know it (the older \
+                             version's pieces are kept)"
+                        ),
                     }
                 }
                 for name in due {

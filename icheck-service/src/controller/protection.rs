@@ -13,7 +13,7 @@
 use std::collections::BTreeSet;
 
 use icheck_core::decide;
-use icheck_core::protocol::{AgentInfo, PieceTask, RebuildSource, VersionRecord};
+use icheck_core::protocol::{AgentInfo, PieceTask, RebuildSource, StoredPiece, VersionRecord};
 use icheck_core::redundancy::{self, PieceId, Plan, Redundancy, Slot};
 
 use super::journal::JournaledProtection;
@@ -429,10 +429,43 @@ pub(super) fn rebuildable(
     Ok(lost)
 }
 
+/// The nodes holding primaries (ranks' own files) of `protected`.
+pub(super) fn primary_nodes(protected: &Protected) -> BTreeSet<String> {
+    let count = protected.agents.len() as u32;
+    if count == 0 {
+        return BTreeSet::new();
+    }
+    (0..protected.units)
+        .filter_map(|rank| protected.agents.get(decide::agent_for_rank(rank, protected.units, count) as usize))
+        .map(|agent| agent.node.clone())
+        .collect()
+}
+
+/// The nodes placed to hold pieces of `protected` (of application `app`)
+/// whose stores do not announce them all: `announced(node)` gives what a
+/// node's manager announced when it last registered, `None` if it has
+/// not. A node started again empty, or that never came back, is among
+/// them; a node holding parity alone has no ranks to tell it by.
+pub(super) fn nodes_missing_pieces<'a>(
+    protected: &Protected,
+    app: &str,
+    announced: impl Fn(&str) -> Option<&'a [StoredPiece]>,
+) -> BTreeSet<String> {
+    let version = protected.version();
+    let has =
+        |held: &[StoredPiece], piece| held.iter().any(|p| p.app == app && p.version == version && p.piece == piece);
+    (protected.plan.pieces().into_iter())
+        .filter_map(|(slot, piece)| protected.agents.get(slot).map(|a| (a.node.as_str(), piece)))
+        .filter(|(node, piece)| !announced(node).is_some_and(|held| has(held, *piece)))
+        .map(|(node, _)| node.to_string())
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::apps::tests::agent;
     use super::*;
+    use std::collections::BTreeMap;
 
     fn record(version: u64) -> VersionRecord {
         VersionRecord { version, ranks: 4, epoch: 0, bytes: 1 << 20, commit_secs: 0.1, completed_unix_ms: 1 }
@@ -591,6 +624,44 @@ mod tests {
         // Ranks 0 and 1 form a group of rs:2+1: both lost is one too many.
         let err = rebuildable(&protected, restarted.policy, &[0, 1], &all).unwrap_err();
         assert!(err.contains("ranks [0, 1]") && err.contains("cannot be rebuilt"), "{err}");
+    }
+
+    #[test]
+    fn nodes_missing_pieces_are_those_whose_stores_do_not_announce_them() {
+        // rs:2+1 over four ranks on four nodes: each group's parity shard
+        // on a node holding none of its members.
+        let agents = vec![agent(1, "a"), agent(2, "b"), agent(3, "c"), agent(4, "d")];
+        let mut book = book("rs:2+1");
+        for (agent, _, task) in book.begin(&record(5), 4, &agents, &|_| None) {
+            book.piece_done(agent, 5, task.piece, Ok(1));
+        }
+        let protected = book.protected.clone().unwrap();
+        assert_eq!(primary_nodes(&protected), ["a", "b", "c", "d"].map(String::from).into());
+        let pieces = protected.plan.pieces();
+        let held = |version| -> BTreeMap<String, Vec<StoredPiece>> {
+            let mut held: BTreeMap<String, Vec<StoredPiece>> = BTreeMap::new();
+            for (slot, piece) in &pieces {
+                let stored = StoredPiece { app: "app".into(), version, piece: *piece };
+                held.entry(agents[*slot].node.clone()).or_default().push(stored);
+            }
+            held
+        };
+        let all = held(5);
+        let announced = |node: &str| all.get(node).map(Vec::as_slice);
+        assert!(nodes_missing_pieces(&protected, "app", announced).is_empty());
+        // Another application's or version's pieces are not these.
+        assert_eq!(nodes_missing_pieces(&protected, "other", announced).len(), 2);
+        let older = held(4);
+        assert_eq!(nodes_missing_pieces(&protected, "app", |n: &str| older.get(n).map(Vec::as_slice)).len(), 2);
+        // A holder started again empty, or that never registered.
+        let holder = agents[pieces[0].0].node.clone();
+        let mut wiped = all.clone();
+        wiped.insert(holder.clone(), Vec::new());
+        let missing = nodes_missing_pieces(&protected, "app", |n: &str| wiped.get(n).map(Vec::as_slice));
+        assert_eq!(missing, [holder.clone()].into());
+        wiped.remove(&holder);
+        let missing = nodes_missing_pieces(&protected, "app", |n: &str| wiped.get(n).map(Vec::as_slice));
+        assert_eq!(missing, [holder].into());
     }
 
     #[test]

@@ -158,15 +158,8 @@ fn whole_again(state: &State, name: &str, at_loss: &BTreeMap<String, Option<u64>
         // its ranks, and the version stayed unprotected.
         let kept_pieces = || {
             let Some(protected) = &app.protection.protected else { return true };
-            let announced = state.piece_holdings.get(node.as_str());
-            let kept = |piece| {
-                announced.is_some_and(|held| {
-                    held.iter().any(|p| p.app == name && p.version == protected.version() && p.piece == piece)
-                })
-            };
-            (protected.plan.pieces().into_iter())
-                .filter(|(slot, _)| protected.agents.get(*slot).is_some_and(|a| a.node == *node))
-                .all(|(_, piece)| kept(piece))
+            let announced = |n: &str| state.piece_holdings.get(n).map(Vec::as_slice);
+            !protection::nodes_missing_pieces(protected, name, announced).contains(node)
         };
         state.nodes.is_alive(node, now)
             && !app.protection.wiped.contains(node)
