@@ -244,6 +244,22 @@ fn shm_peer_gone_is_an_error() {
     peer_gone_is_an_error("shm");
 }
 
+/// A read from an shm peer whose process has ended is refused before any
+/// operation is posted. libfabric's shm takes the target region's lock to
+/// queue each command, and a process killed while holding it leaves every
+/// later post spinning forever: the fault campaign found an agent's
+/// parity builder at 100% of a core for minutes, reading from a node lost
+/// mid-build. The stall check after posting never got to run.
+#[test]
+fn shm_a_peer_that_ended_is_refused_before_posting() {
+    let mut target = start_target("shm", 4 << 20, 1);
+    let mut initiator = Initiator::connect("shm", &target);
+    initiator.read(whole(&target), Duration::from_secs(10)).unwrap();
+    target.kill();
+    let err = initiator.read(whole(&target), Duration::from_secs(3)).expect_err("the peer is dead");
+    assert!(matches!(err, FabricError::PeerGone { outstanding: 0, .. }), "{err}");
+}
+
 #[test]
 fn tcp_peer_gone_is_an_error() {
     peer_gone_is_an_error("tcp");

@@ -308,12 +308,7 @@ fn an_agent_change_whose_new_node_dies_is_undone_at_once() {
     let mut job = Job::start(2, &config, &job_args, &[]);
     job.wait_line("COMMITTED version=2 ", Duration::from_secs(60));
     let home = service.status().apps[0].agents[0].node.clone();
-    let out = std::process::Command::new(&service.icheck)
-        .args(["drain", &home, "--state-dir"])
-        .arg(&service.dir)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    service.drain(&home);
     // The change's new agent: on a node other than the job's, which ran none.
     let mut target = None;
     let started = poll_until(Duration::from_secs(30), || {

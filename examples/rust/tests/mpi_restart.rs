@@ -855,8 +855,7 @@ fn draining_a_node_moves_its_agents_and_their_data_at_the_next_probe() {
     let mut job = Job::start(2, &service.config_path(), &[&args[..], &["--persist"]].concat(), &[]);
     job.wait_line("COMMITTED version=2 ", Duration::from_secs(60));
     let home = service.status().apps[0].agents[0].node.clone();
-    let out = Command::new(&service.icheck).args(["drain", &home, "--state-dir"]).arg(&service.dir).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    service.drain(&home);
     let lines = job.finish(Duration::from_secs(120));
     // The next probe moved the agent, and the newest version came with it.
     let moved = lines.iter().position(|l| l.starts_with("PROBE agents=1 ")).unwrap_or_else(|| panic!("{lines:?}"));

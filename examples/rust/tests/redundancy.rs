@@ -714,13 +714,22 @@ fn a_parity_node_lost_while_no_controller_ran_is_rebuilt_and_two_more_losses_are
         service.log("controller.log")
     );
     managers_run_what_is_listed(&service);
+    survives_two_more_losses(&service, "rpj", &rebuilt);
+}
+
+/// Loses the nodes of ranks 0 and 1 of `rebuilt` (version 3 of `name`
+/// under `rs:4+2`, protected again after a loss) at once: the version must
+/// be rebuilt from the survivors, every manager run what is listed, and a
+/// restart be bit-exact without the PFS.
+fn survives_two_more_losses(service: &LocalService, name: &str, rebuilt: &AppReport) {
     let (_, primaries) = rs_4_2_layout(&rebuilt.agents);
     let gone: Vec<u64> =
         rebuilt.agents.iter().filter(|a| a.node == primaries[0] || a.node == primaries[1]).map(|a| a.id).collect();
-    lose_nodes(&service, &[&primaries[0], &primaries[1]]);
-    wait_rebuilt_without(&service, "rpj", 3, &gone);
-    restart_bit_exact(&service, "rpj", "rs:4+2", 6);
-    pfs_untouched(&service, "rpj");
+    lose_nodes(service, &[&primaries[0], &primaries[1]]);
+    wait_rebuilt_without(service, name, 3, &gone);
+    managers_run_what_is_listed(service);
+    restart_bit_exact(service, name, "rs:4+2", 6);
+    pfs_untouched(service, name);
 }
 
 #[test]
@@ -774,14 +783,7 @@ fn a_lost_parity_node_started_again_empty_is_rebuilt_and_two_more_losses_are_sur
     let rebuilt = wait_rebuilt_without(&service, "rpb", 3, &[report.agents[parity[0]].id]);
     assert!(!service.log("controller.log").contains("came back with their memory"), "nothing was rebuilt");
     managers_run_what_is_listed(&service);
-    let (_, primaries) = rs_4_2_layout(&rebuilt.agents);
-    let gone: Vec<u64> =
-        rebuilt.agents.iter().filter(|a| a.node == primaries[0] || a.node == primaries[1]).map(|a| a.id).collect();
-    lose_nodes(&service, &[&primaries[0], &primaries[1]]);
-    wait_rebuilt_without(&service, "rpb", 3, &gone);
-    managers_run_what_is_listed(&service);
-    restart_bit_exact(&service, "rpb", "rs:4+2", 6);
-    pfs_untouched(&service, "rpb");
+    survives_two_more_losses(&service, "rpb", &rebuilt);
 }
 
 #[test]
@@ -800,12 +802,7 @@ fn a_version_whose_ranks_moved_is_protected_again_on_their_new_agents() {
     job.wait_line("COMMITTED version=1 ", Duration::from_secs(60));
     let before = app(&service, "moved");
     let (drained, other) = (before.agents[0].node.clone(), before.agents[1].node.clone());
-    let out = std::process::Command::new(&service.icheck)
-        .args(["drain", &drained, "--state-dir"])
-        .arg(&service.dir)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    service.drain(&drained);
     job.wait_line("COMMITTED version=2 ", Duration::from_secs(60));
     let moved = poll_until(Duration::from_secs(20), || !app(&service, "moved").agent_changes.is_empty());
     assert!(moved, "no agent change after draining {drained}: {:?}", app(&service, "moved"));

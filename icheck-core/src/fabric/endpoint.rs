@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::os::raw::c_void;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -73,6 +74,9 @@ pub struct Peer {
     /// process's pid namespace when it was inserted: its disappearance
     /// later means it ended (one in another namespace is never judged).
     local_pid: Option<u32>,
+    /// A pidfd of that process, which becomes readable once it has ended
+    /// (a zombie included): looked at before each operation posted to it.
+    exit_watch: Option<Arc<OwnedFd>>,
 }
 
 impl Peer {
@@ -80,6 +84,29 @@ impl Peer {
     pub fn name(&self) -> &str {
         &self.name
     }
+
+    /// Whether this shm peer's process has ended, by its pidfd: one poll
+    /// without waiting, well under a microsecond. Posting to a peer that
+    /// died holding its region's lock spins in the provider forever
+    /// (libfabric 1.17's shm takes the target region's spinlock to queue
+    /// the command), which the batch's stall checks never get to see.
+    fn has_ended(&self) -> bool {
+        let Some(fd) = &self.exit_watch else { return false };
+        let mut polled = [nix::poll::PollFd::new(fd.as_fd(), nix::poll::PollFlags::POLLIN)];
+        nix::poll::poll(&mut polled, nix::poll::PollTimeout::ZERO).is_ok_and(|ready| ready > 0)
+    }
+}
+
+/// A pidfd for process `pid` (`pidfd_open(2)`, Linux 5.3), or `None`
+/// where the kernel has none or the process is gone.
+fn open_pidfd(pid: u32) -> Option<OwnedFd> {
+    let pid = libc::pid_t::try_from(pid).ok()?;
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor
+    // or -1; nothing else is read or written.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let fd = i32::try_from(fd).ok().filter(|fd| *fd >= 0)?;
+    // SAFETY: `fd` was just returned by pidfd_open and is owned by no one else.
+    Some(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// The direction of an RMA operation.
@@ -403,7 +430,15 @@ impl Endpoint {
         };
         let name = if name.is_empty() { address.to_string() } else { name };
         let local_pid = super::domain::shm_region_of(&name).map(|(pid, _)| pid).filter(|pid| !process_gone(*pid));
-        let peer = Peer { fi_addr, name: name.into(), local_pid };
+        let exit_watch = local_pid.and_then(open_pidfd).map(Arc::new);
+        let peer = Peer { fi_addr, name: name.into(), local_pid, exit_watch };
+        // Each watched peer holds a descriptor: peers whose process ended
+        // and that no caller still holds are forgotten, so a long-lived
+        // agent does not gather one per rank that ever restored from it.
+        state.peers.retain(|_, known| {
+            let unused = known.exit_watch.as_ref().is_some_and(|watch| Arc::strong_count(watch) == 1);
+            !(unused && known.has_ended())
+        });
         state.peers.insert(address.0.clone(), peer.clone());
         Ok(peer)
     }
@@ -677,6 +712,7 @@ impl Endpoint {
         let mut entries = [sys::fi_cq_entry::default(); 16];
         let mut idle_polls = 0u32;
         let mut dead_peer_check = DeadPeerCheck::default();
+        let mut exit_check = ExitCheck::default();
         // Posted operations not yet part of the in-order prefix: (length,
         // completed), the front being operation number `prefix_seq`.
         let mut unordered: std::collections::VecDeque<(usize, bool)> = std::collections::VecDeque::new();
@@ -686,6 +722,15 @@ impl Endpoint {
             // Post as many chunks as slots allow.
             while first_error.is_none() && op_index < ops.len() {
                 let BatchOp { peer, op, local } = &ops[op_index];
+                if exit_check.due() && peer.has_ended() {
+                    // Given up at once, as a stalled batch's dead peer is:
+                    // the post itself could spin on the region it left.
+                    let (peer, pid) = (peer.name().to_string(), peer.local_pid.unwrap_or_default());
+                    tracing::warn!(op = %kind, %peer, pid, outstanding, "the RMA peer's process has ended; giving the endpoint up");
+                    state.abandon(kind, manual_progress);
+                    abandon_contexts(slots, outstanding);
+                    return Err(FabricError::PeerGone { op: kind, peer, pid, outstanding });
+                }
                 if op_done >= op.len {
                     op_index += 1;
                     op_done = 0;
@@ -893,6 +938,30 @@ fn waited_on<'a>(
 ) -> impl Iterator<Item = &'a Peer> + 'a {
     let in_flight = (0..slots.len()).filter(|i| !free.contains(i)).map(|i| ops[slots[i].op].peer);
     in_flight.chain(ops.get(next_op).map(|op| op.peer))
+}
+
+/// When a batch next looks whether the shm peer it posts to has ended
+/// ([`Peer::has_ended`]): before its first post, then at most every
+/// [`EXIT_CHECK_EVERY`]. A look per post cost 64 KiB shm writes a quarter
+/// of their rate; a peer that dies holding its region's lock is caught
+/// unless the next post follows its death within that interval.
+#[derive(Default)]
+struct ExitCheck {
+    last: Option<Instant>,
+}
+
+/// See [`ExitCheck`].
+const EXIT_CHECK_EVERY: Duration = Duration::from_micros(200);
+
+impl ExitCheck {
+    fn due(&mut self) -> bool {
+        let now = Instant::now();
+        let due = self.last.is_none_or(|last| now.duration_since(last) >= EXIT_CHECK_EVERY);
+        if due {
+            self.last = Some(now);
+        }
+        due
+    }
 }
 
 /// How often a batch without completions looks whether an shm peer it

@@ -193,6 +193,13 @@ impl LocalService {
         ChildGuard(child)
     }
 
+    /// Drains `node` as an operator would (`icheck drain NODE`): its
+    /// agents move away on their applications' next probes.
+    pub fn drain(&self, node: &str) {
+        let out = Command::new(&self.icheck).args(["drain", node, "--state-dir"]).arg(&self.dir).output().unwrap();
+        assert!(out.status.success(), "icheck drain {node}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
     /// A daemon's log.
     pub fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.join("logs").join(name)).unwrap_or_default()
