@@ -35,6 +35,22 @@ type Agents = Arc<Mutex<BTreeMap<u64, Agent>>>;
 /// follows it could otherwise delete a rank's directory while a session of
 /// the stopping agent still writes there (a node back from a silence
 /// resumes its sessions mid-commit), leaving files no version owns.
+/// Gives the heap memory that is free back to the system (glibc's
+/// `malloc_trim`). A stopped agent's fabric endpoints free their tcp
+/// bounce buffers (libfabric's rxm: 78–95 MB per endpoint), but malloc
+/// keeps freed memory in the arena of the thread that freed it: a manager
+/// whose jobs had all ended held 215–270 MB of anonymous memory, and 35–39
+/// MB after a `malloc_trim(0)`. Agents stop rarely; the trim takes
+/// milliseconds.
+fn return_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim takes no pointer; it only releases free pages of
+    // the allocator's own arenas, under the allocator's locks.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 #[derive(Default)]
 struct StoppingAgents {
     apps: Mutex<BTreeMap<u64, String>>,
@@ -479,6 +495,7 @@ async fn session(
                     tokio::task::spawn_blocking(move || {
                         agent.stop(discard);
                         stopping.end(id);
+                        return_freed_memory();
                     });
                 }
             }
