@@ -1318,13 +1318,8 @@ impl Store {
         use std::os::unix::fs::MetadataExt;
         let mut found = Vec::new();
         let mut seen = BTreeSet::new();
-        let apps = fs::read_dir(&self.root).into_iter().flatten().filter_map(|e| e.ok());
-        for app_entry in apps {
-            let Ok(app) = app_entry.file_name().into_string() else { continue };
-            if check_app_name(&app).is_err() {
-                continue;
-            }
-            let ranks = fs::read_dir(app_entry.path()).into_iter().flatten().filter_map(|e| e.ok());
+        for (app, app_dir) in self.app_dirs() {
+            let ranks = fs::read_dir(app_dir).into_iter().flatten().filter_map(|e| e.ok());
             for rank_entry in ranks {
                 let name = rank_entry.file_name();
                 let Some(rank) = name.to_str().and_then(|n| n.strip_prefix("rank")).and_then(|r| r.parse().ok()) else {
@@ -1351,19 +1346,24 @@ impl Store {
         found
     }
 
+    /// Each application directory under the root with a valid name: (name,
+    /// path). Others (the warm pool's, strays) are skipped.
+    fn app_dirs(&self) -> impl Iterator<Item = (String, PathBuf)> {
+        let entries = fs::read_dir(&self.root).into_iter().flatten().filter_map(|e| e.ok());
+        entries.filter_map(|entry| {
+            let app = entry.file_name().into_string().ok().filter(|app| check_app_name(app).is_ok())?;
+            Some((app, entry.path()))
+        })
+    }
+
     /// Every sealed piece of redundancy in the store whose description
     /// checks and whose data file is as long as it says (what a manager
     /// announces beside its versions). The data is not read: a rebuild
     /// checks what it reads.
     pub fn piece_inventory(&self) -> Vec<StoredPiece> {
         let mut found = Vec::new();
-        let apps = fs::read_dir(&self.root).into_iter().flatten().filter_map(|e| e.ok());
-        for app_entry in apps {
-            let Ok(app) = app_entry.file_name().into_string() else { continue };
-            if check_app_name(&app).is_err() {
-                continue;
-            }
-            let files = fs::read_dir(app_entry.path().join(PIECES)).into_iter().flatten().filter_map(|e| e.ok());
+        for (app, app_dir) in self.app_dirs() {
+            let files = fs::read_dir(app_dir.join(PIECES)).into_iter().flatten().filter_map(|e| e.ok());
             for file in files {
                 let name = file.file_name();
                 let Some((version, piece)) = name.to_str().and_then(parse_piece_meta_name) else { continue };

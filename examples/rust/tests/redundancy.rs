@@ -681,6 +681,16 @@ fn managers_run_what_is_listed(service: &LocalService) {
     assert!(matches, "{mismatch}");
 }
 
+/// Commits versions 1 to 3 of `name` under `rs:4+2` ([`commit_three`])
+/// and waits until version 3 is protected: its report, with its
+/// [`rs_4_2_layout`].
+fn rs_4_2_protected(service: &LocalService, name: &str) -> (AppReport, Vec<usize>, Vec<String>) {
+    commit_three(service, name, "rs:4+2");
+    let report = wait_protected(service, name, 3);
+    let (parity, primaries) = rs_4_2_layout(&report.agents);
+    (report, parity, primaries)
+}
+
 /// The `rs:4+2` plan of a 4-rank version protected on `agents`: the slots
 /// of group 0's parity shards, and the nodes holding ranks.
 fn rs_4_2_layout(agents: &[icheck_core::protocol::AgentInfo]) -> (Vec<usize>, Vec<String>) {
@@ -698,9 +708,7 @@ fn a_parity_node_lost_while_no_controller_ran_is_rebuilt_and_two_more_losses_are
     // protected, its parity shard gone; now the managers announce their
     // pieces, and the missing shard's slot is rebuilt.
     let service = service("red-parity-journal", 7);
-    commit_three(&service, "rpj", "rs:4+2");
-    let report = wait_protected(&service, "rpj", 3);
-    let (parity, primaries) = rs_4_2_layout(&report.agents);
+    let (report, parity, primaries) = rs_4_2_protected(&service, "rpj");
     let lost = report.agents[parity[0]].node.clone();
     assert!(!primaries.contains(&lost), "{lost} holds a rank: {primaries:?}");
     kill_controller(&service);
@@ -740,9 +748,7 @@ fn a_rebuild_after_a_node_came_back_whole_gives_that_node_a_running_agent() {
     // set the agents from the protected version's record, which put
     // rank 0's dead agent back on the list (the fault campaign found it).
     let service = LocalService::up(&icheck_in_target(), "red-whole-then-lost", 7, &["--provider", "tcp"]);
-    commit_three(&service, "rwl", "rs:4+2");
-    let report = wait_protected(&service, "rwl", 3);
-    let (_, primaries) = rs_4_2_layout(&report.agents);
+    let (report, _, primaries) = rs_4_2_protected(&service, "rwl");
     let (kept, lost) = (primaries[0].clone(), primaries[1].clone());
     let dead = service.pid_of(&format!("manager-{kept}"));
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(dead as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
@@ -768,9 +774,7 @@ fn a_lost_parity_node_started_again_empty_is_rebuilt_and_two_more_losses_are_sur
     // version was left with one parity shard: two more losses lost it.
     // The fault campaign found it (a parity node lost with another).
     let service = LocalService::up(&icheck_in_target(), "red-parity-back", 7, &["--provider", "tcp"]);
-    commit_three(&service, "rpb", "rs:4+2");
-    let report = wait_protected(&service, "rpb", 3);
-    let (parity, primaries) = rs_4_2_layout(&report.agents);
+    let (report, parity, primaries) = rs_4_2_protected(&service, "rpb");
     let lost = report.agents[parity[0]].node.clone();
     assert!(!primaries.contains(&lost), "{lost} holds a rank: {primaries:?}");
     let dead = service.pid_of(&format!("manager-{lost}"));
