@@ -30,16 +30,11 @@ pub(crate) use icheck_core::fabric::lower_thread_priority;
 
 type Agents = Arc<Mutex<BTreeMap<u64, Agent>>>;
 
-/// Agents being stopped (id → application), until their threads have
-/// ended. `StopAgent` runs off the message loop, so a `DropRanks` that
-/// follows it could otherwise delete a rank's directory while a session of
-/// the stopping agent still writes there (a node back from a silence
-/// resumes its sessions mid-commit), leaving files no version owns.
 /// Gives the heap memory that is free back to the system (glibc's
 /// `malloc_trim`). A stopped agent's fabric endpoints free their tcp
 /// bounce buffers (libfabric's rxm: 78–95 MB per endpoint), but malloc
 /// keeps freed memory in the arena of the thread that freed it: a manager
-/// whose jobs had all ended held 215–270 MB of anonymous memory, and 35–39
+/// whose jobs had all ended held 234–270 MB of anonymous memory, and 35–39
 /// MB after a `malloc_trim(0)`. Agents stop rarely; the trim takes
 /// milliseconds.
 fn return_freed_memory() {
@@ -51,6 +46,11 @@ fn return_freed_memory() {
     }
 }
 
+/// Agents being stopped (id → application), until their threads have
+/// ended. `StopAgent` runs off the message loop, so a `DropRanks` that
+/// follows it could otherwise delete a rank's directory while a session of
+/// the stopping agent still writes there (a node back from a silence
+/// resumes its sessions mid-commit), leaving files no version owns.
 #[derive(Default)]
 struct StoppingAgents {
     apps: Mutex<BTreeMap<u64, String>>,
