@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{committed, restored, Job};
+use common::{committed, managers_run_what_is_listed, restored, Job};
 use icheck_service::testkit::{icheck_in_target, poll_until, process_running, LocalService};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -335,10 +335,5 @@ fn an_agent_change_whose_new_node_dies_is_undone_at_once() {
     let agents = &status.apps[0].agents;
     assert!(agents.iter().all(|a| a.node != home && a.node != target), "{agents:?}");
     // No live node runs an agent that the application does not list.
-    let settled = poll_until(Duration::from_secs(10), || {
-        let status = service.status();
-        let listed = |node: &str| status.apps[0].agents.iter().filter(|a| a.node == node).count();
-        (status.nodes.iter().filter(|n| n.alive)).all(|n| n.status.agents as usize == listed(&n.node))
-    });
-    assert!(settled, "{:?}", service.status());
+    managers_run_what_is_listed(&service);
 }

@@ -8,8 +8,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::Job;
-use icheck_core::protocol::AppReport;
+use common::{managers_run_what_is_listed, Job};
+use icheck_core::protocol::{AgentInfo, AppReport};
 use icheck_core::redundancy::Slot;
 use icheck_service::testkit::{icheck_in_target, metric_sample, poll_until, LocalService};
 
@@ -58,20 +58,34 @@ fn wait_protected(service: &LocalService, name: &str, version: u64) -> AppReport
 /// right after a loss the controller may not have noticed it yet, and
 /// still reports the protection (and agents) from before.
 fn wait_rebuilt(service: &LocalService, name: &str, version: u64, lost: &[&str]) -> AppReport {
+    let moved = |agent: &AgentInfo| !lost.contains(&agent.node.as_str());
+    wait_protected_on(service, name, version, &format!("lost nodes {lost:?}"), moved)
+}
+
+/// Waits (up to a minute) until `version` of `name` is protected again,
+/// settled (no rebuild, its pieces not being built anew), with no problem
+/// and every agent `kept` (`which` says by what, if it fails).
+fn wait_protected_on(
+    service: &LocalService,
+    name: &str,
+    version: u64,
+    which: &str,
+    kept: impl Fn(&AgentInfo) -> bool,
+) -> AppReport {
     let mut last = None;
     let done = poll_until(Duration::from_secs(60), || {
         let report = app(service, name);
-        let moved = report.agents.iter().all(|a| !lost.contains(&a.node.as_str()));
+        let placed = report.agents.iter().all(&kept);
         // Protected again: not still building the version's pieces anew.
         let settled = !report.rebuilding && report.protecting != Some(version);
-        let done = moved && settled && report.protected == Some(version) && report.protection_problem.is_none();
+        let done = placed && settled && report.protected == Some(version) && report.protection_problem.is_none();
         last = Some(report);
         done
     });
     let last = last.unwrap();
     assert!(
         done,
-        "version {version} of {name} is not protected (lost nodes {lost:?}): {:?} {:?}, agents {:?}",
+        "version {version} of {name} is not protected ({which}): {:?} {:?}, agents {:?}",
         last.protected, last.protection_problem, last.agents
     );
     last
@@ -650,35 +664,8 @@ fn rs_4_2_rebuilds_a_node_lost_during_a_rebuild_and_keeps_the_first_replacement(
 /// with none of the agents `gone` (lost with their nodes, whose managers
 /// may have been started again and taken replacements).
 fn wait_rebuilt_without(service: &LocalService, name: &str, version: u64, gone: &[u64]) -> AppReport {
-    let mut last = None;
-    let done = poll_until(Duration::from_secs(60), || {
-        let report = app(service, name);
-        let replaced = report.agents.iter().all(|a| !gone.contains(&a.id));
-        let settled = !report.rebuilding && report.protecting != Some(version);
-        let done = replaced && settled && report.protected == Some(version) && report.protection_problem.is_none();
-        last = Some(report);
-        done
-    });
-    let last = last.unwrap();
-    assert!(done, "version {version} of {name} is not protected without agents {gone:?}: {last:?}");
-    last
-}
-
-/// Asserts (polling up to 10 s, as reports come every heartbeat) that every
-/// live manager runs exactly the agents the status lists on its node.
-fn managers_run_what_is_listed(service: &LocalService) {
-    let mut mismatch = String::new();
-    let matches = poll_until(Duration::from_secs(10), || {
-        let status = service.status();
-        let listed = |node: &str| status.apps.iter().flat_map(|app| &app.agents).filter(|a| a.node == node).count();
-        mismatch = (status.nodes.iter().filter(|n| n.alive))
-            .filter(|n| n.status.agents as usize != listed(&n.node))
-            .map(|n| format!("{} runs {} agents, {} listed", n.node, n.status.agents, listed(&n.node)))
-            .collect::<Vec<_>>()
-            .join("; ");
-        mismatch.is_empty()
-    });
-    assert!(matches, "{mismatch}");
+    let replaced = |agent: &AgentInfo| !gone.contains(&agent.id);
+    wait_protected_on(service, name, version, &format!("without agents {gone:?}"), replaced)
 }
 
 /// Commits versions 1 to 3 of `name` under `rs:4+2` ([`commit_three`])

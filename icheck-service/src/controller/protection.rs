@@ -39,6 +39,12 @@ impl Protected {
         self.record.version
     }
 
+    /// The slot (index into `agents`) of `rank`'s primary; `agents` must
+    /// not be empty.
+    pub(super) fn primary_slot(&self, rank: u32) -> usize {
+        decide::agent_for_rank(rank, self.units, self.agents.len() as u32) as usize
+    }
+
     /// What the journal keeps of it.
     pub(super) fn journaled(&self, policy: Redundancy) -> JournaledProtection {
         JournaledProtection {
@@ -346,8 +352,7 @@ pub(super) fn rebuild_sources(
 ) -> Result<Vec<(u32, usize, RebuildSource)>, String> {
     let Protected { plan, agents, units, record } = protected;
     let version = record.version;
-    let count = agents.len() as u32;
-    let slot_of = |rank: u32| decide::agent_for_rank(rank, *units, count) as usize;
+    let slot_of = |rank: u32| protected.primary_slot(rank);
     let alive = |slot: usize| !dead.contains(&agents[slot].node);
     let mut sources = Vec::new();
     let mut lost = Vec::new();
@@ -416,14 +421,13 @@ pub(super) fn rebuildable(
     missing: &[u32],
     reported: &BTreeSet<String>,
 ) -> Result<BTreeSet<String>, String> {
-    let count = protected.agents.len() as u32;
-    if count == 0 {
+    if protected.agents.is_empty() {
         return Err(format!("version {} has no agents on record", protected.version()));
     }
     let mut lost: BTreeSet<String> =
         protected.agents.iter().map(|a| a.node.clone()).filter(|node| !reported.contains(node)).collect();
     for rank in missing {
-        lost.insert(protected.agents[decide::agent_for_rank(*rank, protected.units, count) as usize].node.clone());
+        lost.insert(protected.agents[protected.primary_slot(*rank)].node.clone());
     }
     rebuild_sources(protected, policy, &lost)?;
     Ok(lost)
@@ -431,14 +435,10 @@ pub(super) fn rebuildable(
 
 /// The nodes holding primaries (ranks' own files) of `protected`.
 pub(super) fn primary_nodes(protected: &Protected) -> BTreeSet<String> {
-    let count = protected.agents.len() as u32;
-    if count == 0 {
+    if protected.agents.is_empty() {
         return BTreeSet::new();
     }
-    (0..protected.units)
-        .filter_map(|rank| protected.agents.get(decide::agent_for_rank(rank, protected.units, count) as usize))
-        .map(|agent| agent.node.clone())
-        .collect()
+    (0..protected.units).map(|rank| protected.agents[protected.primary_slot(rank)].node.clone()).collect()
 }
 
 /// The nodes placed to hold pieces of `protected` (of application `app`)

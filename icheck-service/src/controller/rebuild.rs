@@ -379,7 +379,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
             (0..protected.agents.len()).filter(|s| dead.contains(&protected.agents[*s].node)).collect();
         // A slot an earlier pass rebuilt keeps its replacement while that
         // agent's node is alive and not lost now: its rank is there.
-        let reused: BTreeMap<usize, AgentInfo> = lost_slots
+        let mut reused: BTreeMap<usize, AgentInfo> = lost_slots
             .iter()
             .filter_map(|s| {
                 let current = app.agents.get(*s)?;
@@ -390,7 +390,6 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
                 replacement.then(|| (*s, current.clone()))
             })
             .collect();
-        let mut reused = reused;
         let lost_slots: Vec<usize> = lost_slots.into_iter().filter(|s| !reused.contains_key(s)).collect();
         // Slots on nodes not lost now whose agents are gone all the same:
         // an earlier pass found their node back whole with a new manager
@@ -487,8 +486,10 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         // A replacement's node lost meanwhile: asking its agent again is
         // no use. The application's rebuild looks again once this pass
         // ends, and places the lost node's slots elsewhere.
-        let targets: Vec<String> = pending.iter().map(|(_, slot, _)| agents[*slot].node.clone()).collect();
-        let replacement_lost = !failed.is_empty() && look_again_if_lost(shared, name, &targets);
+        let replacement_lost = !failed.is_empty() && {
+            let targets: Vec<String> = pending.iter().map(|(_, slot, _)| agents[*slot].node.clone()).collect();
+            look_again_if_lost(shared, name, &targets)
+        };
         // An agent that never answered may still be writing its rank: a
         // second job beside it would write the same file.
         if failed.is_empty() || awaited.unanswered || replacement_lost || attempt == REBUILD_TRIES {

@@ -274,3 +274,20 @@ pub fn open_own_session(
     assert_eq!(conn.call::<_, AgentReply>(&open).unwrap(), AgentReply::Ok);
     conn
 }
+
+/// Asserts (polling up to 10 s, as reports come every heartbeat) that every
+/// live manager runs exactly the agents the status lists on its node.
+pub fn managers_run_what_is_listed(service: &LocalService) {
+    let mut mismatch = String::new();
+    let matches = poll_until(Duration::from_secs(10), || {
+        let status = service.status();
+        let listed = |node: &str| status.apps.iter().flat_map(|app| &app.agents).filter(|a| a.node == node).count();
+        mismatch = (status.nodes.iter().filter(|n| n.alive))
+            .filter(|n| n.status.agents as usize != listed(&n.node))
+            .map(|n| format!("{} runs {} agents, {} listed", n.node, n.status.agents, listed(&n.node)))
+            .collect::<Vec<_>>()
+            .join("; ");
+        mismatch.is_empty()
+    });
+    assert!(matches, "{mismatch}");
+}
