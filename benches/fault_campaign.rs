@@ -27,7 +27,10 @@
 //! (or a newer complete one is); no partial version is visible (a
 //! restored version's every byte matches the pattern of its step); no
 //! start, restart or commit waits past its bound; the stores hold no more
-//! files per rank than retention allows. It prints a table at the end and
+//! files per rank than retention allows. Once healed, `icheck status`
+//! matches what runs, no daemon keeps a core busy, and (under a
+//! redundancy policy) each application's newest complete version has its
+//! redundancy in place again. It prints a table at the end and
 //! exits non-zero if a version was lost or anything hung.
 //!
 //! ```text
@@ -339,6 +342,10 @@ struct Tally {
     /// provider can leave one spinning on the lock of a peer killed while
     /// it held it).
     busy: Vec<String>,
+    /// Rounds after which, healed and settled, an application's newest
+    /// complete version was left without the redundancy its policy asks
+    /// for (every node is alive again, so nothing excuses it).
+    unprotected: Vec<String>,
     slowest_recovery: Duration,
     /// The longest commit a rank reported (a commit during a fault waits
     /// for its bounds, then completes on new agents or fails).
@@ -347,6 +354,13 @@ struct Tally {
     rss: BTreeMap<String, (u64, u64)>,
     /// Fault to the job's next completed commit, per takeover, by kind.
     takeovers: BTreeMap<&'static str, Vec<Duration>>,
+}
+
+impl Tally {
+    /// Every broken invariant the campaign found, each a line naming its round.
+    fn findings(&self) -> impl Iterator<Item = &String> {
+        [&self.lost, &self.hangs, &self.status_mismatches, &self.busy, &self.unprotected].into_iter().flatten()
+    }
 }
 
 fn signal(pid: u32, sig: Signal) {
@@ -477,6 +491,31 @@ fn protection_settled(service: &LocalService, bound: Duration) {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// With every node alive and no protection or rebuild under way: the
+/// applications whose newest complete version lacks the redundancy their
+/// policy asks for, each with what status says about it.
+fn unprotected_versions(service: &LocalService) -> Vec<String> {
+    let Ok(status) = service.try_status() else { return vec!["status did not answer".into()] };
+    status
+        .apps
+        .iter()
+        .filter(|app| !app.redundancy.is_none())
+        .filter_map(|app| {
+            let newest = app.latest.as_ref()?.version;
+            (app.protected != Some(newest)).then(|| {
+                format!(
+                    "{}: newest complete version {newest}, protected {:?}, protecting {:?}, rebuilding {}, problem {:?}",
+                    app.registration.name,
+                    app.protected,
+                    app.protecting,
+                    app.rebuilding,
+                    app.protection_problem
+                )
+            })
+        })
+        .collect()
 }
 
 /// How long each daemon's CPU is watched after healing, and the share of
@@ -849,6 +888,9 @@ fn campaign(cli: &Cli) -> Result<Tally> {
             // Building the last versions' redundancy, or a rebuild, is work
             // the job left behind, not a spin: the check waits for it.
             protection_settled(&service, PROTECTION_SETTLE);
+            for why in unprotected_versions(&service) {
+                tally.unprotected.push(format!("round {round}: left unprotected after healing: {why}"));
+            }
             for (daemon, share, thread) in busy_daemons(&service) {
                 tally.busy.push(format!(
                     "round {round}: {daemon} used {:.0}% of a core with no job running (busiest thread: {thread})\n{}",
@@ -867,12 +909,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         tally.rounds += 1;
         let _ = std::io::stdout().flush();
     }
-    if cli.keep
-        && !(tally.lost.is_empty()
-            && tally.hangs.is_empty()
-            && tally.status_mismatches.is_empty()
-            && tally.busy.is_empty())
-    {
+    if cli.keep && tally.findings().next().is_some() {
         let copy = service.dir.with_extension("kept");
         let _ = std::fs::remove_dir_all(&copy);
         std::fs::create_dir_all(&copy)?;
@@ -896,6 +933,7 @@ fn print_table(tally: &Tally) {
     println!("| hangs (must be 0) | {} |", tally.hangs.len());
     println!("| status not matching what runs, after healing (must be 0) | {} |", tally.status_mismatches.len());
     println!("| daemons busy with no job running, after healing (must be 0) | {} |", tally.busy.len());
+    println!("| newest versions left unprotected, after healing (must be 0) | {} |", tally.unprotected.len());
     println!("| slowest recovery (fault to verified restart) | {:.1} s |", tally.slowest_recovery.as_secs_f64());
     println!("| slowest commit reported complete | {:.1} s |", tally.slowest_commit);
     println!("| most files in one rank's store directory | {} |", tally.max_files_per_rank);
@@ -912,7 +950,7 @@ fn print_table(tally: &Tally) {
     for (name, (first, last)) in &tally.rss {
         println!("| RSS of {name}, first -> last round | {} -> {} MiB |", first / 1024, last / 1024);
     }
-    for line in tally.lost.iter().chain(&tally.hangs).chain(&tally.status_mismatches).chain(&tally.busy) {
+    for line in tally.findings() {
         println!("{line}");
     }
 }
@@ -926,11 +964,7 @@ fn main() -> Result<()> {
     print_table(&tally);
     // Retention keeps at most a few versions per rank (the newest complete,
     // one in progress, one pinned by a PFS copy) and the spare file.
-    let broken = !tally.lost.is_empty()
-        || !tally.hangs.is_empty()
-        || !tally.status_mismatches.is_empty()
-        || !tally.busy.is_empty();
-    if broken || tally.max_files_per_rank > 9 {
+    if tally.findings().next().is_some() || tally.max_files_per_rank > 9 {
         bail!("the campaign broke an invariant (see above)");
     }
     Ok(())

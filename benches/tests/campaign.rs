@@ -14,6 +14,7 @@ fn campaign(args: &[&str], rounds: u32) -> String {
     assert!(stdout.contains("| versions lost (must be 0) | 0 |"), "{stdout}");
     assert!(stdout.contains("| hangs (must be 0) | 0 |"), "{stdout}");
     assert!(stdout.contains("| status not matching what runs, after healing (must be 0) | 0 |"), "{stdout}");
+    assert!(stdout.contains("| newest versions left unprotected, after healing (must be 0) | 0 |"), "{stdout}");
     let verified: u32 = stdout
         .lines()
         .find_map(|l| {
