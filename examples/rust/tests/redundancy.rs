@@ -485,7 +485,10 @@ fn version_4_kept(service: &LocalService, name: &str) {
 /// A manager that dies on a live host leaves its store (tmpfs) whole: the
 /// controller starts it again, finds the newest version's files there and
 /// rebuilds nothing, so a version not protected yet is kept, as it is
-/// without redundancy (a lost node's would be dropped, above).
+/// without redundancy (a lost node's would be dropped, above). The agents
+/// that died with the manager are started again there and the version is
+/// protected on them with no job running: before, it stayed unprotected
+/// until the application registered again (the fault campaign found it).
 #[test]
 fn a_killed_manager_whose_store_survives_keeps_the_unprotected_newest_version() {
     let args = ["--provider", "tcp", "--manager-relaunches", "3"];
@@ -499,6 +502,10 @@ fn a_killed_manager_whose_store_survives_keeps_the_unprotected_newest_version() 
         pid != dead && icheck_service::testkit::process_running(pid)
     });
     assert!(back, "{manager} was not started again:\n{}", service.log("controller.log"));
+    let node = manager.trim_start_matches("manager-");
+    let protected = wait_protected(&service, "rk", 4);
+    assert!(protected.agents.iter().any(|a| a.node == node), "no agent on {node} again: {:?}", protected.agents);
+    managers_run_what_is_listed(&service);
     version_4_kept(&service, "rk");
 }
 
@@ -751,6 +758,37 @@ fn a_rebuild_after_a_node_came_back_whole_gives_that_node_a_running_agent() {
     managers_run_what_is_listed(&service);
     restart_bit_exact(&service, "rwl", "rs:4+2", 6);
     pfs_untouched(&service, "rwl");
+}
+
+#[test]
+fn a_copy_on_a_node_that_came_back_whole_serves_a_later_rebuild() {
+    // Under `partner:2`, the manager of a node holding rank r's only copy
+    // dies and comes back with its store: its agents start again there.
+    // Then rank r's own node is lost, and the rebuild reads the copy from
+    // the new agent. Before, the protected version still named the dead
+    // agent as the copy's holder, and the rebuild failed.
+    let service = LocalService::up(&icheck_in_target(), "red-whole-copy", 4, &["--provider", "tcp"]);
+    commit_three(&service, "rwc", "partner:2");
+    let report = wait_protected(&service, "rwc", 3);
+    let slots: Vec<Slot> = report.agents.iter().map(|a| Slot { node: a.node.clone(), group: None }).collect();
+    let plan = icheck_core::redundancy::plan("partner:2".parse().unwrap(), 4, &slots).unwrap();
+    let (rank, holders) = plan.copies.iter().next().expect("every rank has a copy");
+    let holder = report.agents[holders[0]].clone();
+    let count = report.agents.len() as u32;
+    let lost = report.agents[icheck_core::decide::agent_for_rank(*rank, 4, count) as usize].node.clone();
+    assert_ne!(holder.node, lost);
+    let dead = service.pid_of(&format!("manager-{}", holder.node));
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(dead as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    let started_again = poll_until(Duration::from_secs(30), || {
+        let agents = app(&service, "rwc").agents;
+        agents.len() == report.agents.len() && agents.iter().any(|a| a.node == holder.node && a.id != holder.id)
+    });
+    assert!(started_again, "no new agent on {}:\n{}", holder.node, service.log("controller.log"));
+    lose_node(&service, &lost);
+    wait_rebuilt(&service, "rwc", 3, &[&lost]);
+    managers_run_what_is_listed(&service);
+    restart_bit_exact(&service, "rwc", "partner:2", 6);
+    pfs_untouched(&service, "rwc");
 }
 
 #[test]

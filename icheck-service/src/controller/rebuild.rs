@@ -260,6 +260,110 @@ fn look_again_if_lost(shared: &Shared, name: &str, places: &[String]) -> bool {
     lost
 }
 
+/// After `nodes` came back whole: new agents there for the application's
+/// slots whose agents died with their managers, each serving what its
+/// node's store kept, and the newest version protected on them. Without
+/// this, a version completed but not protected before the managers died
+/// stayed unprotected until the application registered or probed again,
+/// which a job that failed with them never does (the fault campaign found
+/// it). Where the agents no longer line up with the slots (the
+/// application moved meanwhile), its next registration replaces them, as
+/// without redundancy; a failed start leaves the same to it.
+async fn agents_back_in_place(shared: &Shared, name: &str, nodes: &BTreeSet<String>) {
+    let (waiters, mut agents, survivors) = {
+        let mut state = shared.state();
+        let state = &mut *state;
+        let Some(app) = state.apps.get(name) else { return };
+        // `AppEntry::lose_node` took the lost nodes' agents out, so the
+        // survivors are the other slots' agents, in slot order.
+        let mut survivors = app.agents.iter();
+        let agents: Option<Vec<Option<AgentInfo>>> = app
+            .homes
+            .iter()
+            .map(|home| match nodes.contains(home) {
+                true => Some(None),
+                false => survivors.next().filter(|agent| agent.node == *home).map(|agent| Some(agent.clone())),
+            })
+            .collect();
+        let missing = app.agents.len() != app.homes.len();
+        let (Some(agents), None, Some(owner)) = (agents, survivors.next(), app.owner) else {
+            if missing {
+                // Out of line: the status says why the version waits.
+                start_protection(shared, state, name);
+            }
+            return;
+        };
+        if agents.iter().all(Option::is_some) {
+            return;
+        }
+        let places: Vec<String> =
+            agents.iter().zip(&app.homes).filter(|(agent, _)| agent.is_none()).map(|(_, home)| home.clone()).collect();
+        let spec = nodes::StartSpec {
+            app: name,
+            mem_budget: shared.dynamic().max_mem_node_bytes(),
+            owner,
+            complete: app.latest.as_ref().map(|l| l.version),
+            encrypted: app.registration.encrypted,
+            protected: app.protection.protected.as_ref().map(|p| p.version()),
+        };
+        let survivors = app.agents.clone();
+        (send_starts(state, &spec, places), agents, survivors)
+    };
+    tracing::info!(app = name, nodes = ?nodes, agents = waiters.len(), "starting the application's agents again where its files are");
+    let _claim = Placing::of(shared, &waiters);
+    let started = await_starts(shared, name, waiters).await;
+    let mut state = shared.state();
+    let state = &mut *state;
+    let Some(app) = state.apps.get_mut(name) else { return };
+    let started = match started {
+        Ok(started) if app.agents == survivors => started,
+        Ok(started) => {
+            // The application was placed again meanwhile: its agents stand.
+            tell_agents(&state.nodes, &started, |id| ControllerToManager::StopAgent { id, discard: false });
+            return;
+        }
+        Err(why) => {
+            app.protection.problem = Some(format!(
+                "its agents on {nodes:?} could not be started again ({why}); its newest version is protected once \
+                 the application registers again"
+            ));
+            return;
+        }
+    };
+    let mut fresh = started.iter();
+    let agents: Vec<AgentInfo> = agents.iter_mut().filter_map(|a| a.take().or_else(|| fresh.next().cloned())).collect();
+    let placed = Event::Placed { registration: app.registration.clone(), agents: agents.clone(), owner: app.owner };
+    if let Err(why) = journal(state, &placed) {
+        tell_agents(&state.nodes, &started, |id| ControllerToManager::StopAgent { id, discard: false });
+        tracing::warn!(app = name, %why, "the agents started again are not journaled; they are replaced at registration");
+        return;
+    }
+    let Some(app) = state.apps.get_mut(name) else { return };
+    // The protected version's record named the dead agents as holders of
+    // what their nodes kept: a later rebuild reads from the new ones.
+    let mut protected = None;
+    if let Some(record) = app.protection.protected.as_mut().filter(|p| p.agents.len() == agents.len()) {
+        for (held, now) in record.agents.iter_mut().zip(&agents) {
+            if nodes.contains(&held.node) && held.node == now.node {
+                *held = now.clone();
+            }
+        }
+        protected =
+            Some(Event::Protected { app: name.to_string(), protection: record.journaled(app.protection.policy) });
+    }
+    let newer = app.latest.as_ref().map(|l| l.version) > app.protection.protected.as_ref().map(|p| p.version());
+    app.agents = agents;
+    if let Some(event) = protected {
+        if let Err(why) = journal(state, &event) {
+            tracing::warn!(app = name, %why, "the protected version's new holders are not journaled");
+        }
+    }
+    // Protecting the protected version again would rewrite its pieces.
+    if newer {
+        start_protection(shared, state, name);
+    }
+}
+
 /// One pass of [`after_loss`], with its outcome logged and recorded.
 async fn rebuild_once(shared: &Shared, name: &str) {
     let started = Instant::now();
@@ -294,14 +398,14 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     }
     let (protected, policy, dead, owner, waiters, lost_slots, stale, reused, fell_back) = loop {
         if came_back_whole(shared, name, &fresh).await {
-            // As without redundancy: the application's agents there are
-            // replaced on its next commit, probe or registration, which
-            // finds the files where they were; the newest version is whole.
+            // The newest version is whole where it was; only the
+            // application's agents there died with their managers.
             tracing::warn!(app = name, nodes = ?fresh, "the lost nodes came back with their memory: nothing to rebuild");
             if let Some(app) = shared.state().apps.get_mut(name) {
                 app.protection.problem = None;
                 app.protection.lost_since.retain(|n, _| !fresh.contains(n));
             }
+            agents_back_in_place(shared, name, &fresh).await;
             return Ok(None);
         }
         // Nodes an earlier pass rebuilt are still missing the version's
