@@ -509,6 +509,32 @@ fn a_killed_manager_whose_store_survives_keeps_the_unprotected_newest_version() 
     version_4_kept(&service, "rk");
 }
 
+/// An agent that ends on its own (a transfer that timed out closed its
+/// endpoint) holding the newest version, not protected yet: another agent
+/// starts on its node and the version is protected on it with no job
+/// running. Before, it waited for the application's next registration,
+/// which a job that failed with its agent never makes (the fault campaign
+/// found it, with `partner:3`).
+#[test]
+fn an_agent_that_ended_on_its_own_is_started_again_and_the_newest_version_protected() {
+    let failpoints = format!("{FOURTH_UNPROTECTED};agent.endpoint_lost_after_complete=3*error x1");
+    let service = service_with("red-agent-ended", 3, Some(&failpoints));
+    commit_three_with(&service, "ra", "rs:2+1", 1);
+    let before = wait_protected(&service, "ra", 3);
+    restart_bit_exact_with(&service, "ra", "rs:2+1", 6, 1);
+    let ended = poll_until(Duration::from_secs(30), || service.log("controller.log").contains("agent thread died"));
+    assert!(ended, "no agent ended:\n{}", service.log("controller.log"));
+    let after = wait_protected(&service, "ra", 4);
+    let replaced = before.agents.iter().filter(|a| after.agents.iter().all(|b| b.id != a.id)).count();
+    assert_eq!(replaced, 1, "{:?} then {:?}", before.agents, after.agents);
+    managers_run_what_is_listed(&service);
+    let args = ["--app", "ra", "--steps", "8", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(1, &service.config_path(), &args, &[("ICHECK_REDUNDANCY", "rs:2+1")])
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
+    pfs_untouched(&service, "ra");
+}
+
 /// A manager that only goes silent (SIGSTOP past the missed heartbeats, as
 /// a hung or cut-off node) and answers again within the rebuild's wait
 /// lost nothing: its agents are given up as without redundancy, but the

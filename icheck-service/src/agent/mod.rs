@@ -1625,6 +1625,11 @@ fn handle_rest(
             let sealed = || store.is_sealed(&shared.app, rank, version);
             session.core.complete(version, shared.complete(rank), sealed)?;
             shared.completed(rank, version);
+            // Tests lose the agent's endpoint here, as a transfer to an
+            // unresponsive peer that timed out would: the agent ends.
+            if icheck_core::failpoint::fails("agent.endpoint_lost_after_complete") {
+                shared.endpoint.close();
+            }
             let pruning = Instant::now();
             let held = shared.held_back(version);
             let pruned = prune_older(shared, session, version, &held)?;

@@ -1256,9 +1256,19 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             }
             ManagerToController::AgentLost { id } => {
                 tracing::warn!(%node, agent = id, "agent thread died");
-                for app in state.apps.values_mut() {
+                let config = shared.dynamic();
+                let mut protected_apps = Vec::new();
+                for (name, app) in state.apps.iter_mut() {
+                    let before = app.agents.len();
                     app.agents.retain(|a| a.id != id);
+                    if app.agents.len() < before && !config.redundancy_for(&app.registration).is_none() {
+                        protected_apps.push(name.clone());
+                    }
                 }
+                // Their versions stay protected only with an agent where
+                // the files are: one starts again there (`rebuild`).
+                drop(state);
+                rebuild::spawn(&shared, protected_apps);
             }
             ManagerToController::Register { .. } => {
                 tracing::warn!(%node, "manager registered twice on one connection; ignored");

@@ -260,34 +260,42 @@ fn look_again_if_lost(shared: &Shared, name: &str, places: &[String]) -> bool {
     lost
 }
 
-/// After `nodes` came back whole: new agents there for the application's
-/// slots whose agents died with their managers, each serving what its
-/// node's store kept, and the newest version protected on them. Without
-/// this, a version completed but not protected before the managers died
-/// stayed unprotected until the application registered or probed again,
-/// which a job that failed with them never does (the fault campaign found
-/// it). Where the agents no longer line up with the slots (the
-/// application moved meanwhile), its next registration replaces them, as
-/// without redundancy; a failed start leaves the same to it.
-async fn agents_back_in_place(shared: &Shared, name: &str, nodes: &BTreeSet<String>) {
+/// New agents for the application's slots whose agents died while their
+/// nodes live on (a manager that came back with its store, or an agent
+/// that ended on its own: one whose endpoint a timed-out transfer closed
+/// stops so that it is replaced), each on its slot's node, serving what
+/// the node's store kept; the protected version's record names them
+/// instead of the dead ones, and a newer complete version is protected on
+/// them. Without this, a version completed but not yet protected stayed
+/// unprotected until the application registered or probed again, which a
+/// job that failed with them never does, and a later rebuild read the
+/// node's copies or shards from a dead agent (the fault campaign found
+/// both). Where the agents no longer line up with the slots, or a slot's
+/// node is down or draining, the application's next registration replaces
+/// them, as without redundancy; a failed start leaves the same to it.
+async fn agents_back_in_place(shared: &Shared, name: &str) {
     let (waiters, mut agents, survivors) = {
         let mut state = shared.state();
         let state = &mut *state;
         let Some(app) = state.apps.get(name) else { return };
-        // `AppEntry::lose_node` took the lost nodes' agents out, so the
-        // survivors are the other slots' agents, in slot order.
-        let mut survivors = app.agents.iter();
+        let now = Instant::now();
+        let usable = |node: &str| state.nodes.is_alive(node, now) && !state.nodes.is_draining(node);
+        // Agents that died were taken out of the list (`AppEntry::lose_node`,
+        // `AgentLost`): the survivors are the other slots' agents, in slot
+        // order. (Of two slots on one node, which one died does not matter:
+        // every agent of the application there serves the node's store.)
+        let mut survivors = app.agents.iter().peekable();
         let agents: Option<Vec<Option<AgentInfo>>> = app
             .homes
             .iter()
-            .map(|home| match nodes.contains(home) {
-                true => Some(None),
-                false => survivors.next().filter(|agent| agent.node == *home).map(|agent| Some(agent.clone())),
+            .map(|home| match survivors.peek() {
+                Some(agent) if agent.node == *home => survivors.next().map(|agent| Some(agent.clone())),
+                _ => usable(home).then_some(None),
             })
             .collect();
-        let missing = app.agents.len() != app.homes.len();
+        let unexplained = app.agents.len() != app.homes.len() && app.protection.problem.is_none();
         let (Some(agents), None, Some(owner)) = (agents, survivors.next(), app.owner) else {
-            if missing {
+            if unexplained {
                 // Out of line: the status says why the version waits.
                 start_protection(shared, state, name);
             }
@@ -309,7 +317,8 @@ async fn agents_back_in_place(shared: &Shared, name: &str, nodes: &BTreeSet<Stri
         let survivors = app.agents.clone();
         (send_starts(state, &spec, places), agents, survivors)
     };
-    tracing::info!(app = name, nodes = ?nodes, agents = waiters.len(), "starting the application's agents again where its files are");
+    let places: Vec<&str> = waiters.iter().map(|(_, node, _)| node.as_str()).collect();
+    tracing::info!(app = name, nodes = ?places, "starting the application's lost agents again where its files are");
     let _claim = Placing::of(shared, &waiters);
     let started = await_starts(shared, name, waiters).await;
     let mut state = shared.state();
@@ -324,8 +333,8 @@ async fn agents_back_in_place(shared: &Shared, name: &str, nodes: &BTreeSet<Stri
         }
         Err(why) => {
             app.protection.problem = Some(format!(
-                "its agents on {nodes:?} could not be started again ({why}); its newest version is protected once \
-                 the application registers again"
+                "its lost agents could not be started again ({why}); its newest version is protected once the \
+                 application registers again"
             ));
             return;
         }
@@ -342,14 +351,13 @@ async fn agents_back_in_place(shared: &Shared, name: &str, nodes: &BTreeSet<Stri
     // The protected version's record named the dead agents as holders of
     // what their nodes kept: a later rebuild reads from the new ones.
     let mut protected = None;
-    if let Some(record) = app.protection.protected.as_mut().filter(|p| p.agents.len() == agents.len()) {
-        for (held, now) in record.agents.iter_mut().zip(&agents) {
-            if nodes.contains(&held.node) && held.node == now.node {
+    if let Some(record) = app.protection.protected.as_mut() {
+        for held in record.agents.iter_mut().filter(|held| !agents.iter().any(|a| a.id == held.id)) {
+            if let Some(now) = started.iter().find(|a| a.node == held.node) {
                 *held = now.clone();
             }
         }
-        protected =
-            Some(Event::Protected { app: name.to_string(), protection: record.journaled(app.protection.policy) });
+        protected = Some(Event::Protected { app: name.to_string(), protection: record.journaled(app.protection.policy) });
     }
     let newer = app.latest.as_ref().map(|l| l.version) > app.protection.protected.as_ref().map(|p| p.version());
     app.agents = agents;
@@ -371,7 +379,9 @@ async fn rebuild_once(shared: &Shared, name: &str) {
         Ok(Some(ranks)) => {
             tracing::info!(app = %name, ranks, secs = started.elapsed().as_secs_f64(), "rebuilt after a lost node")
         }
-        Ok(None) => {}
+        // Nothing to rebuild: the agents that died where the files are
+        // (the nodes came back whole, or an agent ended) start again.
+        Ok(None) => agents_back_in_place(shared, name).await,
         Err(reason) => {
             tracing::error!(app = %name, %reason, "rebuild after a lost node failed");
             if let Some(app) = shared.state().apps.get_mut(name) {
@@ -405,7 +415,6 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
                 app.protection.problem = None;
                 app.protection.lost_since.retain(|n, _| !fresh.contains(n));
             }
-            agents_back_in_place(shared, name, &fresh).await;
             return Ok(None);
         }
         // Nodes an earlier pass rebuilt are still missing the version's
