@@ -451,6 +451,29 @@ fn a_node_lost_before_the_newest_version_is_protected_falls_back_one_version() {
     pfs_untouched(&service, "rw");
 }
 
+/// The controller dies while the newest version (4) is not protected yet:
+/// the restarted one keeps the journaled protection of version 3 for a
+/// rebuild to fall back to, and protects version 4 with no job running.
+/// Before, reconciliation forgot version 3's protection (it was not the
+/// newest) and nothing protected version 4 until the application came
+/// back (the fault campaign found it, with `partner:3`).
+#[test]
+fn a_restarted_controller_protects_the_newest_version_its_predecessor_had_not() {
+    let service = service_with("red-restart-unprotected", 4, Some(FOURTH_UNPROTECTED));
+    fourth_unprotected(&service, "rr");
+    kill_controller(&service);
+    service.up_again();
+    let after = wait_protected(&service, "rr", 4);
+    assert_eq!(after.latest.as_ref().map(|l| l.version), Some(4), "{after:?}");
+    assert!(service.log("controller.log").contains("newest complete version confirmed by the stores"));
+    managers_run_what_is_listed(&service);
+    let restart = ["--app", "rr", "--steps", "8", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(4, &service.config_path(), &restart, &[("ICHECK_REDUNDANCY", "rs:2+1")])
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
+    pfs_untouched(&service, "rr");
+}
+
 /// Versions 1 to 4 of `name` under `rs:2+1` with 4 ranks, 3 protected and
 /// 4 not (the service runs [`FOURTH_UNPROTECTED`]); returns the node of
 /// rank 0's agent.

@@ -743,6 +743,7 @@ fn reconcile_pending(state: &mut State, now: Instant) {
         }
         app.protection.confirm(outcome.latest.as_ref().map(|l| l.version));
         app.protection.rebuild_due = outcome.rebuild;
+        app.protection.recheck_due = !outcome.rebuild && outcome.latest.is_some();
         // Its ranks all there, the protected version may still miss
         // pieces: a node holding parity alone, started again empty (or not
         // back) while no controller ran. Its slots are rebuilt as a lost
@@ -900,7 +901,10 @@ async fn watch_liveness(shared: Arc<Shared>) {
         let due: Vec<String> = state
             .apps
             .iter_mut()
-            .filter_map(|(name, app)| std::mem::take(&mut app.protection.rebuild_due).then(|| name.clone()))
+            .filter_map(|(name, app)| {
+                let due = std::mem::take(&mut app.protection.rebuild_due);
+                (std::mem::take(&mut app.protection.recheck_due) || due).then(|| name.clone())
+            })
             .collect();
         rebuild::spawn(&shared, due);
         // Woken far too late: the controller was stopped or starved, and

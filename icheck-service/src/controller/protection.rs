@@ -94,6 +94,11 @@ pub(super) struct ProtectionBook {
     /// Reconciliation found the protected version missing ranks on nodes
     /// that did not come back: the controller starts its rebuild.
     pub(super) rebuild_due: bool,
+    /// Reconciliation settled the newest version with nothing to rebuild:
+    /// the controller looks whether it needs protecting, or agents started
+    /// where its files are (`rebuild::agents_back_in_place`), since no
+    /// protection of it may have been under way when the controller died.
+    pub(super) recheck_due: bool,
     /// Nodes lost to the protected version although their managers run
     /// (they came back without its files): a rebuild treats them as dead.
     pub(super) wiped: BTreeSet<String>,
@@ -151,11 +156,16 @@ impl ProtectionBook {
     }
 
     /// Reconciliation settled the application's newest version (`latest`):
-    /// the journaled protection counts if it is that version's, and is
-    /// forgotten otherwise.
+    /// the journaled protection counts if it is that version's, or an older
+    /// one's (the newest completed before it was protected: the primaries
+    /// hold the protected one back and its pieces stay until a newer one
+    /// is journaled protected), and is forgotten if it is of a version
+    /// newer than `latest` (dropped with its files). Forgetting the older
+    /// one left nothing for a rebuild to fall back to after a controller
+    /// restart or takeover (the fault campaign found it).
     pub(super) fn confirm(&mut self, latest: Option<u64>) {
         if let Some(journaled) = self.journaled.take() {
-            if latest == Some(journaled.version()) && self.protected.is_none() {
+            if latest.is_some_and(|latest| journaled.version() <= latest) && self.protected.is_none() {
                 self.protected = Some(journaled);
             }
         }
@@ -593,6 +603,25 @@ mod tests {
         let too_few = book.begin(&record(4), 2, &agents[..1], &|_| None);
         assert!(too_few.is_empty());
         assert!(book.problem.as_deref().unwrap().contains("needs 2"), "{:?}", book.problem);
+    }
+
+    #[test]
+    fn a_journaled_protection_of_an_older_version_than_the_newest_still_counts() {
+        let agents: Vec<AgentInfo> = ["a", "b", "c"].iter().enumerate().map(|(i, n)| agent(i as u64 + 1, n)).collect();
+        let mut book = book("rs:2+1");
+        for (agent, _, task) in book.begin(&record(5), 2, &agents, &|_| None) {
+            book.piece_done(agent, 5, task.piece, Ok(1));
+        }
+        let journaled = book.protected.as_ref().unwrap().journaled(book.policy);
+        // Version 6 completed before it was protected: a rebuild falls back to 5.
+        let mut restarted = ProtectionBook::from_journal(&journaled);
+        restarted.confirm(Some(6));
+        assert_eq!(restarted.protected.map(|p| p.version()), Some(5));
+        assert!(restarted.journaled.is_none());
+        // Nothing is confirmed (every journaled version dropped): nothing counts.
+        let mut restarted = ProtectionBook::from_journal(&journaled);
+        restarted.confirm(None);
+        assert!(restarted.protected.is_none());
     }
 
     #[test]

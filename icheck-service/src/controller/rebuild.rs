@@ -273,11 +273,17 @@ fn look_again_if_lost(shared: &Shared, name: &str, places: &[String]) -> bool {
 /// both). Where the agents no longer line up with the slots, or a slot's
 /// node is down or draining, the application's next registration replaces
 /// them, as without redundancy; a failed start leaves the same to it.
+/// With every agent there, a newest version that nothing protects (a
+/// controller that died before protecting it, or a protection that ended
+/// with a lost agent) is protected now.
 async fn agents_back_in_place(shared: &Shared, name: &str) {
     let (waiters, mut agents, survivors) = {
         let mut state = shared.state();
         let state = &mut *state;
         let Some(app) = state.apps.get(name) else { return };
+        if shared.dynamic().redundancy_for(&app.registration).is_none() {
+            return;
+        }
         let now = Instant::now();
         let usable = |node: &str| state.nodes.is_alive(node, now) && !state.nodes.is_draining(node);
         // Agents that died were taken out of the list (`AppEntry::lose_node`,
@@ -302,6 +308,13 @@ async fn agents_back_in_place(shared: &Shared, name: &str) {
             return;
         };
         if agents.iter().all(Option::is_some) {
+            // Every agent is there: a newest version that nothing protects
+            // (none was under way when a controller died) is protected now.
+            let protected = app.protection.protected.as_ref().map(|p| p.version());
+            let idle = app.protection.protecting().is_none() && app.protection.waiting().is_none();
+            if idle && app.latest.as_ref().map(|l| l.version) > protected {
+                start_protection(shared, state, name);
+            }
             return;
         }
         let places: Vec<String> =
@@ -357,7 +370,8 @@ async fn agents_back_in_place(shared: &Shared, name: &str) {
                 *held = now.clone();
             }
         }
-        protected = Some(Event::Protected { app: name.to_string(), protection: record.journaled(app.protection.policy) });
+        protected =
+            Some(Event::Protected { app: name.to_string(), protection: record.journaled(app.protection.policy) });
     }
     let newer = app.latest.as_ref().map(|l| l.version) > app.protection.protected.as_ref().map(|p| p.version());
     app.agents = agents;
