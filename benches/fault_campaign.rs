@@ -493,29 +493,46 @@ fn protection_settled(service: &LocalService, bound: Duration) {
     }
 }
 
-/// With every node alive and no protection or rebuild under way: the
-/// applications whose newest complete version lacks the redundancy their
-/// policy asks for, each with what status says about it.
+/// How long the newest versions may take to be protected again once the
+/// service has healed: a restarted controller protects the newest version
+/// after reconciling (at its next liveness tick), and an agent whose
+/// transfer to a killed rank times out (10 s) ends and is replaced before
+/// the version it holds can be protected.
+const PROTECTED_AGAIN_WITHIN: Duration = Duration::from_secs(30);
+
+/// With every node alive: the applications whose newest complete version
+/// still lacks the redundancy their policy asks for after
+/// [`PROTECTED_AGAIN_WITHIN`], each with what status says about it.
 fn unprotected_versions(service: &LocalService) -> Vec<String> {
-    let Ok(status) = service.try_status() else { return vec!["status did not answer".into()] };
-    status
-        .apps
-        .iter()
-        .filter(|app| !app.redundancy.is_none())
-        .filter_map(|app| {
-            let newest = app.latest.as_ref()?.version;
-            (app.protected != Some(newest)).then(|| {
-                format!(
-                    "{}: newest complete version {newest}, protected {:?}, protecting {:?}, rebuilding {}, problem {:?}",
-                    app.registration.name,
-                    app.protected,
-                    app.protecting,
-                    app.rebuilding,
-                    app.protection_problem
-                )
-            })
-        })
-        .collect()
+    let start = Instant::now();
+    loop {
+        let unprotected: Vec<String> = match service.try_status() {
+            Err(why) => vec![format!("status did not answer: {why}")],
+            Ok(status) => status
+                .apps
+                .iter()
+                .filter(|app| !app.redundancy.is_none())
+                .filter_map(|app| {
+                    let newest = app.latest.as_ref()?.version;
+                    (app.protected != Some(newest)).then(|| {
+                        format!(
+                            "{}: newest complete version {newest}, protected {:?}, protecting {:?}, rebuilding {}, \
+                             problem {:?}",
+                            app.registration.name,
+                            app.protected,
+                            app.protecting,
+                            app.rebuilding,
+                            app.protection_problem
+                        )
+                    })
+                })
+                .collect(),
+        };
+        if unprotected.is_empty() || start.elapsed() > PROTECTED_AGAIN_WITHIN {
+            return unprotected;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
 }
 
 /// How long each daemon's CPU is watched after healing, and the share of
@@ -891,6 +908,8 @@ fn campaign(cli: &Cli) -> Result<Tally> {
             for why in unprotected_versions(&service) {
                 tally.unprotected.push(format!("round {round}: left unprotected after healing: {why}"));
             }
+            // Protections the wait above saw start are work too.
+            protection_settled(&service, PROTECTION_SETTLE);
             for (daemon, share, thread) in busy_daemons(&service) {
                 tally.busy.push(format!(
                     "round {round}: {daemon} used {:.0}% of a core with no job running (busiest thread: {thread})\n{}",

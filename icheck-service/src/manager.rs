@@ -46,6 +46,38 @@ fn return_freed_memory() {
     }
 }
 
+/// How long a call into libfabric that returns at once when healthy (a
+/// progress poll) may stay inside before the manager counts its fabric as
+/// wedged: a thousand times any healthy one, and longer than a thread of
+/// the lowest priority waits for a core on a loaded node.
+const WEDGED_AFTER: Duration = Duration::from_secs(20);
+
+/// Exit code of a manager that ends because its fabric is wedged.
+const EXIT_WEDGED: i32 = 75;
+
+/// Ends this manager at once if a call into libfabric has been inside for
+/// [`WEDGED_AFTER`] (`icheck_core::fabric::longest_libfabric_call`: shm
+/// spinning on the lock of a process killed while it held it). Nothing can
+/// take the thread back out, its endpoint serves nobody any more, and the
+/// spin holds a core: the controller starts a new manager, which finds the
+/// store this one leaves (its agents start again where their files are).
+/// `_exit`, not `exit`: libfabric's destructors would wait for the lock too.
+fn exit_if_wedged() {
+    let Some((inside, thread)) = icheck_core::fabric::longest_libfabric_call() else { return };
+    if inside < WEDGED_AFTER {
+        return;
+    }
+    tracing::error!(
+        ?inside,
+        %thread,
+        "a call into libfabric has not returned (shm spinning on a dead process's lock?); this manager exits so \
+         that a new one serves its store"
+    );
+    // SAFETY: `_exit` takes no pointer and never returns; it ends the
+    // process without running handlers that could block on the same lock.
+    unsafe { libc::_exit(EXIT_WEDGED) }
+}
+
 /// Agents being stopped (id → application), until their threads have
 /// ended. `StopAgent` runs off the message loop, so a `DropRanks` that
 /// follows it could otherwise delete a rank's directory while a session of
@@ -393,6 +425,7 @@ async fn session(
             loop {
                 tokio::select! {
                     _ = beat.tick() => {
+                        exit_if_wedged();
                         let lost: Vec<u64> = {
                             let mut map = agents.lock().unwrap_or_else(|p| p.into_inner());
                             let dead: Vec<u64> = map.iter().filter(|(_, a)| !a.is_alive()).map(|(id, _)| *id).collect();

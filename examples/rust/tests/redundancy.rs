@@ -558,6 +558,42 @@ fn an_agent_that_ended_on_its_own_is_started_again_and_the_newest_version_protec
     pfs_untouched(&service, "ra");
 }
 
+/// A manager one of whose calls into libfabric never returns (shm spinning
+/// on the lock of a process killed while it held it: the fault campaign
+/// found a protection stalled so, with the manager's progress threads at
+/// 100% of a core) exits, and the controller starts it again: its store is
+/// kept, its agent starts again there, and the version that waited for it
+/// is protected.
+#[test]
+fn a_manager_whose_fabric_is_wedged_exits_and_the_version_is_protected_after_its_restart() {
+    // Over shm, where agents poll their endpoints to serve reads.
+    let args = ["--provider", "shm", "--manager-relaunches", "3"];
+    let wedge = Some("agent.fabric_wedged_after_complete=3*error x1");
+    let service = LocalService::up_with_failpoints(&icheck_in_target(), "red-wedged", 3, &args, None, wedge);
+    commit_three_with(&service, "rwe", "rs:2+1", 1);
+    let before = wait_protected(&service, "rwe", 3);
+    let count = before.agents.len() as u32;
+    let primary = before.agents[icheck_core::decide::agent_for_rank(0, 1, count) as usize].node.clone();
+    let manager = format!("manager-{primary}");
+    let dead = service.pid_of(&manager);
+    // Version 4 completes; the next progress poll of its manager sleeps
+    // inside the watched call, as a wedged one would.
+    restart_bit_exact_with(&service, "rwe", "rs:2+1", 6, 1);
+    let restarted = poll_until(Duration::from_secs(90), || {
+        let pid = service.pid_of(&manager);
+        pid != dead && icheck_service::testkit::process_running(pid)
+    });
+    assert!(restarted, "{manager} did not exit and start again:\n{}", manager_logs(&service, 3).join("\n"));
+    assert!(service.log(&format!("{manager}.log")).contains("a call into libfabric has not returned"));
+    wait_protected(&service, "rwe", 4);
+    managers_run_what_is_listed(&service);
+    let args = ["--app", "rwe", "--steps", "8", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(1, &service.config_path(), &args, &[("ICHECK_REDUNDANCY", "rs:2+1")])
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
+    pfs_untouched(&service, "rwe");
+}
+
 /// A manager that only goes silent (SIGSTOP past the missed heartbeats, as
 /// a hung or cut-off node) and answers again within the rebuild's wait
 /// lost nothing: its agents are given up as without redundancy, but the

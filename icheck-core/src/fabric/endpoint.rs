@@ -609,8 +609,13 @@ impl Endpoint {
             return false;
         }
         let mut entries = [sys::fi_cq_entry::default(); 8];
-        // SAFETY: the CQ is open (not closed, lock held) and `entries` has room for 8.
-        let ret = unsafe { sys::icheck_fi_cq_read(state.cq, entries.as_mut_ptr().cast(), entries.len()) };
+        let cq = state.cq;
+        // Watched: shm can spin here for ever on a dead process's lock.
+        let ret = super::watchdog::watched(|| {
+            // SAFETY: the CQ is open (not closed, lock held by the caller
+            // for the whole call) and `entries` has room for 8.
+            unsafe { sys::icheck_fi_cq_read(cq, entries.as_mut_ptr().cast(), entries.len()) }
+        });
         if ret > 0 {
             tracing::warn!(count = ret, "progress found completions outside any batch; ignored");
         } else if ret == eavail() {
@@ -753,8 +758,9 @@ impl Endpoint {
                 // we return only after this op completed or the endpoint was
                 // closed. The iov, desc and rma_iov structs only need to live
                 // for the duration of the call. The context points into
-                // `slots`, which outlives every outstanding op.
-                let ret = unsafe {
+                // `slots`, which outlives every outstanding op. Watched: shm
+                // can spin in a post for ever on a dead process's lock.
+                let ret = super::watchdog::watched(|| unsafe {
                     let mut iov =
                         sys::iovec { iov_base: local.ptr.add(op.local_offset + op_done).cast(), iov_len: len };
                     let mut descs = [local.desc];
@@ -773,7 +779,7 @@ impl Endpoint {
                         RmaKind::Read => sys::icheck_fi_readmsg(state.ep, &msg, flags_of(RmaKind::Read)),
                         RmaKind::Write => sys::icheck_fi_writemsg(state.ep, &msg, flags_of(RmaKind::Write)),
                     }
-                };
+                });
                 if ret == 0 {
                     free.pop();
                     outstanding += 1;
@@ -799,9 +805,12 @@ impl Endpoint {
             }
 
             // Reap completions (this also drives the provider's progress).
-            // SAFETY: the CQ is open (lock held, not closed) and `entries` has
-            // room for entries.len() context-format entries.
-            let ret = unsafe { sys::icheck_fi_cq_read(state.cq, entries.as_mut_ptr().cast(), entries.len()) };
+            let cq = state.cq;
+            let ret = super::watchdog::watched(|| {
+                // SAFETY: the CQ is open (lock held, not closed) and
+                // `entries` has room for entries.len() context-format entries.
+                unsafe { sys::icheck_fi_cq_read(cq, entries.as_mut_ptr().cast(), entries.len()) }
+            });
             if ret > 0 {
                 for entry in &entries[..ret as usize] {
                     let index = (entry.op_context as usize - slot_base) / std::mem::size_of::<OpSlot>();

@@ -50,6 +50,7 @@ mod endpoint;
 mod error;
 mod mr;
 mod progress;
+mod watchdog;
 
 pub use choice::{choose_provider, ProviderChoice, Reach};
 pub use crash_handlers::{disarm_provider_crash_handlers, NO_BACKTRACE_ENV};
@@ -63,6 +64,7 @@ pub use mr::{
     Access, AlignedBuffer, LocalSource, LocalTarget, MemoryRegion, RegisteredBuffer, RemoteRegion, StableBuffer,
 };
 pub use progress::{lower_thread_priority, tune_connection_setup, ProgressMode, ProgressThread, RXM_CM_PROGRESS_ENV};
+pub use watchdog::{longest_libfabric_call, wedge_next_call};
 
 /// Result type of the fabric layer.
 pub type Result<T, E = FabricError> = std::result::Result<T, E>;

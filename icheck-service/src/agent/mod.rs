@@ -1630,6 +1630,11 @@ fn handle_rest(
             if icheck_core::failpoint::fails("agent.endpoint_lost_after_complete") {
                 shared.endpoint.close();
             }
+            // Tests wedge the next progress poll of this manager here, as a
+            // dead process's shm lock would.
+            if icheck_core::failpoint::fails("agent.fabric_wedged_after_complete") {
+                icheck_core::fabric::wedge_next_call();
+            }
             let pruning = Instant::now();
             let held = shared.held_back(version);
             let pruned = prune_older(shared, session, version, &held)?;
