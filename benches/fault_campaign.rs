@@ -551,10 +551,21 @@ fn busy_daemons(service: &LocalService) -> Vec<(String, f64, String)> {
     if busy_once.is_empty() {
         return busy_once;
     }
-    let suspects: Vec<(String, u32)> =
-        daemons.into_iter().filter(|(daemon, _)| busy_once.iter().any(|(busy, ..)| busy == daemon)).collect();
+    // A manager wedged inside libfabric (shm spinning on a dead process's
+    // lock) exits after 20 s and is started again: a spin counts only if it
+    // outlasts that, in the daemon the pids file names by then.
+    std::thread::sleep(OUTLAST_WEDGE);
+    let suspects: Vec<(String, u32)> = icheck_service::launcher::read_pids(&service.dir)
+        .into_iter()
+        .filter(|(daemon, _)| busy_once.iter().any(|(busy, ..)| busy == daemon))
+        .collect();
     busy_over_a_window(&suspects)
 }
+
+/// How long a daemon busy over one [`BUSY_WINDOW`] is given before it is
+/// watched again: beyond a manager's wedged-fabric bound (20 s) and the
+/// heartbeat on which it looks, and its relaunch.
+const OUTLAST_WEDGE: Duration = Duration::from_secs(25);
 
 /// Where a busy thread (`/proc/PID/task/TID name`, as [`busy_daemons`]
 /// names it) is: its kernel stack and, where `gdb` is installed, its
