@@ -467,11 +467,7 @@ fn a_restarted_controller_protects_the_newest_version_its_predecessor_had_not() 
     assert_eq!(after.latest.as_ref().map(|l| l.version), Some(4), "{after:?}");
     assert!(service.log("controller.log").contains("newest complete version confirmed by the stores"));
     managers_run_what_is_listed(&service);
-    let restart = ["--app", "rr", "--steps", "8", "--every", "2", "--mib", "2", "--persist"];
-    let lines = Job::start(4, &service.config_path(), &restart, &[("ICHECK_REDUNDANCY", "rs:2+1")])
-        .finish(Duration::from_secs(120));
-    assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
-    pfs_untouched(&service, "rr");
+    version_4_restores(&service, "rr", 4);
 }
 
 /// Versions 1 to 4 of `name` under `rs:2+1` with 4 ranks, 3 protected and
@@ -498,8 +494,14 @@ fn version_4_kept(service: &LocalService, name: &str) {
     assert_eq!(report.latest.as_ref().map(|l| l.version), Some(4), "version 4 was dropped: {report:?}");
     assert!(report.dropped.is_empty(), "{:?}", report.dropped);
     assert!(!service.log("controller.log").contains("falling back to the protected one"));
+    version_4_restores(service, name, 4);
+}
+
+/// A job of `ranks` ranks restarts `name` under `rs:2+1` from version 4
+/// (step 6), bit-exact, and nothing of it ever reached the PFS.
+fn version_4_restores(service: &LocalService, name: &str, ranks: u32) {
     let restart = ["--app", name, "--steps", "8", "--every", "2", "--mib", "2", "--persist"];
-    let lines = Job::start(4, &service.config_path(), &restart, &[("ICHECK_REDUNDANCY", "rs:2+1")])
+    let lines = Job::start(ranks, &service.config_path(), &restart, &[("ICHECK_REDUNDANCY", "rs:2+1")])
         .finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
     pfs_untouched(service, name);
@@ -551,11 +553,7 @@ fn an_agent_that_ended_on_its_own_is_started_again_and_the_newest_version_protec
     let replaced = before.agents.iter().filter(|a| after.agents.iter().all(|b| b.id != a.id)).count();
     assert_eq!(replaced, 1, "{:?} then {:?}", before.agents, after.agents);
     managers_run_what_is_listed(&service);
-    let args = ["--app", "ra", "--steps", "8", "--every", "2", "--mib", "2", "--persist"];
-    let lines = Job::start(1, &service.config_path(), &args, &[("ICHECK_REDUNDANCY", "rs:2+1")])
-        .finish(Duration::from_secs(120));
-    assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
-    pfs_untouched(&service, "ra");
+    version_4_restores(&service, "ra", 1);
 }
 
 /// A manager one of whose calls into libfabric never returns (shm spinning
@@ -587,11 +585,7 @@ fn a_manager_whose_fabric_is_wedged_exits_and_the_version_is_protected_after_its
     assert!(service.log(&format!("{manager}.log")).contains("a call into libfabric has not returned"));
     wait_protected(&service, "rwe", 4);
     managers_run_what_is_listed(&service);
-    let args = ["--app", "rwe", "--steps", "8", "--every", "2", "--mib", "2", "--persist"];
-    let lines = Job::start(1, &service.config_path(), &args, &[("ICHECK_REDUNDANCY", "rs:2+1")])
-        .finish(Duration::from_secs(120));
-    assert!(lines.iter().any(|l| l == "RESTORED version=4 step=6 verified"), "{lines:?}");
-    pfs_untouched(&service, "rwe");
+    version_4_restores(&service, "rwe", 1);
 }
 
 /// A manager that only goes silent (SIGSTOP past the missed heartbeats, as

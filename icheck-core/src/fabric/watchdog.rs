@@ -7,8 +7,9 @@
 //! manager's progress threads at 100% of a core in `fi_cq_read`, and the
 //! protection that needed that manager's agent stalled until the manager
 //! was restarted. Posting to a peer that ended is refused before the
-//! provider is entered (`Peer::has_ended`), but a lock held in this
-//! process's own region cannot be told apart from a busy one.
+//! provider is entered (`Peer::has_ended`), but a poll of this process's
+//! own completion queue can spin as well, and which process holds the
+//! lock cannot be seen from outside the provider.
 //!
 //! So the calls that return within microseconds when healthy (each
 //! progress poll) record when they entered, per thread, and a daemon asks
