@@ -53,7 +53,9 @@ pub(crate) fn watched<T>(call: impl FnOnce() -> T) -> T {
     CLOCK.with(|clock| {
         let entered = epoch().elapsed().as_millis() as u64 + 1;
         clock.store(entered, Ordering::Release);
-        if WEDGE_NEXT.swap(false, Ordering::AcqRel) {
+        // A plain load first: a swap on every call would write the shared
+        // line from every polling thread.
+        if WEDGE_NEXT.load(Ordering::Relaxed) && WEDGE_NEXT.swap(false, Ordering::AcqRel) {
             std::thread::sleep(Duration::from_secs(60));
         }
         let result = call();
