@@ -511,10 +511,7 @@ fn unprotected_versions(service: &LocalService) -> Vec<String> {
             Ok(status) => status
                 .apps
                 .iter()
-                // Applications the service protected before: one whose
-                // first protection a lost node ended stays unprotected until
-                // it registers again (known, not handled yet: README).
-                .filter(|app| !app.redundancy.is_none() && app.protected.is_some())
+                .filter(|app| !app.redundancy.is_none())
                 .filter_map(|app| {
                     let newest = app.latest.as_ref()?.version;
                     (app.protected != Some(newest)).then(|| {

@@ -12,6 +12,8 @@ use common::{managers_run_what_is_listed, Job};
 use icheck_core::protocol::{AgentInfo, AppReport};
 use icheck_core::redundancy::Slot;
 use icheck_service::testkit::{icheck_in_target, metric_sample, poll_until, LocalService};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
 
 fn service(name: &str, managers: u32) -> LocalService {
     service_with(name, managers, None)
@@ -101,7 +103,7 @@ fn lose_node(service: &LocalService, node: &str) {
 fn lose_nodes(service: &LocalService, nodes: &[&str]) {
     let pids: Vec<u32> = nodes.iter().map(|node| service.pid_of(&format!("manager-{node}"))).collect();
     for pid in &pids {
-        nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+        kill(Pid::from_raw(*pid as i32), Signal::SIGKILL).unwrap();
     }
     for pid in pids {
         assert!(poll_until(Duration::from_secs(10), || !icheck_service::testkit::process_running(pid)));
@@ -267,6 +269,85 @@ fn a_member_lost_while_an_encoder_reads_it_leaves_the_encoders_agent_serving() {
     pfs_untouched(&service, "mw");
 }
 
+/// A manager killed while the application's first version is being
+/// protected, holding an encoding of it (a parity shard's holder): the
+/// protection ends. With no version protected before, no rebuild ran for
+/// the application, and its newest version stayed unprotected until a job
+/// registered again, which a job that failed with the node never does
+/// (the `rs:2+1` fault campaign found it). Once the manager is started
+/// again with its store, its agent starts again there and the version is
+/// protected with no job running.
+#[test]
+fn a_node_lost_during_the_first_protection_gets_it_protected_once_the_node_is_back() {
+    first_protection_interrupted("red-first", "rf", |service, manager| {
+        let dead = service.pid_of(manager);
+        kill(Pid::from_raw(dead as i32), Signal::SIGKILL).unwrap();
+        ended_first_protection(service);
+        let back = poll_until(Duration::from_secs(30), || {
+            let pid = service.pid_of(manager);
+            pid != dead && icheck_service::testkit::process_running(pid)
+        });
+        assert!(back, "{manager} was not started again:\n{}", service.log("controller.log"));
+    });
+}
+
+/// The same with a manager that only goes silent (SIGSTOP past the missed
+/// heartbeats) and answers again: its agents were given up, and stop; one
+/// starts again on its node and the version is protected.
+#[test]
+fn a_node_silent_during_the_first_protection_gets_it_protected_once_it_answers() {
+    first_protection_interrupted("red-first-silent", "rfs", |service, manager| {
+        let pid = Pid::from_raw(service.pid_of(manager) as i32);
+        kill(pid, Signal::SIGSTOP).unwrap();
+        let silent = poll_until(Duration::from_secs(20), || service.log("controller.log").contains("went silent"));
+        kill(pid, Signal::SIGCONT).unwrap();
+        assert!(silent, "{}", service.log("controller.log"));
+        ended_first_protection(service);
+    });
+}
+
+/// Two ranks of `name` commit versions 1 and 2 under `rs:2+1`; while the
+/// encoding of version 1 is held (15 s, each manager's first), `interrupt`
+/// is given the encoder's manager. Then version 2 must be protected with
+/// no job running, its agents where the managers list them, and a restart
+/// must restore it bit-exact without the PFS.
+fn first_protection_interrupted(service_name: &str, name: &str, interrupt: impl FnOnce(&LocalService, &str)) {
+    let args = ["--provider", "tcp", "--manager-relaunches", "3"];
+    let held = Some("agent.before_member_reads=sleep(15000) x1");
+    let service = LocalService::up_with_failpoints(&icheck_in_target(), service_name, 4, &args, None, held);
+    let first = ["--app", name, "--steps", "2", "--every", "2", "--mib", "2", "--persist"];
+    let env = [("ICHECK_REDUNDANCY", "rs:2+1")];
+    let lines = Job::start(2, &service.config_path(), &first, &env).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=2 step=2")), "{lines:?}");
+    let held =
+        |log: &String| log.lines().any(|l| l.contains("failpoint triggered") && l.contains("before_member_reads"));
+    let mut encoder = None;
+    let found = poll_until(Duration::from_secs(30), || {
+        encoder = manager_logs(&service, 4).iter().position(held).map(|n| format!("local-{}", n + 1));
+        encoder.is_some()
+    });
+    assert!(found, "no encoding was held:\n{}", manager_logs(&service, 4).concat());
+    let report = app(&service, name);
+    // Version 1's protection is under way, version 2 waits for it.
+    assert_eq!((report.protected, report.protecting), (None, Some(1)), "{report:?}");
+    interrupt(&service, &format!("manager-{}", encoder.unwrap()));
+    wait_protected(&service, name, 2);
+    managers_run_what_is_listed(&service);
+    let restart = ["--app", name, "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(2, &service.config_path(), &restart, &env).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=2 step=2 verified"), "{lines:?}");
+    pfs_untouched(&service, name);
+}
+
+/// Waits until the controller says the protection under way ended with a
+/// lost node.
+fn ended_first_protection(service: &LocalService) {
+    let ended = poll_until(Duration::from_secs(20), || {
+        service.log("controller.log").contains("the protection under way had pieces there; it ended")
+    });
+    assert!(ended, "the first protection did not end:\n{}", service.log("controller.log"));
+}
+
 /// A rebuild whose first try fails (the `agent.rebuild_rank` failpoint,
 /// once per manager: a passing fault) is tried again from the same
 /// sources, and the version is protected again instead of lost.
@@ -367,7 +448,7 @@ fn copying_a_running_applications_versions_starts_no_background_check() {
 /// SIGKILLs the controller and waits until it is gone.
 fn kill_controller(service: &LocalService) {
     let pid = service.pid_of("controller");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    kill(Pid::from_raw(pid as i32), Signal::SIGKILL).unwrap();
     assert!(poll_until(Duration::from_secs(10), || !icheck_service::testkit::process_running(pid)));
 }
 
@@ -521,7 +602,7 @@ fn a_killed_manager_whose_store_survives_keeps_the_unprotected_newest_version() 
         LocalService::up_with_failpoints(&icheck_in_target(), "red-relaunch", 4, &args, None, Some(FOURTH_UNPROTECTED));
     let manager = format!("manager-{}", fourth_unprotected(&service, "rk"));
     let dead = service.pid_of(&manager);
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(dead as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    kill(Pid::from_raw(dead as i32), Signal::SIGKILL).unwrap();
     let back = poll_until(Duration::from_secs(30), || {
         let pid = service.pid_of(&manager);
         pid != dead && icheck_service::testkit::process_running(pid)
@@ -594,8 +675,6 @@ fn a_manager_whose_fabric_is_wedged_exits_and_the_version_is_protected_after_its
 /// newest version, not protected yet, is neither rebuilt nor dropped.
 #[test]
 fn a_silent_manager_that_answers_again_keeps_the_unprotected_newest_version() {
-    use nix::sys::signal::{kill, Signal};
-    use nix::unistd::Pid;
     let service = service_with("red-silent", 4, Some(FOURTH_UNPROTECTED));
     let node = fourth_unprotected(&service, "rs");
     let pid = Pid::from_raw(service.pid_of(&format!("manager-{node}")) as i32);
@@ -824,7 +903,7 @@ fn a_rebuild_after_a_node_came_back_whole_gives_that_node_a_running_agent() {
     let (report, _, primaries) = rs_4_2_protected(&service, "rwl");
     let (kept, lost) = (primaries[0].clone(), primaries[1].clone());
     let dead = service.pid_of(&format!("manager-{kept}"));
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(dead as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    kill(Pid::from_raw(dead as i32), Signal::SIGKILL).unwrap();
     let whole = poll_until(Duration::from_secs(30), || {
         service.log("controller.log").contains("came back with their memory: nothing to rebuild")
     });
@@ -857,7 +936,7 @@ fn a_copy_on_a_node_that_came_back_whole_serves_a_later_rebuild() {
     let lost = report.agents[icheck_core::decide::agent_for_rank(*rank, 4, count) as usize].node.clone();
     assert_ne!(holder.node, lost);
     let dead = service.pid_of(&format!("manager-{}", holder.node));
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(dead as i32), nix::sys::signal::Signal::SIGKILL).unwrap();
+    kill(Pid::from_raw(dead as i32), Signal::SIGKILL).unwrap();
     let started_again = poll_until(Duration::from_secs(30), || {
         let agents = app(&service, "rwc").agents;
         agents.len() == report.agents.len() && agents.iter().any(|a| a.node == holder.node && a.id != holder.id)

@@ -1197,6 +1197,7 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             }
             state.holdings.insert(node.clone(), stored);
             state.piece_holdings.insert(node.clone(), pieces);
+            recheck_homed_on(&mut state, &node);
             tracing::info!(%node, pid, agents = running.len(), versions, "manager registered");
             reconcile_pending(&mut state, Instant::now());
             drop_obsolete_files(&mut state);
@@ -1483,6 +1484,25 @@ fn node_back(state: &mut State, node: &str) {
     state.returning.insert(node.to_string(), Instant::now() + RETURN_WINDOW);
     stop_stale_agents(state, node);
     drop_obsolete_files(state);
+    recheck_homed_on(state, node);
+}
+
+/// `node`'s manager answers again (the same one after a silence, or a new
+/// one with its store listed): each application under a policy with a home
+/// there and an agent missing gets one pass of the rebuild task at the next
+/// liveness tick, which starts the agent again where its files are and
+/// protects the newest version (`rebuild::agents_back_in_place`). A node
+/// lost while an application's first version was being protected ended
+/// that protection, and with no protected version no rebuild ran for it:
+/// the version stayed unprotected until the application registered again,
+/// which a job that failed with the node never does (the fault campaign).
+fn recheck_homed_on(state: &mut State, node: &str) {
+    for app in state.apps.values_mut() {
+        let homed_here = app.homes.iter().any(|home| home == node);
+        if homed_here && app.agents.len() != app.homes.len() && !app.protection.policy.is_none() {
+            app.protection.recheck_due = true;
+        }
+    }
 }
 
 /// Whether some application has agent `id` among its agents.

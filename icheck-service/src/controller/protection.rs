@@ -98,6 +98,8 @@ pub(super) struct ProtectionBook {
     /// the controller looks whether it needs protecting, or agents started
     /// where its files are (`rebuild::agents_back_in_place`), since no
     /// protection of it may have been under way when the controller died.
+    /// Set too when a node the application has a home on answers again
+    /// with its agent there gone (`recheck_homed_on`).
     pub(super) recheck_due: bool,
     /// Nodes lost to the protected version although their managers run
     /// (they came back without its files): a rebuild treats them as dead.
