@@ -245,15 +245,7 @@ fn lose_a_ranks_node_and_restart(
 fn a_member_lost_while_an_encoder_reads_it_leaves_the_encoders_agent_serving() {
     let service = service_on("shm", "red-midway", 4, Some("agent.before_member_reads=1*sleep(5000)"));
     commit_three_with(&service, "mw", "rs:2+1", 2);
-    let held =
-        |log: &String| log.lines().any(|l| l.contains("failpoint triggered") && l.contains("before_member_reads"));
-    let mut encoder = None;
-    let found = poll_until(Duration::from_secs(30), || {
-        encoder = manager_logs(&service, 4).iter().position(held).map(|n| format!("local-{}", n + 1));
-        encoder.is_some()
-    });
-    assert!(found, "no encoding was held:\n{}", manager_logs(&service, 4).concat());
-    let encoder = encoder.unwrap();
+    let encoder = held_encoder(&service);
     let report = app(&service, "mw");
     let protected = report.protected.expect("a version was protected before the held encoding");
     let member = (0..2)
@@ -319,18 +311,11 @@ fn first_protection_interrupted(service_name: &str, name: &str, interrupt: impl 
     let env = [("ICHECK_REDUNDANCY", "rs:2+1")];
     let lines = Job::start(2, &service.config_path(), &first, &env).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=2 step=2")), "{lines:?}");
-    let held =
-        |log: &String| log.lines().any(|l| l.contains("failpoint triggered") && l.contains("before_member_reads"));
-    let mut encoder = None;
-    let found = poll_until(Duration::from_secs(30), || {
-        encoder = manager_logs(&service, 4).iter().position(held).map(|n| format!("local-{}", n + 1));
-        encoder.is_some()
-    });
-    assert!(found, "no encoding was held:\n{}", manager_logs(&service, 4).concat());
+    let encoder = held_encoder(&service);
     let report = app(&service, name);
     // Version 1's protection is under way, version 2 waits for it.
     assert_eq!((report.protected, report.protecting), (None, Some(1)), "{report:?}");
-    interrupt(&service, &format!("manager-{}", encoder.unwrap()));
+    interrupt(&service, &format!("manager-{encoder}"));
     wait_protected(&service, name, 2);
     managers_run_what_is_listed(&service);
     let restart = ["--app", name, "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
@@ -346,6 +331,20 @@ fn ended_first_protection(service: &LocalService) {
         service.log("controller.log").contains("the protection under way had pieces there; it ended")
     });
     assert!(ended, "the first protection did not end:\n{}", service.log("controller.log"));
+}
+
+/// The node (of managers `local-1` to `local-4`) whose encoding the
+/// `agent.before_member_reads` failpoint holds, once one is.
+fn held_encoder(service: &LocalService) -> String {
+    let held =
+        |log: &String| log.lines().any(|l| l.contains("failpoint triggered") && l.contains("before_member_reads"));
+    let mut encoder = None;
+    let found = poll_until(Duration::from_secs(30), || {
+        encoder = manager_logs(service, 4).iter().position(held).map(|n| format!("local-{}", n + 1));
+        encoder.is_some()
+    });
+    assert!(found, "no encoding was held:\n{}", manager_logs(service, 4).concat());
+    encoder.unwrap()
 }
 
 /// A rebuild whose first try fails (the `agent.rebuild_rank` failpoint,
