@@ -164,7 +164,7 @@ fn partner_copies_rebuild_a_lost_node_and_survive_a_second_loss() {
     // Protected again on the survivors: a second lost node is survived too.
     let second = rebuilt.agents.iter().map(|a| a.node.clone()).find(|n| *n != first).unwrap();
     lose_node(&service, &second);
-    wait_protected(&service, "pa", 3);
+    wait_rebuilt(&service, "pa", 3, &[&first, &second]);
     restart_bit_exact(&service, "pa", "partner", 6);
     pfs_untouched(&service, "pa");
     let controller = service.log("controller.log");
@@ -468,8 +468,8 @@ fn a_restarted_controller_rebuilds_a_protected_version_from_its_journal() {
     assert!(said.contains("controller"), "{said}");
     // Its manager came back too, with an empty store: the rebuild may
     // place the replacement there, as a new agent.
-    let rebuilt = wait_protected(&service, "rj", 3);
     let old: Vec<u64> = report.agents.iter().filter(|a| a.node == first).map(|a| a.id).collect();
+    let rebuilt = wait_rebuilt_without(&service, "rj", 3, &old);
     assert!(rebuilt.agents.iter().all(|a| !old.contains(&a.id)), "{:?} still counted", rebuilt.agents);
     assert_eq!(rebuilt.latest.as_ref().map(|l| l.version), Some(3), "{rebuilt:?}");
     assert!(
@@ -756,8 +756,9 @@ fn a_damaged_parity_shard_is_refused_and_the_rank_decoded_from_the_others() {
         }
     }
     assert!(damaged > 0, "no parity shard 0 found under {}", store.display());
-    lose_node(&service, &report.agents[0].node.clone());
-    wait_protected(&service, "rd", 3);
+    let lost = report.agents[0].node.clone();
+    lose_node(&service, &lost);
+    wait_rebuilt(&service, "rd", 3, &[&lost]);
     restart_bit_exact(&service, "rd", "rs:2+2", 6);
     pfs_untouched(&service, "rd");
     let managers: String = report.agents.iter().map(|a| service.log(&format!("manager-{}.log", a.node))).collect();
@@ -774,7 +775,9 @@ fn rs_4_2_survives_two_lost_nodes_at_once() {
     // parity shards are needed to decode them.
     let (a, b) = (report.agents[0].node.clone(), report.agents[1].node.clone());
     lose_nodes(&service, &[&a, &b]);
-    let rebuilt = wait_protected(&service, "r42", 3);
+    // Not before the controller noticed: until then it reports version 3
+    // protected on the agents it had.
+    let rebuilt = wait_rebuilt(&service, "r42", 3, &[&a, &b]);
     assert!(rebuilt.agents.iter().all(|agent| agent.node != a && agent.node != b), "{:?}", rebuilt.agents);
     restart_bit_exact(&service, "r42", "rs:4+2", 6);
     pfs_untouched(&service, "r42");
