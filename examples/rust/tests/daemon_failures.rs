@@ -337,3 +337,34 @@ fn an_agent_change_whose_new_node_dies_is_undone_at_once() {
     // No live node runs an agent that the application does not list.
     managers_run_what_is_listed(&service);
 }
+
+/// A node lost for good (its manager killed, its store deleted, and not
+/// started again: `--manager-relaunches 0`) held the ranks of the newest
+/// version, which no redundancy protected: the version is gone. The
+/// restart says so, naming the version, the ranks, the node and how to
+/// start afresh. Before, it placed a new agent for the ranks and failed
+/// reading a PFS manifest that never existed, at every restart.
+#[test]
+fn a_version_lost_with_a_node_given_up_is_named_at_restart() {
+    let args = ["--provider", "tcp", "--manager-relaunches", "0"];
+    let service = LocalService::up(&icheck_in_target(), "lost-for-good", 2, &args);
+    let config = service.config_without_pfs();
+    let job_args = ["--app", "gone", "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(2, &config, &job_args, &[]).finish(Duration::from_secs(120));
+    assert_eq!(committed(&lines).last().copied(), Some(3), "{lines:?}");
+    // One agent (`init_agent_count`) holds both ranks.
+    let node = service.status().apps[0].agents[0].node.clone();
+    let manager = service.pid_of(&format!("manager-{node}"));
+    kill(Pid::from_raw(manager as i32), Signal::SIGKILL).expect("SIGKILL the manager");
+    assert!(poll_until(Duration::from_secs(10), || !process_running(manager)), "the manager did not die");
+    std::fs::remove_dir_all(service.config.agent_store_dir.join(&node)).unwrap();
+    let given_up = poll_until(Duration::from_secs(30), || {
+        service.status().nodes.iter().any(|n| n.node == node && n.given_up && !n.alive)
+    });
+    assert!(given_up, "{node} was not given up: {:?}", service.status().nodes);
+    let (ok, output) = Job::start(2, &config, &job_args, &[]).finish_any(Duration::from_secs(120));
+    assert!(!ok, "a restart without version 3's ranks succeeded: {output}");
+    let named = format!("version 3 of \"gone\" is lost: ranks [0, 1] on node {node} held it alone");
+    assert!(output.contains(&named), "{output}");
+    assert!(output.contains("icheck delete gone"), "{output}");
+}

@@ -1237,3 +1237,31 @@ fn the_first_protected_version_leaves_each_piece_a_spare_for_the_next() {
     let listing: Vec<_> = pieces_dirs.iter().map(|dir| names_in(dir)).collect();
     assert!(spared, "every piece of version 1 has a spare: {listing:?}");
 }
+
+/// A node given up for good (`--manager-relaunches 0`) while the
+/// application's first version was being protected, holding rank 0 of the
+/// newest: nothing protected that version, so it is lost, and the restart
+/// says so (naming the version, the rank and the node) instead of failing
+/// on a PFS manifest that never existed.
+#[test]
+fn a_version_lost_with_its_node_before_its_first_protection_is_named_at_restart() {
+    let held = Some("agent.before_member_reads=sleep(15000) x1");
+    let service = service_with("red-first-gone", 4, held);
+    let first = ["--app", "rfg", "--steps", "2", "--every", "2", "--mib", "2", "--persist"];
+    let env = [("ICHECK_REDUNDANCY", "rs:2+1")];
+    let lines = Job::start(2, &service.config_path(), &first, &env).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=2 step=2")), "{lines:?}");
+    held_encoder(&service);
+    let report = app(&service, "rfg");
+    assert_eq!((report.protected, report.protecting), (None, Some(1)), "{report:?}");
+    let slot = icheck_core::decide::agent_for_rank(0, 2, report.agents.len() as u32) as usize;
+    let lost = report.agents[slot].node.clone();
+    lose_node(&service, &lost);
+    let given_up =
+        poll_until(Duration::from_secs(30), || service.status().nodes.iter().any(|n| n.node == lost && n.given_up));
+    assert!(given_up, "{lost} was not given up: {:?}", service.status().nodes);
+    let (ok, output) = Job::start(2, &service.config_path(), &first, &env).finish_any(Duration::from_secs(120));
+    assert!(!ok, "a restart without version 2's rank 0 succeeded: {output}");
+    let named = format!("version 2 of \"rfg\" is lost: ranks [0] on node {lost} held it alone");
+    assert!(output.contains(&named), "{output}");
+}

@@ -1487,6 +1487,42 @@ fn node_back(state: &mut State, node: &str) {
     recheck_homed_on(state, node);
 }
 
+/// The newest version of `app` (named `name`) when ranks of it lay only on
+/// nodes given up (down, and their managers will not be started again) and
+/// no protected version stands for it: the version and why, as
+/// `ProtectionBook::lost` holds it after a failed rebuild, so that the
+/// registration restarts from the PFS copy or names what is lost. Before,
+/// it placed new agents for those ranks and every restart failed reading a
+/// PFS manifest that did not exist. A node merely silent, or being started
+/// again, may come back with its memory: it does not count.
+fn ranks_lost_with_given_up_nodes(name: &str, app: &AppEntry, nodes: &ManagerBook) -> Option<(u64, String)> {
+    let latest = app.latest.as_ref()?;
+    if app.protection.protected.is_some() || app.homes.is_empty() {
+        return None;
+    }
+    let now = Instant::now();
+    let (units, slots) = (decide::mapping_units(&app.registration), app.homes.len() as u32);
+    let mut gone: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
+    for rank in 0..units {
+        let home = app.homes[decide::agent_for_rank(rank, units, slots) as usize].as_str();
+        if nodes.is_given_up(home) && !nodes.is_alive(home, now) {
+            gone.entry(home).or_default().push(rank);
+        }
+    }
+    if gone.is_empty() {
+        return None;
+    }
+    let held: Vec<String> = gone.iter().map(|(node, ranks)| format!("ranks {ranks:?} on node {node}")).collect();
+    let why = format!(
+        "version {} of {name:?} is lost: {} held it alone, and the node is given up (its manager is not started \
+         again) before any redundancy protected the version; `icheck delete {name}` lets the application start \
+         afresh",
+        latest.version,
+        held.join(", ")
+    );
+    Some((latest.version, why))
+}
+
 /// `node`'s manager answers again (the same one after a silence, or a new
 /// one with its store listed): each application under a policy with a home
 /// there and an agent missing gets one pass of the rebuild task at the next
@@ -1824,7 +1860,12 @@ async fn register_app(
                 ))
             }
         };
-        let lost = state.apps.get(&registration.name).and_then(|a| a.protection.lost.clone());
+        let lost = state.apps.get(&registration.name).and_then(|app| {
+            app.protection
+                .lost
+                .clone()
+                .or_else(|| ranks_lost_with_given_up_nodes(&registration.name, app, &state.nodes))
+        });
         latest = match (in_memory, pfs_record) {
             (Some(memory), Some(pfs)) if pfs.version > memory.version => Some(pfs),
             // A lost node took ranks of the newest version with it and the
