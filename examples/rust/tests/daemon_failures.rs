@@ -362,6 +362,9 @@ fn a_version_lost_with_a_node_given_up_is_named_at_restart() {
         service.status().nodes.iter().any(|n| n.node == node && n.given_up && !n.alive)
     });
     assert!(given_up, "{node} was not given up: {:?}", service.status().nodes);
+    // `icheck status` lists it with the dropped versions.
+    let dropped = service.status().apps[0].dropped.clone();
+    assert!(dropped.iter().any(|d| d.starts_with("version 3 of \"gone\" is lost")), "{dropped:?}");
     let (ok, output) = Job::start(2, &config, &job_args, &[]).finish_any(Duration::from_secs(120));
     assert!(!ok, "a restart without version 3's ranks succeeded: {output}");
     let named = format!("version 3 of \"gone\" is lost: ranks [0, 1] on node {node} held it alone");

@@ -1615,7 +1615,9 @@ async fn serve_client(
             ClientRequest::AppStatus { name, .. } => {
                 let node_failure = shared.dynamic().node_failure_probability;
                 let state = shared.state();
-                ClientReply::AppStatus(state.apps.get(&name).map(|a| Box::new(app_report(a, node_failure))))
+                ClientReply::AppStatus(
+                    state.apps.get(&name).map(|a| Box::new(app_report(&name, a, &state.nodes, node_failure))),
+                )
             }
             ClientRequest::RegisterApp { registration, capability, uid } => {
                 let span = tracing::info_span!("register", app = %registration.name);
@@ -1731,7 +1733,7 @@ fn status_report(shared: &Shared, privilege: Privilege) -> StatusReport {
         nodes: state.nodes.report(now, FORECAST_HORIZON_SECS),
         apps: {
             let node_failure = shared.dynamic().node_failure_probability;
-            state.apps.values().map(|a| app_report(a, node_failure)).collect()
+            state.apps.iter().map(|(name, a)| app_report(name, a, &state.nodes, node_failure)).collect()
         },
         init_agent_count: format!("{:?}", shared.dynamic().init_agent_count),
         journal: state.journal.as_ref().map(|j| Box::new(j.report())),
@@ -1739,10 +1741,14 @@ fn status_report(shared: &Shared, privilege: Privilege) -> StatusReport {
     }
 }
 
-/// One application, as the status shows it.
-fn app_report(a: &AppEntry, node_failure: f64) -> AppReport {
+/// One application, as the status shows it: a newest version lost with a
+/// given-up node is listed with the dropped ones, since its restart will
+/// not find it.
+fn app_report(name: &str, a: &AppEntry, nodes: &ManagerBook, node_failure: f64) -> AppReport {
     let units = decide::mapping_units(&a.registration);
     let latest = a.latest.as_ref().map(|l| l.version);
+    let mut dropped = a.dropped.clone();
+    dropped.extend(ranks_lost_with_given_up_nodes(name, a, nodes).map(|(_, why)| why));
     AppReport {
         redundancy: a.protection.policy,
         protected: a.protection.protected.as_ref().map(|p| p.version()),
@@ -1762,7 +1768,7 @@ fn app_report(a: &AppEntry, node_failure: f64) -> AppReport {
         agent_changes: a.adaptation.changes.clone(),
         scaling_settled: a.adaptation.scaling.settled,
         pfs_health: a.copies.health.clone(),
-        dropped: a.dropped.clone(),
+        dropped,
         transfer: a.transfer,
     }
 }
