@@ -730,7 +730,9 @@ fn a_local_service_takes_shm_by_default_and_a_job_restarts_on_it() {
 /// nothing for a dead peer, so the agent's read used to spin a core for its
 /// whole no-progress bound (10 s); it now sees the process gone, gives the
 /// endpoint up at once (the agent is replaced), and the next run restarts
-/// from the last complete version.
+/// from the last complete version. A rank that died holding its region's
+/// lock wedges the agent inside libfabric instead; its manager exits and
+/// is started again, and the restart is the same.
 #[test]
 fn an_agent_gives_up_at_once_on_a_rank_that_died_while_it_pulled_over_shm() {
     let service = service("mpi-deadpull", 1, "shm");
@@ -738,11 +740,26 @@ fn an_agent_gives_up_at_once_on_a_rank_that_died_while_it_pulled_over_shm() {
     let mut args = three_versions(&config, "deadpull");
     args[3] = "8";
     let dies = [("ICHECK_FAILPOINTS", "client.during_pull=abort")];
+    let manager = service.pid_of("manager-local-1");
     let (ok, output) = Job::start(2, &config, &args, &dies).finish_any(Duration::from_secs(120));
     assert!(!ok, "the ranks were to die in their first pull: {output}");
-    icheck_service::testkit::wait_for("the agent to see its rank gone", Duration::from_secs(30), || {
-        service.log("manager-local-1.log").contains("the RMA peer's process has ended; giving the endpoint up")
+    // Seen gone at once, unless the rank died holding its shm region's
+    // lock: the agent's next call into libfabric then spins on it, where no
+    // check outside the provider can look, and the manager's watchdog
+    // exits after 20 s so that a new manager serves the store (a clean-clone
+    // CI run of 0cc8e5f saw it once). The restart below works either way.
+    let mut wedged = false;
+    icheck_service::testkit::wait_for("the agent to see its rank gone", Duration::from_secs(45), || {
+        let log = service.log("manager-local-1.log");
+        wedged = log.contains("a call into libfabric has not returned");
+        wedged || log.contains("the RMA peer's process has ended; giving the endpoint up")
     });
+    if wedged {
+        icheck_service::testkit::wait_for("the wedged manager to be started again", Duration::from_secs(30), || {
+            let now = service.pid_of("manager-local-1");
+            now != manager && icheck_service::testkit::process_running(now)
+        });
+    }
     assert!(!service.log("manager-local-1.log").contains("RMA batch timed out"), "the agent waited out its bound");
     let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");

@@ -1532,8 +1532,10 @@ fn ranks_lost_with_given_up_nodes(name: &str, app: &AppEntry, nodes: &ManagerBoo
 /// that protection, and with no protected version no rebuild ran for it:
 /// the version stayed unprotected until the application registered again,
 /// which a job that failed with the node never does (the fault campaign).
+/// An application still being reconciled is left out: its reconciliation
+/// marks it when it settles.
 fn recheck_homed_on(state: &mut State, node: &str) {
-    for app in state.apps.values_mut() {
+    for app in state.apps.values_mut().filter(|app| app.unconfirmed.is_none()) {
         let homed_here = app.homes.iter().any(|home| home == node);
         if homed_here && app.agents.len() != app.homes.len() && !app.protection.policy.is_none() {
             app.protection.recheck_due = true;
