@@ -457,20 +457,17 @@ fn wait_for_managers(config: &StaticConfig, managers: usize, dir: &Path, limit: 
     }
 }
 
-/// Stops what `up` started in `dir`: SIGTERM, then SIGKILL after 5 s.
-pub fn down(dir: &Path) -> Result<()> {
-    let pids = read_pids(dir);
-    if pids.is_empty() {
-        bail!("no service recorded in {} (no pids file); nothing to stop", dir.display());
-    }
-    for (name, pid) in &pids {
+/// Sends each of `daemons` (name, pid) that is still an icheck process
+/// SIGTERM, then SIGKILL to those still running after 5 s.
+fn stop_daemons(daemons: &[(String, u32)]) {
+    for (name, pid) in daemons {
         if is_icheck_process(*pid) {
             let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGTERM);
             println!("icheck down: stopping {name} (pid {pid})");
         }
     }
     let deadline = Instant::now() + Duration::from_secs(5);
-    for (name, pid) in &pids {
+    for (name, pid) in daemons {
         while is_icheck_process(*pid) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -479,6 +476,28 @@ pub fn down(dir: &Path) -> Result<()> {
             let _ = kill(Pid::from_raw(*pid as i32), Signal::SIGKILL);
         }
     }
+}
+
+/// Stops what `up` started in `dir`: SIGTERM, then SIGKILL after 5 s.
+pub fn down(dir: &Path) -> Result<()> {
+    let pids = read_pids(dir);
+    if pids.is_empty() {
+        bail!("no service recorded in {} (no pids file); nothing to stop", dir.display());
+    }
+    // The controllers first: one still running when a manager exits starts
+    // that manager again, under a pid the list read above does not hold
+    // (a test's teardown left such a manager running).
+    let is_manager = |name: &str| name.starts_with("manager-");
+    let controllers: Vec<(String, u32)> = pids.iter().filter(|(name, _)| !is_manager(name)).cloned().collect();
+    stop_daemons(&controllers);
+    // A manager started again meanwhile is in the file by now.
+    let mut managers: Vec<(String, u32)> = pids.into_iter().filter(|(name, _)| is_manager(name)).collect();
+    for (name, pid) in read_pids(dir).into_iter().filter(|(name, _)| is_manager(name)) {
+        if !managers.iter().any(|(_, known)| *known == pid) {
+            managers.push((name, pid));
+        }
+    }
+    stop_daemons(&managers);
     // Manager jobs after the controller, which would otherwise start them again.
     if dir.join(launcher::SLURM_JOBS).exists() {
         let slurm = launcher::SlurmLauncher::from_state_dir(dir);
