@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{committed, managers_run_what_is_listed, restored, Job};
+use common::{committed, lose_node, managers_run_what_is_listed, restored, Job};
 use icheck_service::testkit::{icheck_in_target, poll_until, process_running, LocalService};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -354,10 +354,7 @@ fn a_version_lost_with_a_node_given_up_is_named_at_restart() {
     assert_eq!(committed(&lines).last().copied(), Some(3), "{lines:?}");
     // One agent (`init_agent_count`) holds both ranks.
     let node = service.status().apps[0].agents[0].node.clone();
-    let manager = service.pid_of(&format!("manager-{node}"));
-    kill(Pid::from_raw(manager as i32), Signal::SIGKILL).expect("SIGKILL the manager");
-    assert!(poll_until(Duration::from_secs(10), || !process_running(manager)), "the manager did not die");
-    std::fs::remove_dir_all(service.config.agent_store_dir.join(&node)).unwrap();
+    lose_node(&service, &node);
     let given_up = poll_until(Duration::from_secs(30), || {
         service.status().nodes.iter().any(|n| n.node == node && n.given_up && !n.alive)
     });

@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{managers_run_what_is_listed, Job};
+use common::{lose_node, lose_nodes, managers_run_what_is_listed, Job};
 use icheck_core::protocol::{AgentInfo, AppReport};
 use icheck_core::redundancy::Slot;
 use icheck_service::testkit::{icheck_in_target, metric_sample, poll_until, LocalService};
@@ -91,26 +91,6 @@ fn wait_protected_on(
         last.protected, last.protection_problem, last.agents
     );
     last
-}
-
-/// Kills the manager of `node` and deletes its store: the node and
-/// everything in its memory are gone.
-fn lose_node(service: &LocalService, node: &str) {
-    lose_nodes(service, &[node]);
-}
-
-/// [`lose_node`] for several nodes at once (all killed before any store goes).
-fn lose_nodes(service: &LocalService, nodes: &[&str]) {
-    let pids: Vec<u32> = nodes.iter().map(|node| service.pid_of(&format!("manager-{node}"))).collect();
-    for pid in &pids {
-        kill(Pid::from_raw(*pid as i32), Signal::SIGKILL).unwrap();
-    }
-    for pid in pids {
-        assert!(poll_until(Duration::from_secs(10), || !icheck_service::testkit::process_running(pid)));
-    }
-    for node in nodes {
-        std::fs::remove_dir_all(service.config.agent_store_dir.join(node)).unwrap();
-    }
 }
 
 /// The first job: four ranks commit versions 1 to 3 and finish with IC_PERSIST.

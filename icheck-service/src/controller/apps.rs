@@ -227,18 +227,21 @@ impl AppEntry {
 }
 
 impl AppEntry {
+    /// Each rank's (mapping unit's) home: the node of its slot in `homes`,
+    /// where its files are whatever agents were lost since. None without
+    /// slots.
+    pub(super) fn rank_homes(&self) -> impl Iterator<Item = (u32, &str)> + '_ {
+        let (units, slots) = (decide::mapping_units(&self.registration), self.homes.len() as u32);
+        let ranks = if slots == 0 { 0 } else { units };
+        (0..ranks).map(move |r| (r, self.homes[decide::agent_for_rank(r, units, slots) as usize].as_str()))
+    }
+
     /// The application's agents on `node` are gone: they leave its agent
     /// list (its next probe or registration places new ones; `homes`
     /// keeps the old slots), and the ranks they served are remembered as
     /// [`Abandoned`] there. Returns how many agents were lost.
     pub(super) fn lose_node(&mut self, node: &str) -> usize {
-        // The slots (`homes`) say where each rank's files are, whatever
-        // agents were lost before.
-        let (units, slots) = (decide::mapping_units(&self.registration), self.homes.len() as u32);
-        let ranks: BTreeSet<u32> = match slots {
-            0 => BTreeSet::new(),
-            _ => (0..units).filter(|r| self.homes[decide::agent_for_rank(*r, units, slots) as usize] == node).collect(),
-        };
+        let ranks: BTreeSet<u32> = self.rank_homes().filter(|(_, home)| *home == node).map(|(r, _)| r).collect();
         let before = self.agents.len();
         self.agents.retain(|agent| agent.node != node);
         if !ranks.is_empty() {

@@ -1497,14 +1497,12 @@ fn node_back(state: &mut State, node: &str) {
 /// again, may come back with its memory: it does not count.
 fn ranks_lost_with_given_up_nodes(name: &str, app: &AppEntry, nodes: &ManagerBook) -> Option<(u64, String)> {
     let latest = app.latest.as_ref()?;
-    if app.protection.protected.is_some() || app.homes.is_empty() {
+    if app.protection.protected.is_some() {
         return None;
     }
     let now = Instant::now();
-    let (units, slots) = (decide::mapping_units(&app.registration), app.homes.len() as u32);
     let mut gone: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
-    for rank in 0..units {
-        let home = app.homes[decide::agent_for_rank(rank, units, slots) as usize].as_str();
+    for (rank, home) in app.rank_homes() {
         if nodes.is_given_up(home) && !nodes.is_alive(home, now) {
             gone.entry(home).or_default().push(rank);
         }

@@ -454,10 +454,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         let newer = latest.is_some_and(|l| l > protected.version());
         // Whether a rank of the newest version was on a lost node (the
         // application's slots hold the newest version).
-        let (units, slots) = (decide::mapping_units(&app.registration), app.homes.len() as u32);
-        let gone = |node: &String| dead.contains(node);
-        let newest_lost =
-            slots > 0 && (0..units).any(|r| gone(&app.homes[decide::agent_for_rank(r, units, slots) as usize]));
+        let newest_lost = app.rank_homes().any(|(_, home)| dead.contains(home));
         if newer && !newest_lost {
             tracing::warn!(app = name, ?latest, lost = ?dead, "the lost nodes held none of the newest version's ranks");
             // Only pieces of the older version were there. With the same

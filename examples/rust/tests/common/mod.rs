@@ -291,3 +291,23 @@ pub fn managers_run_what_is_listed(service: &LocalService) {
     });
     assert!(matches, "{mismatch}");
 }
+
+/// Kills the manager of `node` and deletes its store: the node and
+/// everything in its memory are gone.
+pub fn lose_node(service: &LocalService, node: &str) {
+    lose_nodes(service, &[node]);
+}
+
+/// [`lose_node`] for several nodes at once (all killed before any store goes).
+pub fn lose_nodes(service: &LocalService, nodes: &[&str]) {
+    let pids: Vec<u32> = nodes.iter().map(|node| service.pid_of(&format!("manager-{node}"))).collect();
+    for pid in &pids {
+        nix::sys::signal::kill(Pid::from_raw(*pid as i32), Signal::SIGKILL).unwrap();
+    }
+    for pid in pids {
+        assert!(poll_until(Duration::from_secs(10), || !icheck_service::testkit::process_running(pid)));
+    }
+    for node in nodes {
+        std::fs::remove_dir_all(service.config.agent_store_dir.join(node)).unwrap();
+    }
+}
