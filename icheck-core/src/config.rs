@@ -153,6 +153,13 @@ pub struct StaticConfig {
     /// (through its launcher) before it gives the node up for good.
     #[serde(rename = "ManagerRelaunches", default = "default_relaunches")]
     pub manager_relaunches: u32,
+    /// Seconds a manager may stay silent (no heartbeat) while its process
+    /// lives before the controller kills it through its launcher, so that
+    /// it is started again with the store it kept (a stopped or hung
+    /// manager otherwise stays down for good, and the versions in its
+    /// memory with it). 0: never.
+    #[serde(rename = "KillSilentManagerAfter", default = "default_kill_silent")]
+    pub kill_silent_manager_after: f64,
     /// Resource manager host (horizontal scaling; unused until that lands).
     #[serde(rename = "iRMNodeName", default)]
     pub rm_node: Option<String>,
@@ -520,6 +527,10 @@ fn default_relaunches() -> u32 {
     3
 }
 
+fn default_kill_silent() -> f64 {
+    120.0
+}
+
 impl Default for StaticConfig {
     fn default() -> Self {
         parse(Path::new("<defaults>"), "").expect("an empty static configuration is valid")
@@ -579,6 +590,9 @@ impl StaticConfig {
         }
         if !(self.client_idle_timeout.is_finite() && self.client_idle_timeout > 0.0) {
             return Err(invalid("ClientIdleTimeout", "a number of seconds greater than 0"));
+        }
+        if !(self.kill_silent_manager_after.is_finite() && self.kill_silent_manager_after >= 0.0) {
+            return Err(invalid("KillSilentManagerAfter", "a number of seconds (0: never)"));
         }
         if !(self.client.request_timeout.is_finite() && self.client.request_timeout > 0.0) {
             return Err(invalid("client.request_timeout", "a number of seconds greater than 0"));
@@ -725,6 +739,12 @@ impl StaticConfig {
             Some(secs) => Duration::from_secs_f64(secs),
             None => self.heartbeat() * self.missed_heartbeats.max(1),
         }
+    }
+
+    /// How long a manager may be silent while alive before the controller
+    /// kills it to start it again; `None`: never.
+    pub fn kill_silent_manager_after(&self) -> Option<Duration> {
+        (self.kill_silent_manager_after > 0.0).then(|| Duration::from_secs_f64(self.kill_silent_manager_after))
     }
 
     /// How long a daemon keeps an idle authenticated client connection.
@@ -1296,6 +1316,8 @@ mod tests {
         assert_eq!(two.client_idle_timeout(), Duration::from_secs(600), "the default");
         let idle = parsed("ClientIdleTimeout = 2.5").unwrap();
         assert_eq!(idle.client_idle_timeout(), Duration::from_millis(2500));
+        assert_eq!(two.kill_silent_manager_after(), Some(Duration::from_secs(120)), "the default");
+        assert_eq!(parsed("KillSilentManagerAfter = 0").unwrap().kill_silent_manager_after(), None);
         let groups = parsed("[NodeGroup]\ncp1 = \"rack1\"\ncp2 = \"rack2\"").unwrap();
         assert_eq!(groups.node_groups.get("cp2").map(String::as_str), Some("rack2"));
         for (bad, key) in [
@@ -1305,6 +1327,7 @@ mod tests {
             ("ControllerAddress = [\"a:1\", \"b:1\", \"c:1\"]", "a primary and its standby"),
             ("TakeoverAfter = 0", "TakeoverAfter"),
             ("ClientIdleTimeout = -1", "ClientIdleTimeout"),
+            ("KillSilentManagerAfter = -1", "KillSilentManagerAfter"),
         ] {
             let err = parsed(bad).unwrap_err().to_string();
             assert!(err.contains(key) && err.contains("icheck.toml"), "{bad}: {err}");

@@ -95,6 +95,13 @@ pub trait Launcher: Send + Sync {
     fn is_dead(&self, node: &str, pid: u32) -> bool;
     /// Starts the manager of `node` again; returns its process id.
     fn relaunch(&self, node: &str) -> Result<u32, String>;
+    /// Kills the manager of `node` (process `pid`, as it registered) that
+    /// stays silent while alive (stopped, hung): once it is dead, the
+    /// controller starts it again like any dead manager, and its store
+    /// comes back with it. Says what was done.
+    fn kill_silent(&self, node: &str, pid: u32) -> Result<String, String> {
+        Err(format!("this launcher cannot stop the silent manager of {node} (pid {pid})"))
+    }
     /// Whether it can give the service new checkpoint nodes (horizontal
     /// scaling, Algorithm 8).
     fn can_scale(&self) -> bool {
@@ -171,6 +178,27 @@ impl Launcher for LocalLauncher {
         })?;
         Ok(pid)
     }
+
+    fn kill_silent(&self, node: &str, pid: u32) -> Result<String, String> {
+        // Only the process this service started for the node: a pid the
+        // system reused since belongs to someone else.
+        let name = format!("manager-{node}");
+        let recorded = read_pids(&self.dir).into_iter().find(|(n, _)| *n == name).map(|(_, pid)| pid);
+        if recorded != Some(pid) {
+            return Err(format!(
+                "the manager of {node} registered as pid {pid}, but {}/{PIDS} records {}: not killing it",
+                self.dir.display(),
+                recorded.map_or("no manager of it".to_string(), |p| format!("pid {p}"))
+            ));
+        }
+        if !is_icheck_process(pid) {
+            return Ok(format!("pid {pid} is already gone"));
+        }
+        let target = nix::unistd::Pid::from_raw(i32::try_from(pid).map_err(|_| format!("pid {pid} is out of range"))?);
+        nix::sys::signal::kill(target, nix::sys::signal::Signal::SIGKILL)
+            .map_err(|err| format!("cannot SIGKILL the manager of {node} (pid {pid}): {err}"))?;
+        Ok(format!("sent SIGKILL to pid {pid}"))
+    }
 }
 
 /// Waits for `child` to end, removes the libfabric shm regions it left
@@ -227,14 +255,15 @@ pub fn parse_squeue(text: &str) -> Vec<(u64, String, String)> {
         .collect()
 }
 
-/// Cancels Slurm jobs `ids`.
-fn scancel(ids: &[String]) -> Result<(), String> {
+/// Runs `scancel ARGS`: cancels the jobs named, or signals them when
+/// `--signal` is among the options.
+fn scancel(args: &[String]) -> Result<(), String> {
     let out = Command::new("scancel")
-        .args(ids)
+        .args(args)
         .output()
         .map_err(|err| format!("cannot run scancel (is SLURM_CONF set?): {err}"))?;
     if !out.status.success() {
-        return Err(format!("scancel {}: {}", ids.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
+        return Err(format!("scancel {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
     }
     Ok(())
 }
@@ -398,6 +427,23 @@ impl Launcher for SlurmLauncher {
     fn relaunch(&self, node: &str) -> Result<u32, String> {
         let id = self.submit(Some(node))?;
         Ok(u32::try_from(id).unwrap_or(u32::MAX))
+    }
+
+    fn kill_silent(&self, node: &str, _pid: u32) -> Result<String, String> {
+        let jobs: Vec<String> = (self.live_jobs().into_iter())
+            .filter(|(_, state, n)| state == "RUNNING" && n == node)
+            .map(|(id, _, _)| id.to_string())
+            .collect();
+        if jobs.is_empty() {
+            return Err(format!("no manager job of this service runs on {node}"));
+        }
+        // SIGKILL to the batch step too, which is the manager itself (the
+        // job script execs it): a plain scancel would send SIGTERM first
+        // and wait KillWait on a process that does not answer.
+        let mut args = vec!["--full".to_string(), "--signal=KILL".to_string()];
+        args.extend(jobs.iter().cloned());
+        scancel(&args).map_err(|err| format!("killing the silent manager of {node}: {err}"))?;
+        Ok(format!("sent SIGKILL to Slurm job(s) {} on {node}", jobs.join(", ")))
     }
 
     fn can_scale(&self) -> bool {

@@ -124,7 +124,11 @@ impl Stopped {
 
 impl Drop for Stopped {
     fn drop(&mut self) {
-        let _ = kill(Pid::from_raw(self.0 as i32), Signal::SIGCONT);
+        // Only while it is still the daemon: the controller may have killed
+        // it, and its pid may belong to another process since.
+        if icheck_service::launcher::is_icheck_process(self.0) {
+            let _ = kill(Pid::from_raw(self.0 as i32), Signal::SIGCONT);
+        }
     }
 }
 
@@ -251,6 +255,85 @@ fn a_killed_manager_is_relaunched_and_its_surviving_store_reconciled() {
     assert!(app.dropped.iter().any(|d| d.contains("came back without the file of rank 0")), "{app:?}");
     let lines = Job::start(2, &config, &restart, &[]).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "FRESH"), "{lines:?}");
+}
+
+/// A restart while the only node holding ranks of the newest version is
+/// silent (here with `KillSilentManagerAfter = 0`, so nobody kills it) is
+/// refused with the version, the ranks and the node named, instead of
+/// agents placed elsewhere failing to read a PFS copy that never existed;
+/// nothing is lost: once the manager answers again, the restart is
+/// bit-exact from its memory.
+#[test]
+fn a_restart_while_the_newest_versions_node_is_silent_names_it_and_loses_nothing() {
+    let service =
+        LocalService::up(&icheck_in_target(), "wait-silent", 2, &["--provider", "tcp", "--kill-silent-after", "0"]);
+    let config = service.config_without_pfs();
+    let args = ["--app", "asleep", "--steps", "20", "--every", "2", "--mib", "4", "--hang-after", "3"];
+    let mut job = Job::start(4, &config, &args, &[]);
+    job.wait_line("HANG", Duration::from_secs(120));
+    let app = service.status().apps.into_iter().find(|a| a.registration.name == "asleep").expect("registered");
+    let node = app.agents[0].node.clone();
+    let stopped = Stopped::stop(service.pid_of(&format!("manager-{node}")));
+    job.kill();
+    let down =
+        poll_until(Duration::from_secs(30), || service.status().nodes.iter().any(|n| n.node == node && !n.alive));
+    assert!(down, "{node} is not marked down");
+
+    let restart = ["--app", "asleep", "--steps", "8", "--every", "2", "--mib", "4"];
+    let (ok, output) = Job::start(4, &config, &restart, &[]).finish_any(Duration::from_secs(120));
+    assert!(!ok, "the restart went on without the silent node's ranks:\n{output}");
+    assert!(
+        output.contains("version 3 is held only by ranks")
+            && output.contains(&format!("on node {node}"))
+            && output.contains("is silent"),
+        "{output}"
+    );
+    assert!(!output.contains("MANIFEST"), "{output}");
+
+    drop(stopped);
+    let back = poll_until(Duration::from_secs(30), || service.status().nodes.iter().all(|n| n.alive));
+    assert!(back, "{node} did not answer again after SIGCONT");
+    let lines = Job::start(4, &config, &restart, &[]).finish(Duration::from_secs(120));
+    assert_eq!(restored(&lines), Some(3), "{lines:?}");
+    assert!(lines.iter().any(|l| l == "DONE"), "{lines:?}");
+}
+
+/// A manager that stays silent while alive (SIGSTOPped for good here; a
+/// hang its watchdog does not catch looks the same) is killed by the
+/// controller after `KillSilentManagerAfter` and started again, and the
+/// versions in its store come back with it: the job killed meanwhile
+/// restarts bit-exact from agent memory. Before, the node stayed down
+/// for good, and with it the only copy of the ranks it held (this job has
+/// no PFS), so the restart failed.
+#[test]
+fn a_manager_silent_for_good_is_killed_and_started_again_with_its_versions() {
+    let service =
+        LocalService::up(&icheck_in_target(), "kill-silent", 2, &["--provider", "tcp", "--kill-silent-after", "4"]);
+    let config = service.config_without_pfs();
+    let args = ["--app", "frozen", "--steps", "20", "--every", "2", "--mib", "4", "--hang-after", "3"];
+    let mut job = Job::start(4, &config, &args, &[]);
+    job.wait_line("HANG", Duration::from_secs(120));
+    let status = service.status();
+    let app = status.apps.iter().find(|a| a.registration.name == "frozen").expect("the app is registered");
+    assert_eq!(app.latest.as_ref().map(|l| l.version), Some(3), "{app:?}");
+    let node = app.agents[0].node.clone();
+    let frozen = service.pid_of(&format!("manager-{node}"));
+    let _stopped = Stopped::stop(frozen);
+    job.kill();
+
+    let back = poll_until(Duration::from_secs(60), || {
+        let pid = service.pid_of(&format!("manager-{node}"));
+        pid != frozen
+            && !process_running(frozen)
+            && service.status().nodes.iter().any(|n| n.node == node && n.alive && n.pid == pid)
+    });
+    let log = service.log("controller.log");
+    assert!(back, "the silent manager {frozen} of {node} was not killed and started again:\n{log}");
+    assert!(log.contains("KillSilentManagerAfter") && log.contains(&format!("sent SIGKILL to pid {frozen}")), "{log}");
+    let restart = ["--app", "frozen", "--steps", "8", "--every", "2", "--mib", "4"];
+    let lines = Job::start(4, &config, &restart, &[]).finish(Duration::from_secs(120));
+    assert_eq!(restored(&lines), Some(3), "{lines:?}\n{}", service.log("controller.log"));
+    assert!(lines.iter().any(|l| l == "DONE"), "{lines:?}");
 }
 
 /// A restart that comes while the manager holding its files is being

@@ -30,6 +30,17 @@ impl SlurmService<'_> {
 
     /// With `dynamic` as the service's dynamic configuration.
     fn up_with_dynamic<'a>(slurm: &'a TestSlurm, label: &str, nodes: &str, dynamic: Option<&str>) -> SlurmService<'a> {
+        Self::up_with(slurm, label, nodes, dynamic, &[])
+    }
+
+    /// With `dynamic` as the dynamic configuration and `extra` arguments to `icheck up`.
+    fn up_with<'a>(
+        slurm: &'a TestSlurm,
+        label: &str,
+        nodes: &str,
+        dynamic: Option<&str>,
+        extra: &[&str],
+    ) -> SlurmService<'a> {
         let dir = std::env::temp_dir().join(format!("icheck-slurm-svc-{label}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         if let Some(text) = dynamic {
@@ -38,6 +49,7 @@ impl SlurmService<'_> {
         }
         let out = Command::new(icheck_in_target())
             .args(["up", "--detach", "--provider", "tcp", "--slurm", "--partition", &slurm.partition, "--nodes", nodes])
+            .args(extra)
             .arg("--state-dir")
             .arg(&dir)
             .env("SLURM_CONF", &slurm.conf)
@@ -518,4 +530,41 @@ fn a_lost_node_is_replaced_through_slurm_and_the_version_rebuilt_on_the_new_one(
     assert_eq!(pfs.versions("rx").unwrap_or_default(), Vec::<u64>::new(), "restored from the PFS: proves nothing");
     assert!(service.down().status.success());
     assert!(slurm.jobs().is_empty(), "{:?}", slurm.jobs());
+}
+
+/// A manager job whose manager stays silent while alive (SIGSTOPped for
+/// good) is killed through Slurm (`scancel --full --signal=KILL`) after
+/// `KillSilentManagerAfter`; the job ends, the controller submits a new
+/// one for the same node, and the manager it starts brings back the
+/// versions its store kept: the job killed meanwhile restarts bit-exact
+/// from agent memory, not from the PFS.
+#[test]
+fn a_silent_manager_job_is_killed_through_slurm_and_its_versions_come_back() {
+    let slurm = TestSlurm::start("silent", "cq", 2);
+    let service = SlurmService::up_with(&slurm, "silent", "1", None, &["--kill-silent-after", "4"]);
+    let config = service.config_path();
+    let args = ["--app", "sq", "--steps", "20", "--every", "2", "--mib", "4", "--hang-after", "3"];
+    let mut job = Job::start(2, &config, &args, &[]);
+    job.wait_line("HANG", Duration::from_secs(120));
+    let (victim, _, node) = manager_jobs(&slurm).first().cloned().expect("a manager job runs");
+    let manager = service.status().nodes.into_iter().find(|n| n.node == node).expect("its node is known").pid;
+    let stop = |signal| nix::sys::signal::kill(nix::unistd::Pid::from_raw(manager as i32), signal);
+    stop(nix::sys::signal::Signal::SIGSTOP).unwrap();
+    job.kill();
+
+    let back = poll_until(Duration::from_secs(120), || {
+        manager_jobs(&slurm).iter().any(|(id, _, n)| *id != victim && *n == node)
+            && service.status().nodes.iter().any(|n| n.node == node && n.alive && n.pid != manager)
+    });
+    let log = std::fs::read_to_string(service.dir.join("logs/controller.log")).unwrap_or_default();
+    if !back {
+        let _ = stop(nix::sys::signal::Signal::SIGCONT);
+    }
+    assert!(back, "the silent manager of {node} was not killed and started again: {:?}\n{log}", slurm.jobs());
+    assert!(log.contains(&format!("sent SIGKILL to Slurm job(s) {victim} on {node}")), "{log}");
+    let lines = Job::start(2, &config, &["--app", "sq", "--steps", "8", "--every", "2", "--mib", "4"], &[])
+        .finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("RESTORED version=3 ") && l.ends_with("verified")), "{lines:?}");
+    let pfs = icheck_core::pfs::PfsStore::new(StaticConfig::load(&config).unwrap().pfs_dir.expect("a PFS"));
+    assert_eq!(pfs.versions("sq").unwrap_or_default(), Vec::<u64>::new(), "restored from the PFS: proves nothing");
 }

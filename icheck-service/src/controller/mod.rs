@@ -162,6 +162,8 @@ struct Shared {
     releasing: Mutex<BTreeSet<String>>,
     /// `ManagerRelaunches`.
     relaunch_limit: u32,
+    /// `KillSilentManagerAfter` (`None`: never).
+    kill_silent_after: Option<Duration>,
     state: Mutex<State>,
     dynamic: RwLock<DynamicConfig>,
     /// This controller's address, and every configured controller's.
@@ -414,6 +416,7 @@ async fn run(
         launcher,
         releasing: Mutex::new(BTreeSet::new()),
         relaunch_limit: config.manager_relaunches,
+        kill_silent_after: config.kill_silent_manager_after(),
         state: Mutex::new(State {
             nodes: NodeBook::new(config.heartbeat(), config.missed_heartbeats),
             startup_settled: apps.is_empty(),
@@ -890,7 +893,8 @@ async fn reload_dynamic(shared: Arc<Shared>, path: PathBuf) {
     }
 }
 
-/// Logs managers that stop sending heartbeats (once per outage).
+/// Marks managers that stop sending heartbeats down (once per outage), and
+/// has those silent past `KillSilentManagerAfter` killed to start again.
 async fn watch_liveness(shared: Arc<Shared>) {
     let mut last_tick = Instant::now();
     loop {
@@ -924,6 +928,31 @@ async fn watch_liveness(shared: Arc<Shared>) {
             let rebuilds = node_lost(&mut state, &node, "its node went silent");
             rebuild::spawn(&shared, rebuilds);
         }
+        if let (Some(after), Some(launcher)) = (shared.kill_silent_after, &shared.launcher) {
+            for (node, pid) in state.nodes.silent_for_too_long(now, after) {
+                tokio::spawn(kill_silent_manager(launcher.clone(), node, pid, after));
+            }
+        }
+    }
+}
+
+/// A manager silent for `after` while its process lives (stopped, hung
+/// outside the fabric calls its own watchdog covers) would stay down for
+/// good, and the versions in its memory with it: it is killed through the
+/// launcher. Its connection then closes, and the controller starts it
+/// again like any dead manager; it comes back with its store.
+async fn kill_silent_manager(launcher: Arc<dyn Launcher>, node: String, pid: u32, after: Duration) {
+    let name = node.clone();
+    match tokio::task::spawn_blocking(move || launcher.kill_silent(&name, pid)).await {
+        Ok(Ok(done)) => tracing::warn!(
+            %node,
+            pid,
+            silent = ?after,
+            %done,
+            "the manager stayed silent while alive (KillSilentManagerAfter): killed, so that it is started again with its store"
+        ),
+        Ok(Err(reason)) => tracing::error!(%node, pid, %reason, "cannot kill the silent manager; its node stays down"),
+        Err(err) => tracing::error!(%node, pid, %err, "cannot kill the silent manager; its node stays down"),
     }
 }
 
@@ -1497,20 +1526,8 @@ fn node_back(state: &mut State, node: &str) {
 /// again, may come back with its memory: it does not count.
 fn ranks_lost_with_given_up_nodes(name: &str, app: &AppEntry, nodes: &ManagerBook) -> Option<(u64, String)> {
     let latest = app.latest.as_ref()?;
-    if app.protection.protected.is_some() {
-        return None;
-    }
     let now = Instant::now();
-    let mut gone: BTreeMap<&str, Vec<u32>> = BTreeMap::new();
-    for (rank, home) in app.rank_homes() {
-        if nodes.is_given_up(home) && !nodes.is_alive(home, now) {
-            gone.entry(home).or_default().push(rank);
-        }
-    }
-    if gone.is_empty() {
-        return None;
-    }
-    let held: Vec<String> = gone.iter().map(|(node, ranks)| format!("ranks {ranks:?} on node {node}")).collect();
+    let held = unprotected_ranks_on(app, |home| nodes.is_given_up(home) && !nodes.is_alive(home, now))?;
     let why = format!(
         "version {} of {name:?} is lost: {} held it alone, and the node is given up (its manager is not started \
          again) before any redundancy protected the version; `icheck delete {name}` lets the application start \
@@ -1519,6 +1536,64 @@ fn ranks_lost_with_given_up_nodes(name: &str, app: &AppEntry, nodes: &ManagerBoo
         held.join(", ")
     );
     Some((latest.version, why))
+}
+
+/// Where `app` has no protected version (nothing could decode its ranks
+/// elsewhere): its ranks whose home `node` matches, as "ranks [..] on node
+/// X" per node; `None` when there are none.
+fn unprotected_ranks_on<'a>(app: &'a AppEntry, node: impl Fn(&str) -> bool) -> Option<Vec<String>> {
+    if app.protection.protected.is_some() {
+        return None;
+    }
+    let mut held: BTreeMap<&'a str, Vec<u32>> = BTreeMap::new();
+    for (rank, home) in app.rank_homes().filter(|(_, home)| node(home)) {
+        held.entry(home).or_default().push(rank);
+    }
+    (!held.is_empty()).then(|| held.iter().map(|(node, ranks)| format!("ranks {ranks:?} on node {node}")).collect())
+}
+
+/// Why `name` cannot restart now when ranks of its newest version (`app`'s,
+/// with no PFS copy of it and no protected version) lie only on nodes
+/// that are silent: down, yet neither given up nor being started again,
+/// so their managers may answer again with that version in memory.
+/// Agents placed elsewhere would not find it, and every rank would fail
+/// reading a PFS manifest that does not exist.
+fn ranks_on_silent_nodes(
+    name: &str,
+    app: &AppEntry,
+    nodes: &ManagerBook,
+    kill_after: Option<Duration>,
+    now: Instant,
+) -> Option<String> {
+    let latest = app.latest.as_ref()?;
+    let silent = |home: &str| {
+        nodes.is_known(home) && !nodes.is_alive(home, now) && !nodes.is_given_up(home) && !nodes.is_relaunching(home)
+    };
+    let held = unprotected_ranks_on(app, silent)?;
+    let quiet: Vec<String> = (app.rank_homes().map(|(_, home)| home))
+        .filter(|home| silent(home))
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .map(|home| format!("{home} for {:.0} s", nodes.silent_for(home, now).unwrap_or_default().as_secs_f64()))
+        .collect();
+    let next = match kill_after {
+        Some(after) => format!(
+            "the controller kills a manager silent for {:.0} s (KillSilentManagerAfter) and starts it again with \
+             its store: restart once `icheck status` shows the node alive",
+            after.as_secs_f64()
+        ),
+        None => format!(
+            "start that manager again (KillSilentManagerAfter is 0, so the controller does not), or `icheck delete \
+             {name}` to start afresh"
+        ),
+    };
+    Some(format!(
+        "cannot restart {name:?} now: version {} is held only by {}, and the manager there is silent ({}), so \
+         the version is out of reach without being lost; {next}",
+        latest.version,
+        held.join(", "),
+        quiet.join(", ")
+    ))
 }
 
 /// `node`'s manager answers again (the same one after a silence, or a new
@@ -1622,7 +1697,7 @@ async fn serve_client(
             ClientRequest::RegisterApp { registration, capability, uid } => {
                 let span = tracing::info_span!("register", app = %registration.name);
                 let claim = apps::Claim { presented: capability.as_deref(), reported: uid, seen: seen_uid };
-                match register_app(&shared, registration, &claim).instrument(span).await {
+                match register_app(&shared, registration, &claim, Placement::Start).instrument(span).await {
                     Ok((agents, latest, capability)) => {
                         ClientReply::Registered { agents, latest, capability: capability.expose().to_string() }
                     }
@@ -1798,6 +1873,17 @@ fn controller_report(shared: &Shared, state: &State, now: Instant) -> protocol::
     }
 }
 
+/// Why a registration places agents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Placement {
+    /// A job starts (a first run or a restart): it reads its newest
+    /// version back from the agents.
+    Start,
+    /// A running job's agents are gone (its probe): it holds its data and
+    /// stores its versions again on the new agents.
+    Replace,
+}
+
 /// §6.1.2: pick the agent count and nodes, have managers start the agents,
 /// and return them. A restarting application whose agents all live gets
 /// them back.
@@ -1805,6 +1891,7 @@ async fn register_app(
     shared: &Shared,
     registration: protocol::AppRegistration,
     claim: &apps::Claim<'_>,
+    placement: Placement,
 ) -> Result<(Vec<AgentInfo>, Option<VersionRecord>, Capability), String> {
     icheck_core::format::check_app_name(&registration.name).map_err(|e| e.to_string())?;
     if registration.ranks == 0 || registration.nodes == 0 {
@@ -1888,6 +1975,20 @@ async fn register_app(
             }
             (memory, pfs) => memory.or(pfs),
         };
+        // A restart of a version held only by a silent node, with no other
+        // way to it: not placed elsewhere, where every rank would fail to
+        // find it. (A running job asking for new agents stores its
+        // versions again there.)
+        let restart =
+            latest.as_ref().filter(|l| placement == Placement::Start && on_pfs.is_none_or(|pfs| pfs < l.version));
+        let silent = restart.and_then(|_| {
+            let app = state.apps.get(&registration.name)?;
+            ranks_on_silent_nodes(&registration.name, app, &state.nodes, shared.kill_silent_after, now)
+        });
+        if let Some(why) = silent {
+            tracing::warn!(app = %registration.name, %why, "refused a restart");
+            return Err(why);
+        }
         let state = &mut *state;
         if let Some(app) = state.apps.get_mut(&registration.name) {
             let nodes = &state.nodes;
@@ -2415,7 +2516,7 @@ async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32, capab
             // Authorized already (`authorize`): the owner asks, with its capability.
             let uid = shared.state().apps.get(name).and_then(|a| a.owner).map_or(0, |o| o.uid);
             let claim = apps::Claim { presented: Some(capability), reported: uid, seen: None };
-            match register_app(shared, registration, &claim).await {
+            match register_app(shared, registration, &claim, Placement::Replace).await {
                 Ok((agents, ..)) => ClientReply::Agents(agents),
                 Err(reason) => ClientReply::Error(reason),
             }

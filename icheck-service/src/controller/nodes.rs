@@ -84,6 +84,9 @@ pub(crate) struct NodeEntry<L> {
     /// Its manager died and the controller is starting it again: the
     /// node's store (and the versions in it) is expected back.
     relaunching: bool,
+    /// The controller asked the launcher to kill this manager, silent too
+    /// long while its connection stayed open (once per silence).
+    kill_asked: bool,
     /// Stale agents the controller asked this manager to stop.
     stopping: std::collections::BTreeSet<u64>,
     /// Its manager failed to start an agent: why, and until when no
@@ -143,6 +146,7 @@ impl<L: ManagerLink> NodeBook<L> {
             relaunched,
             given_up: false,
             relaunching: false,
+            kill_asked: false,
             stopping: Default::default(),
             start_failure: None,
             pid,
@@ -170,6 +174,8 @@ impl<L: ManagerLink> NodeBook<L> {
     pub(crate) fn heartbeat(&mut self, node: &str, connection: u64, now: Instant) -> bool {
         let Some(entry) = self.current(node, connection) else { return false };
         entry.last_heartbeat = now;
+        // Answering again ends the silence: a later one may be killed again.
+        entry.kill_asked = false;
         std::mem::take(&mut entry.reported_down)
     }
 
@@ -209,6 +215,23 @@ impl<L: ManagerLink> NodeBook<L> {
         down
     }
 
+    /// Managers silent for `after` or more while their connection stays
+    /// open (stopped, hung in a way their own watchdog does not catch, or
+    /// cut off), each returned once per silence with the pid it registered
+    /// with: the controller has them killed, so that they are started
+    /// again like dead ones. A node given up is left alone.
+    pub(crate) fn silent_for_too_long(&mut self, now: Instant, after: Duration) -> Vec<(String, u32)> {
+        let mut silent = Vec::new();
+        for (name, entry) in &mut self.nodes {
+            let quiet = now.saturating_duration_since(entry.last_heartbeat);
+            if entry.connected && !entry.given_up && !entry.kill_asked && quiet >= after {
+                entry.kill_asked = true;
+                silent.push((name.clone(), entry.pid));
+            }
+        }
+        silent
+    }
+
     /// The controller itself did not run for a while (stopped, starved):
     /// the heartbeats it missed say nothing about the managers, so every
     /// connected node gets a fresh window from `now` to show it is alive.
@@ -220,6 +243,12 @@ impl<L: ManagerLink> NodeBook<L> {
 
     fn entry_alive(&self, entry: &NodeEntry<L>, now: Instant) -> bool {
         alive(entry, now, self.heartbeat, self.missed)
+    }
+
+    /// How long `node`'s manager has been silent at `now` (since its last
+    /// heartbeat); `None` for an unknown node.
+    pub(crate) fn silent_for(&self, node: &str, now: Instant) -> Option<Duration> {
+        self.nodes.get(node).map(|entry| now.saturating_duration_since(entry.last_heartbeat))
     }
 
     /// Whether `node` is known and alive at `now`.
@@ -577,6 +606,25 @@ mod tests {
         assert!(book.newly_down(woke).is_empty());
         assert!(book.is_alive("a", woke) && !book.is_alive("b", woke));
         assert_eq!(book.newly_down(woke + BEAT * 3 + Duration::from_millis(1)), vec!["a".to_string()]);
+    }
+
+    /// A manager silent past the kill bound is named once, with its pid;
+    /// one whose connection closed (dead: the relaunch takes it) or that
+    /// is given up is not; one that answers again may be named again after
+    /// a later silence.
+    #[test]
+    fn a_manager_silent_too_long_is_named_once_per_silence() {
+        let t0 = Instant::now();
+        let after = BEAT * 20;
+        let (mut book, _) = book(t0, &["a", "b", "c"]);
+        assert!(book.disconnected("b", 2));
+        book.give_up("c");
+        assert!(book.silent_for_too_long(t0 + after - Duration::from_millis(1), after).is_empty());
+        assert_eq!(book.silent_for_too_long(t0 + after, after), vec![("a".to_string(), 1)]);
+        assert!(book.silent_for_too_long(t0 + after * 2, after).is_empty(), "named once");
+        assert!(!book.heartbeat("a", 1, t0 + after * 2), "not reported down: newly_down was not asked");
+        assert!(book.silent_for_too_long(t0 + after * 3 - Duration::from_millis(1), after).is_empty());
+        assert_eq!(book.silent_for_too_long(t0 + after * 3, after), vec![("a".to_string(), 1)], "a new silence");
     }
 
     #[test]

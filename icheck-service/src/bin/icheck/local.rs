@@ -29,6 +29,8 @@ pub struct UpOptions {
     pub store_dir: Option<PathBuf>,
     /// `ManagerRelaunches` of the controller.
     pub manager_relaunches: u32,
+    /// `KillSilentManagerAfter` of the controller (seconds; 0: never).
+    pub kill_silent_after: f64,
     /// Start a standby controller beside the primary.
     pub standby: bool,
     /// `TakeoverAfter` (unset: heartbeat × missed heartbeats).
@@ -142,7 +144,7 @@ fn write_static(
          {controllers}\nControllerPort = {port}\nMetricsPort = 0\nToken = \"{client}\"\n\
          AdminToken = \"{admin}\"\nNodeToken = \"{node}\"\n\
          HeartBeatInterval = {hb}\nStatusMessageInterval = {status}\nDynamicConfig = \"dynamic.toml\"\n\
-         ManagerRelaunches = {relaunches}\nClientIdleTimeout = {idle}\n\
+         ManagerRelaunches = {relaunches}\nKillSilentManagerAfter = {kill_silent}\nClientIdleTimeout = {idle}\n\
          AgentStoreDir = \"{store}\"\nPfsDir = \"{pfs}\"\n\
          # Backed files each manager keeps for new version files (0: none).\n\
          WarmPool = \"{warm}\"\n\n\
@@ -165,6 +167,7 @@ fn write_static(
         // idle service's cost is mostly such wake-ups).
         status = options.heartbeat * 2.0,
         relaunches = options.manager_relaunches,
+        kill_silent = options.kill_silent_after,
         idle = options.client_idle_timeout,
         provider = provider.provider,
         why = provider.reason,

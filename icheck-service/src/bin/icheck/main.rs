@@ -80,6 +80,12 @@ enum Command_ {
         /// minutes before it gives the node up (ManagerRelaunches; 0: never).
         #[arg(long, default_value_t = 3)]
         manager_relaunches: u32,
+        /// Seconds a manager may stay silent while its process lives
+        /// (stopped, hung) before the controller kills it, so that it is
+        /// started again with the versions its store kept
+        /// (KillSilentManagerAfter; 0: never, the node stays down).
+        #[arg(long, default_value_t = 120.0, value_name = "SECS")]
+        kill_silent_after: f64,
         /// Bytes of already-backed files each manager keeps ready for new
         /// version files (WarmPool), e.g. 2GiB: an application's first
         /// commits then skip the page zeroing that makes them slower than
@@ -644,6 +650,7 @@ fn run(cli: Cli) -> Result<()> {
             detach,
             store_dir,
             manager_relaunches,
+            kill_silent_after,
             warm_pool,
             standby,
             takeover_after,
@@ -665,6 +672,9 @@ fn run(cli: Cli) -> Result<()> {
                     (min, Some(local::SlurmUp { sbatch_args, max_nodes: max }))
                 }
             };
+            if !(kill_silent_after.is_finite() && kill_silent_after >= 0.0) {
+                bail!("--kill-silent-after {kill_silent_after}: expected a number of seconds, 0 or more");
+            }
             let options = local::UpOptions {
                 slurm,
                 state_dir: state_dir.clone(),
@@ -674,6 +684,7 @@ fn run(cli: Cli) -> Result<()> {
                 port,
                 store_dir,
                 manager_relaunches,
+                kill_silent_after,
                 warm_pool,
                 standby,
                 takeover_after,
