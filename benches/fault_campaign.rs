@@ -5,6 +5,9 @@
 //!
 //! * SIGKILL, or SIGSTOP then SIGCONT, of one rank, of a manager or of
 //!   the controller, at a random moment of a commit loop;
+//! * a manager SIGSTOPped for good ("hang manager"): the controller must
+//!   kill it after `KillSilentManagerAfter` and start it again, with the
+//!   versions its store kept;
 //! * a named failpoint (`exit`) in the library's seal and restart, the
 //!   agents' seal, the controller's version recording and journal, and
 //!   the PFS copy;
@@ -304,8 +307,19 @@ fn committed(lines: &[String]) -> Vec<u64> {
 }
 
 /// The fault kinds, as the table names them.
-const KINDS: [&str; 7] =
-    ["kill rank", "stop rank", "kill manager", "stop manager", "kill controller", "stop controller", "failpoint"];
+const KINDS: [&str; 8] = [
+    "kill rank",
+    "stop rank",
+    "kill manager",
+    "stop manager",
+    "hang manager",
+    "kill controller",
+    "stop controller",
+    "failpoint",
+];
+/// `KillSilentManagerAfter` of the campaign's service: past the longest
+/// "stop manager" pause (4 s), so only "hang manager" meets it.
+const KILL_SILENT_AFTER: &str = "8";
 /// With `--standby`: takeovers (the primary, wherever it runs, killed or
 /// stopped past the window).
 const TAKEOVERS: [&str; 2] = ["takeover: kill primary", "takeover: stop primary"];
@@ -375,6 +389,7 @@ fn up_again(service: &LocalService, shape: &Shape, failpoints: Option<&str>) -> 
     let managers = shape.managers.to_string();
     let mut up = Command::new(&service.icheck);
     up.args(["up", "--detach", "--managers", &managers, "--heartbeat", "0.5", "--provider", &shape.provider])
+        .args(["--kill-silent-after", KILL_SILENT_AFTER])
         .arg("--state-dir")
         .arg(&service.dir);
     if let Some(spec) = failpoints {
@@ -639,10 +654,19 @@ fn campaign(cli: &Cli) -> Result<Tally> {
             &icheck,
             "campaign",
             shape.managers,
-            &["--provider", &cli.provider, "--standby", "--takeover-after", &after],
+            &[
+                "--provider",
+                &cli.provider,
+                "--kill-silent-after",
+                KILL_SILENT_AFTER,
+                "--standby",
+                "--takeover-after",
+                &after,
+            ],
         )
     } else {
-        LocalService::up(&icheck, "campaign", shape.managers, &["--provider", &cli.provider])
+        let args = ["--provider", &cli.provider, "--kill-silent-after", KILL_SILENT_AFTER];
+        LocalService::up(&icheck, "campaign", shape.managers, &args)
     };
     // Nodes the policy survives losing at once.
     let tolerated = match &cli.redundancy {
@@ -786,7 +810,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
                 let pid = pids.get(rng.below(pids.len().max(1) as u64) as usize).copied().unwrap_or(0);
                 (format!("rank pid {pid}"), pid)
             }
-            "kill manager" | "stop manager" => {
+            "kill manager" | "stop manager" | "hang manager" => {
                 let name = format!("manager-local-{}", 1 + rng.below(u64::from(shape.managers)));
                 (name.clone(), service.pid_of(&name))
             }
@@ -853,7 +877,9 @@ fn campaign(cli: &Cli) -> Result<Tally> {
                     }
                 }
             }
-            "stop manager" | "stop controller" | "takeover: stop primary" => signal(pid, Signal::SIGSTOP),
+            "stop manager" | "hang manager" | "stop controller" | "takeover: stop primary" => {
+                signal(pid, Signal::SIGSTOP)
+            }
             _ => {}
         }
         *tally.faults.entry(kind.to_string()).or_default() += 1;
