@@ -361,6 +361,8 @@ async fn session(
     let several = config.controller_endpoints().len() > 1;
     let answer_within = if several { config.takeover_after() } else { protocol::REQUEST_TIMEOUT };
     let cannot = |error| ServiceError::Io { what: format!("cannot connect to the controller at {peer}"), error };
+    // Tests hold a manager back here (it runs, but has not registered).
+    let _ = tokio::task::spawn_blocking(|| icheck_core::failpoint::hit("manager.before_connect")).await;
     let mut stream = match tokio::time::timeout(answer_within, TcpStream::connect(&peer)).await {
         Ok(connected) => connected.map_err(cannot)?,
         Err(_) => return Err(cannot(std::io::ErrorKind::TimedOut.into())),

@@ -594,6 +594,37 @@ fn a_killed_manager_whose_store_survives_keeps_the_unprotected_newest_version() 
     version_4_kept(&service, "rk");
 }
 
+/// The same when someone else starts the dead manager first (an
+/// operator's `icheck up`, here held 3 s before it connects): the
+/// controller finds a live manager recorded and does not start another,
+/// but the node stays "being started again" until that one registers.
+/// Before, the mark was cleared at once, the rebuild waiting for the node
+/// counted its memory lost and fell back to version 3, and the newer
+/// version the returning manager held was dropped (the fault campaign
+/// found it, racing its own `icheck up` against the controller).
+#[test]
+fn a_manager_an_operator_starts_again_first_keeps_the_unprotected_newest_version() {
+    let args = ["--provider", "tcp", "--manager-relaunches", "3"];
+    let failpoints = format!(
+        "{FOURTH_UNPROTECTED};controller.before_relaunch_check=sleep(1500) x1;manager.before_connect=sleep(3000) x1"
+    );
+    let service =
+        LocalService::up_with_failpoints(&icheck_in_target(), "red-operator", 4, &args, None, Some(&failpoints));
+    let manager = format!("manager-{}", fourth_unprotected(&service, "ro"));
+    let dead = service.pid_of(&manager);
+    kill(Pid::from_raw(dead as i32), Signal::SIGKILL).unwrap();
+    assert!(poll_until(Duration::from_secs(10), || !icheck_service::testkit::process_running(dead)));
+    let said = service.up_again();
+    assert!(said.contains(&format!("{manager} (pid {dead}) had died; started again")), "{said}");
+    let log = || service.log("controller.log");
+    let checked = poll_until(Duration::from_secs(30), || log().contains("before_relaunch_check"));
+    assert!(checked, "the controller did not look at the dead manager:\n{}", log());
+    assert!(!log().contains("manager was dead; started it again"), "started twice:\n{}", log());
+    wait_protected(&service, "ro", 4);
+    managers_run_what_is_listed(&service);
+    version_4_kept(&service, "ro");
+}
+
 /// An agent that ends on its own (a transfer that timed out closed its
 /// endpoint) holding the newest version, not protected yet: another agent
 /// starts on its node and the version is protected on it with no job

@@ -1416,8 +1416,21 @@ async fn relaunch_when_dead(shared: Arc<Shared>, node: String, pid: u32) {
     shared.state().nodes.set_relaunching(&node, false);
 }
 
+/// Waits (at most `timeout`) until `node` is alive; whether it is.
+async fn registers_within(shared: &Shared, node: &str, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if shared.state().nodes.is_alive(node, Instant::now()) {
+            return true;
+        }
+    }
+    false
+}
+
 /// [`relaunch_when_dead`]'s loop: returns once the node is back, its
-/// process turns out alive, or the node is given up.
+/// process turns out alive (after waiting, bounded, for it to register:
+/// it may be a manager started by someone else), or the node is given up.
 async fn relaunch_until_registered(shared: &Shared, launcher: Arc<dyn Launcher>, node: &str, mut pid: u32) {
     let node = node.to_string();
     loop {
@@ -1426,8 +1439,21 @@ async fn relaunch_until_registered(shared: &Shared, launcher: Arc<dyn Launcher>,
             return;
         }
         let (check, name) = (launcher.clone(), node.clone());
-        let dead = tokio::task::spawn_blocking(move || check.is_dead(&name, pid)).await.unwrap_or(false);
+        let dead = tokio::task::spawn_blocking(move || {
+            icheck_core::failpoint::hit("controller.before_relaunch_check");
+            check.is_dead(&name, pid)
+        })
+        .await
+        .unwrap_or(false);
         if !dead {
+            // Alive: the same process (stopped or hung, never started
+            // twice), or a manager someone else started meanwhile (an
+            // operator's `icheck up`), which has yet to register. The node
+            // stays "being started again" while that one may still
+            // register: cleared at once, a rebuild waiting for the node
+            // counted its memory lost and fell back a version that the
+            // new manager then brought back (the fault campaign found it).
+            registers_within(shared, &node, RELAUNCH_REGISTER_TIMEOUT).await;
             return;
         }
         let (ask, name) = (launcher.clone(), node.clone());
@@ -1454,12 +1480,8 @@ async fn relaunch_until_registered(shared: &Shared, launcher: Arc<dyn Launcher>,
             Ok(Ok(started)) => {
                 tracing::warn!(%node, dead = pid, pid = started, "manager was dead; started it again");
                 pid = started;
-                let deadline = Instant::now() + RELAUNCH_REGISTER_TIMEOUT;
-                while Instant::now() < deadline {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    if shared.state().nodes.is_alive(&node, Instant::now()) {
-                        return;
-                    }
+                if registers_within(shared, &node, RELAUNCH_REGISTER_TIMEOUT).await {
+                    return;
                 }
             }
             Ok(Err(reason)) => tracing::error!(%node, %reason, "cannot start the manager again"),
