@@ -257,6 +257,39 @@ fn a_killed_manager_is_relaunched_and_its_surviving_store_reconciled() {
     assert!(lines.iter().any(|l| l == "FRESH"), "{lines:?}");
 }
 
+/// A 4-rank job of `app`, on a 2-manager service started with
+/// `--kill-silent-after kill_after`, commits version 3 and hangs; the
+/// manager of its first agent is SIGSTOPped, then the job is killed.
+/// Returns the service, its client configuration (no PFS), that node and
+/// its stopped manager.
+fn job_killed_beside_a_stopped_manager(
+    service_name: &str,
+    kill_after: &str,
+    app: &str,
+) -> (LocalService, std::path::PathBuf, String, Stopped) {
+    let args = ["--provider", "tcp", "--kill-silent-after", kill_after];
+    let service = LocalService::up(&icheck_in_target(), service_name, 2, &args);
+    let config = service.config_without_pfs();
+    let args = ["--app", app, "--steps", "20", "--every", "2", "--mib", "4", "--hang-after", "3"];
+    let mut job = Job::start(4, &config, &args, &[]);
+    job.wait_line("HANG", Duration::from_secs(120));
+    let report = service.status().apps.into_iter().find(|a| a.registration.name == app).expect("registered");
+    assert_eq!(report.latest.as_ref().map(|l| l.version), Some(3), "{report:?}");
+    let node = report.agents[0].node.clone();
+    let stopped = Stopped::stop(service.pid_of(&format!("manager-{node}")));
+    job.kill();
+    (service, config, node, stopped)
+}
+
+/// A restart of `app` (see [`job_killed_beside_a_stopped_manager`]) that
+/// must restore version 3 bit-exact and finish.
+fn restores_version_3(service: &LocalService, config: &std::path::Path, app: &str) {
+    let restart = ["--app", app, "--steps", "8", "--every", "2", "--mib", "4"];
+    let lines = Job::start(4, config, &restart, &[]).finish(Duration::from_secs(120));
+    assert_eq!(restored(&lines), Some(3), "{lines:?}\n{}", service.log("controller.log"));
+    assert!(lines.iter().any(|l| l == "DONE"), "{lines:?}");
+}
+
 /// A restart while the only node holding ranks of the newest version is
 /// silent (here with `KillSilentManagerAfter = 0`, so nobody kills it) is
 /// refused with the version, the ranks and the node named, instead of
@@ -265,16 +298,7 @@ fn a_killed_manager_is_relaunched_and_its_surviving_store_reconciled() {
 /// bit-exact from its memory.
 #[test]
 fn a_restart_while_the_newest_versions_node_is_silent_names_it_and_loses_nothing() {
-    let service =
-        LocalService::up(&icheck_in_target(), "wait-silent", 2, &["--provider", "tcp", "--kill-silent-after", "0"]);
-    let config = service.config_without_pfs();
-    let args = ["--app", "asleep", "--steps", "20", "--every", "2", "--mib", "4", "--hang-after", "3"];
-    let mut job = Job::start(4, &config, &args, &[]);
-    job.wait_line("HANG", Duration::from_secs(120));
-    let app = service.status().apps.into_iter().find(|a| a.registration.name == "asleep").expect("registered");
-    let node = app.agents[0].node.clone();
-    let stopped = Stopped::stop(service.pid_of(&format!("manager-{node}")));
-    job.kill();
+    let (service, config, node, stopped) = job_killed_beside_a_stopped_manager("wait-silent", "0", "asleep");
     let down =
         poll_until(Duration::from_secs(30), || service.status().nodes.iter().any(|n| n.node == node && !n.alive));
     assert!(down, "{node} is not marked down");
@@ -293,9 +317,7 @@ fn a_restart_while_the_newest_versions_node_is_silent_names_it_and_loses_nothing
     drop(stopped);
     let back = poll_until(Duration::from_secs(30), || service.status().nodes.iter().all(|n| n.alive));
     assert!(back, "{node} did not answer again after SIGCONT");
-    let lines = Job::start(4, &config, &restart, &[]).finish(Duration::from_secs(120));
-    assert_eq!(restored(&lines), Some(3), "{lines:?}");
-    assert!(lines.iter().any(|l| l == "DONE"), "{lines:?}");
+    restores_version_3(&service, &config, "asleep");
 }
 
 /// A manager that stays silent while alive (SIGSTOPped for good here; a
@@ -307,20 +329,8 @@ fn a_restart_while_the_newest_versions_node_is_silent_names_it_and_loses_nothing
 /// no PFS), so the restart failed.
 #[test]
 fn a_manager_silent_for_good_is_killed_and_started_again_with_its_versions() {
-    let service =
-        LocalService::up(&icheck_in_target(), "kill-silent", 2, &["--provider", "tcp", "--kill-silent-after", "4"]);
-    let config = service.config_without_pfs();
-    let args = ["--app", "frozen", "--steps", "20", "--every", "2", "--mib", "4", "--hang-after", "3"];
-    let mut job = Job::start(4, &config, &args, &[]);
-    job.wait_line("HANG", Duration::from_secs(120));
-    let status = service.status();
-    let app = status.apps.iter().find(|a| a.registration.name == "frozen").expect("the app is registered");
-    assert_eq!(app.latest.as_ref().map(|l| l.version), Some(3), "{app:?}");
-    let node = app.agents[0].node.clone();
-    let frozen = service.pid_of(&format!("manager-{node}"));
-    let _stopped = Stopped::stop(frozen);
-    job.kill();
-
+    let (service, config, node, stopped) = job_killed_beside_a_stopped_manager("kill-silent", "4", "frozen");
+    let frozen = stopped.0;
     let back = poll_until(Duration::from_secs(60), || {
         let pid = service.pid_of(&format!("manager-{node}"));
         pid != frozen
@@ -330,10 +340,7 @@ fn a_manager_silent_for_good_is_killed_and_started_again_with_its_versions() {
     let log = service.log("controller.log");
     assert!(back, "the silent manager {frozen} of {node} was not killed and started again:\n{log}");
     assert!(log.contains("KillSilentManagerAfter") && log.contains(&format!("sent SIGKILL to pid {frozen}")), "{log}");
-    let restart = ["--app", "frozen", "--steps", "8", "--every", "2", "--mib", "4"];
-    let lines = Job::start(4, &config, &restart, &[]).finish(Duration::from_secs(120));
-    assert_eq!(restored(&lines), Some(3), "{lines:?}\n{}", service.log("controller.log"));
-    assert!(lines.iter().any(|l| l == "DONE"), "{lines:?}");
+    restores_version_3(&service, &config, "frozen");
 }
 
 /// A restart that comes while the manager holding its files is being
