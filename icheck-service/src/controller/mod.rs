@@ -1952,6 +1952,8 @@ async fn register_app(
     let config = shared.dynamic();
     let waiters;
     let latest;
+    // The agents this placement replaces (told to stop below).
+    let mut superseded: Vec<AgentInfo> = Vec::new();
     // Read before taking the state lock: it is file I/O.
     let pfs_record = pfs_latest(shared, &registration.name);
     let on_pfs = pfs_record.as_ref().ok().and_then(|r| r.as_ref().map(|r| r.version));
@@ -2058,6 +2060,7 @@ async fn register_app(
         // Survivors of the old placement stop; their files stay for the new agents.
         if let Some(app) = state.apps.get(&registration.name) {
             tell_agents(&state.nodes, &app.agents, |id| ControllerToManager::StopAgent { id, discard: false });
+            superseded = app.agents.clone();
         }
         let usable = |node: &String| snapshot.iter().any(|s| &s.node == node && s.alive && !s.draining);
         let lost_slots: Vec<usize> = (0..previous.len()).filter(|i| !usable(&previous[*i])).collect();
@@ -2098,6 +2101,17 @@ async fn register_app(
     let _claim = Placing::of(shared, &waiters);
     let agents = await_starts(shared, &registration.name, waiters).await?;
     let mut state = shared.state();
+    // Agents another task started for the application while these started
+    // (a rebuild starting lost agents again where the files are) are
+    // replaced too: left listed nowhere, they would run on unseen.
+    if let Some(app) = state.apps.get(&registration.name) {
+        let known = |a: &AgentInfo| superseded.iter().chain(&agents).any(|b| b.id == a.id);
+        let meanwhile: Vec<AgentInfo> = app.agents.iter().filter(|a| !known(a)).cloned().collect();
+        if !meanwhile.is_empty() {
+            tracing::info!(agents = ?meanwhile.iter().map(|a| a.id).collect::<Vec<_>>(), "stopping agents started meanwhile by a rebuild");
+            tell_agents(&state.nodes, &meanwhile, |id| ControllerToManager::StopAgent { id, discard: false });
+        }
+    }
     let placed = Event::Placed { registration: registration.clone(), agents: agents.clone(), owner: Some(owner) };
     if let Err(reason) = journal(&mut state, &placed) {
         tell_agents(&state.nodes, &agents, |id| ControllerToManager::StopAgent { id, discard: false });
