@@ -1555,15 +1555,15 @@ fn ranks_lost_with_given_up_nodes(name: &str, app: &AppEntry, nodes: &ManagerBoo
          again) before any redundancy protected the version; `icheck delete {name}` lets the application start \
          afresh",
         latest.version,
-        held.join(", ")
+        describe_ranks_on(&held)
     );
     Some((latest.version, why))
 }
 
 /// Where `app` has no protected version (nothing could decode its ranks
-/// elsewhere): its ranks whose home `node` matches, as "ranks [..] on node
-/// X" per node; `None` when there are none.
-fn unprotected_ranks_on<'a>(app: &'a AppEntry, node: impl Fn(&str) -> bool) -> Option<Vec<String>> {
+/// elsewhere): its ranks whose home `node` matches, by node; `None` when
+/// there are none.
+fn unprotected_ranks_on<'a>(app: &'a AppEntry, node: impl Fn(&str) -> bool) -> Option<BTreeMap<&'a str, Vec<u32>>> {
     if app.protection.protected.is_some() {
         return None;
     }
@@ -1571,7 +1571,13 @@ fn unprotected_ranks_on<'a>(app: &'a AppEntry, node: impl Fn(&str) -> bool) -> O
     for (rank, home) in app.rank_homes().filter(|(_, home)| node(home)) {
         held.entry(home).or_default().push(rank);
     }
-    (!held.is_empty()).then(|| held.iter().map(|(node, ranks)| format!("ranks {ranks:?} on node {node}")).collect())
+    (!held.is_empty()).then_some(held)
+}
+
+/// `held` ([`unprotected_ranks_on`]) as "ranks [..] on node X, ...".
+fn describe_ranks_on(held: &BTreeMap<&str, Vec<u32>>) -> String {
+    let each: Vec<String> = held.iter().map(|(node, ranks)| format!("ranks {ranks:?} on node {node}")).collect();
+    each.join(", ")
 }
 
 /// Why `name` cannot restart now when ranks of its newest version (`app`'s,
@@ -1592,10 +1598,7 @@ fn ranks_on_silent_nodes(
         nodes.is_known(home) && !nodes.is_alive(home, now) && !nodes.is_given_up(home) && !nodes.is_relaunching(home)
     };
     let held = unprotected_ranks_on(app, silent)?;
-    let quiet: Vec<String> = (app.rank_homes().map(|(_, home)| home))
-        .filter(|home| silent(home))
-        .collect::<BTreeSet<_>>()
-        .into_iter()
+    let quiet: Vec<String> = (held.keys())
         .map(|home| format!("{home} for {:.0} s", nodes.silent_for(home, now).unwrap_or_default().as_secs_f64()))
         .collect();
     let next = match kill_after {
@@ -1613,7 +1616,7 @@ fn ranks_on_silent_nodes(
         "cannot restart {name:?} now: version {} is held only by {}, and the manager there is silent ({}), so \
          the version is out of reach without being lost; {next}",
         latest.version,
-        held.join(", "),
+        describe_ranks_on(&held),
         quiet.join(", ")
     ))
 }
