@@ -146,12 +146,19 @@ pub struct LocalLauncher {
     pub dir: PathBuf,
 }
 
+impl LocalLauncher {
+    /// The pid the state directory's `pids` file records for `node`'s manager.
+    fn recorded_manager(&self, node: &str) -> Option<u32> {
+        let name = format!("manager-{node}");
+        read_pids(&self.dir).into_iter().find(|(n, _)| *n == name).map(|(_, pid)| pid)
+    }
+}
+
 impl Launcher for LocalLauncher {
     fn is_dead(&self, node: &str, pid: u32) -> bool {
         // Someone (`icheck up`, an operator) may have started it again
         // already: then the pids file names the live one.
-        let name = format!("manager-{node}");
-        let recorded = read_pids(&self.dir).into_iter().find(|(n, _)| *n == name).map(|(_, pid)| pid);
+        let recorded = self.recorded_manager(node);
         !is_icheck_process(pid) && recorded.is_none_or(|current| !is_icheck_process(current))
     }
 
@@ -182,8 +189,7 @@ impl Launcher for LocalLauncher {
     fn kill_silent(&self, node: &str, pid: u32) -> Result<String, String> {
         // Only the process this service started for the node: a pid the
         // system reused since belongs to someone else.
-        let name = format!("manager-{node}");
-        let recorded = read_pids(&self.dir).into_iter().find(|(n, _)| *n == name).map(|(_, pid)| pid);
+        let recorded = self.recorded_manager(node);
         if recorded != Some(pid) {
             return Err(format!(
                 "the manager of {node} registered as pid {pid}, but {}/{PIDS} records {}: not killing it",
