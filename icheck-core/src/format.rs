@@ -386,6 +386,51 @@ impl Manifest {
         }
         Ok(())
     }
+
+    /// Cuts the rank's data into `count` contiguous slices (start, end) that
+    /// cover it in order, each as near to an equal share as the rank's
+    /// checksum chunks allow: every cut lies on a chunk boundary (a label's
+    /// start or end, or a whole number of chunks into a label), so each
+    /// slice is checked against the rank's own checksums
+    /// ([`InOrderCheck::over`]). Slices may be empty (a rank shorter than
+    /// `count` chunks). Call on a validated manifest.
+    pub fn slices(&self, count: usize) -> Vec<(u64, u64)> {
+        let count = count.max(1);
+        let total = self.total_len;
+        let mut cuts = Vec::with_capacity(count + 1);
+        cuts.push(0);
+        for i in 1..count {
+            // At most `total`: it fits.
+            let target = u64::try_from(u128::from(total) * i as u128 / count as u128).unwrap_or(total);
+            let cut = self.nearest_chunk_boundary(target).max(*cuts.last().unwrap_or(&0));
+            cuts.push(cut);
+        }
+        cuts.push(total);
+        cuts.windows(2).map(|w| (w[0], w[1])).collect()
+    }
+
+    /// The chunk boundary nearest to byte `at` (the earlier one on a tie).
+    fn nearest_chunk_boundary(&self, at: u64) -> u64 {
+        let Some(label) = self.labels.iter().find(|l| l.offset <= at && at < l.offset + l.len) else {
+            return at.min(self.total_len);
+        };
+        let before = label.offset + (at - label.offset) / self.chunk_size * self.chunk_size;
+        let after = (before + self.chunk_size).min(label.offset + label.len);
+        if after - at < at - before {
+            after
+        } else {
+            before
+        }
+    }
+
+    /// Whether byte offset `at` starts a chunk (or ends the data).
+    pub fn is_chunk_boundary(&self, at: u64) -> bool {
+        at == self.total_len
+            || self
+                .labels
+                .iter()
+                .any(|l| at >= l.offset && at < l.offset + l.len && (at - l.offset).is_multiple_of(self.chunk_size))
+    }
 }
 
 /// Checks a rank's bytes against its manifest as they arrive, in order and
@@ -398,8 +443,10 @@ impl Manifest {
 #[derive(Debug)]
 pub struct InOrderCheck<'a> {
     manifest: &'a Manifest,
-    /// Bytes of the rank's data fed so far.
+    /// Offset in the rank's data of the next byte fed.
     fed: u64,
+    /// Where the checked bytes end (the rank's end, or a slice's).
+    end: u64,
     /// The label and chunk the next byte belongs to.
     label: usize,
     chunk: usize,
@@ -412,7 +459,27 @@ impl<'a> InOrderCheck<'a> {
     /// whose checksums do not fit its labels.
     pub fn new(manifest: &'a Manifest) -> Result<InOrderCheck<'a>, FormatError> {
         manifest.validate()?;
-        Ok(InOrderCheck { manifest, fed: 0, label: 0, chunk: 0, partial: 0 })
+        Ok(InOrderCheck { manifest, fed: 0, end: manifest.total_len, label: 0, chunk: 0, partial: 0 })
+    }
+
+    /// A check of bytes `start..end` of `manifest`'s rank (a slice of it,
+    /// [`Manifest::slices`]), fed from `start`; both ends must be chunk
+    /// boundaries, so every chunk in the range is checked whole.
+    pub fn over(manifest: &'a Manifest, (start, end): (u64, u64)) -> Result<InOrderCheck<'a>, FormatError> {
+        manifest.validate()?;
+        if start > end
+            || end > manifest.total_len
+            || !manifest.is_chunk_boundary(start)
+            || !manifest.is_chunk_boundary(end)
+        {
+            return Err(manifest.refuse(format!("bytes {start}..{end} are not a range of whole chunks")));
+        }
+        let mut label = 0;
+        while label < manifest.labels.len() && manifest.labels[label].offset + manifest.labels[label].len <= start {
+            label += 1;
+        }
+        let chunk = manifest.labels.get(label).map_or(0, |l| ((start.max(l.offset) - l.offset) / CHUNK_SIZE) as usize);
+        Ok(InOrderCheck { manifest, fed: start, end, label, chunk, partial: 0 })
     }
 
     /// The next `bytes` of the rank's data (and perhaps padding after it).
@@ -423,7 +490,7 @@ impl<'a> InOrderCheck<'a> {
     pub fn feed(&mut self, mut bytes: &[u8]) -> Result<u32, FormatError> {
         let m = self.manifest;
         let mut whole = 0;
-        while !bytes.is_empty() && self.fed < m.total_len {
+        while !bytes.is_empty() && self.fed < self.end {
             let label = &m.labels[self.label];
             let label_end = label.offset + label.len;
             if self.fed == label_end {
@@ -450,9 +517,9 @@ impl<'a> InOrderCheck<'a> {
         Ok(if bytes.is_empty() { whole } else { crc32c_combine(whole, crc32c(bytes), bytes.len()) })
     }
 
-    /// Whether every byte of the rank's data has been fed (and checked).
+    /// Whether every byte to check (the rank's data, or the range's) has been fed.
     pub fn complete(&self) -> bool {
-        self.fed == self.manifest.total_len
+        self.fed == self.end
     }
 }
 
@@ -580,6 +647,46 @@ mod tests {
             .expect_err("a flipped bit passed");
         assert!(err.to_string().contains("label \"b\": chunk 0 does not match"), "{err}");
         assert!(!check.complete());
+    }
+
+    #[test]
+    fn slices_cover_the_rank_on_chunk_boundaries_and_each_checks_alone() {
+        // Two labels (a partial chunk, then two chunks and a tail).
+        let data: Vec<u8> = (0..2 * CHUNK_BYTES + CHUNK_BYTES / 2 + 1234)
+            .map(|i| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[3])
+            .collect();
+        let good = manifest(&data);
+        for count in 1..=6 {
+            let slices = good.slices(count);
+            assert_eq!(slices.len(), count);
+            assert_eq!(slices.first().map(|s| s.0), Some(0));
+            assert_eq!(slices.last().map(|s| s.1), Some(data.len() as u64));
+            for (i, (start, end)) in slices.iter().copied().enumerate() {
+                let (from, to) = (usize::try_from(start).unwrap(), usize::try_from(end).unwrap());
+                assert!(good.is_chunk_boundary(start) && good.is_chunk_boundary(end), "{count}: slice {i}");
+                if i > 0 {
+                    assert_eq!(slices[i - 1].1, start, "{count}: slices follow each other");
+                }
+                // Each slice checks on its own, padding after it unchecked.
+                let mut check = super::InOrderCheck::over(&good, (start, end)).unwrap();
+                let bytes: Vec<u8> = data[from..to].iter().copied().chain([0u8; 100]).collect();
+                for piece in bytes.chunks(777_777) {
+                    assert_eq!(check.feed(piece).unwrap(), crc32c(piece));
+                }
+                assert!(check.complete(), "{count}: slice {i}");
+                if to > from {
+                    let mut damaged = bytes.clone();
+                    damaged[to - from - 1] ^= 4;
+                    let mut check = super::InOrderCheck::over(&good, (start, end)).unwrap();
+                    assert!(check.feed(&damaged).is_err(), "{count}: a flipped bit in slice {i} passed");
+                }
+            }
+        }
+        // 48 chunks whose labels start on chunk multiples: four equal slices.
+        let even = manifest(&vec![7u8; 48 * CHUNK_BYTES]);
+        assert!(even.slices(4).iter().all(|(s, e)| e - s == 12 * CHUNK_BYTES as u64), "{:?}", even.slices(4));
+        assert!(super::InOrderCheck::over(&good, (1, CHUNK_BYTES as u64)).is_err(), "not a chunk boundary");
+        assert!(super::InOrderCheck::over(&good, (0, data.len() as u64 + 1)).is_err(), "past the end");
     }
 
     #[test]

@@ -1222,6 +1222,9 @@ pub enum PieceMeta {
     Copy(Manifest),
     /// A parity shard of a Reed-Solomon group.
     Parity(ParityMeta),
+    /// A slice of the one member of a sliced group (appended last: pieces
+    /// stored before it existed still decode).
+    Slice(SliceMeta),
 }
 
 impl PieceMeta {
@@ -1243,6 +1246,15 @@ impl PieceMeta {
                 parity.validate()?;
                 Ok(parity.shard_len)
             }
+            (PieceMeta::Slice(slice), PieceId::Slice { group, index })
+                if slice.manifest.app == app
+                    && slice.manifest.version == version
+                    && slice.group == group
+                    && slice.index == index =>
+            {
+                let (start, end) = slice.bounds()?;
+                Ok(end - start)
+            }
             _ => Err("it describes another piece".into()),
         }
     }
@@ -1261,22 +1273,78 @@ pub struct ParityMeta {
     pub index: u8,
     /// Parity shards of the group (M).
     pub parity: u8,
-    /// Bytes of every shard of the group (the longest member, rounded up
-    /// to even; shorter members count as zero-padded).
+    /// Bytes of every shard of the group (the longest member or slice,
+    /// rounded up to even; shorter ones count as zero-padded).
     pub shard_len: u64,
     /// Each member's manifest in shard order (`None`: no rank there): what
     /// a member rebuilt from the shards is verified against. The code is
     /// over the present members only, in this order (K' data shards,
     /// K' ≤ K; a plan lists present ranks only, so today K' is the
-    /// group's length).
+    /// group's length). A sliced group lists its one member K times, one
+    /// entry per slice ([`ParityMeta::data_shards`]).
     pub members: Vec<Option<Manifest>>,
     /// crc32c of each [`STRIPE`] of this shard's bytes.
     pub crcs: Vec<u32>,
 }
 
+impl ParityMeta {
+    /// Each data shard's rank and byte range of it, in shard order
+    /// ([`data_shard_ranges`]: one rank listed K times is a sliced group).
+    pub fn data_shards(&self) -> Vec<Option<(&Manifest, (u64, u64))>> {
+        let members: Vec<Option<&Manifest>> = self.members.iter().map(Option::as_ref).collect();
+        members.iter().zip(data_shard_ranges(&members)).map(|(m, range)| m.zip(range)).collect()
+    }
+}
+
 /// Bytes of each shard coded at once: parity is built and decoded a stripe
 /// at a time, through buffers of this size.
 pub const STRIPE: u64 = 1 << 20;
+
+/// The byte range of its rank that each data shard of a group holds, in
+/// shard order, for members listed as a parity shard's description and a
+/// task list them (`None`: a shard of zeros): a whole member each, or,
+/// where every entry is the same rank (K ≥ 2 of them), that rank's K
+/// slices ([`Manifest::slices`]): a sliced group.
+pub fn data_shard_ranges(members: &[Option<&Manifest>]) -> Vec<Option<(u64, u64)>> {
+    match sliced_member(members) {
+        Some(manifest) => manifest.slices(members.len()).into_iter().map(Some).collect(),
+        None => members.iter().map(|m| m.map(|m| (0, m.total_len))).collect(),
+    }
+}
+
+/// The one member of a sliced group: every entry present and the same rank,
+/// listed at least twice.
+pub fn sliced_member<'a>(members: &[Option<&'a Manifest>]) -> Option<&'a Manifest> {
+    let first = (*members.first()?)?;
+    (members.len() >= 2 && members.iter().all(|m| m.is_some_and(|m| m.rank == first.rank))).then_some(first)
+}
+
+/// A slice's description: the rank's manifest (its bytes verify against
+/// the rank's chunk checksums, since slices are cut on chunk boundaries),
+/// and which of the group's slices it is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SliceMeta {
+    /// The sliced rank's manifest.
+    pub manifest: Manifest,
+    /// The group, in the plan's order.
+    pub group: u32,
+    /// This slice (1..slices; 0 is the primary's own).
+    pub index: u8,
+    /// Slices the rank is cut into (the group's K).
+    pub slices: u8,
+}
+
+impl SliceMeta {
+    /// The slice's byte range of the rank, after checking what a peer or a
+    /// file says: a valid manifest, and a slice index in range.
+    pub fn bounds(&self) -> Result<(u64, u64), String> {
+        self.manifest.validate().map_err(|e| e.to_string())?;
+        if self.slices < 2 || self.slices > crate::redundancy::MAX_DATA_SHARDS || self.index >= self.slices {
+            return Err(format!("slice {} of {}", self.index, self.slices));
+        }
+        Ok(self.manifest.slices(usize::from(self.slices))[usize::from(self.index)])
+    }
+}
 
 impl ParityMeta {
     /// Checks what a peer or a file says before its lengths are used: K
@@ -1295,8 +1363,13 @@ impl ParityMeta {
         }
         for member in self.members.iter().flatten() {
             member.validate().map_err(|e| e.to_string())?;
-            if member.app != self.app || member.version != self.version || member.total_len > self.shard_len {
+            if member.app != self.app || member.version != self.version {
                 return Err(format!("member rank {} does not belong to this group", member.rank));
+            }
+        }
+        for (manifest, (start, end)) in self.data_shards().into_iter().flatten() {
+            if end - start > self.shard_len {
+                return Err(format!("member rank {} does not fit the group's shards", manifest.rank));
             }
         }
         if self.crcs.len() as u64 != self.shard_len.div_ceil(STRIPE) {
@@ -1314,7 +1387,8 @@ pub struct PieceTask {
     /// The piece.
     pub piece: crate::redundancy::PieceId,
     /// The ranks it is made of, in shard order, each with the agent holding
-    /// its primary copy (`None`: a shard of zeros). A copy has one.
+    /// its primary copy (`None`: a shard of zeros). A copy and a slice
+    /// have one; a sliced group's parity lists its one rank K times.
     pub members: Vec<Option<(u32, AgentInfo)>>,
     /// Parity shards of the group (M; 0 for a copy).
     pub parity: u8,
@@ -1338,6 +1412,17 @@ pub enum RebuildSource {
         /// The group's members in shard order with the agents holding their
         /// primaries: `None` for zeros, and no agent for a lost one.
         members: Vec<Option<(u32, Option<AgentInfo>)>>,
+        /// The agents holding each parity shard (`None`: lost).
+        parity: Vec<Option<AgentInfo>>,
+    },
+    /// The rank is the one member of a sliced group (appended last): its
+    /// surviving slices and parity shards.
+    Slices {
+        /// The group, in the plan's order.
+        group: u32,
+        /// The agents holding slices 1..K (`None`: lost); slice 0 was in
+        /// the lost primary.
+        slices: Vec<Option<AgentInfo>>,
         /// The agents holding each parity shard (`None`: lost).
         parity: Vec<Option<AgentInfo>>,
     },

@@ -12,6 +12,14 @@
 //!   zero shards would cost encoding time and protect nothing, and the
 //!   parity takes the same memory either way. Any M lost nodes of a group
 //!   are survived, at M/K of the data in memory (more in a narrower group).
+//! * A group of one rank, where M ≥ 2 and K + M nodes are there, is
+//!   *sliced*: the rank is cut into K slices on its checksum chunks'
+//!   boundaries (`Manifest::slices`), slices 1..K are copied to K − 1
+//!   other nodes (slice 0 is in the primary), and the M parity shards are
+//!   coded over the slices. It holds (K − 1 + M)/K of the rank beside the
+//!   primary (`rs:4+2`: 1.25) where M whole parity shards would hold M (a
+//!   repetition code, as `partner:M+1`), and survives any M lost nodes of
+//!   the K + M. (With M = 1 both hold one rank's worth: it is not sliced.)
 //!
 //! Architecture invariant: nothing here performs I/O; placement works on
 //! agent slots (index, node, failure domain) and returns data.
@@ -196,6 +204,21 @@ pub struct Group {
     pub members: Vec<Option<u32>>,
     /// The slot holding each parity shard.
     pub parity: Vec<usize>,
+    /// A sliced group (one member, cut into K slices): the slots holding
+    /// slices 1..K, in order ([`PieceId::Slice`]); slice 0 is in the
+    /// member's primary. Empty for a group coded over whole ranks.
+    pub slices: Vec<usize>,
+}
+
+impl Group {
+    /// The code's data shards: K slices of a sliced group's one member,
+    /// else one per present member.
+    pub fn data_shards(&self) -> usize {
+        match self.slices.len() {
+            0 => self.members.iter().flatten().count(),
+            n => n + 1,
+        }
+    }
 }
 
 /// Where a version's redundancy goes.
@@ -226,6 +249,9 @@ impl Plan {
             for (index, slot) in group.parity.iter().enumerate() {
                 pieces.push((*slot, PieceId::Parity { group: g as u32, index: index as u8 }));
             }
+            for (index, slot) in group.slices.iter().enumerate() {
+                pieces.push((*slot, PieceId::Slice { group: g as u32, index: index as u8 + 1 }));
+            }
         }
         pieces
     }
@@ -252,7 +278,7 @@ impl Plan {
                 .iter()
                 .map(|group| {
                     let mut nodes: BTreeSet<String> = group.members.iter().flatten().map(|r| primary(*r)).collect();
-                    nodes.extend(group.parity.iter().map(|s| slots[*s].node.clone()));
+                    nodes.extend(group.parity.iter().chain(&group.slices).map(|s| slots[*s].node.clone()));
                     (nodes, usize::from(parity))
                 })
                 .collect(),
@@ -275,6 +301,14 @@ pub enum PieceId {
         /// The parity shard.
         index: u8,
     },
+    /// Slice `index` (1..K) of the one member of sliced group `group`: a
+    /// copy of that part of the rank ([`Group::slices`]).
+    Slice {
+        /// The group, in the plan's order.
+        group: u32,
+        /// The slice (0 is the primary's own).
+        index: u8,
+    },
 }
 
 impl fmt::Display for PieceId {
@@ -282,6 +316,7 @@ impl fmt::Display for PieceId {
         match self {
             PieceId::Copy { rank } => write!(f, "copy of rank {rank}"),
             PieceId::Parity { group, index } => write!(f, "parity shard {index} of group {group}"),
+            PieceId::Slice { group, index } => write!(f, "slice {index} of group {group}"),
         }
     }
 }
@@ -349,9 +384,18 @@ pub fn plan(policy: Redundancy, ranks: u32, slots: &[Slot]) -> Result<Plan, Redu
                 let mut taken: Vec<u32> =
                     fullest.iter().filter_map(|n| by_node.get_mut(n).and_then(|q| q.pop_front())).collect();
                 taken.sort();
-                let parity_slots = holders(&mut taken.iter().map(|r| primary(*r)), parity)?;
+                // One rank alone is sliced where that holds less than M
+                // whole parity shards would and its K + M nodes are there.
+                let sliced =
+                    taken.len() == 1 && data >= 2 && parity >= 2 && distinct.len() >= usize::from(data + parity);
+                let slice_slots = match sliced {
+                    true => holders(&mut taken.iter().map(|r| primary(*r)), data - 1)?,
+                    false => Vec::new(),
+                };
+                let mut protected = taken.iter().map(|r| primary(*r)).chain(slice_slots.iter().copied());
+                let parity_slots = holders(&mut protected, parity)?;
                 let members: Vec<Option<u32>> = taken.into_iter().map(Some).collect();
-                plan.groups.push(Group { members, parity: parity_slots });
+                plan.groups.push(Group { members, parity: parity_slots, slices: slice_slots });
             }
         }
     }
@@ -791,6 +835,38 @@ mod tests {
         let wide = super::plan(Redundancy::ReedSolomon { data: 4, parity: 2 }, 6, &s).unwrap();
         let sizes: Vec<usize> = wide.groups.iter().map(|g| g.members.len()).collect();
         assert_eq!(sizes, [4, 2], "{wide:?}");
+    }
+
+    #[test]
+    fn one_rank_under_rs_with_two_or_more_parity_shards_is_sliced_across_k_plus_m_nodes() {
+        let names = ["a", "b", "c", "d", "e", "f"];
+        let rs42 = Redundancy::ReedSolomon { data: 4, parity: 2 };
+        let s = slots(&names);
+        let one = plan(rs42, 1, &s).unwrap();
+        let [group] = one.groups.as_slice() else { panic!("{one:?}") };
+        assert_eq!((group.members.as_slice(), group.slices.len(), group.parity.len()), ([Some(0)].as_slice(), 3, 2));
+        assert_eq!(group.data_shards(), 4);
+        // The primary, three slices and two parity shards on six nodes.
+        let primary = crate::distribution::agent_for_rank(0, 1, 6) as usize;
+        let nodes: BTreeSet<&str> = std::iter::once(primary)
+            .chain(group.slices.iter().chain(&group.parity).copied())
+            .map(|x| names[x])
+            .collect();
+        assert_eq!(nodes.len(), 6, "{one:?}");
+        let pieces = one.pieces();
+        assert!(pieces.contains(&(group.slices[2], PieceId::Slice { group: 0, index: 3 })), "{pieces:?}");
+        assert_eq!(pieces.len(), 5);
+        // Its unit is all six nodes, and survives two of them.
+        assert_eq!(one.units(rs42, 1, &s), [(names.iter().map(|n| n.to_string()).collect(), 2)]);
+        // Fewer nodes than K + M, or one parity shard: whole ranks, as before.
+        assert!(plan(rs42, 1, &slots(&names[..5])).unwrap().groups[0].slices.is_empty());
+        let rs41 = Redundancy::ReedSolomon { data: 4, parity: 1 };
+        assert!(plan(rs41, 1, &slots(&names[..5])).unwrap().groups[0].slices.is_empty());
+        // Five ranks: a group of four and a sliced one of the fifth.
+        let s = slots(&["a", "b", "c", "d", "e", "f", "g"]);
+        let five = plan(rs42, 5, &s).unwrap();
+        let shapes: Vec<(usize, usize)> = five.groups.iter().map(|g| (g.members.len(), g.slices.len())).collect();
+        assert_eq!(shapes, [(4, 0), (1, 3)], "{five:?}");
     }
 
     fn plan_lone() -> Plan {

@@ -1415,6 +1415,7 @@ fn piece_name(piece: PieceId) -> String {
     match piece {
         PieceId::Copy { rank } => format!("copy{rank}"),
         PieceId::Parity { group, index } => format!("parity{group}-{index}"),
+        PieceId::Slice { group, index } => format!("slice{group}-{index}"),
     }
 }
 
@@ -1422,12 +1423,18 @@ fn piece_name(piece: PieceId) -> String {
 /// `v<V>.<piece>.meta` ([`piece_name`]); `None` for any other name.
 fn parse_piece_meta_name(name: &str) -> Option<(u64, PieceId)> {
     let (version, piece) = name.strip_prefix('v')?.strip_suffix(".meta")?.split_once('.')?;
-    let piece = match piece.strip_prefix("copy") {
-        Some(rank) => PieceId::Copy { rank: rank.parse().ok()? },
-        None => {
-            let (group, index) = piece.strip_prefix("parity")?.split_once('-')?;
-            PieceId::Parity { group: group.parse().ok()?, index: index.parse().ok()? }
-        }
+    let group_and_index = |rest: &str| -> Option<(u32, u8)> {
+        let (group, index) = rest.split_once('-')?;
+        Some((group.parse().ok()?, index.parse().ok()?))
+    };
+    let piece = if let Some(rank) = piece.strip_prefix("copy") {
+        PieceId::Copy { rank: rank.parse().ok()? }
+    } else if let Some(rest) = piece.strip_prefix("parity") {
+        let (group, index) = group_and_index(rest)?;
+        PieceId::Parity { group, index }
+    } else {
+        let (group, index) = group_and_index(piece.strip_prefix("slice")?)?;
+        PieceId::Slice { group, index }
     };
     Some((version.parse().ok()?, piece))
 }
@@ -2000,13 +2007,21 @@ mod tests {
 
     #[test]
     fn piece_file_names_parse_back() {
-        for piece in [PieceId::Copy { rank: 12 }, PieceId::Parity { group: 3, index: 1 }] {
+        for piece in
+            [PieceId::Copy { rank: 12 }, PieceId::Parity { group: 3, index: 1 }, PieceId::Slice { group: 2, index: 3 }]
+        {
             let name = format!("v77.{}.meta", piece_name(piece));
             assert_eq!(parse_piece_meta_name(&name), Some((77, piece)), "{name}");
         }
-        for other in
-            ["v7.copy1.data", "spare.copy1.data", "v7.copy.meta", "v7.parity1.meta", "vx.copy1.meta", "v7.meta"]
-        {
+        for other in [
+            "v7.copy1.data",
+            "spare.copy1.data",
+            "v7.copy.meta",
+            "v7.parity1.meta",
+            "v7.slice1.meta",
+            "vx.copy1.meta",
+            "v7.meta",
+        ] {
             assert_eq!(parse_piece_meta_name(other), None, "{other}");
         }
     }

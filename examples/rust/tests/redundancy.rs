@@ -357,18 +357,99 @@ fn three_ranks_under_rs_2_1_survive_the_loss_of_rank_2s_node() {
     assert!(rebuilt.is_some_and(|l| l.contains("decoded from group")), "rank 2 was not decoded: {rebuilt:?}");
 }
 
-/// One rank under rs:2+2: a group of one member, whose two parity shards
-/// are its bytes. Its node is lost: the rank is copied back from one shard,
-/// checked as it arrives, instead of decoded stripe by stripe from both;
-/// the version is protected again and the restart is bit-exact.
+/// One rank under rs:3+2 on four nodes (too few to slice it into three):
+/// a group of one member, whose two parity shards are its bytes. Its node
+/// is lost: the rank is copied back from one shard, checked as it arrives,
+/// instead of decoded stripe by stripe from both; the version is protected
+/// again and the restart is bit-exact.
 #[test]
 fn a_lone_rank_under_reed_solomon_is_copied_back_from_one_shard() {
     let service = service("red-lone", 4);
-    let managers = lose_a_ranks_node_and_restart(&service, ("lone", "rs:2+2", 1), 0);
+    let managers = lose_a_ranks_node_and_restart(&service, ("lone", "rs:3+2", 1), 0);
     let copied = managers.lines().filter(|l| l.contains("rank copied from a parity shard")).count();
     assert_eq!(copied, 1, "rank 0 was not copied back from one parity shard:\n{managers}");
     let rebuilt = managers.lines().find(|l| l.contains("rank rebuilt") && l.contains("rank=0 "));
     assert!(rebuilt.is_some_and(|l| l.contains("decoded from group")), "rank 0 was not rebuilt: {rebuilt:?}");
+}
+
+/// One rank under rs:4+2 on six nodes is cut into four slices: three are
+/// copied to other nodes and the two parity shards coded over the four,
+/// so the pieces hold about 1.25 of the rank where two whole parity shards
+/// held 2. Its primary's node and a slice holder's are lost at once: the
+/// rank is rebuilt from the two other slices and both parity shards, and
+/// the restart is bit-exact without the PFS.
+#[test]
+fn a_lone_rank_under_rs_4_2_is_sliced_and_rebuilt_from_its_slices_after_two_lost_nodes() {
+    let service = service_logging_agents("red-sliced", 6);
+    let (report, group) = sliced_rank_protected(&service, "sl");
+    let rank_bytes = report.latest.as_ref().expect("version 3 is recorded").bytes as f64;
+    let piece_bytes: u64 = version_3_pieces(&service, &report, "sl").iter().map(|p| p.metadata().unwrap().len()).sum();
+    let held = piece_bytes as f64 / rank_bytes;
+    assert!(held > 1.2 && held < 1.4, "version 3's pieces hold {held:.3} of the rank ({piece_bytes} bytes)");
+    let primary = report.agents[icheck_core::decide::agent_for_rank(0, 1, 6) as usize].node.clone();
+    let slice_holder = report.agents[group.slices[0]].node.clone();
+    lose_nodes(&service, &[&primary, &slice_holder]);
+    wait_rebuilt(&service, "sl", 3, &[&primary, &slice_holder]);
+    let managers = manager_logs(&service, 6).concat();
+    let rebuilt = managers.lines().find(|l| l.contains("rank rebuilt") && l.contains("rank=0 "));
+    assert!(rebuilt.is_some_and(|l| l.contains("rebuilt from the slices of group 0")), "{rebuilt:?}");
+    sliced_rank_restores_version_3(&service, "sl");
+}
+
+/// A sliced rank (as above) whose slice 2 is damaged on its holder loses
+/// its primary's node: the holder refuses the slice (its chunks do not
+/// match the rank's checksums), and the rank is decoded from the other two
+/// slices and both parity shards.
+#[test]
+fn a_damaged_slice_is_refused_and_the_sliced_rank_decoded_from_the_others() {
+    let service = service_logging_agents("red-sliced-damaged", 6);
+    let (report, _) = sliced_rank_protected(&service, "sd");
+    let pieces = version_3_pieces(&service, &report, "sd");
+    let slice = pieces.iter().find(|p| p.ends_with("v3.slice0-2.data")).expect("slice 2 is stored");
+    let mut bytes = std::fs::read(slice).unwrap();
+    bytes[4096] ^= 0x10;
+    std::fs::write(slice, bytes).unwrap();
+    let primary = report.agents[icheck_core::decide::agent_for_rank(0, 1, 6) as usize].node.clone();
+    lose_node(&service, &primary);
+    wait_rebuilt(&service, "sd", 3, &[&primary]);
+    let managers = manager_logs(&service, 6).concat();
+    assert!(managers.contains("the slice 2 of group 0 of version 3 is damaged"), "not detected:\n{managers}");
+    sliced_rank_restores_version_3(&service, "sd");
+}
+
+/// The job of the sliced tests: one rank of 64 MiB (sixteen chunks) under
+/// rs:4+2, `steps` steps, committing every second.
+fn sliced_job(service: &LocalService, name: &str, steps: &str) -> Vec<String> {
+    let args = ["--app", name, "--steps", steps, "--every", "2", "--mib", "64", "--persist"];
+    Job::start(1, &service.config_path(), &args, &[("ICHECK_REDUNDANCY", "rs:4+2")]).finish(Duration::from_secs(120))
+}
+
+/// Versions 1 to 3 of one rank committed ([`sliced_job`]) and version 3
+/// protected on six nodes: the report and its group, sliced in four.
+fn sliced_rank_protected(service: &LocalService, name: &str) -> (AppReport, icheck_core::redundancy::Group) {
+    let lines = sliced_job(service, name, "4");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    let report = wait_protected(service, name, 3);
+    let slots: Vec<Slot> = report.agents.iter().map(|a| Slot { node: a.node.clone(), group: None }).collect();
+    let plan = icheck_core::redundancy::plan("rs:4+2".parse().unwrap(), 1, &slots).unwrap();
+    let group = plan.groups[0].clone();
+    assert_eq!((group.slices.len(), group.parity.len()), (3, 2), "{plan:?}");
+    (report, group)
+}
+
+/// The data files of `name`'s version 3 pieces on every node of `report`.
+fn version_3_pieces(service: &LocalService, report: &AppReport, name: &str) -> Vec<std::path::PathBuf> {
+    let stores = report.agents.iter().map(|a| service.config.agent_store_dir.join(&a.node).join(name).join("pieces"));
+    let entries = stores.flat_map(|pieces| std::fs::read_dir(pieces).into_iter().flatten().flatten());
+    let named = |path: &std::path::Path| path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
+    entries.map(|e| e.path()).filter(|p| named(p).starts_with("v3.") && named(p).ends_with(".data")).collect()
+}
+
+/// A restart of [`sliced_job`] restores version 3 bit-exact, the PFS untouched.
+fn sliced_rank_restores_version_3(service: &LocalService, name: &str) {
+    let lines = sliced_job(service, name, "6");
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    pfs_untouched(service, name);
 }
 
 /// A rank rebuilt after a lost node is kept mapped, and known intact, by

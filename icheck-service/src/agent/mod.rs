@@ -1837,8 +1837,9 @@ fn handle_rest(
     }
 }
 
-/// Checks a piece's bytes against its description: a copy against the
-/// rank's checksums, a parity shard against its stripe checksums.
+/// Checks a piece's bytes against its description: a copy or a slice
+/// against the rank's checksums, a parity shard against its stripe
+/// checksums.
 fn verify_piece(meta: &PieceMeta, bytes: &[u8], version: u64, piece: PieceId) -> Result<(), String> {
     match meta {
         PieceMeta::Copy(manifest) => {
@@ -1853,6 +1854,14 @@ fn verify_piece(meta: &PieceMeta, bytes: &[u8], version: u64, piece: PieceId) ->
                 )),
                 None => Ok(()),
             }
+        }
+        PieceMeta::Slice(slice) => {
+            let damaged = |e: String| format!("the {piece} of version {version} is damaged: {e}");
+            let (start, end) = slice.bounds().map_err(damaged)?;
+            let bytes = bytes.get(..(end - start) as usize).ok_or_else(|| damaged("it is short".into()))?;
+            let mut check = icheck_core::format::InOrderCheck::over(&slice.manifest, (start, end))
+                .map_err(|e| damaged(e.to_string()))?;
+            check.feed(bytes).map(drop).map_err(|e| damaged(e.to_string()))
         }
     }
 }

@@ -10,7 +10,7 @@
 //! checksums, and every rebuilt rank against its manifest before it is
 //! sealed.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use icheck_core::control::BlockingConnection;
@@ -19,6 +19,7 @@ use icheck_core::fabric::{
     TransferOptions,
 };
 use icheck_core::format::InOrderCheck;
+use icheck_core::protocol::data_shard_ranges;
 use icheck_core::protocol::{
     check_fetched, AgentInfo, AgentReply, AgentRequest, FetchWanted, Fetched, Manifest, ParityMeta, PieceMeta,
     PieceTask, RebuildSource, STRIPE,
@@ -181,23 +182,29 @@ impl PeerSession {
         Ok(())
     }
 
-    /// Reads `len` bytes of `region` into the start of `into` in one
-    /// batch, handing each `piece` bytes to `take` as they arrive
-    /// ([`icheck_core::verified::read_in_pieces`]); `take` refuses a piece
-    /// with the reason, which is returned.
+    /// Reads `len` bytes of `region` from `offset` into the start of
+    /// `into` in one batch, handing each `piece` bytes to `take` as they
+    /// arrive ([`icheck_core::verified::read_in_pieces`]); `take` refuses a
+    /// piece with the reason, which is returned.
     pub(super) fn read_in_pieces<B: icheck_core::fabric::StableBuffer>(
         &self,
         job: &Job<'_>,
-        (region, len): (RemoteRegion, usize),
+        (region, offset, len): (RemoteRegion, u64, usize),
         into: &mut RegisteredBuffer<B>,
         piece: usize,
         mut take: impl FnMut(&[u8]) -> Result<(), String>,
     ) -> Result<(), String> {
         let mut refusal = None;
         let accept = |bytes: &[u8]| take(bytes).map_err(|why| refusal = Some(why)).is_ok();
-        let refused =
-            icheck_core::verified::read_in_pieces(&job.endpoint, &self.peer, into, (region, 0, len), piece, accept)
-                .map_err(|e| self.fail(e))?;
+        let refused = icheck_core::verified::read_in_pieces(
+            &job.endpoint,
+            &self.peer,
+            into,
+            (region, offset, len),
+            piece,
+            accept,
+        )
+        .map_err(|e| self.fail(e))?;
         match (refused, refusal) {
             (None, _) => Ok(()),
             (Some(at), why) => Err(format!("bytes {at}..: {}", why.unwrap_or_default())),
@@ -238,6 +245,7 @@ pub(super) fn protect(job: &Job<'_>, task: &PieceTask) -> Vec<PieceOutcome> {
     let mine = |result| PieceOutcome { agent: job.id, piece: task.piece, result };
     match task.piece {
         PieceId::Copy { .. } => vec![mine(protect_copy(job, task))],
+        PieceId::Slice { group, index } => vec![mine(protect_slice(job, task, group, index))],
         PieceId::Parity { group, index } => {
             let started = Instant::now();
             // An encoder answers for other holders' shards too: the
@@ -316,19 +324,67 @@ fn protect_copy(job: &Job<'_>, task: &PieceTask) -> Result<u64, String> {
             );
             manifest.total_len
         }
-        PieceId::Parity { .. } => return Err(fail("not a copy".into())),
+        PieceId::Parity { .. } | PieceId::Slice { .. } => return Err(fail("not a copy".into())),
     };
     tracing::info!(version, piece = %task.piece, bytes, ms = started.elapsed().as_secs_f64() * 1e3, "piece of redundancy built");
     Ok(bytes)
 }
 
+/// Builds slice `index` of the one member of sliced group `group` (the
+/// task lists it once per slice): reads that range of the rank from its
+/// primary, each chunk checked against the rank's checksums as it arrives.
+/// Returns the bytes it holds.
+fn protect_slice(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Result<u64, String> {
+    let started = Instant::now();
+    let version = task.version;
+    let fail = |what: String| format!("building the {} for version {version}: {what}", task.piece);
+    let Some(Some((rank, from))) = task.members.first() else {
+        return Err(fail("no primary to slice".into()));
+    };
+    let slices = u8::try_from(task.members.len()).map_err(|_| fail("too many slices".into()))?;
+    let mut session = PeerSession::open(job, from, *rank).map_err(fail)?;
+    let (manifest, region) = session.fetch(job, (*rank, version), true).map_err(fail)?;
+    let meta = icheck_core::protocol::SliceMeta { manifest, group, index, slices };
+    let (start, end) = meta.bounds().map_err(fail)?;
+    let len = end - start;
+    let store = &job.settings.store;
+    // A file of one byte at least: an empty slice (a rank of few chunks) is
+    // still a piece, described as holding none of them.
+    let file = store.create_piece(&job.app, version, task.piece, len.max(1)).map_err(|e| fail(e.to_string()))?;
+    let mut file = job.endpoint.register(file, Access::LOCAL).map_err(|e| fail(e.to_string()))?;
+    let mut check = InOrderCheck::over(&meta.manifest, (start, end)).map_err(|e| fail(e.to_string()))?;
+    if len > 0 {
+        let bytes = usize::try_from(len).map_err(|_| fail(format!("{len} bytes do not fit this machine's memory")))?;
+        let take = |piece: &[u8]| check.feed(piece).map(drop).map_err(|e| e.to_string());
+        session.read_in_pieces(job, (region, start, bytes), &mut file, STRIPE as usize, take).map_err(fail)?;
+    }
+    session.done_reading();
+    if !check.complete() {
+        return Err(fail("the rank's bytes ended early".into()));
+    }
+    store.seal_piece(&job.app, version, task.piece, &PieceMeta::Slice(meta)).map_err(|e| fail(e.to_string()))?;
+    super::piece_sealed(job, version, task.piece, file.into_inner(), len.max(1));
+    tracing::info!(version, piece = %task.piece, bytes = len, ms = started.elapsed().as_secs_f64() * 1e3, "piece of redundancy built");
+    Ok(len)
+}
+
 /// A source of one shard of a group: a member's primary (shorter ones read
-/// as zero-padded), a parity shard, or zeros.
+/// as zero-padded), a slice of one (the slices of a sliced group share
+/// the session with its primary), a slice piece, a parity shard, or zeros.
 struct ShardSource {
-    session: Option<PeerSession>,
+    session: Option<Arc<PeerSession>>,
     region: RemoteRegion,
+    /// Where the shard's bytes start in `region` (a slice's start in its rank).
+    offset: u64,
     /// Bytes of real data (the rest of the shard is zeros).
     len: u64,
+}
+
+impl ShardSource {
+    /// The whole of `region`'s first `len` bytes, read through `session`.
+    fn whole(session: PeerSession, region: RemoteRegion, len: u64) -> ShardSource {
+        ShardSource { session: Some(Arc::new(session)), region, offset: 0, len }
+    }
 }
 
 /// The shards a coder reads a block at a time, all into one registered
@@ -477,7 +533,7 @@ fn read_ops((sources, slots): (&[ShardSource], usize), (offset, n): (u64, usize)
             let op = RmaOp {
                 local_offset: slot_offset(slots, shard, at),
                 remote: source.region,
-                remote_offset: offset + at as u64,
+                remote_offset: source.offset + offset + at as u64,
                 len,
             };
             ops.push(PeerOp { peer: &session.peer, op });
@@ -749,11 +805,16 @@ type FetchedMember = (PeerSession, Manifest, RemoteRegion);
 fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Result<Vec<PieceOutcome>, String> {
     let started = Instant::now();
     let version = task.version;
+    // A sliced group lists its one rank once per slice: fetched once.
+    let first_rank = task.members.first().and_then(|m| m.as_ref().map(|(rank, _)| *rank));
+    let sliced = task.members.len() >= 2
+        && first_rank.is_some()
+        && task.members.iter().all(|m| m.as_ref().map(|(rank, _)| *rank) == first_rank);
+    let to_fetch = if sliced { &task.members[..1] } else { &task.members[..] };
     // Every member's agent checks the rank before exposing it: asked all at
     // once, they check at the same time instead of one after another.
     let fetched: Vec<Result<Option<FetchedMember>, String>> = std::thread::scope(|scope| {
-        let asks: Vec<_> = task
-            .members
+        let asks: Vec<_> = to_fetch
             .iter()
             .map(|member| {
                 scope.spawn(move || {
@@ -770,24 +831,36 @@ fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Resul
     let fetched: Vec<Option<FetchedMember>> = fetched.into_iter().collect::<Result<_, _>>()?;
     // Tests lose a member's node here, between its exposure and the reads.
     icheck_core::failpoint::hit("agent.before_member_reads");
-    if let ([Some(_)], true) = (fetched.as_slice(), task.also.is_empty()) {
+    if let ([Some(_)], true, false) = (fetched.as_slice(), task.also.is_empty(), sliced) {
         let Some(Some(member)) = fetched.into_iter().next() else { unreachable!("matched above") };
         return build_repeated(job, task, group, index, member, started);
     }
     let mut manifests = Vec::with_capacity(task.members.len());
-    let mut sources = Vec::with_capacity(task.members.len());
-    // The code is over the present members only (`ParityMeta::members`).
+    let mut exposed = Vec::with_capacity(task.members.len());
     for member in fetched {
-        match member {
-            None => manifests.push(None),
-            Some((session, manifest, region)) => {
-                sources.push(ShardSource { session: Some(session), region, len: manifest.total_len });
-                manifests.push(Some(manifest));
-            }
-        }
+        let (session, manifest) =
+            member.map(|(session, manifest, region)| ((Arc::new(session), region), manifest)).unzip();
+        exposed.push(session);
+        manifests.push(manifest);
     }
+    if sliced {
+        // Data shard i is slice i of the one rank (`data_shard_ranges`).
+        manifests = vec![manifests[0].clone(); task.members.len()];
+        exposed = vec![exposed[0].clone(); task.members.len()];
+    }
+    let ranges = data_shard_ranges(&manifests.iter().map(Option::as_ref).collect::<Vec<_>>());
+    // The code is over the present members only (`ParityMeta::members`).
+    let sources: Vec<ShardSource> = (exposed.into_iter().zip(&ranges))
+        .filter_map(|(exposed, range)| exposed.zip(*range))
+        .map(|((session, region), (start, end))| ShardSource {
+            session: Some(session),
+            region,
+            offset: start,
+            len: end - start,
+        })
+        .collect();
     let fetched_at = started.elapsed();
-    let longest = manifests.iter().flatten().map(|m| m.total_len).max().unwrap_or(0);
+    let longest = ranges.iter().flatten().map(|(start, end)| end - start).max().unwrap_or(0);
     let shard_len = shard_len(longest);
     let store = &job.settings.store;
     let piece = PieceId::Parity { group, index };
@@ -843,8 +916,11 @@ fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Resul
     let slots = sources.len();
     let mut sources = ShardBlocks::new(job, sources, slots)?;
     // The members' agents exposed them unchecked (`reader_checks`).
-    let mut checks: Vec<InOrderCheck<'_>> =
-        manifests.iter().flatten().map(InOrderCheck::new).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
+    let mut checks: Vec<InOrderCheck<'_>> = (manifests.iter().zip(&ranges))
+        .filter_map(|(manifest, range)| manifest.as_ref().zip(*range))
+        .map(|(manifest, range)| InOrderCheck::over(manifest, range))
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
     // Block i+1 is read on a second thread into `ahead`, in one batch with
     // the writes of block i-1's coded shards (`coded`), while block i is
     // coded into `staging`; then each pair swaps.
@@ -997,7 +1073,7 @@ fn build_repeated(
     let mut check = InOrderCheck::new(&manifest).map_err(|e| fail(e.to_string()))?;
     let mut crcs = Vec::with_capacity(shard.div_ceil(STRIPE as usize));
     let take = |bytes: &[u8]| check.feed(bytes).map(|crc| crcs.push(crc)).map_err(|e| e.to_string());
-    session.read_in_pieces(job, (region, len), &mut file, STRIPE as usize, take).map_err(fail)?;
+    session.read_in_pieces(job, (region, 0, len), &mut file, STRIPE as usize, take).map_err(fail)?;
     session.done_reading();
     if !check.complete() {
         return Err(fail("the member's bytes ended early".into()));
@@ -1048,6 +1124,10 @@ pub(super) fn rebuild(job: &Job<'_>, rank: u32, version: u64, source: &RebuildSo
             let manifest = decode_member(job, rank, version, *group, *shard, members, parity).map_err(fail)?;
             (manifest, format!("decoded from group {group}"))
         }
+        RebuildSource::Slices { group, slices, parity } => {
+            let manifest = decode_sliced(job, (rank, version, *group), slices, parity).map_err(fail)?;
+            (manifest, format!("rebuilt from the slices of group {group}"))
+        }
     };
     job.completed(rank, version);
     tracing::info!(rank, version, bytes = manifest.total_len, from = %how, ms = started.elapsed().as_secs_f64() * 1e3, "rank rebuilt");
@@ -1066,7 +1146,8 @@ fn rebuild_from_copy(job: &Job<'_>, rank: u32, version: u64, holder: &AgentInfo)
 /// Rebuilds the lone member of a group described by `manifest` from one of
 /// its parity shards (its bytes, zero-padded), as a partner copy is.
 fn copy_repeated_member(job: &Job<'_>, manifest: &Manifest, source: ShardSource) -> Result<(), String> {
-    let mut session = source.session.ok_or("the shard has no session")?;
+    let session = source.session.ok_or("the shard has no session")?;
+    let mut session = Arc::try_unwrap(session).map_err(|_| "the shard's session is shared")?;
     let from = format!("the parity shard on {}", session.from.node);
     read_rank_into_primary(job, &mut session, manifest, source.region, &from)
 }
@@ -1091,6 +1172,62 @@ pub(super) fn read_rank_into_primary(
     super::seal_checked(job, manifest, file.into_inner())
 }
 
+/// The parity shards of `group` a decode reads, with what they say: the
+/// group's description (every readable shard's must agree), a source per
+/// shard (`None`: lost, unreadable or disagreeing, each said in `lost`),
+/// and each shard's stripe checksums.
+struct ParityShards {
+    meta: Option<ParityMeta>,
+    sources: Vec<Option<ShardSource>>,
+    crcs: Vec<Vec<u32>>,
+}
+
+/// Asks every surviving holder in `parity` for its shard of `group`.
+fn fetch_parity(
+    job: &Job<'_>,
+    (rank, version, group): (u32, u64, u32),
+    parity: &[Option<AgentInfo>],
+    lost: &mut Vec<String>,
+) -> ParityShards {
+    let mut shards = ParityShards { meta: None, sources: Vec::new(), crcs: Vec::new() };
+    for (index, holder) in parity.iter().enumerate() {
+        let piece = PieceId::Parity { group, index: index as u8 };
+        let Some(holder) = holder else {
+            lost.push(format!("parity shard {index} (its node is lost)"));
+            shards.sources.push(None);
+            shards.crcs.push(Vec::new());
+            continue;
+        };
+        let fetched = PeerSession::open(job, holder, rank).and_then(|mut session| {
+            let (piece_meta, region) = session.fetch_piece(job, version, piece)?;
+            let PieceMeta::Parity(parity_meta) = piece_meta else { unreachable!("fetch_piece checked the kind") };
+            Ok((session, region, parity_meta))
+        });
+        match fetched {
+            Ok((session, region, parity_meta)) => {
+                let len = parity_meta.shard_len;
+                let meta = &shards.meta;
+                if meta.as_ref().is_some_and(|m| m.shard_len != len || m.members != parity_meta.members) {
+                    lost.push(format!("parity shard {index} (it disagrees with the others)"));
+                    shards.sources.push(None);
+                    shards.crcs.push(Vec::new());
+                    continue;
+                }
+                shards.crcs.push(parity_meta.crcs.clone());
+                shards.meta.get_or_insert(parity_meta);
+                shards.sources.push(Some(ShardSource::whole(session, region, len)));
+            }
+            Err(err) => {
+                tracing::warn!(group, index, %err, "a parity shard cannot be read; decoding without it");
+                lost.push(format!("parity shard {index} ({err})"));
+                shards.sources.push(None);
+                shards.crcs.push(Vec::new());
+            }
+        }
+    }
+    shards
+}
+
 /// Decodes member `shard` (rank `rank`) of `group` from the survivors.
 fn decode_member(
     job: &Job<'_>,
@@ -1112,44 +1249,8 @@ fn decode_member(
     let present = members.iter().flatten().count();
     let mut lost = Vec::new();
     // Parity first: its description carries every member's manifest.
-    let mut meta: Option<ParityMeta> = None;
-    let mut parity_sources: Vec<Option<ShardSource>> = Vec::with_capacity(parity.len());
-    // Each parity shard's own stripe checksums.
-    let mut parity_crcs: Vec<Vec<u32>> = Vec::with_capacity(parity.len());
-    for (index, holder) in parity.iter().enumerate() {
-        let piece = PieceId::Parity { group, index: index as u8 };
-        let Some(holder) = holder else {
-            lost.push(format!("parity shard {index} (its node is lost)"));
-            parity_sources.push(None);
-            parity_crcs.push(Vec::new());
-            continue;
-        };
-        let fetched = PeerSession::open(job, holder, rank).and_then(|mut session| {
-            let (piece_meta, region) = session.fetch_piece(job, version, piece)?;
-            let PieceMeta::Parity(parity_meta) = piece_meta else { unreachable!("fetch_piece checked the kind") };
-            Ok((session, region, parity_meta))
-        });
-        match fetched {
-            Ok((session, region, parity_meta)) => {
-                let len = parity_meta.shard_len;
-                if meta.as_ref().is_some_and(|m| m.shard_len != len || m.members != parity_meta.members) {
-                    lost.push(format!("parity shard {index} (it disagrees with the others)"));
-                    parity_sources.push(None);
-                    parity_crcs.push(Vec::new());
-                    continue;
-                }
-                parity_crcs.push(parity_meta.crcs.clone());
-                meta.get_or_insert(parity_meta);
-                parity_sources.push(Some(ShardSource { session: Some(session), region, len }));
-            }
-            Err(err) => {
-                tracing::warn!(group, index, %err, "a parity shard cannot be read; decoding without it");
-                lost.push(format!("parity shard {index} ({err})"));
-                parity_sources.push(None);
-                parity_crcs.push(Vec::new());
-            }
-        }
-    }
+    let parity = fetch_parity(job, (rank, version, group), parity, &mut lost);
+    let meta = parity.meta.clone();
     let meta = meta.ok_or_else(|| format!("no parity shard of group {group} could be read: {}", lost.join("; ")))?;
     if meta.members.len() != k {
         return Err(format!("the parity of group {group} has {} members, the plan {k}", meta.members.len()));
@@ -1163,7 +1264,7 @@ fn decode_member(
         // repetition code): one shard read whole is the rank, where the
         // decoder would read every shard and code each stripe (a lone
         // 1 GiB rank: 3.5 s).
-        for (index, source) in parity_sources.into_iter().enumerate() {
+        for (index, source) in parity.sources.into_iter().enumerate() {
             let Some(source) = source else { continue };
             match copy_repeated_member(job, &manifest, source) {
                 Ok(()) => {
@@ -1198,7 +1299,7 @@ fn decode_member(
                             ));
                             None
                         } else {
-                            Some(ShardSource { session: Some(session), region, len: member_manifest.total_len })
+                            Some(ShardSource::whole(session, region, member_manifest.total_len))
                         }
                     }
                     Err(err) => {
@@ -1211,18 +1312,95 @@ fn decode_member(
         };
         data_sources.push(source);
     }
-    let survivors = data_sources.iter().flatten().count() + parity_sources.iter().flatten().count();
-    if survivors < present {
+    // Only this rank's shard goes into the file, whole.
+    let mut targets = vec![None; data_sources.len()];
+    targets[coded] = Some((0, manifest.total_len));
+    decode_into_primary(job, (group, &manifest, &meta), (data_sources, parity), &targets, lost)?;
+    Ok(manifest)
+}
+
+/// Rebuilds the one member (rank `rank`) of sliced group `group`, whose
+/// slice 0 went with its primary, from the surviving slices (`slices`:
+/// the holders of slices 1..K) and parity shards: each surviving slice is
+/// copied into place and each lost one decoded.
+fn decode_sliced(
+    job: &Job<'_>,
+    (rank, version, group): (u32, u64, u32),
+    slices: &[Option<AgentInfo>],
+    parity: &[Option<AgentInfo>],
+) -> Result<Manifest, String> {
+    let k = slices.len() + 1;
+    let mut lost = vec![format!("slice 0 (in the primary of rank {rank})")];
+    let parity = fetch_parity(job, (rank, version, group), parity, &mut lost);
+    let meta = parity.meta.clone();
+    let meta = meta.ok_or_else(|| format!("no parity shard of group {group} could be read: {}", lost.join("; ")))?;
+    let members: Vec<Option<&Manifest>> = meta.members.iter().map(Option::as_ref).collect();
+    let manifest = match icheck_core::protocol::sliced_member(&members) {
+        Some(manifest) if manifest.rank == rank && members.len() == k => manifest.clone(),
+        _ => return Err(format!("the parity of group {group} does not describe rank {rank} cut into {k} slices")),
+    };
+    let ranges = manifest.slices(k);
+    let mut data_sources: Vec<Option<ShardSource>> = vec![None];
+    for (at, holder) in slices.iter().enumerate() {
+        let index = at as u8 + 1;
+        let Some(holder) = holder else {
+            lost.push(format!("slice {index} (its node is lost)"));
+            data_sources.push(None);
+            continue;
+        };
+        let piece = PieceId::Slice { group, index };
+        let fetched = PeerSession::open(job, holder, rank).and_then(|mut session| {
+            let (piece_meta, region) = session.fetch_piece(job, version, piece)?;
+            let PieceMeta::Slice(slice) = piece_meta else { unreachable!("fetch_piece checked the kind") };
+            Ok((session, region, slice))
+        });
+        match fetched {
+            Ok((_, _, slice)) if slice.manifest != manifest || usize::from(slice.slices) != k => {
+                lost.push(format!("slice {index} (it is not of the version the parity encodes)"));
+                data_sources.push(None);
+            }
+            Ok((session, region, _)) => {
+                let (start, end) = ranges[usize::from(index)];
+                data_sources.push(Some(ShardSource::whole(session, region, end - start)));
+            }
+            Err(err) => {
+                tracing::warn!(group, index, %err, "a slice cannot be read; decoding without it");
+                lost.push(format!("slice {index} ({err})"));
+                data_sources.push(None);
+            }
+        }
+    }
+    // Every slice goes into the file at its place in the rank.
+    let targets: Vec<Option<(u64, u64)>> = ranges.into_iter().map(Some).collect();
+    decode_into_primary(job, (group, &manifest, &meta), (data_sources, parity), &targets, lost)?;
+    Ok(manifest)
+}
+
+/// Decodes what `targets` asks of a group's data shards into a new primary
+/// file of the rank `manifest` describes, and seals it once it verifies:
+/// data shard i's real bytes go to `targets[i]` (start and end in the
+/// rank), decoded when `data[i]` is `None`, copied from its survivor when
+/// not. `lost` says what is missing, for the error when too much is.
+fn decode_into_primary(
+    job: &Job<'_>,
+    (group, manifest, meta): (u32, &Manifest, &ParityMeta),
+    (data, parity): (Vec<Option<ShardSource>>, ParityShards),
+    targets: &[Option<(u64, u64)>],
+    lost: Vec<String>,
+) -> Result<(), String> {
+    let needed = data.len();
+    let ParityShards { sources: mut parity_sources, crcs: parity_crcs, .. } = parity;
+    let survivors = data.iter().flatten().count() + parity_sources.iter().flatten().count();
+    if survivors < needed {
         return Err(format!(
-            "group {group} has {survivors} readable shards of the {present} decoding needs; missing: {}",
+            "group {group} has {survivors} readable shards of the {needed} decoding needs; missing: {}",
             lost.join("; ")
         ));
     }
-    // The code needs `present` shards: the members' primaries, then parity
-    // shards in order. Those beyond are let go unread (every holder checked
-    // its shard before exposing it, so a spare one would only be read).
-    let mut wanted = present - data_sources.iter().flatten().count();
-    let mut parity_sources = parity_sources;
+    // The code needs K shards: the data shards, then parity shards in order.
+    // Those beyond are let go unread (every holder checked its shard before
+    // exposing it, so a spare one would only be read).
+    let mut wanted = needed - data.iter().flatten().count();
     for source in parity_sources.iter_mut().filter(|source| source.is_some()) {
         match wanted {
             0 => *source = None,
@@ -1238,15 +1416,16 @@ fn decode_member(
             readable.len() - 1
         })
     };
-    let data_at: Vec<Option<usize>> = data_sources.into_iter().map(&mut place).collect();
+    let data_at: Vec<Option<usize>> = data.into_iter().map(&mut place).collect();
     let parity_at: Vec<Option<usize>> = parity_sources.into_iter().map(&mut place).collect();
     let slots = readable.len();
     let mut shards = ShardBlocks::new(job, readable, slots)?;
     let store = &job.settings.store;
-    let mut file = store.create(&job.app, rank, version, manifest.total_len).map_err(|e| e.to_string())?;
-    let total = manifest.total_len;
+    let rank = manifest.rank;
+    let mut file = store.create(&job.app, rank, manifest.version, manifest.total_len).map_err(|e| e.to_string())?;
+    let until = targets.iter().flatten().map(|(start, end)| end - start).max().unwrap_or(0);
     let mut decoder = redundancy::StripeDecoder::default();
-    for_each_block(job, &mut shards, (total, meta.shard_len), |offset, block, shards| {
+    for_each_block(job, &mut shards, (until, meta.shard_len), |offset, block, shards| {
         for (at, n) in stripes_of(block) {
             let stripe = (offset as usize + at) / STRIPE as usize;
             let originals: Vec<Option<&[u8]>> =
@@ -1262,29 +1441,40 @@ fn decode_member(
                 }
                 recovery.push(bytes);
             }
+            // Where stripe bytes of data shard i go in the rank, if anywhere.
             let start = offset + at as u64;
-            if start >= total {
-                break;
+            let place = |i: usize| {
+                let (first, end) = targets.get(i).copied().flatten()?;
+                let real = (end - first).checked_sub(start).filter(|left| *left > 0)?.min(n as u64) as usize;
+                Some(((first + start) as usize, real))
+            };
+            let file = file.as_mut_slice();
+            for (i, bytes) in originals.iter().enumerate() {
+                if let (Some(bytes), Some((to, real))) = (bytes, place(i)) {
+                    file[to..to + real].copy_from_slice(&bytes[..real]);
+                }
             }
-            let real = (total - start).min(n as u64) as usize;
-            let mut restored = false;
+            let mut missing = (0..originals.len()).filter(|i| originals[*i].is_none() && place(*i).is_some()).count();
+            if missing == 0 {
+                continue;
+            }
             decoder
                 .decode(&originals, &recovery, |i, shard| {
-                    if i == coded {
-                        file.as_mut_slice()[start as usize..start as usize + real].copy_from_slice(&shard[..real]);
-                        restored = true;
+                    if let Some((to, real)) = place(i) {
+                        file[to..to + real].copy_from_slice(&shard[..real]);
+                        missing -= 1;
                     }
                 })
                 .map_err(|e| e.to_string())?;
-            if !restored {
-                return Err("the decoder did not restore the shard".into());
+            if missing > 0 {
+                return Err("the decoder did not restore every shard".into());
             }
         }
         Ok(())
     })?;
+    let what = if targets.iter().flatten().count() > 1 { "rebuilt from the slices of" } else { "decoded from" };
     manifest
         .verify(file.as_slice())
-        .map_err(|e| format!("rank {rank} decoded from group {group} fails its checksums: {e}"))?;
-    super::seal_checked(job, &manifest, file)?;
-    Ok(manifest)
+        .map_err(|e| format!("rank {rank} {what} group {group} fails its checksums: {e}"))?;
+    super::seal_checked(job, manifest, file)
 }

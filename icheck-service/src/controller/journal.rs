@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 
 use icheck_core::credentials::Owner;
 use icheck_core::protocol::{AgentInfo, AppRegistration, JournalReport, VersionRecord};
-use icheck_core::redundancy::{Plan, Redundancy};
+use icheck_core::redundancy::{Group, Plan, Redundancy};
 
 /// File name of the journal in the controller's state directory.
 pub const JOURNAL_FILE: &str = "controller.journal";
@@ -111,6 +111,15 @@ pub enum Event {
         /// The count.
         events: u64,
     },
+    /// Every piece of a version's redundancy is in place, as journals
+    /// recorded it before groups could be sliced: replayed, never written
+    /// ([`Event::Protected`] replaced it).
+    ProtectedUnsliced {
+        /// Application.
+        app: String,
+        /// The version, its plan and who holds it.
+        protection: UnslicedProtection,
+    },
     /// Every piece of a version's redundancy is in place (appended last in
     /// the enum: journals written before it existed still decode).
     Protected {
@@ -119,6 +128,33 @@ pub enum Event {
         /// The version, its plan and who holds it.
         protection: JournaledProtection,
     },
+}
+
+/// [`JournaledProtection`] as journals wrote it before a Reed-Solomon
+/// group could be sliced (`Group::slices`): the same fields, its groups
+/// without slices.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UnslicedProtection {
+    record: VersionRecord,
+    policy: Redundancy,
+    copies: BTreeMap<u32, Vec<usize>>,
+    /// Each group's members and parity slots.
+    groups: Vec<(Vec<Option<u32>>, Vec<usize>)>,
+    agents: Vec<AgentInfo>,
+    units: u32,
+}
+
+impl From<UnslicedProtection> for JournaledProtection {
+    fn from(old: UnslicedProtection) -> JournaledProtection {
+        let groups = old.groups.into_iter().map(|(members, parity)| Group { members, parity, slices: Vec::new() });
+        JournaledProtection {
+            record: old.record,
+            policy: old.policy,
+            plan: Plan { copies: old.copies, groups: groups.collect() },
+            agents: old.agents,
+            units: old.units,
+        }
+    }
 }
 
 /// A protected version as the journal remembers it: enough to rebuild it
@@ -223,6 +259,11 @@ impl Replayed {
             Event::Protected { app, protection } => {
                 if let Some(entry) = self.apps.get_mut(app) {
                     entry.protected = Some(protection.clone());
+                }
+            }
+            Event::ProtectedUnsliced { app, protection } => {
+                if let Some(entry) = self.apps.get_mut(app) {
+                    entry.protected = Some(protection.clone().into());
                 }
             }
             Event::Epoch { epoch, took_over_unix_ms, takeovers } => {
@@ -580,6 +621,49 @@ mod tests {
         let mut rebuilt = Replayed::default();
         state.snapshot().iter().for_each(|e| rebuilt.apply(e));
         assert_eq!(rebuilt, state);
+    }
+
+    #[test]
+    fn a_protection_journaled_before_groups_were_sliced_still_replays() {
+        // The types an older controller wrote, and the event's index then
+        // (the ninth variant; bincode writes it as a u32).
+        #[derive(Serialize)]
+        struct OldGroup {
+            members: Vec<Option<u32>>,
+            parity: Vec<usize>,
+        }
+        #[derive(Serialize)]
+        struct OldPlan {
+            copies: BTreeMap<u32, Vec<usize>>,
+            groups: Vec<OldGroup>,
+        }
+        #[derive(Serialize)]
+        struct OldProtection {
+            record: VersionRecord,
+            policy: Redundancy,
+            plan: OldPlan,
+            agents: Vec<AgentInfo>,
+            units: u32,
+        }
+        let old = OldProtection {
+            record: record(6),
+            policy: "rs:2+1".parse().unwrap(),
+            plan: OldPlan {
+                copies: BTreeMap::new(),
+                groups: vec![OldGroup { members: vec![Some(0), Some(1)], parity: vec![2] }],
+            },
+            agents: vec![],
+            units: 2,
+        };
+        let framed = codec().serialize(&(8u32, "a", &old)).unwrap();
+        let decoded: Event = codec().deserialize(&framed).unwrap();
+        assert!(matches!(&decoded, Event::ProtectedUnsliced { .. }), "{decoded:?}");
+        let mut state = Replayed::default();
+        state.apply(&Event::Placed { registration: registration("a"), agents: vec![], owner: None });
+        state.apply(&decoded);
+        let protected = state.apps["a"].protected.clone().expect("replayed");
+        assert_eq!(protected.plan.groups, [Group { members: vec![Some(0), Some(1)], parity: vec![2], slices: vec![] }]);
+        assert_eq!((protected.record, protected.units), (record(6), 2));
     }
 
     #[test]

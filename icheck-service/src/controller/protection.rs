@@ -217,18 +217,21 @@ impl ProtectionBook {
                 PieceId::Copy { rank } => (vec![Some((rank, primary(rank)))], Vec::new()),
                 PieceId::Parity { group, index } => {
                     let group = &plan.groups[group as usize];
-                    let members = group.members.iter().map(|m| m.map(|rank| (rank, primary(rank)))).collect();
-                    // With K ≥ 2 members, shard 0's holder encodes the group
-                    // once and writes the other shards to their holders
-                    // (who answer through it): K + M − 1 shards cross the
-                    // fabric instead of M × K. A group of one member moves
-                    // as much either way, and its M holders encode at once.
-                    match (group.members.len() >= 2, index) {
+                    let members = group_members(group, &primary);
+                    // With K ≥ 2 data shards (members or slices), shard 0's
+                    // holder encodes the group once and writes the other
+                    // shards to their holders (who answer through it):
+                    // K + M − 1 shards cross the fabric instead of M × K. A
+                    // group of one whole member moves as much either way,
+                    // and its M holders encode at once.
+                    match (group.data_shards() >= 2, index) {
                         (true, 0) => (members, group.parity[1..].iter().map(|s| agents[*s].clone()).collect()),
                         (true, _) => continue,
                         (false, _) => (members, Vec::new()),
                     }
                 }
+                // Its holder reads its slice from the primary.
+                PieceId::Slice { group, .. } => (group_members(&plan.groups[group as usize], &primary), Vec::new()),
             };
             requests.push((holder.id, holder.node.clone(), PieceTask { version, piece, members, parity, also }));
         }
@@ -354,6 +357,17 @@ impl ProtectionBook {
     }
 }
 
+/// A group's members as its tasks list them, each with its primary's
+/// agent: a sliced group's one rank K times, one entry per slice
+/// (`protocol::data_shard_ranges`).
+fn group_members(group: &redundancy::Group, primary: &dyn Fn(u32) -> AgentInfo) -> Vec<Option<(u32, AgentInfo)>> {
+    let member = |m: &Option<u32>| m.map(|rank| (rank, primary(rank)));
+    match group.slices.len() {
+        0 => group.members.iter().map(member).collect(),
+        slices => vec![group.members.first().and_then(member); slices + 1],
+    }
+}
+
 /// What rebuilding the protected version after losing `dead` nodes takes:
 /// for every rank whose primary was there, where to rebuild it from.
 /// An error names every rank that cannot be rebuilt and the lost nodes.
@@ -388,13 +402,25 @@ pub(super) fn rebuild_sources(
             }
             Redundancy::ReedSolomon { .. } => plan.group_of(rank).and_then(|(g, shard)| {
                 let group = &plan.groups[g];
+                let parity: Vec<Option<AgentInfo>> =
+                    group.parity.iter().map(|s| alive(*s).then(|| agents[*s].clone())).collect();
+                if !group.slices.is_empty() {
+                    // Slice 0 went with the primary: K of the other slices
+                    // and the parity shards decode it.
+                    let slices: Vec<Option<AgentInfo>> =
+                        group.slices.iter().map(|s| alive(*s).then(|| agents[*s].clone())).collect();
+                    let survivors = slices.iter().flatten().count() + parity.iter().flatten().count();
+                    return (survivors > slices.len()).then_some(RebuildSource::Slices {
+                        group: g as u32,
+                        slices,
+                        parity,
+                    });
+                }
                 let members: Vec<Option<(u32, Option<AgentInfo>)>> = group
                     .members
                     .iter()
                     .map(|m| m.map(|r| (r, alive(slot_of(r)).then(|| agents[slot_of(r)].clone()))))
                     .collect();
-                let parity: Vec<Option<AgentInfo>> =
-                    group.parity.iter().map(|s| alive(*s).then(|| agents[*s].clone())).collect();
                 let survivors = members.iter().filter(|m| m.as_ref().is_none_or(|(_, a)| a.is_some())).count()
                     + parity.iter().flatten().count();
                 (survivors >= group.members.len()).then_some(RebuildSource::Decode {
@@ -586,11 +612,32 @@ mod tests {
         // rs:2+1 has nothing to write elsewhere.
         let mut book = super::tests::book("rs:2+1");
         assert!(book.begin(&record(4), 4, &agents, &|_| None).iter().all(|(_, _, task)| task.also.is_empty()));
-        // A group of one rank: each parity holder encodes its own shard.
+        // A group of one whole rank (five nodes, too few to slice it): each
+        // parity holder encodes its own shard.
         let mut book = super::tests::book("rs:4+2");
-        let requests = book.begin(&record(5), 1, &agents, &|_| None);
+        let requests = book.begin(&record(5), 1, &agents[..5], &|_| None);
         assert_eq!(requests.len(), 2, "{requests:?}");
         assert!(requests.iter().all(|(_, _, task)| task.also.is_empty() && task.members.len() == 1));
+        // On six nodes it is sliced: three slice holders read their slices,
+        // and one encoder codes both parity shards over the four slices.
+        let mut book = super::tests::book("rs:4+2");
+        let requests = book.begin(&record(6), 1, &agents, &|_| None);
+        let pieces: Vec<PieceId> = requests.iter().map(|(_, _, task)| task.piece).collect();
+        let slices = (1..=3).map(|index| PieceId::Slice { group: 0, index });
+        assert_eq!(pieces, [PieceId::Parity { group: 0, index: 0 }].into_iter().chain(slices).collect::<Vec<_>>());
+        assert!(requests
+            .iter()
+            .all(|(_, _, task)| task.members.len() == 4 && task.members.iter().all(|m| m.as_ref().unwrap().0 == 0)));
+        assert_eq!(requests[0].2.also.len(), 1);
+        let holders: BTreeSet<u64> = requests.iter().map(|(id, _, _)| *id).chain([requests[0].2.also[0].id]).collect();
+        assert_eq!(holders.len(), 5, "five pieces on five agents besides the primary's");
+        for (id, _, task) in &requests {
+            assert_eq!(book.piece_done(*id, 6, task.piece, Ok(8)), None);
+        }
+        assert_eq!(
+            book.piece_done(requests[0].2.also[0].id, 6, PieceId::Parity { group: 0, index: 1 }, Ok(8)),
+            Some(6)
+        );
     }
 
     #[test]
@@ -711,5 +758,38 @@ mod tests {
             let err = rebuild_sources(&protected, book.policy, &two).unwrap_err();
             assert!(err.contains("ranks [") && err.contains("\"a\""), "{policy}: {err}");
         }
+    }
+
+    #[test]
+    fn a_sliced_rank_is_rebuilt_from_its_surviving_slices_and_parity() {
+        let agents: Vec<AgentInfo> = (1..=6).map(|i| agent(i, &format!("n{i}"))).collect();
+        let mut book = book("rs:4+2");
+        let requests = book.begin(&record(5), 1, &agents, &|_| None);
+        for (id, _, task) in &requests {
+            book.piece_done(*id, 5, task.piece, Ok(1));
+            for (j, holder) in task.also.iter().enumerate() {
+                book.piece_done(holder.id, 5, PieceId::Parity { group: 0, index: 1 + j as u8 }, Ok(1));
+            }
+        }
+        let protected = book.protected.clone().expect("protected");
+        let group = &protected.plan.groups[0];
+        let primary = agents[protected.primary_slot(0)].node.clone();
+        let node = |slot: usize| agents[slot].node.clone();
+        // The primary and one slice holder lost: the two parity shards and
+        // the other two slices decode it.
+        let dead: BTreeSet<String> = [primary.clone(), node(group.slices[1])].into();
+        let sources = rebuild_sources(&protected, book.policy, &dead).unwrap();
+        let [(0, _, RebuildSource::Slices { group: 0, slices, parity })] = sources.as_slice() else {
+            panic!("{sources:?}")
+        };
+        assert_eq!(slices.iter().map(Option::is_some).collect::<Vec<_>>(), [true, false, true]);
+        assert!(parity.iter().all(Option::is_some));
+        // A third loss among its six nodes is one too many.
+        let three: BTreeSet<String> = [primary, node(group.slices[1]), node(group.parity[0])].into();
+        let err = rebuild_sources(&protected, book.policy, &three).unwrap_err();
+        assert!(err.contains("ranks [0]"), "{err}");
+        // Slice holders lost alone: no rank to rebuild (protection builds the slices again).
+        let holders: BTreeSet<String> = [node(group.slices[0]), node(group.slices[2])].into();
+        assert!(rebuild_sources(&protected, book.policy, &holders).unwrap().is_empty());
     }
 }
