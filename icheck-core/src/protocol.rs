@@ -1394,8 +1394,40 @@ pub struct PieceTask {
     pub parity: u8,
     /// For parity shard 0 of a group with M > 1: the holders of shards
     /// 1..M, in order. Its agent encodes the group once and writes their
-    /// shards to them, instead of every holder reading all K members.
+    /// shards to them, instead of every holder reading all K members. For
+    /// a sliced group the task goes to the rank's primary's agent, which
+    /// encodes from its own memory and keeps none: `also` then lists the
+    /// holders of all M shards ([`PieceTask::keeps_nothing`]).
     pub also: Vec<AgentInfo>,
+}
+
+impl PieceTask {
+    /// Whether the building agent writes every parity shard to another
+    /// holder and keeps none (a sliced group's encoder, at its primary).
+    pub fn keeps_nothing(&self) -> bool {
+        matches!(self.piece, crate::redundancy::PieceId::Parity { .. })
+            && self.parity > 0
+            && self.also.len() == usize::from(self.parity)
+    }
+
+    /// The pieces a task built at `agent` answers for, each with the agent
+    /// holding it: its own piece (unless it keeps nothing), then the parity
+    /// shards it writes to the holders in `also`.
+    pub fn answers(&self, agent: u64) -> Vec<(u64, crate::redundancy::PieceId)> {
+        use crate::redundancy::PieceId;
+        let mut answers = Vec::with_capacity(1 + self.also.len());
+        if !self.keeps_nothing() {
+            answers.push((agent, self.piece));
+        }
+        if let PieceId::Parity { group, index } = self.piece {
+            let first = if self.keeps_nothing() { 0 } else { index + 1 };
+            answers.extend(self.also.iter().enumerate().map(|(j, holder)| {
+                let index = first.saturating_add(u8::try_from(j).unwrap_or(u8::MAX));
+                (holder.id, PieceId::Parity { group, index })
+            }));
+        }
+        answers
+    }
 }
 
 /// Where a lost rank's version is rebuilt from ([`ControllerToManager::Rebuild`]).

@@ -373,7 +373,8 @@ fn a_lone_rank_under_reed_solomon_is_copied_back_from_one_shard() {
 }
 
 /// One rank under rs:4+2 on six nodes is cut into four slices: three are
-/// copied to other nodes and the two parity shards coded over the four,
+/// copied to other nodes and the two parity shards coded over the four (by
+/// the primary's agent, from its own memory),
 /// so the pieces hold about 1.25 of the rank where two whole parity shards
 /// held 2. Its primary's node and a slice holder's are lost at once: the
 /// rank is rebuilt from the two other slices and both parity shards, and
@@ -387,6 +388,9 @@ fn a_lone_rank_under_rs_4_2_is_sliced_and_rebuilt_from_its_slices_after_two_lost
     let held = piece_bytes as f64 / rank_bytes;
     assert!(held > 1.2 && held < 1.4, "version 3's pieces hold {held:.3} of the rank ({piece_bytes} bytes)");
     let primary = report.agents[icheck_core::decide::agent_for_rank(0, 1, 6) as usize].node.clone();
+    // The primary's agent encoded the group from its own memory.
+    let primarys_log = service.log(&format!("manager-{primary}.log"));
+    assert!(primarys_log.contains("group encoded"), "not encoded on {primary}:\n{primarys_log}");
     let slice_holder = report.agents[group.slices[0]].node.clone();
     lose_nodes(&service, &[&primary, &slice_holder]);
     wait_rebuilt(&service, "sl", 3, &[&primary, &slice_holder]);

@@ -28,7 +28,7 @@ use icheck_core::redundancy::{self, PieceId};
 use icheck_core::verified::{read_checked, CheckedRange};
 
 use super::{Job, TAKE_OVER_CONNECT_TIMEOUT, TAKE_OVER_TIMEOUT};
-use crate::store::MappedFile;
+use crate::store::{MappedFile, SharedMapping};
 
 /// A session with another agent of the same application, admitted by the
 /// node token (it presents no capability): what reading a peer's primary
@@ -272,15 +272,8 @@ impl PieceOutcome {
     /// Every piece `task` answers for (its own, and for an encoder the
     /// shards of `task.also`) failed, at `agent`, for `why`.
     pub fn all_failed(agent: u64, task: &PieceTask, why: &str) -> Vec<PieceOutcome> {
-        let mut outcomes = vec![PieceOutcome { agent, piece: task.piece, result: Err(why.to_string()) }];
-        if let PieceId::Parity { group, index } = task.piece {
-            outcomes.extend(task.also.iter().enumerate().map(|(j, holder)| PieceOutcome {
-                agent: holder.id,
-                piece: PieceId::Parity { group, index: index + 1 + j as u8 },
-                result: Err(why.to_string()),
-            }));
-        }
-        outcomes
+        let answers = task.answers(agent).into_iter();
+        answers.map(|(agent, piece)| PieceOutcome { agent, piece, result: Err(why.to_string()) }).collect()
     }
 }
 
@@ -372,18 +365,36 @@ fn protect_slice(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Resu
 /// as zero-padded), a slice of one (the slices of a sliced group share
 /// the session with its primary), a slice piece, a parity shard, or zeros.
 struct ShardSource {
-    session: Option<Arc<PeerSession>>,
-    region: RemoteRegion,
-    /// Where the shard's bytes start in `region` (a slice's start in its rank).
+    /// Where its bytes are (`None`: zeros throughout).
+    from: Option<ShardOrigin>,
+    /// Where the shard's bytes start there (a slice's start in its rank).
     offset: u64,
     /// Bytes of real data (the rest of the shard is zeros).
     len: u64,
 }
 
+/// Where a shard's bytes are read from.
+#[derive(Clone)]
+enum ShardOrigin {
+    /// A peer's exposed region, over the fabric.
+    Peer(Arc<PeerSession>, RemoteRegion),
+    /// This agent's own primary of the rank (a sliced group's encoder is
+    /// its primary's agent): copied from its mapping.
+    Local(SharedMapping),
+}
+
 impl ShardSource {
     /// The whole of `region`'s first `len` bytes, read through `session`.
     fn whole(session: PeerSession, region: RemoteRegion, len: u64) -> ShardSource {
-        ShardSource { session: Some(Arc::new(session)), region, offset: 0, len }
+        ShardSource { from: Some(ShardOrigin::Peer(Arc::new(session), region)), offset: 0, len }
+    }
+
+    /// The session its bytes are read through, if a peer holds them.
+    fn session(&self) -> Option<&PeerSession> {
+        match &self.from {
+            Some(ShardOrigin::Peer(session, _)) => Some(session),
+            _ => None,
+        }
     }
 }
 
@@ -505,17 +516,46 @@ fn read_blocks(
         let options = TransferOptions { inflight: (4 * ops.len()).clamp(8, 32), ..TransferOptions::default() };
         job.endpoint.read_observed_from(into.target(), &ops, &options, &mut |_| {}).map_err(|e| {
             let from: Vec<String> =
-                sources.iter().filter_map(|s| s.session.as_ref()).map(|s| s.from.node.to_string()).collect();
+                sources.iter().filter_map(ShardSource::session).map(|s| s.from.node.to_string()).collect();
             format!("reading bytes {offset}.. of the group's shards from {}: {e}", from.join(", "))
         })?;
     }
+    copy_local((sources, slots), (offset, n), into);
     zero_padding((sources, slots), (offset, n), into);
     Ok(())
 }
 
+/// Copies the stripes of block `(offset, n)` that end in padding, of every
+/// shard this agent holds itself ([`ShardOrigin::Local`]), into its slots
+/// of `into`: whole stripes are coded where they lie ([`local_stripe`]),
+/// without a copy.
+fn copy_local((sources, slots): (&[ShardSource], usize), (offset, n): (u64, usize), into: &mut RegisteredBuffer) {
+    for (shard, source) in sources.iter().enumerate() {
+        let Some(ShardOrigin::Local(file)) = &source.from else { continue };
+        let real = real_bytes(source, (offset, n));
+        let first = (source.offset + offset) as usize;
+        for (at, len) in stripes_of(n as u64).take_while(|(at, _)| *at < real) {
+            if local_stripe(source, (offset + at as u64, len)).is_some() {
+                continue;
+            }
+            let len = len.min(real - at);
+            let to = slot_offset(slots, shard, at);
+            into.as_mut_slice()[to..to + len].copy_from_slice(&file.as_slice()[first + at..first + at + len]);
+        }
+    }
+}
+
+/// The `n` bytes of `source` from `at` (a stripe), where this agent holds
+/// them itself and no padding is among them.
+fn local_stripe(source: &ShardSource, (at, n): (u64, usize)) -> Option<&[u8]> {
+    let Some(ShardOrigin::Local(file)) = &source.from else { return None };
+    let end = at.checked_add(n as u64).filter(|end| *end <= source.len)?;
+    file.as_slice().get((source.offset + at) as usize..(source.offset + end) as usize)
+}
+
 /// Bytes of block `(offset, n)` of `source` that its peer holds.
 fn real_bytes(source: &ShardSource, (offset, n): (u64, usize)) -> usize {
-    match source.session {
+    match source.from {
         Some(_) => source.len.saturating_sub(offset).min(n as u64) as usize,
         None => 0,
     }
@@ -526,13 +566,13 @@ fn real_bytes(source: &ShardSource, (offset, n): (u64, usize)) -> usize {
 fn read_ops((sources, slots): (&[ShardSource], usize), (offset, n): (u64, usize)) -> Vec<PeerOp<'_>> {
     let mut ops = Vec::new();
     for (shard, source) in sources.iter().enumerate() {
-        let Some(session) = source.session.as_ref() else { continue };
+        let Some(ShardOrigin::Peer(session, region)) = &source.from else { continue };
         let real = real_bytes(source, (offset, n));
         for (at, len) in stripes_of(n as u64).take_while(|(at, _)| *at < real) {
             let len = len.min(real - at);
             let op = RmaOp {
                 local_offset: slot_offset(slots, shard, at),
-                remote: source.region,
+                remote: *region,
                 remote_offset: source.offset + offset + at as u64,
                 len,
             };
@@ -661,22 +701,23 @@ struct Spent {
 #[allow(clippy::too_many_arguments)]
 fn encode_block(
     task: &PieceTask,
-    (stripes, checks, slots): (&mut [u8], &mut [InOrderCheck<'_>], usize),
+    (sources, stripes, checks, slots): (&[ShardSource], &mut [u8], &mut [InOrderCheck<'_>], usize),
     (offset, block): (u64, u64),
-    (index, file, crcs): (u8, &mut MappedFile, &mut Vec<u32>),
+    mut own: Option<(u8, &mut MappedFile, &mut Vec<u32>)>,
     sinks: &[ShardSink],
     (staging, sink_crcs): (&mut RegisteredBuffer, &mut [Vec<u32>]),
     encoder: &mut redundancy::StripeEncoder,
 ) -> Result<(), String> {
     let (parity, shards) = (usize::from(task.parity), checks.len());
-    if usize::from(index) >= parity {
+    let own_index = own.as_ref().map(|(index, _, _)| usize::from(*index));
+    if let Some(index) = own_index.filter(|index| *index >= parity) {
         return Err(format!("the group has no parity shard {index}"));
     }
     let stride = sink_stride(staging, sinks);
     // A parity shard whose holder is given up is still coded (the coder
     // makes every row), into memory of its own that nobody reads.
     let live = |j: usize| sinks.iter().position(|sink| usize::from(sink.index) == j && sink.failed.is_none());
-    let unread = (0..parity).filter(|j| *j != usize::from(index) && live(*j).is_none()).count();
+    let unread = (0..parity).filter(|j| Some(*j) != own_index && live(*j).is_none()).count();
     let mut unread = vec![vec![0u8; STRIPE as usize]; unread];
     for (at, n) in stripes_of(block) {
         let start = offset as usize + at;
@@ -685,30 +726,41 @@ fn encode_block(
         if start == 0 && icheck_core::failpoint::fails("agent.member_read_damaged") {
             stripes[slot_offset(slots, 0, 0)] ^= 1;
         }
-        for (shard, check) in checks.iter_mut().enumerate() {
-            check.feed(&stripes[slot_offset(slots, shard, at)..][..n]).map_err(|e| format!("a member as read: {e}"))?;
+        let stripes = &*stripes;
+        // This agent's own memory is coded where it lies ([`copy_local`]).
+        let originals: Vec<&[u8]> = (0..shards)
+            .map(|shard| {
+                local_stripe(&sources[shard], (offset + at as u64, n))
+                    .unwrap_or_else(|| &stripes[slot_offset(slots, shard, at)..][..n])
+            })
+            .collect();
+        for (check, bytes) in checks.iter_mut().zip(&originals) {
+            check.feed(bytes).map_err(|e| format!("a member as read: {e}"))?;
         }
-        let originals: Vec<&[u8]> = (0..shards).map(|shard| &stripes[slot_offset(slots, shard, at)..][..n]).collect();
         // Each parity shard is coded where it goes: this agent's into its
         // file, the others' into the staging buffer the fabric writes from.
         let mut to_sinks: Vec<Option<&mut [u8]>> = staging.as_mut_slice().chunks_mut(stride.max(1)).map(Some).collect();
         let mut to_nobody = unread.iter_mut();
-        let mut kept = Some(&mut file.as_mut_slice()[start..start + n]);
+        let mut kept = own.as_mut().map(|(_, file, _)| &mut file.as_mut_slice()[start..start + n]);
         let mut out: Vec<&mut [u8]> = Vec::with_capacity(parity);
         for j in 0..parity {
             let place = match live(j) {
-                _ if j == usize::from(index) => kept.take(),
+                _ if Some(j) == own_index => kept.take(),
                 Some(sink) => to_sinks[sink].take().map(|part| &mut part[at..at + n]),
                 None => to_nobody.next().map(|spare| &mut spare[..n]),
             };
             out.push(place.ok_or_else(|| format!("no memory for parity shard {j} of the group"))?);
         }
         encoder.encode_into(&originals, &mut out).map_err(|e| e.to_string())?;
-        crcs.push(icheck_core::format::crc32c(&out[usize::from(index)][..]));
+        let own_crc = own_index.map(|index| icheck_core::format::crc32c(&out[index][..]));
         for (j, shard) in out.iter().enumerate() {
-            if let Some(sink) = live(j).filter(|_| j != usize::from(index)) {
+            if let Some(sink) = live(j).filter(|_| Some(j) != own_index) {
                 sink_crcs[sink].push(icheck_core::format::crc32c(shard));
             }
+        }
+        drop(out);
+        if let (Some(crc), Some((_, _, crcs))) = (own_crc, own.as_mut()) {
+            crcs.push(crc);
         }
     }
     Ok(())
@@ -758,6 +810,7 @@ fn move_blocks(
     match job.endpoint.read_and_write((into.target(), &reads), (coded.source(), &writes), &options) {
         Ok(_) => {
             if let Some(block) = read {
+                copy_local(sources, block, into);
                 zero_padding(sources, block, into);
             }
             Ok(Vec::new())
@@ -810,7 +863,14 @@ fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Resul
     let sliced = task.members.len() >= 2
         && first_rank.is_some()
         && task.members.iter().all(|m| m.as_ref().map(|(rank, _)| *rank) == first_rank);
-    let to_fetch = if sliced { &task.members[..1] } else { &task.members[..] };
+    // A sliced group's primary's agent encodes it from its own memory, and
+    // keeps none of the shards (`PieceTask::keeps_nothing`).
+    let local = sliced && task.members[0].as_ref().is_some_and(|(_, from)| from.id == job.id);
+    let to_fetch = match (local, sliced) {
+        (true, _) => &task.members[..0],
+        (false, true) => &task.members[..1],
+        (false, false) => &task.members[..],
+    };
     // Every member's agent checks the rank before exposing it: asked all at
     // once, they check at the same time instead of one after another.
     let fetched: Vec<Result<Option<FetchedMember>, String>> = std::thread::scope(|scope| {
@@ -838,10 +898,16 @@ fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Resul
     let mut manifests = Vec::with_capacity(task.members.len());
     let mut exposed = Vec::with_capacity(task.members.len());
     for member in fetched {
-        let (session, manifest) =
-            member.map(|(session, manifest, region)| ((Arc::new(session), region), manifest)).unzip();
-        exposed.push(session);
+        let (origin, manifest) =
+            member.map(|(session, manifest, region)| (ShardOrigin::Peer(Arc::new(session), region), manifest)).unzip();
+        exposed.push(origin);
         manifests.push(manifest);
+    }
+    if local {
+        let rank = task.members.first().and_then(|m| m.as_ref()).map(|(rank, _)| *rank).unwrap_or_default();
+        let (manifest, file) = open_own_primary(job, rank, version)?;
+        exposed.push(Some(ShardOrigin::Local(file)));
+        manifests.push(Some(manifest));
     }
     if sliced {
         // Data shard i is slice i of the one rank (`data_shard_ranges`).
@@ -852,25 +918,21 @@ fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Resul
     // The code is over the present members only (`ParityMeta::members`).
     let sources: Vec<ShardSource> = (exposed.into_iter().zip(&ranges))
         .filter_map(|(exposed, range)| exposed.zip(*range))
-        .map(|((session, region), (start, end))| ShardSource {
-            session: Some(session),
-            region,
-            offset: start,
-            len: end - start,
-        })
+        .map(|(origin, (start, end))| ShardSource { from: Some(origin), offset: start, len: end - start })
         .collect();
     let fetched_at = started.elapsed();
     let longest = ranges.iter().flatten().map(|(start, end)| end - start).max().unwrap_or(0);
     let shard_len = shard_len(longest);
     let store = &job.settings.store;
     let piece = PieceId::Parity { group, index };
+    let keeps = !task.keeps_nothing();
     let any_rank = task.members.iter().flatten().map(|(rank, _)| *rank).next().unwrap_or(0);
     // This shard's file and the other holders' (each made by its agent)
     // are made at the same time: backing a shard's pages takes a while
     // (tmpfs allocates and zeroes each), and nothing is encoded before
     // they exist.
     let open_sink = |j: usize, holder: &AgentInfo| -> Result<ShardSink, PieceOutcome> {
-        let their_index = index + 1 + j as u8;
+        let their_index = if keeps { index + 1 + j as u8 } else { j as u8 };
         let their = PieceId::Parity { group, index: their_index };
         let refused = |why: String| PieceOutcome { agent: holder.id, piece: their, result: Err(why) };
         if their_index >= task.parity {
@@ -891,7 +953,10 @@ fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Resul
     let (file, opened, created_at) = std::thread::scope(|scope| {
         let opening: Vec<_> =
             task.also.iter().enumerate().map(|(j, holder)| scope.spawn(move || open_sink(j, holder))).collect();
-        let file = store.create_piece(&job.app, version, piece, shard_len).map_err(|e| e.to_string());
+        let file = match keeps {
+            true => store.create_piece(&job.app, version, piece, shard_len).map(Some).map_err(|e| e.to_string()),
+            false => Ok(None),
+        };
         let created_at = started.elapsed();
         let opened: Vec<Result<ShardSink, PieceOutcome>> = opening
             .into_iter()
@@ -952,9 +1017,10 @@ fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Resul
             });
             let started = Instant::now();
             let encoded = if block > 0 {
-                let mine = (index, &mut file, &mut crcs);
+                let mine = file.as_mut().map(|file| (index, file, &mut crcs));
                 let sinks_side = (&mut *staging, sink_crcs.as_mut_slice());
-                let stripes = (sources.buffer.as_mut_slice(), checks.as_mut_slice(), sources.slots);
+                let stripes =
+                    (sources.sources.as_slice(), sources.buffer.as_mut_slice(), checks.as_mut_slice(), sources.slots);
                 encode_block(task, stripes, (offset, block), mine, sinks, sinks_side, &mut encoder)
             } else {
                 Ok(())
@@ -992,10 +1058,14 @@ fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Resul
     );
     let meta = |index: u8, crcs: Vec<u32>| parity_meta(job, task, (group, index), shard_len, manifests.clone(), crcs);
     let encoded_at = started.elapsed();
-    store.seal_piece(&job.app, version, piece, &PieceMeta::Parity(meta(index, crcs))).map_err(|e| e.to_string())?;
-    super::piece_sealed(job, version, piece, file, shard_len);
+    let mut outcomes = Vec::with_capacity(1 + sinks.len());
+    if let Some(file) = file {
+        let sealed = PieceMeta::Parity(meta(index, crcs));
+        store.seal_piece(&job.app, version, piece, &sealed).map_err(|e| e.to_string())?;
+        super::piece_sealed(job, version, piece, file, shard_len);
+        outcomes.push(PieceOutcome { agent: job.id, piece, result: Ok(shard_len) });
+    }
     let sealed_at = started.elapsed();
-    let mut outcomes = vec![PieceOutcome { agent: job.id, piece, result: Ok(shard_len) }];
     for mut sink in sinks {
         let result = match sink.failed.take() {
             Some(why) => Err(why),
@@ -1022,6 +1092,20 @@ fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Resul
         "group's timeline"
     );
     Ok(outcomes)
+}
+
+/// This agent's own primary of `rank`'s `version`, for its encoder: the
+/// mapping kept for readers if there is one, else the stored version
+/// opened (an incremental one composed). The encoder checks every stripe.
+fn open_own_primary(job: &Job<'_>, rank: u32, version: u64) -> Result<(Manifest, SharedMapping), String> {
+    let store = &job.settings.store;
+    match job.kept.share(store, &job.app, (rank, version), false) {
+        Some(kept) => Ok((kept.manifest, kept.file)),
+        None => {
+            let (manifest, file) = store.open(&job.app, rank, version).map_err(|e| e.to_string())?;
+            Ok((manifest, SharedMapping::new(file)))
+        }
+    }
 }
 
 /// The description of parity shard `index` of `group` for `task`'s version.
@@ -1146,10 +1230,10 @@ fn rebuild_from_copy(job: &Job<'_>, rank: u32, version: u64, holder: &AgentInfo)
 /// Rebuilds the lone member of a group described by `manifest` from one of
 /// its parity shards (its bytes, zero-padded), as a partner copy is.
 fn copy_repeated_member(job: &Job<'_>, manifest: &Manifest, source: ShardSource) -> Result<(), String> {
-    let session = source.session.ok_or("the shard has no session")?;
+    let Some(ShardOrigin::Peer(session, region)) = source.from else { return Err("the shard has no session".into()) };
     let mut session = Arc::try_unwrap(session).map_err(|_| "the shard's session is shared")?;
     let from = format!("the parity shard on {}", session.from.node);
-    read_rank_into_primary(job, &mut session, manifest, source.region, &from)
+    read_rank_into_primary(job, &mut session, manifest, region, &from)
 }
 
 /// Reads the rank `manifest` describes from `region` of `session`'s peer

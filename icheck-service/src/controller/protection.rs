@@ -64,6 +64,10 @@ struct Protecting {
     agents: Vec<AgentInfo>,
     units: u32,
     outstanding: BTreeSet<(u64, PieceId)>,
+    /// The agent building each outstanding piece held by another (an
+    /// encoder writing its shards to their holders): its node's loss ends
+    /// the protection too, since no answer will come from it.
+    built_by: std::collections::BTreeMap<(u64, PieceId), u64>,
 }
 
 /// What the controller knows of one application's redundancy.
@@ -210,9 +214,14 @@ impl ProtectionBook {
         };
         let mut requests = Vec::new();
         let mut outstanding = BTreeSet::new();
+        let mut built_by = std::collections::BTreeMap::new();
         for (slot, piece) in plan.pieces() {
             let holder = &agents[slot];
             outstanding.insert((holder.id, piece));
+            // Who builds it: its holder, but for a sliced group's parity the
+            // rank's primary's agent, which reads the slices from its own
+            // memory instead of sending them all over the fabric first.
+            let mut builder = holder.clone();
             let (members, also) = match piece {
                 PieceId::Copy { rank } => (vec![Some((rank, primary(rank)))], Vec::new()),
                 PieceId::Parity { group, index } => {
@@ -225,6 +234,10 @@ impl ProtectionBook {
                     // group of one whole member moves as much either way,
                     // and its M holders encode at once.
                     match (group.data_shards() >= 2, index) {
+                        (true, 0) if !group.slices.is_empty() => {
+                            builder = primary(group.members[0].unwrap_or_default());
+                            (members, group.parity.iter().map(|s| agents[*s].clone()).collect())
+                        }
                         (true, 0) => (members, group.parity[1..].iter().map(|s| agents[*s].clone()).collect()),
                         (true, _) => continue,
                         (false, _) => (members, Vec::new()),
@@ -233,10 +246,17 @@ impl ProtectionBook {
                 // Its holder reads its slice from the primary.
                 PieceId::Slice { group, .. } => (group_members(&plan.groups[group as usize], &primary), Vec::new()),
             };
-            requests.push((holder.id, holder.node.clone(), PieceTask { version, piece, members, parity, also }));
+            let task = PieceTask { version, piece, members, parity, also };
+            for answer in task.answers(builder.id) {
+                if answer.0 != builder.id {
+                    built_by.insert(answer, builder.id);
+                }
+            }
+            requests.push((builder.id, builder.node.clone(), task));
         }
         let record = record.clone();
-        self.protecting = Some(Protecting { record, plan, agents: agents.to_vec(), units, outstanding });
+        let agents = agents.to_vec();
+        self.protecting = Some(Protecting { record, plan, agents, units, outstanding, built_by });
         requests
     }
 
@@ -309,7 +329,8 @@ impl ProtectionBook {
     pub(super) fn node_lost(&mut self, node: &str) -> Option<u64> {
         let protecting = self.protecting.as_ref()?;
         let there = |id: u64| protecting.agents.iter().any(|a| a.id == id && a.node == node);
-        if !protecting.outstanding.iter().any(|(id, _)| there(*id)) {
+        let builder = |answer: &(u64, PieceId)| protecting.built_by.get(answer).copied().unwrap_or(answer.0);
+        if !protecting.outstanding.iter().any(|answer| there(answer.0) || there(builder(answer))) {
             return None;
         }
         let version = protecting.record.version;
@@ -619,25 +640,32 @@ mod tests {
         assert_eq!(requests.len(), 2, "{requests:?}");
         assert!(requests.iter().all(|(_, _, task)| task.also.is_empty() && task.members.len() == 1));
         // On six nodes it is sliced: three slice holders read their slices,
-        // and one encoder codes both parity shards over the four slices.
+        // and the primary's agent codes both parity shards over the four
+        // slices from its own memory, keeping neither.
         let mut book = super::tests::book("rs:4+2");
         let requests = book.begin(&record(6), 1, &agents, &|_| None);
         let pieces: Vec<PieceId> = requests.iter().map(|(_, _, task)| task.piece).collect();
         let slices = (1..=3).map(|index| PieceId::Slice { group: 0, index });
         assert_eq!(pieces, [PieceId::Parity { group: 0, index: 0 }].into_iter().chain(slices).collect::<Vec<_>>());
-        assert!(requests
-            .iter()
-            .all(|(_, _, task)| task.members.len() == 4 && task.members.iter().all(|m| m.as_ref().unwrap().0 == 0)));
-        assert_eq!(requests[0].2.also.len(), 1);
-        let holders: BTreeSet<u64> = requests.iter().map(|(id, _, _)| *id).chain([requests[0].2.also[0].id]).collect();
-        assert_eq!(holders.len(), 5, "five pieces on five agents besides the primary's");
-        for (id, _, task) in &requests {
+        let rank_0 = |task: &PieceTask| task.members.iter().all(|m| m.as_ref().is_some_and(|(rank, _)| *rank == 0));
+        assert!(requests.iter().all(|(_, _, task)| task.members.len() == 4 && rank_0(task)));
+        let (encoder, _, encoding) = &requests[0];
+        let primary = agents[decide::agent_for_rank(0, 1, 6) as usize].id;
+        assert_eq!((*encoder, encoding.also.len(), encoding.keeps_nothing()), (primary, 2, true));
+        let holders: BTreeSet<u64> =
+            requests.iter().map(|(id, _, _)| *id).chain(encoding.also.iter().map(|a| a.id)).collect();
+        assert_eq!(holders.len(), 6, "the encoder and five pieces on six agents");
+        for (id, _, task) in &requests[1..] {
             assert_eq!(book.piece_done(*id, 6, task.piece, Ok(8)), None);
         }
-        assert_eq!(
-            book.piece_done(requests[0].2.also[0].id, 6, PieceId::Parity { group: 0, index: 1 }, Ok(8)),
-            Some(6)
-        );
+        assert_eq!(book.piece_done(*encoder, 6, encoding.piece, Ok(8)), None, "it holds no shard");
+        for (answer, done) in encoding.answers(*encoder).into_iter().zip([None, Some(6)]) {
+            assert_eq!(book.piece_done(answer.0, 6, answer.1, Ok(8)), done, "{answer:?}");
+        }
+        // Its node lost while it encodes: no answer will come from it.
+        book.begin(&record(7), 1, &agents, &|_| None);
+        let primary_node = agents.iter().find(|a| a.id == primary).unwrap().node.clone();
+        assert_eq!(book.node_lost(&primary_node), Some(7));
     }
 
     #[test]
@@ -766,9 +794,8 @@ mod tests {
         let mut book = book("rs:4+2");
         let requests = book.begin(&record(5), 1, &agents, &|_| None);
         for (id, _, task) in &requests {
-            book.piece_done(*id, 5, task.piece, Ok(1));
-            for (j, holder) in task.also.iter().enumerate() {
-                book.piece_done(holder.id, 5, PieceId::Parity { group: 0, index: 1 + j as u8 }, Ok(1));
+            for (holder, piece) in task.answers(*id) {
+                book.piece_done(holder, 5, piece, Ok(1));
             }
         }
         let protected = book.protected.clone().expect("protected");
