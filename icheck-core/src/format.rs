@@ -620,13 +620,19 @@ mod tests {
         chunk_crcs, crc32c, crc32c_combine, first_bad_chunk, first_bad_chunk_of, CHUNK_BYTES, PARALLEL_CHECK_BYTES,
     };
 
+    /// Two and a half chunks and a few bytes of pseudo-random data (byte
+    /// `which` of a multiplicative hash of each offset).
+    fn two_and_a_half_chunks(which: usize) -> Vec<u8> {
+        (0..2 * CHUNK_BYTES + CHUNK_BYTES / 2 + 1234)
+            .map(|i| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[which])
+            .collect()
+    }
+
     #[test]
     fn in_order_checks_pieces_cut_anywhere_and_names_the_damaged_chunk() {
         // Three chunks and a tail over two labels, fed in pieces that cut
         // chunks and labels anywhere, then zero padding.
-        let data: Vec<u8> = (0..2 * CHUNK_BYTES + CHUNK_BYTES / 2 + 1234)
-            .map(|i| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[5])
-            .collect();
+        let data = two_and_a_half_chunks(5);
         let good = manifest(&data);
         // Each piece's own checksum comes back, padding included (the last
         // piece of some cuts is the data's tail and padding together).
@@ -652,9 +658,7 @@ mod tests {
     #[test]
     fn slices_cover_the_rank_on_chunk_boundaries_and_each_checks_alone() {
         // Two labels (a partial chunk, then two chunks and a tail).
-        let data: Vec<u8> = (0..2 * CHUNK_BYTES + CHUNK_BYTES / 2 + 1234)
-            .map(|i| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[3])
-            .collect();
+        let data = two_and_a_half_chunks(3);
         let good = manifest(&data);
         for count in 1..=6 {
             let slices = good.slices(count);

@@ -923,6 +923,47 @@ fn rs_4_2_rebuilds_a_node_lost_during_a_rebuild_and_keeps_the_first_replacement(
     pfs_untouched(&service, "r42d");
 }
 
+#[test]
+fn a_second_pass_of_a_rebuild_keeps_each_replacement_in_its_own_slot() {
+    // Five ranks under rs:4+2 on seven managers, started again when they
+    // die. Rank 4's node is lost; while its rebuild waits (a failpoint),
+    // rank 2's node is lost too. The first pass places rank 4's replacement;
+    // the second waits for rank 2's manager to come back (empty), which
+    // takes rank 2's dead agent out of the list: by index, slot 4 then
+    // named slot 5's agent, which the second pass kept for rank 4, leaving
+    // the first replacement running unlisted and rank 4 served by an agent
+    // without its files (the fault campaign found it, seed 77).
+    let args = ["--provider", "tcp"];
+    let failpoints = Some("agent.rebuild_rank=sleep(4000)");
+    let service = LocalService::up_with_failpoints(&icheck_in_target(), "red-second-pass", 7, &args, None, failpoints);
+    commit_three_with(&service, "r2p", "rs:4+2", 5);
+    let report = wait_protected(&service, "r2p", 3);
+    assert_eq!(report.agents.len(), 6, "{:?}", report.agents);
+    let (a, b) = (report.agents[4].node.clone(), report.agents[2].node.clone());
+    lose_node(&service, &a);
+    std::thread::sleep(Duration::from_millis(2500));
+    lose_node(&service, &b);
+    let distinct = |agents: &[AgentInfo]| {
+        agents.iter().map(|a| a.node.as_str()).collect::<std::collections::BTreeSet<_>>().len() == agents.len()
+    };
+    let mut last = None;
+    let settled = poll_until(Duration::from_secs(90), || {
+        let report = app(&service, "r2p");
+        let done = report.protected == Some(3)
+            && !report.rebuilding
+            && report.protecting.is_none()
+            && report.protection_problem.is_none()
+            && report.agents.len() == 6
+            && distinct(&report.agents);
+        last = Some(report);
+        done
+    });
+    assert!(settled, "not protected again on six distinct nodes: {last:?}");
+    managers_run_what_is_listed(&service);
+    restart_bit_exact_with(&service, "r2p", "rs:4+2", 6, 5);
+    pfs_untouched(&service, "r2p");
+}
+
 /// Waits (up to a minute) until `version` of `name` is protected again
 /// with none of the agents `gone` (lost with their nodes, whose managers
 /// may have been started again and taken replacements).

@@ -171,9 +171,11 @@ fn whole_again(state: &State, name: &str, at_loss: &BTreeMap<String, Option<u64>
 /// on the `dead` ones (a lost node that came back holds nothing of it), and
 /// whether a `dead` node's manager is being started again.
 fn free_nodes(state: &State, name: &str, dead: &BTreeSet<String>) -> Option<(usize, bool)> {
-    let protected = state.apps.get(name)?.protection.protected.as_ref()?;
+    let app = state.apps.get(name)?;
+    let protected = app.protection.protected.as_ref()?;
+    // An earlier pass's replacements hold the version too.
     let survivors: BTreeSet<&str> =
-        protected.agents.iter().map(|a| a.node.as_str()).filter(|n| !dead.contains(*n)).collect();
+        (protected.agents.iter().chain(&app.agents)).map(|a| a.node.as_str()).filter(|n| !dead.contains(*n)).collect();
     let free = (state.nodes.snapshot(Instant::now()).iter())
         .filter(|n| n.alive && !n.draining && !survivors.contains(n.node.as_str()))
         .count();
@@ -247,6 +249,23 @@ async fn replace_lost<'a>(
     granted
 }
 
+/// Each slot's agent, found by its home: `agents` is the application's list
+/// with the agents that died taken out (`AppEntry::lose_node`), so the
+/// survivors are the other slots' agents in slot order, and an index into
+/// it names another slot's agent once one before it went. `None` for a
+/// slot whose agent is gone (of two slots on one node, the first is taken
+/// to have survived: both serve the node's store).
+fn agents_by_slot(homes: &[String], agents: &[AgentInfo]) -> Vec<Option<AgentInfo>> {
+    let mut survivors = agents.iter().peekable();
+    homes
+        .iter()
+        .map(|home| match survivors.peek() {
+            Some(agent) if agent.node == *home => survivors.next().cloned(),
+            _ => None,
+        })
+        .collect()
+}
+
 /// When one of `places` (nodes a pass placed replacements on) is down,
 /// has `name`'s rebuild look again once this pass ends (and place their
 /// slots elsewhere); returns whether one is.
@@ -287,20 +306,17 @@ async fn agents_back_in_place(shared: &Shared, name: &str) {
         let now = Instant::now();
         let usable = |node: &str| state.nodes.is_alive(node, now) && !state.nodes.is_draining(node);
         // Agents that died were taken out of the list (`AppEntry::lose_node`,
-        // `AgentLost`): the survivors are the other slots' agents, in slot
-        // order. (Of two slots on one node, which one died does not matter:
-        // every agent of the application there serves the node's store.)
-        let mut survivors = app.agents.iter().peekable();
-        let agents: Option<Vec<Option<AgentInfo>>> = app
-            .homes
-            .iter()
-            .map(|home| match survivors.peek() {
-                Some(agent) if agent.node == *home => survivors.next().map(|agent| Some(agent.clone())),
-                _ => usable(home).then_some(None),
+        // `AgentLost`): each slot's survivor by its home.
+        let by_slot = agents_by_slot(&app.homes, &app.agents);
+        let every_agent_placed = by_slot.iter().flatten().count() == app.agents.len();
+        let agents: Option<Vec<Option<AgentInfo>>> = (by_slot.into_iter().zip(&app.homes))
+            .map(|(agent, home)| match agent {
+                Some(agent) => Some(Some(agent)),
+                None => usable(home).then_some(None),
             })
             .collect();
         let unexplained = app.agents.len() != app.homes.len() && app.protection.problem.is_none();
-        let (Some(agents), None, Some(owner)) = (agents, survivors.next(), app.owner) else {
+        let (Some(agents), true, Some(owner)) = (agents, every_agent_placed, app.owner) else {
             if unexplained {
                 // Out of line: the status says why the version waits.
                 start_protection(shared, state, name);
@@ -502,11 +518,14 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
         let lost_slots: Vec<usize> =
             (0..protected.agents.len()).filter(|s| dead.contains(&protected.agents[*s].node)).collect();
         // A slot an earlier pass rebuilt keeps its replacement while that
-        // agent's node is alive and not lost now: its rank is there.
+        // agent's node is alive and not lost now: its rank is there. The
+        // list may have lost agents since (a node noticed lost), so each
+        // slot's agent is found by its home, not by its index.
+        let by_slot = agents_by_slot(&app.homes, &app.agents);
         let mut reused: BTreeMap<usize, AgentInfo> = lost_slots
             .iter()
             .filter_map(|s| {
-                let current = app.agents.get(*s)?;
+                let current = by_slot.get(*s)?.as_ref()?;
                 let replacement = current.id != protected.agents[*s].id
                     && rebuilt.contains(&protected.agents[*s].node)
                     && !fresh.contains(&current.node)
@@ -535,8 +554,12 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
                 None => stale.push(slot),
             }
         }
-        let survivors: BTreeSet<&str> =
-            protected.agents.iter().filter(|a| !dead.contains(&a.node)).map(|a| a.node.as_str()).collect();
+        // Nodes holding the version: the survivors, and the replacements an
+        // earlier pass placed (kept above).
+        let survivors: BTreeSet<&str> = (protected.agents.iter().filter(|a| !dead.contains(&a.node)))
+            .chain(reused.values())
+            .map(|a| a.node.as_str())
+            .collect();
         // A replacement goes to a live node holding none of the version
         // (a lost node whose manager came back counts: it holds nothing of
         // it any more, but a node that did not just fail goes first), the
@@ -679,4 +702,24 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     app.homes = agents.iter().map(|a| a.node.clone()).collect();
     start_protection(shared, state, name);
     Ok(Some(rebuilt))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::apps::tests::agent;
+    use super::*;
+
+    #[test]
+    fn each_slot_finds_its_agent_by_home_once_agents_before_it_are_gone() {
+        let homes: Vec<String> = ["a", "b", "c", "d", "e"].map(String::from).to_vec();
+        let all: Vec<AgentInfo> = homes.iter().enumerate().map(|(i, home)| agent(i as u64 + 1, home)).collect();
+        assert_eq!(agents_by_slot(&homes, &all), all.iter().cloned().map(Some).collect::<Vec<_>>());
+        // Slot 2's agent went (its node was noticed lost): the list is one
+        // shorter, and index 4 no longer exists, nor names slot 4's agent.
+        let without: Vec<AgentInfo> = [0, 1, 3, 4].map(|i| all[i].clone()).to_vec();
+        let by_slot = agents_by_slot(&homes, &without);
+        assert_eq!(by_slot[2], None);
+        assert_eq!((by_slot[3].as_ref(), by_slot[4].as_ref()), (Some(&all[3]), Some(&all[4])));
+        assert_eq!(without.get(3), Some(&all[4]), "by index, slot 3 would be slot 4's agent");
+    }
 }
