@@ -1315,8 +1315,16 @@ pub fn data_shard_ranges(members: &[Option<&Manifest>]) -> Vec<Option<(u64, u64)
 /// The one member of a sliced group: every entry present and the same rank,
 /// listed at least twice.
 pub fn sliced_member<'a>(members: &[Option<&'a Manifest>]) -> Option<&'a Manifest> {
-    let first = (*members.first()?)?;
-    (members.len() >= 2 && members.iter().all(|m| m.is_some_and(|m| m.rank == first.rank))).then_some(first)
+    one_rank_listed_again(members, |m| m.rank).copied()
+}
+
+/// The first of `entries` when every entry is present and of the same rank
+/// (`rank_of`), and there are two or more: how a sliced group's one member
+/// is listed, once per slice.
+fn one_rank_listed_again<T>(entries: &[Option<T>], rank_of: impl Fn(&T) -> u32) -> Option<&T> {
+    let first = entries.first()?.as_ref()?;
+    let same = |entry: &Option<T>| entry.as_ref().is_some_and(|entry| rank_of(entry) == rank_of(first));
+    (entries.len() >= 2 && entries.iter().all(same)).then_some(first)
 }
 
 /// A slice's description: the rank's manifest (its bytes verify against
@@ -1402,6 +1410,12 @@ pub struct PieceTask {
 }
 
 impl PieceTask {
+    /// The one rank of a sliced group and its primary's agent, when the
+    /// task lists that rank once per slice ([`sliced_member`]).
+    pub fn sliced_member(&self) -> Option<&(u32, AgentInfo)> {
+        one_rank_listed_again(&self.members, |(rank, _)| *rank)
+    }
+
     /// Whether the building agent writes every parity shard to another
     /// holder and keeps none (a sliced group's encoder, at its primary).
     pub fn keeps_nothing(&self) -> bool {

@@ -859,14 +859,12 @@ fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Resul
     let started = Instant::now();
     let version = task.version;
     // A sliced group lists its one rank once per slice: fetched once.
-    let first_rank = task.members.first().and_then(|m| m.as_ref().map(|(rank, _)| *rank));
-    let sliced = task.members.len() >= 2
-        && first_rank.is_some()
-        && task.members.iter().all(|m| m.as_ref().map(|(rank, _)| *rank) == first_rank);
+    let sliced_member = task.sliced_member();
+    let sliced = sliced_member.is_some();
     // A sliced group's primary's agent encodes it from its own memory, and
     // keeps none of the shards (`PieceTask::keeps_nothing`).
-    let local = sliced && task.members[0].as_ref().is_some_and(|(_, from)| from.id == job.id);
-    let to_fetch = match (local, sliced) {
+    let local = sliced_member.filter(|(_, from)| from.id == job.id);
+    let to_fetch = match (local.is_some(), sliced) {
         (true, _) => &task.members[..0],
         (false, true) => &task.members[..1],
         (false, false) => &task.members[..],
@@ -903,9 +901,8 @@ fn build_parity(job: &Job<'_>, task: &PieceTask, group: u32, index: u8) -> Resul
         exposed.push(origin);
         manifests.push(manifest);
     }
-    if local {
-        let rank = task.members.first().and_then(|m| m.as_ref()).map(|(rank, _)| *rank).unwrap_or_default();
-        let (manifest, file) = open_own_primary(job, rank, version)?;
+    if let Some((rank, _)) = local {
+        let (manifest, file) = open_own_primary(job, *rank, version)?;
         exposed.push(Some(ShardOrigin::Local(file)));
         manifests.push(Some(manifest));
     }
