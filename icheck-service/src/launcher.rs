@@ -50,22 +50,35 @@ pub fn read_pids(dir: &Path) -> Vec<(String, u32)> {
         .collect()
 }
 
-/// Writes `pids` as `dir/pids`, atomically (through a temporary file).
+/// Writes `pids` as `dir/pids`, atomically (through a temporary file of
+/// this process and thread).
 pub fn write_pids(dir: &Path, pids: &[(String, u32)]) -> std::io::Result<()> {
     let text: String = pids.iter().map(|(name, pid)| format!("{name} {pid}\n")).collect();
-    let tmp = dir.join(format!("{PIDS}.tmp-{}", std::process::id()));
+    let thread = format!("{:?}", std::thread::current().id()).replace(|c: char| !c.is_ascii_alphanumeric(), "");
+    let tmp = dir.join(format!("{PIDS}.tmp-{}-{thread}", std::process::id()));
     fs::write(&tmp, text).and_then(|_| fs::rename(&tmp, dir.join(PIDS)))
 }
 
-/// Records `name` as running with `pid` in `dir/pids` (replacing its line).
+/// Records `name` as running with `pid` in `dir/pids` (replacing its line),
+/// holding an exclusive lock on `dir/pids.lock` from the read to the write:
+/// two managers started again at once (two nodes lost together) each read
+/// the file and wrote it back with only their own line changed, and the
+/// second write lost the first's, so `icheck down` never stopped that
+/// manager (a test's teardown left one running).
 pub fn record_pid(dir: &Path, name: &str, pid: u32) -> std::io::Result<()> {
+    let lock = fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join(PIDS_LOCK))?;
+    lock.lock()?;
     let mut pids = read_pids(dir);
     match pids.iter_mut().find(|(n, _)| n == name) {
         Some(entry) => entry.1 = pid,
         None => pids.push((name.to_string(), pid)),
     }
     write_pids(dir, &pids)
+    // The lock goes with `lock`.
 }
+
+/// The lock file serializing changes to a state directory's [`PIDS`].
+pub const PIDS_LOCK: &str = "pids.lock";
 
 /// Starts `icheck ARGS` (this executable) as a daemon of the service in
 /// `dir`: its own process group (a terminal's Ctrl-C meant for the caller
@@ -549,6 +562,29 @@ impl Launcher for SlurmLauncher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn managers_recorded_at_once_from_many_threads_are_all_in_the_pids_file() {
+        let dir = std::env::temp_dir().join(format!("icheck-pids-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        write_pids(&dir, &[("controller".to_string(), 1)]).unwrap();
+        std::thread::scope(|scope| {
+            for i in 0..16u32 {
+                let dir = &dir;
+                scope.spawn(move || {
+                    for round in 0..20u32 {
+                        record_pid(dir, &format!("manager-local-{i}"), 1000 * i + round).unwrap();
+                    }
+                });
+            }
+        });
+        let pids = read_pids(&dir);
+        let _ = fs::remove_dir_all(&dir);
+        assert_eq!(pids.len(), 17, "{pids:?}");
+        for i in 0..16u32 {
+            assert!(pids.contains(&(format!("manager-local-{i}"), 1000 * i + 19)), "{i}: {pids:?}");
+        }
+    }
 
     #[test]
     fn a_reaped_child_leaves_no_shm_region() {

@@ -509,6 +509,7 @@ pub fn down(dir: &Path) -> Result<()> {
         println!("icheck down: cancelled the manager job(s) {} in Slurm", ids.join(", "));
     }
     let _ = fs::remove_file(dir.join(PIDS));
+    let _ = fs::remove_file(dir.join(launcher::PIDS_LOCK));
     let _ = fs::remove_file(dir.join("controller.addr"));
     // Checkpoints in agent memory die with the service.
     let store = StaticConfig::load(&dir.join(CLIENT_CONFIG)).map_or_else(|_| store_dir(dir), |c| c.agent_store_dir);
