@@ -256,33 +256,56 @@ impl Plan {
         pieces
     }
 
+    /// The slots of each unit, the first being a primary's: a rank's
+    /// primary and its copies (`partner`), a group's members' primaries,
+    /// parity shards and slices (`rs`), a rank's primary alone (`none`).
+    fn unit_slots(&self, policy: Redundancy, ranks: u32, count: usize) -> Vec<Vec<usize>> {
+        let primary = |rank: u32| crate::distribution::agent_for_rank(rank, ranks, count as u32) as usize;
+        match policy {
+            Redundancy::None => (0..ranks).map(|r| vec![primary(r)]).collect(),
+            Redundancy::Partner { .. } => (0..ranks)
+                .map(|r| {
+                    std::iter::once(primary(r)).chain(self.copies.get(&r).into_iter().flatten().copied()).collect()
+                })
+                .collect(),
+            Redundancy::ReedSolomon { .. } => (self.groups.iter())
+                .map(|group| {
+                    let members = group.members.iter().flatten().map(|r| primary(*r));
+                    members.chain(group.parity.iter().copied()).chain(group.slices.iter().copied()).collect()
+                })
+                .collect(),
+        }
+    }
+
     /// The sets of nodes whose simultaneous loss each unit survives only up
     /// to its tolerance: (nodes of the unit, losses it survives). A version
     /// is lost when some unit loses more of its nodes than it tolerates.
     pub fn units(&self, policy: Redundancy, ranks: u32, slots: &[Slot]) -> Vec<(BTreeSet<String>, usize)> {
-        let primary = |rank: u32| {
-            slots[crate::distribution::agent_for_rank(rank, ranks, slots.len() as u32) as usize].node.clone()
-        };
-        match policy {
-            Redundancy::None => (0..ranks).map(|r| (BTreeSet::from([primary(r)]), 0)).collect(),
-            Redundancy::Partner { .. } => (0..ranks)
-                .map(|r| {
-                    let mut nodes = BTreeSet::from([primary(r)]);
-                    nodes.extend(self.copies.get(&r).into_iter().flatten().map(|s| slots[*s].node.clone()));
-                    let tolerated = nodes.len() - 1;
-                    (nodes, tolerated)
-                })
-                .collect(),
-            Redundancy::ReedSolomon { parity, .. } => self
-                .groups
-                .iter()
-                .map(|group| {
-                    let mut nodes: BTreeSet<String> = group.members.iter().flatten().map(|r| primary(*r)).collect();
-                    nodes.extend(group.parity.iter().chain(&group.slices).map(|s| slots[*s].node.clone()));
-                    (nodes, usize::from(parity))
-                })
-                .collect(),
-        }
+        (self.unit_slots(policy, ranks, slots.len()).into_iter())
+            .map(|unit| {
+                let nodes: BTreeSet<String> = unit.iter().map(|s| slots[*s].node.clone()).collect();
+                let tolerated = match policy {
+                    Redundancy::None => 0,
+                    Redundancy::Partner { .. } => nodes.len() - 1,
+                    Redundancy::ReedSolomon { parity, .. } => usize::from(parity),
+                };
+                (nodes, tolerated)
+            })
+            .collect()
+    }
+
+    /// Whether the plan, made for `policy` and `ranks` ranks on as many
+    /// slots as `slots` has, still keeps each unit's slots on distinct
+    /// nodes when the slots lie where `slots` says (some on other nodes
+    /// than when it was made: replacements after a lost node). Then it
+    /// protects as it did, and only the pieces on slots that changed need
+    /// building; a new plan could group the ranks otherwise (the grouping
+    /// follows the nodes) and give a piece still in place another meaning.
+    pub fn still_apart(&self, policy: Redundancy, ranks: u32, slots: &[Slot]) -> bool {
+        self.unit_slots(policy, ranks, slots.len()).iter().all(|unit| {
+            let nodes: Option<BTreeSet<&str>> = unit.iter().map(|s| slots.get(*s).map(|s| s.node.as_str())).collect();
+            nodes.is_some_and(|nodes| nodes.len() == unit.len())
+        })
     }
 }
 
@@ -867,6 +890,34 @@ mod tests {
         let five = plan(rs42, 5, &s).unwrap();
         let shapes: Vec<(usize, usize)> = five.groups.iter().map(|g| (g.members.len(), g.slices.len())).collect();
         assert_eq!(shapes, [(4, 0), (1, 3)], "{five:?}");
+    }
+
+    #[test]
+    fn a_plan_is_still_apart_until_a_slot_moves_beside_another_of_its_unit() {
+        let rs21 = Redundancy::ReedSolomon { data: 2, parity: 1 };
+        let s = slots(&["a", "b", "c", "d"]);
+        let placed = plan(rs21, 4, &s).unwrap();
+        assert!(placed.still_apart(rs21, 4, &s));
+        // Any one slot moved to a fresh node: still apart.
+        for slot in 0..4 {
+            let mut moved = s.clone();
+            moved[slot].node = "e".into();
+            assert!(placed.still_apart(rs21, 4, &moved), "slot {slot} on a fresh node");
+        }
+        // A group's parity moved onto one of its members' nodes: not apart.
+        let group = &placed.groups[0];
+        let member = crate::distribution::agent_for_rank(group.members[0].unwrap(), 4, 4) as usize;
+        let mut beside = s.clone();
+        beside[group.parity[0]].node = s[member].node.clone();
+        assert!(!placed.still_apart(rs21, 4, &beside), "{placed:?}");
+        // Fewer slots than the plan names: not apart.
+        assert!(!placed.still_apart(rs21, 4, &s[..3]));
+        // Partner: a copy beside its rank's primary.
+        let partner = Redundancy::Partner { copies: 2 };
+        let copies = plan(partner, 4, &s).unwrap();
+        let mut beside = s.clone();
+        beside[copies.copies[&0][0]].node = "a".into();
+        assert!(copies.still_apart(partner, 4, &s) && !copies.still_apart(partner, 4, &beside));
     }
 
     fn plan_lone() -> Plan {

@@ -721,13 +721,13 @@ fn reconcile_pending(state: &mut State, now: Instant) {
         // ranks on nodes that did not come back is rebuilt, not dropped:
         // the journal says where its copies or parity shards are.
         let reported: BTreeSet<String> = state.holdings.keys().cloned().collect();
-        let (journaled, policy) = (app.protection.journaled.as_ref(), app.protection.policy);
+        let journaled = app.protection.journaled.as_ref();
         let mut lost_nodes = BTreeSet::new();
         let rebuildable = |version: &JournaledVersion, missing: &[u32]| {
             let Some(protected) = journaled.filter(|p| p.version() == version.record.version) else {
                 return false;
             };
-            match protection::rebuildable(protected, policy, missing, &reported) {
+            match protection::rebuildable(protected, missing, &reported) {
                 Ok(lost) => {
                     tracing::warn!(app = %name, version = protected.version(), ?missing, ?lost,
                         "ranks of the protected version are on nodes lost while no controller ran; rebuilding them");
@@ -1328,7 +1328,6 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                 }
                 let state = &mut *state;
                 let mut protected = None;
-                let mut drops = Vec::new();
                 let mut due = Vec::new();
                 for (name, app) in state.apps.iter_mut() {
                     let done = app.protection.piece_done(agent, version, piece, result.clone());
@@ -1338,43 +1337,13 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                         tracing::debug!(app = %name, ended = version, next, "protecting the version that waited");
                         due.push(name.clone());
                     }
-                    if let Some(done) = done {
-                        let book = &mut app.protection;
-                        let secs =
-                            book.began.take().filter(|(v, _)| *v == done).map(|(_, at)| at.elapsed().as_secs_f64());
-                        if let Some(secs) = secs {
-                            book.history.push_back((done, secs));
-                            if book.history.len() > protection::PROTECTION_HISTORY {
-                                book.history.pop_front();
-                            }
-                        }
-                        tracing::info!(app = %name, version = done, policy = %book.policy, ?secs, "version protected");
-                        drops = app.protection.nodes().into_iter().map(|n| (n, name.clone(), done)).collect();
-                        // Journaled, so that a restarted controller (or the
-                        // standby) can still rebuild it after a lost node.
-                        protected = app.protection.protected.as_ref().map(|p| Event::Protected {
-                            app: name.clone(),
-                            protection: p.journaled(app.protection.policy),
-                        });
+                    if done.is_some() {
+                        protected = Some(name.clone());
                         break;
                     }
                 }
-                if let Some(event) = protected {
-                    match journal(state, &event) {
-                        // Only once the journal names the new version do
-                        // the older pieces go: a controller restarted in
-                        // between finds those its journal names.
-                        Ok(()) => {
-                            for (holder, app, below) in drops {
-                                state.nodes.send(&holder, ControllerToManager::DropPieces { app, below });
-                            }
-                        }
-                        Err(reason) => tracing::error!(
-                            %reason,
-                            "cannot journal a protected version: a restarted controller would not know it (the older \
-                             version's pieces are kept)"
-                        ),
-                    }
+                if let Some(name) = protected {
+                    version_protected(state, &name);
                 }
                 for name in due {
                     start_protection(&shared, state, &name);
@@ -2195,6 +2164,43 @@ async fn await_reconciled(shared: &Shared, name: &str) {
 
 /// Starts protecting `name`'s newest version on its agents (its policy's
 /// pieces requested from them), replacing any protection under way.
+/// `name`'s protection just completed (its book's `protected` is the
+/// version): recorded in its history, journaled, and the older versions'
+/// pieces dropped.
+fn version_protected(state: &mut State, name: &str) {
+    let Some(app) = state.apps.get_mut(name) else { return };
+    let book = &mut app.protection;
+    let Some(protected) = &book.protected else { return };
+    let done = protected.version();
+    let secs = book.began.take().filter(|(v, _)| *v == done).map(|(_, at)| at.elapsed().as_secs_f64());
+    if let Some(secs) = secs {
+        book.history.push_back((done, secs));
+        if book.history.len() > protection::PROTECTION_HISTORY {
+            book.history.pop_front();
+        }
+    }
+    tracing::info!(app = %name, version = done, policy = %book.policy, ?secs, "version protected");
+    let drops: Vec<String> = book.nodes().into_iter().collect();
+    // Journaled, so that a restarted controller (or the standby) can still
+    // rebuild it after a lost node.
+    let event = Event::Protected { app: name.to_string(), protection: protected.journaled() };
+    match journal(state, &event) {
+        // Only once the journal names the new version do the older pieces
+        // go: a controller restarted in between finds those its journal
+        // names.
+        Ok(()) => {
+            for holder in drops {
+                state.nodes.send(&holder, ControllerToManager::DropPieces { app: name.to_string(), below: done });
+            }
+        }
+        Err(reason) => tracing::error!(
+            %reason,
+            "cannot journal a protected version: a restarted controller would not know it (the older version's \
+             pieces are kept)"
+        ),
+    }
+}
+
 fn start_protection(shared: &Shared, state: &mut State, name: &str) {
     let policy = {
         let Some(app) = state.apps.get(name) else { return };
@@ -2209,7 +2215,15 @@ fn start_protection(shared: &Shared, state: &mut State, name: &str) {
         return;
     }
     let units = decide::mapping_units(&app.registration);
+    let holders = |book: &protection::ProtectionBook| book.protected.as_ref().map(|p| (p.version(), p.agents.clone()));
+    let before = holders(&app.protection);
     let requests = app.protection.begin(&record, units, &app.agents, &|node| shared.node_groups.get(node).cloned());
+    let after = holders(&app.protection);
+    if after != before && after.as_ref().is_some_and(|(v, _)| *v == version) {
+        // Repaired with no piece to build: protected on its new agents.
+        version_protected(state, name);
+        return;
+    }
     app.protection.began = (!requests.is_empty()).then(|| (version, Instant::now()));
     if let Some(problem) = &app.protection.problem {
         tracing::warn!(app = name, %policy, %problem, "redundancy cannot be placed");

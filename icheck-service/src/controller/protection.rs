@@ -31,6 +31,8 @@ pub(super) struct Protected {
     pub(super) agents: Vec<AgentInfo>,
     /// Ranks (or SHMR nodes) of the version.
     pub(super) units: u32,
+    /// The policy the plan was made for.
+    pub(super) policy: Redundancy,
 }
 
 impl Protected {
@@ -46,10 +48,10 @@ impl Protected {
     }
 
     /// What the journal keeps of it.
-    pub(super) fn journaled(&self, policy: Redundancy) -> JournaledProtection {
+    pub(super) fn journaled(&self) -> JournaledProtection {
         JournaledProtection {
             record: self.record.clone(),
-            policy,
+            policy: self.policy,
             plan: self.plan.clone(),
             agents: self.agents.clone(),
             units: self.units,
@@ -63,6 +65,7 @@ struct Protecting {
     plan: Plan,
     agents: Vec<AgentInfo>,
     units: u32,
+    policy: Redundancy,
     outstanding: BTreeSet<(u64, PieceId)>,
     /// The agent building each outstanding piece held by another (an
     /// encoder writing its shards to their holders): its node's loss ends
@@ -156,7 +159,7 @@ impl ProtectionBook {
         let JournaledProtection { record, policy, plan, agents, units } = journaled.clone();
         ProtectionBook {
             policy,
-            journaled: Some(Protected { record, plan, agents, units }),
+            journaled: Some(Protected { record, plan, agents, units, policy }),
             ..ProtectionBook::default()
         }
     }
@@ -178,8 +181,20 @@ impl ProtectionBook {
     }
 
     /// Starts protecting `version`, stored on `agents` (rank-mapping order,
-    /// `units` ranks): the pieces to request, or none (policy `none`, or
-    /// the plan cannot be had, which [`problem`](Self::problem) says).
+    /// `units` ranks): the pieces to request, or none (policy `none`, the
+    /// plan cannot be had, which [`problem`](Self::problem) says, or the
+    /// version is protected already with nothing on the slots that changed,
+    /// which [`protected`](Self::protected) then names on `agents`).
+    ///
+    /// The protected version again, on agents some of which replaced lost
+    /// ones (a rebuild), is *repaired*: its plan is kept where it still
+    /// keeps every unit on distinct nodes, and only the pieces on the slots
+    /// whose agents changed are built. The pieces in place stay as they
+    /// are: a new plan could group the ranks otherwise and rewrite a piece
+    /// in place with another meaning, and a node lost while that ran left
+    /// the protected record naming pieces that no longer held what it said
+    /// (a rebuild then refused them: "the parity of group 1 does not
+    /// describe rank 2").
     pub(super) fn begin(
         &mut self,
         record: &VersionRecord,
@@ -196,12 +211,24 @@ impl ProtectionBook {
             return Vec::new();
         }
         let slots: Vec<Slot> = agents.iter().map(|a| Slot { node: a.node.clone(), group: groups(&a.node) }).collect();
-        let plan = match redundancy::plan(self.policy, units, &slots) {
-            Ok(plan) => plan,
-            Err(err) => {
-                self.problem = Some(format!("version {version} is not protected: {err}"));
-                return Vec::new();
-            }
+        let policy = self.policy;
+        let again = self.protected.as_ref().filter(|p| {
+            p.version() == version
+                && p.policy == policy
+                && p.units == units
+                && p.agents.len() == agents.len()
+                && p.plan.still_apart(policy, units, &slots)
+        });
+        // Slots whose pieces are in place (only when repairing).
+        let (plan, in_place): (Plan, Vec<bool>) = match again {
+            Some(p) => (p.plan.clone(), p.agents.iter().zip(agents).map(|(was, is)| was.id == is.id).collect()),
+            None => match redundancy::plan(policy, units, &slots) {
+                Ok(plan) => (plan, vec![false; agents.len()]),
+                Err(err) => {
+                    self.problem = Some(format!("version {version} is not protected: {err}"));
+                    return Vec::new();
+                }
+            },
         };
         // Placed: whatever kept it from protection before (a lost node, a
         // rebuild) is over; the pieces under way say the rest.
@@ -216,6 +243,9 @@ impl ProtectionBook {
         let mut outstanding = BTreeSet::new();
         let mut built_by = std::collections::BTreeMap::new();
         for (slot, piece) in plan.pieces() {
+            if in_place[slot] {
+                continue;
+            }
             let holder = &agents[slot];
             outstanding.insert((holder.id, piece));
             // Who builds it: its holder, but for a sliced group's parity the
@@ -232,8 +262,10 @@ impl ProtectionBook {
                     // shards to their holders (who answer through it):
                     // K + M − 1 shards cross the fabric instead of M × K. A
                     // group of one whole member moves as much either way,
-                    // and its M holders encode at once.
-                    match (group.data_shards() >= 2, index) {
+                    // and its M holders encode at once, as does each holder
+                    // of a shard a repair builds while others stay.
+                    let every_shard = group.parity.iter().all(|s| !in_place[*s]);
+                    match (group.data_shards() >= 2 && every_shard, index) {
                         (true, 0) if !group.slices.is_empty() => {
                             builder = primary(group.members[0].unwrap_or_default());
                             (members, group.parity.iter().map(|s| agents[*s].clone()).collect())
@@ -256,7 +288,12 @@ impl ProtectionBook {
         }
         let record = record.clone();
         let agents = agents.to_vec();
-        self.protecting = Some(Protecting { record, plan, agents, units, outstanding, built_by });
+        if outstanding.is_empty() {
+            // Repaired: no piece lay on the slots that changed.
+            self.now_protected(Protected { record, plan, agents, units, policy });
+            return requests;
+        }
+        self.protecting = Some(Protecting { record, plan, agents, units, policy, outstanding, built_by });
         requests
     }
 
@@ -281,14 +318,19 @@ impl ProtectionBook {
         if !protecting.outstanding.is_empty() {
             return None;
         }
-        let Protecting { record, plan, agents, units, .. } = self.protecting.take().expect("matched above");
-        self.protected = Some(Protected { record, plan, agents, units });
+        let Protecting { record, plan, agents, units, policy, .. } = self.protecting.take().expect("matched above");
+        self.now_protected(Protected { record, plan, agents, units, policy });
+        Some(version)
+    }
+
+    /// `protected` has every piece in place.
+    fn now_protected(&mut self, protected: Protected) {
+        self.protected = Some(protected);
         self.problem = None;
         self.lost = None;
         // Losses counted against the record this one replaces.
         self.lost_since.clear();
         self.rebuilt.clear();
-        Some(version)
     }
 
     /// Whether `version`, just complete, waits for the protection under way
@@ -394,10 +436,10 @@ fn group_members(group: &redundancy::Group, primary: &dyn Fn(u32) -> AgentInfo) 
 /// An error names every rank that cannot be rebuilt and the lost nodes.
 pub(super) fn rebuild_sources(
     protected: &Protected,
-    policy: Redundancy,
     dead: &BTreeSet<String>,
 ) -> Result<Vec<(u32, usize, RebuildSource)>, String> {
-    let Protected { plan, agents, units, record } = protected;
+    let Protected { plan, agents, units, record, policy } = protected;
+    let policy = *policy;
     let version = record.version;
     let slot_of = |rank: u32| protected.primary_slot(rank);
     let alive = |slot: usize| !dead.contains(&agents[slot].node);
@@ -476,7 +518,6 @@ pub(super) fn rebuild_sources(
 /// lost nodes, or why it cannot be rebuilt.
 pub(super) fn rebuildable(
     protected: &Protected,
-    policy: Redundancy,
     missing: &[u32],
     reported: &BTreeSet<String>,
 ) -> Result<BTreeSet<String>, String> {
@@ -488,7 +529,7 @@ pub(super) fn rebuildable(
     for rank in missing {
         lost.insert(protected.agents[protected.primary_slot(*rank)].node.clone());
     }
-    rebuild_sources(protected, policy, &lost)?;
+    rebuild_sources(protected, &lost)?;
     Ok(lost)
 }
 
@@ -668,6 +709,77 @@ mod tests {
         assert_eq!(book.node_lost(&primary_node), Some(7));
     }
 
+    /// Protects version `version` of `units` ranks on `agents` with every
+    /// piece answered at once: the pieces' (holder, piece), in order.
+    fn protect_all(book: &mut ProtectionBook, version: u64, units: u32, agents: &[AgentInfo]) -> Vec<(u64, PieceId)> {
+        let requests = book.begin(&record(version), units, agents, &|_| None);
+        let answers: Vec<(u64, PieceId)> = requests.iter().flat_map(|(id, _, task)| task.answers(*id)).collect();
+        for (holder, piece) in &answers {
+            book.piece_done(*holder, version, *piece, Ok(1));
+        }
+        assert_eq!(book.protected.as_ref().map(|p| p.version()), Some(version));
+        answers
+    }
+
+    #[test]
+    fn a_rebuilt_version_keeps_its_plan_and_builds_only_the_pieces_of_the_replaced_slots() {
+        // The fault campaign's and CI's case: five ranks under rs:4+2, one
+        // rank per node. The grouping follows the nodes' names, so the
+        // replacement on local-7 would have made rank 4 the sliced one in
+        // place of rank 2, and rewritten group 1's pieces on the survivors
+        // with that meaning while the record still said rank 2.
+        let nodes = ["local-1", "local-2", "local-6", "local-3", "local-4", "local-5"];
+        let agents: Vec<AgentInfo> = nodes.iter().enumerate().map(|(i, n)| agent(i as u64 + 1, n)).collect();
+        let mut book = book("rs:4+2");
+        let all = protect_all(&mut book, 3, 5, &agents);
+        let plan = book.protected.as_ref().unwrap().plan.clone();
+        let mut replaced = agents.clone();
+        replaced[4] = agent(7, "local-7");
+        let slots = |agents: &[AgentInfo]| -> Vec<Slot> {
+            agents.iter().map(|a| Slot { node: a.node.clone(), group: None }).collect()
+        };
+        let fresh = redundancy::plan(book.policy, 5, &slots(&replaced)).unwrap();
+        assert_ne!(fresh.groups, plan.groups, "a new plan would group the ranks otherwise");
+        let requests = book.begin(&record(3), 5, &replaced, &|_| None);
+        let answers: Vec<(u64, PieceId)> = requests.iter().flat_map(|(id, _, task)| task.answers(*id)).collect();
+        let on_slot_4: Vec<(u64, PieceId)> =
+            all.iter().filter(|(holder, _)| *holder == 5).map(|(_, piece)| (7, *piece)).collect();
+        assert!(!on_slot_4.is_empty(), "slot 4 held pieces: {all:?}");
+        assert_eq!(answers, on_slot_4, "only the replaced slot's pieces are built");
+        // Each is built by its own holder (its group's other shards stay).
+        assert!(requests.iter().all(|(id, _, task)| *id == 7 && task.also.is_empty()), "{requests:?}");
+        for (holder, piece) in &answers {
+            book.piece_done(*holder, 3, *piece, Ok(1));
+        }
+        let protected = book.protected.as_ref().unwrap();
+        assert_eq!((&protected.plan, &protected.agents), (&plan, &replaced));
+        assert!(book.rebuilt.is_empty() && book.protecting().is_none());
+        // A replacement beside a survivor: the plan no longer keeps its
+        // pieces apart, and a new one is made (every piece built).
+        let mut doubled = replaced.clone();
+        doubled[4] = agent(8, "local-1");
+        let requests = book.begin(&record(3), 5, &doubled, &|_| None);
+        let holders: BTreeSet<u64> =
+            requests.iter().flat_map(|(id, _, task)| task.answers(*id)).map(|(holder, _)| holder).collect();
+        assert!(holders.len() > 1, "{requests:?}");
+    }
+
+    #[test]
+    fn a_replaced_slot_holding_no_piece_is_protected_at_once_on_the_new_agents() {
+        // rs:2+1, four ranks on four nodes: two groups, each with its parity
+        // on a node outside it; some slot holds no parity.
+        let agents: Vec<AgentInfo> = (1..=4).map(|i| agent(i, &format!("n{i}"))).collect();
+        let mut book = book("rs:2+1");
+        let all = protect_all(&mut book, 3, 4, &agents);
+        let idle =
+            (0..4).find(|s| !all.iter().any(|(holder, _)| *holder == agents[*s].id)).expect("a slot without pieces");
+        let mut replaced = agents.clone();
+        replaced[idle] = agent(9, "n9");
+        assert!(book.begin(&record(3), 4, &replaced, &|_| None).is_empty());
+        assert_eq!(book.protected.as_ref().map(|p| &p.agents), Some(&replaced));
+        assert!(book.protecting().is_none());
+    }
+
     #[test]
     fn a_failed_piece_leaves_the_version_unprotected_and_says_why() {
         let agents = [agent(1, "a"), agent(2, "b")];
@@ -689,7 +801,7 @@ mod tests {
         for (agent, _, task) in book.begin(&record(5), 2, &agents, &|_| None) {
             book.piece_done(agent, 5, task.piece, Ok(1));
         }
-        let journaled = book.protected.as_ref().unwrap().journaled(book.policy);
+        let journaled = book.protected.as_ref().unwrap().journaled();
         // Version 6 completed before it was protected: a rebuild falls back to 5.
         let mut restarted = ProtectionBook::from_journal(&journaled);
         restarted.confirm(Some(6));
@@ -709,7 +821,7 @@ mod tests {
         for (agent, _, task) in book.begin(&record(5), 4, &agents, &|_| None) {
             book.piece_done(agent, 5, task.piece, Ok(1));
         }
-        let journaled = book.protected.as_ref().unwrap().journaled(book.policy);
+        let journaled = book.protected.as_ref().unwrap().journaled();
         // Another version won the reconciliation: the protection is of no use.
         let mut restarted = ProtectionBook::from_journal(&journaled);
         assert_eq!(restarted.policy, book.policy);
@@ -719,16 +831,16 @@ mod tests {
         let mut restarted = ProtectionBook::from_journal(&journaled);
         restarted.confirm(Some(5));
         let protected = restarted.protected.clone().expect("version 5 confirmed: protected again");
-        assert_eq!(protected.journaled(restarted.policy), journaled);
+        assert_eq!(protected.journaled(), journaled);
 
         let all: BTreeSet<String> = ["a", "b", "c", "d"].iter().map(|n| n.to_string()).collect();
         let without_b: BTreeSet<String> = all.iter().filter(|n| *n != "b").cloned().collect();
         // Node b never came back (rank 1 was there): rebuildable from its group.
-        assert_eq!(rebuildable(&protected, restarted.policy, &[1], &without_b).unwrap(), ["b".to_string()].into());
+        assert_eq!(rebuildable(&protected, &[1], &without_b).unwrap(), ["b".to_string()].into());
         // Node b came back without rank 1 (a wiped store): lost all the same.
-        assert_eq!(rebuildable(&protected, restarted.policy, &[1], &all).unwrap(), ["b".to_string()].into());
+        assert_eq!(rebuildable(&protected, &[1], &all).unwrap(), ["b".to_string()].into());
         // Ranks 0 and 1 form a group of rs:2+1: both lost is one too many.
-        let err = rebuildable(&protected, restarted.policy, &[0, 1], &all).unwrap_err();
+        let err = rebuildable(&protected, &[0, 1], &all).unwrap_err();
         assert!(err.contains("ranks [0, 1]") && err.contains("cannot be rebuilt"), "{err}");
     }
 
@@ -780,10 +892,10 @@ mod tests {
             }
             let protected = book.protected.clone().unwrap();
             let one: BTreeSet<String> = ["b".to_string()].into();
-            let sources = rebuild_sources(&protected, book.policy, &one).unwrap();
+            let sources = rebuild_sources(&protected, &one).unwrap();
             assert_eq!(sources.iter().map(|s| s.0).collect::<Vec<_>>(), [1], "{policy}: rank 1 was on b");
             let two: BTreeSet<String> = ["a".to_string(), "b".to_string(), "c".to_string()].into();
-            let err = rebuild_sources(&protected, book.policy, &two).unwrap_err();
+            let err = rebuild_sources(&protected, &two).unwrap_err();
             assert!(err.contains("ranks [") && err.contains("\"a\""), "{policy}: {err}");
         }
     }
@@ -805,7 +917,7 @@ mod tests {
         // The primary and one slice holder lost: the two parity shards and
         // the other two slices decode it.
         let dead: BTreeSet<String> = [primary.clone(), node(group.slices[1])].into();
-        let sources = rebuild_sources(&protected, book.policy, &dead).unwrap();
+        let sources = rebuild_sources(&protected, &dead).unwrap();
         let [(0, _, RebuildSource::Slices { group: 0, slices, parity })] = sources.as_slice() else {
             panic!("{sources:?}")
         };
@@ -813,10 +925,10 @@ mod tests {
         assert!(parity.iter().all(Option::is_some));
         // A third loss among its six nodes is one too many.
         let three: BTreeSet<String> = [primary, node(group.slices[1]), node(group.parity[0])].into();
-        let err = rebuild_sources(&protected, book.policy, &three).unwrap_err();
+        let err = rebuild_sources(&protected, &three).unwrap_err();
         assert!(err.contains("ranks [0]"), "{err}");
         // Slice holders lost alone: no rank to rebuild (protection builds the slices again).
         let holders: BTreeSet<String> = [node(group.slices[0]), node(group.slices[2])].into();
-        assert!(rebuild_sources(&protected, book.policy, &holders).unwrap().is_empty());
+        assert!(rebuild_sources(&protected, &holders).unwrap().is_empty());
     }
 }

@@ -386,8 +386,7 @@ async fn agents_back_in_place(shared: &Shared, name: &str) {
                 *held = now.clone();
             }
         }
-        protected =
-            Some(Event::Protected { app: name.to_string(), protection: record.journaled(app.protection.policy) });
+        protected = Some(Event::Protected { app: name.to_string(), protection: record.journaled() });
     }
     let newer = app.latest.as_ref().map(|l| l.version) > app.protection.protected.as_ref().map(|p| p.version());
     app.agents = agents;
@@ -436,7 +435,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     if fresh.is_empty() {
         return Ok(None);
     }
-    let (protected, policy, dead, owner, waiters, lost_slots, stale, reused, fell_back) = loop {
+    let (protected, dead, owner, waiters, lost_slots, stale, reused, fell_back) = loop {
         if came_back_whole(shared, name, &fresh).await {
             // The newest version is whole where it was; only the
             // application's agents there died with their managers.
@@ -510,11 +509,10 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
                 "the newest version was not protected yet: falling back to the protected one"
             );
         }
-        let policy = app.protection.policy;
         let owner = app.owner.ok_or("the application has no recorded owner")?;
         let encrypted = app.registration.encrypted;
         // Checked before anything starts: which ranks can be rebuilt.
-        protection::rebuild_sources(&protected, policy, &dead)?;
+        protection::rebuild_sources(&protected, &dead)?;
         let lost_slots: Vec<usize> =
             (0..protected.agents.len()).filter(|s| dead.contains(&protected.agents[*s].node)).collect();
         // A slot an earlier pass rebuilt keeps its replacement while that
@@ -583,7 +581,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
             protected: Some(protected.version()),
         };
         let waiters = send_starts(state, &spec, places);
-        break (protected, policy, dead, owner, waiters, lost_slots, stale, reused, falls_back);
+        break (protected, dead, owner, waiters, lost_slots, stale, reused, falls_back);
     };
     tracing::warn!(
         app = name,
@@ -606,7 +604,7 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
     for (slot, agent) in lost_slots.iter().chain(&stale).zip(&started).chain(reused.iter()) {
         agents[*slot] = agent.clone();
     }
-    let mut sources = protection::rebuild_sources(&protected, policy, &dead)?;
+    let mut sources = protection::rebuild_sources(&protected, &dead)?;
     sources.retain(|(_, slot, _)| !reused.contains_key(slot));
     let rebuilt = sources.len();
     let mut pending = sources;
