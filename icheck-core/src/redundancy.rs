@@ -197,7 +197,9 @@ pub struct Slot {
 
 /// A Reed-Solomon group: up to K ranks, each with its primary on a distinct
 /// node, and the agent slots holding its parity shards (index = shard).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// An empty one (no members, no pieces) only keeps a number unused
+/// ([`Plan::number_groups_from`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Group {
     /// The member ranks in shard order (at most K; `None`, a shard of
     /// zeros, is understood but no longer planned).
@@ -231,6 +233,16 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Numbers the groups from `first` on, leaving the numbers below it to
+    /// no group (empty ones hold their places): a version planned anew
+    /// while its record still names the pieces of an earlier plan gets
+    /// piece names of its own (`PieceId::Parity` and `PieceId::Slice`
+    /// carry the group's number), so none of those pieces is written over
+    /// with another meaning before the new plan is complete.
+    pub fn number_groups_from(&mut self, first: usize) {
+        self.groups.splice(0..0, std::iter::repeat_with(Group::default).take(first));
+    }
+
     /// The group `rank` is a member of, with its shard index.
     pub fn group_of(&self, rank: u32) -> Option<(usize, usize)> {
         self.groups
@@ -918,6 +930,30 @@ mod tests {
         let mut beside = s.clone();
         beside[copies.copies[&0][0]].node = "a".into();
         assert!(copies.still_apart(partner, 4, &s) && !copies.still_apart(partner, 4, &beside));
+    }
+
+    #[test]
+    fn groups_numbered_from_a_later_number_keep_their_pieces_units_and_members() {
+        let rs21 = Redundancy::ReedSolomon { data: 2, parity: 1 };
+        let s = slots(&["a", "b", "c", "d"]);
+        let placed = plan(rs21, 4, &s).unwrap();
+        let mut later = placed.clone();
+        later.number_groups_from(3);
+        assert_eq!(later.groups.len(), placed.groups.len() + 3);
+        let shifted = |piece: PieceId| match piece {
+            PieceId::Parity { group, index } => PieceId::Parity { group: group + 3, index },
+            other => other,
+        };
+        let expected: Vec<(usize, PieceId)> = placed.pieces().into_iter().map(|(slot, p)| (slot, shifted(p))).collect();
+        assert_eq!(later.pieces(), expected);
+        for rank in 0..4 {
+            let (group, shard) = placed.group_of(rank).unwrap();
+            assert_eq!(later.group_of(rank), Some((group + 3, shard)));
+        }
+        // The empty groups are units of no node: the loss model is unchanged.
+        let p = 0.05;
+        assert_eq!(loss_probability(&later.units(rs21, 4, &s), p), loss_probability(&placed.units(rs21, 4, &s), p));
+        assert!(later.still_apart(rs21, 4, &s));
     }
 
     fn plan_lone() -> Plan {

@@ -223,7 +223,18 @@ impl ProtectionBook {
         let (plan, in_place): (Plan, Vec<bool>) = match again {
             Some(p) => (p.plan.clone(), p.agents.iter().zip(agents).map(|(was, is)| was.id == is.id).collect()),
             None => match redundancy::plan(policy, units, &slots) {
-                Ok(plan) => (plan, vec![false; agents.len()]),
+                Ok(mut plan) => {
+                    // The protected version planned anew (its plan no
+                    // longer keeps its units apart): the new groups are
+                    // numbered after the record's, whose pieces stay as
+                    // they are until this plan is complete. (Copies keep
+                    // their names: a rank's copy holds the same bytes in
+                    // any plan.)
+                    if let Some(old) = self.protected.as_ref().filter(|p| p.version() == version) {
+                        plan.number_groups_from(old.plan.groups.len());
+                    }
+                    (plan, vec![false; agents.len()])
+                }
                 Err(err) => {
                     self.problem = Some(format!("version {version} is not protected: {err}"));
                     return Vec::new();
@@ -565,6 +576,7 @@ pub(super) fn nodes_missing_pieces<'a>(
 mod tests {
     use super::super::apps::tests::agent;
     use super::*;
+    use icheck_core::redundancy::Group;
     use std::collections::BTreeMap;
 
     fn record(version: u64) -> VersionRecord {
@@ -755,13 +767,35 @@ mod tests {
         assert_eq!((&protected.plan, &protected.agents), (&plan, &replaced));
         assert!(book.rebuilt.is_empty() && book.protecting().is_none());
         // A replacement beside a survivor: the plan no longer keeps its
-        // pieces apart, and a new one is made (every piece built).
+        // pieces apart, and a new one is made (every piece built), its
+        // groups numbered after the record's, so that no piece the record
+        // names is written over while it is built.
         let mut doubled = replaced.clone();
         doubled[4] = agent(8, "local-1");
         let requests = book.begin(&record(3), 5, &doubled, &|_| None);
-        let holders: BTreeSet<u64> =
-            requests.iter().flat_map(|(id, _, task)| task.answers(*id)).map(|(holder, _)| holder).collect();
+        let answers: Vec<(u64, PieceId)> = requests.iter().flat_map(|(id, _, task)| task.answers(*id)).collect();
+        let holders: BTreeSet<u64> = answers.iter().map(|(holder, _)| *holder).collect();
         assert!(holders.len() > 1, "{requests:?}");
+        let old_groups = plan.groups.len() as u32;
+        for (_, piece) in &answers {
+            let group = match piece {
+                PieceId::Parity { group, .. } | PieceId::Slice { group, .. } => *group,
+                PieceId::Copy { .. } => unreachable!("rs:4+2 keeps no copies"),
+            };
+            assert!(group >= old_groups, "{piece} reuses a number of the record's plan: {answers:?}");
+        }
+        for (holder, piece) in &answers {
+            book.piece_done(*holder, 3, *piece, Ok(1));
+        }
+        let replanned = &book.protected.as_ref().unwrap().plan;
+        assert!(replanned.groups[..plan.groups.len()].iter().all(|g| *g == Group::default()), "{replanned:?}");
+        // Its ranks are all in its own groups, and it still says what a
+        // rebuild reads: rank 2's group lies past the empty ones.
+        let (group, _) = replanned.group_of(2).unwrap();
+        assert!(group >= plan.groups.len());
+        let dead = BTreeSet::from(["local-6".to_string()]);
+        let sources = rebuild_sources(book.protected.as_ref().unwrap(), &dead).unwrap();
+        assert_eq!(sources.len(), 1, "{sources:?}");
     }
 
     #[test]
