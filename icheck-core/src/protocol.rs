@@ -669,6 +669,18 @@ pub enum ControllerToManager {
         /// The newest version lost.
         through: u64,
     },
+    /// `version` of the application was protected under a new plan (its
+    /// old one no longer kept its pieces apart): the pieces of `version`
+    /// this node holds other than `keep`, the new plan's here, belong to
+    /// the old plan and are deleted.
+    DropStalePieces {
+        /// Application.
+        app: String,
+        /// The version protected anew.
+        version: u64,
+        /// The new plan's pieces on this node.
+        keep: Vec<crate::redundancy::PieceId>,
+    },
 }
 
 /// Requests of clients (applications and operators).

@@ -590,6 +590,18 @@ async fn session(
             ControllerToManager::Protecting { app, version } => {
                 for_app_agents(agents, &app, |agent| agent.protecting(version));
             }
+            ControllerToManager::DropStalePieces { app, version, keep } => {
+                let store = settings.store.clone();
+                tokio::task::spawn_blocking(move || match store.drop_stale_pieces(&app, version, &keep) {
+                    Ok(0) => {}
+                    Ok(removed) => {
+                        tracing::info!(%app, version, removed, "the old plan's pieces of a re-planned version deleted")
+                    }
+                    Err(err) => {
+                        tracing::warn!(%app, version, %err, "cannot delete the old plan's pieces of a re-planned version")
+                    }
+                });
+            }
             ControllerToManager::DropPieces { app, below } => {
                 // `below` is protected: its agents here may let older versions go.
                 for_app_agents(agents, &app, |agent| agent.protected(below));

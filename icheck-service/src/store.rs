@@ -1356,6 +1356,27 @@ impl Store {
         })
     }
 
+    /// Deletes `app`'s pieces of `version` other than `keep` (data and
+    /// description files, sealed or not): the version was protected under
+    /// a new plan, and these belonged to the old one. Other versions'
+    /// pieces and the spares stay. Returns how many files went.
+    pub fn drop_stale_pieces(&self, app: &str, version: u64, keep: &[PieceId]) -> Result<usize> {
+        check_app_name(app)?;
+        let dir = self.root.join(app).join(PIECES);
+        let mut removed = 0;
+        for entry in fs::read_dir(&dir).into_iter().flatten().filter_map(|e| e.ok()) {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let stem = name.strip_suffix(".data").or_else(|| name.strip_suffix(".meta"));
+            let stale =
+                stem.and_then(parse_piece_file_name).is_some_and(|(v, piece)| v == version && !keep.contains(&piece));
+            if stale && remove_if_present(&entry.path())? {
+                removed += 1;
+            }
+        }
+        self.sweep_kept();
+        Ok(removed)
+    }
+
     /// Every sealed piece of redundancy in the store whose description
     /// checks and whose data file is as long as it says (what a manager
     /// announces beside its versions). The data is not read: a rebuild
@@ -1422,7 +1443,13 @@ fn piece_name(piece: PieceId) -> String {
 /// The version and piece of a sealed piece's description file's name,
 /// `v<V>.<piece>.meta` ([`piece_name`]); `None` for any other name.
 fn parse_piece_meta_name(name: &str) -> Option<(u64, PieceId)> {
-    let (version, piece) = name.strip_prefix('v')?.strip_suffix(".meta")?.split_once('.')?;
+    parse_piece_file_name(name.strip_suffix(".meta")?)
+}
+
+/// The version and piece of a piece's file name without its extension,
+/// `v<V>.<piece>`; `None` for any other name (a spare's included).
+fn parse_piece_file_name(stem: &str) -> Option<(u64, PieceId)> {
+    let (version, piece) = stem.strip_prefix('v')?.split_once('.')?;
     let group_and_index = |rest: &str| -> Option<(u32, u8)> {
         let (group, index) = rest.split_once('-')?;
         Some((group.parse().ok()?, index.parse().ok()?))
@@ -2024,6 +2051,44 @@ mod tests {
         ] {
             assert_eq!(parse_piece_meta_name(other), None, "{other}");
         }
+    }
+
+    #[test]
+    fn a_replanned_versions_old_pieces_go_and_everything_else_stays() {
+        let dir = std::env::temp_dir().join(format!("icheck-store-stale-{}", std::process::id()));
+        let store = Store::new(&dir);
+        let (old, new) = (PieceId::Parity { group: 0, index: 1 }, PieceId::Parity { group: 2, index: 1 });
+        let copy = PieceId::Copy { rank: 1 };
+        for (version, piece) in [(3, old), (3, new), (3, copy), (2, old)] {
+            let file = store.create_piece("app", version, piece, 10).unwrap();
+            if piece != new {
+                store
+                    .seal_piece("app", version, piece, &PieceMeta::Copy(manifest("app", 1, version, file.as_slice())))
+                    .unwrap();
+            }
+        }
+        // An unsealed stale piece (its protection was cut short) goes too.
+        let unsealed = PieceId::Slice { group: 1, index: 2 };
+        drop(store.create_piece("app", 3, unsealed, 10).unwrap());
+        fs::write(dir.join("app/pieces/spare.parity0-1.data"), b"spare").unwrap();
+        // Version 3's old parity (data and description) and the unsealed slice.
+        assert_eq!(store.drop_stale_pieces("app", 3, &[new, copy]).unwrap(), 3);
+        let mut left: Vec<_> = fs::read_dir(dir.join("app/pieces"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        let expected = [
+            "spare.parity0-1.data",
+            "v2.parity0-1.data",
+            "v2.parity0-1.meta",
+            "v3.copy1.data",
+            "v3.copy1.meta",
+            "v3.parity2-1.data",
+        ];
+        assert_eq!(left, expected);
+        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]

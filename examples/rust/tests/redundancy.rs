@@ -152,6 +152,39 @@ fn partner_copies_rebuild_a_lost_node_and_survive_a_second_loss() {
 }
 
 #[test]
+fn a_version_planned_anew_beside_a_survivor_keeps_only_the_new_plans_pieces() {
+    // rs:2+1 on three nodes, none started again: the lost node's slot goes
+    // beside a survivor, the old plan no longer keeps its groups apart, and
+    // version 3 is planned anew with its groups numbered after the old
+    // plan's. Once it is protected, the old plan's parity shards of it are
+    // deleted from the nodes that hold them.
+    let service = service("red-replanned", 3);
+    commit_three(&service, "rp", "rs:2+1");
+    let report = wait_protected(&service, "rp", 3);
+    let first = report.agents[0].node.clone();
+    let parity_groups = |node: &str| -> Vec<u32> {
+        let dir = service.config.agent_store_dir.join(node).join("rp").join("pieces");
+        let names = std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.file_name());
+        let groups = names.filter_map(|n| n.to_str()?.strip_prefix("v3.parity")?.split_once('-')?.0.parse().ok());
+        groups.collect()
+    };
+    let old_groups: Vec<u32> = report.agents.iter().flat_map(|a| parity_groups(&a.node)).collect();
+    assert!(!old_groups.is_empty() && old_groups.iter().all(|g| *g < 2), "{old_groups:?}");
+    lose_node(&service, &first);
+    let rebuilt = wait_rebuilt(&service, "rp", 3, &[&first]);
+    let nodes: std::collections::BTreeSet<&str> = rebuilt.agents.iter().map(|a| a.node.as_str()).collect();
+    assert_eq!(nodes.len(), 2, "a replacement beside a survivor: {:?}", rebuilt.agents);
+    let settled = poll_until(Duration::from_secs(10), || {
+        nodes.iter().flat_map(|n| parity_groups(n)).all(|g| g > *old_groups.iter().max().unwrap())
+    });
+    let left: Vec<(&str, Vec<u32>)> = nodes.iter().map(|n| (*n, parity_groups(n))).collect();
+    assert!(settled, "the old plan's parity shards of version 3 are still there: {left:?}");
+    assert!(left.iter().any(|(_, groups)| !groups.is_empty()), "no parity of the new plan: {left:?}");
+    restart_bit_exact(&service, "rp", "rs:2+1", 6);
+    pfs_untouched(&service, "rp");
+}
+
+#[test]
 fn reed_solomon_decodes_lost_ranks_and_names_them_when_too_many_are_lost() {
     let service = service("red-rs21", 4);
     commit_three(&service, "rs", "rs:2+1");

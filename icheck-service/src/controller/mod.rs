@@ -2181,16 +2181,30 @@ fn version_protected(state: &mut State, name: &str) {
     }
     tracing::info!(app = %name, version = done, policy = %book.policy, ?secs, "version protected");
     let drops: Vec<String> = book.nodes().into_iter().collect();
+    // A re-planned version: what each node keeps of it under the new plan
+    // (every node is told, since the old plan's holders may be others).
+    let replanned = (book.replanned.take() == Some(done)).then(|| {
+        let here = |node: &str| -> Vec<icheck_core::redundancy::PieceId> {
+            let at = |slot: usize| protected.agents.get(slot).is_some_and(|a| a.node == node);
+            protected.plan.pieces().into_iter().filter(|(slot, _)| at(*slot)).map(|(_, piece)| piece).collect()
+        };
+        let nodes = state.nodes.snapshot(Instant::now());
+        nodes.into_iter().filter(|n| n.alive).map(|n| (here(&n.node), n.node)).collect::<Vec<_>>()
+    });
     // Journaled, so that a restarted controller (or the standby) can still
     // rebuild it after a lost node.
     let event = Event::Protected { app: name.to_string(), protection: protected.journaled() };
     match journal(state, &event) {
-        // Only once the journal names the new version do the older pieces
-        // go: a controller restarted in between finds those its journal
-        // names.
+        // Only once the journal names the new version (or plan) do the
+        // older pieces go: a controller restarted in between finds those
+        // its journal names.
         Ok(()) => {
             for holder in drops {
                 state.nodes.send(&holder, ControllerToManager::DropPieces { app: name.to_string(), below: done });
+            }
+            for (keep, node) in replanned.into_iter().flatten() {
+                let drop = ControllerToManager::DropStalePieces { app: name.to_string(), version: done, keep };
+                state.nodes.send(&node, drop);
             }
         }
         Err(reason) => tracing::error!(

@@ -128,6 +128,10 @@ pub(super) struct ProtectionBook {
     /// A newer version completed while one was being protected: it is
     /// protected once that protection ends ([`defer`](Self::defer)).
     waiting: Option<u64>,
+    /// The version under way is the protected one planned anew: once it
+    /// is protected, the old plan's pieces of it are deleted
+    /// (`ControllerToManager::DropStalePieces`).
+    pub(super) replanned: Option<u64>,
 }
 
 /// A protection under way for longer than this (or than its version's
@@ -204,6 +208,7 @@ impl ProtectionBook {
     ) -> Vec<PieceRequest> {
         let version = record.version;
         self.protecting = None;
+        self.replanned = None;
         // Whatever waited is protected now, or superseded by this version.
         self.waiting = None;
         if self.policy.is_none() || agents.is_empty() {
@@ -232,6 +237,7 @@ impl ProtectionBook {
                     // any plan.)
                     if let Some(old) = self.protected.as_ref().filter(|p| p.version() == version) {
                         plan.number_groups_from(old.plan.groups.len());
+                        self.replanned = Some(version);
                     }
                     (plan, vec![false; agents.len()])
                 }
@@ -760,6 +766,7 @@ mod tests {
         assert_eq!(answers, on_slot_4, "only the replaced slot's pieces are built");
         // Each is built by its own holder (its group's other shards stay).
         assert!(requests.iter().all(|(id, _, task)| *id == 7 && task.also.is_empty()), "{requests:?}");
+        assert_eq!(book.replanned, None, "repaired under its own plan: nothing of it is stale");
         for (holder, piece) in &answers {
             book.piece_done(*holder, 3, *piece, Ok(1));
         }
@@ -776,6 +783,7 @@ mod tests {
         let answers: Vec<(u64, PieceId)> = requests.iter().flat_map(|(id, _, task)| task.answers(*id)).collect();
         let holders: BTreeSet<u64> = answers.iter().map(|(holder, _)| *holder).collect();
         assert!(holders.len() > 1, "{requests:?}");
+        assert_eq!(book.replanned, Some(3), "the old plan's pieces go once this one is complete");
         let old_groups = plan.groups.len() as u32;
         for (_, piece) in &answers {
             let group = match piece {
