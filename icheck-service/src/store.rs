@@ -2053,6 +2053,14 @@ mod tests {
         }
     }
 
+    /// The names of the files in `dir`, sorted.
+    fn sorted_names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> =
+            fs::read_dir(dir).unwrap().flatten().map(|e| e.file_name().into_string().unwrap()).collect();
+        names.sort();
+        names
+    }
+
     #[test]
     fn a_replanned_versions_old_pieces_go_and_everything_else_stays() {
         let dir = std::env::temp_dir().join(format!("icheck-store-stale-{}", std::process::id()));
@@ -2073,12 +2081,7 @@ mod tests {
         fs::write(dir.join("app/pieces/spare.parity0-1.data"), b"spare").unwrap();
         // Version 3's old parity (data and description) and the unsealed slice.
         assert_eq!(store.drop_stale_pieces("app", 3, &[new, copy]).unwrap(), 3);
-        let mut left: Vec<_> = fs::read_dir(dir.join("app/pieces"))
-            .unwrap()
-            .flatten()
-            .map(|e| e.file_name().into_string().unwrap())
-            .collect();
-        left.sort();
+        let left = sorted_names(&dir.join("app/pieces"));
         let expected = [
             "spare.parity0-1.data",
             "v2.parity0-1.data",
@@ -2134,12 +2137,7 @@ mod tests {
         store.seal_piece("app", 6, copy, &PieceMeta::Copy(manifest("app", 3, 6, file.as_slice()))).unwrap();
         // Versions 5 (copies of ranks 3 and 4) and 6 (rank 3): 6 files.
         assert_eq!(store.drop_pieces_below("app", 7).unwrap(), 6);
-        let mut left: Vec<_> = fs::read_dir(dir.join("app/pieces"))
-            .unwrap()
-            .flatten()
-            .map(|e| e.file_name().into_string().unwrap())
-            .collect();
-        left.sort();
+        let left = sorted_names(&dir.join("app/pieces"));
         assert_eq!(left, ["spare.copy3.data", "spare.copy4.data"], "one spare per piece is left");
         let mut file = store.create_piece("app", 7, copy, 12).unwrap();
         assert_eq!(file.as_mut_slice(), &[6u8; 12], "the newest dropped piece is the one kept");
