@@ -51,11 +51,11 @@ pub fn read_pids(dir: &Path) -> Vec<(String, u32)> {
 }
 
 /// Writes `pids` as `dir/pids`, atomically (through a temporary file of
-/// this process and thread).
+/// this process: the threads of one process change it through
+/// [`record_pid`], one at a time).
 pub fn write_pids(dir: &Path, pids: &[(String, u32)]) -> std::io::Result<()> {
     let text: String = pids.iter().map(|(name, pid)| format!("{name} {pid}\n")).collect();
-    let thread = format!("{:?}", std::thread::current().id()).replace(|c: char| !c.is_ascii_alphanumeric(), "");
-    let tmp = dir.join(format!("{PIDS}.tmp-{}-{thread}", std::process::id()));
+    let tmp = dir.join(format!("{PIDS}.tmp-{}", std::process::id()));
     fs::write(&tmp, text).and_then(|_| fs::rename(&tmp, dir.join(PIDS)))
 }
 
@@ -63,8 +63,9 @@ pub fn write_pids(dir: &Path, pids: &[(String, u32)]) -> std::io::Result<()> {
 /// holding an exclusive lock on `dir/pids.lock` from the read to the write:
 /// two managers started again at once (two nodes lost together) each read
 /// the file and wrote it back with only their own line changed, and the
-/// second write lost the first's, so `icheck down` never stopped that
-/// manager (a test's teardown left one running).
+/// second write lost the first's (through the same temporary file), so
+/// `icheck down` never stopped that manager (a test's teardown left one
+/// running).
 pub fn record_pid(dir: &Path, name: &str, pid: u32) -> std::io::Result<()> {
     let lock = fs::OpenOptions::new().create(true).truncate(false).write(true).open(dir.join(PIDS_LOCK))?;
     lock.lock()?;

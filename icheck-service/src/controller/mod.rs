@@ -2162,8 +2162,6 @@ async fn await_reconciled(shared: &Shared, name: &str) {
     }
 }
 
-/// Starts protecting `name`'s newest version on its agents (its policy's
-/// pieces requested from them), replacing any protection under way.
 /// `name`'s protection just completed (its book's `protected` is the
 /// version): recorded in its history, journaled, and the older versions'
 /// pieces dropped.
@@ -2215,6 +2213,8 @@ fn version_protected(state: &mut State, name: &str) {
     }
 }
 
+/// Starts protecting `name`'s newest version on its agents (its policy's
+/// pieces requested from them), replacing any protection under way.
 fn start_protection(shared: &Shared, state: &mut State, name: &str) {
     let policy = {
         let Some(app) = state.apps.get(name) else { return };
