@@ -22,7 +22,8 @@ use crate::fabric::{FabricAddress, RemoteRegion};
 pub use crate::format::{DataKind, LabelLayout, Manifest, VersionRecord};
 
 /// Version of this protocol; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 5;
+/// (6: `Probe` says whether it comes from `init`.)
+pub const PROTOCOL_VERSION: u32 = 6;
 /// First bytes of every Hello.
 pub const MAGIC: [u8; 4] = *b"ICHK";
 /// Largest frame accepted, in bytes.
@@ -741,6 +742,13 @@ pub enum ClientRequest {
         remaining_commits: u32,
         /// The application's capability.
         capability: String,
+        /// Asked by `init`, before this job committed anything: an agent
+        /// it was given could not be reached. New agents then serve a
+        /// restart (the job holds no data to store on them), so the
+        /// controller answers as it would a registration: a restart of a
+        /// version only a silent node holds is refused, naming it.
+        #[serde(default)]
+        at_init: bool,
     },
     /// The application is done. Without `persist` its agents stop and
     /// delete its checkpoints; with it (IC_PERSIST) both stay for the next run.

@@ -90,6 +90,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 agents: vec![1, 2],
                 remaining_commits: 3,
                 capability: cap.clone(),
+                at_init: true,
             })),
         ),
         ("client-reply", enc(protocol::encode(&ClientReply::Agents(vec![agent()])))),

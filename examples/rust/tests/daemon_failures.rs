@@ -260,14 +260,17 @@ fn a_killed_manager_is_relaunched_and_its_surviving_store_reconciled() {
 /// A 4-rank job of `app`, on a 2-manager service started with
 /// `--kill-silent-after kill_after`, commits version 3 and hangs; the
 /// manager of its first agent is SIGSTOPped, then the job is killed.
+/// `up_args` go to `icheck up` besides the provider and `kill_after`.
 /// Returns the service, its client configuration (no PFS), that node and
 /// its stopped manager.
 fn job_killed_beside_a_stopped_manager(
     service_name: &str,
     kill_after: &str,
     app: &str,
+    up_args: &[&str],
 ) -> (LocalService, std::path::PathBuf, String, Stopped) {
-    let args = ["--provider", "tcp", "--kill-silent-after", kill_after];
+    let mut args = vec!["--provider", "tcp", "--kill-silent-after", kill_after];
+    args.extend_from_slice(up_args);
     let service = LocalService::up(&icheck_in_target(), service_name, 2, &args);
     let config = service.config_without_pfs();
     let args = ["--app", app, "--steps", "20", "--every", "2", "--mib", "4", "--hang-after", "3"];
@@ -298,7 +301,7 @@ fn restores_version_3(service: &LocalService, config: &std::path::Path, app: &st
 /// bit-exact from its memory.
 #[test]
 fn a_restart_while_the_newest_versions_node_is_silent_names_it_and_loses_nothing() {
-    let (service, config, node, stopped) = job_killed_beside_a_stopped_manager("wait-silent", "0", "asleep");
+    let (service, config, node, stopped) = job_killed_beside_a_stopped_manager("wait-silent", "0", "asleep", &[]);
     let down =
         poll_until(Duration::from_secs(30), || service.status().nodes.iter().any(|n| n.node == node && !n.alive));
     assert!(down, "{node} is not marked down");
@@ -320,6 +323,42 @@ fn a_restart_while_the_newest_versions_node_is_silent_names_it_and_loses_nothing
     restores_version_3(&service, &config, "asleep");
 }
 
+/// A restart that registers in the moment between a manager falling
+/// silent and its node being marked down gets that node's agents back. Its
+/// `init` cannot reach one and asks for new agents; those would serve the
+/// restart, so the refusal a registration meets holds here too: the
+/// restart fails naming the silent node. Before, the new agents were
+/// placed elsewhere and every rank failed on a PFS manifest that never
+/// existed. Nothing is lost: after SIGCONT the restart is bit-exact.
+#[test]
+fn a_restart_registered_just_before_its_silent_node_is_marked_down_names_it() {
+    // Heartbeats 2 s apart: the node is marked down 4-6 s after it stops,
+    // well after the restart registers, and before `init`'s connection to
+    // the stopped agent gives up (5 s) and its probes end (2.5 s more).
+    let (service, config, node, stopped) =
+        job_killed_beside_a_stopped_manager("init-silent", "0", "dozing", &["--heartbeat", "2"]);
+    let restart = ["--app", "dozing", "--steps", "8", "--every", "2", "--mib", "4"];
+    let (ok, output) = Job::start(4, &config, &restart, &[]).finish_any(Duration::from_secs(120));
+    let log = service.log("controller.log");
+    assert!(
+        log.contains("application re-registered; returning its agents"),
+        "the restart registered only after {node} was marked down, so it never probed from init:\n{log}"
+    );
+    assert!(!ok, "the restart went on without the silent node's ranks:\n{output}");
+    assert!(
+        output.contains("version 3 is held only by ranks")
+            && output.contains(&format!("on node {node}"))
+            && output.contains("is silent"),
+        "{output}"
+    );
+    assert!(!output.contains("MANIFEST"), "{output}");
+
+    drop(stopped);
+    let back = poll_until(Duration::from_secs(30), || service.status().nodes.iter().all(|n| n.alive));
+    assert!(back, "{node} did not answer again after SIGCONT");
+    restores_version_3(&service, &config, "dozing");
+}
+
 /// A manager that stays silent while alive (SIGSTOPped for good here; a
 /// hang its watchdog does not catch looks the same) is killed by the
 /// controller after `KillSilentManagerAfter` and started again, and the
@@ -329,7 +368,7 @@ fn a_restart_while_the_newest_versions_node_is_silent_names_it_and_loses_nothing
 /// no PFS), so the restart failed.
 #[test]
 fn a_manager_silent_for_good_is_killed_and_started_again_with_its_versions() {
-    let (service, config, node, stopped) = job_killed_beside_a_stopped_manager("kill-silent", "4", "frozen");
+    let (service, config, node, stopped) = job_killed_beside_a_stopped_manager("kill-silent", "4", "frozen", &[]);
     let frozen = stopped.0;
     let back = poll_until(Duration::from_secs(60), || {
         let pid = service.pid_of(&format!("manager-{node}"));

@@ -304,7 +304,7 @@ impl Icheck {
         if let Err(err) = &stored {
             tracing::warn!(%err, "this rank's agent failed; asking the controller for new agents");
         }
-        match self.ask_for_new_agents() {
+        match self.ask_for_new_agents(false) {
             Ok(ProbeOutcome::Reconnected { agents }) => {
                 tracing::warn!(agents, "the controller replaced the application's agents; storing the version there");
                 store(self)

@@ -605,7 +605,7 @@ impl Icheck {
             // (the controller gives up agents whose node went silent).
             let _entered = span.enter();
             tracing::warn!(%reason, "an agent is unreachable at init; asking the controller for new agents");
-            match icheck.ask_for_new_agents() {
+            match icheck.ask_for_new_agents(true) {
                 Ok(ProbeOutcome::Reconnected { agents }) => tracing::warn!(agents, "init continues with new agents"),
                 Ok(ProbeOutcome::Unchanged) => {
                     return Err(Error::Incomplete {
@@ -773,17 +773,18 @@ impl Icheck {
         self.check_open()?;
         self.wait()?;
         self.release_restart();
-        self.ask_for_agents(hints.remaining_commits)
+        self.ask_for_agents(hints.remaining_commits, false)
     }
 
     /// After an agent failed: asks the controller for new agents, again
     /// for a moment while it has none (*collective*). The controller
     /// learns of an agent thread that died at its manager's next heartbeat,
-    /// so the first answer may come too early.
-    fn ask_for_new_agents(&mut self) -> Result<ProbeOutcome> {
+    /// so the first answer may come too early. `at_init`: asked by `init`,
+    /// before this job stored anything (see [`ClientRequest::Probe`]).
+    fn ask_for_new_agents(&mut self, at_init: bool) -> Result<ProbeOutcome> {
         const ATTEMPTS: u32 = 5;
         for attempt in 1..=ATTEMPTS {
-            match self.ask_for_agents(0)? {
+            match self.ask_for_agents(0, at_init)? {
                 ProbeOutcome::Unchanged if attempt < ATTEMPTS => std::thread::sleep(Duration::from_millis(500)),
                 outcome => return Ok(outcome),
             }
@@ -793,7 +794,7 @@ impl Icheck {
 
     /// The probe itself (*collective*): rank 0 asks the controller, every
     /// rank opens its session with its new agent when there are new ones.
-    fn ask_for_agents(&mut self, remaining_commits: u32) -> Result<ProbeOutcome> {
+    fn ask_for_agents(&mut self, remaining_commits: u32, at_init: bool) -> Result<ProbeOutcome> {
         let mut answer = Vec::new();
         if let Some(controller) = self.controller.as_mut() {
             let request = ClientRequest::Probe {
@@ -801,6 +802,7 @@ impl Icheck {
                 agents: self.agents.iter().map(|a| a.id).collect(),
                 remaining_commits,
                 capability: self.access.capability.clone(),
+                at_init,
             };
             let result = controller.request(&request).map_err(|e| e.to_string());
             answer = protocol::encode(&result).unwrap_or_default();

@@ -1722,10 +1722,10 @@ async fn serve_client(
                 }
                 reply
             }
-            ClientRequest::Probe { name, agents, remaining_commits, capability } => {
+            ClientRequest::Probe { name, agents, remaining_commits, capability, at_init } => {
                 let span = tracing::info_span!("probe", app = %name);
                 await_reconciled(&shared, &name).await;
-                probe(&shared, &name, &agents, remaining_commits, &capability).instrument(span).await
+                probe(&shared, &name, &agents, remaining_commits, &capability, at_init).instrument(span).await
             }
             ClientRequest::FinishApp { name, persist, .. } => finish_app(&shared, &name, persist),
             ClientRequest::DeleteApp { name } => delete_app(&shared, &name).await,
@@ -1870,7 +1870,8 @@ fn controller_report(shared: &Shared, state: &State, now: Instant) -> protocol::
 /// Why a registration places agents.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Placement {
-    /// A job starts (a first run or a restart): it reads its newest
+    /// A job starts (a first run or a restart; also its `init`'s probe
+    /// when an agent it was given cannot be reached): it reads its newest
     /// version back from the agents.
     Start,
     /// A running job's agents are gone (its probe): it holds its data and
@@ -2559,7 +2560,15 @@ async fn manager_answer<T>(rx: Answer<T>, limit: Duration) -> Option<Result<T, S
 /// locations). Otherwise Algorithm 5 and eq. 6.11/6.12 decide whether the
 /// agent count changes. The answer is `Unchanged` or the new agents, which
 /// already hold every rank's newest complete version.
-async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32, capability: &str) -> ClientReply {
+/// `at_init`: asked by a job's `init`, before it stored anything.
+async fn probe(
+    shared: &Shared,
+    name: &str,
+    known: &[u64],
+    remaining: u32,
+    capability: &str,
+    at_init: bool,
+) -> ClientReply {
     let config = shared.dynamic();
     let plan = {
         let mut state = shared.state();
@@ -2583,7 +2592,10 @@ async fn probe(shared: &Shared, name: &str, known: &[u64], remaining: u32, capab
             // Authorized already (`authorize`): the owner asks, with its capability.
             let uid = shared.state().apps.get(name).and_then(|a| a.owner).map_or(0, |o| o.uid);
             let claim = apps::Claim { presented: Some(capability), reported: uid, seen: None };
-            match register_app(shared, registration, &claim, Placement::Replace).await {
+            // At init the job has stored nothing: its new agents serve its
+            // restart, as a registration's would, and the same refusals hold.
+            let placement = if at_init { Placement::Start } else { Placement::Replace };
+            match register_app(shared, registration, &claim, placement).await {
                 Ok((agents, ..)) => ClientReply::Agents(agents),
                 Err(reason) => ClientReply::Error(reason),
             }

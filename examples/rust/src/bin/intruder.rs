@@ -100,6 +100,7 @@ fn main() {
         agents: Vec::new(),
         remaining_commits: 0,
         capability: capability.clone(),
+        at_init: false,
     };
     report("probe", answered(request_blocking(&config, &probe)));
     let record = ClientRequest::VersionComplete {
