@@ -284,6 +284,30 @@ fn job_killed_beside_a_stopped_manager(
     (service, config, node, stopped)
 }
 
+/// The restart that ended with `ok` and `output` was refused, naming
+/// version 3, its ranks and the silent `node`, and not failing on a PFS
+/// manifest; once `stopped` goes on, `app` restores version 3 bit-exact.
+fn refused_naming_the_silent_node_then_restores(
+    ok: bool,
+    output: &str,
+    (service, config, app): (&LocalService, &std::path::Path, &str),
+    node: &str,
+    stopped: Stopped,
+) {
+    assert!(!ok, "the restart went on without the silent node's ranks:\n{output}");
+    assert!(
+        output.contains("version 3 is held only by ranks")
+            && output.contains(&format!("on node {node}"))
+            && output.contains("is silent"),
+        "{output}"
+    );
+    assert!(!output.contains("MANIFEST"), "{output}");
+    drop(stopped);
+    let back = poll_until(Duration::from_secs(30), || service.status().nodes.iter().all(|n| n.alive));
+    assert!(back, "{node} did not answer again after SIGCONT");
+    restores_version_3(service, config, app);
+}
+
 /// A restart of `app` (see [`job_killed_beside_a_stopped_manager`]) that
 /// must restore version 3 bit-exact and finish.
 fn restores_version_3(service: &LocalService, config: &std::path::Path, app: &str) {
@@ -308,19 +332,7 @@ fn a_restart_while_the_newest_versions_node_is_silent_names_it_and_loses_nothing
 
     let restart = ["--app", "asleep", "--steps", "8", "--every", "2", "--mib", "4"];
     let (ok, output) = Job::start(4, &config, &restart, &[]).finish_any(Duration::from_secs(120));
-    assert!(!ok, "the restart went on without the silent node's ranks:\n{output}");
-    assert!(
-        output.contains("version 3 is held only by ranks")
-            && output.contains(&format!("on node {node}"))
-            && output.contains("is silent"),
-        "{output}"
-    );
-    assert!(!output.contains("MANIFEST"), "{output}");
-
-    drop(stopped);
-    let back = poll_until(Duration::from_secs(30), || service.status().nodes.iter().all(|n| n.alive));
-    assert!(back, "{node} did not answer again after SIGCONT");
-    restores_version_3(&service, &config, "asleep");
+    refused_naming_the_silent_node_then_restores(ok, &output, (&service, &config, "asleep"), &node, stopped);
 }
 
 /// A restart that registers in the moment between a manager falling
@@ -344,19 +356,7 @@ fn a_restart_registered_just_before_its_silent_node_is_marked_down_names_it() {
         log.contains("application re-registered; returning its agents"),
         "the restart registered only after {node} was marked down, so it never probed from init:\n{log}"
     );
-    assert!(!ok, "the restart went on without the silent node's ranks:\n{output}");
-    assert!(
-        output.contains("version 3 is held only by ranks")
-            && output.contains(&format!("on node {node}"))
-            && output.contains("is silent"),
-        "{output}"
-    );
-    assert!(!output.contains("MANIFEST"), "{output}");
-
-    drop(stopped);
-    let back = poll_until(Duration::from_secs(30), || service.status().nodes.iter().all(|n| n.alive));
-    assert!(back, "{node} did not answer again after SIGCONT");
-    restores_version_3(&service, &config, "dozing");
+    refused_naming_the_silent_node_then_restores(ok, &output, (&service, &config, "dozing"), &node, stopped);
 }
 
 /// A manager that stays silent while alive (SIGSTOPped for good here; a
