@@ -184,6 +184,41 @@ fn a_version_planned_anew_beside_a_survivor_keeps_only_the_new_plans_pieces() {
     pfs_untouched(&service, "rp");
 }
 
+/// A node that comes back after its slot was rebuilt elsewhere (its
+/// manager killed with its store kept, and started again only by an
+/// operator's `icheck up` once the rebuild is done) announces pieces that
+/// no record places on it any more: they are deleted. Before, they stayed
+/// until the node held pieces of a newer version, and for good here, as
+/// the application never commits again.
+#[test]
+fn a_node_back_after_its_slot_was_rebuilt_elsewhere_deletes_the_pieces_it_kept() {
+    let service = service("red-stale-back", 5);
+    commit_three(&service, "sb", "rs:2+1");
+    let report = wait_protected(&service, "sb", 3);
+    let pieces_of_3 = |node: &str| -> Vec<String> {
+        let dir = service.config.agent_store_dir.join(node).join("sb").join("pieces");
+        let names = std::fs::read_dir(dir).into_iter().flatten().flatten();
+        names.filter_map(|e| e.file_name().into_string().ok()).filter(|n| n.starts_with("v3.")).collect()
+    };
+    let away = report.agents.iter().map(|a| a.node.clone()).find(|n| !pieces_of_3(n).is_empty()).expect("a holder");
+    let manager = service.pid_of(&format!("manager-{away}"));
+    kill(Pid::from_raw(manager as i32), Signal::SIGKILL).unwrap();
+    assert!(poll_until(Duration::from_secs(10), || !icheck_service::testkit::process_running(manager)));
+    let rebuilt = wait_rebuilt(&service, "sb", 3, &[&away]);
+    let kept = pieces_of_3(&away);
+    assert!(!kept.is_empty(), "the killed manager's store kept its pieces");
+
+    service.up_again();
+    let back = poll_until(Duration::from_secs(30), || service.status().nodes.iter().all(|n| n.alive));
+    assert!(back, "{away} did not come back");
+    let deleted = poll_until(Duration::from_secs(10), || pieces_of_3(&away).is_empty());
+    assert!(deleted, "{away} still holds version 3's pieces {:?} (had {kept:?})", pieces_of_3(&away));
+    let holders: Vec<&AgentInfo> = rebuilt.agents.iter().filter(|a| !pieces_of_3(&a.node).is_empty()).collect();
+    assert!(!holders.is_empty(), "the rebuilt pieces went too: {:?}", rebuilt.agents);
+    restart_bit_exact(&service, "sb", "rs:2+1", 6);
+    pfs_untouched(&service, "sb");
+}
+
 #[test]
 fn reed_solomon_decodes_lost_ranks_and_names_them_when_too_many_are_lost() {
     let service = service("red-rs21", 4);

@@ -813,6 +813,23 @@ fn reconcile_pending(state: &mut State, now: Instant) {
     }
 }
 
+/// A new manager process of `node` announced the pieces its store kept:
+/// those that no record places there any more (a rebuild made them
+/// elsewhere while it was away, or a newer version was protected) are
+/// deleted. Before, they stayed until the node next held pieces of a
+/// newer version, and for good for an application that never committed
+/// again.
+fn drop_stale_pieces_on(state: &mut State, node: &str) {
+    let Some(held) = state.piece_holdings.get(node) else { return };
+    for (name, app) in state.apps.iter().filter(|(_, a)| a.unconfirmed.is_none()) {
+        let mine: Vec<StoredPiece> = held.iter().filter(|p| &p.app == name).cloned().collect();
+        for (version, keep) in app.protection.stale_on(node, &mine) {
+            tracing::info!(app = %name, %node, version, kept = keep.len(), "deleting pieces no record places on the returning node");
+            state.nodes.send(node, ControllerToManager::DropStalePieces { app: name.clone(), version, keep });
+        }
+    }
+}
+
 /// A manager registered `node` (again) with `stored` in its store: an
 /// application whose newest complete version lost files there no longer
 /// counts it (a restart then looks on the PFS); the status says why.
@@ -1226,6 +1243,9 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             }
             state.holdings.insert(node.clone(), stored);
             state.piece_holdings.insert(node.clone(), pieces);
+            if running.is_empty() {
+                drop_stale_pieces_on(&mut state, &node);
+            }
             recheck_homed_on(&mut state, &node);
             tracing::info!(%node, pid, agents = running.len(), versions, "manager registered");
             reconcile_pending(&mut state, Instant::now());
@@ -2183,12 +2203,8 @@ fn version_protected(state: &mut State, name: &str) {
     // A re-planned version: what each node keeps of it under the new plan
     // (every node is told, since the old plan's holders may be others).
     let replanned = (book.replanned.take() == Some(done)).then(|| {
-        let here = |node: &str| -> Vec<icheck_core::redundancy::PieceId> {
-            let at = |slot: usize| protected.agents.get(slot).is_some_and(|a| a.node == node);
-            protected.plan.pieces().into_iter().filter(|(slot, _)| at(*slot)).map(|(_, piece)| piece).collect()
-        };
         let nodes = state.nodes.snapshot(Instant::now());
-        nodes.into_iter().filter(|n| n.alive).map(|n| (here(&n.node), n.node)).collect::<Vec<_>>()
+        nodes.into_iter().filter(|n| n.alive).map(|n| (protected.pieces_on(&n.node), n.node)).collect::<Vec<_>>()
     });
     // Journaled, so that a restarted controller (or the standby) can still
     // rebuild it after a lost node.

@@ -10,7 +10,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use icheck_core::decide;
 use icheck_core::protocol::{AgentInfo, PieceTask, RebuildSource, StoredPiece, VersionRecord};
@@ -45,6 +45,12 @@ impl Protected {
     /// not be empty.
     pub(super) fn primary_slot(&self, rank: u32) -> usize {
         decide::agent_for_rank(rank, self.units, self.agents.len() as u32) as usize
+    }
+
+    /// The pieces its plan places on `node`.
+    pub(super) fn pieces_on(&self, node: &str) -> Vec<PieceId> {
+        let at = |slot: usize| self.agents.get(slot).is_some_and(|a| a.node == node);
+        self.plan.pieces().into_iter().filter(|(slot, _)| at(*slot)).map(|(_, piece)| piece).collect()
     }
 
     /// What the journal keeps of it.
@@ -408,6 +414,28 @@ impl ProtectionBook {
     /// The version being protected, if any.
     pub(super) fn protecting(&self) -> Option<u64> {
         self.protecting.as_ref().map(|p| p.record.version)
+    }
+
+    /// What of `held` (this application's pieces that `node` announced
+    /// when its manager started again) no record places there: pieces of
+    /// versions older than the protected one, and pieces of the protected
+    /// version that a rebuild made elsewhere while the node was away. Per
+    /// stale version, the pieces of it the node keeps (the arguments of
+    /// `DropStalePieces`). Nothing while a protection or a rebuild is under
+    /// way, since it decides where pieces go; newer versions' pieces are
+    /// left to their protection.
+    pub(super) fn stale_on(&self, node: &str, held: &[StoredPiece]) -> BTreeMap<u64, Vec<PieceId>> {
+        let mut stale = BTreeMap::new();
+        let Some(protected) = self.protected.as_ref().filter(|_| self.protecting.is_none() && !self.rebuilding) else {
+            return stale;
+        };
+        let version = protected.version();
+        let keep = protected.pieces_on(node);
+        for piece in held.iter().filter(|p| p.version < version || (p.version == version && !keep.contains(&p.piece))) {
+            let kept = if piece.version == version { keep.clone() } else { Vec::new() };
+            stale.entry(piece.version).or_insert(kept);
+        }
+        stale
     }
 
     /// Nodes holding the protected version's primaries or pieces.
@@ -820,6 +848,44 @@ mod tests {
         assert!(book.begin(&record(3), 4, &replaced, &|_| None).is_empty());
         assert_eq!(book.protected.as_ref().map(|p| &p.agents), Some(&replaced));
         assert!(book.protecting().is_none());
+    }
+
+    #[test]
+    fn a_returning_node_keeps_only_the_pieces_the_protected_record_places_on_it() {
+        // rs:2+1, four ranks on four nodes, version 3 protected.
+        let agents: Vec<AgentInfo> = (1..=4).map(|i| agent(i, &format!("n{i}"))).collect();
+        let mut book = book("rs:2+1");
+        let all = protect_all(&mut book, 3, 4, &agents);
+        let (holder, mine) = all[0];
+        let slot = agents.iter().position(|a| a.id == holder).unwrap();
+        let node = agents[slot].node.clone();
+        let elsewhere = all.iter().find(|(h, _)| *h != holder).expect("pieces on two nodes").1;
+        let held = |pieces: &[(u64, PieceId)]| -> Vec<StoredPiece> {
+            pieces
+                .iter()
+                .map(|(version, piece)| StoredPiece { app: "app".into(), version: *version, piece: *piece })
+                .collect()
+        };
+        // An older version's pieces go (all of them); of version 3, what the
+        // plan puts on another node; a newer version's are its protection's.
+        let announced = held(&[(2, mine), (2, elsewhere), (3, mine), (3, elsewhere), (4, mine)]);
+        let stale = book.stale_on(&node, &announced);
+        assert_eq!(stale, BTreeMap::from([(2, Vec::new()), (3, vec![mine])]));
+        assert!(book.stale_on(&node, &held(&[(3, mine)])).is_empty(), "what the record places there stays");
+
+        // The node's slot was rebuilt on n9 while it was away: all of
+        // version 3 there is stale.
+        let mut replaced = agents.clone();
+        replaced[slot] = agent(9, "n9");
+        for (agent, _, task) in book.begin(&record(3), 4, &replaced, &|_| None) {
+            for (holder, piece) in task.answers(agent) {
+                assert!(book.stale_on(&node, &held(&[(3, mine)])).is_empty(), "nothing while a rebuild builds");
+                book.piece_done(holder, 3, piece, Ok(1));
+            }
+        }
+        assert_eq!(book.protecting(), None);
+        assert_eq!(book.stale_on(&node, &held(&[(3, mine)])), BTreeMap::from([(3, Vec::new())]));
+        assert_eq!(book.stale_on("n9", &held(&[(3, mine)])), BTreeMap::new());
     }
 
     #[test]
