@@ -230,6 +230,12 @@ impl ProtectionBook {
                 && p.agents.len() == agents.len()
                 && p.plan.still_apart(policy, units, &slots)
         });
+        // Copies still held by the same agent under the record's plan (only
+        // when planning the protected version anew): a rank's copy holds the
+        // same bytes in any plan, so it is not written again, which would
+        // leave it unreadable meanwhile. (The same agent, not just the same
+        // node name: a node started again empty holds nothing.)
+        let mut copies_kept = BTreeSet::new();
         // Slots whose pieces are in place (only when repairing).
         let (plan, in_place): (Plan, Vec<bool>) = match again {
             Some(p) => (p.plan.clone(), p.agents.iter().zip(agents).map(|(was, is)| was.id == is.id).collect()),
@@ -244,6 +250,8 @@ impl ProtectionBook {
                     if let Some(old) = self.protected.as_ref().filter(|p| p.version() == version) {
                         plan.number_groups_from(old.plan.groups.len());
                         self.replanned = Some(version);
+                        let copies = old.plan.pieces().into_iter().filter(|(_, p)| matches!(p, PieceId::Copy { .. }));
+                        copies_kept = copies.filter_map(|(slot, p)| Some((old.agents.get(slot)?.id, p))).collect();
                     }
                     (plan, vec![false; agents.len()])
                 }
@@ -266,10 +274,10 @@ impl ProtectionBook {
         let mut outstanding = BTreeSet::new();
         let mut built_by = std::collections::BTreeMap::new();
         for (slot, piece) in plan.pieces() {
-            if in_place[slot] {
+            let holder = &agents[slot];
+            if in_place[slot] || copies_kept.contains(&(holder.id, piece)) {
                 continue;
             }
-            let holder = &agents[slot];
             outstanding.insert((holder.id, piece));
             // Who builds it: its holder, but for a sliced group's parity the
             // rank's primary's agent, which reads the slices from its own
@@ -312,7 +320,8 @@ impl ProtectionBook {
         let record = record.clone();
         let agents = agents.to_vec();
         if outstanding.is_empty() {
-            // Repaired: no piece lay on the slots that changed.
+            // Repaired: no piece lay on the slots that changed (or planned
+            // anew with every copy where it was).
             self.now_protected(Protected { record, plan, agents, units, policy });
             return requests;
         }
@@ -848,6 +857,31 @@ mod tests {
         assert!(book.begin(&record(3), 4, &replaced, &|_| None).is_empty());
         assert_eq!(book.protected.as_ref().map(|p| &p.agents), Some(&replaced));
         assert!(book.protecting().is_none());
+    }
+
+    #[test]
+    fn a_version_planned_anew_writes_no_copy_its_agent_already_holds() {
+        // Partner copies of six ranks on six nodes; the last slot's
+        // replacement goes beside the one before it (no free node), so
+        // version 3 is planned anew.
+        let agents: Vec<AgentInfo> = (1..=6).map(|i| agent(i, &format!("n{i}"))).collect();
+        let mut book = book("partner");
+        let before: BTreeSet<(u64, PieceId)> = protect_all(&mut book, 3, 6, &agents).into_iter().collect();
+        let mut replaced = agents.clone();
+        replaced[5] = agent(9, "n5");
+        let requests = book.begin(&record(3), 6, &replaced, &|_| None);
+        assert_eq!(book.replanned, Some(3), "beside a survivor: planned anew");
+        let plan = &book.protecting.as_ref().expect("some copy moves").plan;
+        let after: BTreeSet<(u64, PieceId)> =
+            plan.pieces().into_iter().map(|(slot, piece)| (replaced[slot].id, piece)).collect();
+        let kept: BTreeSet<_> = before.intersection(&after).copied().collect();
+        assert!(!kept.is_empty(), "some copy stays with its agent: {before:?} {after:?}");
+        let asked: BTreeSet<(u64, PieceId)> = requests.iter().flat_map(|(id, _, task)| task.answers(*id)).collect();
+        assert_eq!(asked, after.difference(&kept).copied().collect(), "only the copies that moved are written");
+        for (holder, piece) in &asked {
+            book.piece_done(*holder, 3, *piece, Ok(1));
+        }
+        assert_eq!(book.protected.as_ref().map(|p| (&p.agents, p.plan.pieces().len())), Some((&replaced, after.len())));
     }
 
     #[test]
