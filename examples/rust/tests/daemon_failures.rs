@@ -335,20 +335,23 @@ fn a_restart_while_the_newest_versions_node_is_silent_names_it_and_loses_nothing
     refused_naming_the_silent_node_then_restores(ok, &output, (&service, &config, "asleep"), &node, stopped);
 }
 
-/// A restart that registers in the moment between a manager falling
-/// silent and its node being marked down gets that node's agents back. Its
-/// `init` cannot reach one and asks for new agents; those would serve the
-/// restart, so the refusal a registration meets holds here too: the
-/// restart fails naming the silent node. Before, the new agents were
-/// placed elsewhere and every rank failed on a PFS manifest that never
-/// existed. Nothing is lost: after SIGCONT the restart is bit-exact.
+/// A restart that registers between a manager falling silent and its node
+/// being marked down gets that node's agents back. Its `init` cannot reach
+/// one and asks for new agents. The controller holds that probe until the
+/// node is marked down (before, it answered "unchanged" at once, and the
+/// init failed after 2.5 s of asking), and then places as for a
+/// registration, so the refusal a registration meets holds here too: the
+/// restart fails naming the silent node. (Before, the new agents were
+/// placed as for a running job and every rank failed on a PFS manifest
+/// that never existed.) Nothing is lost: after SIGCONT the restart is
+/// bit-exact.
 #[test]
-fn a_restart_registered_just_before_its_silent_node_is_marked_down_names_it() {
-    // Heartbeats 2 s apart: the node is marked down 4-6 s after it stops,
-    // well after the restart registers, and before `init`'s connection to
-    // the stopped agent gives up (5 s) and its probes end (2.5 s more).
+fn a_restart_registered_before_its_silent_node_is_marked_down_names_it() {
+    // Heartbeats 4 s apart: the node is marked down 12-16 s after it
+    // stops, long after the restart registers and after `init`'s
+    // connection to the stopped agent gives up (5 s).
     let (service, config, node, stopped) =
-        job_killed_beside_a_stopped_manager("init-silent", "0", "dozing", &["--heartbeat", "2"]);
+        job_killed_beside_a_stopped_manager("init-silent", "0", "dozing", &["--heartbeat", "4"]);
     let restart = ["--app", "dozing", "--steps", "8", "--every", "2", "--mib", "4"];
     let (ok, output) = Job::start(4, &config, &restart, &[]).finish_any(Duration::from_secs(120));
     let log = service.log("controller.log");

@@ -284,6 +284,10 @@ impl AppEntry {
     /// eq. 6.11/6.12 decide with `remaining` commits to go, never below
     /// `floor` agents (the distinct nodes the redundancy policy spreads its
     /// pieces over). `Err` is the answer itself (nothing to carry out).
+    /// `at_init`: the probe of a job's `init` that cannot reach an agent,
+    /// for which only lost agents count (a job about to restart gives
+    /// Algorithm 5 nothing to go on, and moving its ranks off an agent it
+    /// cannot reach would wait on that agent).
     pub(super) fn probe_plan(
         &mut self,
         known: &[u64],
@@ -291,6 +295,7 @@ impl AppEntry {
         remaining: u32,
         floor: u32,
         config: &DynamicConfig,
+        at_init: bool,
     ) -> Result<ProbePlan, ClientReply> {
         let current = self.agents.len() as u32;
         if self.agents.len() != self.homes.len() {
@@ -299,6 +304,9 @@ impl AppEntry {
         }
         if !self.agents.iter().map(|a| a.id).eq(known.iter().copied()) {
             return Err(ClientReply::Agents(self.agents.clone()));
+        }
+        if at_init {
+            return Err(ClientReply::Unchanged);
         }
         if !draining.is_empty() {
             return Ok(ProbePlan::Relocate { current, replace: draining });
@@ -570,31 +578,42 @@ pub(super) mod tests {
         let config = DynamicConfig::default();
         let mut app = app(4, &["n1", "n2"], 0);
         // The application knows agents 0 and 1; nothing to do without a dynamic agent count.
-        assert!(matches!(app.probe_plan(&[0, 1], Vec::new(), 10, 1, &config), Err(ClientReply::Unchanged)));
+        assert!(matches!(app.probe_plan(&[0, 1], Vec::new(), 10, 1, &config, false), Err(ClientReply::Unchanged)));
         // Its list is stale: it gets the current one.
-        let Err(ClientReply::Agents(agents)) = app.probe_plan(&[0, 7], Vec::new(), 10, 1, &config) else { panic!() };
+        let Err(ClientReply::Agents(agents)) = app.probe_plan(&[0, 7], Vec::new(), 10, 1, &config, false) else {
+            panic!()
+        };
         assert_eq!(agents.len(), 2);
         // n2 drains: its agent moves.
-        let plan = app.probe_plan(&[0, 1], vec![1], 10, 1, &config);
+        let plan = app.probe_plan(&[0, 1], vec![1], 10, 1, &config, false);
         assert!(matches!(plan, Ok(ProbePlan::Relocate { current: 2, ref replace }) if replace == &[1]));
+        // An init that cannot reach an agent: only lost agents count.
+        let at_init = app.probe_plan(&[0, 1], vec![1], 10, 1, &config, true);
+        assert!(matches!(at_init, Err(ClientReply::Unchanged)));
         // An agent is lost: replacing comes before everything else.
         app.agents.pop();
-        assert!(matches!(app.probe_plan(&[0, 1], vec![0], 10, 1, &config), Ok(ProbePlan::Replace(_))));
+        assert!(matches!(app.probe_plan(&[0, 1], vec![0], 10, 1, &config, false), Ok(ProbePlan::Replace(_))));
+        assert!(matches!(app.probe_plan(&[0, 1], vec![0], 10, 1, &config, true), Ok(ProbePlan::Replace(_))));
     }
 
     #[test]
     fn a_dynamic_agent_count_waits_for_commits_then_grows_when_it_pays_back() {
         let config = DynamicConfig { is_dynamic_as: true, ..DynamicConfig::default() };
         let mut app = app(4, &["n1"], 0);
-        assert!(matches!(app.probe_plan(&[0], Vec::new(), 10, 1, &config), Err(ClientReply::Unchanged)), "no commits");
+        assert!(
+            matches!(app.probe_plan(&[0], Vec::new(), 10, 1, &config, false), Err(ClientReply::Unchanged)),
+            "no commits"
+        );
         for version in 1..=(decide::WARM_UP_COMMITS as u64 + 2) {
             app.record("a", sample(version), 0, 0).unwrap();
         }
         // A change that costs 1,000 s cannot pay back within 2 commits of 0.5 s.
         app.adaptation.reconfigure_secs = 1000.0;
-        assert!(matches!(app.probe_plan(&[0], Vec::new(), 2, 1, &config), Err(ClientReply::Unchanged)));
-        // With no end in sight (0: unknown), Algorithm 5 grows the agents.
-        let Ok(ProbePlan::Scale { current, to, .. }) = app.probe_plan(&[0], Vec::new(), 0, 1, &config) else {
+        assert!(matches!(app.probe_plan(&[0], Vec::new(), 2, 1, &config, false), Err(ClientReply::Unchanged)));
+        // With no end in sight (0: unknown), Algorithm 5 grows the agents,
+        // but not for an init that cannot reach an agent.
+        assert!(matches!(app.probe_plan(&[0], Vec::new(), 0, 1, &config, true), Err(ClientReply::Unchanged)));
+        let Ok(ProbePlan::Scale { current, to, .. }) = app.probe_plan(&[0], Vec::new(), 0, 1, &config, false) else {
             panic!("no growth")
         };
         assert_eq!(current, 1);
@@ -616,14 +635,16 @@ pub(super) mod tests {
             app
         };
         let ids = [0, 1, 2, 3];
-        let Ok(ProbePlan::Scale { current: 4, to: 2, .. }) = grown().probe_plan(&ids, Vec::new(), 0, 1, &config) else {
+        let Ok(ProbePlan::Scale { current: 4, to: 2, .. }) = grown().probe_plan(&ids, Vec::new(), 0, 1, &config, false)
+        else {
             panic!("without a floor the growth is undone")
         };
-        let Ok(ProbePlan::Scale { current: 4, to: 3, .. }) = grown().probe_plan(&ids, Vec::new(), 0, 3, &config) else {
+        let Ok(ProbePlan::Scale { current: 4, to: 3, .. }) = grown().probe_plan(&ids, Vec::new(), 0, 3, &config, false)
+        else {
             panic!("rs:2+1 keeps three agents")
         };
         let mut app = grown();
-        assert!(matches!(app.probe_plan(&ids, Vec::new(), 0, 4, &config), Err(ClientReply::Unchanged)));
+        assert!(matches!(app.probe_plan(&ids, Vec::new(), 0, 4, &config, false), Err(ClientReply::Unchanged)));
         assert!(app.adaptation.scaling.settled, "and the count settles, as an undone change does");
     }
 }

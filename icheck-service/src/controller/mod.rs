@@ -64,6 +64,10 @@ const RELAUNCH_WINDOW: Duration = Duration::from_secs(600);
 /// Time a registration waits for a home node whose manager is being started
 /// again (within the library's 30 s for a controller request).
 const RELAUNCH_WAIT: Duration = Duration::from_secs(10);
+/// Longest an init's probe waits for a node in doubt to be marked down or
+/// heard again ([`wait_out_doubt`]): below the library's 30 s bound on an
+/// answer from the controller.
+const AT_INIT_DOUBT_WAIT: Duration = Duration::from_secs(20);
 /// Time a relaunched manager has to register before it counts as dead again.
 const RELAUNCH_REGISTER_TIMEOUT: Duration = Duration::from_secs(15);
 
@@ -2570,6 +2574,35 @@ async fn manager_answer<T>(rx: Answer<T>, limit: Duration) -> Option<Result<T, S
     tokio::time::timeout(limit, rx).await.ok().and_then(Result::ok)
 }
 
+/// An init's probe says its job cannot reach an agent. If the agent's
+/// node missed heartbeats but is not marked down yet, the answer waits
+/// (bounded) until it is, or until the node is heard again: answered at
+/// once, "unchanged" would end the job's init with nothing to restart
+/// from, where a moment later the controller places new agents (or, for a
+/// version only that node holds, refuses naming it).
+async fn wait_out_doubt(shared: &Shared, name: &str) {
+    let started = Instant::now();
+    let mut said = false;
+    loop {
+        let (in_doubt, limit) = {
+            let state = shared.state();
+            let now = Instant::now();
+            let agents = state.apps.get(name).map(|app| app.agents.as_slice()).unwrap_or_default();
+            let in_doubt: Vec<&str> =
+                agents.iter().filter(|a| state.nodes.in_doubt(&a.node, now)).map(|a| a.node.as_str()).collect();
+            if !in_doubt.is_empty() && !said {
+                said = true;
+                tracing::info!(nodes = ?in_doubt, "an init cannot reach its agents; waiting until the silent nodes are marked down or heard again");
+            }
+            (!in_doubt.is_empty(), (state.nodes.down_after() + Duration::from_secs(1)).min(AT_INIT_DOUBT_WAIT))
+        };
+        if !in_doubt || started.elapsed() > limit {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// §6.4.2, a probe. Agents lost with their manager are replaced first (on
 /// the nodes holding the application's files when those are alive, else
 /// where the placement rules say); agents on draining nodes move next (new
@@ -2585,6 +2618,9 @@ async fn probe(
     capability: &str,
     at_init: bool,
 ) -> ClientReply {
+    if at_init {
+        wait_out_doubt(shared, name).await;
+    }
     let config = shared.dynamic();
     let plan = {
         let mut state = shared.state();
@@ -2598,7 +2634,7 @@ async fn probe(
         let live = state.nodes.snapshot(Instant::now()).iter().filter(|n| n.alive && !n.draining).count();
         let wanted = config.redundancy_for(&app.registration).wanted_nodes().min(live);
         let floor = (wanted as u32).min(config.max_agents_app);
-        match app.probe_plan(known, draining, remaining, floor, &config) {
+        match app.probe_plan(known, draining, remaining, floor, &config, at_init) {
             Ok(plan) => plan,
             Err(answer) => return answer,
         }

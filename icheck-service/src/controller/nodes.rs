@@ -245,6 +245,22 @@ impl<L: ManagerLink> NodeBook<L> {
         alive(entry, now, self.heartbeat, self.missed)
     }
 
+    /// Whether `node` missed a heartbeat (silent for over 1.25 intervals)
+    /// but is not reported down yet: it may answer again, or be marked
+    /// down within [`NodeBook::down_after`].
+    pub(crate) fn in_doubt(&self, node: &str, now: Instant) -> bool {
+        self.nodes.get(node).is_some_and(|entry| {
+            entry.connected
+                && !entry.reported_down
+                && now.saturating_duration_since(entry.last_heartbeat) > self.heartbeat * 5 / 4
+        })
+    }
+
+    /// How long a silent node is still counted alive.
+    pub(crate) fn down_after(&self) -> Duration {
+        self.heartbeat * self.missed
+    }
+
     /// How long `node`'s manager has been silent at `now` (since its last
     /// heartbeat); `None` for an unknown node.
     pub(crate) fn silent_for(&self, node: &str, now: Instant) -> Option<Duration> {
