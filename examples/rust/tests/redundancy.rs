@@ -151,6 +151,13 @@ fn partner_copies_rebuild_a_lost_node_and_survive_a_second_loss() {
     assert!(controller.matches("rebuilt after a lost node").count() >= 2, "{controller}");
 }
 
+/// The names of the files in `node`'s store of `app`'s pieces of redundancy.
+fn piece_file_names(service: &LocalService, node: &str, app: &str) -> Vec<String> {
+    let dir = service.config.agent_store_dir.join(node).join(app).join("pieces");
+    let entries = std::fs::read_dir(dir).into_iter().flatten().flatten();
+    entries.filter_map(|e| e.file_name().into_string().ok()).collect()
+}
+
 #[test]
 fn a_version_planned_anew_beside_a_survivor_keeps_only_the_new_plans_pieces() {
     // rs:2+1 on three nodes, none started again: the lost node's slot goes
@@ -163,10 +170,8 @@ fn a_version_planned_anew_beside_a_survivor_keeps_only_the_new_plans_pieces() {
     let report = wait_protected(&service, "rp", 3);
     let first = report.agents[0].node.clone();
     let parity_groups = |node: &str| -> Vec<u32> {
-        let dir = service.config.agent_store_dir.join(node).join("rp").join("pieces");
-        let names = std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.file_name());
-        let groups = names.filter_map(|n| n.to_str()?.strip_prefix("v3.parity")?.split_once('-')?.0.parse().ok());
-        groups.collect()
+        let names = piece_file_names(&service, node, "rp");
+        names.iter().filter_map(|n| n.strip_prefix("v3.parity")?.split_once('-')?.0.parse().ok()).collect()
     };
     let old_groups: Vec<u32> = report.agents.iter().flat_map(|a| parity_groups(&a.node)).collect();
     assert!(!old_groups.is_empty() && old_groups.iter().all(|g| *g < 2), "{old_groups:?}");
@@ -196,9 +201,7 @@ fn a_node_back_after_its_slot_was_rebuilt_elsewhere_deletes_the_pieces_it_kept()
     commit_three(&service, "sb", "rs:2+1");
     let report = wait_protected(&service, "sb", 3);
     let pieces_of_3 = |node: &str| -> Vec<String> {
-        let dir = service.config.agent_store_dir.join(node).join("sb").join("pieces");
-        let names = std::fs::read_dir(dir).into_iter().flatten().flatten();
-        names.filter_map(|e| e.file_name().into_string().ok()).filter(|n| n.starts_with("v3.")).collect()
+        piece_file_names(&service, node, "sb").into_iter().filter(|n| n.starts_with("v3.")).collect()
     };
     let away = report.agents.iter().map(|a| a.node.clone()).find(|n| !pieces_of_3(n).is_empty()).expect("a holder");
     let manager = service.pid_of(&format!("manager-{away}"));
