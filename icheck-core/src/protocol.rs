@@ -670,10 +670,12 @@ pub enum ControllerToManager {
         /// The newest version lost.
         through: u64,
     },
-    /// `version` of the application was protected under a new plan (its
-    /// old one no longer kept its pieces apart): the pieces of `version`
-    /// this node holds other than `keep`, the new plan's here, belong to
-    /// the old plan and are deleted.
+    /// The pieces of `version` this node holds other than `keep` (what the
+    /// protected record places here) are deleted: the version was
+    /// protected under a new plan (its old one no longer kept its pieces
+    /// apart) and they belong to the old one, or this node's manager came
+    /// back after a rebuild made them elsewhere (`keep` is empty for a
+    /// version older than the protected one).
     DropStalePieces {
         /// Application.
         app: String,

@@ -594,12 +594,8 @@ async fn session(
                 let store = settings.store.clone();
                 tokio::task::spawn_blocking(move || match store.drop_stale_pieces(&app, version, &keep) {
                     Ok(0) => {}
-                    Ok(removed) => {
-                        tracing::info!(%app, version, removed, "the old plan's pieces of a re-planned version deleted")
-                    }
-                    Err(err) => {
-                        tracing::warn!(%app, version, %err, "cannot delete the old plan's pieces of a re-planned version")
-                    }
+                    Ok(removed) => tracing::info!(%app, version, removed, "pieces no record places here deleted"),
+                    Err(err) => tracing::warn!(%app, version, %err, "cannot delete pieces no record places here"),
                 });
             }
             ControllerToManager::DropPieces { app, below } => {

@@ -1357,9 +1357,11 @@ impl Store {
     }
 
     /// Deletes `app`'s pieces of `version` other than `keep` (data and
-    /// description files, sealed or not): the version was protected under
-    /// a new plan, and these belonged to the old one. Other versions'
-    /// pieces and the spares stay. Returns how many files went.
+    /// description files, sealed or not): no record places them here any
+    /// more (the version was protected under a new plan and these belonged
+    /// to the old one, or this node was away while a rebuild made them
+    /// elsewhere). Other versions' pieces and the spares stay. Returns how
+    /// many files went.
     pub fn drop_stale_pieces(&self, app: &str, version: u64, keep: &[PieceId]) -> Result<usize> {
         check_app_name(app)?;
         let dir = self.root.join(app).join(PIECES);

@@ -441,8 +441,9 @@ impl ProtectionBook {
         let version = protected.version();
         let keep = protected.pieces_on(node);
         for piece in held.iter().filter(|p| p.version < version || (p.version == version && !keep.contains(&p.piece))) {
-            let kept = if piece.version == version { keep.clone() } else { Vec::new() };
-            stale.entry(piece.version).or_insert(kept);
+            stale
+                .entry(piece.version)
+                .or_insert_with(|| if piece.version == version { keep.clone() } else { Vec::new() });
         }
         stale
     }
