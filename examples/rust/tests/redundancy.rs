@@ -222,6 +222,48 @@ fn a_node_back_after_its_slot_was_rebuilt_elsewhere_deletes_the_pieces_it_kept()
     pfs_untouched(&service, "sb");
 }
 
+/// The same with a node that only goes silent (SIGSTOP) past the rebuild's
+/// wait, as a stalled host or a network cut that heals, and then answers
+/// again on the connection it had: its manager never started anew and
+/// announced nothing, yet the pieces its slot's rebuild made elsewhere are
+/// deleted from it all the same. Before, they stayed in its memory.
+#[test]
+fn a_node_that_answers_again_after_its_slot_was_rebuilt_elsewhere_deletes_the_pieces_it_kept() {
+    let service = service("red-stale-silent", 5);
+    commit_three(&service, "ss", "rs:2+1");
+    let report = wait_protected(&service, "ss", 3);
+    let pieces_of_3 = |node: &str| -> Vec<String> {
+        piece_file_names(&service, node, "ss").into_iter().filter(|n| n.starts_with("v3.")).collect()
+    };
+    let away = report.agents.iter().map(|a| a.node.clone()).find(|n| !pieces_of_3(n).is_empty()).expect("a holder");
+    let manager = service.pid_of(&format!("manager-{away}"));
+    let pid = Pid::from_raw(manager as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let rebuilt = poll_until(Duration::from_secs(60), || {
+        let report = app(&service, "ss");
+        let settled = !report.rebuilding && report.protecting != Some(3) && report.protection_problem.is_none();
+        settled && report.protected == Some(3) && report.agents.iter().all(|a| a.node != away)
+    });
+    // Read while it is stopped: nothing can have deleted them yet.
+    let kept = pieces_of_3(&away);
+    kill(pid, Signal::SIGCONT).unwrap();
+    assert!(rebuilt, "version 3 was not protected again without the silent {away}: {:?}", app(&service, "ss"));
+    assert!(!kept.is_empty(), "the stopped manager kept its pieces");
+
+    let back = poll_until(Duration::from_secs(30), || {
+        service.log("controller.log").contains("manager is back after missing its heartbeats")
+    });
+    assert!(back, "{away} did not answer again:\n{}", service.log("controller.log"));
+    assert_eq!(service.pid_of(&format!("manager-{away}")), manager, "the same manager answered, not a new one");
+    let deleted = poll_until(Duration::from_secs(10), || pieces_of_3(&away).is_empty());
+    assert!(deleted, "{away} still holds version 3's pieces {:?} (had {kept:?})", pieces_of_3(&away));
+    let rebuilt = app(&service, "ss");
+    let holders: Vec<&AgentInfo> = rebuilt.agents.iter().filter(|a| !pieces_of_3(&a.node).is_empty()).collect();
+    assert!(!holders.is_empty(), "the rebuilt pieces went too: {:?}", rebuilt.agents);
+    restart_bit_exact(&service, "ss", "rs:2+1", 6);
+    pfs_untouched(&service, "ss");
+}
+
 #[test]
 fn reed_solomon_decodes_lost_ranks_and_names_them_when_too_many_are_lost() {
     let service = service("red-rs21", 4);

@@ -834,6 +834,30 @@ fn drop_stale_pieces_on(state: &mut State, node: &str) {
     }
 }
 
+/// Tells the nodes that answered `name`'s book lists as returned
+/// (`ProtectionBook::returned`: back on the connection they had when they
+/// were marked down) to delete the application's pieces that no record
+/// places there: the protected version's other than those its record
+/// gives the node, and every older version's. Nothing while a protection
+/// or rebuild is under way, or before reconciliation confirms the
+/// application; called again when a protection or rebuild ends. Before, a
+/// node that went silent long enough for its slot to be rebuilt elsewhere
+/// and then answered again (a stall, a network cut that healed) kept
+/// those pieces in its memory for good.
+fn drop_pieces_on_returned_nodes(state: &mut State, name: &str) {
+    let Some(app) = state.apps.get_mut(name).filter(|app| app.unconfirmed.is_none()) else { return };
+    let book = &mut app.protection;
+    if book.returned.is_empty() || book.settled().is_none() {
+        return;
+    }
+    for node in std::mem::take(&mut book.returned) {
+        let Some((version, keep)) = book.settled_pieces_on(&node) else { continue };
+        tracing::info!(app = %name, %node, version, kept = keep.len(), "deleting pieces no record places on the node that answered again");
+        state.nodes.send(&node, ControllerToManager::DropStalePieces { app: name.to_string(), version, keep });
+        state.nodes.send(&node, ControllerToManager::DropPieces { app: name.to_string(), below: version });
+    }
+}
+
 /// A manager registered `node` (again) with `stored` in its store: an
 /// application whose newest complete version lost files there no longer
 /// counts it (a restart then looks on the PFS); the status says why.
@@ -1527,6 +1551,13 @@ fn node_lost(state: &mut State, node: &str, why: &str) -> Vec<String> {
 fn node_back(state: &mut State, node: &str) {
     state.returning.insert(node.to_string(), Instant::now() + RETURN_WINDOW);
     stop_stale_agents(state, node);
+    let names: Vec<String> = state.apps.keys().cloned().collect();
+    for name in names {
+        if let Some(app) = state.apps.get_mut(&name) {
+            app.protection.returned.insert(node.to_string());
+        }
+        drop_pieces_on_returned_nodes(state, &name);
+    }
     drop_obsolete_files(state);
     recheck_homed_on(state, node);
 }
@@ -2225,6 +2256,7 @@ fn version_protected(state: &mut State, name: &str) {
                 let drop = ControllerToManager::DropStalePieces { app: name.to_string(), version: done, keep };
                 state.nodes.send(&node, drop);
             }
+            drop_pieces_on_returned_nodes(state, name);
         }
         Err(reason) => tracing::error!(
             %reason,

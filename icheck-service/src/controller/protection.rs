@@ -138,6 +138,14 @@ pub(super) struct ProtectionBook {
     /// is protected, the old plan's pieces of it are deleted
     /// (`ControllerToManager::DropStalePieces`).
     pub(super) replanned: Option<u64>,
+    /// Nodes that answered again on the connection they had when they were
+    /// marked down: their managers never started anew, so they announced
+    /// no pieces, yet they may hold pieces that a rebuild made elsewhere
+    /// while they were away, or of versions older than one protected
+    /// meanwhile. Once the protection settles
+    /// ([`settled_pieces_on`](Self::settled_pieces_on)) each is told what
+    /// to delete, and leaves this set.
+    pub(super) returned: BTreeSet<String>,
 }
 
 /// A protection under way for longer than this (or than its version's
@@ -435,17 +443,27 @@ impl ProtectionBook {
     /// left to their protection.
     pub(super) fn stale_on(&self, node: &str, held: &[StoredPiece]) -> BTreeMap<u64, Vec<PieceId>> {
         let mut stale = BTreeMap::new();
-        let Some(protected) = self.protected.as_ref().filter(|_| self.protecting.is_none() && !self.rebuilding) else {
-            return stale;
-        };
-        let version = protected.version();
-        let keep = protected.pieces_on(node);
+        let Some((version, keep)) = self.settled_pieces_on(node) else { return stale };
         for piece in held.iter().filter(|p| p.version < version || (p.version == version && !keep.contains(&p.piece))) {
             stale
                 .entry(piece.version)
                 .or_insert_with(|| if piece.version == version { keep.clone() } else { Vec::new() });
         }
         stale
+    }
+
+    /// The protected version and the pieces of it that its record places
+    /// on `node`, while no protection or rebuild is under way (either
+    /// decides where pieces go); `None` then, or with nothing protected.
+    pub(super) fn settled_pieces_on(&self, node: &str) -> Option<(u64, Vec<PieceId>)> {
+        let protected = self.settled()?;
+        Some((protected.version(), protected.pieces_on(node)))
+    }
+
+    /// The protected version's record while no protection or rebuild is
+    /// under way.
+    pub(super) fn settled(&self) -> Option<&Protected> {
+        self.protected.as_ref().filter(|_| self.protecting.is_none() && !self.rebuilding)
     }
 
     /// Nodes holding the protected version's primaries or pieces.

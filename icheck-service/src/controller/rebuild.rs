@@ -47,6 +47,7 @@ pub(super) fn spawn(shared: &Arc<Shared>, apps: Vec<String>) {
                 let Some(app) = state.apps.get_mut(&name) else { return };
                 if !std::mem::take(&mut app.protection.look_again) {
                     app.protection.rebuilding = false;
+                    super::drop_pieces_on_returned_nodes(&mut state, &name);
                     return;
                 }
             }
