@@ -59,7 +59,8 @@ struct Cli {
     /// Bytes of the one-rank case (0 skips it).
     #[arg(long, default_value = "1GiB")]
     size: ByteSize,
-    /// Commits timed per case; the median is reported.
+    /// Rounds of commits timed (one commit per case each); the median is
+    /// reported. At most 15 (the controller keeps 16 protections' times).
     #[arg(long, default_value_t = 3)]
     runs: usize,
     /// Restart jobs per restart column (each a new job that restores the
@@ -175,17 +176,24 @@ fn expected(rank: u32, size: usize, commits: usize) -> Vec<u8> {
     data
 }
 
-/// Seconds the ranks "compute" between commits, asleep: long enough for the
-/// agents to protect the version before the next commit, and the ranks do
-/// not spin in MPI meanwhile (on two cores that would starve the agents).
-const COMPUTE_SECS: u64 = 6;
+/// Seconds the ranks "compute" after each commit, asleep (the ranks do not
+/// spin in MPI meanwhile: on two cores that would starve the agents). The
+/// version's protection runs in this time (at most 0.6 s on this machine
+/// kind), and the next commit waits for it if it has not ended, so no
+/// commit of any service is timed while another's protection runs.
+const COMPUTE_SECS: u64 = 3;
+
+/// Most timed rounds: the controller's status keeps the times of its
+/// newest 16 protections (`PROTECTION_HISTORY`), and the first round,
+/// untimed, is one of them.
+const MAX_RUNS: usize = 15;
 
 /// Commits the same data into every service of `configs` (one `Icheck`
 /// each), `runs + 1` rounds (the first warms up): each round changes the
 /// data once, then commits it into every service in turn, starting one
-/// further along each round, with a computation phase after each commit.
-/// So a round's commits lie seconds apart, and no policy always follows
-/// the same one. Then checks each last version is protected and finishes
+/// further along each round, with a computation phase after each commit
+/// that lasts until the version is protected. So a round's commits lie
+/// seconds apart, and no policy always follows the same one. Finishes
 /// with IC_PERSIST. Returns one `Measured` per service, its commits in
 /// round order. The time to protect each version is the controller's
 /// record (from the version's record to its last piece).
@@ -198,6 +206,7 @@ fn commit_phase<C: Communicator + 'static>(
 ) -> Result<Vec<Measured>> {
     let data = Region::<u8>::zeroed(size);
     let mut services = Vec::new();
+    let mut protects = Vec::new();
     for config in configs {
         let comm = comm();
         let rank = comm.rank();
@@ -206,6 +215,7 @@ fn commit_phase<C: Communicator + 'static>(
             data.write().copy_from_slice(&expected(rank, size, 0));
         }
         ic.add("data", &data)?;
+        protects.push(ic.protection()?.policy != "none");
         services.push(ic);
     }
     let mut measured: Vec<Measured> = configs.iter().map(|_| Measured::default()).collect();
@@ -218,14 +228,12 @@ fn commit_phase<C: Communicator + 'static>(
             versions[which] = services[which].commit()?;
             let committed = started.elapsed().as_secs_f64();
             std::thread::sleep(Duration::from_secs(COMPUTE_SECS));
+            if protects[which] {
+                services[which].wait_protected(versions[which], Duration::from_secs(300))?;
+            }
             if round > 0 {
                 measured[which].commit_secs.push(committed);
             }
-        }
-    }
-    for (ic, version) in services.iter_mut().zip(versions) {
-        if ic.protection()?.policy != "none" {
-            ic.wait_protected(version, Duration::from_secs(300))?;
         }
     }
     for mut ic in services {
@@ -582,6 +590,13 @@ fn main() -> Result<()> {
             "--policies {}: `{}` is named twice; each policy is measured once, its commits taking turns with the others'",
             cli.policies.join(","),
             twice.1
+        );
+    }
+    if !(1..=MAX_RUNS).contains(&cli.runs) {
+        bail!(
+            "--runs {}: from 1 to {MAX_RUNS} rounds (the controller's status keeps the newest {} protections' times, and the first round warms up)",
+            cli.runs,
+            MAX_RUNS + 1
         );
     }
     if !(cli.fti_l2.is_finite() && cli.fti_l2 > 0.0) {
