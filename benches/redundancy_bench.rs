@@ -29,7 +29,7 @@
 //!
 //! ```text
 //! cargo build --release --workspace
-//! target/release/redundancy-bench --rank-size 256MiB --size 1GiB
+//! target/release/redundancy-bench --rank-size 256MiB --size 1GiB --runs 15
 //! ```
 
 use std::io::Write;
