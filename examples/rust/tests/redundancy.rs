@@ -197,29 +197,18 @@ fn a_version_planned_anew_beside_a_survivor_keeps_only_the_new_plans_pieces() {
 /// the application never commits again.
 #[test]
 fn a_node_back_after_its_slot_was_rebuilt_elsewhere_deletes_the_pieces_it_kept() {
-    let service = service("red-stale-back", 5);
-    commit_three(&service, "sb", "rs:2+1");
-    let report = wait_protected(&service, "sb", 3);
-    let pieces_of_3 = |node: &str| -> Vec<String> {
-        piece_file_names(&service, node, "sb").into_iter().filter(|n| n.starts_with("v3.")).collect()
-    };
-    let away = report.agents.iter().map(|a| a.node.clone()).find(|n| !pieces_of_3(n).is_empty()).expect("a holder");
-    let manager = service.pid_of(&format!("manager-{away}"));
-    kill(Pid::from_raw(manager as i32), Signal::SIGKILL).unwrap();
-    assert!(poll_until(Duration::from_secs(10), || !icheck_service::testkit::process_running(manager)));
-    let rebuilt = wait_rebuilt(&service, "sb", 3, &[&away]);
-    let kept = pieces_of_3(&away);
-    assert!(!kept.is_empty(), "the killed manager's store kept its pieces");
-
-    service.up_again();
-    let back = poll_until(Duration::from_secs(30), || service.status().nodes.iter().all(|n| n.alive));
-    assert!(back, "{away} did not come back");
-    let deleted = poll_until(Duration::from_secs(10), || pieces_of_3(&away).is_empty());
-    assert!(deleted, "{away} still holds version 3's pieces {:?} (had {kept:?})", pieces_of_3(&away));
-    let holders: Vec<&AgentInfo> = rebuilt.agents.iter().filter(|a| !pieces_of_3(&a.node).is_empty()).collect();
-    assert!(!holders.is_empty(), "the rebuilt pieces went too: {:?}", rebuilt.agents);
-    restart_bit_exact(&service, "sb", "rs:2+1", 6);
-    pfs_untouched(&service, "sb");
+    stale_pieces_deleted("red-stale-back", "sb", |service, away, pieces_of_3| {
+        let manager = service.pid_of(&format!("manager-{away}"));
+        kill(Pid::from_raw(manager as i32), Signal::SIGKILL).unwrap();
+        assert!(poll_until(Duration::from_secs(10), || !icheck_service::testkit::process_running(manager)));
+        wait_rebuilt(service, "sb", 3, &[away]);
+        let kept = pieces_of_3(away);
+        assert!(!kept.is_empty(), "the killed manager's store kept its pieces");
+        service.up_again();
+        let back = poll_until(Duration::from_secs(30), || service.status().nodes.iter().all(|n| n.alive));
+        assert!(back, "{away} did not come back");
+        kept
+    });
 }
 
 /// The same with a node that only goes silent (SIGSTOP) past the rebuild's
@@ -229,39 +218,55 @@ fn a_node_back_after_its_slot_was_rebuilt_elsewhere_deletes_the_pieces_it_kept()
 /// deleted from it all the same. Before, they stayed in its memory.
 #[test]
 fn a_node_that_answers_again_after_its_slot_was_rebuilt_elsewhere_deletes_the_pieces_it_kept() {
-    let service = service("red-stale-silent", 5);
-    commit_three(&service, "ss", "rs:2+1");
-    let report = wait_protected(&service, "ss", 3);
-    let pieces_of_3 = |node: &str| -> Vec<String> {
-        piece_file_names(&service, node, "ss").into_iter().filter(|n| n.starts_with("v3.")).collect()
-    };
-    let away = report.agents.iter().map(|a| a.node.clone()).find(|n| !pieces_of_3(n).is_empty()).expect("a holder");
-    let manager = service.pid_of(&format!("manager-{away}"));
-    let pid = Pid::from_raw(manager as i32);
-    kill(pid, Signal::SIGSTOP).unwrap();
-    let rebuilt = poll_until(Duration::from_secs(60), || {
-        let report = app(&service, "ss");
-        let settled = !report.rebuilding && report.protecting != Some(3) && report.protection_problem.is_none();
-        settled && report.protected == Some(3) && report.agents.iter().all(|a| a.node != away)
+    stale_pieces_deleted("red-stale-silent", "ss", |service, away, pieces_of_3| {
+        let manager = service.pid_of(&format!("manager-{away}"));
+        let pid = Pid::from_raw(manager as i32);
+        kill(pid, Signal::SIGSTOP).unwrap();
+        let rebuilt = poll_until(Duration::from_secs(60), || {
+            let report = app(service, "ss");
+            let settled = !report.rebuilding && report.protecting != Some(3) && report.protection_problem.is_none();
+            settled && report.protected == Some(3) && report.agents.iter().all(|a| a.node != away)
+        });
+        // Read while it is stopped: nothing can have deleted them yet.
+        let kept = pieces_of_3(away);
+        kill(pid, Signal::SIGCONT).unwrap();
+        assert!(rebuilt, "version 3 was not protected again without the silent {away}: {:?}", app(service, "ss"));
+        assert!(!kept.is_empty(), "the stopped manager kept its pieces");
+        let back = poll_until(Duration::from_secs(30), || {
+            service.log("controller.log").contains("manager is back after missing its heartbeats")
+        });
+        assert!(back, "{away} did not answer again:\n{}", service.log("controller.log"));
+        assert_eq!(service.pid_of(&format!("manager-{away}")), manager, "the same manager answered, not a new one");
+        kept
     });
-    // Read while it is stopped: nothing can have deleted them yet.
-    let kept = pieces_of_3(&away);
-    kill(pid, Signal::SIGCONT).unwrap();
-    assert!(rebuilt, "version 3 was not protected again without the silent {away}: {:?}", app(&service, "ss"));
-    assert!(!kept.is_empty(), "the stopped manager kept its pieces");
+}
 
-    let back = poll_until(Duration::from_secs(30), || {
-        service.log("controller.log").contains("manager is back after missing its heartbeats")
-    });
-    assert!(back, "{away} did not answer again:\n{}", service.log("controller.log"));
-    assert_eq!(service.pid_of(&format!("manager-{away}")), manager, "the same manager answered, not a new one");
-    let deleted = poll_until(Duration::from_secs(10), || pieces_of_3(&away).is_empty());
-    assert!(deleted, "{away} still holds version 3's pieces {:?} (had {kept:?})", pieces_of_3(&away));
-    let rebuilt = app(&service, "ss");
+/// Five managers; `name` commits versions 1 to 3 under `rs:2+1`. A node
+/// holding pieces of version 3 is sent `away`: given the service, the node
+/// and what of version 3 a node's pieces directory holds, it returns once
+/// the version was protected again without the node and the node is back,
+/// with the pieces the node kept. Then those pieces must go, the rebuilt
+/// ones stay, and a restart be bit-exact without the PFS.
+fn stale_pieces_deleted(
+    service_name: &str,
+    name: &str,
+    away: impl FnOnce(&LocalService, &str, &dyn Fn(&str) -> Vec<String>) -> Vec<String>,
+) {
+    let service = service(service_name, 5);
+    commit_three(&service, name, "rs:2+1");
+    let report = wait_protected(&service, name, 3);
+    let pieces_of_3 = |node: &str| -> Vec<String> {
+        piece_file_names(&service, node, name).into_iter().filter(|n| n.starts_with("v3.")).collect()
+    };
+    let node = report.agents.iter().map(|a| a.node.clone()).find(|n| !pieces_of_3(n).is_empty()).expect("a holder");
+    let kept = away(&service, &node, &pieces_of_3);
+    let deleted = poll_until(Duration::from_secs(10), || pieces_of_3(&node).is_empty());
+    assert!(deleted, "{node} still holds version 3's pieces {:?} (had {kept:?})", pieces_of_3(&node));
+    let rebuilt = app(&service, name);
     let holders: Vec<&AgentInfo> = rebuilt.agents.iter().filter(|a| !pieces_of_3(&a.node).is_empty()).collect();
     assert!(!holders.is_empty(), "the rebuilt pieces went too: {:?}", rebuilt.agents);
-    restart_bit_exact(&service, "ss", "rs:2+1", 6);
-    pfs_untouched(&service, "ss");
+    restart_bit_exact(&service, name, "rs:2+1", 6);
+    pfs_untouched(&service, name);
 }
 
 #[test]
