@@ -629,7 +629,7 @@ fn main() -> Result<()> {
         let none = rows.iter().find(|r| r.policy == "none").context("the `none` row")?;
         let none_commits = none.commits.clone();
         let baseline = format!(
-            "\n÷ none, same round: the median over the {} rounds of each round's commit divided by that round's `none` commit (the round's commits are {} s apart). ÷ none, medians: the policy's median commit divided by `none`'s ({} ms).",
+            "\n÷ none, same round: the median over the {} rounds of each round's commit divided by that round's `none` commit (each commit followed by {} s of compute, longer if its protection takes longer). ÷ none, medians: the policy's median commit divided by `none`'s ({} ms).",
             none_commits.len(),
             COMPUTE_SECS,
             ms(none.commit)
