@@ -834,10 +834,10 @@ fn drop_stale_pieces_on(state: &mut State, node: &str) {
     }
 }
 
-/// Tells the nodes that answered `name`'s book lists as returned
-/// (`ProtectionBook::returned`: back on the connection they had when they
-/// were marked down) to delete the application's pieces that no record
-/// places there: the protected version's other than those its record
+/// Tells each node that `name`'s book lists as returned
+/// (`ProtectionBook::returned`: back on the connection it had when it was
+/// marked down) to delete the application's pieces that no record places
+/// there: the protected version's other than those its record
 /// gives the node, and every older version's. Nothing while a protection
 /// or rebuild is under way, or before reconciliation confirms the
 /// application; called again when a protection or rebuild ends. Before, a
