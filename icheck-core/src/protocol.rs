@@ -23,7 +23,7 @@ pub use crate::format::{DataKind, LabelLayout, Manifest, VersionRecord};
 
 /// Version of this protocol; peers with another version are refused.
 /// (6: `Probe` says whether it comes from `init`.)
-pub const PROTOCOL_VERSION: u32 = 6;
+pub const PROTOCOL_VERSION: u32 = 7;
 /// First bytes of every Hello.
 pub const MAGIC: [u8; 4] = *b"ICHK";
 /// Largest frame accepted, in bytes.
@@ -538,6 +538,8 @@ pub enum ManagerToController {
         agent: u64,
         /// The version it protects.
         version: u64,
+        /// The protection attempt it answers ([`PieceTask::attempt`]).
+        attempt: u64,
         /// The piece.
         piece: crate::redundancy::PieceId,
         /// Bytes it holds, or why it could not.
@@ -1414,6 +1416,11 @@ impl ParityMeta {
 pub struct PieceTask {
     /// The complete version it protects.
     pub version: u64,
+    /// Which protection of the application asked for it, echoed in the
+    /// answer ([`ManagerToController::Protected`]). One version can be
+    /// protected twice (a rebuild asks again after a second node is lost),
+    /// and a late failure of the first attempt must not end the second.
+    pub attempt: u64,
     /// The piece.
     pub piece: crate::redundancy::PieceId,
     /// The ranks it is made of, in shard order, each with the agent holding

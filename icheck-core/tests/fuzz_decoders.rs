@@ -155,6 +155,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 agent: 3,
                 task: PieceTask {
                     version: 4,
+                    attempt: 2,
                     piece: PieceId::Parity { group: 1, index: 0 },
                     members: vec![Some((0, agent())), None],
                     parity: 2,

@@ -560,7 +560,7 @@ async fn session(
                 });
             }
             ControllerToManager::Protect { agent, task } => {
-                let version = task.version;
+                let (version, attempt) = (task.version, task.attempt);
                 let failed = |why: String| PieceOutcome::all_failed(agent, &task, &why);
                 let job = agent_job(agents, agent, |a| a.protect_job(task.clone())).map_err(failed);
                 let tx = tx.clone();
@@ -576,7 +576,7 @@ async fn session(
                         if let Err(reason) = &result {
                             tracing::warn!(agent, version, %piece, %reason, "building a piece of redundancy failed");
                         }
-                        let _ = tx.send(ManagerToController::Protected { agent, version, piece, result });
+                        let _ = tx.send(ManagerToController::Protected { agent, version, attempt, piece, result });
                     }
                 };
                 if let Err(err) = std::thread::Builder::new().name("icheck-protect".into()).spawn(build) {

@@ -1362,23 +1362,24 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
                 drop(state);
                 pfs_copied(&shared, agent, version, result, superseded);
             }
-            ManagerToController::Protected { agent, version, piece, result } => {
+            ManagerToController::Protected { agent, version, attempt, piece, result } => {
                 if let Err(reason) = &result {
-                    // A version no longer being protected (a newer one took
-                    // its place, and its pieces were dropped under the
-                    // builder) costs nothing: not worth a warning.
-                    let wanted = state.apps.values().any(|a| a.protection.protecting() == Some(version));
+                    // A protection no longer under way (a newer version or a
+                    // new attempt at this one took its place, and its pieces
+                    // were dropped under the builder) costs nothing: not
+                    // worth a warning.
+                    let wanted = state.apps.values().any(|a| a.protection.awaits(version, attempt));
                     if wanted {
                         tracing::warn!(%node, agent, version, %piece, %reason, "a piece of redundancy could not be built");
                     } else {
-                        tracing::debug!(%node, agent, version, %piece, %reason, "a superseded version's piece was not built");
+                        tracing::debug!(%node, agent, version, attempt, %piece, %reason, "a superseded protection's piece was not built");
                     }
                 }
                 let state = &mut *state;
                 let mut protected = None;
                 let mut due = Vec::new();
                 for (name, app) in state.apps.iter_mut() {
-                    let done = app.protection.piece_done(agent, version, piece, result.clone());
+                    let done = app.protection.piece_done(agent, version, attempt, piece, result.clone());
                     // The protection ended (built or failed): the newest
                     // version that waited for it is protected next.
                     if let Some(next) = app.protection.next_due() {

@@ -72,6 +72,9 @@ struct Protecting {
     agents: Vec<AgentInfo>,
     units: u32,
     policy: Redundancy,
+    /// Its number ([`ProtectionBook::attempts`]): answers to an earlier
+    /// attempt at the same version are not its own.
+    attempt: u64,
     outstanding: BTreeSet<(u64, PieceId)>,
     /// The agent building each outstanding piece held by another (an
     /// encoder writing its shards to their holders): its node's loss ends
@@ -146,6 +149,8 @@ pub(super) struct ProtectionBook {
     /// ([`settled_pieces_on`](Self::settled_pieces_on)) each is told what
     /// to delete, and leaves this set.
     pub(super) returned: BTreeSet<String>,
+    /// Protections begun so far, which numbers them ([`PieceTask::attempt`]).
+    pub(super) attempts: u64,
 }
 
 /// A protection under way for longer than this (or than its version's
@@ -223,6 +228,8 @@ impl ProtectionBook {
         let version = record.version;
         self.protecting = None;
         self.replanned = None;
+        self.attempts += 1;
+        let attempt = self.attempts;
         // Whatever waited is protected now, or superseded by this version.
         self.waiting = None;
         if self.policy.is_none() || agents.is_empty() {
@@ -317,7 +324,7 @@ impl ProtectionBook {
                 // Its holder reads its slice from the primary.
                 PieceId::Slice { group, .. } => (group_members(&plan.groups[group as usize], &primary), Vec::new()),
             };
-            let task = PieceTask { version, piece, members, parity, also };
+            let task = PieceTask { version, attempt, piece, members, parity, also };
             for answer in task.answers(builder.id) {
                 if answer.0 != builder.id {
                     built_by.insert(answer, builder.id);
@@ -333,20 +340,26 @@ impl ProtectionBook {
             self.now_protected(Protected { record, plan, agents, units, policy });
             return requests;
         }
-        self.protecting = Some(Protecting { record, plan, agents, units, policy, outstanding, built_by });
+        self.protecting = Some(Protecting { record, plan, agents, units, policy, attempt, outstanding, built_by });
         requests
     }
 
-    /// One piece was built (or not). Returns the version that just became
-    /// protected, if this was its last piece.
+    /// One piece was built (or not) for protection `attempt` of `version`.
+    /// Returns the version that just became protected, if this was its
+    /// last piece. An answer to another attempt changes nothing: two
+    /// nodes lost a few milliseconds apart make the rebuild protect the
+    /// same version twice, and the first attempt's encoder, reading from
+    /// the second lost node, fails after the second attempt began (CI saw
+    /// it end that attempt and leave the version unprotected).
     pub(super) fn piece_done(
         &mut self,
         agent: u64,
         version: u64,
+        attempt: u64,
         piece: PieceId,
         result: Result<u64, String>,
     ) -> Option<u64> {
-        let protecting = self.protecting.as_mut().filter(|p| p.record.version == version)?;
+        let protecting = self.protecting.as_mut().filter(|p| p.record.version == version && p.attempt == attempt)?;
         if !protecting.outstanding.remove(&(agent, piece)) {
             return None;
         }
@@ -431,6 +444,12 @@ impl ProtectionBook {
     /// The version being protected, if any.
     pub(super) fn protecting(&self) -> Option<u64> {
         self.protecting.as_ref().map(|p| p.record.version)
+    }
+
+    /// Whether protection `attempt` of `version` is the one under way (its
+    /// answers count).
+    pub(super) fn awaits(&self, version: u64, attempt: u64) -> bool {
+        self.protecting.as_ref().is_some_and(|p| p.record.version == version && p.attempt == attempt)
     }
 
     /// What of `held` (this application's pieces that `node` announced
@@ -658,13 +677,47 @@ mod tests {
         assert_eq!(book.protecting(), Some(7));
         let (last, rest) = requests.split_last().unwrap();
         for (agent, _, task) in rest {
-            assert_eq!(book.piece_done(*agent, 7, task.piece, Ok(10)), None);
+            assert_eq!(book.piece_done(*agent, 7, book.attempts, task.piece, Ok(10)), None);
         }
-        assert_eq!(book.piece_done(99, 7, last.2.piece, Ok(10)), None, "an agent that was not asked");
-        assert_eq!(book.piece_done(last.0, 6, last.2.piece, Ok(10)), None, "an older version");
-        assert_eq!(book.piece_done(last.0, 7, last.2.piece, Ok(10)), Some(7));
+        assert_eq!(book.piece_done(99, 7, book.attempts, last.2.piece, Ok(10)), None, "an agent that was not asked");
+        assert_eq!(book.piece_done(last.0, 6, book.attempts, last.2.piece, Ok(10)), None, "an older version");
+        assert_eq!(book.piece_done(last.0, 7, book.attempts, last.2.piece, Ok(10)), Some(7));
         assert_eq!(book.protected.as_ref().map(|p| p.version()), Some(7));
         assert!(book.exposure(Some(7), 4, &agents, 0.01).unwrap() < book.exposure(Some(8), 4, &agents, 0.01).unwrap());
+    }
+
+    #[test]
+    fn answers_to_an_earlier_attempt_at_the_same_version_do_not_count() {
+        // CI's case: two nodes lost 2 ms apart; the rebuild protects version
+        // 3 once per lost node, and the first attempt's encoder, reading
+        // from the second lost node, fails after the second attempt began.
+        let agents = [agent(1, "a"), agent(2, "b"), agent(3, "c")];
+        let mut book = book("rs:2+1");
+        let first = book.begin(&record(3), 4, &agents, &|_| None);
+        let second = book.begin(&record(3), 4, &agents, &|_| None);
+        let attempt = |requests: &[PieceRequest]| requests[0].2.attempt;
+        assert_ne!(attempt(&first), attempt(&second));
+        let answers = |requests: &[PieceRequest]| -> Vec<(u64, PieceId, u64)> {
+            requests
+                .iter()
+                .flat_map(|(id, _, task)| task.answers(*id).into_iter().map(|(h, p)| (h, p, task.attempt)))
+                .collect()
+        };
+        for (holder, piece, attempt) in answers(&first) {
+            let late = book.piece_done(holder, 3, attempt, piece, Err("cannot connect to agent 3 on c".into()));
+            assert_eq!(late, None);
+        }
+        assert_eq!(book.protecting(), Some(3), "the second attempt goes on");
+        assert_eq!(book.problem, None);
+        for (holder, piece, attempt) in answers(&first) {
+            assert_eq!(book.piece_done(holder, 3, attempt, piece, Ok(1)), None, "nor does a late success count");
+        }
+        assert!(book.protected.is_none());
+        let (last, rest) = answers(&second).split_last().map(|(l, r)| (*l, r.to_vec())).unwrap();
+        for (holder, piece, attempt) in rest {
+            assert_eq!(book.piece_done(holder, 3, attempt, piece, Ok(1)), None);
+        }
+        assert_eq!(book.piece_done(last.0, 3, last.2, last.1, Ok(1)), Some(3));
     }
 
     #[test]
@@ -679,7 +732,7 @@ mod tests {
         assert_eq!((book.protecting(), book.waiting()), (Some(7), Some(9)));
         assert_eq!(book.next_due(), None, "not while 7 is under way");
         for (agent, _, task) in &requests {
-            book.piece_done(*agent, 7, task.piece, Ok(1));
+            book.piece_done(*agent, 7, book.attempts, task.piece, Ok(1));
         }
         assert_eq!(book.protected.as_ref().map(|p| p.version()), Some(7));
         assert_eq!(book.next_due(), Some(9));
@@ -692,7 +745,7 @@ mod tests {
         book.began = Some((10, start));
         assert!(book.defer(11, start));
         let (agent, _, task) = &requests[0];
-        book.piece_done(*agent, 10, task.piece, Err("no room".into()));
+        book.piece_done(*agent, 10, book.attempts, task.piece, Err("no room".into()));
         assert_eq!(book.next_due(), Some(11));
 
         // A protection that never ends holds nothing back for ever.
@@ -743,8 +796,8 @@ mod tests {
         assert_ne!(other, *encoder);
         // Both shards must answer; the second holder's answer (sent by the
         // encoder's manager) completes the version.
-        assert_eq!(book.piece_done(*encoder, 3, task.piece, Ok(8)), None);
-        assert_eq!(book.piece_done(other, 3, PieceId::Parity { group: 0, index: 1 }, Ok(8)), Some(3));
+        assert_eq!(book.piece_done(*encoder, 3, book.attempts, task.piece, Ok(8)), None);
+        assert_eq!(book.piece_done(other, 3, book.attempts, PieceId::Parity { group: 0, index: 1 }, Ok(8)), Some(3));
         // rs:2+1 has nothing to write elsewhere.
         let mut book = super::tests::book("rs:2+1");
         assert!(book.begin(&record(4), 4, &agents, &|_| None).iter().all(|(_, _, task)| task.also.is_empty()));
@@ -771,11 +824,11 @@ mod tests {
             requests.iter().map(|(id, _, _)| *id).chain(encoding.also.iter().map(|a| a.id)).collect();
         assert_eq!(holders.len(), 6, "the encoder and five pieces on six agents");
         for (id, _, task) in &requests[1..] {
-            assert_eq!(book.piece_done(*id, 6, task.piece, Ok(8)), None);
+            assert_eq!(book.piece_done(*id, 6, book.attempts, task.piece, Ok(8)), None);
         }
-        assert_eq!(book.piece_done(*encoder, 6, encoding.piece, Ok(8)), None, "it holds no shard");
+        assert_eq!(book.piece_done(*encoder, 6, book.attempts, encoding.piece, Ok(8)), None, "it holds no shard");
         for (answer, done) in encoding.answers(*encoder).into_iter().zip([None, Some(6)]) {
-            assert_eq!(book.piece_done(answer.0, 6, answer.1, Ok(8)), done, "{answer:?}");
+            assert_eq!(book.piece_done(answer.0, 6, book.attempts, answer.1, Ok(8)), done, "{answer:?}");
         }
         // Its node lost while it encodes: no answer will come from it.
         book.begin(&record(7), 1, &agents, &|_| None);
@@ -789,7 +842,7 @@ mod tests {
         let requests = book.begin(&record(version), units, agents, &|_| None);
         let answers: Vec<(u64, PieceId)> = requests.iter().flat_map(|(id, _, task)| task.answers(*id)).collect();
         for (holder, piece) in &answers {
-            book.piece_done(*holder, version, *piece, Ok(1));
+            book.piece_done(*holder, version, book.attempts, *piece, Ok(1));
         }
         assert_eq!(book.protected.as_ref().map(|p| p.version()), Some(version));
         answers
@@ -824,7 +877,7 @@ mod tests {
         assert!(requests.iter().all(|(id, _, task)| *id == 7 && task.also.is_empty()), "{requests:?}");
         assert_eq!(book.replanned, None, "repaired under its own plan: nothing of it is stale");
         for (holder, piece) in &answers {
-            book.piece_done(*holder, 3, *piece, Ok(1));
+            book.piece_done(*holder, 3, book.attempts, *piece, Ok(1));
         }
         let protected = book.protected.as_ref().unwrap();
         assert_eq!((&protected.plan, &protected.agents), (&plan, &replaced));
@@ -849,7 +902,7 @@ mod tests {
             assert!(group >= old_groups, "{piece} reuses a number of the record's plan: {answers:?}");
         }
         for (holder, piece) in &answers {
-            book.piece_done(*holder, 3, *piece, Ok(1));
+            book.piece_done(*holder, 3, book.attempts, *piece, Ok(1));
         }
         let replanned = &book.protected.as_ref().unwrap().plan;
         assert!(replanned.groups[..plan.groups.len()].iter().all(|g| *g == Group::default()), "{replanned:?}");
@@ -898,7 +951,7 @@ mod tests {
         let asked: BTreeSet<(u64, PieceId)> = requests.iter().flat_map(|(id, _, task)| task.answers(*id)).collect();
         assert_eq!(asked, after.difference(&kept).copied().collect(), "only the copies that moved are written");
         for (holder, piece) in &asked {
-            book.piece_done(*holder, 3, *piece, Ok(1));
+            book.piece_done(*holder, 3, book.attempts, *piece, Ok(1));
         }
         assert_eq!(book.protected.as_ref().map(|p| (&p.agents, p.plan.pieces().len())), Some((&replaced, after.len())));
     }
@@ -933,7 +986,7 @@ mod tests {
         for (agent, _, task) in book.begin(&record(3), 4, &replaced, &|_| None) {
             for (holder, piece) in task.answers(agent) {
                 assert!(book.stale_on(&node, &held(&[(3, mine)])).is_empty(), "nothing while a rebuild builds");
-                book.piece_done(holder, 3, piece, Ok(1));
+                book.piece_done(holder, 3, book.attempts, piece, Ok(1));
             }
         }
         assert_eq!(book.protecting(), None);
@@ -947,7 +1000,7 @@ mod tests {
         let mut book = book("partner");
         let requests = book.begin(&record(3), 2, &agents, &|_| None);
         let (agent, _, task) = &requests[0];
-        assert_eq!(book.piece_done(*agent, 3, task.piece, Err("no room".into())), None);
+        assert_eq!(book.piece_done(*agent, 3, book.attempts, task.piece, Err("no room".into())), None);
         assert!(book.problem.as_deref().unwrap().contains("no room"));
         assert!(book.protected.is_none());
         let too_few = book.begin(&record(4), 2, &agents[..1], &|_| None);
@@ -960,7 +1013,7 @@ mod tests {
         let agents: Vec<AgentInfo> = ["a", "b", "c"].iter().enumerate().map(|(i, n)| agent(i as u64 + 1, n)).collect();
         let mut book = book("rs:2+1");
         for (agent, _, task) in book.begin(&record(5), 2, &agents, &|_| None) {
-            book.piece_done(agent, 5, task.piece, Ok(1));
+            book.piece_done(agent, 5, book.attempts, task.piece, Ok(1));
         }
         let journaled = book.protected.as_ref().unwrap().journaled();
         // Version 6 completed before it was protected: a rebuild falls back to 5.
@@ -980,7 +1033,7 @@ mod tests {
             ["a", "b", "c", "d"].iter().enumerate().map(|(i, n)| agent(i as u64 + 1, n)).collect();
         let mut book = book("rs:2+1");
         for (agent, _, task) in book.begin(&record(5), 4, &agents, &|_| None) {
-            book.piece_done(agent, 5, task.piece, Ok(1));
+            book.piece_done(agent, 5, book.attempts, task.piece, Ok(1));
         }
         let journaled = book.protected.as_ref().unwrap().journaled();
         // Another version won the reconciliation: the protection is of no use.
@@ -1012,7 +1065,7 @@ mod tests {
         let agents = vec![agent(1, "a"), agent(2, "b"), agent(3, "c"), agent(4, "d")];
         let mut book = book("rs:2+1");
         for (agent, _, task) in book.begin(&record(5), 4, &agents, &|_| None) {
-            book.piece_done(agent, 5, task.piece, Ok(1));
+            book.piece_done(agent, 5, book.attempts, task.piece, Ok(1));
         }
         let protected = book.protected.clone().unwrap();
         assert_eq!(primary_nodes(&protected), ["a", "b", "c", "d"].map(String::from).into());
@@ -1049,7 +1102,7 @@ mod tests {
         for policy in ["partner", "rs:2+1"] {
             let mut book = book(policy);
             for (agent, _, task) in book.begin(&record(5), 4, &agents, &|_| None) {
-                book.piece_done(agent, 5, task.piece, Ok(1));
+                book.piece_done(agent, 5, book.attempts, task.piece, Ok(1));
             }
             let protected = book.protected.clone().unwrap();
             let one: BTreeSet<String> = ["b".to_string()].into();
@@ -1068,7 +1121,7 @@ mod tests {
         let requests = book.begin(&record(5), 1, &agents, &|_| None);
         for (id, _, task) in &requests {
             for (holder, piece) in task.answers(*id) {
-                book.piece_done(holder, 5, piece, Ok(1));
+                book.piece_done(holder, 5, book.attempts, piece, Ok(1));
             }
         }
         let protected = book.protected.clone().expect("protected");
