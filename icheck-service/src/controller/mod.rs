@@ -846,12 +846,8 @@ fn drop_stale_pieces_on(state: &mut State, node: &str) {
 /// those pieces in its memory for good.
 fn drop_pieces_on_returned_nodes(state: &mut State, name: &str) {
     let Some(app) = state.apps.get_mut(name).filter(|app| app.unconfirmed.is_none()) else { return };
-    let book = &mut app.protection;
-    if book.returned.is_empty() || book.settled().is_none() {
-        return;
-    }
-    for node in std::mem::take(&mut book.returned) {
-        let Some((version, keep)) = book.settled_pieces_on(&node) else { continue };
+    let Some((version, returned)) = app.protection.take_returned() else { return };
+    for (node, keep) in returned {
         tracing::info!(app = %name, %node, version, kept = keep.len(), "deleting pieces no record places on the node that answered again");
         state.nodes.send(&node, ControllerToManager::DropStalePieces { app: name.to_string(), version, keep });
         state.nodes.send(&node, ControllerToManager::DropPieces { app: name.to_string(), below: version });

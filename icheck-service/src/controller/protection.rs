@@ -146,8 +146,8 @@ pub(super) struct ProtectionBook {
     /// no pieces, yet they may hold pieces that a rebuild made elsewhere
     /// while they were away, or of versions older than one protected
     /// meanwhile. Once the protection settles
-    /// ([`settled_pieces_on`](Self::settled_pieces_on)) each is told what
-    /// to delete, and leaves this set.
+    /// ([`take_returned`](Self::take_returned)) each is told what to
+    /// delete, and leaves this set.
     pub(super) returned: BTreeSet<String>,
     /// Protections begun so far, which numbers them ([`PieceTask::attempt`]).
     pub(super) attempts: u64,
@@ -479,6 +479,21 @@ impl ProtectionBook {
         Some((protected.version(), protected.pieces_on(node)))
     }
 
+    /// Once the protection settles, the nodes that answered again
+    /// ([`returned`](Self::returned)), which it forgets, each with the
+    /// pieces of the protected version (also returned) that its record
+    /// keeps there; `None` while nothing is to be told.
+    pub(super) fn take_returned(&mut self) -> Option<(u64, Vec<(String, Vec<PieceId>)>)> {
+        if self.returned.is_empty() {
+            return None;
+        }
+        let protected = self.settled()?;
+        let keep = self.returned.iter().map(|node| (node.clone(), protected.pieces_on(node))).collect();
+        let version = protected.version();
+        self.returned.clear();
+        Some((version, keep))
+    }
+
     /// The protected version's record while no protection or rebuild is
     /// under way.
     pub(super) fn settled(&self) -> Option<&Protected> {
@@ -684,6 +699,30 @@ mod tests {
         assert_eq!(book.piece_done(last.0, 7, book.attempts, last.2.piece, Ok(10)), Some(7));
         assert_eq!(book.protected.as_ref().map(|p| p.version()), Some(7));
         assert!(book.exposure(Some(7), 4, &agents, 0.01).unwrap() < book.exposure(Some(8), 4, &agents, 0.01).unwrap());
+    }
+
+    #[test]
+    fn a_returned_node_is_told_what_to_keep_only_once_the_protection_settles() {
+        let agents = [agent(1, "a"), agent(2, "b"), agent(3, "c")];
+        let mut book = book("rs:2+1");
+        book.returned.insert("c".into());
+        assert_eq!(book.take_returned(), None, "nothing protected yet");
+        protect_all(&mut book, 3, 4, &agents);
+        // A rebuild moved c's slot to d; c answers again meanwhile.
+        let moved = [agent(1, "a"), agent(2, "b"), agent(4, "d")];
+        let requests = book.begin(&record(3), 4, &moved, &|_| None);
+        assert_eq!(book.take_returned(), None, "not while the slot is rebuilt");
+        for (id, _, task) in &requests {
+            for (holder, piece) in task.answers(*id) {
+                book.piece_done(holder, 3, task.attempt, piece, Ok(1));
+            }
+        }
+        let on_d = book.protected.as_ref().unwrap().pieces_on("d");
+        assert!(!on_d.is_empty());
+        assert_eq!(book.take_returned(), Some((3, vec![("c".to_string(), Vec::new())])), "c keeps nothing");
+        assert_eq!(book.take_returned(), None, "told once");
+        book.returned.insert("d".into());
+        assert_eq!(book.take_returned(), Some((3, vec![("d".to_string(), on_d)])));
     }
 
     #[test]
