@@ -173,6 +173,9 @@ fn patience(bytes: u64) -> std::time::Duration {
 /// Protections remembered for the status.
 pub(super) const PROTECTION_HISTORY: usize = 16;
 
+/// A node and the pieces of the protected version its record keeps there.
+pub(super) type NodeKeeps = (String, Vec<PieceId>);
+
 /// A piece to request: the agent to build it (id and node) and the task.
 pub(super) type PieceRequest = (u64, String, PieceTask);
 
@@ -483,7 +486,7 @@ impl ProtectionBook {
     /// ([`returned`](Self::returned)), which it forgets, each with the
     /// pieces of the protected version (also returned) that its record
     /// keeps there; `None` while nothing is to be told.
-    pub(super) fn take_returned(&mut self) -> Option<(u64, Vec<(String, Vec<PieceId>)>)> {
+    pub(super) fn take_returned(&mut self) -> Option<(u64, Vec<NodeKeeps>)> {
         if self.returned.is_empty() {
             return None;
         }
