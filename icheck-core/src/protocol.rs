@@ -22,7 +22,8 @@ use crate::fabric::{FabricAddress, RemoteRegion};
 pub use crate::format::{DataKind, LabelLayout, Manifest, VersionRecord};
 
 /// Version of this protocol; peers with another version are refused.
-/// (6: `Probe` says whether it comes from `init`.)
+/// (6: `Probe` says whether it comes from `init`; 7: `Protect` and
+/// `Protected` carry the protection's attempt.)
 pub const PROTOCOL_VERSION: u32 = 7;
 /// First bytes of every Hello.
 pub const MAGIC: [u8; 4] = *b"ICHK";

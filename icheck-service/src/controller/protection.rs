@@ -362,7 +362,10 @@ impl ProtectionBook {
         piece: PieceId,
         result: Result<u64, String>,
     ) -> Option<u64> {
-        let protecting = self.protecting.as_mut().filter(|p| p.record.version == version && p.attempt == attempt)?;
+        if !self.awaits(version, attempt) {
+            return None;
+        }
+        let protecting = self.protecting.as_mut()?;
         if !protecting.outstanding.remove(&(agent, piece)) {
             return None;
         }
