@@ -23,8 +23,9 @@ pub use crate::format::{DataKind, LabelLayout, Manifest, VersionRecord};
 
 /// Version of this protocol; peers with another version are refused.
 /// (6: `Probe` says whether it comes from `init`; 7: `Protect` and
-/// `Protected` carry the protection's attempt.)
-pub const PROTOCOL_VERSION: u32 = 7;
+/// `Protected` carry the protection's attempt; 8: `TakeOver`, `Rebuild`
+/// and `TookOver` carry the controller's request number.)
+pub const PROTOCOL_VERSION: u32 = 8;
 /// First bytes of every Hello.
 pub const MAGIC: [u8; 4] = *b"ICHK";
 /// Largest frame accepted, in bytes.
@@ -530,6 +531,10 @@ pub enum ManagerToController {
         agent: u64,
         /// Rank (MR) or node index (SHMR).
         rank: u32,
+        /// The request it answers (the `request` of its `TakeOver` or
+        /// `Rebuild`): an answer to an earlier request for the same rank,
+        /// one the controller stopped waiting for, answers nothing else.
+        request: u64,
         /// Bytes it moved, or why it could not.
         result: Result<u64, String>,
     },
@@ -606,6 +611,8 @@ pub enum ControllerToManager {
         version: u64,
         /// The agent that served the rank until now.
         from: AgentInfo,
+        /// The controller's number for this request, echoed in `TookOver`.
+        request: u64,
     },
     /// Delete ranks of an application from this node's store: they moved to
     /// agents on other nodes.
@@ -641,6 +648,8 @@ pub enum ControllerToManager {
         version: u64,
         /// Where it is rebuilt from.
         source: RebuildSource,
+        /// The controller's number for this request, echoed in `TookOver`.
+        request: u64,
     },
     /// The application's `version` is being protected: its agents here
     /// hold it back from pruning until a newer one is protected, so that

@@ -534,9 +534,9 @@ async fn session(
                     });
                 }
             }
-            ControllerToManager::TakeOver { agent, rank, version, from } => {
+            ControllerToManager::TakeOver { agent, rank, version, from, request } => {
                 let job = agent_job(agents, agent, |a| a.take_over_job(rank, version, from));
-                fill_rank(tx.clone(), agent, rank, version, job, "take-over failed");
+                fill_rank(tx.clone(), (agent, rank, request), version, job, "take-over failed");
             }
             ControllerToManager::DropRanks { app, ranks } => {
                 let (store, stopping) = (settings.store.clone(), stopping.clone());
@@ -583,9 +583,9 @@ async fn session(
                     tracing::error!(agent, version, %err, "cannot start a thread to build a piece of redundancy");
                 }
             }
-            ControllerToManager::Rebuild { agent, rank, version, source } => {
+            ControllerToManager::Rebuild { agent, rank, version, source, request } => {
                 let job = agent_job(agents, agent, |a| a.rebuild_job(rank, version, source));
-                fill_rank(tx.clone(), agent, rank, version, job, "rebuilding a lost rank failed");
+                fill_rank(tx.clone(), (agent, rank, request), version, job, "rebuilding a lost rank failed");
             }
             ControllerToManager::Protecting { app, version } => {
                 for_app_agents(agents, &app, |agent| agent.protecting(version));
@@ -628,12 +628,11 @@ async fn session(
 }
 
 /// Runs `job`, which gives `agent` the rank's version (a take-over or a
-/// rebuild), on a blocking thread and reports it as `TookOver`; a failure
-/// is logged as `failed`.
+/// rebuild, the controller's `request`), on a blocking thread and reports
+/// it as `TookOver`; a failure is logged as `failed`.
 fn fill_rank(
     tx: mpsc::UnboundedSender<ManagerToController>,
-    agent: u64,
-    rank: u32,
+    (agent, rank, request): (u64, u32, u64),
     version: u64,
     job: Result<impl FnOnce() -> Result<u64, String> + Send + 'static, String>,
     failed: &'static str,
@@ -641,9 +640,9 @@ fn fill_rank(
     tokio::task::spawn_blocking(move || {
         let result = job.and_then(|job| job());
         if let Err(reason) = &result {
-            tracing::warn!(agent, rank, version, %reason, "{failed}");
+            tracing::warn!(agent, rank, version, request, %reason, "{failed}");
         }
-        let _ = tx.send(ManagerToController::TookOver { agent, rank, result });
+        let _ = tx.send(ManagerToController::TookOver { agent, rank, request, result });
     });
 }
 

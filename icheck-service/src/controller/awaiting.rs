@@ -17,6 +17,54 @@ use tokio::sync::oneshot;
 /// Where an awaited request's answer arrives: what it yields, or why not.
 pub(super) type Answer<T> = oneshot::Receiver<Result<T, String>>;
 
+/// One take-over or rebuild asked of an agent ([`RankRequests`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct RankRequest {
+    /// The agent asked.
+    pub(super) agent: u64,
+    /// Rank (MR) or node index (SHMR).
+    pub(super) rank: u32,
+    /// The controller's number for the request, echoed in the answer.
+    pub(super) request: u64,
+}
+
+/// Take-overs and rebuilds of ranks awaiting their agents' answers (bytes
+/// moved). Every request gets a new number, which its answer echoes
+/// (`TookOver::request`): a controller that stopped waiting for an answer
+/// (the job outlived its bound) and asks the same agent for the same rank
+/// again must not take the late answer to the first request for the
+/// answer to the second.
+#[derive(Default)]
+pub(super) struct RankRequests {
+    /// The number of the last request.
+    last: u64,
+    awaiting: Awaiting<RankRequest, u64>,
+}
+
+impl RankRequests {
+    /// Records a new request to `agent` on `node` for `rank`.
+    pub(super) fn ask(&mut self, agent: u64, rank: u32, node: &str) -> (RankRequest, Answer<u64>) {
+        self.last += 1;
+        let key = RankRequest { agent, rank, request: self.last };
+        (key, self.awaiting.ask(key, node))
+    }
+
+    /// See [`Awaiting::answer`].
+    pub(super) fn answer(&mut self, key: &RankRequest, result: Result<u64, String>) -> bool {
+        self.awaiting.answer(key, result)
+    }
+
+    /// See [`Awaiting::forget`].
+    pub(super) fn forget(&mut self, key: &RankRequest) -> bool {
+        self.awaiting.forget(key)
+    }
+
+    /// See [`Awaiting::node_lost`].
+    pub(super) fn node_lost(&mut self, node: &str, why: impl Fn(&RankRequest) -> String) -> Vec<RankRequest> {
+        self.awaiting.node_lost(node, why)
+    }
+}
+
 /// Requests awaiting a manager's answer, by key.
 pub(super) struct Awaiting<K, T> {
     waiting: HashMap<K, (String, oneshot::Sender<Result<T, String>>)>,
@@ -102,6 +150,24 @@ mod tests {
         assert!(on_b.try_recv().is_err(), "node-b's request is still waiting");
         assert!(awaiting.contains(&(2, 0)));
         assert!(awaiting.node_lost("node-a", |_| String::new()).is_empty(), "nothing waits on node-a any more");
+    }
+
+    #[test]
+    fn a_late_answer_to_an_earlier_request_for_the_same_rank_answers_nothing_else() {
+        let mut requests = RankRequests::default();
+        // The first rebuild of rank 3 at agent 7 outlives its bound: the
+        // controller forgets it and asks again.
+        let (first, first_rx) = requests.ask(7, 3, "node-a");
+        drop(first_rx);
+        assert!(requests.forget(&first));
+        let (second, mut second_rx) = requests.ask(7, 3, "node-a");
+        assert_ne!(first, second);
+        // The first job ends now, successfully: that is not the second's
+        // answer, which is still awaited.
+        assert!(!requests.answer(&first, Ok(1 << 20)));
+        assert!(second_rx.try_recv().is_err(), "the second request took the first one's answer");
+        assert!(requests.answer(&second, Err("source gone".into())));
+        assert_eq!(second_rx.try_recv().unwrap(), Err("source gone".to_string()));
     }
 
     #[test]

@@ -41,7 +41,7 @@ use crate::launcher::Launcher;
 use crate::store::FileIdentity;
 use crate::ServiceError;
 use apps::{AppEntry, ProbePlan, Recorded};
-use awaiting::{Answer, Awaiting};
+use awaiting::{Answer, Awaiting, RankRequest, RankRequests};
 use copies::{Answered, CopyBook, OnRecorded};
 use journal::{Event, Journal, JournaledApp, JournaledVersion};
 use nodes::NodeBook;
@@ -85,8 +85,8 @@ struct State {
     /// for the other starts, moving or rebuilding ranks). Nothing stops
     /// them as stale meanwhile ([`Placing`] ends the claim).
     placing: BTreeSet<u64>,
-    /// Take-overs under way, by (agent, rank): bytes moved or why not.
-    takeovers: Awaiting<(u64, u32), u64>,
+    /// Take-overs and rebuilds under way: bytes moved or why not.
+    takeovers: RankRequests,
     next_agent: u64,
     /// The durable state, when the controller has a state directory.
     journal: Option<Journal>,
@@ -427,7 +427,7 @@ async fn run(
             apps,
             pending: Awaiting::default(),
             placing: BTreeSet::new(),
-            takeovers: Awaiting::default(),
+            takeovers: RankRequests::default(),
             next_agent: u64::from(incarnation) * AGENT_IDS_PER_INCARNATION + 1,
             journal,
             holdings: Holdings::new(),
@@ -1351,8 +1351,13 @@ async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Result<(), Pro
             ManagerToController::Register { .. } => {
                 tracing::warn!(%node, "manager registered twice on one connection; ignored");
             }
-            ManagerToController::TookOver { agent, rank, result } => {
-                state.takeovers.answer(&(agent, rank), result.map_err(|reason| format!("node {node}: {reason}")));
+            ManagerToController::TookOver { agent, rank, request, result } => {
+                let key = RankRequest { agent, rank, request };
+                if !state.takeovers.answer(&key, result.map_err(|reason| format!("node {node}: {reason}"))) {
+                    // Asked again since, or given up on: its answer is not
+                    // the newer request's.
+                    tracing::debug!(%node, agent, rank, request, "an answer for a rank no request awaits; ignored");
+                }
             }
             ManagerToController::PfsCopied { agent, version, result, superseded } => {
                 drop(state);
@@ -1516,7 +1521,7 @@ fn node_lost(state: &mut State, node: &str, why: &str) -> Vec<String> {
     for _ in state.pending.node_lost(node, |id| format!("node {node} was lost ({why}) before agent {id} started")) {
         state.nodes.start_answered(node, false);
     }
-    let unanswered = state.takeovers.node_lost(node, |(agent, rank)| {
+    let unanswered = state.takeovers.node_lost(node, |RankRequest { agent, rank, .. }| {
         format!("node {node} was lost ({why}) before its agent {agent} answered for rank {rank}")
     });
     if !unanswered.is_empty() {
@@ -2792,7 +2797,8 @@ async fn change_agents(
                 .iter()
                 .map(|(rank, from, to)| {
                     let from = (*from).clone();
-                    let message = ControllerToManager::TakeOver { agent: to.id, rank: *rank, version, from };
+                    let message =
+                        |request| ControllerToManager::TakeOver { agent: to.id, rank: *rank, version, from, request };
                     ask_rank(&mut state, to, *rank, message)
                 })
                 .collect()
@@ -2850,18 +2856,23 @@ fn undo_agent_change(nodes: &ManagerBook, name: &str, started: &[AgentInfo], mov
 
 /// A rank an agent was asked to take over or rebuild: the agent, the rank
 /// and where its answer arrives.
-type RankWaiter = (u64, u32, Answer<u64>);
+type RankWaiter = (RankRequest, Answer<u64>);
 
-/// Sends `message` (a take-over or rebuild of `rank`) to agent `to`'s
-/// manager and returns where its answer arrives; a manager that cannot be
-/// reached answers at once.
-fn ask_rank(state: &mut State, to: &AgentInfo, rank: u32, message: ControllerToManager) -> RankWaiter {
-    let key = (to.id, rank);
-    let answer = state.takeovers.ask(key, &to.node);
-    if !state.nodes.send(&to.node, message) {
+/// Sends the message `message(request)` builds (a take-over or rebuild of
+/// `rank`, carrying the new request number) to agent `to`'s manager and
+/// returns where its answer arrives; a manager that cannot be reached
+/// answers at once.
+fn ask_rank(
+    state: &mut State,
+    to: &AgentInfo,
+    rank: u32,
+    message: impl FnOnce(u64) -> ControllerToManager,
+) -> RankWaiter {
+    let (key, answer) = state.takeovers.ask(to.id, rank, &to.node);
+    if !state.nodes.send(&to.node, message(key.request)) {
         state.takeovers.answer(&key, Err(format!("node {} is not connected (agent {}, rank {rank})", to.node, to.id)));
     }
-    (to.id, rank, answer)
+    (key, answer)
 }
 
 /// What became of the ranks of one [`await_ranks`].
@@ -2878,12 +2889,13 @@ struct RanksAwaited {
 /// Waits for every rank of `waiters` (each at most `TAKE_OVER_TIMEOUT`).
 async fn await_ranks(shared: &Shared, waiters: Vec<RankWaiter>) -> RanksAwaited {
     let mut awaited = RanksAwaited::default();
-    for (agent, rank, rx) in waiters {
+    for (key, rx) in waiters {
+        let RankRequest { agent, rank, .. } = key;
         match manager_answer(rx, TAKE_OVER_TIMEOUT).await {
             Some(Ok(bytes)) => awaited.moved += bytes,
             Some(Err(reason)) => awaited.failures.push((rank, reason)),
             None => {
-                shared.state().takeovers.forget(&(agent, rank));
+                shared.state().takeovers.forget(&key);
                 awaited.unanswered = true;
                 let why = format!("agent {agent} did not answer for rank {rank} within {TAKE_OVER_TIMEOUT:?}");
                 awaited.failures.push((rank, why));

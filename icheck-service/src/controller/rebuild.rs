@@ -617,11 +617,12 @@ async fn after_loss(shared: &Shared, name: &str) -> Result<Option<usize>, String
                 .iter()
                 .map(|(rank, slot, source)| {
                     let to = &agents[*slot];
-                    let message = ControllerToManager::Rebuild {
+                    let message = |request| ControllerToManager::Rebuild {
                         agent: to.id,
                         rank: *rank,
                         version: protected.version(),
                         source: source.clone(),
+                        request,
                     };
                     ask_rank(&mut state, to, *rank, message)
                 })
