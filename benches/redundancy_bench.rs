@@ -466,11 +466,9 @@ fn start_case(cli: &Cli, data: Dataset, policy: &str) -> Result<Case> {
 /// the case.
 fn finish_case(cli: &Cli, data: Dataset, case: Case, mut committed: Measured) -> Result<Row> {
     let Case { policy, name, service, config } = case;
-    let policy = policy.as_str();
-    let app = APP;
     // The controller's record of each protection (versions 2 on: the first
     // warmed up).
-    let now = service.status().apps.into_iter().find(|a| a.registration.name == app).context("the application")?;
+    let now = service.status().apps.into_iter().find(|a| a.registration.name == APP).context("the application")?;
     committed.protect_secs = now.protection_secs.iter().filter(|(v, _)| *v >= 2).map(|(_, s)| *s).collect();
     // A version still being protected when the next one completes is
     // superseded (the newer one is protected instead): counted, not timed.
@@ -482,10 +480,10 @@ fn finish_case(cli: &Cli, data: Dataset, case: Case, mut committed: Measured) ->
     std::thread::sleep(Duration::from_millis(1500));
     let report = service.status();
     let held: u64 = report.nodes.iter().map(|n| n.status.bytes_held).sum();
-    let restarted = data.median_restart(cli, &config, app)?;
+    let restarted = data.median_restart(cli, &config, APP)?;
     let restart = restarted.restart_secs;
     // A node holding a primary is lost: manager killed, store deleted.
-    let app_report = report.apps.iter().find(|a| a.registration.name == app).context("the application")?;
+    let app_report = report.apps.iter().find(|a| a.registration.name == APP).context("the application")?;
     let latest = app_report.latest.as_ref().map(|l| l.version);
     let node = app_report.agents[0].node.clone();
     let pid = service.pid_of(&format!("manager-{node}"));
@@ -499,7 +497,7 @@ fn finish_case(cli: &Cli, data: Dataset, case: Case, mut committed: Measured) ->
     } else {
         let rebuilt = poll_until(Duration::from_secs(300), || {
             service.status().apps.iter().any(|a| {
-                a.registration.name == app
+                a.registration.name == APP
                     && a.protected == latest
                     && !a.rebuilding
                     // Protected again, not still building its pieces anew
@@ -511,7 +509,7 @@ fn finish_case(cli: &Cli, data: Dataset, case: Case, mut committed: Measured) ->
             })
         });
         if !rebuilt {
-            let now = service.status().apps.into_iter().find(|a| a.registration.name == app);
+            let now = service.status().apps.into_iter().find(|a| a.registration.name == APP);
             let why = now.map(|a| {
                 format!(
                     "protected {:?}, problem {:?}, agents {:?}",
@@ -523,7 +521,7 @@ fn finish_case(cli: &Cli, data: Dataset, case: Case, mut committed: Measured) ->
             bail!("{policy}: the version was not protected again after losing {node}: {why:?}");
         }
         let rebuild = lost_at.elapsed().as_secs_f64();
-        let after_loss = data.median_restart(cli, &config, app)?;
+        let after_loss = data.median_restart(cli, &config, APP)?;
         steps_after_loss = after_loss.restart_steps;
         (Some(rebuild), Some(after_loss.restart_secs))
     };
@@ -543,7 +541,7 @@ fn finish_case(cli: &Cli, data: Dataset, case: Case, mut committed: Measured) ->
     let commit_and_protect = (committed.commit_secs.len() == committed.protect_secs.len())
         .then(|| median(committed.commit_secs.iter().zip(&committed.protect_secs).map(|(c, p)| c + p).collect()));
     Ok(Row {
-        policy: policy.to_string(),
+        policy,
         protected_count,
         commit_and_protect,
         commit: median(committed.commit_secs.clone()),
