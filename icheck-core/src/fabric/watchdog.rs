@@ -13,18 +13,35 @@
 //!
 //! So the calls that return within microseconds when healthy (each
 //! progress poll) record when they entered, per thread, and a daemon asks
-//! [`longest_libfabric_call`] on its heartbeat: a call inside for far
-//! longer than any healthy one means the endpoint is wedged, and the only
-//! way out is a new process (the manager exits; its controller starts it
-//! again, and the store it leaves is kept).
+//! on its heartbeat ([`longest_libfabric_call`], [`WedgeWatch`]): a call
+//! inside for far longer than any healthy one means the endpoint is
+//! wedged, and the only way out is a new process (the manager exits; its
+//! controller starts it again, and the store it leaves is kept).
+//!
+//! Two signs count. Wall time inside a call must be generous (a thread of
+//! the lowest priority may wait seconds for a core on a loaded node), but
+//! a thread spinning on such a lock also burns CPU all the while, and a
+//! healthy call never burns seconds of it: [`WedgeWatch`] samples each
+//! watched thread's CPU time from the kernel and reports a call that has
+//! spent [`WedgeWatch::check`]'s CPU bound inside, long before the wall
+//! bound.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-/// Each watched thread's clock: milliseconds since [`epoch`] plus one when
-/// its current call entered, 0 outside a call; and the thread's name.
-static CLOCKS: Mutex<Vec<(Weak<AtomicU64>, String)>> = Mutex::new(Vec::new());
+/// One watched thread: its clock (milliseconds since [`epoch`] plus one
+/// when its current call entered, 0 outside a call), its name and its
+/// kernel thread id.
+struct Watched {
+    clock: Weak<AtomicU64>,
+    name: String,
+    tid: i32,
+}
+
+/// Every watched thread that has made a call.
+static CLOCKS: Mutex<Vec<Watched>> = Mutex::new(Vec::new());
 
 /// Makes the next watched progress poll of this process sleep for a minute
 /// inside the watched section, as a wedged one would (fault-injection
@@ -40,9 +57,10 @@ thread_local! {
     static CLOCK: Arc<AtomicU64> = {
         let clock = Arc::new(AtomicU64::new(0));
         let name = std::thread::current().name().unwrap_or("unnamed").to_string();
+        let tid = nix::unistd::gettid().as_raw();
         let mut clocks = CLOCKS.lock().unwrap_or_else(|p| p.into_inner());
-        clocks.retain(|(weak, _)| weak.strong_count() > 0);
-        clocks.push((Arc::downgrade(&clock), name));
+        clocks.retain(|watched| watched.clock.strong_count() > 0);
+        clocks.push(Watched { clock: Arc::downgrade(&clock), name, tid });
         clock
     };
 }
@@ -67,15 +85,92 @@ pub(crate) fn watched<T>(call: impl FnOnce() -> T) -> T {
 /// The longest any thread of this process has been inside a watched call
 /// right now, and that thread's name; `None` when none is inside one.
 pub fn longest_libfabric_call() -> Option<(Duration, String)> {
+    calls_inside().into_iter().map(|call| (call.inside, call.name)).max_by_key(|(inside, _)| *inside)
+}
+
+/// A watched call under way.
+struct CallInside {
+    /// When it entered (the clock's value).
+    entered: u64,
+    /// How long it has been inside.
+    inside: Duration,
+    /// Its thread's name and kernel id.
+    name: String,
+    tid: i32,
+}
+
+/// Every watched call under way now.
+fn calls_inside() -> Vec<CallInside> {
     let now = epoch().elapsed().as_millis() as u64 + 1;
     let clocks = CLOCKS.lock().unwrap_or_else(|p| p.into_inner());
     clocks
         .iter()
-        .filter_map(|(weak, name)| {
-            let entered = weak.upgrade()?.load(Ordering::Acquire);
-            (entered > 0).then(|| (Duration::from_millis(now.saturating_sub(entered)), name.clone()))
+        .filter_map(|watched| {
+            let entered = watched.clock.upgrade()?.load(Ordering::Acquire);
+            (entered > 0).then(|| CallInside {
+                entered,
+                inside: Duration::from_millis(now.saturating_sub(entered)),
+                name: watched.name.clone(),
+                tid: watched.tid,
+            })
         })
-        .max_by_key(|(inside, _)| *inside)
+        .collect()
+}
+
+/// CPU time thread `tid` of this process has used (the kernel's
+/// `schedstat`); `None` when the thread is gone.
+fn thread_cpu_time(tid: i32) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+    let nanos: u64 = stat.split_whitespace().next()?.parse().ok()?;
+    Some(Duration::from_nanos(nanos))
+}
+
+/// A watched call judged wedged by [`WedgeWatch::check`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WedgedCall {
+    /// How long it has been inside.
+    pub inside: Duration,
+    /// CPU time its thread used since this watch first saw the call
+    /// (a lower bound of what it used inside).
+    pub cpu: Duration,
+    /// Its thread's name.
+    pub thread: String,
+}
+
+/// Looks, on each [`check`](Self::check), for a watched call that is
+/// wedged: inside past a wall-time bound, or having burned a CPU-time
+/// bound while inside (a spin). Keeps, per call under way, its thread's
+/// CPU time when the call was first seen.
+#[derive(Debug, Default)]
+pub struct WedgeWatch {
+    /// (thread id, entered) → the thread's CPU time when first seen inside.
+    first_seen: HashMap<(i32, u64), Duration>,
+}
+
+impl WedgeWatch {
+    /// A watch that has seen nothing yet.
+    pub fn new() -> WedgeWatch {
+        WedgeWatch::default()
+    }
+
+    /// The wedged call that has been inside longest, if any: one inside
+    /// for `wall` or more, or whose thread used `cpu` or more of CPU time
+    /// between this watch first seeing the call and now.
+    pub fn check(&mut self, wall: Duration, cpu: Duration) -> Option<WedgedCall> {
+        let calls = calls_inside();
+        // Calls that returned since are forgotten.
+        self.first_seen.retain(|key, _| calls.iter().any(|call| (call.tid, call.entered) == *key));
+        let mut wedged: Option<WedgedCall> = None;
+        for call in calls {
+            let Some(now) = thread_cpu_time(call.tid) else { continue };
+            let first = *self.first_seen.entry((call.tid, call.entered)).or_insert(now);
+            let used = now.saturating_sub(first);
+            if (call.inside >= wall || used >= cpu) && wedged.as_ref().is_none_or(|w| call.inside > w.inside) {
+                wedged = Some(WedgedCall { inside: call.inside, cpu: used, thread: call.name });
+            }
+        }
+        wedged
+    }
 }
 
 /// For fault-injection tests: the next watched call of this process
@@ -110,7 +205,63 @@ mod tests {
         release.wait();
         thread.join().unwrap();
         let clocks = CLOCKS.lock().unwrap();
-        let still = clocks.iter().any(|(weak, name)| name == "watched-test" && weak.upgrade().is_some());
+        let still = clocks.iter().any(|w| w.name == "watched-test" && w.clock.upgrade().is_some());
         assert!(!still, "an ended thread's clock is dropped with it");
+    }
+
+    /// Runs `inside` on a thread named `name` inside a watched call, and
+    /// checks `watch` (bounds `wall`, `cpu`) every 20 ms until it reports
+    /// that thread or `give_up` passes; then lets the call return.
+    fn watch_a_call(
+        name: &str,
+        inside: impl Fn(&AtomicBool) + Send + 'static,
+        (wall, cpu): (Duration, Duration),
+        give_up: Duration,
+    ) -> Option<WedgedCall> {
+        let release = Arc::new(AtomicBool::new(false));
+        let released = release.clone();
+        let thread =
+            std::thread::Builder::new().name(name.into()).spawn(move || watched(|| inside(&released))).unwrap();
+        let mut watch = WedgeWatch::new();
+        let started = Instant::now();
+        let mut found = None;
+        while found.is_none() && started.elapsed() < give_up {
+            found = watch.check(wall, cpu).filter(|w| w.thread == name);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        release.store(true, Ordering::Release);
+        thread.join().unwrap();
+        found
+    }
+
+    #[test]
+    fn a_call_that_spins_is_reported_once_it_burned_the_cpu_bound_long_before_the_wall_bound() {
+        let spin = |release: &AtomicBool| {
+            while !release.load(Ordering::Acquire) {
+                std::hint::spin_loop();
+            }
+        };
+        let bounds = (Duration::from_secs(600), Duration::from_millis(200));
+        let found = watch_a_call("spin-test", spin, bounds, Duration::from_secs(30));
+        let found = found.expect("a spinning call is reported");
+        assert!(found.cpu >= Duration::from_millis(200), "{found:?}");
+        assert!(found.inside < Duration::from_secs(600), "{found:?}");
+    }
+
+    #[test]
+    fn a_call_that_waits_without_burning_cpu_is_reported_only_past_the_wall_bound() {
+        let wait = |release: &AtomicBool| {
+            while !release.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        };
+        // Descheduled, as a thread of the lowest priority on a loaded
+        // node: no CPU bound is met in 1.5 s.
+        let bounds = (Duration::from_secs(600), Duration::from_millis(300));
+        assert_eq!(watch_a_call("wait-test", wait, bounds, Duration::from_millis(1500)), None);
+        // The wall bound still holds.
+        let bounds = (Duration::from_millis(300), Duration::from_secs(600));
+        let found = watch_a_call("wait-test-2", wait, bounds, Duration::from_secs(30));
+        assert!(found.is_some_and(|w| w.inside >= Duration::from_millis(300) && w.cpu < Duration::from_millis(300)));
     }
 }
