@@ -657,35 +657,19 @@ fn campaign(cli: &Cli) -> Result<Tally> {
     if !icheck.exists() {
         bail!("{} is missing: build the workspace first (cargo build --release --workspace)", icheck.display());
     }
-    let service = if cli.standby {
-        let after = TAKEOVER_AFTER.as_secs().to_string();
-        LocalService::up(
-            &icheck,
-            "campaign",
-            shape.managers,
-            &[
-                "--provider",
-                &cli.provider,
-                "--kill-silent-after",
-                KILL_SILENT_AFTER,
-                "--manager-relaunches",
-                MANAGER_RELAUNCHES,
-                "--standby",
-                "--takeover-after",
-                &after,
-            ],
-        )
-    } else {
-        let args = [
-            "--provider",
-            &cli.provider,
-            "--kill-silent-after",
-            KILL_SILENT_AFTER,
-            "--manager-relaunches",
-            MANAGER_RELAUNCHES,
-        ];
-        LocalService::up(&icheck, "campaign", shape.managers, &args)
-    };
+    let takeover_after = TAKEOVER_AFTER.as_secs().to_string();
+    let mut args = vec![
+        "--provider",
+        &cli.provider,
+        "--kill-silent-after",
+        KILL_SILENT_AFTER,
+        "--manager-relaunches",
+        MANAGER_RELAUNCHES,
+    ];
+    if cli.standby {
+        args.extend(["--standby", "--takeover-after", &takeover_after]);
+    }
+    let service = LocalService::up(&icheck, "campaign", shape.managers, &args);
     // Nodes the policy survives losing at once.
     let tolerated = match &cli.redundancy {
         Some(policy) => policy
