@@ -13,7 +13,7 @@
 //!
 //! So the calls that return within microseconds when healthy (each
 //! progress poll) record when they entered, per thread, and a daemon asks
-//! on its heartbeat ([`longest_libfabric_call`], [`WedgeWatch`]): a call
+//! regularly ([`longest_libfabric_call`], [`WedgeWatch`]): a call
 //! inside for far longer than any healthy one means the endpoint is
 //! wedged, and the only way out is a new process (the manager exits; its
 //! controller starts it again, and the store it leaves is kept).
