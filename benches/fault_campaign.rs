@@ -377,6 +377,11 @@ struct Tally {
     rss: BTreeMap<String, (u64, u64)>,
     /// Fault to the job's next completed commit, per takeover, by kind.
     takeovers: BTreeMap<&'static str, Vec<Duration>>,
+    /// How long each manager that exited on a wedged fabric had been inside
+    /// the call (its log's "has not returned" line): not a finding (the
+    /// manager is started again with its store), but each one costs a
+    /// restart that time.
+    wedged_exits: Vec<Duration>,
 }
 
 impl Tally {
@@ -384,6 +389,24 @@ impl Tally {
     fn findings(&self) -> impl Iterator<Item = &String> {
         [&self.lost, &self.hangs, &self.status_mismatches, &self.busy, &self.unprotected].into_iter().flatten()
     }
+}
+
+/// For each "has not returned" line in the service's logs (a manager that
+/// exited on a wedged fabric), how long its call had been inside.
+fn wedged_exits(service: &LocalService) -> Vec<Duration> {
+    let logs = std::fs::read_dir(service.dir.join("logs")).into_iter().flatten().filter_map(|e| e.ok());
+    let text: String = logs.filter_map(|entry| std::fs::read_to_string(entry.path()).ok()).collect();
+    text.lines()
+        .filter(|line| line.contains("a call into libfabric has not returned"))
+        .filter_map(|line| debug_duration(line.split("inside=").nth(1)?.split_whitespace().next()?))
+        .collect()
+}
+
+/// A `Duration` as its `Debug` form writes it (`4.041s`, `950ms`, ...).
+fn debug_duration(text: &str) -> Option<Duration> {
+    let units = [("ns", 1e-9), ("µs", 1e-6), ("ms", 1e-3), ("s", 1.0)];
+    let (number, scale) = units.iter().find_map(|(unit, scale)| Some((text.strip_suffix(unit)?, *scale)))?;
+    Some(Duration::from_secs_f64(number.parse::<f64>().ok()? * scale))
 }
 
 fn signal(pid: u32, sig: Signal) {
@@ -977,6 +1000,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         tally.rounds += 1;
         let _ = std::io::stdout().flush();
     }
+    tally.wedged_exits = wedged_exits(&service);
     if cli.keep && tally.findings().next().is_some() {
         let copy = service.dir.with_extension("kept");
         let _ = std::fs::remove_dir_all(&copy);
@@ -1005,6 +1029,12 @@ fn print_table(tally: &Tally) {
     println!("| slowest recovery (fault to verified restart) | {:.1} s |", tally.slowest_recovery.as_secs_f64());
     println!("| slowest commit reported complete | {:.1} s |", tally.slowest_commit);
     println!("| most files in one rank's store directory | {} |", tally.max_files_per_rank);
+    let longest = tally.wedged_exits.iter().max().copied().unwrap_or_default();
+    println!(
+        "| managers that exited on a wedged fabric (shm), and the longest inside the call | {}, {:.1} s |",
+        tally.wedged_exits.len(),
+        longest.as_secs_f64()
+    );
     for (kind, times) in &tally.takeovers {
         let mut times = times.clone();
         times.sort();
@@ -1036,4 +1066,18 @@ fn main() -> Result<()> {
         bail!("the campaign broke an invariant (see above)");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_wedged_managers_time_inside_is_read_from_its_debug_form() {
+        assert_eq!(debug_duration("4.041s"), Some(Duration::from_millis(4041)));
+        assert_eq!(debug_duration("950ms"), Some(Duration::from_millis(950)));
+        assert_eq!(debug_duration("12µs"), Some(Duration::from_micros(12)));
+        assert_eq!(debug_duration("4.041"), None);
+        assert_eq!(debug_duration("fast"), None);
+    }
 }
