@@ -1525,7 +1525,7 @@ fn node_lost(state: &mut State, node: &str, why: &str) -> Vec<String> {
         format!("node {node} was lost ({why}) before its agent {agent} answered for rank {rank}")
     });
     if !unanswered.is_empty() {
-        tracing::warn!(%node, ?unanswered, "{why}: the take-overs and rebuilds sent there (agent, rank) failed");
+        tracing::warn!(%node, ?unanswered, "{why}: the take-overs and rebuilds sent there failed");
     }
     // Open still only when the node went silent: the same manager may answer again.
     let connection = state.nodes.open_connection(node);
@@ -2854,8 +2854,8 @@ fn undo_agent_change(nodes: &ManagerBook, name: &str, started: &[AgentInfo], mov
     drop_moved_ranks(nodes, name, moves.iter().map(|(rank, _, to)| (*rank, to.node.as_str())));
 }
 
-/// A rank an agent was asked to take over or rebuild: the agent, the rank
-/// and where its answer arrives.
+/// A rank an agent was asked to take over or rebuild: the request (agent,
+/// rank, number) and where its answer arrives.
 type RankWaiter = (RankRequest, Answer<u64>);
 
 /// Sends the message `message(request)` builds (a take-over or rebuild of
