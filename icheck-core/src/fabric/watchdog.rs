@@ -184,8 +184,19 @@ pub fn wedge_next_call() {
 mod tests {
     use super::*;
 
+    /// The tests here share this process's clocks, and each asks for the
+    /// longest call inside before it looks for its own thread's: run side by
+    /// side, one test's call hid another's (a spinning call inside longer
+    /// than the one looked for).
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+    fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+        ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     #[test]
     fn a_call_still_inside_is_reported_with_its_thread_and_one_that_returned_is_not() {
+        let _alone = one_at_a_time();
         let (entered, release) = (Arc::new(std::sync::Barrier::new(2)), Arc::new(std::sync::Barrier::new(2)));
         let (e, r) = (entered.clone(), release.clone());
         let thread = std::thread::Builder::new()
@@ -236,6 +247,7 @@ mod tests {
 
     #[test]
     fn a_call_that_spins_is_reported_once_it_burned_the_cpu_bound_long_before_the_wall_bound() {
+        let _alone = one_at_a_time();
         let spin = |release: &AtomicBool| {
             while !release.load(Ordering::Acquire) {
                 std::hint::spin_loop();
@@ -250,6 +262,7 @@ mod tests {
 
     #[test]
     fn a_call_that_waits_without_burning_cpu_is_reported_only_past_the_wall_bound() {
+        let _alone = one_at_a_time();
         let wait = |release: &AtomicBool| {
             while !release.load(Ordering::Acquire) {
                 std::thread::sleep(Duration::from_millis(5));
