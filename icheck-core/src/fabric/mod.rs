@@ -64,7 +64,7 @@ pub use mr::{
     Access, AlignedBuffer, LocalSource, LocalTarget, MemoryRegion, RegisteredBuffer, RemoteRegion, StableBuffer,
 };
 pub use progress::{lower_thread_priority, tune_connection_setup, ProgressMode, ProgressThread, RXM_CM_PROGRESS_ENV};
-pub use watchdog::{longest_libfabric_call, wedge_next_call, WedgeWatch, WedgedCall};
+pub use watchdog::{wedge_next_call, WedgeWatch, WedgedCall};
 
 /// Result type of the fabric layer.
 pub type Result<T, E = FabricError> = std::result::Result<T, E>;

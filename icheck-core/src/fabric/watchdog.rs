@@ -13,7 +13,7 @@
 //!
 //! So the calls that return within microseconds when healthy (each
 //! progress poll) record when they entered, per thread, and a daemon asks
-//! regularly ([`longest_libfabric_call`], [`WedgeWatch`]): a call
+//! regularly ([`WedgeWatch`]): a call
 //! inside for far longer than any healthy one means the endpoint is
 //! wedged, and the only way out is a new process (the manager exits; its
 //! controller starts it again, and the store it leaves is kept).
@@ -84,7 +84,9 @@ pub(crate) fn watched<T>(call: impl FnOnce() -> T) -> T {
 
 /// The longest any thread of this process has been inside a watched call
 /// right now, and that thread's name; `None` when none is inside one.
-pub fn longest_libfabric_call() -> Option<(Duration, String)> {
+/// (The tests' view of the clocks; daemons ask a [`WedgeWatch`].)
+#[cfg(test)]
+fn longest_libfabric_call() -> Option<(Duration, String)> {
     calls_inside().into_iter().map(|call| (call.inside, call.name)).max_by_key(|(inside, _)| *inside)
 }
 
