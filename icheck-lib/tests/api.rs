@@ -552,3 +552,53 @@ fn restores_into_fresh_memory_are_bit_exact_with_and_without_prefault() {
         }
     }
 }
+
+/// The agent opens the endpoint a restarting rank reads through (its
+/// lane) while the job still runs, once the rank's first version is
+/// complete: not inside the restart that follows the job's end.
+#[test]
+fn a_ranks_lane_is_opened_while_its_job_still_runs() {
+    let debug = [("ICHECK_LOG", "info,icheck_service::agent=debug")];
+    let service = LocalService::up_with_env(&icheck_in_target(), "api-lanes", 1, &["--provider", "tcp"], None, &debug);
+    let (mut ic, _) = init(&service, "lanes");
+    let data: Vec<u8> = (0..(4 << 20)).map(|i: u32| (i % 251) as u8).collect();
+    let region = Region::from_vec(data.clone());
+    ic.add("data", &region).unwrap();
+    assert_eq!(ic.commit().unwrap(), 1);
+    // The session is still open: nothing has ended that would open it.
+    wait_for("a lane opened ahead of the restart", Duration::from_secs(20), || {
+        service.log("manager-local-1.log").contains("lane opened ahead of a restart")
+    });
+    ic.finalize(true).unwrap();
+    let (mut ic, _) = init(&service, "lanes");
+    assert_eq!(ic.restart().unwrap(), 1);
+    let restored = Region::<u8>::zeroed(data.len());
+    ic.restore("data", &restored).unwrap();
+    assert!(*restored.read() == data, "not bit-exact");
+    ic.finalize(false).unwrap();
+}
+
+/// A lane that takes long to open ahead (here 6 s, by a failpoint) keeps
+/// no restart waiting: the restarting rank's request for a lane opens one
+/// of its own rather than wait for the lock a lane is opened under.
+#[test]
+fn a_slow_lane_opened_ahead_keeps_no_restart_waiting() {
+    let slow = Some("agent.before_lane_ahead=sleep(6000)");
+    let service =
+        LocalService::up_with_failpoints(&icheck_in_target(), "api-slow-lane", 1, &["--provider", "tcp"], None, slow);
+    let (mut ic, _) = init(&service, "slow-lane");
+    let data: Vec<u8> = (0..(4 << 20)).map(|i: u32| (i % 241) as u8).collect();
+    let region = Region::from_vec(data.clone());
+    ic.add("data", &region).unwrap();
+    assert_eq!(ic.commit().unwrap(), 1);
+    ic.finalize(true).unwrap();
+    let started = Instant::now();
+    let (mut ic, _) = init(&service, "slow-lane");
+    assert_eq!(ic.restart().unwrap(), 1);
+    let restored = Region::<u8>::zeroed(data.len());
+    ic.restore("data", &restored).unwrap();
+    let took = started.elapsed();
+    assert!(*restored.read() == data, "not bit-exact");
+    assert!(took < Duration::from_secs(4), "the restart waited {took:?} for the lane being opened ahead");
+    ic.finalize(false).unwrap();
+}

@@ -160,6 +160,9 @@ struct Shared {
     /// Endpoints besides `endpoint` that serve sessions' concurrent reads
     /// of this agent (see [`Shared::lease_lane`]); made on demand.
     lanes: Mutex<Vec<Lane>>,
+    /// A thread is opening lanes ahead of restarts
+    /// ([`Shared::open_lanes_ahead`]).
+    opening_lanes: AtomicBool,
     /// Endpoints this agent's jobs reach other agents through, idle
     /// between jobs (see [`Shared::outgoing_endpoint`]).
     outgoing: Mutex<Vec<Endpoint>>,
@@ -212,6 +215,22 @@ struct Lane {
     endpoint: Endpoint,
     /// One clone per session using the lane.
     users: Arc<()>,
+}
+
+impl Lane {
+    fn new(endpoint: Endpoint) -> Lane {
+        Lane { endpoint, users: Arc::new(()) }
+    }
+
+    /// How many sessions read through each of `lanes`.
+    fn readers_of(lanes: &[Lane]) -> Vec<usize> {
+        lanes.iter().map(|lane| Arc::strong_count(&lane.users) - 1).collect()
+    }
+
+    /// The lane for one more session.
+    fn lease(&self) -> LaneLease {
+        LaneLease { endpoint: self.endpoint.clone(), _user: self.users.clone() }
+    }
 }
 
 /// Which lane a new reader gets.
@@ -301,38 +320,107 @@ impl Shared {
     /// 1129 ms without, 837 and 891 ms with, in interleaved runs). `None`
     /// where keys are bound to an endpoint, or when no endpoint can be
     /// opened (the reader then reads through the agent's own, as before).
+    ///
+    /// The new endpoint is opened without the lanes' lock held: opening one
+    /// took 36-890 ms here (the slowest on a node busy with the end of a
+    /// job), and every other reader asking for a lane meanwhile waited.
     fn lease_lane(&self) -> Option<LaneLease> {
-        let mut lanes = self.live_lanes()?;
-        let readers: Vec<usize> = lanes.iter().map(|lane| Arc::strong_count(&lane.users) - 1).collect();
-        let index = match choose_lane(&readers, MAX_LANES) {
-            LaneChoice::Reuse(index) => index,
-            LaneChoice::Open => match self.open_lane(&mut lanes) {
-                Ok(()) => lanes.len() - 1,
-                Err(err) => {
-                    tracing::warn!(%err, "cannot open an endpoint for a reader; it shares the agent's own");
-                    return None;
-                }
-            },
+        {
+            let lanes = self.live_lanes()?;
+            if let LaneChoice::Reuse(index) = choose_lane(&Lane::readers_of(&lanes), MAX_LANES) {
+                return Some(lanes[index].lease());
+            }
+        }
+        let endpoint = match self.endpoint.sibling() {
+            Ok(endpoint) => endpoint,
+            Err(err) => {
+                tracing::warn!(%err, "cannot open an endpoint for a reader; it shares the agent's own");
+                return None;
+            }
         };
-        let lane = lanes.get(index)?;
-        Some(LaneLease { endpoint: lane.endpoint.clone(), _user: lane.users.clone() })
+        let mut lanes = self.live_lanes()?;
+        // Others may have opened lanes meanwhile: this one stays if there
+        // is room, and the reader gets an idle lane, else the least used.
+        let surplus = if lanes.len() < MAX_LANES {
+            lanes.push(Lane::new(endpoint));
+            None
+        } else {
+            Some(endpoint)
+        };
+        let lease = match choose_lane(&Lane::readers_of(&lanes), lanes.len()) {
+            LaneChoice::Reuse(index) => Some(lanes[index].lease()),
+            LaneChoice::Open => None,
+        };
+        // Closed outside the lock.
+        drop(lanes);
+        drop(surplus);
+        lease
     }
 
     /// Opens lanes before anyone asks for them, up to one per rank this
-    /// agent holds (at most [`MAX_LANES`]): a rank's own session ended, and
-    /// the restart that usually follows would otherwise open its lane
-    /// inside `restart()` (a new tcp endpoint took 25 ms of a 28 ms
-    /// `restart()` here). Idle lanes cost no thread; they stay, as lanes
-    /// opened on demand do.
-    fn open_lanes_ahead(&self) {
-        let ranks = self.completed.lock().unwrap_or_else(|p| p.into_inner()).len();
-        let Some(mut lanes) = self.live_lanes() else { return };
-        for _ in 0..lanes_to_open_ahead(ranks, lanes.len()) {
-            if let Err(err) = self.open_lane(&mut lanes) {
-                tracing::debug!(%err, "cannot open a lane ahead of a restart; its reader opens one");
-                return;
-            }
+    /// agent holds (at most [`MAX_LANES`]), on a thread of its own (one at
+    /// a time per agent): the restart that usually follows a rank's session
+    /// would otherwise open its lane inside `restart()`. Called when a rank
+    /// first completes a version here, long before any restart, and again
+    /// when a rank's own session ends. (Opened only when that session
+    /// ended, and on its thread, the lanes of four ranks restarting at once
+    /// right after their job took 0.4-0.5 s of their first `restart()`:
+    /// opening an endpoint on a node busy with the end of a job took up to
+    /// 0.9 s, and the ranks' requests for a lane waited for the lock it was
+    /// opened under.) Idle lanes cost no thread; they stay, as lanes opened
+    /// on demand do.
+    fn open_lanes_ahead(self: &Arc<Self>) {
+        if self.opening_lanes.swap(true, Ordering::AcqRel) {
+            return;
         }
+        let shared = self.clone();
+        let spawned = std::thread::Builder::new().name("icheck-lanes".into()).spawn(move || {
+            // Opening an endpoint costs tens of milliseconds of CPU, taken
+            // from idle time rather than from the job's next commit.
+            crate::manager::lower_thread_priority();
+            let wanted = || if shared.stop.load(Ordering::Acquire) { 0 } else { shared.lanes_wanted_ahead() };
+            loop {
+                while wanted() > 0 {
+                    // For the tests: an endpoint that takes long to open.
+                    icheck_core::failpoint::hit("agent.before_lane_ahead");
+                    let started = Instant::now();
+                    let endpoint = match shared.endpoint.sibling() {
+                        Ok(endpoint) => endpoint,
+                        Err(err) => {
+                            tracing::debug!(%err, "cannot open a lane ahead of a restart; its reader opens one");
+                            shared.opening_lanes.store(false, Ordering::Release);
+                            return;
+                        }
+                    };
+                    let ranks = shared.completed.lock().unwrap_or_else(|p| p.into_inner()).len();
+                    let Some(mut lanes) = shared.live_lanes() else { break };
+                    // A reader may have opened one meanwhile.
+                    if lanes_to_open_ahead(ranks, lanes.len()) == 0 {
+                        break;
+                    }
+                    lanes.push(Lane::new(endpoint));
+                    let ms = started.elapsed().as_secs_f64() * 1e3;
+                    tracing::debug!(lanes = lanes.len(), ms, "lane opened ahead of a restart");
+                }
+                shared.opening_lanes.store(false, Ordering::Release);
+                // A rank that completed while this thread was finishing
+                // found it busy: its lane is opened now, unless another
+                // thread took over.
+                if wanted() == 0 || shared.opening_lanes.swap(true, Ordering::AcqRel) {
+                    break;
+                }
+            }
+        });
+        if let Err(err) = spawned {
+            self.opening_lanes.store(false, Ordering::Release);
+            tracing::debug!(%err, "cannot start a thread to open lanes ahead of a restart");
+        }
+    }
+
+    /// How many more lanes [`open_lanes_ahead`](Self::open_lanes_ahead) opens.
+    fn lanes_wanted_ahead(&self) -> usize {
+        let ranks = self.completed.lock().unwrap_or_else(|p| p.into_inner()).len();
+        self.live_lanes().map_or(0, |lanes| lanes_to_open_ahead(ranks, lanes.len()))
     }
 
     /// The agent's lanes still open, locked; `None` where the agent has no
@@ -345,13 +433,6 @@ impl Shared {
         let mut lanes = self.lanes.lock().unwrap_or_else(|p| p.into_inner());
         lanes.retain(|lane| !lane.endpoint.is_closed());
         Some(lanes)
-    }
-
-    /// Opens one more lane, on the agent's domain, into `lanes` (from
-    /// [`Shared::live_lanes`]).
-    fn open_lane(&self, lanes: &mut Vec<Lane>) -> Result<(), FabricError> {
-        lanes.push(Lane { endpoint: self.endpoint.sibling()?, users: Arc::new(()) });
-        Ok(())
     }
 
     /// The PFS level as this application's copies use it: with its key
@@ -387,11 +468,14 @@ impl Shared {
         completed.max(self.recorded)
     }
 
-    /// `version` of `rank` is complete.
-    fn completed(&self, rank: u32, version: u64) {
+    /// `version` of `rank` is complete. Returns whether it is the first
+    /// version of `rank` completed here since the agent started.
+    fn completed(&self, rank: u32, version: u64) -> bool {
         let mut completed = self.completed.lock().unwrap_or_else(|p| p.into_inner());
+        let first = !completed.contains_key(&rank);
         let entry = completed.entry(rank).or_insert(version);
         *entry = (*entry).max(version);
+        first
     }
 
     /// Shuts every open session's socket down, so session threads waiting
@@ -535,6 +619,7 @@ impl Agent {
             protected: AtomicU64::new(protected.unwrap_or(0)),
             protecting: AtomicU64::new(0),
             lanes: Mutex::default(),
+            opening_lanes: AtomicBool::new(false),
             outgoing: Mutex::default(),
         });
         let thread_shared = shared.clone();
@@ -1201,7 +1286,7 @@ impl Drop for Session {
 
 /// Serves one authenticated rank (its Hello was accepted by the accept
 /// loop with `privilege`).
-fn serve_session(shared: &Shared, mut stream: TcpStream, privilege: Privilege) -> Result<(), SessionEnd> {
+fn serve_session(shared: &Arc<Shared>, mut stream: TcpStream, privilege: Privilege) -> Result<(), SessionEnd> {
     // The first request (Open) comes right after the Hello: a session that
     // does not open within the handshake bound holds its thread no longer.
     let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
@@ -1240,7 +1325,7 @@ const DEAD_PEER_PATIENCE: Duration = Duration::from_secs(5);
 
 /// Answers a session's requests until it ends.
 fn serve_requests(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     stream: &mut TcpStream,
     caller: Caller,
     session: &mut Option<Session>,
@@ -1278,7 +1363,7 @@ struct Caller {
 }
 
 fn handle(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     session: &mut Option<Session>,
     request: AgentRequest,
     caller: Caller,
@@ -1559,7 +1644,7 @@ fn begin_incremental(
 
 /// The requests that neither begin nor move a version's bytes.
 fn handle_rest(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     session: &mut Session,
     request: AgentRequest,
     caller: Caller,
@@ -1624,7 +1709,10 @@ fn handle_rest(
             let rank = session.core.rank();
             let sealed = || store.is_sealed(&shared.app, rank, version);
             session.core.complete(version, shared.complete(rank), sealed)?;
-            shared.completed(rank, version);
+            if shared.completed(rank, version) {
+                // One lane per rank, long before its restart needs it.
+                shared.open_lanes_ahead();
+            }
             // Tests lose the agent's endpoint here, as a transfer to an
             // unresponsive peer that timed out would: the agent ends.
             if icheck_core::failpoint::fails("agent.endpoint_lost_after_complete") {
