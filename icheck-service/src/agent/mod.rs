@@ -15,6 +15,7 @@
 
 #![forbid(unsafe_code)]
 
+mod fills;
 mod kept;
 mod redundancy;
 pub use redundancy::PieceOutcome;
@@ -54,6 +55,9 @@ const SPILL_STAGING: u64 = 16 << 20;
 const TAKE_OVER_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time the agent a rank is taken over from has for each answer.
 const TAKE_OVER_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a take-over or rebuild waits for another job filling the same
+/// version here ([`fills`]): as long as the controller waits for its answer.
+const FILL_PATIENCE: Duration = Duration::from_secs(300);
 
 /// The pattern seed of an agent's probe region: its id.
 pub fn probe_seed(agent_id: u64) -> u64 {
@@ -163,6 +167,8 @@ struct Shared {
     /// A thread is opening lanes ahead of restarts
     /// ([`Shared::open_lanes_ahead`]).
     opening_lanes: AtomicBool,
+    /// The take-overs and rebuilds running here, one per rank's version.
+    fills: fills::Fills,
     /// Endpoints this agent's jobs reach other agents through, idle
     /// between jobs (see [`Shared::outgoing_endpoint`]).
     outgoing: Mutex<Vec<Endpoint>>,
@@ -478,6 +484,19 @@ impl Shared {
         first
     }
 
+    /// Runs `fill` (a take-over or a rebuild of `rank`'s `version`) as a
+    /// job, one at a time per version ([`fills`]): a job already filling
+    /// it is waited for, and a version it sealed is the answer.
+    fn fill_once(
+        &self,
+        rank: u32,
+        version: u64,
+        fill: impl FnOnce(&Job<'_>) -> Result<u64, String>,
+    ) -> Result<u64, String> {
+        let sealed = || self.settings.store.manifest(&self.app, rank, version).ok().map(|m| m.total_len);
+        self.fills.one_at_a_time((rank, version), FILL_PATIENCE, sealed, || fill(&Job::new(self)))
+    }
+
     /// Shuts every open session's socket down, so session threads waiting
     /// for their rank (up to `ClientIdleTimeout`) end now.
     fn end_sessions(&self) {
@@ -620,6 +639,7 @@ impl Agent {
             protecting: AtomicU64::new(0),
             lanes: Mutex::default(),
             opening_lanes: AtomicBool::new(false),
+            fills: fills::Fills::default(),
             outgoing: Mutex::default(),
         });
         let thread_shared = shared.clone();
@@ -718,7 +738,7 @@ impl Agent {
         from: AgentInfo,
     ) -> impl FnOnce() -> Result<u64, String> + Send + 'static {
         let shared = self.shared.clone();
-        move || take_over(&Job::new(&shared), rank, version, &from)
+        move || shared.fill_once(rank, version, |job| take_over(job, rank, version, &from))
     }
 
     /// A job that builds a piece of redundancy for a complete version
@@ -738,7 +758,7 @@ impl Agent {
         source: protocol::RebuildSource,
     ) -> impl FnOnce() -> Result<u64, String> + Send + 'static {
         let shared = self.shared.clone();
-        move || redundancy::rebuild(&Job::new(&shared), rank, version, &source)
+        move || shared.fill_once(rank, version, |job| redundancy::rebuild(job, rank, version, &source))
     }
 
     /// Lets go of `rank`'s kept version of application `app` (if this agent
