@@ -17,6 +17,7 @@
 
 mod fills;
 mod kept;
+mod piece_owners;
 mod redundancy;
 pub use redundancy::PieceOutcome;
 mod session;
@@ -169,6 +170,8 @@ struct Shared {
     opening_lanes: AtomicBool,
     /// The take-overs and rebuilds running here, one per rank's version.
     fills: fills::Fills,
+    /// The newest `PutPiece` of each piece being received here.
+    piece_owners: Arc<piece_owners::PieceOwners>,
     /// Endpoints this agent's jobs reach other agents through, idle
     /// between jobs (see [`Shared::outgoing_endpoint`]).
     outgoing: Mutex<Vec<Endpoint>>,
@@ -640,6 +643,7 @@ impl Agent {
             lanes: Mutex::default(),
             opening_lanes: AtomicBool::new(false),
             fills: fills::Fills::default(),
+            piece_owners: Arc::default(),
             outgoing: Mutex::default(),
         });
         let thread_shared = shared.clone();
@@ -1239,16 +1243,32 @@ struct Receiving {
     file: Option<RegisteredBuffer<MappedFile>>,
     store: Store,
     app: String,
+    /// This receiver's ticket in `owners`: a newer `PutPiece` of the same
+    /// piece supersedes it, and then it leaves the file alone.
+    ticket: u64,
+    owners: Arc<piece_owners::PieceOwners>,
     _progress: ProgressThread,
+}
+
+impl Receiving {
+    /// Deletes the unsealed piece's file, unless a newer receiver owns it.
+    fn discard(&self) {
+        let (version, piece) = (self.version, self.piece);
+        let discarded =
+            self.owners.finish((version, piece), self.ticket, || self.store.discard_piece(&self.app, version, piece));
+        match discarded {
+            Some(Err(err)) => tracing::warn!(version, %piece, %err, "cannot discard an unsealed piece"),
+            None => tracing::info!(version, %piece, "an unsealed piece was left to the newer PutPiece of it"),
+            Some(Ok(())) => {}
+        }
+    }
 }
 
 impl Drop for Receiving {
     fn drop(&mut self) {
         // Unmapped (and deregistered) before the file goes.
         if self.file.take().is_some() {
-            if let Err(err) = self.store.discard_piece(&self.app, self.version, self.piece) {
-                tracing::warn!(version = self.version, piece = %self.piece, %err, "cannot discard an unsealed piece");
-            }
+            self.discard();
         }
     }
 }
@@ -1910,17 +1930,28 @@ fn handle_rest(
             }
             // A piece left unsealed by an earlier PutPiece goes first.
             session.receiving = None;
-            let file = store.create_piece(&shared.app, version, piece, len).map_err(|e| e.to_string())?;
-            let file = shared.endpoint.register(file, Access::REMOTE_WRITE).map_err(|e| e.to_string())?;
-            let region = file.remote();
-            session.receiving = Some(Receiving {
+            let progress = ProgressThread::serving_background_writes(&shared.endpoint).map_err(|e| e.to_string())?;
+            let owners = shared.piece_owners.clone();
+            let (ticket, created) =
+                owners.claim((version, piece), || store.create_piece(&shared.app, version, piece, len));
+            let mut receiving = Receiving {
                 version,
                 piece,
-                file: Some(file),
+                file: None,
                 store: store.clone(),
                 app: shared.app.clone(),
-                _progress: ProgressThread::serving_background_writes(&shared.endpoint).map_err(|e| e.to_string())?,
-            });
+                ticket,
+                owners,
+                _progress: progress,
+            };
+            let file = match created.map_err(|e| e.to_string()) {
+                Ok(file) => shared.endpoint.register(file, Access::REMOTE_WRITE).map_err(|e| e.to_string()),
+                Err(err) => Err(err),
+            };
+            let file = file.inspect_err(|_| receiving.discard())?;
+            let region = file.remote();
+            receiving.file = Some(file);
+            session.receiving = Some(receiving);
             Ok(AgentReply::Target(region))
         }
         AgentRequest::SealPiece { meta } => {
@@ -1930,14 +1961,21 @@ fn handle_rest(
             let file = receiving.file.take().expect("an unsealed piece has its file");
             let result = match usize::try_from(len).ok().filter(|len| *len <= file.len()) {
                 None => Err(format!("the {piece} is described as {len} bytes, {} were written", file.len())),
-                Some(len) => verify_piece(&meta, &file.as_slice()[..len], version, piece)
-                    .and_then(|()| store.seal_piece(&shared.app, version, piece, &meta).map_err(|e| e.to_string())),
+                Some(len) => verify_piece(&meta, &file.as_slice()[..len], version, piece),
             };
+            // Sealed only by the newest PutPiece of the piece (see `piece_owners`).
+            let seal = || store.seal_piece(&shared.app, version, piece, &meta).map_err(|e| e.to_string());
+            let result = result.and_then(|()| {
+                let sealed = receiving.owners.finish((version, piece), receiving.ticket, seal);
+                sealed.unwrap_or_else(|| {
+                    Err(format!("the {piece} of version {version} is being written by a newer PutPiece here"))
+                })
+            });
             match &result {
                 Ok(()) => piece_sealed(shared, version, piece, file.into_inner(), len),
                 Err(_) => {
                     drop(file);
-                    let _ = store.discard_piece(&shared.app, version, piece);
+                    receiving.discard();
                 }
             }
             result.map(|()| AgentReply::Ok)
