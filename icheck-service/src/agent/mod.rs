@@ -379,7 +379,8 @@ impl Shared {
     /// opened under.) Idle lanes cost no thread; they stay, as lanes opened
     /// on demand do.
     fn open_lanes_ahead(self: &Arc<Self>) {
-        if self.opening_lanes.swap(true, Ordering::AcqRel) {
+        // Most calls (every session's end) find nothing to open: no thread.
+        if self.lanes_wanted_ahead() == 0 || self.opening_lanes.swap(true, Ordering::AcqRel) {
             return;
         }
         let shared = self.clone();
@@ -401,7 +402,7 @@ impl Shared {
                             return;
                         }
                     };
-                    let ranks = shared.completed.lock().unwrap_or_else(|p| p.into_inner()).len();
+                    let ranks = shared.ranks_completed();
                     let Some(mut lanes) = shared.live_lanes() else { break };
                     // A reader may have opened one meanwhile.
                     if lanes_to_open_ahead(ranks, lanes.len()) == 0 {
@@ -428,8 +429,13 @@ impl Shared {
 
     /// How many more lanes [`open_lanes_ahead`](Self::open_lanes_ahead) opens.
     fn lanes_wanted_ahead(&self) -> usize {
-        let ranks = self.completed.lock().unwrap_or_else(|p| p.into_inner()).len();
+        let ranks = self.ranks_completed();
         self.live_lanes().map_or(0, |lanes| lanes_to_open_ahead(ranks, lanes.len()))
+    }
+
+    /// How many ranks have completed a version here since the agent started.
+    fn ranks_completed(&self) -> usize {
+        self.completed.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// The agent's lanes still open, locked; `None` where the agent has no
@@ -1944,11 +1950,10 @@ fn handle_rest(
                 owners,
                 _progress: progress,
             };
-            let file = match created.map_err(|e| e.to_string()) {
-                Ok(file) => shared.endpoint.register(file, Access::REMOTE_WRITE).map_err(|e| e.to_string()),
-                Err(err) => Err(err),
-            };
-            let file = file.inspect_err(|_| receiving.discard())?;
+            let file = created
+                .map_err(|e| e.to_string())
+                .and_then(|file| shared.endpoint.register(file, Access::REMOTE_WRITE).map_err(|e| e.to_string()))
+                .inspect_err(|_| receiving.discard())?;
             let region = file.remote();
             receiving.file = Some(file);
             session.receiving = Some(receiving);
