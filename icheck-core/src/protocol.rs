@@ -464,6 +464,11 @@ pub struct NodeStatus {
     /// (`shm`, `tcp;ofi_rxm`, ...); empty from a manager that predates it.
     #[serde(default)]
     pub provider: String,
+    /// How the node's store backs new version files: huge pages or 4 KiB
+    /// ones, and why ([`crate::pages::HugePages`] in words); empty from a
+    /// manager that predates it.
+    #[serde(default)]
+    pub store_pages: String,
 }
 
 /// Messages a manager sends to the controller.

@@ -188,6 +188,7 @@ impl Monitor {
             warm_bytes: store.warm_bytes(),
             files_handed_over: settings.handoff.as_ref().map_or(0, |h| h.files_taken()),
             provider: settings.provider.clone(),
+            store_pages: settings.store_pages.clone(),
         }
     }
 }
@@ -265,12 +266,14 @@ pub fn resolve_agent_address(wanted: &str) -> String {
 
 /// The settings this node's agents run with.
 pub fn agent_settings(config: &StaticConfig, node: &str) -> AgentSettings {
+    let store_root = config.agent_store_dir.join(node);
     AgentSettings {
+        store_pages: icheck_core::pages::huge_pages_under(&store_root).to_string(),
         fabric: config.fabric.clone(),
         client_token: config.effective_token(),
         node_token: config.node_token().unwrap_or_default(),
         host: config.agent_address.clone(),
-        store: Store::new(config.agent_store_dir.join(node)),
+        store: Store::new(store_root),
         pfs: config.pfs_dir.clone().map(icheck_core::pfs::PfsStore::new),
         idle_timeout: config.client_idle_timeout(),
         handoff: None,
@@ -313,7 +316,7 @@ async fn shutdown_signal() {
 
 async fn serve(config: StaticConfig, node: String, agents: Agents) -> Result<(), ServiceError> {
     let mut settings = agent_settings(&config, &node);
-    tracing::info!(store = %settings.store.root().display(), "checkpoint store");
+    tracing::info!(store = %settings.store.root().display(), pages = %settings.store_pages, "checkpoint store");
     // Restarting ranks on this host take their version's file here.
     settings.handoff = match icheck_core::handoff::HandoffServer::bind() {
         Ok(server) => Some(Arc::new(server)),

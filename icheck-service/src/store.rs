@@ -1629,6 +1629,12 @@ fn map(file: &File, path: &Path, len: u64, populate: bool) -> Result<MappedFile>
     // SAFETY: the file is private to this store (created under the agent's
     // root); nobody truncates it while mapped, which is memmap2's contract.
     let map = unsafe { options.map_mut(file) }.map_err(io("cannot map", path))?;
+    // On a tmpfs mounted `huge=advise`, pages not yet backed come as 2 MiB
+    // huge pages, as the operator chose by mounting it so (see
+    // `pages::HugePages` for when that is cheaper).
+    if !populate {
+        pages::advise_huge(map.as_ptr() as usize, map.len());
+    }
     let len = usize::try_from(len).unwrap_or(usize::MAX).min(map.len());
     Ok(MappedFile { mapping: Mapping::File(map), len })
 }

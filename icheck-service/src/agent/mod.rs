@@ -92,6 +92,9 @@ pub struct AgentSettings {
     /// The provider this node's agents open, as libfabric names it
     /// (`shm`, `tcp;ofi_rxm`, ...): reported in the node's status.
     pub provider: String,
+    /// How the store backs new version files (huge pages or 4 KiB ones,
+    /// and why), as the node's status reports it.
+    pub store_pages: String,
 }
 
 /// Counters an agent keeps for the manager's status reports.
