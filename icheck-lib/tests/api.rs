@@ -602,3 +602,91 @@ fn a_slow_lane_opened_ahead_keeps_no_restart_waiting() {
     assert!(took < Duration::from_secs(4), "the restart waited {took:?} for the lane being opened ahead");
     ic.finalize(false).unwrap();
 }
+
+/// `/proc/self/smaps`' `field` (in KiB) for the mapping that starts at
+/// `addr`.
+fn smaps_field_kib(addr: usize, field: &str) -> u64 {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let start = format!("{addr:x}-");
+    let mut entry = smaps.split_inclusive('\n').skip_while(|l| !l.starts_with(&start)).skip(1);
+    // Every entry lists the same fields: the first after the header is its.
+    let value = entry
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .unwrap_or_else(|| panic!("no {field} for the mapping at {addr:#x}"));
+    value.trim().trim_end_matches("kB").trim().parse().unwrap()
+}
+
+/// How much of version 1's file of `app` (rank 0) on the service's only
+/// node this process maps with 2 MiB pages, in KiB, after reading all of
+/// it through a shared mapping; and the file's bytes.
+fn version_file_pmd_mapped_kib(service: &LocalService, app: &str) -> (u64, Vec<u8>) {
+    let path = service.config.agent_store_dir.join(format!("local-1/{app}/rank0/v1.data"));
+    let file = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    // SAFETY: the agent wrote the file before the commit returned and
+    // nothing writes a complete version's file again; the mapping is only
+    // read while the test holds it.
+    let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+    let bytes = map.to_vec();
+    (smaps_field_kib(map.as_ptr() as usize, "ShmemPmdMapped"), bytes)
+}
+
+/// `icheck up --huge-pages on` mounts the default store as a tmpfs with
+/// huge pages: the status says so, a version's file is backed by 2 MiB
+/// pages (a mapping of it is PMD-mapped), the version restores bit-exact,
+/// and `icheck down` leaves no mount behind. The default store keeps
+/// 4 KiB pages. As a user who may not mount, the option fails clearly.
+#[test]
+fn huge_pages_on_backs_versions_with_2_mib_pages_and_down_unmounts() {
+    let data: Vec<u8> = (0..(16usize << 20)).map(|i| (i as u8).wrapping_mul(31) ^ (i >> 16) as u8).collect();
+    let commit_and_restore = |service: &LocalService, app: &str| {
+        let (mut ic, _) = init(service, app);
+        ic.add("field", &Region::from_vec(data.clone())).unwrap();
+        assert_eq!(ic.commit().unwrap(), 1);
+        ic.finalize(true).unwrap();
+        let (mut ic, _) = init(service, app);
+        assert_eq!(ic.restart().unwrap(), 1);
+        let fresh = Region::<u8>::zeroed(data.len());
+        ic.restore("field", &fresh).unwrap();
+        assert!(*fresh.read() == data, "{app}: restore not bit-exact");
+        ic.finalize(true).unwrap();
+    };
+    if !nix::unistd::geteuid().is_root() {
+        let dir = std::env::temp_dir().join(format!("icheck-test-huge-user-{}", std::process::id()));
+        let out = std::process::Command::new(icheck_in_target())
+            .args(["up", "--detach", "--managers", "1", "--huge-pages", "on", "--state-dir"])
+            .arg(&dir)
+            .output()
+            .unwrap();
+        let _ = std::process::Command::new(icheck_in_target()).args(["down", "--state-dir"]).arg(&dir).output();
+        let _ = std::fs::remove_dir_all(&dir);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains("needs root"), "{stderr}");
+        return;
+    }
+    let store = {
+        let service =
+            LocalService::up(&icheck_in_target(), "api-huge", 1, &["--provider", "tcp", "--huge-pages", "on"]);
+        let store = service.config.agent_store_dir.clone();
+        let pages = service.status().nodes[0].status.store_pages.clone();
+        assert!(pages.starts_with("2 MiB huge pages"), "status: {pages}");
+        commit_and_restore(&service, "huge");
+        let (pmd_kib, bytes) = version_file_pmd_mapped_kib(&service, "huge");
+        assert!(bytes.starts_with(&data), "the version's file holds the data");
+        assert!(pmd_kib >= 8 << 10, "only {pmd_kib} KiB of the 16 MiB version are in 2 MiB pages");
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(mountinfo.contains(&format!(" {} ", store.display())), "{} is not a mount", store.display());
+        store
+    };
+    // Dropping the service ran `icheck down`.
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mountinfo.contains(&format!(" {} ", store.display())), "{} is still mounted", store.display());
+    assert!(!store.exists(), "{} is still there", store.display());
+
+    let service = service("api-small-pages");
+    let pages = service.status().nodes[0].status.store_pages.clone();
+    commit_and_restore(&service, "small");
+    let (pmd_kib, _) = version_file_pmd_mapped_kib(&service, "small");
+    if pages.starts_with("4 KiB") {
+        assert_eq!(pmd_kib, 0, "status says {pages}");
+    }
+}

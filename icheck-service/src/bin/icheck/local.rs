@@ -41,6 +41,63 @@ pub struct UpOptions {
     pub slurm: Option<SlurmUp>,
     /// `WarmPool` of every manager.
     pub warm_pool: icheck_core::units::ByteSize,
+    /// Whether the default store gets a tmpfs of its own with huge pages.
+    pub huge_pages: HugePagesChoice,
+}
+
+/// `icheck up --huge-pages`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum HugePagesChoice {
+    /// Mount the default store as a tmpfs with `huge=within_size`.
+    On,
+    /// Keep the store a plain directory on /dev/shm.
+    Off,
+}
+
+/// Mounts a tmpfs with 2 MiB pages for new files (`huge=within_size`) at
+/// the default store `store`, as large as the tmpfs it sits on, and says
+/// how the store backs its files. A store that already is a mount (an
+/// earlier `icheck up` left it) is kept; one that holds files is not
+/// mounted over, because that would hide the versions a previous service
+/// left there. Fails when this process may not mount (not root) or the
+/// kernel refuses, naming the store.
+fn mount_huge_store(store: &Path) -> Result<String> {
+    use icheck_core::pages;
+    if pages::is_mount_point(store) {
+        return Ok(format!("{} (mounted by an earlier `icheck up`)", pages::huge_pages_under(store)));
+    }
+    if fs::read_dir(store).is_ok_and(|mut entries| entries.next().is_some()) {
+        return Ok(format!(
+            "{} (it holds an earlier service's files; huge pages need `icheck down` first)",
+            pages::huge_pages_under(store)
+        ));
+    }
+    if !nix::unistd::geteuid().is_root() {
+        bail!("--huge-pages on: mounting a tmpfs at the checkpoint store {} needs root", store.display());
+    }
+    let parent = store.parent().unwrap_or(Path::new("/"));
+    let size = nix::sys::statvfs::statvfs(parent).map_or(0, |s| s.blocks() * s.fragment_size());
+    let options = match size {
+        0 => "huge=within_size,mode=0755".to_string(),
+        size => format!("huge=within_size,mode=0755,size={size}"),
+    };
+    let flags = nix::mount::MsFlags::MS_NOSUID | nix::mount::MsFlags::MS_NODEV;
+    fs::create_dir_all(store).with_context(|| format!("creating the checkpoint store {}", store.display()))?;
+    nix::mount::mount(Some("icheck-store"), store, Some("tmpfs"), flags, Some(options.as_str())).with_context(
+        || format!("--huge-pages on: mounting a tmpfs ({options}) at the checkpoint store {}", store.display()),
+    )?;
+    Ok(pages::huge_pages_under(store).to_string())
+}
+
+/// Removes the store at `store`, unmounting it first when `icheck up`
+/// mounted it (detached: a process still mapping a file keeps its pages
+/// until it lets go, and the directory goes at once).
+fn remove_store(store: &Path) -> Result<()> {
+    if icheck_core::pages::is_mount_point(store) {
+        nix::mount::umount2(store, nix::mount::MntFlags::MNT_DETACH)
+            .with_context(|| format!("unmounting the checkpoint store {}", store.display()))?;
+    }
+    fs::remove_dir_all(store).with_context(|| format!("removing the checkpoint store {}", store.display()))
 }
 
 /// `icheck up --slurm`: how the manager jobs are submitted.
@@ -244,8 +301,22 @@ pub fn up(options: &UpOptions) -> Result<PathBuf> {
     if recorded.iter().any(|(_, pid)| is_icheck_process(*pid)) {
         return restart_dead(dir, &recorded);
     }
+    if options.huge_pages == HugePagesChoice::On && (options.store_dir.is_some() || options.slurm.is_some()) {
+        bail!(
+            "--huge-pages on mounts the local default store; with --store-dir or --slurm, mount the store \
+             directory as a tmpfs with huge=within_size yourself (`icheck status` shows what it uses)"
+        );
+    }
     let provider = resolve_provider(&options.provider, options.slurm.is_some())?;
     println!("icheck up: fabric provider {} ({})", provider.provider, provider.reason);
+    if options.store_dir.is_none() && options.slurm.is_none() {
+        let store = store_dir(dir);
+        let pages = match options.huge_pages {
+            HugePagesChoice::On => mount_huge_store(&store)?,
+            HugePagesChoice::Off => icheck_core::pages::huge_pages_under(&store).to_string(),
+        };
+        println!("icheck up: checkpoint store {}: {pages}", store.display());
+    }
     let dynamic = dir.join("dynamic.toml");
     if !dynamic.exists() {
         fs::write(&dynamic, include_str!("../../../../config/dynamic.toml")).context("writing dynamic.toml")?;
@@ -514,7 +585,7 @@ pub fn down(dir: &Path) -> Result<()> {
     // Checkpoints in agent memory die with the service.
     let store = StaticConfig::load(&dir.join(CLIENT_CONFIG)).map_or_else(|_| store_dir(dir), |c| c.agent_store_dir);
     if store.exists() {
-        fs::remove_dir_all(&store).with_context(|| format!("removing the checkpoint store {}", store.display()))?;
+        remove_store(&store)?;
         println!("icheck down: removed the checkpoint store {}", store.display());
     }
     // The journal describes that memory; without it, it would only make the
@@ -613,6 +684,9 @@ pub fn print_status(report: &StatusReport) {
         ));
         if !s.provider.is_empty() {
             details.push(format!("  {}: fabric provider {}", n.node, s.provider));
+        }
+        if !s.store_pages.is_empty() {
+            details.push(format!("  {}: store backs new version files with {}", n.node, s.store_pages));
         }
         if s.warm_bytes > 0 {
             details.push(format!("  {}: warm pool {} ready for new version files", n.node, human_bytes(s.warm_bytes)));
