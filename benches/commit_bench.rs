@@ -464,12 +464,21 @@ fn resized_restore(provider: &str, rank_size: usize, runs: usize) -> Result<f64>
 /// times them) of a new four-rank application with `rank_size` bytes per
 /// rank on two agents, committing back to back (no computation between),
 /// on a fresh service whose managers keep `warm_pool` bytes of backed files
-/// (0: none), once the pools are full.
-fn new_app_back_to_back(provider: &str, rank_size: usize, warm_pool: ByteSize, commits: usize) -> Result<Vec<f64>> {
-    let name = format!("bench-new-{provider}-{}", warm_pool.0 >> 20);
+/// (0: none), once the pools are full; with `huge_pages` as `icheck up
+/// --huge-pages` takes it. Also returns how the store backed its files, as
+/// the managers report it.
+fn new_app_back_to_back(
+    provider: &str,
+    rank_size: usize,
+    warm_pool: ByteSize,
+    huge_pages: &str,
+    commits: usize,
+) -> Result<(Vec<f64>, String)> {
+    let name = format!("bench-new-{provider}-{}-{huge_pages}", warm_pool.0 >> 20);
     let dynamic = "init_agent_count = 2\nreadInterval = 5\n";
-    let args = ["--provider", provider, "--warm-pool", &warm_pool.to_string()];
+    let args = ["--provider", provider, "--warm-pool", &warm_pool.to_string(), "--huge-pages", huge_pages];
     let svc = LocalService::up_with_dynamic(&icheck_binary()?, &name, 2, &args, Some(dynamic));
+    let pages = svc.status().nodes.first().map(|n| n.status.store_pages.clone()).unwrap_or_default();
     let started = Instant::now();
     while !svc.status().nodes.iter().all(|n| n.status.warm_bytes >= warm_pool.0) {
         if started.elapsed() > std::time::Duration::from_secs(120) {
@@ -499,7 +508,7 @@ fn new_app_back_to_back(provider: &str, rank_size: usize, warm_pool: ByteSize, c
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    Ok(secs)
+    Ok((secs, pages))
 }
 
 /// A single-rank application `app` pulling one label of `size` bytes
@@ -1527,14 +1536,22 @@ fn main() -> Result<()> {
         // Each node holds two ranks' two first versions: the pool covers them.
         let pool = ByteSize((4 * rank_size) as u64);
         let case = format!("4 ranks, 2 agents, {} per rank, a new application committing back to back", cli.rank_size);
-        for warm in [ByteSize(0), pool] {
-            let times = new_app_back_to_back(provider, rank_size, warm, 6)?;
-            eprintln!("{provider}: commits of a new four-rank application, warm pool {warm}: {times:?}");
+        // The store as `icheck up` backs it by default (4 KiB pages), with
+        // `--huge-pages on` (root only), and with a warm pool.
+        let mut variants = vec![(ByteSize(0), "off")];
+        if nix::unistd::geteuid().is_root() {
+            variants.push((ByteSize(0), "on"));
+        }
+        variants.push((pool, "off"));
+        for (warm, huge_pages) in variants {
+            let (times, pages) = new_app_back_to_back(provider, rank_size, warm, huge_pages, 6)?;
+            eprintln!("{provider}: commits of a new four-rank application, warm pool {warm}, {pages}: {times:?}");
             let later = median(times[1..].to_vec());
             let slowest_later = times[1..].iter().copied().fold(0.0, f64::max);
+            let page_size = if pages.starts_with("2 MiB") { "2 MiB pages" } else { "4 KiB pages" };
             let pool_name = match warm.0 {
-                0 => "no warm pool".to_string(),
-                _ => format!("warm pool {warm} per node"),
+                0 => format!("no warm pool, {page_size}"),
+                _ => format!("warm pool {warm} per node, {page_size}"),
             };
             for (what, secs) in [("first commit", times[0]), ("slowest commit after the first", slowest_later)] {
                 lines.push(Line::new(
