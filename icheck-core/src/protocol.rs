@@ -465,7 +465,7 @@ pub struct NodeStatus {
     #[serde(default)]
     pub provider: String,
     /// How the node's store backs new version files: huge pages or 4 KiB
-    /// ones, and why ([`crate::pages::HugePages`] in words); empty from a
+    /// ones, and why (`pages::HugePages` in words); empty from a
     /// manager that predates it.
     #[serde(default)]
     pub store_pages: String,
