@@ -656,15 +656,22 @@ fn a_thread_waiting_for_writes_the_shm_target_copies_leaves_its_core() {
     icheck_service::selftest::fill_pattern(initiator.local.as_mut_slice(), 2);
     let options = TransferOptions { chunk_size: 1 << 20, inflight: 8, ..TransferOptions::default() };
     let cpu = || clock_gettime(ClockId::CLOCK_THREAD_CPUTIME_ID).map(Duration::from).unwrap();
-    let (cpu_before, started) = (cpu(), Instant::now());
-    let local = initiator.local.source();
-    initiator.endpoint.write(&initiator.peer, local, &[whole(&target)], &options).unwrap();
-    let (on_cpu, elapsed) = (cpu() - cpu_before, started.elapsed());
-    assert_eq!(target.command("verify 2").unwrap(), "ok", "the target misses the written bytes");
-    assert!(
-        on_cpu.as_secs_f64() < 0.8 * elapsed.as_secs_f64(),
-        "the writing thread was on the CPU for {on_cpu:?} of the write's {elapsed:?}"
-    );
+    // A write of ~25 ms on a machine busy with other tests can fall on a
+    // stretch where every poll finds work: the best of three writes must
+    // leave the core (a spinning writer is on it for all three).
+    let mut writes = Vec::new();
+    for _ in 0..3 {
+        let (cpu_before, started) = (cpu(), Instant::now());
+        let local = initiator.local.source();
+        initiator.endpoint.write(&initiator.peer, local, &[whole(&target)], &options).unwrap();
+        let (on_cpu, elapsed) = (cpu() - cpu_before, started.elapsed());
+        assert_eq!(target.command("verify 2").unwrap(), "ok", "the target misses the written bytes");
+        writes.push((on_cpu, elapsed));
+        if on_cpu.as_secs_f64() < 0.8 * elapsed.as_secs_f64() {
+            return;
+        }
+    }
+    panic!("the writing thread was on the CPU for most of each write (on CPU, elapsed): {writes:?}");
 }
 
 /// Another process reads and writes memory registered through one endpoint
