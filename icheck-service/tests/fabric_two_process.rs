@@ -729,3 +729,41 @@ fn a_paused_target_serves_reads_again_once_resumed() {
     assert!(answer.starts_with("error") && answer.contains("`pause`"), "{answer}");
     assert_eq!(target.command("verify 1").unwrap(), "ok");
 }
+
+/// A new peer is inserted at once while a batch on the same endpoint waits
+/// for a peer that does not answer: an agent opens a restarting rank's
+/// session (inserting the rank's address) while another session's transfer
+/// from a killed rank is still stalled, which used to keep the new rank's
+/// `Open` unanswered until the stalled batch gave up, past its bound.
+#[test]
+fn a_peer_is_inserted_while_a_batch_waits_for_a_silent_peer() {
+    let provider = "tcp";
+    let mut silent = start_target(provider, ODD_SIZE, 1);
+    let other = start_target(provider, ODD_SIZE, 2);
+    let mut initiator = Initiator::connect(provider, &silent);
+    silent.set_progress(false).expect("pause");
+    let endpoint = initiator.endpoint.clone();
+    let op = whole(&silent);
+    let stalled = std::thread::spawn(move || {
+        let started = Instant::now();
+        (initiator.read(op, Duration::from_secs(8)), started.elapsed(), initiator)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let started = Instant::now();
+    let peer = endpoint.insert_peer(&other.announcement().address).expect("insert the other peer");
+    let inserted_after = started.elapsed();
+    silent.set_progress(true).expect("resume");
+    let (read, read_took, initiator) = stalled.join().unwrap();
+    assert!(
+        inserted_after < Duration::from_secs(2),
+        "inserting a peer waited {inserted_after:?} for the stalled batch"
+    );
+    read.unwrap_or_else(|e| panic!("the stalled read, resumed after {read_took:?}: {e}"));
+    verify_pattern(initiator.local.as_slice(), 1).expect("the resumed read brought the silent target's data");
+    // The new peer serves reads through the same endpoint.
+    let mut into = endpoint.register(AlignedBuffer::zeroed(ODD_SIZE), Access::LOCAL).unwrap();
+    let options =
+        TransferOptions { chunk_size: 1 << 20, inflight: 8, timeout: Duration::from_secs(20), delivery_complete: true };
+    endpoint.read(&peer, into.target(), &[whole(&other)], &options).expect("read from the inserted peer");
+    verify_pattern(into.as_slice(), 2).expect("the inserted peer's data");
+}

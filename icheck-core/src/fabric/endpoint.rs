@@ -194,12 +194,33 @@ impl TransferStats {
 struct EpState {
     ep: *mut sys::fid_ep,
     cq: *mut sys::fid_cq,
-    av: *mut sys::fid_av,
+    /// The address vector, under a lock of its own: a transfer holds the
+    /// endpoint lock for its whole batch, which may wait for a silent peer
+    /// up to its stall bound, and inserting another peer (an agent opening
+    /// a new rank's session) must not wait for that. Lock order: the
+    /// endpoint lock, then this one (closing takes both).
+    addresses: Arc<Mutex<AddressBook>>,
     closed: bool,
     /// `closed`, readable without the lock (which a transfer holds for its
     /// whole batch): what `Endpoint::is_closed` answers from.
     closed_flag: Arc<AtomicBool>,
+}
+
+/// An endpoint's address vector and the peers inserted into it. `av` is
+/// NULL once the endpoint is closed or abandoned.
+struct AddressBook {
+    av: *mut sys::fid_av,
     peers: HashMap<Vec<u8>, Peer>,
+}
+
+// SAFETY: the AV belongs to an FI_THREAD_SAFE domain and is only used with
+// the book's lock held (or, for closing, with both locks).
+unsafe impl Send for AddressBook {}
+
+/// [`AddressBook`] behind its lock (poisoning ignored, as for the endpoint
+/// lock: a panic leaves the libfabric objects intact).
+fn lock_book(book: &Mutex<AddressBook>) -> MutexGuard<'_, AddressBook> {
+    book.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl EpState {
@@ -211,14 +232,16 @@ impl EpState {
         }
         self.closed = true;
         self.closed_flag.store(true, Ordering::Release);
+        // Held across the closes: no peer is inserted into a closing AV.
+        let mut book = lock_book(&self.addresses);
         // SAFETY: each object was opened in Endpoint::new and is closed exactly
         // once (guarded by `closed`), the endpoint before what it is bound to.
         unsafe {
             if !self.ep.is_null() {
                 sys::icheck_fi_close(&mut (*self.ep).fid);
             }
-            if !self.av.is_null() {
-                sys::icheck_fi_close(&mut (*self.av).fid);
+            if !book.av.is_null() {
+                sys::icheck_fi_close(&mut (*book.av).fid);
             }
             if !self.cq.is_null() {
                 sys::icheck_fi_close(&mut (*self.cq).fid);
@@ -250,7 +273,7 @@ impl EpState {
         self.closed = true;
         self.closed_flag.store(true, Ordering::Release);
         self.ep = ptr::null_mut();
-        self.av = ptr::null_mut();
+        lock_book(&self.addresses).av = ptr::null_mut();
         self.cq = ptr::null_mut();
     }
 }
@@ -258,14 +281,19 @@ impl EpState {
 pub(crate) struct EndpointShared {
     // Declared before `domain` so that it is closed first.
     state: Mutex<EpState>,
+    /// The AV and its peers (also reachable from `state`, which closes it):
+    /// what `insert_peer` takes instead of the endpoint lock.
+    addresses: Arc<Mutex<AddressBook>>,
     /// Set once the endpoint is closed (see `EpState::closed_flag`).
     closed: Arc<AtomicBool>,
     domain: Arc<DomainInner>,
     address: FabricAddress,
 }
 
-// SAFETY: all libfabric objects belong to an FI_THREAD_SAFE domain, and every
-// use of the endpoint objects goes through the `state` mutex.
+// SAFETY: all libfabric objects belong to an FI_THREAD_SAFE domain (which
+// lets one thread insert into an AV while another posts or polls on the
+// endpoint bound to it); every use of the endpoint and CQ goes through the
+// `state` mutex, and every use of the AV through the address book's.
 unsafe impl Send for EndpointShared {}
 // SAFETY: see Send.
 unsafe impl Sync for EndpointShared {}
@@ -357,10 +385,9 @@ impl Endpoint {
         let mut state = EpState {
             ep: ptr::null_mut(),
             cq: ptr::null_mut(),
-            av: ptr::null_mut(),
+            addresses: Arc::new(Mutex::new(AddressBook { av: ptr::null_mut(), peers: HashMap::new() })),
             closed: false,
             closed_flag: Arc::new(AtomicBool::new(false)),
-            peers: HashMap::new(),
         };
         let tx_size = dom.description.tx_size.max(64);
         let mut cq_attr = sys::fi_cq_attr {
@@ -382,7 +409,10 @@ impl Endpoint {
             }
         };
         let closed = state.closed_flag.clone();
-        Ok(Endpoint { shared: Arc::new(EndpointShared { state: Mutex::new(state), closed, domain: dom, address }) })
+        let addresses = state.addresses.clone();
+        Ok(Endpoint {
+            shared: Arc::new(EndpointShared { state: Mutex::new(state), addresses, closed, domain: dom, address }),
+        })
     }
 
     /// This endpoint's address, for peers to insert.
@@ -398,15 +428,16 @@ impl Endpoint {
     /// Inserts a peer's address into the address vector (once; later calls
     /// with the same address return the same peer).
     pub fn insert_peer(&self, address: &FabricAddress) -> Result<Peer> {
-        let mut state = self.shared.lock();
-        if state.closed {
+        // Not the endpoint lock: a batch may hold that for seconds.
+        let mut state = lock_book(&self.shared.addresses);
+        if state.av.is_null() || self.is_closed() {
             return Err(FabricError::Closed);
         }
         if let Some(peer) = state.peers.get(&address.0) {
             return Ok(peer.clone());
         }
         let mut fi_addr: sys::fi_addr_t = 0;
-        // SAFETY: the AV is open (not closed, checked above, lock held); the
+        // SAFETY: the AV is open (not NULL, checked above, its lock held); the
         // address buffer is valid for its length, which the provider reads.
         let inserted = unsafe {
             sys::icheck_fi_av_insert(state.av, address.0.as_ptr().cast(), 1, &mut fi_addr, 0, ptr::null_mut())
@@ -1079,11 +1110,14 @@ fn open_endpoint(
             state.cq = ptr::null_mut();
             return Err(FabricError::call("fi_cq_open", ret.into()));
         }
-        let ret = sys::icheck_fi_av_open(dom.domain, av_attr, &mut state.av, ptr::null_mut());
+        let mut book = lock_book(&state.addresses);
+        let ret = sys::icheck_fi_av_open(dom.domain, av_attr, &mut book.av, ptr::null_mut());
         if ret != 0 {
-            state.av = ptr::null_mut();
+            book.av = ptr::null_mut();
             return Err(FabricError::call("fi_av_open", ret.into()));
         }
+        let av = book.av;
+        drop(book);
         let ret = sys::icheck_fi_endpoint(dom.domain, dom.info, &mut state.ep, ptr::null_mut());
         if ret != 0 {
             state.ep = ptr::null_mut();
@@ -1093,7 +1127,7 @@ fn open_endpoint(
         if ret != 0 {
             return Err(FabricError::call("fi_ep_bind(cq)", ret.into()));
         }
-        let ret = sys::icheck_fi_ep_bind(state.ep, &mut (*state.av).fid, 0);
+        let ret = sys::icheck_fi_ep_bind(state.ep, &mut (*av).fid, 0);
         if ret != 0 {
             return Err(FabricError::call("fi_ep_bind(av)", ret.into()));
         }
