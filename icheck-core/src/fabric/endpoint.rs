@@ -207,7 +207,8 @@ struct EpState {
 }
 
 /// An endpoint's address vector and the peers inserted into it. `av` is
-/// NULL once the endpoint is closed or abandoned.
+/// NULL until it is open and again once the endpoint is closed or
+/// abandoned: the one thing `insert_peer` checks.
 struct AddressBook {
     av: *mut sys::fid_av,
     peers: HashMap<Vec<u8>, Peer>,
@@ -242,6 +243,7 @@ impl EpState {
             }
             if !book.av.is_null() {
                 sys::icheck_fi_close(&mut (*book.av).fid);
+                book.av = ptr::null_mut();
             }
             if !self.cq.is_null() {
                 sys::icheck_fi_close(&mut (*self.cq).fid);
@@ -428,9 +430,10 @@ impl Endpoint {
     /// Inserts a peer's address into the address vector (once; later calls
     /// with the same address return the same peer).
     pub fn insert_peer(&self, address: &FabricAddress) -> Result<Peer> {
-        // Not the endpoint lock: a batch may hold that for seconds.
+        // Not the endpoint lock: a batch may hold that for seconds. (Closing
+        // and abandoning set `av` to NULL under this lock.)
         let mut state = lock_book(&self.shared.addresses);
-        if state.av.is_null() || self.is_closed() {
+        if state.av.is_null() {
             return Err(FabricError::Closed);
         }
         if let Some(peer) = state.peers.get(&address.0) {
