@@ -47,9 +47,25 @@ fn round_trip(provider: &str, size: usize, chunk: usize, inflight: usize) {
     assert_eq!(report["bytes"].as_u64(), Some(size as u64), "{provider}: {report}");
     let expected_ops = size.div_ceil(chunk) as u64;
     assert_eq!(report["read_ops"].as_u64(), Some(expected_ops), "{provider}: {report}");
+    assert_eq!(report["warm_read_ops"].as_u64(), Some(expected_ops), "{provider}: {report}");
     assert_eq!(target.command("verify 2").unwrap(), "ok", "{provider}: target saw wrong data after fi_write");
     // The original pattern is gone, so the check is not vacuous.
     assert!(target.command("verify 1").unwrap().starts_with("mismatch"), "{provider}");
+}
+
+/// `icheck fabric selftest` reports the cold read (connecting, into new
+/// memory) and the warm one (the fabric's rate) apart, each verified.
+#[test]
+fn selftest_reports_a_cold_and_a_warm_read() {
+    let out = Command::new(ICHECK)
+        .args(["fabric", "selftest", "--provider", "tcp", "--size", "4MiB"])
+        .output()
+        .expect("run icheck fabric selftest");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "selftest failed: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for line in ["every word verified (cold:", "every word verified (warm:", "selftest passed"] {
+        assert!(stdout.contains(line), "no {line:?} in:\n{stdout}");
+    }
 }
 
 // 10 MiB + 12345 bytes: not a multiple of the chunk, nor of the 8-byte word.
