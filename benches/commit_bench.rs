@@ -89,6 +89,11 @@ struct Cli {
     /// Internal: the application `--restore-config` restarts.
     #[arg(long, hide = true)]
     restore_app: Option<String>,
+    /// Internal: read the whole region of the raw target announced by
+    /// this JSON line (over the first of `--providers`) into fresh memory,
+    /// in this new process, and print the seconds.
+    #[arg(long, hide = true)]
+    cold_read_peer: Option<String>,
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
@@ -156,11 +161,29 @@ struct FreshRestarts {
     /// job relaunched after a failure restarts (one run, not a median).
     #[serde(default)]
     first: f64,
+    /// Its baseline: a raw `fi_read` of the same bytes by a new process
+    /// into memory as cold, [`COLD_GAP`] after the first restart's process
+    /// ended (one run; 0 when not measured).
+    #[serde(default)]
+    cold_read: f64,
 }
 
 /// How long after a job ends the benchmark's first restart starts: less
 /// than `mpirun` takes to relaunch a job.
 const JOB_GAP: Duration = Duration::from_secs(1);
+
+/// How long after the first restart's process ends its raw baseline reads
+/// in a new process, so that the memory that process freed can go cold
+/// again. On this project's virtual machines memory that has been free a
+/// while comes back from the host page by page when a new process first
+/// touches it (256 MiB: 744 ms, against 70 ms for memory freed just
+/// before), and the first restart after a job gets such memory: against
+/// `fi_read` into memory the kernel recycles at once, that row mostly
+/// measured the host. How cold either one's memory is varies from run to
+/// run (the cold read of 256 MiB over tcp took 0.22-1.05 s in three runs
+/// with this gap, 0.43 s in one with 20 s, and 0.21-0.26 s in two with
+/// 3 s), so the row is one run of each, as the first restart is.
+const COLD_GAP: Duration = Duration::from_secs(10);
 
 /// Changes one byte in every page of `data` (differently each run), so a
 /// commit has new data to move.
@@ -248,9 +271,17 @@ fn measure<C: Communicator + 'static>(
     ic.finalize(true)?;
     // The job ended: the first restart comes from a new process.
     let first_restart = fresh_in_new_processes
-        .then(|| {
+        .then(|| -> Result<(f64, f64)> {
             std::thread::sleep(JOB_GAP);
-            restore_in_new_process(config, app, data.len(), "pull", true)
+            let first = restore_in_new_process(config, app, data.len(), "pull", true)?;
+            std::thread::sleep(COLD_GAP);
+            let cold_read = paired.cold_read_in_new_process()?;
+            stderr_line(format!(
+                "{app}: the first restart {:.1} ms; fi_read into cold memory in a new process {:.1} ms",
+                first * 1e3,
+                cold_read * 1e3
+            ));
+            Ok((first, cold_read))
         })
         .transpose()?;
     let (mut restarts, mut restarts_pushed, mut restarts_same_host) = (Vec::new(), Vec::new(), Vec::new());
@@ -312,7 +343,13 @@ fn measure<C: Communicator + 'static>(
 /// prefault, pulled without, and with the defaults (the agent's files),
 /// one new process each, the order rotating from run to run; with `first`,
 /// the seconds of the first restart, measured before them.
-fn fresh_restarts(config: &Path, app: &str, len: usize, runs: usize, first: f64) -> Result<FreshRestarts> {
+fn fresh_restarts(
+    config: &Path,
+    app: &str,
+    len: usize,
+    runs: usize,
+    (first, cold_read): (f64, f64),
+) -> Result<FreshRestarts> {
     let settings = [("pull", true), ("pull", false), ("auto", true)];
     let mut secs: [Vec<f64>; 3] = Default::default();
     for run in 0..runs {
@@ -328,7 +365,7 @@ fn fresh_restarts(config: &Path, app: &str, len: usize, runs: usize, first: f64)
         }
     }
     let [prefaulted, unprefaulted, from_files] = secs.map(median);
-    Ok(FreshRestarts { prefaulted, unprefaulted, from_files, first })
+    Ok(FreshRestarts { prefaulted, unprefaulted, from_files, first, cold_read })
 }
 
 /// Seconds a new process takes to restart `app` and restore its `len`
@@ -370,6 +407,26 @@ fn restore_child(config: &Path, app: &str, len: usize) -> Result<()> {
     let secs = start.elapsed().as_secs_f64();
     ic.finalize(true)?;
     println!("RESTORED {secs}");
+    Ok(())
+}
+
+/// The child of [`RawFabric::cold_read_in_new_process`]: one `fi_read` of
+/// the whole region `announcement` names, over `provider`, into memory
+/// allocated just before (mapped, never written), timed with the
+/// connection it makes; prints the seconds.
+fn cold_read_child(provider: &str, announcement: &str) -> Result<()> {
+    let announcement: icheck_service::selftest::TargetAnnouncement =
+        serde_json::from_str(announcement).context("--cold-read-peer is not a target announcement")?;
+    let len = usize::try_from(announcement.region.len)?;
+    let domain = Domain::open(&FabricConfig::provider(provider))?;
+    let endpoint = Endpoint::new(&domain)?;
+    let peer = endpoint.insert_peer(&announcement.address)?;
+    let mut fresh = endpoint.register(AlignedBuffer::zeroed(len), Access::LOCAL)?;
+    let whole = [RmaOp { local_offset: 0, remote: announcement.region, remote_offset: 0, len }];
+    let start = Instant::now();
+    endpoint.read(&peer, fresh.target(), &whole, &TransferOptions::default())?;
+    let secs = start.elapsed().as_secs_f64();
+    println!("COLD_READ {secs}");
     Ok(())
 }
 
@@ -734,6 +791,7 @@ enum RawOp {
 /// reads, as ranks reading one `shm` endpoint would: the stricter baseline).
 struct RawFabric {
     target: TargetProcess,
+    provider: String,
     pause_between: bool,
     endpoint: Endpoint,
     peer: icheck_core::fabric::Peer,
@@ -754,7 +812,7 @@ impl RawFabric {
         let mut local = endpoint.register(AlignedBuffer::zeroed(size), Access::LOCAL)?;
         fill_pattern(local.as_mut_slice(), 3);
         let whole = [RmaOp { local_offset: 0, remote: target.announcement().region, remote_offset: 0, len: size }];
-        let mut raw = RawFabric { target, pause_between, endpoint, peer, local, whole };
+        let mut raw = RawFabric { target, provider: provider.to_string(), pause_between, endpoint, peer, local, whole };
         // Warm-up: the connection is made and both sides' pages touched.
         raw.time(comm, RawOp::Read)?;
         raw.time(comm, RawOp::Write)?;
@@ -785,6 +843,32 @@ impl RawFabric {
             self.target.set_progress(false)?;
         }
         Ok(secs)
+    }
+
+    /// Seconds a new process takes to read the target's whole region into
+    /// memory it has just allocated ([`cold_read_child`]), its connection
+    /// made by that read: a restarted process's first read, without icheck.
+    fn cold_read_in_new_process(&mut self) -> Result<f64> {
+        if self.pause_between {
+            self.target.set_progress(true)?;
+        }
+        let out = Command::new(std::env::current_exe()?)
+            .args(["--cold-read-peer", self.target.announcement_json(), "--providers", &self.provider])
+            .output()
+            .context("starting a cold-reading process");
+        if self.pause_between {
+            self.target.set_progress(false)?;
+        }
+        let out = out?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        match stdout.lines().find_map(|l| l.strip_prefix("COLD_READ ")) {
+            Some(secs) if out.status.success() => Ok(secs.trim().parse()?),
+            _ => bail!(
+                "the cold-reading process failed ({}):\n{stdout}\n{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        }
     }
 
     /// The median GB/s of `runs` operations `op` by this process alone.
@@ -990,6 +1074,14 @@ fn rows_for(
             format!("fi_read into fresh memory {:.2} GB/s", raw.2),
             gb(fresh.first) / raw.2,
         ));
+        if fresh.cold_read > 0.0 {
+            lines.push(line(
+                "restart + restore, the first restart the agent serves, vs fi_read by a new process into memory as cold (10 s after the restart's process ended; one run)",
+                format!("{:.2} GB/s", gb(fresh.first)),
+                format!("cold fi_read {:.2} GB/s", gb(fresh.cold_read)),
+                gb(fresh.first) / gb(fresh.cold_read),
+            ));
+        }
         lines.push(line(
             "restart + restore into fresh memory in a new process, the rank pulls (prefault, the default)",
             format!("{:.2} GB/s", gb(fresh.prefaulted)),
@@ -1248,6 +1340,10 @@ fn main() -> Result<()> {
         let target = Target::start(&FabricConfig::provider(provider), size, 1)?;
         target.serve(std::io::stdin().lock(), std::io::stdout().lock())?;
         return Ok(());
+    }
+    if let Some(announcement) = &cli.cold_read_peer {
+        let provider = cli.providers.first().context("--cold-read-peer needs --providers")?;
+        return cold_read_child(provider, announcement);
     }
     if let (Some(config), Some(app)) = (&cli.restore_config, &cli.restore_app) {
         return restore_child(config, app, usize::try_from(cli.size.0)?);
