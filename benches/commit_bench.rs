@@ -341,8 +341,9 @@ fn measure<C: Communicator + 'static>(
 /// A restarted application restores into memory it has just allocated, in
 /// a process of its own: `runs` restores of `app` that way pulled with
 /// prefault, pulled without, and with the defaults (the agent's files),
-/// one new process each, the order rotating from run to run; with `first`,
-/// the seconds of the first restart, measured before them.
+/// one new process each, the order rotating from run to run; with
+/// `(first, cold_read)`, the seconds of the first restart and of its raw
+/// baseline, measured before them.
 fn fresh_restarts(
     config: &Path,
     app: &str,
@@ -381,12 +382,17 @@ fn restore_in_new_process(config: &Path, app: &str, len: usize, restore: &str, p
         .env("ICHECK_PREFAULT", if prefault { "1" } else { "0" })
         .output()
         .context("starting a restoring process")?;
+    seconds_printed(&out, "RESTORED ", "the restoring process")
+}
+
+/// The seconds a child of this binary printed on the stdout line that
+/// starts with `prefix`; an error quoting its output if it failed or
+/// printed none.
+fn seconds_printed(out: &std::process::Output, prefix: &str, child: &str) -> Result<f64> {
     let stdout = String::from_utf8_lossy(&out.stdout);
-    match stdout.lines().find_map(|l| l.strip_prefix("RESTORED ")) {
+    match stdout.lines().find_map(|l| l.strip_prefix(prefix)) {
         Some(secs) if out.status.success() => Ok(secs.trim().parse()?),
-        _ => {
-            bail!("the restoring process failed ({}):\n{stdout}\n{}", out.status, String::from_utf8_lossy(&out.stderr))
-        }
+        _ => bail!("{child} failed ({}):\n{stdout}\n{}", out.status, String::from_utf8_lossy(&out.stderr)),
     }
 }
 
@@ -859,16 +865,7 @@ impl RawFabric {
         if self.pause_between {
             self.target.set_progress(false)?;
         }
-        let out = out?;
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        match stdout.lines().find_map(|l| l.strip_prefix("COLD_READ ")) {
-            Some(secs) if out.status.success() => Ok(secs.trim().parse()?),
-            _ => bail!(
-                "the cold-reading process failed ({}):\n{stdout}\n{}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            ),
-        }
+        seconds_printed(&out?, "COLD_READ ", "the cold-reading process")
     }
 
     /// The median GB/s of `runs` operations `op` by this process alone.
@@ -1075,8 +1072,12 @@ fn rows_for(
             gb(fresh.first) / raw.2,
         ));
         if fresh.cold_read > 0.0 {
+            let what = format!(
+                "restart + restore, the first restart the agent serves, vs fi_read by a new process into memory as cold ({} s after the restart's process ended; one run)",
+                COLD_GAP.as_secs()
+            );
             lines.push(line(
-                "restart + restore, the first restart the agent serves, vs fi_read by a new process into memory as cold (10 s after the restart's process ended; one run)",
+                &what,
                 format!("{:.2} GB/s", gb(fresh.first)),
                 format!("cold fi_read {:.2} GB/s", gb(fresh.cold_read)),
                 gb(fresh.first) / gb(fresh.cold_read),
