@@ -59,7 +59,7 @@ use icheck_core::units::ByteSize;
 use icheck_examples::{fill_bytes, first_mismatch};
 use icheck_lib::{Icheck, InitStatus, MpiComm, Region};
 use icheck_service::launcher::is_icheck_process;
-use icheck_service::testkit::LocalService;
+use icheck_service::testkit::{interrupt, LocalService};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
@@ -198,6 +198,8 @@ struct Job {
     lines: Arc<Mutex<Vec<String>>>,
     stderr: Arc<Mutex<Vec<String>>>,
     shm: PathBuf,
+    /// Kills the job if the campaign is interrupted while it runs.
+    _on_interrupt: interrupt::Registered,
 }
 
 impl Job {
@@ -219,6 +221,8 @@ impl Job {
         for (key, value) in env {
             command.env(key, value);
         }
+        // Spawned and registered before an interrupt may stop what runs.
+        let starting = interrupt::hold_off();
         let mut child = command.spawn().context("mpirun starts (is openmpi-bin installed?)")?;
         let lines = Arc::new(Mutex::new(Vec::new()));
         let stderr = Arc::new(Mutex::new(Vec::new()));
@@ -231,7 +235,13 @@ impl Job {
         };
         drain(Box::new(child.stdout.take().expect("piped")), lines.clone());
         drain(Box::new(child.stderr.take().expect("piped")), stderr.clone());
-        Ok(Job { child, lines, stderr, shm })
+        let (mpirun, printed, files) = (child.id(), lines.clone(), shm.clone());
+        let on_interrupt = interrupt::on_interrupt(format!("the job of mpirun {mpirun}"), move || {
+            kill_job(mpirun, &printed);
+            let _ = std::fs::remove_dir_all(files);
+        });
+        drop(starting);
+        Ok(Job { child, lines, stderr, shm, _on_interrupt: on_interrupt })
     }
 
     /// The job's last lines of error output.
@@ -273,23 +283,35 @@ impl Job {
     }
 
     fn rank_pids(&self) -> Vec<u32> {
-        self.lines().iter().filter_map(|l| l.strip_prefix("PID ")?.split("pid=").nth(1)?.parse().ok()).collect()
+        rank_pids(&self.lines())
     }
 
-    /// Kills mpirun, its ranks (each in a process group of its own) and
-    /// anything else it started, and waits until they are gone: the next
-    /// round's run must not meet this one's ranks still committing.
+    /// Kills mpirun, its ranks and anything else it started, and waits
+    /// until they are gone: the next round's run must not meet this one's
+    /// ranks still committing.
     fn kill(&mut self) {
-        icheck_service::testkit::kill_process_tree(self.child.id());
-        // Only processes that still are this job's ranks (PIDs get reused).
-        let is_rank = |pid: u32| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|cmd| String::from_utf8_lossy(&cmd).contains("--rank-of"))
-        };
-        for pid in self.rank_pids().into_iter().filter(|pid| is_rank(*pid)) {
-            icheck_service::testkit::kill_process_tree(pid);
-        }
+        kill_job(self.child.id(), &self.lines);
         let _ = self.child.wait();
+    }
+}
+
+/// The ranks' PIDs, as they printed them.
+fn rank_pids(lines: &[String]) -> Vec<u32> {
+    lines.iter().filter_map(|l| l.strip_prefix("PID ")?.split("pid=").nth(1)?.parse().ok()).collect()
+}
+
+/// Kills `mpirun` and what it started, then the ranks that printed their
+/// PIDs in `lines` (each runs in a process group of its own).
+fn kill_job(mpirun: u32, lines: &Mutex<Vec<String>>) {
+    icheck_service::testkit::kill_process_tree(mpirun);
+    // Only processes that still are this job's ranks (PIDs get reused).
+    let is_rank = |pid: u32| {
+        std::fs::read(format!("/proc/{pid}/cmdline"))
+            .is_ok_and(|cmd| String::from_utf8_lossy(&cmd).contains("--rank-of"))
+    };
+    let printed = lines.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    for pid in rank_pids(&printed).into_iter().filter(|pid| is_rank(*pid)) {
+        icheck_service::testkit::kill_process_tree(pid);
     }
 }
 
@@ -427,7 +449,10 @@ fn up_again(service: &LocalService, shape: &Shape, failpoints: Option<&str>) -> 
     if let Some(spec) = failpoints {
         up.env(icheck_core::failpoint::FAILPOINTS_ENV, spec);
     }
-    let out = up.output()?;
+    let out = {
+        let _starting = interrupt::hold_off();
+        up.output()?
+    };
     let text = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() && !text.contains("are alive") {
         bail!("icheck up failed: {}{text}", String::from_utf8_lossy(&out.stdout));
@@ -1058,6 +1083,8 @@ fn main() -> Result<()> {
     if let Some(config) = &cli.rank_of {
         return rank_main(config, cli.size.0 as usize);
     }
+    // Before any thread starts: Ctrl-C stops the service and the job.
+    interrupt::stop_on_interrupt().context("cannot wait for interrupting signals")?;
     let tally = campaign(&cli)?;
     print_table(&tally);
     // Retention keeps at most a few versions per rank (the newest complete,

@@ -577,6 +577,8 @@ fn main() -> Result<()> {
     if !cli.mpi_rank.is_empty() {
         return mpi_rank(&cli, &cli.mpi_rank);
     }
+    // Before any thread starts: Ctrl-C stops the services it started.
+    icheck_service::testkit::interrupt::stop_on_interrupt().context("cannot wait for interrupting signals")?;
     if !cli.policies.iter().any(|p| p == "none") {
         bail!(
             "--policies {}: `none` is missing, and the other policies' commits are compared to it",

@@ -61,3 +61,126 @@ fn a_short_campaign_under_rs_2_1_loses_only_what_the_policy_allows() {
         assert!(drawn, "seed 3 no longer draws a {kind}:\n{stdout}");
     }
 }
+
+/// Ctrl-C during a campaign (SIGINT to the campaign alone: its daemons
+/// left its session, as `icheck up --detach` starts them) stops the
+/// service and the job it started and removes the service's directory,
+/// and the campaign exits as a shell expects of an interrupted command
+/// (130). Before, the campaign died at once and left its three daemons
+/// running, their stores in memory.
+#[test]
+fn an_interrupted_campaign_stops_its_service_and_its_job() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    use std::time::{Duration, Instant};
+
+    let mut campaign = Command::new(env!("CARGO_BIN_EXE_fault-campaign"))
+        .args(["--faults", "5", "--seed", "11"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run fault-campaign");
+    let dir = std::env::temp_dir().join(format!("icheck-test-campaign-{}", campaign.id()));
+    // The first round's line comes once the service is up and a job runs.
+    let (lines, seen) = std::sync::mpsc::channel();
+    let stdout = campaign.stdout.take().expect("piped");
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = lines.send(line);
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut printed = Vec::new();
+    while !printed.iter().any(|l: &String| l.starts_with("round 0:")) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match seen.recv_timeout(left) {
+            Ok(line) => printed.push(line),
+            Err(_) => {
+                let _ = campaign.kill();
+                panic!("no first round within 120 s:\n{}", printed.join("\n"));
+            }
+        }
+    }
+    let leftovers = Leftovers::of(&dir, campaign.id());
+    let before = leftovers.running();
+    assert!(before.len() >= 3, "the controller and two managers run, and the job: {before:?}");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(campaign.id() as i32), nix::sys::signal::Signal::SIGINT)
+        .expect("signal the campaign");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = campaign.try_wait().expect("wait for the campaign") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = campaign.kill();
+            panic!("the campaign did not end within 60 s of SIGINT");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut campaign.stderr.take().expect("piped"), &mut stderr).unwrap();
+    assert_eq!(status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("stopping the service in"), "{stderr}");
+    let left = leftovers.running();
+    assert!(left.is_empty(), "still running after the interrupt: {left:?}\n{stderr}");
+    assert!(!dir.exists(), "{} is left behind", dir.display());
+    let store = leftovers.store.as_ref().expect("the configuration names the agents' store");
+    assert!(!store.exists(), "the agents' store {} is left behind", store.display());
+}
+
+/// The processes and files of a campaign's service and job, found by its
+/// state directory; whatever is still there when this drops (a failed
+/// assertion) is killed by PID and removed.
+struct Leftovers {
+    dir: std::path::PathBuf,
+    /// The service's store (`AgentStoreDir` of its configuration).
+    store: Option<std::path::PathBuf>,
+    /// Prefix of the jobs' Open MPI shm directories (`testkit::mpirun`).
+    mpi_shm: String,
+}
+
+impl Leftovers {
+    fn of(dir: &std::path::Path, campaign: u32) -> Leftovers {
+        let config = std::fs::read_to_string(dir.join("icheck.toml")).unwrap_or_default();
+        let store = config.lines().find_map(|l| {
+            let value = l.strip_prefix("AgentStoreDir")?.trim_start().strip_prefix('=')?.trim();
+            Some(std::path::PathBuf::from(value.trim_matches('"')))
+        });
+        Leftovers { dir: dir.to_path_buf(), store, mpi_shm: format!("icheck-campaign-mpi-{campaign}-") }
+    }
+
+    /// Live processes naming the state directory on their command line
+    /// (daemons: `--config DIR/icheck.toml`; mpirun and the ranks:
+    /// `--rank-of DIR/...`). A zombie has ended: its parent reaps it.
+    fn running(&self) -> Vec<u32> {
+        let needle = self.dir.to_string_lossy().into_owned();
+        let procs = std::fs::read_dir("/proc").expect("read /proc");
+        procs
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .filter(|pid| {
+                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+                let zombie = stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
+                !zombie && String::from_utf8_lossy(&cmdline).contains(&needle)
+            })
+            .collect()
+    }
+}
+
+impl Drop for Leftovers {
+    fn drop(&mut self) {
+        for pid in self.running() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGKILL);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+        if let Some(store) = &self.store {
+            let _ = std::fs::remove_dir_all(store);
+        }
+        for entry in std::fs::read_dir("/dev/shm").into_iter().flatten().flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&self.mpi_shm) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+}

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+pub mod interrupt;
 pub mod netns;
 pub mod slurm;
 
@@ -27,6 +28,9 @@ pub struct LocalService {
     pub dir: PathBuf,
     /// The client configuration `icheck up` wrote.
     pub config: StaticConfig,
+    /// Stops the service if the process is interrupted before it drops
+    /// ([`interrupt::stop_on_interrupt`]).
+    _on_interrupt: interrupt::Registered,
 }
 
 impl LocalService {
@@ -92,18 +96,25 @@ impl LocalService {
             up_args.extend(["--provider", "tcp"].map(String::from));
         }
         up_args.extend(extra.iter().map(|s| s.to_string()));
+        let (stopper, state) = (icheck.to_path_buf(), dir.clone());
+        let on_interrupt = interrupt::on_interrupt(format!("the service in {}", dir.display()), move || {
+            let config = StaticConfig::load(&state.join("icheck.toml")).ok();
+            stop_service(&stopper, &state, config.as_ref());
+        });
         let mut service = LocalService {
             icheck: icheck.to_path_buf(),
             up_args,
             daemon_env: env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
             config: StaticConfig::default(),
             dir,
+            _on_interrupt: on_interrupt,
         };
         service.start();
         service
     }
 
     fn start(&mut self) {
+        let _starting = interrupt::hold_off();
         let mut up = Command::new(&self.icheck);
         up.args(&self.up_args).arg("--state-dir").arg(&self.dir);
         up.envs(self.daemon_env.iter().map(|(k, v)| (k, v)));
@@ -128,6 +139,7 @@ impl LocalService {
     /// `icheck up` again in the running service's directory: starts again
     /// just the daemons that died (as an operator would after a crash).
     pub fn up_again(&self) -> String {
+        let _starting = interrupt::hold_off();
         let mut up = Command::new(&self.icheck);
         up.args(&self.up_args).arg("--state-dir").arg(&self.dir);
         up.envs(self.daemon_env.iter().map(|(k, v)| (k, v)));
@@ -224,19 +236,31 @@ impl Drop for LocalService {
         if std::thread::panicking() {
             self.print_log_tails(40);
         }
-        let _ = Command::new(&self.icheck).args(["down", "--state-dir"]).arg(&self.dir).output();
-        // ICHECK_KEEP_LOGS=1 keeps the directory (logs, configuration) to
-        // read after a test or benchmark; the store goes either way.
-        if std::env::var_os("ICHECK_KEEP_LOGS").is_some() {
-            eprintln!("kept the service's directory {}", self.dir.display());
-            let _ = std::fs::remove_dir_all(&self.config.agent_store_dir);
-        } else {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
-        forget_capabilities(&self.config);
-        // Daemons and ranks this test killed left their shm regions.
-        icheck_core::fabric::reclaim_dead_processes_shm_regions();
+        stop_service(&self.icheck, &self.dir, Some(&self.config));
     }
+}
+
+/// Stops the service in `dir` (`icheck down`: its daemons, by PID) and
+/// removes what it leaves: the directory, the store of `config` (when it
+/// was read), the capabilities its jobs kept, and the shm regions of the
+/// processes that died.
+fn stop_service(icheck: &Path, dir: &Path, config: Option<&StaticConfig>) {
+    let _ = Command::new(icheck).args(["down", "--state-dir"]).arg(dir).output();
+    // ICHECK_KEEP_LOGS=1 keeps the directory (logs, configuration) to
+    // read after a test or benchmark; the store goes either way.
+    if std::env::var_os("ICHECK_KEEP_LOGS").is_some() {
+        eprintln!("kept the service's directory {}", dir.display());
+        if let Some(config) = config {
+            let _ = std::fs::remove_dir_all(&config.agent_store_dir);
+        }
+    } else {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    if let Some(config) = config {
+        forget_capabilities(config);
+    }
+    // Daemons and ranks this test killed left their shm regions.
+    icheck_core::fabric::reclaim_dead_processes_shm_regions();
 }
 
 /// Removes the capabilities jobs kept for the service of `config` (its

@@ -1,0 +1,114 @@
+//! Stopping what a benchmark or campaign started when it is interrupted.
+//!
+//! The daemons a run starts leave its session (`icheck up --detach`), so
+//! Ctrl-C reaches the run alone. Before this module, a run interrupted
+//! part-way (Ctrl-C, or SIGTERM from a batch system's time limit) died
+//! without running its destructors and left every daemon it had started
+//! running, their stores holding memory, and their shm regions behind.
+//!
+//! A binary that calls [`stop_on_interrupt`] as its first step instead
+//! runs every clean-up registered with [`on_interrupt`] when SIGINT,
+//! SIGTERM or SIGHUP arrives, and then exits with 128 + the signal's
+//! number, as a shell reports a death by that signal. Owners register their
+//! clean-up when they start something and drop the [`Registered`] guard
+//! when they have cleaned up themselves. Without [`stop_on_interrupt`]
+//! (tests), the registrations cost a map entry and nothing else.
+//!
+//! *Invariant:* the signals are blocked in the calling thread and in every
+//! thread started after it (they inherit its mask), so only the waiting
+//! thread takes them; processes spawned through `std::process::Command`
+//! start with an empty signal mask (the standard library resets it), so
+//! the daemons still stop on the SIGTERM `icheck down` sends.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use nix::sys::signal::{SigSet, Signal};
+
+/// A clean-up action and what it stops, for the message printed as it runs.
+type Action = (String, Box<dyn FnOnce() + Send>);
+
+static ACTIONS: Mutex<BTreeMap<u64, Action>> = Mutex::new(BTreeMap::new());
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+/// Held while something is being started ([`hold_off`]), and taken for
+/// good by the clean-up once a signal has come.
+static STARTING: Mutex<()> = Mutex::new(());
+
+/// A clean-up registered with [`on_interrupt`]; dropping it forgets the
+/// action (its owner has cleaned up by itself).
+#[must_use = "dropping the guard forgets the clean-up at once"]
+pub struct Registered(u64);
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        actions().remove(&self.0);
+    }
+}
+
+fn actions() -> std::sync::MutexGuard<'static, BTreeMap<u64, Action>> {
+    // An action that panicked poisoned nothing the map relies on.
+    ACTIONS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Registers `action`, which stops `what`, to run if the process is
+/// interrupted before the returned guard drops. Actions run newest first,
+/// so a job started on a service is stopped before the service.
+pub fn on_interrupt(what: impl Into<String>, action: impl FnOnce() + Send + 'static) -> Registered {
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    actions().insert(id, (what.into(), Box::new(action)));
+    Registered(id)
+}
+
+/// Holds the clean-up off until the guard drops: take it while starting
+/// something a registered action stops (`icheck up` writing its `pids`
+/// file, a job being spawned and registered), so that an interrupt neither
+/// stops a half-started service nor races a restart of its daemons. After
+/// an interrupt it blocks for good: the process is about to exit.
+pub fn hold_off() -> std::sync::MutexGuard<'static, ()> {
+    STARTING.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Runs every registered clean-up, newest first, on SIGINT, SIGTERM or
+/// SIGHUP, then exits with 128 + the signal's number. Call it before the
+/// process starts any thread: a thread started earlier keeps the default
+/// disposition, and a signal it takes ends the process without clean-up.
+pub fn stop_on_interrupt() -> std::io::Result<()> {
+    let mut signals = SigSet::empty();
+    for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
+        signals.add(signal);
+    }
+    signals.thread_block().map_err(std::io::Error::from)?;
+    std::thread::Builder::new().name("icheck-interrupt".into()).spawn(move || {
+        let Ok(signal) = signals.wait() else { return };
+        // Nothing starts from here on; whatever was starting has finished.
+        let _starting = hold_off();
+        let pending: Vec<Action> = std::mem::take(&mut *actions()).into_values().rev().collect();
+        eprintln!("{signal}: stopping what this run started ({} to stop)", pending.len());
+        for (what, action) in pending {
+            eprintln!("  stopping {what}");
+            action();
+        }
+        std::process::exit(128 + signal as i32);
+    })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dropped_guard_forgets_its_action_and_a_kept_one_stays() {
+        let kept = on_interrupt("kept", || {});
+        let dropped = on_interrupt("dropped", || {});
+        let (kept_id, dropped_id) = (kept.0, dropped.0);
+        drop(dropped);
+        let registered = actions();
+        assert!(registered.contains_key(&kept_id));
+        assert!(!registered.contains_key(&dropped_id));
+        drop(registered);
+        drop(kept);
+        assert!(!actions().contains_key(&kept_id));
+    }
+}
