@@ -1357,7 +1357,7 @@ fn main() -> Result<()> {
         let provider = cli.providers.first().context("--mpi-rank needs --providers")?;
         return mpi_rank(config, provider, usize::try_from(cli.rank_size.0)?, runs, &cli.mpiio_dir);
     }
-    // Before the cases start threads: Ctrl-C stops the services they started.
+    // Ctrl-C stops the services this run started.
     icheck_service::testkit::interrupt::stop_on_interrupt().context("cannot wait for interrupting signals")?;
     let size = usize::try_from(cli.size.0)?;
     let rank_size = usize::try_from(cli.rank_size.0)?;

@@ -1083,7 +1083,7 @@ fn main() -> Result<()> {
     if let Some(config) = &cli.rank_of {
         return rank_main(config, cli.size.0 as usize);
     }
-    // Before any thread starts: Ctrl-C stops the service and the job.
+    // Ctrl-C stops the service and the job this run started.
     interrupt::stop_on_interrupt().context("cannot wait for interrupting signals")?;
     let tally = campaign(&cli)?;
     print_table(&tally);

@@ -577,7 +577,7 @@ fn main() -> Result<()> {
     if !cli.mpi_rank.is_empty() {
         return mpi_rank(&cli, &cli.mpi_rank);
     }
-    // Before any thread starts: Ctrl-C stops the services it started.
+    // Ctrl-C stops the services this run started.
     icheck_service::testkit::interrupt::stop_on_interrupt().context("cannot wait for interrupting signals")?;
     if !cli.policies.iter().any(|p| p == "none") {
         bail!(

@@ -153,7 +153,7 @@ fn inject(service: &LocalService, takeovers: usize, completed: &Mutex<Vec<Instan
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    // Before any thread starts: Ctrl-C stops the services it started.
+    // Ctrl-C stops the services this run started.
     icheck_service::testkit::interrupt::stop_on_interrupt().context("cannot wait for interrupting signals")?;
     let icheck = std::env::current_exe()?.with_file_name("icheck");
     if !icheck.exists() {

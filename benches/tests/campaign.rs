@@ -121,6 +121,10 @@ fn an_interrupted_campaign_stops_its_service_and_its_job() {
     std::io::Read::read_to_string(&mut campaign.stderr.take().expect("piped"), &mut stderr).unwrap();
     assert_eq!(status.code(), Some(130), "{stderr}");
     assert!(stderr.contains("stopping the service in"), "{stderr}");
+    // Each daemon stopped on `icheck down`'s SIGTERM, as it does when an
+    // administrator stops the service, not by the SIGKILL after its grace.
+    assert!(stderr.contains("icheck down: stopping manager-local-1"), "{stderr}");
+    assert!(!stderr.contains("ignored SIGTERM"), "{stderr}");
     let left = leftovers.running();
     assert!(left.is_empty(), "still running after the interrupt: {left:?}\n{stderr}");
     assert!(!dir.exists(), "{} is left behind", dir.display());

@@ -439,6 +439,37 @@ fn daemons_keep_no_crash_handlers_of_libfabrics_dependencies() {
     assert!(status.success(), "the manager ended with {status} on SIGTERM");
 }
 
+/// A daemon started by a process that blocks SIGTERM (a supervisor, a
+/// benchmark waiting for Ctrl-C) inherits that mask through exec; it still
+/// stops gracefully on `icheck down`'s SIGTERM instead of waiting for the
+/// SIGKILL after the grace (before, it ignored SIGTERM).
+#[test]
+fn a_manager_started_with_sigterm_blocked_still_stops_on_sigterm() {
+    use std::os::unix::process::CommandExt;
+    let service = Service::up("blocked-mask", 1);
+    let mut command = Command::new(ICHECK);
+    command.args(["manager", "--node", "masked", "--config"]).arg(service.config_path());
+    // SAFETY: the closure runs in the forked child before exec and only
+    // calls sigprocmask through nix (async-signal-safe), touching no
+    // memory the parent's other threads may hold locked.
+    unsafe {
+        command.pre_exec(|| {
+            let blocked: nix::sys::signal::SigSet =
+                [nix::sys::signal::Signal::SIGTERM, nix::sys::signal::Signal::SIGINT].into_iter().collect();
+            blocked.thread_block().map_err(std::io::Error::from)
+        });
+    }
+    let mut manager = icheck_service::testkit::ChildGuard(command.spawn().expect("start a manager"));
+    wait_for("the manager with a blocked mask", Duration::from_secs(10), || service.status().nodes.len() == 2);
+    let pid = manager.0.id();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    let ended =
+        icheck_service::testkit::poll_until(Duration::from_secs(20), || manager.0.try_wait().ok().flatten().is_some());
+    assert!(ended, "the manager (pid {pid}) ignored SIGTERM for 20 s");
+    let status = manager.0.wait().unwrap();
+    assert!(status.success(), "the manager ended with {status} on SIGTERM");
+}
+
 /// A manager that fails to start the agents it is asked for fails one
 /// registration; the controller then places nothing there and says why.
 #[test]

@@ -6,25 +6,26 @@
 //! without running its destructors and left every daemon it had started
 //! running, their stores holding memory, and their shm regions behind.
 //!
-//! A binary that calls [`stop_on_interrupt`] as its first step instead
-//! runs every clean-up registered with [`on_interrupt`] when SIGINT,
-//! SIGTERM or SIGHUP arrives, and then exits with 128 + the signal's
-//! number, as a shell reports a death by that signal. Owners register their
-//! clean-up when they start something and drop the [`Registered`] guard
-//! when they have cleaned up themselves. Without [`stop_on_interrupt`]
-//! (tests), the registrations cost a map entry and nothing else.
+//! A binary that calls [`stop_on_interrupt`] instead runs every clean-up
+//! registered with [`on_interrupt`] when SIGINT, SIGTERM or SIGHUP
+//! arrives, and then exits with 128 + the signal's number, as a shell
+//! reports a death by that signal. Owners register their clean-up when
+//! they start something and drop the [`Registered`] guard when they have
+//! cleaned up themselves. Without [`stop_on_interrupt`] (tests), the
+//! registrations cost a map entry and nothing else.
 //!
-//! *Invariant:* the signals are blocked in the calling thread and in every
-//! thread started after it (they inherit its mask), so only the waiting
-//! thread takes them; processes spawned through `std::process::Command`
-//! start with an empty signal mask (the standard library resets it), so
-//! the daemons still stop on the SIGTERM `icheck down` sends.
+//! *Invariant:* the signals are caught by handlers (tokio's), never
+//! blocked: a handler is reset to the default in every process this one
+//! executes, while a blocked mask would be inherited, and the daemons a
+//! run starts would then ignore the SIGTERM `icheck down` sends them (a
+//! first version blocked them, and `icheck down` had to SIGKILL every
+//! daemon after its 5 s grace).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use nix::sys::signal::{SigSet, Signal};
+use tokio::signal::unix::{signal, SignalKind};
 
 /// A clean-up action and what it stops, for the message printed as it runs.
 type Action = (String, Box<dyn FnOnce() + Send>);
@@ -70,26 +71,40 @@ pub fn hold_off() -> std::sync::MutexGuard<'static, ()> {
 }
 
 /// Runs every registered clean-up, newest first, on SIGINT, SIGTERM or
-/// SIGHUP, then exits with 128 + the signal's number. Call it before the
-/// process starts any thread: a thread started earlier keeps the default
-/// disposition, and a signal it takes ends the process without clean-up.
+/// SIGHUP, then exits with 128 + the signal's number. The handlers are in
+/// place when it returns. Call it first in `main`, before other threads
+/// start: it first undoes the handlers libfabric's PSM dependencies
+/// installed for SIGINT and SIGTERM at load time, which tokio's handler
+/// would otherwise call after its own (they ended the process at once,
+/// with status 1 and no word, before any clean-up ran).
 pub fn stop_on_interrupt() -> std::io::Result<()> {
-    let mut signals = SigSet::empty();
-    for signal in [Signal::SIGINT, Signal::SIGTERM, Signal::SIGHUP] {
-        signals.add(signal);
-    }
-    signals.thread_block().map_err(std::io::Error::from)?;
+    icheck_core::fabric::disarm_provider_crash_handlers();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_io().build()?;
+    let (mut int, mut term, mut hup) = runtime.block_on(async {
+        std::io::Result::Ok((
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::terminate())?,
+            signal(SignalKind::hangup())?,
+        ))
+    })?;
     std::thread::Builder::new().name("icheck-interrupt".into()).spawn(move || {
-        let Ok(signal) = signals.wait() else { return };
+        let number = runtime.block_on(async {
+            tokio::select! {
+                _ = int.recv() => libc::SIGINT,
+                _ = term.recv() => libc::SIGTERM,
+                _ = hup.recv() => libc::SIGHUP,
+            }
+        });
         // Nothing starts from here on; whatever was starting has finished.
         let _starting = hold_off();
         let pending: Vec<Action> = std::mem::take(&mut *actions()).into_values().rev().collect();
-        eprintln!("{signal}: stopping what this run started ({} to stop)", pending.len());
+        let name = nix::sys::signal::Signal::try_from(number).map_or_else(|_| number.to_string(), |s| s.to_string());
+        eprintln!("{name}: stopping what this run started ({} to stop)", pending.len());
         for (what, action) in pending {
             eprintln!("  stopping {what}");
             action();
         }
-        std::process::exit(128 + signal as i32);
+        std::process::exit(128 + number);
     })?;
     Ok(())
 }

@@ -99,7 +99,7 @@ impl LocalService {
         let (stopper, state) = (icheck.to_path_buf(), dir.clone());
         let on_interrupt = interrupt::on_interrupt(format!("the service in {}", dir.display()), move || {
             let config = StaticConfig::load(&state.join("icheck.toml")).ok();
-            stop_service(&stopper, &state, config.as_ref());
+            stop_service(&stopper, &state, config.as_ref(), true);
         });
         let mut service = LocalService {
             icheck: icheck.to_path_buf(),
@@ -236,16 +236,22 @@ impl Drop for LocalService {
         if std::thread::panicking() {
             self.print_log_tails(40);
         }
-        stop_service(&self.icheck, &self.dir, Some(&self.config));
+        stop_service(&self.icheck, &self.dir, Some(&self.config), false);
     }
 }
 
 /// Stops the service in `dir` (`icheck down`: its daemons, by PID) and
 /// removes what it leaves: the directory, the store of `config` (when it
 /// was read), the capabilities its jobs kept, and the shm regions of the
-/// processes that died.
-fn stop_service(icheck: &Path, dir: &Path, config: Option<&StaticConfig>) {
-    let _ = Command::new(icheck).args(["down", "--state-dir"]).arg(dir).output();
+/// processes that died. With `report`, `icheck down`'s lines go to
+/// standard error (the daemons it stopped, and any it had to kill).
+fn stop_service(icheck: &Path, dir: &Path, config: Option<&StaticConfig>, report: bool) {
+    let down = Command::new(icheck).args(["down", "--state-dir"]).arg(dir).output();
+    if let (true, Ok(out)) = (report, &down) {
+        for line in String::from_utf8_lossy(&out.stdout).lines().chain(String::from_utf8_lossy(&out.stderr).lines()) {
+            eprintln!("    {line}");
+        }
+    }
     // ICHECK_KEEP_LOGS=1 keeps the directory (logs, configuration) to
     // read after a test or benchmark; the store goes either way.
     if std::env::var_os("ICHECK_KEEP_LOGS").is_some() {

@@ -529,6 +529,15 @@ fn main() {
     // Before anything else: undo the crash handlers libfabric's PSM
     // dependencies installed at load time (see the function's docs).
     let disarmed = icheck_core::fabric::disarm_provider_crash_handlers();
+    // A blocked signal mask survives exec: a daemon started by a process
+    // that blocks SIGTERM (a supervisor, a benchmark waiting for Ctrl-C)
+    // would ignore `icheck down` until its SIGKILL. Unblocked here, before
+    // any thread inherits the mask.
+    let stop_signals: nix::sys::signal::SigSet =
+        [nix::sys::signal::Signal::SIGINT, nix::sys::signal::Signal::SIGTERM, nix::sys::signal::Signal::SIGHUP]
+            .into_iter()
+            .collect();
+    let _ = stop_signals.thread_unblock();
     // Still single-threaded, and before libfabric reads its parameters.
     icheck_core::fabric::tune_connection_setup();
     let cli = Cli::parse();
