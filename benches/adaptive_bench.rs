@@ -393,6 +393,8 @@ fn malleable(cli: &Cli, icheck: &Path) -> Result<()> {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    // Ctrl-C stops the clusters this run started and removes their networks.
+    icheck_service::testkit::interrupt::stop_on_interrupt().context("cannot wait for interrupting signals")?;
     let icheck = out_dir()?.join("icheck");
     if !icheck.exists() {
         bail!("{} is missing: cargo build --release --workspace", icheck.display());

@@ -14,7 +14,9 @@
 //! cleaned up themselves. Without [`stop_on_interrupt`] (tests), the
 //! registrations cost a map entry and nothing else.
 //!
-//! *Invariant:* the signals are caught by handlers (tokio's), never
+//! *Invariant:* once a signal has come, the process ends only after every
+//! clean-up has run, whichever thread exits first. The signals are caught
+//! by handlers (tokio's), never
 //! blocked: a handler is reset to the default in every process this one
 //! executes, while a blocked mask would be inherited, and the daemons a
 //! run starts would then ignore the SIGTERM `icheck down` sends them (a
@@ -22,8 +24,8 @@
 //! daemon after its 5 s grace).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
 
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -35,6 +37,10 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 /// Held while something is being started ([`hold_off`]), and taken for
 /// good by the clean-up once a signal has come.
 static STARTING: Mutex<()> = Mutex::new(());
+/// The signal being handled (0: none yet), and whether its clean-up has
+/// finished; an exit on another thread waits for it ([`wait_for_clean_up`]).
+static INTERRUPTED_BY: AtomicI32 = AtomicI32::new(0);
+static CLEANED_UP: (Mutex<bool>, Condvar) = (Mutex::new(false), Condvar::new());
 
 /// A clean-up registered with [`on_interrupt`]; dropping it forgets the
 /// action (its owner has cleaned up by itself).
@@ -87,6 +93,11 @@ pub fn stop_on_interrupt() -> std::io::Result<()> {
             signal(SignalKind::hangup())?,
         ))
     })?;
+    // SAFETY: `wait_for_clean_up` is an `extern "C" fn()` that never
+    // unwinds (it only waits on a condition variable and may `_exit`).
+    if unsafe { libc::atexit(wait_for_clean_up) } != 0 {
+        return Err(std::io::Error::other("atexit refused the clean-up's exit handler"));
+    }
     std::thread::Builder::new().name("icheck-interrupt".into()).spawn(move || {
         let number = runtime.block_on(async {
             tokio::select! {
@@ -95,6 +106,7 @@ pub fn stop_on_interrupt() -> std::io::Result<()> {
                 _ = hup.recv() => libc::SIGHUP,
             }
         });
+        INTERRUPTED_BY.store(number, Ordering::SeqCst);
         // Nothing starts from here on; whatever was starting has finished.
         let _starting = hold_off();
         let pending: Vec<Action> = std::mem::take(&mut *actions()).into_values().rev().collect();
@@ -104,9 +116,37 @@ pub fn stop_on_interrupt() -> std::io::Result<()> {
             eprintln!("  stopping {what}");
             action();
         }
-        std::process::exit(128 + number);
+        *CLEANED_UP.0.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        CLEANED_UP.1.notify_all();
+        exit_now(number);
     })?;
     Ok(())
+}
+
+/// Runs at `exit` (registered by [`stop_on_interrupt`]): once a signal has
+/// come, the main thread's exit (a run failing because its jobs were just
+/// killed, say) waits until the clean-up has finished, so that it cannot
+/// end the process half-way through, then exits as interrupted.
+extern "C" fn wait_for_clean_up() {
+    let number = INTERRUPTED_BY.load(Ordering::SeqCst);
+    if number == 0 {
+        return;
+    }
+    let mut done = CLEANED_UP.0.lock().unwrap_or_else(|p| p.into_inner());
+    while !*done {
+        done = CLEANED_UP.1.wait(done).unwrap_or_else(|p| p.into_inner());
+    }
+    exit_now(number);
+}
+
+/// Ends the process with 128 + `signal` without running exit handlers
+/// again (two threads may be exiting at once).
+fn exit_now(signal: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    // SAFETY: `_exit` ends the process at once; nothing after it runs, and
+    // it is safe to call from any thread, also while another is in `exit`.
+    unsafe { libc::_exit(128 + signal) }
 }
 
 #[cfg(test)]

@@ -312,10 +312,17 @@ pub fn process_stopped(pid: u32) -> bool {
 /// and kill the job with [`kill_process_tree`]).
 pub fn mpirun(label: &str, np: u32) -> std::io::Result<(Command, PathBuf)> {
     use std::os::unix::process::CommandExt;
+    // Once an interrupt's clean-up has begun this waits for good: no job
+    // starts while (or after) the jobs are killed.
+    drop(interrupt::hold_off());
     static JOBS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = JOBS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let shm = PathBuf::from(format!("/dev/shm/icheck-{label}-mpi-{}-{n}", std::process::id()));
     std::fs::create_dir_all(&shm)?;
+    // Each job leads a process group of its own, out of a terminal's
+    // Ctrl-C: an interrupted benchmark kills them itself.
+    static ON_INTERRUPT: std::sync::OnceLock<interrupt::Registered> = std::sync::OnceLock::new();
+    ON_INTERRUPT.get_or_init(|| interrupt::on_interrupt("the MPI jobs this process started", kill_own_mpi_jobs));
     let mut command = Command::new("mpirun");
     command
         .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()])
@@ -323,6 +330,27 @@ pub fn mpirun(label: &str, np: u32) -> std::io::Result<(Command, PathBuf)> {
         .env("OMPI_MCA_btl_vader_backing_directory", &shm)
         .process_group(0);
     Ok((command, shm))
+}
+
+/// Kills every `mpirun` this process started, with the ranks it started
+/// ([`kill_process_tree`]), and removes the jobs' shm directories
+/// ([`mpirun`] names them after this process).
+fn kill_own_mpi_jobs() {
+    let me = std::process::id();
+    let children = process_tree(me).into_iter().filter(|pid| *pid != me);
+    let jobs: Vec<u32> = children
+        .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|comm| comm.trim() == "mpirun"))
+        .collect();
+    for job in jobs {
+        kill_process_tree(job);
+    }
+    let ours = format!("-mpi-{me}-");
+    for entry in std::fs::read_dir("/dev/shm").into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with("icheck-") && name.contains(&ours) {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// `pid` and every process descended from it, parents first (from /proc).

@@ -7,16 +7,19 @@
 //!
 //! Needs root (CI runs as root) and iproute2. Everything a cluster creates
 //! carries its own names (`icb<N>`, `ich<N>-<i>`, `icheck-<pid>-<N>-n<i>`)
-//! and is removed on drop, processes by PID, even when the test fails.
+//! and is removed on drop, processes by PID, even when the test fails, and
+//! when a benchmark that called [`interrupt::stop_on_interrupt`] is
+//! interrupted.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use icheck_core::protocol::StatusReport;
 
-use super::{wait_for, ChildGuard};
+use super::{interrupt, wait_for, ChildGuard};
 
 /// Clusters started by this process (names and subnets differ per cluster).
 static CLUSTERS: AtomicU32 = AtomicU32::new(0);
@@ -29,9 +32,9 @@ pub struct NetCluster {
     /// Configuration the application and `icheck status` use.
     pub client_config: PathBuf,
     bridge: String,
-    namespaces: Vec<String>,
-    /// Host ends of the veth pairs.
-    links: Vec<String>,
+    /// The namespaces, veth links and daemons made so far, shared with the
+    /// clean-up that runs if the process is interrupted.
+    created: Arc<Mutex<Created>>,
     store: PathBuf,
     /// Controller first, then the managers.
     daemons: Vec<ChildGuard>,
@@ -40,6 +43,18 @@ pub struct NetCluster {
     /// With [`start_with_standby`](Self::start_with_standby): the two
     /// controllers' addresses (primary first).
     pub controllers: Vec<String>,
+    /// Removes what the cluster made if the process is interrupted.
+    _on_interrupt: Option<interrupt::Registered>,
+}
+
+/// What a cluster has made that outlives its process unless removed.
+#[derive(Default)]
+struct Created {
+    namespaces: Vec<String>,
+    /// Host ends of the veth pairs.
+    links: Vec<String>,
+    /// The daemons' PIDs (their `ChildGuard`s are in `NetCluster::daemons`).
+    daemons: Vec<u32>,
 }
 
 /// The port both namespaced controllers listen on (each in its own namespace).
@@ -90,6 +105,9 @@ impl NetCluster {
         dynamic: &str,
         standby: bool,
     ) -> NetCluster {
+        // An interrupt waits until the cluster is up and everything it made
+        // is recorded.
+        let _starting = interrupt::hold_off();
         let pid = std::process::id();
         let serial = CLUSTERS.fetch_add(1, Ordering::Relaxed);
         // Third octet of the cluster's subnet and the number in its names.
@@ -101,14 +119,34 @@ impl NetCluster {
             icheck: icheck.to_path_buf(),
             client_config: dir.join("client.toml"),
             bridge: format!("icb{net}"),
-            namespaces: Vec::new(),
-            links: Vec::new(),
+            created: Arc::default(),
             store: PathBuf::from(format!("/dev/shm/icheck-net-{pid}-{serial}")),
             daemons: Vec::new(),
             dir,
             net,
             controllers: Vec::new(),
+            _on_interrupt: None,
         };
+        // Interrupted, the process kills the daemons by PID and removes
+        // the network and the files, as a drop does.
+        let (created, bridge, store, dir, client_config) = (
+            cluster.created.clone(),
+            cluster.bridge.clone(),
+            cluster.store.clone(),
+            cluster.dir.clone(),
+            cluster.client_config.clone(),
+        );
+        cluster._on_interrupt =
+            Some(interrupt::on_interrupt(format!("the cluster in {}", cluster.dir.display()), move || {
+                let created = created.lock().unwrap_or_else(|p| p.into_inner());
+                for pid in &created.daemons {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(*pid as i32),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
+                }
+                remove_network_and_files(&created, &bridge, &store, &dir, &client_config, true);
+            }));
         cluster.network(net, nodes, rate);
         if standby {
             return cluster.start_with_controllers(icheck, nodes, dynamic, pid, serial);
@@ -138,7 +176,7 @@ impl NetCluster {
             .stderr(log)
             .spawn()
             .expect("start the controller");
-        cluster.daemons.push(ChildGuard(child));
+        cluster.keep(child);
         let port_of = |file: &str| -> u16 {
             let path = cluster.dir.join(file);
             wait_for(file, Duration::from_secs(10), || path.exists());
@@ -191,11 +229,11 @@ impl NetCluster {
         let ns = self.namespace(label);
         remove(&["netns", "del", &ns]);
         run("ip", &["netns", "add", &ns]);
-        self.namespaces.push(ns.clone());
+        self.created().namespaces.push(ns.clone());
         let (host, peer) = (format!("ich{net}-{link}"), format!("icp{net}-{link}"));
         remove(&["link", "del", &host]);
         run("ip", &["link", "add", &host, "type", "veth", "peer", "name", &peer]);
-        self.links.push(host.clone());
+        self.created().links.push(host.clone());
         run("ip", &["link", "set", &peer, "netns", &ns]);
         run("ip", &["link", "set", &host, "master", &self.bridge]);
         run("ip", &["link", "set", &host, "up"]);
@@ -246,7 +284,7 @@ impl NetCluster {
                 command.arg("--standby");
             }
             let child = command.env("ICHECK_LOG", "info").stderr(log).spawn().expect("start a controller");
-            self.daemons.push(ChildGuard(child));
+            self.keep(child);
         }
         let client = format!("{base}[fabric]\nprovider = \"tcp\"\ndomain = \"{}\"\n", self.bridge);
         std::fs::write(&self.client_config, client).unwrap();
@@ -285,7 +323,7 @@ impl NetCluster {
             .stderr(log)
             .spawn()
             .expect("start a manager in its namespace");
-        self.daemons.push(ChildGuard(child));
+        self.keep(child);
     }
 
     /// Takes the link of controller `label` ("c1", "c2") down: it can reach
@@ -343,6 +381,18 @@ impl NetCluster {
         [("FI_TCP_IFACE", self.bridge.as_str())]
     }
 
+    /// What the cluster has made so far.
+    fn created(&self) -> std::sync::MutexGuard<'_, Created> {
+        self.created.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keeps a daemon the cluster started: killed by PID on drop or on an
+    /// interrupt.
+    fn keep(&mut self, daemon: std::process::Child) {
+        self.created().daemons.push(daemon.id());
+        self.daemons.push(ChildGuard(daemon));
+    }
+
     /// A daemon's log ("controller", "n1", ...).
     pub fn log(&self, name: &str) -> String {
         std::fs::read_to_string(self.dir.join("logs").join(name)).unwrap_or_default()
@@ -353,21 +403,38 @@ impl Drop for NetCluster {
     fn drop(&mut self) {
         // Daemons first (by PID), then their network and files.
         self.daemons.clear();
-        if let Ok(config) = icheck_core::config::StaticConfig::load(&self.client_config) {
-            super::forget_capabilities(&config);
-        }
-        // A deleted namespace lingers while sockets in it wind down (and its
-        // veth with it): delete the links themselves.
-        for link in &self.links {
-            remove(&["link", "del", link]);
-        }
-        for ns in &self.namespaces {
-            remove(&["netns", "del", ns]);
-        }
-        remove(&["link", "del", &self.bridge]);
-        let _ = std::fs::remove_dir_all(&self.store);
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
+        let created = self.created();
+        // A failing test keeps its logs to read.
+        let remove_dir = !std::thread::panicking();
+        remove_network_and_files(&created, &self.bridge, &self.store, &self.dir, &self.client_config, remove_dir);
+    }
+}
+
+/// Removes a cluster's network (`created`'s links and namespaces, then
+/// `bridge`), its store, the capabilities its jobs kept and, with
+/// `remove_dir`, its directory. Its daemons must be gone.
+fn remove_network_and_files(
+    created: &Created,
+    bridge: &str,
+    store: &Path,
+    dir: &Path,
+    client_config: &Path,
+    remove_dir: bool,
+) {
+    if let Ok(config) = icheck_core::config::StaticConfig::load(client_config) {
+        super::forget_capabilities(&config);
+    }
+    // A deleted namespace lingers while sockets in it wind down (and its
+    // veth with it): delete the links themselves.
+    for link in &created.links {
+        remove(&["link", "del", link]);
+    }
+    for ns in &created.namespaces {
+        remove(&["netns", "del", ns]);
+    }
+    remove(&["link", "del", bridge]);
+    let _ = std::fs::remove_dir_all(store);
+    if remove_dir {
+        let _ = std::fs::remove_dir_all(dir);
     }
 }
