@@ -28,6 +28,7 @@ use clap::Parser;
 use icheck_core::config::StaticConfig;
 use icheck_core::control::request_blocking;
 use icheck_core::protocol::{ClientReply, ClientRequest, StatusReport};
+use icheck_service::testkit::interrupt;
 use icheck_service::testkit::poll_until;
 use icheck_service::testkit::slurm::TestSlurm;
 
@@ -54,6 +55,9 @@ struct Service<'a> {
     slurm: &'a TestSlurm,
     dir: PathBuf,
     icheck: PathBuf,
+    /// Stops the service if the run is interrupted (before the Slurm
+    /// cluster it runs on: clean-ups run newest first).
+    _on_interrupt: interrupt::Registered,
 }
 
 impl<'a> Service<'a> {
@@ -62,13 +66,18 @@ impl<'a> Service<'a> {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir)?;
         std::fs::write(dir.join("dynamic.toml"), dynamic)?;
+        let _starting = interrupt::hold_off();
+        let (down_with, state, conf) = (icheck.to_path_buf(), dir.clone(), slurm.conf.clone());
+        let on_interrupt = interrupt::on_interrupt(format!("the service in {}", dir.display()), move || {
+            stop_service(&down_with, &state, &conf);
+        });
         let out = Command::new(icheck)
             .args(["up", "--detach", "--provider", "tcp", "--slurm", "--partition", &slurm.partition, "--nodes", nodes])
             .arg("--state-dir")
             .arg(&dir)
             .env("SLURM_CONF", &slurm.conf)
             .output()?;
-        let service = Service { slurm, dir, icheck: icheck.to_path_buf() };
+        let service = Service { slurm, dir, icheck: icheck.to_path_buf(), _on_interrupt: on_interrupt };
         if !out.status.success() {
             bail!(
                 "icheck up --slurm: {}{}",
@@ -102,14 +111,20 @@ impl<'a> Service<'a> {
 
 impl Drop for Service<'_> {
     fn drop(&mut self) {
-        let _ = Command::new(&self.icheck)
-            .args(["down", "--state-dir"])
-            .arg(&self.dir)
-            .env("SLURM_CONF", &self.slurm.conf)
-            .stdout(Stdio::null())
-            .status();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        stop_service(&self.icheck, &self.dir, &self.slurm.conf);
     }
+}
+
+/// `icheck down` for the service in `dir` on the Slurm of `conf` (its
+/// manager jobs cancelled), then its directory removed.
+fn stop_service(icheck: &Path, dir: &Path, conf: &Path) {
+    let _ = Command::new(icheck)
+        .args(["down", "--state-dir"])
+        .arg(dir)
+        .env("SLURM_CONF", conf)
+        .stdout(Stdio::null())
+        .status();
+    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// `mpirun -np RANKS example ARGS` to its end; its stdout.
@@ -290,6 +305,8 @@ fn relaunch(slurm: &TestSlurm, programs: &Programs, runs: usize) -> Result<[f64;
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    // Ctrl-C stops the test-local Slurm, its jobs and the service.
+    icheck_service::testkit::interrupt::stop_on_interrupt().context("cannot wait for interrupting signals")?;
     let here = std::env::current_exe()?;
     let programs = Programs { icheck: here.with_file_name("icheck"), example: here.with_file_name("mpi_checkpoint") };
     for program in [&programs.icheck, &programs.example] {

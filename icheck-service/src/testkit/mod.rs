@@ -332,17 +332,21 @@ pub fn mpirun(label: &str, np: u32) -> std::io::Result<(Command, PathBuf)> {
     Ok((command, shm))
 }
 
-/// Kills every `mpirun` this process started, with the ranks it started
-/// ([`kill_process_tree`]), and removes the jobs' shm directories
+/// Kills every job this process started: each child of this process
+/// that is an `mpirun` or runs one below it (a supervisor such as `icheck
+/// run`, which would start the job again) is killed with all it started
+/// ([`kill_process_tree`]). Then removes the jobs' shm directories
 /// ([`mpirun`] names them after this process).
 fn kill_own_mpi_jobs() {
     let me = std::process::id();
-    let children = process_tree(me).into_iter().filter(|pid| *pid != me);
-    let jobs: Vec<u32> = children
-        .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|comm| comm.trim() == "mpirun"))
-        .collect();
-    for job in jobs {
-        kill_process_tree(job);
+    let is_mpirun =
+        |pid: &u32| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|comm| comm.trim() == "mpirun");
+    let children: Vec<u32> =
+        process_tree(me).into_iter().filter(|pid| *pid != me && parent_of(*pid) == Some(me)).collect();
+    for child in children {
+        if process_tree(child).iter().any(is_mpirun) {
+            kill_process_tree(child);
+        }
     }
     let ours = format!("-mpi-{me}-");
     for entry in std::fs::read_dir("/dev/shm").into_iter().flatten().flatten() {
@@ -351,6 +355,13 @@ fn kill_own_mpi_jobs() {
             let _ = std::fs::remove_dir_all(entry.path());
         }
     }
+}
+
+/// The parent of `pid` (from /proc), if it still runs.
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command name: state, then the parent's pid.
+    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// `pid` and every process descended from it, parents first (from /proc).

@@ -7,7 +7,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use super::interrupt;
 
 /// How long a node may stay unregistered before its slurmd is started again.
 const SLURMD_RESTART_AFTER: Duration = Duration::from_secs(15);
@@ -28,6 +31,11 @@ pub struct TestSlurm {
     /// Its node names.
     pub nodes: Vec<String>,
     daemons: Vec<Child>,
+    /// The daemons' PIDs, shared with the clean-up that runs if the process
+    /// is interrupted.
+    daemon_pids: Arc<Mutex<Vec<u32>>>,
+    /// Stops the cluster if the process is interrupted before it drops.
+    _on_interrupt: interrupt::Registered,
 }
 
 impl TestSlurm {
@@ -39,12 +47,23 @@ impl TestSlurm {
         for sub in ["munge", "state", "log"] {
             std::fs::create_dir_all(dir.join(sub)).expect("create the Slurm test directory");
         }
+        // Interrupted, the process stops the jobs and daemons as a drop does.
+        let _starting = interrupt::hold_off();
+        let daemon_pids: Arc<Mutex<Vec<u32>>> = Arc::default();
+        let (pids, at, conf) = (daemon_pids.clone(), dir.clone(), dir.join("slurm.conf"));
+        let on_interrupt = interrupt::on_interrupt(format!("the Slurm cluster in {}", dir.display()), move || {
+            let pids = pids.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            stop_cluster(&conf, &pids, |_| {});
+            let _ = std::fs::remove_dir_all(at);
+        });
         let mut slurm = TestSlurm {
             conf: dir.join("slurm.conf"),
             dir,
             partition: "ckpt".into(),
             nodes: (1..=nodes).map(|i| format!("{name}{i}")).collect(),
             daemons: Vec::new(),
+            daemon_pids,
+            _on_interrupt: on_interrupt,
         };
         slurm.start_munge();
         slurm.write_conf();
@@ -163,6 +182,7 @@ impl TestSlurm {
 
     fn spawn<A: AsRef<std::ffi::OsStr>>(&mut self, program: &str, args: &[A]) {
         let child = self.launch(program, args, &format!("{program}-{}.out", self.daemons.len()));
+        self.pids().push(child.id());
         self.daemons.push(child);
     }
 
@@ -309,12 +329,18 @@ impl TestSlurm {
         let _ = old.wait();
         let node = &self.nodes[at];
         let fresh = self.launch("slurmd", &self.slurmd_args(node), &format!("slurmd-{node}-restarted.out"));
+        self.pids()[FIRST_SLURMD + at] = fresh.id();
         self.daemons[FIRST_SLURMD + at] = fresh;
     }
 
     /// The log of a daemon of this cluster.
     pub fn log(&self, file: &str) -> String {
         std::fs::read_to_string(self.dir.join("log").join(file)).unwrap_or_default()
+    }
+
+    /// The daemons' PIDs, in the order of `daemons`.
+    fn pids(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
+        self.daemon_pids.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Where the cluster keeps its files.
@@ -325,29 +351,45 @@ impl TestSlurm {
 
 impl Drop for TestSlurm {
     fn drop(&mut self) {
-        // The jobs first (this cluster's slurmctld knows only this test's
-        // jobs), so that their steps end before the daemons do.
-        let _ = self.command("scancel").args(["--user", "root"]).output();
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline
-            && self.command("squeue").args(["-h"]).output().is_ok_and(|o| !o.stdout.is_empty())
-        {
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        for child in self.daemons.iter_mut().rev() {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(child.id() as i32),
-                nix::sys::signal::Signal::SIGTERM,
-            );
-        }
-        for child in self.daemons.iter_mut().rev() {
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        let pids = self.pids().clone();
+        let daemons = &mut self.daemons;
+        // Reaped here: they are this process's children.
+        stop_cluster(&self.conf, &pids, |at| {
+            let _ = daemons[at].wait();
+        });
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Stops the Slurm cluster of `conf`: its jobs first (this cluster's
+/// slurmctld knows only this test's jobs), so that their steps end before
+/// the daemons do, then the daemons `pids` (SIGTERM, SIGKILL after 5 s),
+/// newest first; `reap(index)` after each is gone or killed.
+fn stop_cluster(conf: &Path, pids: &[u32], mut reap: impl FnMut(usize)) {
+    let slurm = |program: &str| {
+        let mut command = Command::new(program);
+        command.env("SLURM_CONF", conf);
+        command
+    };
+    let _ = slurm("scancel").args(["--user", "root"]).output();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < deadline && slurm("squeue").args(["-h"]).output().is_ok_and(|o| !o.stdout.is_empty()) {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let signal = |pid: u32, signal| {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal);
+    };
+    for pid in pids.iter().rev() {
+        signal(*pid, nix::sys::signal::Signal::SIGTERM);
+    }
+    for (at, pid) in pids.iter().enumerate().rev() {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline && super::process_running(*pid) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if super::process_running(*pid) {
+            signal(*pid, nix::sys::signal::Signal::SIGKILL);
+        }
+        reap(at);
     }
 }
