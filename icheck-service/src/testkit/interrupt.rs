@@ -15,8 +15,8 @@
 //! registrations cost a map entry and nothing else.
 //!
 //! *Invariant:* once a signal has come, the process ends only after every
-//! clean-up has run, whichever thread exits first. The signals are caught
-//! by handlers (tokio's), never
+//! clean-up has run, whichever thread exits first (no clean-up may exit or
+//! take [`hold_off`]). The signals are caught by handlers (tokio's), never
 //! blocked: a handler is reset to the default in every process this one
 //! executes, while a blocked mask would be inherited, and the daemons a
 //! run starts would then ignore the SIGTERM `icheck down` sends them (a
