@@ -198,8 +198,6 @@ struct Job {
     lines: Arc<Mutex<Vec<String>>>,
     stderr: Arc<Mutex<Vec<String>>>,
     shm: PathBuf,
-    /// Kills the job if the campaign is interrupted while it runs.
-    _on_interrupt: interrupt::Registered,
 }
 
 impl Job {
@@ -221,8 +219,6 @@ impl Job {
         for (key, value) in env {
             command.env(key, value);
         }
-        // Spawned and registered before an interrupt may stop what runs.
-        let starting = interrupt::hold_off();
         let mut child = command.spawn().context("mpirun starts (is openmpi-bin installed?)")?;
         let lines = Arc::new(Mutex::new(Vec::new()));
         let stderr = Arc::new(Mutex::new(Vec::new()));
@@ -235,13 +231,7 @@ impl Job {
         };
         drain(Box::new(child.stdout.take().expect("piped")), lines.clone());
         drain(Box::new(child.stderr.take().expect("piped")), stderr.clone());
-        let (mpirun, printed, files) = (child.id(), lines.clone(), shm.clone());
-        let on_interrupt = interrupt::on_interrupt(format!("the job of mpirun {mpirun}"), move || {
-            kill_job(mpirun, &printed);
-            let _ = std::fs::remove_dir_all(files);
-        });
-        drop(starting);
-        Ok(Job { child, lines, stderr, shm, _on_interrupt: on_interrupt })
+        Ok(Job { child, lines, stderr, shm })
     }
 
     /// The job's last lines of error output.
@@ -283,35 +273,23 @@ impl Job {
     }
 
     fn rank_pids(&self) -> Vec<u32> {
-        rank_pids(&self.lines())
+        self.lines().iter().filter_map(|l| l.strip_prefix("PID ")?.split("pid=").nth(1)?.parse().ok()).collect()
     }
 
-    /// Kills mpirun, its ranks and anything else it started, and waits
-    /// until they are gone: the next round's run must not meet this one's
-    /// ranks still committing.
+    /// Kills mpirun, its ranks (each in a process group of its own) and
+    /// anything else it started, and waits until they are gone: the next
+    /// round's run must not meet this one's ranks still committing.
     fn kill(&mut self) {
-        kill_job(self.child.id(), &self.lines);
+        icheck_service::testkit::kill_process_tree(self.child.id());
+        // Only processes that still are this job's ranks (PIDs get reused).
+        let is_rank = |pid: u32| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|cmd| String::from_utf8_lossy(&cmd).contains("--rank-of"))
+        };
+        for pid in self.rank_pids().into_iter().filter(|pid| is_rank(*pid)) {
+            icheck_service::testkit::kill_process_tree(pid);
+        }
         let _ = self.child.wait();
-    }
-}
-
-/// The ranks' PIDs, as they printed them.
-fn rank_pids(lines: &[String]) -> Vec<u32> {
-    lines.iter().filter_map(|l| l.strip_prefix("PID ")?.split("pid=").nth(1)?.parse().ok()).collect()
-}
-
-/// Kills `mpirun` and what it started, then the ranks that printed their
-/// PIDs in `lines` (each runs in a process group of its own).
-fn kill_job(mpirun: u32, lines: &Mutex<Vec<String>>) {
-    icheck_service::testkit::kill_process_tree(mpirun);
-    // Only processes that still are this job's ranks (PIDs get reused).
-    let is_rank = |pid: u32| {
-        std::fs::read(format!("/proc/{pid}/cmdline"))
-            .is_ok_and(|cmd| String::from_utf8_lossy(&cmd).contains("--rank-of"))
-    };
-    let printed = lines.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    for pid in rank_pids(&printed).into_iter().filter(|pid| is_rank(*pid)) {
-        icheck_service::testkit::kill_process_tree(pid);
     }
 }
 

@@ -164,9 +164,7 @@ impl Leftovers {
             .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
             .filter(|pid| {
                 let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-                let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-                let zombie = stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z'));
-                !zombie && String::from_utf8_lossy(&cmdline).contains(&needle)
+                icheck_service::testkit::process_running(*pid) && String::from_utf8_lossy(&cmdline).contains(&needle)
             })
             .collect()
     }

@@ -341,8 +341,7 @@ fn kill_own_mpi_jobs() {
     let me = std::process::id();
     let is_mpirun =
         |pid: &u32| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|comm| comm.trim() == "mpirun");
-    let children: Vec<u32> =
-        process_tree(me).into_iter().filter(|pid| *pid != me && parent_of(*pid) == Some(me)).collect();
+    let children: Vec<u32> = processes_and_parents().filter(|(_, parent)| *parent == me).map(|(pid, _)| pid).collect();
     for child in children {
         if process_tree(child).iter().any(is_mpirun) {
             kill_process_tree(child);
@@ -357,27 +356,20 @@ fn kill_own_mpi_jobs() {
     }
 }
 
-/// The parent of `pid` (from /proc), if it still runs.
-fn parent_of(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // Fields after the command name: state, then the parent's pid.
-    stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()
+/// Every process (from /proc) with its parent's PID.
+fn processes_and_parents() -> impl Iterator<Item = (u32, u32)> {
+    std::fs::read_dir("/proc").into_iter().flatten().flatten().filter_map(|entry| {
+        let child: u32 = entry.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
+        // Fields after the command name: state, then the parent's pid.
+        let parent = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
+        Some((child, parent))
+    })
 }
 
 /// `pid` and every process descended from it, parents first (from /proc).
 pub fn process_tree(pid: u32) -> Vec<u32> {
-    let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|entry| {
-            let child: u32 = entry.file_name().to_str()?.parse().ok()?;
-            let stat = std::fs::read_to_string(entry.path().join("stat")).ok()?;
-            // Fields after the command name: state, then the parent's pid.
-            let parent = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
-            Some((child, parent))
-        })
-        .collect();
+    let parents: Vec<(u32, u32)> = processes_and_parents().collect();
     let mut tree = vec![pid];
     let mut at = 0;
     while at < tree.len() {

@@ -36,8 +36,6 @@ pub struct NetCluster {
     /// clean-up that runs if the process is interrupted.
     created: Arc<Mutex<Created>>,
     store: PathBuf,
-    /// Controller first, then the managers.
-    daemons: Vec<ChildGuard>,
     /// The third octet of the cluster's subnet.
     net: u32,
     /// With [`start_with_standby`](Self::start_with_standby): the two
@@ -53,8 +51,8 @@ struct Created {
     namespaces: Vec<String>,
     /// Host ends of the veth pairs.
     links: Vec<String>,
-    /// The daemons' PIDs (their `ChildGuard`s are in `NetCluster::daemons`).
-    daemons: Vec<u32>,
+    /// Controller first, then the managers; killed by PID when dropped.
+    daemons: Vec<ChildGuard>,
 }
 
 /// The port both namespaced controllers listen on (each in its own namespace).
@@ -121,14 +119,12 @@ impl NetCluster {
             bridge: format!("icb{net}"),
             created: Arc::default(),
             store: PathBuf::from(format!("/dev/shm/icheck-net-{pid}-{serial}")),
-            daemons: Vec::new(),
             dir,
             net,
             controllers: Vec::new(),
             _on_interrupt: None,
         };
-        // Interrupted, the process kills the daemons by PID and removes
-        // the network and the files, as a drop does.
+        // Interrupted, the process does what a drop does.
         let (created, bridge, store, dir, client_config) = (
             cluster.created.clone(),
             cluster.bridge.clone(),
@@ -138,14 +134,8 @@ impl NetCluster {
         );
         cluster._on_interrupt =
             Some(interrupt::on_interrupt(format!("the cluster in {}", cluster.dir.display()), move || {
-                let created = created.lock().unwrap_or_else(|p| p.into_inner());
-                for pid in &created.daemons {
-                    let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(*pid as i32),
-                        nix::sys::signal::Signal::SIGKILL,
-                    );
-                }
-                remove_network_and_files(&created, &bridge, &store, &dir, &client_config, true);
+                let mut created = created.lock().unwrap_or_else(|p| p.into_inner());
+                tear_down(&mut created, &bridge, &store, &dir, &client_config, true);
             }));
         cluster.network(net, nodes, rate);
         if standby {
@@ -340,7 +330,7 @@ impl NetCluster {
     /// The PID of controller `label` as started (`ip netns exec` execs it).
     pub fn controller_pid(&self, label: &str) -> u32 {
         let index: usize = label.trim_start_matches('c').parse().expect("c1 or c2");
-        self.daemons[index - 1].0.id()
+        self.created().daemons[index - 1].0.id()
     }
 
     fn try_status(&self) -> Option<StatusReport> {
@@ -389,8 +379,7 @@ impl NetCluster {
     /// Keeps a daemon the cluster started: killed by PID on drop or on an
     /// interrupt.
     fn keep(&mut self, daemon: std::process::Child) {
-        self.created().daemons.push(daemon.id());
-        self.daemons.push(ChildGuard(daemon));
+        self.created().daemons.push(ChildGuard(daemon));
     }
 
     /// A daemon's log ("controller", "n1", ...).
@@ -401,26 +390,18 @@ impl NetCluster {
 
 impl Drop for NetCluster {
     fn drop(&mut self) {
-        // Daemons first (by PID), then their network and files.
-        self.daemons.clear();
-        let created = self.created();
         // A failing test keeps its logs to read.
         let remove_dir = !std::thread::panicking();
-        remove_network_and_files(&created, &self.bridge, &self.store, &self.dir, &self.client_config, remove_dir);
+        tear_down(&mut self.created(), &self.bridge, &self.store, &self.dir, &self.client_config, remove_dir);
     }
 }
 
-/// Removes a cluster's network (`created`'s links and namespaces, then
-/// `bridge`), its store, the capabilities its jobs kept and, with
-/// `remove_dir`, its directory. Its daemons must be gone.
-fn remove_network_and_files(
-    created: &Created,
-    bridge: &str,
-    store: &Path,
-    dir: &Path,
-    client_config: &Path,
-    remove_dir: bool,
-) {
+/// Stops a cluster's daemons (by PID) and removes its network (`created`'s
+/// links and namespaces, then `bridge`), its store, the capabilities its
+/// jobs kept and, with `remove_dir`, its directory.
+fn tear_down(created: &mut Created, bridge: &str, store: &Path, dir: &Path, client_config: &Path, remove_dir: bool) {
+    // Daemons first, then their network and files.
+    created.daemons.clear();
     if let Ok(config) = icheck_core::config::StaticConfig::load(client_config) {
         super::forget_capabilities(&config);
     }

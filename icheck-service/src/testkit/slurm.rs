@@ -30,10 +30,8 @@ pub struct TestSlurm {
     pub partition: String,
     /// Its node names.
     pub nodes: Vec<String>,
-    daemons: Vec<Child>,
-    /// The daemons' PIDs, shared with the clean-up that runs if the process
-    /// is interrupted.
-    daemon_pids: Arc<Mutex<Vec<u32>>>,
+    /// Shared with the clean-up that runs if the process is interrupted.
+    daemons: Arc<Mutex<Vec<Child>>>,
     /// Stops the cluster if the process is interrupted before it drops.
     _on_interrupt: interrupt::Registered,
 }
@@ -49,20 +47,17 @@ impl TestSlurm {
         }
         // Interrupted, the process stops the jobs and daemons as a drop does.
         let _starting = interrupt::hold_off();
-        let daemon_pids: Arc<Mutex<Vec<u32>>> = Arc::default();
-        let (pids, at, conf) = (daemon_pids.clone(), dir.clone(), dir.join("slurm.conf"));
+        let daemons: Arc<Mutex<Vec<Child>>> = Arc::default();
+        let (stopped, at, conf) = (daemons.clone(), dir.clone(), dir.join("slurm.conf"));
         let on_interrupt = interrupt::on_interrupt(format!("the Slurm cluster in {}", dir.display()), move || {
-            let pids = pids.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            stop_cluster(&conf, &pids, |_| {});
-            let _ = std::fs::remove_dir_all(at);
+            stop_cluster(&conf, &mut stopped.lock().unwrap_or_else(|p| p.into_inner()), &at);
         });
         let mut slurm = TestSlurm {
             conf: dir.join("slurm.conf"),
             dir,
             partition: "ckpt".into(),
             nodes: (1..=nodes).map(|i| format!("{name}{i}")).collect(),
-            daemons: Vec::new(),
-            daemon_pids,
+            daemons,
             _on_interrupt: on_interrupt,
         };
         slurm.start_munge();
@@ -181,9 +176,8 @@ impl TestSlurm {
     }
 
     fn spawn<A: AsRef<std::ffi::OsStr>>(&mut self, program: &str, args: &[A]) {
-        let child = self.launch(program, args, &format!("{program}-{}.out", self.daemons.len()));
-        self.pids().push(child.id());
-        self.daemons.push(child);
+        let child = self.launch(program, args, &format!("{program}-{}.out", self.daemons().len()));
+        self.daemons().push(child);
     }
 
     /// Starts `program` with its output appended to `log` (under `log/`).
@@ -209,7 +203,7 @@ impl TestSlurm {
     pub fn fail_node(&self, node: &str) {
         let at = self.nodes.iter().position(|n| n == node).unwrap_or_else(|| panic!("{node} is not a test node"));
         // It is reaped when the cluster is dropped.
-        let slurmd = nix::unistd::Pid::from_raw(self.daemons[FIRST_SLURMD + at].id() as i32);
+        let slurmd = nix::unistd::Pid::from_raw(self.daemons()[FIRST_SLURMD + at].id() as i32);
         nix::sys::signal::kill(slurmd, nix::sys::signal::Signal::SIGKILL).expect("kill the node's slurmd");
         self.run("scontrol", &["update", &format!("NodeName={node}"), "State=DOWN", "Reason=icheck-test-failed"]);
     }
@@ -307,7 +301,7 @@ impl TestSlurm {
                 restarted_at = Instant::now();
                 for (at, node) in self.nodes.clone().iter().enumerate() {
                     if !idle.contains(&node.as_str()) {
-                        let exited = self.daemons[FIRST_SLURMD + at].try_wait().ok().flatten();
+                        let exited = self.daemons()[FIRST_SLURMD + at].try_wait().ok().flatten();
                         let state = exited.map_or("still running".to_string(), |status| format!("exited: {status}"));
                         eprintln!(
                             "test Slurm: node {node} is not idle after {:?} (its slurmd {state}); starting it again",
@@ -324,13 +318,13 @@ impl TestSlurm {
     /// Kills node `at`'s slurmd (by its PID) and starts another in its
     /// place, its output appended to `slurmd-<node>-restarted.out`.
     fn respawn_slurmd(&mut self, at: usize) {
-        let old = &mut self.daemons[FIRST_SLURMD + at];
+        let node = &self.nodes[at];
+        let mut daemons = self.daemons();
+        let old = &mut daemons[FIRST_SLURMD + at];
         let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(old.id() as i32), nix::sys::signal::Signal::SIGKILL);
         let _ = old.wait();
-        let node = &self.nodes[at];
-        let fresh = self.launch("slurmd", &self.slurmd_args(node), &format!("slurmd-{node}-restarted.out"));
-        self.pids()[FIRST_SLURMD + at] = fresh.id();
-        self.daemons[FIRST_SLURMD + at] = fresh;
+        daemons[FIRST_SLURMD + at] =
+            self.launch("slurmd", &self.slurmd_args(node), &format!("slurmd-{node}-restarted.out"));
     }
 
     /// The log of a daemon of this cluster.
@@ -338,9 +332,9 @@ impl TestSlurm {
         std::fs::read_to_string(self.dir.join("log").join(file)).unwrap_or_default()
     }
 
-    /// The daemons' PIDs, in the order of `daemons`.
-    fn pids(&self) -> std::sync::MutexGuard<'_, Vec<u32>> {
-        self.daemon_pids.lock().unwrap_or_else(|p| p.into_inner())
+    /// munged, slurmctld, then the slurmds in the order of `nodes`.
+    fn daemons(&self) -> std::sync::MutexGuard<'_, Vec<Child>> {
+        self.daemons.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Where the cluster keeps its files.
@@ -351,21 +345,15 @@ impl TestSlurm {
 
 impl Drop for TestSlurm {
     fn drop(&mut self) {
-        let pids = self.pids().clone();
-        let daemons = &mut self.daemons;
-        // Reaped here: they are this process's children.
-        stop_cluster(&self.conf, &pids, |at| {
-            let _ = daemons[at].wait();
-        });
-        let _ = std::fs::remove_dir_all(&self.dir);
+        stop_cluster(&self.conf, &mut self.daemons(), &self.dir);
     }
 }
 
-/// Stops the Slurm cluster of `conf`: its jobs first (this cluster's
-/// slurmctld knows only this test's jobs), so that their steps end before
-/// the daemons do, then the daemons `pids` (SIGTERM, SIGKILL after 5 s),
-/// newest first; `reap(index)` after each is gone or killed.
-fn stop_cluster(conf: &Path, pids: &[u32], mut reap: impl FnMut(usize)) {
+/// Stops the Slurm cluster of `conf` and removes `dir`: its jobs first
+/// (this cluster's slurmctld knows only this test's jobs), so that their
+/// steps end before the daemons do, then the daemons (SIGTERM, SIGKILL
+/// after 5 s), newest first.
+fn stop_cluster(conf: &Path, daemons: &mut [Child], dir: &Path) {
     let slurm = |program: &str| {
         let mut command = Command::new(program);
         command.env("SLURM_CONF", conf);
@@ -376,20 +364,17 @@ fn stop_cluster(conf: &Path, pids: &[u32], mut reap: impl FnMut(usize)) {
     while Instant::now() < deadline && slurm("squeue").args(["-h"]).output().is_ok_and(|o| !o.stdout.is_empty()) {
         std::thread::sleep(Duration::from_millis(200));
     }
-    let signal = |pid: u32, signal| {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal);
-    };
-    for pid in pids.iter().rev() {
-        signal(*pid, nix::sys::signal::Signal::SIGTERM);
+    for child in daemons.iter_mut().rev() {
+        let _ =
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM);
     }
-    for (at, pid) in pids.iter().enumerate().rev() {
+    for child in daemons.iter_mut().rev() {
         let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline && super::process_running(*pid) {
+        while Instant::now() < deadline && matches!(child.try_wait(), Ok(None)) {
             std::thread::sleep(Duration::from_millis(50));
         }
-        if super::process_running(*pid) {
-            signal(*pid, nix::sys::signal::Signal::SIGKILL);
-        }
-        reap(at);
+        let _ = child.kill();
+        let _ = child.wait();
     }
+    let _ = std::fs::remove_dir_all(dir);
 }
