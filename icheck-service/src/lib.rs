@@ -17,6 +17,7 @@ pub mod selftest;
 pub mod store;
 #[doc(hidden)]
 pub mod testkit;
+pub mod wedge;
 
 pub use icheck_core::control::ServiceError;
 

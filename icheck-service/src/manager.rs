@@ -46,65 +46,6 @@ fn return_freed_memory() {
     }
 }
 
-/// How long a call into libfabric that returns at once when healthy (a
-/// progress poll) may stay inside before the manager counts its fabric as
-/// wedged: a thousand times any healthy one, and longer than a thread of
-/// the lowest priority waits for a core on a loaded node.
-const WEDGED_AFTER: Duration = Duration::from_secs(20);
-
-/// How much CPU time a thread may burn inside one such call before the
-/// manager counts its fabric as wedged: a spin on a dead process's lock
-/// burns a core all the while, a healthy poll a few microseconds. Found in
-/// a few seconds this way, where [`WEDGED_AFTER`] alone left every wedge
-/// 20 s of a restart's time (six in one shm fault campaign of 20 rounds).
-const WEDGED_SPINNING: Duration = Duration::from_secs(3);
-
-/// Exit code of a manager that ends because its fabric is wedged.
-const EXIT_WEDGED: i32 = 75;
-
-/// Ends this manager at once if a call into libfabric has been inside for
-/// [`WEDGED_AFTER`], or has burned [`WEDGED_SPINNING`] of CPU time inside
-/// (`icheck_core::fabric::WedgeWatch`: shm spinning on the lock of a
-/// process killed while it held it). Nothing can take the thread back out,
-/// its endpoint serves nobody any more, and the spin holds a core: the
-/// controller starts a new manager, which finds the store this one leaves
-/// (its agents start again where their files are). `_exit`, not `exit`:
-/// libfabric's destructors would wait for the lock too.
-fn exit_if_wedged(watch: &mut icheck_core::fabric::WedgeWatch) {
-    let Some(wedged) = watch.check(WEDGED_AFTER, WEDGED_SPINNING) else { return };
-    tracing::error!(
-        inside = ?wedged.inside,
-        cpu = ?wedged.cpu,
-        thread = %wedged.thread,
-        "a call into libfabric has not returned (shm spinning on a dead process's lock?); this manager exits so \
-         that a new one serves its store"
-    );
-    // SAFETY: `_exit` takes no pointer and never returns; it ends the
-    // process without running handlers that could block on the same lock.
-    unsafe { libc::_exit(EXIT_WEDGED) }
-}
-
-/// How often the fabric watchdog looks ([`exit_if_wedged`]).
-const WEDGE_WATCH_EVERY: Duration = Duration::from_millis(500);
-
-/// Runs [`exit_if_wedged`] every [`WEDGE_WATCH_EVERY`] on a thread of its
-/// own for as long as the manager runs: connected to a controller or not,
-/// and whatever its async threads are stuck in. (On the heartbeat of each
-/// controller connection it waited out every reconnection: a manager
-/// wedged across a controller takeover exited after 22.6 s, not 20.)
-fn spawn_wedge_watch() {
-    let watch = || {
-        let mut watch = icheck_core::fabric::WedgeWatch::new();
-        loop {
-            std::thread::sleep(WEDGE_WATCH_EVERY);
-            exit_if_wedged(&mut watch);
-        }
-    };
-    if let Err(err) = std::thread::Builder::new().name("icheck-wedge-watch".into()).spawn(watch) {
-        tracing::error!(%err, "cannot start the fabric watchdog: a wedged endpoint is not found");
-    }
-}
-
 /// Agents being stopped (id → application), until their threads have
 /// ended. `StopAgent` runs off the message loop, so a `DropRanks` that
 /// follows it could otherwise delete a rank's directory while a session of
@@ -334,7 +275,10 @@ async fn serve(config: StaticConfig, node: String, agents: Agents) -> Result<(),
     if config.warm_pool.0 > 0 {
         spawn_warm_pool(settings.store.clone(), config.warm_pool.0);
     }
-    spawn_wedge_watch();
+    // On a wedge the manager ends: the controller starts a new one, which
+    // finds the store this one leaves (its agents start again where their
+    // files are).
+    crate::wedge::exit_when_wedged("this manager exits so that a new one serves its store");
     let inventory = Arc::new(Mutex::new(InventoryCache::default()));
     let stopping = Arc::new(StoppingAgents::default());
     let controllers = config.controller_endpoints();

@@ -437,7 +437,9 @@ enum FabricCommand {
     },
     /// Kill peers in the middle of RMA, many times, while this process keeps
     /// its endpoint (the reproducer for provider faults in error paths);
-    /// prints a JSON report. Exits non-zero (or dies of a signal) on failure.
+    /// prints a JSON report. Exits non-zero (or dies of a signal) on failure,
+    /// and with 75 when a call into libfabric spins without returning (shm
+    /// on the lock of a peer killed while it held it).
     ///
     /// Example: icheck fabric churn --provider tcp --role initiator --rounds 40
     #[command(hide = true)]
@@ -856,6 +858,10 @@ fn run_fabric(command: FabricCommand) -> Result<()> {
         }
         FabricCommand::Churn { fabric, role, rounds, seed } => {
             let icheck = std::env::current_exe().context("cannot find the icheck executable")?;
+            // A peer killed while it held its shm region's lock leaves this
+            // process's next call spinning inside libfabric 1.17 for ever:
+            // say so by the exit code within seconds, as a manager does.
+            icheck_service::wedge::exit_when_wedged("fabric churn exits with the wedge's exit code");
             let report = selftest::churn(&icheck, &fabric.config(), role, rounds, seed)?;
             println!("{}", serde_json::to_string(&report)?);
             Ok(())
