@@ -216,29 +216,38 @@ fn versions_survive_losing_every_daemon_through_the_pfs() {
 fn a_damaged_newest_pfs_version_restarts_from_the_previous_one() {
     let service = service("mpi-damage", 1, "tcp");
     let config = service.config_path();
-    // Versions 1..3 are copied as they complete; the PFS keeps 2 and 3.
+    // Versions 1..3 are copied as they complete; the PFS keeps the newest
+    // two: 2 and 3, or 1 and 3 when version 2's copy had not begun before
+    // version 3 was sealed (an agent copies the newest then). Seen on a
+    // loaded host: a nice-19 copy of 2 MiB took 1.7 s.
     let copies = [("ICHECK_PFS_INTERVAL", "1"), ("ICHECK_COMPRESSION", "zstd:1")];
-    // Steps of 0.5 s give each copy time to complete before the next version.
+    // Steps of 0.5 s usually give each copy time to complete before the next version.
     let args = ["--app", "dmg", "--steps", "4", "--every", "2", "--mib", "2", "--step-ms", "500"];
     let lines = Job::start(2, &config, &args, &copies).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
     let app_dir = service.dir.join("pfs/dmg");
-    icheck_service::testkit::wait_for("versions 2 and 3 on the PFS", Duration::from_secs(30), || {
-        app_dir.join("v2/MANIFEST").exists() && app_dir.join("v3/MANIFEST").exists()
+    let previous_on_pfs = || [2, 1].into_iter().find(|v| app_dir.join(format!("v{v}/MANIFEST")).exists());
+    icheck_service::testkit::wait_for("version 3 and an earlier one on the PFS", Duration::from_secs(30), || {
+        app_dir.join("v3/MANIFEST").exists() && previous_on_pfs().is_some()
     });
     icheck_service::testkit::wait_for("the agents to stop", Duration::from_secs(10), || {
         service.status().apps.is_empty()
     });
+    // Looked at once no copy runs: copies may end out of order.
+    let previous = previous_on_pfs().expect("an earlier version on the PFS");
+    // Version v was committed at step 2 (v - 1).
+    let restored_previous = format!("RESTORED version={previous} step={}", 2 * (previous - 1));
     let pristine = service.dir.join("pristine");
     let copy = |from: &PathBuf, to: &PathBuf| {
         let _ = std::fs::remove_dir_all(to);
         assert!(Command::new("cp").arg("-a").arg(from).arg(to).status().unwrap().success());
     };
     copy(&app_dir, &pristine);
-    // The restart run makes no commit (it ends at step 3), so every case
-    // starts from the same two versions.
+    // The restart run makes no commit (it ends at the odd step after the
+    // previous version's), so every case starts from the same two versions.
+    let last_step = (2 * (previous - 1) + 1).to_string();
     let restart = |config: &PathBuf| {
-        let args = ["--app", "dmg", "--steps", "3", "--every", "2", "--mib", "2"];
+        let args = ["--app", "dmg", "--steps", &last_step, "--every", "2", "--mib", "2"];
         Job::start(2, config, &args, &[]).finish_with_stderr(Duration::from_secs(120))
     };
 
@@ -249,7 +258,7 @@ fn a_damaged_newest_pfs_version_restarts_from_the_previous_one() {
     bytes[middle] ^= 0x10;
     std::fs::write(&file, &bytes).unwrap();
     let (lines, stderr) = restart(&config);
-    assert!(lines.iter().any(|l| l == "RESTORED version=2 step=2 verified"), "{lines:?}\n{stderr}");
+    assert!(lines.iter().any(|l| *l == format!("{restored_previous} verified")), "{lines:?}\n{stderr}");
     assert!(stderr.contains("v3/rank1.data") && stderr.contains("checksum"), "{stderr}");
 
     // A truncated file, read by the library itself (no controller).
@@ -258,14 +267,14 @@ fn a_damaged_newest_pfs_version_restarts_from_the_previous_one() {
     let len = std::fs::metadata(&file).unwrap().len();
     std::fs::OpenOptions::new().write(true).open(&file).unwrap().set_len(len / 3).unwrap();
     let (lines, stderr) = restart(&without_a_controller(&service));
-    assert!(lines.iter().any(|l| l == "RESTORED version=2 step=2 verified"), "{lines:?}\n{stderr}");
+    assert!(lines.iter().any(|l| *l == format!("{restored_previous} verified")), "{lines:?}\n{stderr}");
     assert!(stderr.contains("v3/rank0.data") && stderr.contains("bytes"), "{stderr}");
 
     // A version without its MANIFEST is not a version at all.
     copy(&pristine, &app_dir);
     std::fs::remove_file(app_dir.join("v3/MANIFEST")).unwrap();
     let (lines, stderr) = restart(&config);
-    assert!(lines.iter().any(|l| l == "RESTORED version=2 step=2 verified"), "{lines:?}\n{stderr}");
+    assert!(lines.iter().any(|l| *l == format!("{restored_previous} verified")), "{lines:?}\n{stderr}");
 }
 
 #[test]
