@@ -326,7 +326,10 @@ fn scrape(service: &LocalService) -> String {
 #[test]
 fn status_and_metrics_report_what_the_managers_measure() {
     let service = service("mpi-metrics", 1, "tcp");
-    let args = ["--app", "met", "--steps", "8", "--every", "2", "--mib", "4", "--step-ms", "100", "--persist"];
+    // Δcop needs two status reports that each saw new operations: the five
+    // versions span 2.4 s, over two of the managers' 1 s status periods
+    // (at 100 ms per step they spanned 0.8 s and once fell in one period).
+    let args = ["--app", "met", "--steps", "8", "--every", "2", "--mib", "4", "--step-ms", "300", "--persist"];
     let lines = Job::start(2, &service.config_path(), &args, &[]).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=5 step=8")), "{lines:?}");
     // Five versions of two ranks: ten checkpoint operations on the node.
