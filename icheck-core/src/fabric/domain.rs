@@ -535,7 +535,10 @@ mod tests {
     }
 
     /// The tests that make dead processes' regions: the reclaiming one
-    /// would take the others' too.
+    /// would take the others' too. (This serializes them under `cargo
+    /// test`; under nextest, where each test is a process of its own and a
+    /// test service's clean-up reclaims such regions too, they run alone:
+    /// `.config/nextest.toml`.)
     static DEAD_REGIONS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     /// Serializes with the other tests of dead regions; returns the process
