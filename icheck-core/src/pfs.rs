@@ -833,17 +833,27 @@ mod tests {
         }
     }
 
-    fn scratch(name: &str) -> PfsStore {
+    /// A PFS directory of the test's own under `TMPDIR`, removed when the
+    /// guard drops: after the test, and also when an assertion fails.
+    fn scratch(name: &str) -> (PfsStore, RemovedOnDrop) {
         let root = std::env::temp_dir().join(format!("icheck-pfs-{name}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&root);
-        PfsStore::new(root)
+        (PfsStore::new(root.clone()), RemovedOnDrop(root))
+    }
+
+    struct RemovedOnDrop(std::path::PathBuf);
+
+    impl Drop for RemovedOnDrop {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
     }
 
     /// Each damaged manifest, put in a complete version's MANIFEST as rank
     /// 1's entry, makes reading that version a typed error naming the file.
     #[test]
     fn damaged_manifests_in_a_pfs_version_are_typed_errors() {
-        let pfs = scratch("damaged-manifests");
+        let (pfs, _dir) = scratch("damaged-manifests");
         let data: Vec<u8> = (0..(9u32 << 20) + 7).map(|i| i as u8).collect();
         write_version(&pfs, 3, &[&data, &data], Compression::None);
         let path = pfs.version_dir("app", 3).unwrap().join(MANIFEST);
@@ -864,7 +874,6 @@ mod tests {
             assert!(matches!(&err, PfsError::Damaged { path: p, .. } if p == &path), "{what}: {err}");
             assert!(pfs.latest_record("app").is_err(), "{what}");
         }
-        let _ = fs::remove_dir_all(pfs.root());
     }
 
     fn write_version(pfs: &PfsStore, version: u64, data: &[&[u8]], compression: Compression) -> Vec<WriteStats> {
@@ -881,7 +890,7 @@ mod tests {
 
     #[test]
     fn round_trip_raw_and_compressed_and_only_the_newest_two_stay() {
-        let pfs = scratch("roundtrip");
+        let (pfs, _dir) = scratch("roundtrip");
         let compressible = vec![7u8; 1 << 20];
         let mut noise = vec![0u8; 1 << 20];
         let mut x = 0x1234_5678_9abc_def0u64;
@@ -914,7 +923,8 @@ mod tests {
     #[test]
     fn encrypted_copies_read_back_only_with_their_key_and_refuse_changed_ciphertext() {
         let key = PfsKey::new([5; 32]);
-        let pfs = scratch("encrypted").with_key(Some(key.clone()));
+        let (pfs, _dir) = scratch("encrypted");
+        let pfs = pfs.with_key(Some(key.clone()));
         let data: Vec<u8> = (0..(3u32 << 20) + 11).map(|i| (i % 251) as u8).collect();
         let (a, _) = pfs.write_rank(&manifest("app", 1, 0, &data), &data, Compression::Zstd { level: 1 }).unwrap();
         let (b, _) = pfs.write_rank_parts(&manifest("app", 1, 1, &data), &[&data[..1000], &data[1000..]]).unwrap();
@@ -953,24 +963,22 @@ mod tests {
         let forged = pfs.manifest("app", 1).unwrap();
         let refused = pfs.read_rank(&forged, 0).unwrap_err().to_string();
         assert!(refused.contains("authentication tag"), "{refused}");
-        let _ = fs::remove_dir_all(pfs.root());
     }
 
     #[test]
     fn a_version_completed_after_a_newer_one_is_dropped() {
-        let pfs = scratch("stale");
+        let (pfs, _dir) = scratch("stale");
         let data = vec![1u8; 1000];
         let (old, _) = pfs.write_rank(&manifest("app", 1, 0, &data), &data, Compression::None).unwrap();
         write_version(&pfs, 2, &[&data], Compression::None);
         pfs.complete("app", 1, 1, "test", vec![old]).unwrap();
         assert_eq!(pfs.versions("app").unwrap(), vec![2]);
         assert!(!pfs.partial_dir("app", 1).unwrap().exists());
-        let _ = fs::remove_dir_all(&pfs.root);
     }
 
     #[test]
     fn parts_written_by_several_writers_complete_one_version() {
-        let pfs = scratch("parts");
+        let (pfs, _dir) = scratch("parts");
         let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
         for rank in 0..3 {
             let (a, b) = data.split_at(data.len() / 2);
@@ -982,12 +990,11 @@ mod tests {
         for rank in 0..3 {
             assert_eq!(pfs.read_rank(&manifest, rank).unwrap().1, data);
         }
-        let _ = fs::remove_dir_all(&pfs.root);
     }
 
     #[test]
     fn partial_versions_are_invisible_and_damage_names_the_file() {
-        let pfs = scratch("damage");
+        let (pfs, _dir) = scratch("damage");
         let data = vec![3u8; 10_000];
         write_version(&pfs, 1, &[&data], Compression::None);
         // A version whose manifest never got written is not a version.
@@ -1006,6 +1013,5 @@ mod tests {
         assert!(err.contains("rank0.data") && err.contains("100 bytes"), "{err}");
         fs::remove_file(pfs.version_dir("app", 1).unwrap().join(MANIFEST)).unwrap();
         assert_eq!(pfs.latest("app").unwrap(), None, "a version without its manifest is not complete");
-        let _ = fs::remove_dir_all(&pfs.root);
     }
 }
