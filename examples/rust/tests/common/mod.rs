@@ -237,6 +237,21 @@ pub fn descriptors_and_threads(pid: u32) -> (usize, usize) {
     (count("fd"), count("task"))
 }
 
+/// What each open descriptor of a process points at (`/proc/PID/fd`
+/// links: files, `socket:[inode]`, `anon_inode:[eventfd]`, ...), counted by
+/// target, for failure messages about descriptors left open.
+pub fn descriptor_targets(pid: u32) -> std::collections::BTreeMap<String, usize> {
+    let mut targets = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(Path::new("/proc").join(pid.to_string()).join("fd")).into_iter().flatten().flatten()
+    {
+        let target = std::fs::read_link(entry.path()).map_or_else(|e| format!("({e})"), |t| t.display().to_string());
+        // Sockets differ by inode only: count them as one kind.
+        let kind = if target.starts_with("socket:") { "socket".to_string() } else { target };
+        *targets.entry(kind).or_insert(0) += 1;
+    }
+    targets
+}
+
 /// Resident memory of a process in bytes, from /proc.
 pub fn resident_bytes(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
