@@ -401,6 +401,11 @@ fn a_restart_right_after_its_manager_died_waits_for_the_relaunch() {
     let manager = service.pid_of(&format!("manager-{home}"));
     kill(Pid::from_raw(manager as i32), Signal::SIGKILL).unwrap();
     assert!(poll_until(Duration::from_secs(10), || !process_running(manager)));
+    // Its connection closed with it: the controller marks the node down
+    // and starts it again. (Before that it is merely silent, and a
+    // restart is refused.)
+    let down = || service.status().nodes.iter().any(|n| n.node == home && (!n.alive || n.pid != manager));
+    assert!(poll_until(Duration::from_secs(10), down), "{}", service.log("controller.log"));
     // At once: the controller has not started it again yet.
     let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
     assert_eq!(restored(&lines), Some(3), "{lines:?}\n{}", service.log("controller.log"));

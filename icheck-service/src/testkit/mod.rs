@@ -290,9 +290,18 @@ impl Drop for ChildGuard {
     }
 }
 
-/// Whether `pid` is a running process (not gone, not a zombie).
+/// Whether `pid` is a running process: one of its threads is neither gone
+/// nor a zombie. (A killed process's main thread can turn zombie while
+/// its other threads are still exiting, its sockets still open: a
+/// manager so took 5 s to close its controller connection on a busy host,
+/// and a test that took the zombie main thread for the end raced the
+/// controller's noticing.)
 pub fn process_running(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z "))
+    let Ok(threads) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    threads.flatten().any(|thread| {
+        std::fs::read_to_string(thread.path().join("stat"))
+            .is_ok_and(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')))
+    })
 }
 
 /// Whether every thread of `pid` is stopped (SIGSTOP takes effect thread
