@@ -297,21 +297,27 @@ impl Drop for ChildGuard {
 /// and a test that took the zombie main thread for the end raced the
 /// controller's noticing.)
 pub fn process_running(pid: u32) -> bool {
-    let Ok(threads) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
-    threads.flatten().any(|thread| {
-        std::fs::read_to_string(thread.path().join("stat"))
-            .is_ok_and(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')))
-    })
+    thread_states(pid).is_some_and(|states| states.iter().any(|state| state.is_some_and(|s| s != 'Z')))
 }
 
 /// Whether every thread of `pid` is stopped (SIGSTOP takes effect thread
 /// by thread; a test that needs the whole process paused waits for this).
 pub fn process_stopped(pid: u32) -> bool {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
-    tasks.flatten().all(|task| {
-        std::fs::read_to_string(task.path().join("stat"))
-            .is_ok_and(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('T')))
-    })
+    thread_states(pid).is_some_and(|states| states.iter().all(|state| *state == Some('T')))
+}
+
+/// The state letter (`R`, `S`, `T`, `Z`, ...) of each thread of `pid`, from
+/// `/proc/PID/task/*/stat` (`None` for a thread whose stat could not be
+/// read); `None` when the process is gone.
+fn thread_states(pid: u32) -> Option<Vec<Option<char>>> {
+    let threads = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let state = |stat: String| stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next());
+    Some(
+        threads
+            .flatten()
+            .map(|thread| std::fs::read_to_string(thread.path().join("stat")).ok().and_then(state))
+            .collect(),
+    )
 }
 
 /// An `mpirun` command for `np` ranks as the tests and benchmarks run
