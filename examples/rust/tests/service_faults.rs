@@ -7,7 +7,7 @@ mod common;
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::{connect_and_reset, descriptor_targets, descriptors_and_threads, Job};
+use common::{connect_and_reset, descriptor_targets, descriptors_and_threads, wait_for_lanes, Job, AGENT_DEBUG_LOG};
 use icheck_service::testkit::{icheck_in_target, poll_until, process_running, LocalService};
 
 fn service(name: &str, managers: u32) -> LocalService {
@@ -26,25 +26,22 @@ fn commit_three_persisted_versions(service: &LocalService, app: &str, mib: &str)
 /// connection forever and a thread per idle socket for 600 s.
 #[test]
 fn agent_port_floods_leave_no_descriptors_or_threads_behind() {
-    // The agent's debug lines say when its lanes are open (below).
-    let env = [("ICHECK_LOG", "info,icheck_service::agent=debug")];
-    let service = LocalService::up_with_env(&icheck_in_target(), "faults-flood", 1, &["--provider", "tcp"], None, &env);
+    let service = LocalService::up_with_env(
+        &icheck_in_target(),
+        "faults-flood",
+        1,
+        &["--provider", "tcp"],
+        None,
+        &AGENT_DEBUG_LOG,
+    );
     let config = service.config_path();
     commit_three_persisted_versions(&service, "flood", "2");
     let agent = service.status().apps[0].agents[0].control.clone();
     let manager = service.pid_of("manager-local-1");
-    // Once the job's sessions end, the agent opens a lane (an endpoint of
-    // its own) per rank ahead of a restart, at low priority. On a busy
-    // host that came after the count below: 7 sockets and an epoll
-    // descriptor more, read as left behind by the flood (4 of 4 runs
+    // Counted before the agent's lanes were open, their 7 sockets and an
+    // epoll descriptor read as left behind by the flood (4 of 4 runs
     // beside three busy loops, once in a suite run).
-    let lanes_open = poll_until(Duration::from_secs(60), || {
-        service
-            .log("manager-local-1.log")
-            .lines()
-            .any(|l| l.contains("lane opened ahead of a restart") && l.contains("lanes=2"))
-    });
-    assert!(lanes_open, "the agent did not open its two lanes\n{}", service.log("manager-local-1.log"));
+    wait_for_lanes(&service, "local-1", "flood", 2);
     let (fds_before, threads_before) = descriptors_and_threads(manager);
     let targets_before = descriptor_targets(manager);
 

@@ -391,6 +391,7 @@ impl Shared {
             // Opening an endpoint costs tens of milliseconds of CPU, taken
             // from idle time rather than from the job's next commit.
             crate::manager::lower_thread_priority();
+            let _agent = tracing::info_span!("agent", id = shared.id, app = %shared.app).entered();
             let wanted = || if shared.stop.load(Ordering::Acquire) { 0 } else { shared.lanes_wanted_ahead() };
             loop {
                 while wanted() > 0 {

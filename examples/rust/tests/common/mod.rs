@@ -259,6 +259,28 @@ pub fn resident_bytes(pid: u32) -> u64 {
     kib.and_then(|k| k.parse::<u64>().ok()).unwrap_or(0) * 1024
 }
 
+/// The environment that turns on the agents' debug lines, among them the
+/// one [`wait_for_lanes`] waits for.
+pub const AGENT_DEBUG_LOG: [(&str, &str); 1] = [("ICHECK_LOG", "info,icheck_service::agent=debug")];
+
+/// Waits until the agent of `app` on `manager` (started with
+/// [`AGENT_DEBUG_LOG`]) has opened `lanes` lanes ahead of a restart. It
+/// opens them at low priority once a rank completes a version: each is an
+/// endpoint of its own, with its sockets and, over tcp, about 75 MiB of
+/// libfabric's buffers, so a count of the manager's descriptors or memory
+/// taken before they are open reads them as a leak of what follows.
+pub fn wait_for_lanes(service: &LocalService, manager: &str, app: &str, lanes: usize) {
+    let log = format!("manager-{manager}.log");
+    let (span, count) = (format!("app={app}}}"), format!("lanes={lanes} "));
+    let open = poll_until(Duration::from_secs(60), || {
+        service
+            .log(&log)
+            .lines()
+            .any(|l| l.contains("lane opened ahead of a restart") && l.contains(&span) && l.contains(&count))
+    });
+    assert!(open, "the agent of {app} did not open {lanes} lanes\n{}", service.log(&log));
+}
+
 /// Connects and closes at once with a reset, as a port scanner does (and
 /// leaving no TIME_WAIT behind on this side, so 20,000 of them do not use up
 /// the loopback's ephemeral ports).
