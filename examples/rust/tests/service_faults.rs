@@ -7,7 +7,10 @@ mod common;
 use std::net::TcpStream;
 use std::time::Duration;
 
-use common::{connect_and_reset, descriptor_targets, descriptors_and_threads, wait_for_lanes, Job, AGENT_DEBUG_LOG};
+use common::{
+    anonymous_resident_bytes, connect_and_reset, descriptor_targets, descriptors_and_threads, wait_for_lanes, Job,
+    AGENT_DEBUG_LOG,
+};
 use icheck_service::testkit::{icheck_in_target, poll_until, process_running, LocalService};
 
 fn service(name: &str, managers: u32) -> LocalService {
@@ -81,6 +84,33 @@ fn agent_port_floods_leave_no_descriptors_or_threads_behind() {
     let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
     assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
+}
+
+/// An agent over tcp keeps an endpoint and a lane per rank open between
+/// jobs. With libfabric's defaults each endpoint held 64 MiB of ofi_rxm
+/// receive buffers for messages icheck never sends: a manager held 224 MiB
+/// of anonymous memory for one application of two ranks of 2 MiB. The
+/// daemons now post 128 buffers per endpoint (`DAEMON_PROVIDER_DEFAULTS`):
+/// about 75 MiB.
+#[test]
+fn an_agents_endpoints_over_tcp_hold_little_memory_beside_its_versions() {
+    let service = LocalService::up_with_env(
+        &icheck_in_target(),
+        "faults-rxbuf",
+        1,
+        &["--provider", "tcp"],
+        None,
+        &AGENT_DEBUG_LOG,
+    );
+    commit_three_persisted_versions(&service, "small", "2");
+    wait_for_lanes(&service, "local-1", "small", 2);
+    let manager = service.pid_of("manager-local-1");
+    let anonymous = anonymous_resident_bytes(manager);
+    assert!(
+        anonymous < 128 << 20,
+        "the manager holds {} MiB of anonymous memory for one application of 2 x 2 MiB",
+        anonymous >> 20
+    );
 }
 
 /// A small deterministic generator (xorshift64*), so the kill points are

@@ -12,27 +12,48 @@ use super::Endpoint;
 /// completion queue, in microseconds.
 pub const RXM_CM_PROGRESS_ENV: &str = "FI_OFI_RXM_CM_PROGRESS_INTERVAL";
 
-/// What icheck's daemons use for [`RXM_CM_PROGRESS_ENV`] unless the
-/// environment sets it: 1 ms instead of libfabric's 10 ms.
-const RXM_CM_PROGRESS_US: &str = "1000";
+/// libfabric's parameter for how many receive buffers ofi_rxm posts per
+/// endpoint (shared by its connections; 4096 by default in libfabric 1.17).
+pub const RXM_MSG_RX_SIZE_ENV: &str = "FI_OFI_RXM_MSG_RX_SIZE";
 
-/// Makes ofi_rxm accept connections faster in this process, unless the
-/// environment already chose.
+/// The libfabric parameters icheck's daemons set unless the environment
+/// already chose, and why.
 ///
-/// An endpoint that is the *target* of a new peer's first RMA (an agent
-/// serving a restarting rank) looks at connection requests only every
-/// 10 ms by default, and the handshake needs several such looks: the first
-/// read of every restart paid about 30 ms before any data moved. Checking
-/// every millisecond costs one non-blocking event-queue read per
-/// millisecond of polling.
+/// * [`RXM_CM_PROGRESS_ENV`] = 1 ms instead of 10 ms. An endpoint that is
+///   the *target* of a new peer's first RMA (an agent serving a restarting
+///   rank) looks at connection requests only every 10 ms by default, and
+///   the handshake needs several such looks: the first read of every
+///   restart paid about 30 ms before any data moved. Checking every
+///   millisecond costs one non-blocking event-queue read per millisecond
+///   of polling.
+/// * [`RXM_MSG_RX_SIZE_ENV`] = 128 instead of 4096. Each buffer is 16 KiB
+///   (`FI_OFI_RXM_BUFFER_SIZE`), so every endpoint held 64 MiB for messages
+///   icheck never sends: it moves data with RMA only, which ofi_rxm hands
+///   to the tcp connection without a receive buffer. An agent has an
+///   endpoint plus a lane per rank, so a manager held about 230 MiB per
+///   application of two ranks over tcp (75 MiB with 128). The buffer size
+///   itself is not touched: ofi_rxm's peers must agree on it.
+pub const DAEMON_PROVIDER_DEFAULTS: [(&str, &str); 2] = [(RXM_CM_PROGRESS_ENV, "1000"), (RXM_MSG_RX_SIZE_ENV, "128")];
+
+/// The entries of [`DAEMON_PROVIDER_DEFAULTS`] that `current` (a lookup in
+/// the environment) has not set: what [`set_daemon_provider_defaults`] sets.
+pub fn daemon_defaults_unset(
+    current: impl Fn(&str) -> Option<std::ffi::OsString>,
+) -> Vec<(&'static str, &'static str)> {
+    DAEMON_PROVIDER_DEFAULTS.into_iter().filter(|(name, _)| current(name).is_none()).collect()
+}
+
+/// Sets [`DAEMON_PROVIDER_DEFAULTS`] in this process's environment, each
+/// unless the environment already chose.
 ///
 /// Call it first thing in `main`, while the process has one thread:
-/// libfabric reads the parameter when its providers initialise, and
+/// libfabric reads the parameters when its providers initialise, and
 /// changing the environment is only sound before other threads run, which
-/// is also why the client library does not do it inside applications.
-pub fn tune_connection_setup() {
-    if std::env::var_os(RXM_CM_PROGRESS_ENV).is_none() {
-        std::env::set_var(RXM_CM_PROGRESS_ENV, RXM_CM_PROGRESS_US);
+/// is also why the client library does not do it inside applications
+/// (README, "Memory the fabric takes", says what they can set).
+pub fn set_daemon_provider_defaults() {
+    for (name, value) in daemon_defaults_unset(|name| std::env::var_os(name)) {
+        std::env::set_var(name, value);
     }
 }
 
@@ -211,5 +232,18 @@ pub fn lower_thread_priority() {
     let failed = unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19) } != 0;
     if failed {
         tracing::debug!(err = %std::io::Error::last_os_error(), "cannot lower a background thread's priority");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_parameter_the_environment_chose_is_left_alone() {
+        let all = daemon_defaults_unset(|_| None);
+        assert_eq!(all, DAEMON_PROVIDER_DEFAULTS.to_vec());
+        let chosen = |name: &str| (name == RXM_MSG_RX_SIZE_ENV).then(|| "4096".into());
+        assert_eq!(daemon_defaults_unset(chosen), vec![(RXM_CM_PROGRESS_ENV, "1000")]);
     }
 }

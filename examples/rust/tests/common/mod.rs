@@ -254,8 +254,19 @@ pub fn descriptor_targets(pid: u32) -> std::collections::BTreeMap<String, usize>
 
 /// Resident memory of a process in bytes, from /proc.
 pub fn resident_bytes(pid: u32) -> u64 {
+    status_bytes(pid, "VmRSS:")
+}
+
+/// The resident memory of `pid` that no file backs (heap, stacks, libfabric's
+/// buffers; an agent's versions are files and not counted), in bytes.
+pub fn anonymous_resident_bytes(pid: u32) -> u64 {
+    status_bytes(pid, "RssAnon:")
+}
+
+/// The kB figure after `field` in `/proc/PID/status`, in bytes (0 if absent).
+fn status_bytes(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next());
+    let kib = status.lines().find_map(|l| l.strip_prefix(field)).and_then(|v| v.split_whitespace().next());
     kib.and_then(|k| k.parse::<u64>().ok()).unwrap_or(0) * 1024
 }
 

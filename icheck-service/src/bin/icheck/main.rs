@@ -541,7 +541,7 @@ fn main() {
             .collect();
     let _ = stop_signals.thread_unblock();
     // Still single-threaded, and before libfabric reads its parameters.
-    icheck_core::fabric::tune_connection_setup();
+    icheck_core::fabric::set_daemon_provider_defaults();
     let cli = Cli::parse();
     init_logging(matches!(cli.command, Command_::Controller { .. } | Command_::Manager { .. }));
     if disarmed {
