@@ -24,8 +24,9 @@ pub use crate::format::{DataKind, LabelLayout, Manifest, VersionRecord};
 /// Version of this protocol; peers with another version are refused.
 /// (6: `Probe` says whether it comes from `init`; 7: `Protect` and
 /// `Protected` carry the protection's attempt; 8: `TakeOver`, `Rebuild`
-/// and `TookOver` carry the controller's request number.)
-pub const PROTOCOL_VERSION: u32 = 8;
+/// and `TookOver` carry the controller's request number; 9: `NodeStatus`
+/// carries the manager's own memory.)
+pub const PROTOCOL_VERSION: u32 = 9;
 /// First bytes of every Hello.
 pub const MAGIC: [u8; 4] = *b"ICHK";
 /// Largest frame accepted, in bytes.
@@ -469,6 +470,12 @@ pub struct NodeStatus {
     /// manager that predates it.
     #[serde(default)]
     pub store_pages: String,
+    /// The manager process's resident memory that no file backs, in bytes:
+    /// its heap, with the fabric endpoints' buffers (over tcp, about 2 MiB
+    /// per endpoint: one per agent and one per rank it serves). The
+    /// versions are files, counted in `bytes_held`.
+    #[serde(default)]
+    pub manager_anonymous_bytes: u64,
 }
 
 /// Messages a manager sends to the controller.

@@ -24,12 +24,35 @@ pub use icheck_core::control::ServiceError;
 /// Reads MemAvailable and MemTotal from /proc/meminfo, in bytes.
 pub fn read_meminfo() -> (u64, u64) {
     let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let field = |name: &str| {
-        text.lines()
-            .find(|line| line.starts_with(name))
-            .and_then(|line| line.split_whitespace().nth(1))
-            .and_then(|kb| kb.parse::<u64>().ok())
-            .map_or(0, |kb| kb * 1024)
-    };
-    (field("MemAvailable:"), field("MemTotal:"))
+    (kib_field(&text, "MemAvailable:"), kib_field(&text, "MemTotal:"))
+}
+
+/// This process's resident memory that no file backs (`RssAnon` in
+/// /proc/self/status), in bytes: its heap and stacks, libfabric's buffers
+/// among them. A manager's agents keep versions in files, so this is the
+/// manager's own cost beside them. 0 where the kernel does not say.
+pub fn read_own_anonymous_memory() -> u64 {
+    kib_field(&std::fs::read_to_string("/proc/self/status").unwrap_or_default(), "RssAnon:")
+}
+
+/// The figure after `name` on its line of a /proc file in kB, in bytes
+/// (0 if absent).
+fn kib_field(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kb| kb.parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn proc_fields_are_read_in_bytes_and_a_missing_one_is_zero() {
+        let text = "MemTotal:       24576000 kB\nRssAnon:\t    1928 kB\nThreads:\t7\n";
+        assert_eq!(super::kib_field(text, "MemTotal:"), 24_576_000 * 1024);
+        assert_eq!(super::kib_field(text, "RssAnon:"), 1928 * 1024);
+        assert_eq!(super::kib_field(text, "MemAvailable:"), 0);
+        assert!(super::read_own_anonymous_memory() > 0, "this test process has a heap");
+    }
 }

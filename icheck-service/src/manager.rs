@@ -130,6 +130,7 @@ impl Monitor {
             files_handed_over: settings.handoff.as_ref().map_or(0, |h| h.files_taken()),
             provider: settings.provider.clone(),
             store_pages: settings.store_pages.clone(),
+            manager_anonymous_bytes: crate::read_own_anonymous_memory(),
         }
     }
 }

@@ -94,6 +94,12 @@ pub fn render(report: &StatusReport) -> String {
             samples: vec![],
         },
         Family {
+            name: "icheck_node_manager_anonymous_bytes",
+            help: "The manager process's own resident memory that no file backs (heap, fabric buffers), beside the checkpoint bytes",
+            kind: "gauge",
+            samples: vec![],
+        },
+        Family {
             name: "icheck_node_warm_pool_bytes",
             help: "Backed files in the node's warm pool (WarmPool), ready for new version files",
             kind: "gauge",
@@ -325,6 +331,7 @@ pub fn render(report: &StatusReport) -> String {
         put("icheck_node_agents", l.clone(), Some(f64::from(s.agents)));
         put("icheck_node_agent_fill_rate", l.clone(), n.trend.agent_fill_rate);
         put("icheck_node_checkpoint_bytes_held", l.clone(), Some(s.bytes_held as f64));
+        put("icheck_node_manager_anonymous_bytes", l.clone(), Some(s.manager_anonymous_bytes as f64));
         put("icheck_node_warm_pool_bytes", l.clone(), Some(s.warm_bytes as f64));
         put("icheck_node_files_handed_over_total", l.clone(), Some(s.files_handed_over as f64));
         put("icheck_node_checkpoint_received_bytes_total", l.clone(), Some(s.checkpoint_bytes as f64));

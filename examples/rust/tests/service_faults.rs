@@ -11,7 +11,7 @@ use common::{
     anonymous_resident_bytes, connect_and_reset, descriptor_targets, descriptors_and_threads, wait_for_lanes, Job,
     AGENT_DEBUG_LOG,
 };
-use icheck_service::testkit::{icheck_in_target, poll_until, process_running, LocalService};
+use icheck_service::testkit::{icheck_in_target, metric_sample, poll_until, process_running, LocalService};
 
 fn service(name: &str, managers: u32) -> LocalService {
     LocalService::up(&icheck_in_target(), name, managers, &["--provider", "tcp"])
@@ -111,6 +111,21 @@ fn an_agents_endpoints_over_tcp_hold_little_memory_beside_its_versions() {
         "the manager holds {} MiB of anonymous memory for one application of 2 x 2 MiB",
         anonymous >> 20
     );
+    // The manager reports the figure, for administrators to see beside the
+    // checkpoint bytes: in status, /metrics and `icheck status`.
+    let near = |reported: u64| reported > 0 && reported.abs_diff(anonymous_resident_bytes(manager)) < 16 << 20;
+    let reported = || service.status().nodes[0].status.manager_anonymous_bytes;
+    let seen = poll_until(Duration::from_secs(10), || near(reported()));
+    assert!(seen, "status reports {} bytes, /proc {}", reported(), anonymous_resident_bytes(manager));
+    let metric = "icheck_node_manager_anonymous_bytes{node=\"local-1\"}";
+    let exported = poll_until(Duration::from_secs(10), || {
+        metric_sample(&service.metrics(), metric).is_some_and(|v| near(v as u64))
+    });
+    assert!(exported, "{}", service.metrics());
+    let out =
+        std::process::Command::new(&service.icheck).args(["status", "--state-dir"]).arg(&service.dir).output().unwrap();
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert!(printed.contains("local-1: the manager's own memory"), "{printed}");
 }
 
 /// A small deterministic generator (xorshift64*), so the kill points are

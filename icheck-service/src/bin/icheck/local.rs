@@ -688,6 +688,13 @@ pub fn print_status(report: &StatusReport) {
         if !s.store_pages.is_empty() {
             details.push(format!("  {}: store backs new version files with {}", n.node, s.store_pages));
         }
+        if s.manager_anonymous_bytes > 0 {
+            details.push(format!(
+                "  {}: the manager's own memory {} (heap and fabric buffers, beside the versions)",
+                n.node,
+                human_bytes(s.manager_anonymous_bytes)
+            ));
+        }
         if s.warm_bytes > 0 {
             details.push(format!("  {}: warm pool {} ready for new version files", n.node, human_bytes(s.warm_bytes)));
         }
