@@ -35,9 +35,10 @@ pub fn read_own_anonymous_memory() -> u64 {
     kib_field(&std::fs::read_to_string("/proc/self/status").unwrap_or_default(), "RssAnon:")
 }
 
-/// The figure after `name` on its line of a /proc file in kB, in bytes
-/// (0 if absent).
-fn kib_field(text: &str, name: &str) -> u64 {
+/// The figure after `name` (`"MemTotal:"`, `"RssAnon:"`, ...) on its line of
+/// a /proc file's `text` (`/proc/meminfo`, `/proc/PID/status`), given there
+/// in kB, in bytes (0 if absent).
+pub fn kib_field(text: &str, name: &str) -> u64 {
     text.lines()
         .find_map(|line| line.strip_prefix(name))
         .and_then(|rest| rest.split_whitespace().next())

@@ -64,8 +64,8 @@ pub use mr::{
     Access, AlignedBuffer, LocalSource, LocalTarget, MemoryRegion, RegisteredBuffer, RemoteRegion, StableBuffer,
 };
 pub use progress::{
-    daemon_defaults_unset, lower_thread_priority, set_daemon_provider_defaults, ProgressMode, ProgressThread,
-    DAEMON_PROVIDER_DEFAULTS, RXM_CM_PROGRESS_ENV, RXM_MSG_RX_SIZE_ENV,
+    lower_thread_priority, set_daemon_provider_defaults, ProgressMode, ProgressThread, DAEMON_PROVIDER_DEFAULTS,
+    RXM_CM_PROGRESS_ENV, RXM_MSG_RX_SIZE_ENV,
 };
 pub use watchdog::{wedge_next_call, WedgeWatch, WedgedCall};
 

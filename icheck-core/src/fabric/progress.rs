@@ -37,9 +37,7 @@ pub const DAEMON_PROVIDER_DEFAULTS: [(&str, &str); 2] = [(RXM_CM_PROGRESS_ENV, "
 
 /// The entries of [`DAEMON_PROVIDER_DEFAULTS`] that `current` (a lookup in
 /// the environment) has not set: what [`set_daemon_provider_defaults`] sets.
-pub fn daemon_defaults_unset(
-    current: impl Fn(&str) -> Option<std::ffi::OsString>,
-) -> Vec<(&'static str, &'static str)> {
+fn daemon_defaults_unset(current: impl Fn(&str) -> Option<std::ffi::OsString>) -> Vec<(&'static str, &'static str)> {
     DAEMON_PROVIDER_DEFAULTS.into_iter().filter(|(name, _)| current(name).is_none()).collect()
 }
 

@@ -265,9 +265,7 @@ pub fn anonymous_resident_bytes(pid: u32) -> u64 {
 
 /// The kB figure after `field` in `/proc/PID/status`, in bytes (0 if absent).
 fn status_bytes(pid: u32, field: &str) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib = status.lines().find_map(|l| l.strip_prefix(field)).and_then(|v| v.split_whitespace().next());
-    kib.and_then(|k| k.parse::<u64>().ok()).unwrap_or(0) * 1024
+    icheck_service::kib_field(&std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap(), field)
 }
 
 /// The environment that turns on the agents' debug lines, among them the
