@@ -2,7 +2,7 @@
 //!
 //! * [`fabric`] is the only safe door to libfabric: domains, endpoints,
 //!   memory regions and batched RMA. Every checkpoint byte moves through it.
-//! * [`format`] is the stored format (manifests, checksums, names), a leaf.
+//! * [`format`](mod@format) is the stored format (manifests, checksums, names), a leaf.
 //! * [`verified`] reads a rank's bytes over the fabric, checking each chunk
 //!   as it arrives.
 //! * [`protocol`] is the control plane's messages and framing; [`control`]

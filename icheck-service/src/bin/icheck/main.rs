@@ -332,7 +332,7 @@ enum Command_ {
     /// powershell) to standard output.
     ///
     /// Example: icheck completions bash > /etc/bash_completion.d/icheck
-    ///          icheck completions zsh > "${fpath[1]}/_icheck"
+    ///          icheck completions zsh > ~/.zfunc/_icheck  (with ~/.zfunc in fpath)
     /// (`make install` installs the bash, zsh and fish scripts.)
     Completions {
         /// The shell to complete in.
