@@ -269,6 +269,21 @@ fn job_killed_beside_a_stopped_manager(
     app: &str,
     up_args: &[&str],
 ) -> (LocalService, std::path::PathBuf, String, Stopped) {
+    let (service, config, node, stopped, ()) =
+        job_killed_beside_a_stopped_manager_after(service_name, kill_after, app, up_args, |_, _| ());
+    (service, config, node, stopped)
+}
+
+/// [`job_killed_beside_a_stopped_manager`], calling `before_stop` with the
+/// service and the client configuration once the job has committed
+/// version 3, before its node's manager is stopped; returns what it returned.
+fn job_killed_beside_a_stopped_manager_after<T>(
+    service_name: &str,
+    kill_after: &str,
+    app: &str,
+    up_args: &[&str],
+    before_stop: impl FnOnce(&LocalService, &std::path::Path) -> T,
+) -> (LocalService, std::path::PathBuf, String, Stopped, T) {
     let mut args = vec!["--provider", "tcp", "--kill-silent-after", kill_after];
     args.extend_from_slice(up_args);
     let service = LocalService::up(&icheck_in_target(), service_name, 2, &args);
@@ -279,9 +294,10 @@ fn job_killed_beside_a_stopped_manager(
     let report = service.status().apps.into_iter().find(|a| a.registration.name == app).expect("registered");
     assert_eq!(report.latest.as_ref().map(|l| l.version), Some(3), "{report:?}");
     let node = report.agents[0].node.clone();
+    let ahead = before_stop(&service, &config);
     let stopped = Stopped::stop(service.pid_of(&format!("manager-{node}")));
     job.kill();
-    (service, config, node, stopped)
+    (service, config, node, stopped, ahead)
 }
 
 /// The restart that ended with `ok` and `output` was refused, naming
@@ -349,11 +365,26 @@ fn a_restart_while_the_newest_versions_node_is_silent_names_it_and_loses_nothing
 fn a_restart_registered_before_its_silent_node_is_marked_down_names_it() {
     // Heartbeats 4 s apart: the node is marked down 12-16 s after it
     // stops, long after the restart registers and after `init`'s
-    // connection to the stopped agent gives up (5 s).
-    let (service, config, node, stopped) =
-        job_killed_beside_a_stopped_manager("init-silent", "0", "dozing", &["--heartbeat", "4"]);
-    let restart = ["--app", "dozing", "--steps", "8", "--every", "2", "--mib", "4"];
-    let (ok, output) = Job::start(4, &config, &restart, &[]).finish_any(Duration::from_secs(120));
+    // connection to the stopped agent gives up (5 s). The restart's
+    // processes start before the manager stops and wait for `go` before
+    // `init`, so that a slow `mpirun` start (seconds on a loaded node, or
+    // where name lookups time out) does not eat the window.
+    let (service, config, node, stopped, (restart, go)) = job_killed_beside_a_stopped_manager_after(
+        "init-silent",
+        "0",
+        "dozing",
+        &["--heartbeat", "4"],
+        |service, config| {
+            let go = service.dir.join("go");
+            let start_when = go.to_str().expect("a UTF-8 path");
+            let args = ["--app", "dozing", "--steps", "8", "--every", "2", "--mib", "4", "--start-when", start_when];
+            let mut job = Job::start(4, config, &args, &[]);
+            job.wait_line("WAITING", Duration::from_secs(120));
+            (job, go)
+        },
+    );
+    std::fs::write(&go, b"").unwrap();
+    let (ok, output) = restart.finish_any(Duration::from_secs(120));
     let log = service.log("controller.log");
     assert!(
         log.contains("application re-registered; returning its agents"),

@@ -58,6 +58,11 @@ struct Args {
     /// Tell probes how many commits remain (eq. 6.12); off: unknown.
     #[arg(long)]
     hint_remaining: bool,
+    /// Once MPI has started, print WAITING and wait until this file exists
+    /// before `init`: a test starts the job ahead and lets it register at a
+    /// moment of its choosing, however long `mpirun` takes to start.
+    #[arg(long)]
+    start_when: Option<PathBuf>,
 }
 
 /// The labels: different element types and sizes, different per rank.
@@ -172,6 +177,13 @@ fn main() {
     let universe = mpi::initialize().expect("MPI initialises");
     let world = universe.world();
     let rank = world.rank() as u32;
+    if let Some(go) = &args.start_when {
+        say(rank, "WAITING");
+        while rank == 0 && !go.exists() {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        world.barrier();
+    }
     let comm = MpiComm::new(&world);
     let (mut ic, status) = Icheck::init(args.config.as_deref(), &args.app, comm).unwrap_or_else(|e| {
         complain(format!("rank {rank}: icheck init failed: {e}"));
