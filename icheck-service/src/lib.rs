@@ -12,6 +12,7 @@ pub mod framing;
 pub mod launcher;
 pub mod manager;
 pub mod metrics;
+pub mod owners;
 pub mod peercred;
 pub mod selftest;
 pub mod store;

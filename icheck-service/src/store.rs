@@ -366,7 +366,13 @@ pub struct Store {
     /// Mappings of sealed pieces' data files, kept after their writer is
     /// done so that the file's next use as a spare skips mapping it again.
     kept: std::sync::Arc<std::sync::Mutex<Vec<KeptMapping>>>,
+    /// Which session writes each rank's version here, shared by the node's
+    /// agents (see [`crate::owners`]).
+    writers: std::sync::Arc<crate::owners::Owners<VersionKey>>,
 }
+
+/// A rank's version in a store: (application, rank, version).
+pub type VersionKey = (String, u32, u64);
 
 /// A kept mapping of a piece's data file (see [`Store::keep_piece_mapping`]).
 #[derive(Debug)]
@@ -385,7 +391,15 @@ const MAX_KEPT_MAPPINGS: usize = 64;
 impl Store {
     /// A store rooted at `root` (created on first write).
     pub fn new(root: impl Into<PathBuf>) -> Store {
-        Store { root: root.into(), kept: std::sync::Arc::default() }
+        Store { root: root.into(), kept: std::sync::Arc::default(), writers: std::sync::Arc::default() }
+    }
+
+    /// Who writes each rank's version in this store: a session claims its
+    /// version before it makes the file, and seals or discards it only
+    /// while it still owns it (an agent stopped late must not delete the
+    /// file of the agent that replaced it on the same node).
+    pub fn writers(&self) -> &crate::owners::Owners<VersionKey> {
+        &self.writers
     }
 
     /// The root directory.

@@ -212,6 +212,56 @@ fn silent_manager(name: &str, extra: &[&str], env: &[(&str, &str)]) {
     assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
 }
 
+/// A node silent for a few heartbeats in the middle of a commit, on a
+/// service of one node: when it answers again, the controller stops its
+/// agent and places the application's new agent on the same node, in the
+/// same store. The old agent's sessions end late (when they next touch
+/// their ranks' closed connections), and each one writing the version the
+/// ranks then wrote through the new agent deleted the new session's file:
+/// the job's commit failed ("cannot flush .../rank0/v3.data: No such
+/// file", 3 runs of 3 without the fix), and in a run on a loaded host a
+/// version the job had been told was committed was missing. Now only the
+/// newest session of a rank's version discards or seals its file.
+#[test]
+fn an_agent_replaced_on_its_own_node_leaves_the_new_agents_files_alone() {
+    let service = LocalService::up(&icheck_in_target(), "same-node", 1, &["--provider", "tcp", "--heartbeat", "0.5"]);
+    let config = service.config_without_pfs();
+    let args = ["--app", "renewed", "--steps", "100000", "--every", "1", "--mib", "48"];
+    let env = [("ICHECK_REQUEST_TIMEOUT", "3")];
+    let mut job = Job::start(4, &config, &args, &env);
+    job.wait_line("COMMITTED version=2", Duration::from_secs(120));
+    let manager = service.pid_of("manager-local-1");
+    // Not the status's `alive`, which turns false with the first late
+    // heartbeat: the agents are given up when the node is marked down.
+    let marked_down = || service.log("controller.log").contains("marked down");
+    {
+        let _stopped = Stopped::stop(manager);
+        assert!(poll_until(Duration::from_secs(20), marked_down), "{}", service.log("controller.log"));
+    }
+    let replaced = poll_until(Duration::from_secs(30), || {
+        service.log("controller.log").contains("stopping an agent that was replaced while its node was silent")
+    });
+    assert!(replaced, "{}", service.log("controller.log"));
+    let told = committed(&job.lines()).last().copied().unwrap_or(0);
+    job.wait_line(&format!("COMMITTED version={}", told + 3), Duration::from_secs(120));
+    job.kill();
+    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
+    let latest = || {
+        let status = service.status();
+        status.apps.iter().find(|a| a.registration.name == "renewed").and_then(|a| a.latest.as_ref().map(|l| l.version))
+    };
+    assert!(
+        latest().is_some_and(|v| v >= told),
+        "told {told}, the controller has {:?}\n{}",
+        latest(),
+        service.log("manager-local-1.log")
+    );
+    let restart = ["--app", "renewed", "--steps", "0", "--every", "1", "--mib", "48"];
+    let lines = Job::start(4, &config, &restart, &env).finish(Duration::from_secs(120));
+    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
+    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+}
+
 /// A SIGKILLed manager is started again by the controller's local
 /// launcher; its store, which outlived it on tmpfs, is announced and
 /// reconciled, so the application restarts from agent memory. Killed

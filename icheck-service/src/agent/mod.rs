@@ -17,7 +17,6 @@
 
 mod fills;
 mod kept;
-mod piece_owners;
 mod redundancy;
 pub use redundancy::PieceOutcome;
 mod session;
@@ -174,7 +173,7 @@ struct Shared {
     /// The take-overs and rebuilds running here, one per rank's version.
     fills: fills::Fills,
     /// The newest `PutPiece` of each piece being received here.
-    piece_owners: Arc<piece_owners::PieceOwners>,
+    piece_owners: Arc<crate::owners::Owners<(u64, PieceId)>>,
     /// Endpoints this agent's jobs reach other agents through, idle
     /// between jobs (see [`Shared::outgoing_endpoint`]).
     outgoing: Mutex<Vec<Endpoint>>,
@@ -1209,6 +1208,11 @@ struct Session {
     peer: Peer,
     /// The resources of the version `core` is writing.
     writing: Option<Writing>,
+    /// This session's ticket in the store's writers for the version `core`
+    /// is writing (claimed at `Begin`, before its file is made): a newer
+    /// session of the same rank and version on this node supersedes it,
+    /// and then this one neither seals nor discards the file.
+    writer: Option<u64>,
     fetching: Option<Fetching>,
     /// Mappings of versions this session sealed, oldest first; kept so a
     /// pruned version's memory can take the next version without being
@@ -1256,7 +1260,7 @@ struct Receiving {
     /// This receiver's ticket in `owners`: a newer `PutPiece` of the same
     /// piece supersedes it, and then it leaves the file alone.
     ticket: u64,
-    owners: Arc<piece_owners::PieceOwners>,
+    owners: Arc<crate::owners::Owners<(u64, PieceId)>>,
     _progress: ProgressThread,
 }
 
@@ -1265,7 +1269,7 @@ impl Receiving {
     fn discard(&self) {
         let (version, piece) = (self.version, self.piece);
         let discarded =
-            self.owners.finish((version, piece), self.ticket, || self.store.discard_piece(&self.app, version, piece));
+            self.owners.finish(&(version, piece), self.ticket, || self.store.discard_piece(&self.app, version, piece));
         match discarded {
             Some(Err(err)) => tracing::warn!(version, %piece, %err, "cannot discard an unsealed piece"),
             None => tracing::info!(version, %piece, "an unsealed piece was left to the newer PutPiece of it"),
@@ -1290,13 +1294,18 @@ impl Session {
     fn abandon_writing(&mut self) {
         // Unmaps (and deregisters) before the file goes.
         drop(self.writing.take());
+        let writer = self.writer.take();
         let Some(Abandoned { version, in_memory }) = self.core.abandon() else { return };
-        let rank = self.core.rank();
-        if in_memory {
-            match self.store.discard_unsealed(self.core.app(), rank, version) {
-                Ok(true) => tracing::info!(version, rank, "abandoned version discarded"),
-                Ok(false) => {}
-                Err(err) => tracing::warn!(version, rank, %err, "cannot discard an abandoned version"),
+        let (app, rank) = (self.core.app(), self.core.rank());
+        let Some(ticket) = writer else { return };
+        let key = (app.to_string(), rank, version);
+        let discard = || if in_memory { self.store.discard_unsealed(app, rank, version) } else { Ok(false) };
+        match self.store.writers().finish(&key, ticket, discard) {
+            Some(Ok(true)) => tracing::info!(version, rank, "abandoned version discarded"),
+            Some(Ok(false)) => {}
+            Some(Err(err)) => tracing::warn!(version, rank, %err, "cannot discard an abandoned version"),
+            None => {
+                tracing::info!(version, rank, "an abandoned version's file was left to the newer session writing it")
             }
         }
     }
@@ -1437,6 +1446,7 @@ fn handle(
             core,
             peer,
             writing: None,
+            writer: None,
             fetching: None,
             sealed: Vec::new(),
             spare: None,
@@ -1559,6 +1569,11 @@ fn begin_version(
     let store = &shared.settings.store;
     let version = checked.version;
     let (app, rank, total_len) = (session.core.app(), session.core.rank(), checked.total_len);
+    // Claimed before the file is made, so that an older session of this
+    // rank and version (an agent stopped late on this node) no longer
+    // discards or seals it.
+    let (ticket, ()) = store.writers().claim((app.to_string(), rank, version), || ());
+    session.writer = Some(ticket);
     if checked.delta.is_some() {
         return begin_incremental(shared, session, checked, push, begun);
     }
@@ -1692,6 +1707,25 @@ fn begin_incremental(
     Ok(AgentReply::DeltaTarget(start_writing(shared, session, file, checked, push)?))
 }
 
+/// Runs `seal` (which publishes a version's manifest in the store) if the
+/// session holding `writer` (its ticket and version) still owns the
+/// version's file; refuses it if a newer session of the rank writes that
+/// version on this node now (see [`crate::owners`]).
+fn seal_if_owned(
+    store: &Store,
+    (ticket, key): &(u64, crate::store::VersionKey),
+    seal: &dyn Fn() -> Result<(), StoreError>,
+) -> Result<(), String> {
+    match store.writers().finish(key, *ticket, seal) {
+        Some(sealed) => sealed.map_err(|e| e.to_string()),
+        None => Err(format!(
+            "version {} of rank {} is being written by a newer session on this node (this agent was replaced): \
+             its Seal here is refused",
+            key.2, key.1
+        )),
+    }
+}
+
 /// The requests that neither begin nor move a version's bytes.
 fn handle_rest(
     shared: &Arc<Shared>,
@@ -1712,13 +1746,16 @@ fn handle_rest(
             let Sealed { manifest, transfer_secs, delta } = session.core.seal(crcs, Instant::now(), unix_ms())?;
             let destination = destination.ok_or("Seal without Begin")?;
             let (version, total_len) = (manifest.version, manifest.total_len);
+            let writer =
+                (session.writer.take().ok_or("Seal without Begin")?, (manifest.app.clone(), manifest.rank, version));
+            let seal_owned = |seal: &dyn Fn() -> Result<(), StoreError>| seal_if_owned(store, &writer, seal);
             let sealing = Instant::now();
             // What crossed the fabric: an incremental version's changed blocks.
             let written = delta.as_ref().map_or(total_len, |d| d.written_len);
             shared.counters.sealed(written, transfer_secs);
             let spilled = match (destination, delta) {
                 (Destination::Memory(file), Some(delta)) => {
-                    store.seal_delta(&manifest, &delta.map).map_err(|e| e.to_string())?;
+                    seal_owned(&|| store.seal_delta(&manifest, &delta.map))?;
                     // Kept mapped like a whole version's file: once dropped
                     // and unused by newer maps it is the spare, and a whole
                     // version of its length takes it without mapping again.
@@ -1726,7 +1763,7 @@ fn handle_rest(
                     false
                 }
                 (Destination::Memory(file), None) => {
-                    store.seal(&manifest).map_err(|e| e.to_string())?;
+                    seal_owned(&|| store.seal(&manifest))?;
                     // Deregistered at once: sealed memory is no peer's to touch.
                     // Shared with the kept versions: the copies, parity
                     // shards and restarts that read it next map nothing.
@@ -1736,6 +1773,8 @@ fn handle_rest(
                     false
                 }
                 (Destination::Spill { file, .. }, _) => {
+                    // Nothing of it is in the store; the claim ends here.
+                    store.writers().finish(&writer.1, writer.0, || ());
                     // The store keeps nothing of it: a Fetch finds it missing and
                     // reads it from the PFS, where the controller's copy completes it.
                     file.finish(&manifest).map_err(|e| e.to_string())?;
@@ -1972,10 +2011,10 @@ fn handle_rest(
                 None => Err(format!("the {piece} is described as {len} bytes, {} were written", file.len())),
                 Some(len) => verify_piece(&meta, &file.as_slice()[..len], version, piece),
             };
-            // Sealed only by the newest PutPiece of the piece (see `piece_owners`).
+            // Sealed only by the newest PutPiece of the piece (see `crate::owners`).
             let seal = || store.seal_piece(&shared.app, version, piece, &meta).map_err(|e| e.to_string());
             let result = result.and_then(|()| {
-                let sealed = receiving.owners.finish((version, piece), receiving.ticket, seal);
+                let sealed = receiving.owners.finish(&(version, piece), receiving.ticket, seal);
                 sealed.unwrap_or_else(|| {
                     Err(format!("the {piece} of version {version} is being written by a newer PutPiece here"))
                 })
