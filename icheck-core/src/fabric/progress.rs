@@ -31,7 +31,9 @@ pub const RXM_MSG_RX_SIZE_ENV: &str = "FI_OFI_RXM_MSG_RX_SIZE";
 ///   icheck never sends: it moves data with RMA only, which ofi_rxm hands
 ///   to the tcp connection without a receive buffer. An agent has an
 ///   endpoint plus a lane per rank, so a manager held about 230 MiB per
-///   application of two ranks over tcp (75 MiB with 128). The buffer size
+///   application of two ranks over tcp (75 MiB with 128). ofi_rxm's pool
+///   grows 1024 buffers (about 17 MiB, zeroed) at a time, so any count up
+///   to 1024 costs the same; 128 leaves room to spare. The buffer size
 ///   itself is not touched: ofi_rxm's peers must agree on it.
 pub const DAEMON_PROVIDER_DEFAULTS: [(&str, &str); 2] = [(RXM_CM_PROGRESS_ENV, "1000"), (RXM_MSG_RX_SIZE_ENV, "128")];
 

@@ -275,8 +275,8 @@ pub const AGENT_DEBUG_LOG: [(&str, &str); 1] = [("ICHECK_LOG", "info,icheck_serv
 /// Waits until the agent of `app` on `manager` (started with
 /// [`AGENT_DEBUG_LOG`]) has opened `lanes` lanes ahead of a restart. It
 /// opens them at low priority once a rank completes a version: each is an
-/// endpoint of its own, with its sockets and, over tcp, about 75 MiB of
-/// libfabric's buffers, so a count of the manager's descriptors or memory
+/// endpoint of its own, with its sockets and, over tcp, at least 17 MiB
+/// of libfabric's buffers, so a count of the manager's descriptors or memory
 /// taken before they are open reads them as a leak of what follows.
 pub fn wait_for_lanes(service: &LocalService, manager: &str, app: &str, lanes: usize) {
     let log = format!("manager-{manager}.log");
