@@ -219,9 +219,10 @@ fn silent_manager(name: &str, extra: &[&str], env: &[(&str, &str)]) {
 /// their ranks' closed connections), and each one writing the version the
 /// ranks then wrote through the new agent deleted the new session's file:
 /// the job's commit failed ("cannot flush .../rank0/v3.data: No such
-/// file", 3 runs of 3 without the fix), and in a run on a loaded host a
-/// version the job had been told was committed was missing. Now only the
-/// newest session of a rank's version discards or seals its file.
+/// file", 3 runs of 3 without the fix); in a run on a loaded host the
+/// job went on and printed version 3, and the controller held none of its
+/// versions. Now only the newest session of a rank's version discards or
+/// seals its file.
 #[test]
 fn an_agent_replaced_on_its_own_node_leaves_the_new_agents_files_alone() {
     let service = LocalService::up(&icheck_in_target(), "same-node", 1, &["--provider", "tcp", "--heartbeat", "0.5"]);
