@@ -42,7 +42,7 @@ use icheck_core::protocol::{
 };
 use icheck_core::redundancy::PieceId;
 
-use crate::store::{MappedFile, Pruned, SharedMapping, Store, StoreError};
+use crate::store::{MappedFile, Pruned, SharedMapping, Store, StoreError, VersionKey};
 use icheck_core::format::first_bad_chunk;
 use kept::KeptVersions;
 use session::{admit, Abandoned, BeginChecked, Found, Sealed, Serve, SessionCore};
@@ -1208,11 +1208,11 @@ struct Session {
     peer: Peer,
     /// The resources of the version `core` is writing.
     writing: Option<Writing>,
-    /// This session's ticket in the store's writers for the version `core`
-    /// is writing (claimed at `Begin`, before its file is made): a newer
-    /// session of the same rank and version on this node supersedes it,
-    /// and then this one neither seals nor discards the file.
-    writer: Option<u64>,
+    /// This session's ticket in the store's writers, with the version it
+    /// claimed (at `Begin`, before its file is made): a newer session of
+    /// the same rank and version on this node supersedes it, and then this
+    /// one neither seals nor discards the file.
+    writer: Option<(u64, VersionKey)>,
     fetching: Option<Fetching>,
     /// Mappings of versions this session sealed, oldest first; kept so a
     /// pruned version's memory can take the next version without being
@@ -1294,12 +1294,17 @@ impl Session {
     fn abandon_writing(&mut self) {
         // Unmaps (and deregisters) before the file goes.
         drop(self.writing.take());
-        let writer = self.writer.take();
-        let Some(Abandoned { version, in_memory }) = self.core.abandon() else { return };
-        let (app, rank) = (self.core.app(), self.core.rank());
-        let Some(ticket) = writer else { return };
-        let key = (app.to_string(), rank, version);
-        let discard = || if in_memory { self.store.discard_unsealed(app, rank, version) } else { Ok(false) };
+        let abandoned = self.core.abandon();
+        // A claim ends here whether or not a version was under way (a
+        // `Begin` that failed after claiming leaves one).
+        let Some((ticket, key)) = self.writer.take() else { return };
+        let (app, rank, version) = (&key.0, key.1, key.2);
+        let discard = || match abandoned {
+            Some(Abandoned { version: begun, in_memory: true }) if begun == version => {
+                self.store.discard_unsealed(app, rank, version)
+            }
+            _ => Ok(false),
+        };
         match self.store.writers().finish(&key, ticket, discard) {
             Some(Ok(true)) => tracing::info!(version, rank, "abandoned version discarded"),
             Some(Ok(false)) => {}
@@ -1572,8 +1577,9 @@ fn begin_version(
     // Claimed before the file is made, so that an older session of this
     // rank and version (an agent stopped late on this node) no longer
     // discards or seals it.
-    let (ticket, ()) = store.writers().claim((app.to_string(), rank, version), || ());
-    session.writer = Some(ticket);
+    let key = (app.to_string(), rank, version);
+    let (ticket, ()) = store.writers().claim(key.clone(), || ());
+    session.writer = Some((ticket, key));
     if checked.delta.is_some() {
         return begin_incremental(shared, session, checked, push, begun);
     }
@@ -1713,7 +1719,7 @@ fn begin_incremental(
 /// version on this node now (see [`crate::owners`]).
 fn seal_if_owned(
     store: &Store,
-    (ticket, key): &(u64, crate::store::VersionKey),
+    (ticket, key): &(u64, VersionKey),
     seal: &dyn Fn() -> Result<(), StoreError>,
 ) -> Result<(), String> {
     match store.writers().finish(key, *ticket, seal) {
@@ -1746,8 +1752,7 @@ fn handle_rest(
             let Sealed { manifest, transfer_secs, delta } = session.core.seal(crcs, Instant::now(), unix_ms())?;
             let destination = destination.ok_or("Seal without Begin")?;
             let (version, total_len) = (manifest.version, manifest.total_len);
-            let writer =
-                (session.writer.take().ok_or("Seal without Begin")?, (manifest.app.clone(), manifest.rank, version));
+            let writer = session.writer.take().ok_or("Seal without Begin")?;
             let seal_owned = |seal: &dyn Fn() -> Result<(), StoreError>| seal_if_owned(store, &writer, seal);
             let sealing = Instant::now();
             // What crossed the fabric: an incremental version's changed blocks.
