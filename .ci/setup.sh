@@ -26,3 +26,11 @@ command -v cargo >/dev/null 2>&1 || {
   echo "icheck setup: cargo not found; install a Rust toolchain (https://rustup.rs) and re-run" >&2
   exit 1
 }
+
+# A host whose own name does not resolve (a container or chroot without an
+# /etc/hosts entry) makes every MPI_Init wait on DNS: 5-10 s per process in a
+# fresh Debian root, enough to break the tests' timing. Said, not changed:
+# /etc/hosts is the machine's.
+if ! getent hosts "$(hostname)" >/dev/null 2>&1; then
+  echo "icheck setup: warning: this host's name '$(hostname)' does not resolve; every MPI_Init will wait on name lookups. Add a line '127.0.1.1 $(hostname)' to /etc/hosts." >&2
+fi
