@@ -471,9 +471,10 @@ pub struct NodeStatus {
     #[serde(default)]
     pub store_pages: String,
     /// The manager process's resident memory that no file backs, in bytes:
-    /// its heap, with the fabric endpoints' buffers (over tcp, about 2 MiB
-    /// per endpoint: one per agent and one per rank it serves). The
-    /// versions are files, counted in `bytes_held`.
+    /// its heap, with the fabric endpoints' buffers (over tcp, at least
+    /// 17 MiB per endpoint: one per agent, up to three lanes beside it,
+    /// and its jobs' outgoing ones). The versions are files, counted in
+    /// `bytes_held`.
     #[serde(default)]
     pub manager_anonymous_bytes: u64,
 }

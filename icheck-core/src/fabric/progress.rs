@@ -30,8 +30,8 @@ pub const RXM_MSG_RX_SIZE_ENV: &str = "FI_OFI_RXM_MSG_RX_SIZE";
 ///   (`FI_OFI_RXM_BUFFER_SIZE`), so every endpoint held 64 MiB for messages
 ///   icheck never sends: it moves data with RMA only, which ofi_rxm hands
 ///   to the tcp connection without a receive buffer. An agent has an
-///   endpoint plus a lane per rank, so a manager held about 230 MiB per
-///   application of two ranks over tcp (75 MiB with 128). ofi_rxm's pool
+///   endpoint plus a lane per rank (up to three), so a manager held about
+///   230 MiB per application of two ranks over tcp (75 MiB with 128). ofi_rxm's pool
 ///   grows 1024 buffers (about 17 MiB, zeroed) at a time, so any count up
 ///   to 1024 costs the same; 128 leaves room to spare. The buffer size
 ///   itself is not touched: ofi_rxm's peers must agree on it.

@@ -1720,7 +1720,7 @@ fn begin_incremental(
 fn seal_if_owned(
     store: &Store,
     (ticket, key): &(u64, VersionKey),
-    seal: &dyn Fn() -> Result<(), StoreError>,
+    seal: impl FnOnce() -> Result<(), StoreError>,
 ) -> Result<(), String> {
     match store.writers().finish(key, *ticket, seal) {
         Some(sealed) => sealed.map_err(|e| e.to_string()),
@@ -1753,14 +1753,13 @@ fn handle_rest(
             let destination = destination.ok_or("Seal without Begin")?;
             let (version, total_len) = (manifest.version, manifest.total_len);
             let writer = session.writer.take().ok_or("Seal without Begin")?;
-            let seal_owned = |seal: &dyn Fn() -> Result<(), StoreError>| seal_if_owned(store, &writer, seal);
             let sealing = Instant::now();
             // What crossed the fabric: an incremental version's changed blocks.
             let written = delta.as_ref().map_or(total_len, |d| d.written_len);
             shared.counters.sealed(written, transfer_secs);
             let spilled = match (destination, delta) {
                 (Destination::Memory(file), Some(delta)) => {
-                    seal_owned(&|| store.seal_delta(&manifest, &delta.map))?;
+                    seal_if_owned(store, &writer, || store.seal_delta(&manifest, &delta.map))?;
                     // Kept mapped like a whole version's file: once dropped
                     // and unused by newer maps it is the spare, and a whole
                     // version of its length takes it without mapping again.
@@ -1768,7 +1767,7 @@ fn handle_rest(
                     false
                 }
                 (Destination::Memory(file), None) => {
-                    seal_owned(&|| store.seal(&manifest))?;
+                    seal_if_owned(store, &writer, || store.seal(&manifest))?;
                     // Deregistered at once: sealed memory is no peer's to touch.
                     // Shared with the kept versions: the copies, parity
                     // shards and restarts that read it next map nothing.
