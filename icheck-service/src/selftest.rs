@@ -176,6 +176,10 @@ pub fn run_initiator(
     let mut local = endpoint.register(AlignedBuffer::zeroed(len), Access::LOCAL)?;
     let whole = [RmaOp { local_offset: 0, remote: target.region, remote_offset: 0, len }];
     tracing::info!(bytes = len, peer = %peer.name(), "reading the target's buffer");
+    // Tests wedge the read here, as a lock a killed peer held would.
+    if icheck_core::failpoint::fails("initiator.fabric_wedged") {
+        icheck_core::fabric::wedge_next_call();
+    }
     let mismatch = |reason| SelftestError::Mismatch { peer: peer.name().to_string(), reason };
     let read = endpoint.read(&peer, local.target(), &whole, options)?;
     verify_pattern(local.as_slice(), read_seed).map_err(mismatch)?;
@@ -354,6 +358,10 @@ pub struct ChurnReport {
     pub reachable_after: bool,
 }
 
+/// How long a churn's last initiator may run before it is killed: its
+/// transfer takes well under a second, and its own timeout is 20 s.
+const LAST_INITIATOR_BOUND: std::time::Duration = std::time::Duration::from_secs(40);
+
 /// Bytes moved per churn round: long enough that a kill lands mid-transfer.
 const CHURN_BYTES: usize = 32 << 20;
 
@@ -467,16 +475,43 @@ pub fn churn(
                     report.failed += 1;
                 }
             }
-            // The last one runs to the end (on a loaded machine too: a long timeout).
-            let last = initiator("20")
+            // The last one runs to the end (on a loaded machine too: a long
+            // timeout), but not for ever: a post spinning on a lock a killed
+            // initiator held is bounded by none of its timeouts. It ends
+            // itself once its watchdog sees the spin; should that fail, it
+            // is killed here at LAST_INITIATOR_BOUND, so that no initiator
+            // outlives this run (one left spinning for minutes once did).
+            let mut last = initiator("20")
                 .stderr(Stdio::piped())
-                .output()
-                .map_err(|e| process("running the last initiator", e))?;
-            report.reachable_after = last.status.success();
+                .spawn()
+                .map_err(|e| process("cannot start the last initiator", e))?;
+            let stderr = last.stderr.take().map(|mut pipe| {
+                std::thread::spawn(move || {
+                    let mut text = String::new();
+                    let _ = std::io::Read::read_to_string(&mut pipe, &mut text);
+                    text
+                })
+            });
+            let deadline = std::time::Instant::now() + LAST_INITIATOR_BOUND;
+            let status = loop {
+                match last.try_wait().map_err(|e| process("waiting for the last initiator", e))? {
+                    Some(status) => break Some(status),
+                    None if std::time::Instant::now() >= deadline => break None,
+                    None => std::thread::sleep(std::time::Duration::from_millis(20)),
+                }
+            };
+            if status.is_none() {
+                let _ = last.kill();
+                let _ = last.wait();
+                icheck_core::fabric::remove_shm_regions_of(last.id());
+            }
+            let stderr = stderr.and_then(|reader| reader.join().ok()).unwrap_or_default();
+            report.reachable_after = status.is_some_and(|status| status.success());
             if !report.reachable_after {
+                let status = status.map_or_else(|| format!("killed after {LAST_INITIATOR_BOUND:?}"), |s| s.to_string());
                 tracing::warn!(
-                    status = %last.status,
-                    stderr = %String::from_utf8_lossy(&last.stderr).trim(),
+                    %status,
+                    stderr = %stderr.trim(),
                     "after the churn, a new initiator could not reach this target"
                 );
             }

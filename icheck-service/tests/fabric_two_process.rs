@@ -2,6 +2,7 @@
 //! target` process registers a patterned buffer, and either a second
 //! `icheck fabric initiator` process or this test process reads and writes it.
 
+use std::os::unix::process::CommandExt;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -351,6 +352,41 @@ fn tcp_initiator_survives_a_target_stalled_mid_read() {
     assert!(read_timeouts > 0, "no stall landed inside the read");
 }
 
+/// An initiator whose read spins inside libfabric (injected: as on the
+/// lock of a peer killed while holding it, which no transfer timeout
+/// bounds) ends itself with the wedge's exit code within seconds, instead
+/// of spinning until whoever started it gives up, or for ever once that
+/// one was killed (seen: a churn run's last initiator left spinning for
+/// nine minutes after its test).
+#[test]
+fn an_initiator_wedged_inside_libfabric_ends_itself() {
+    let target = start_target("tcp", 1 << 20, 1);
+    let started = Instant::now();
+    let mut child = Command::new(ICHECK)
+        .args(["fabric", "initiator", "--provider", "tcp", "--peer", target.announcement_json()])
+        .args(["--read-seed", "1", "--write-seed", "2", "--timeout", "20"])
+        .env("ICHECK_FAILPOINTS", "initiator.fabric_wedged=error")
+        .env("NO_COLOR", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run icheck fabric initiator");
+    let stderr = child.stderr.take().expect("piped");
+    let stderr = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
+    // The injected spin lasts a minute; the watchdog must end it first.
+    let ended =
+        icheck_service::testkit::poll_until(Duration::from_secs(50), || matches!(child.try_wait(), Ok(Some(_))));
+    if !ended {
+        let _ = child.kill();
+    }
+    let status = child.wait().expect("reap the initiator");
+    let stderr = stderr.join().unwrap_or_default();
+    assert!(ended, "the wedged initiator was still running after 50 s\n{stderr}");
+    assert_eq!(status.code(), Some(icheck_service::wedge::EXIT_WEDGED), "{status}\n{stderr}");
+    assert!(stderr.contains("has not returned"), "{stderr}");
+    eprintln!("ended by its watchdog after {:?}", started.elapsed());
+}
+
 /// Peers killed in the middle of RMA, in both directions, many times (the
 /// reproducer for the managers that died of SIGSEGV inside libfabric 1.17
 /// when a peer went away mid-operation). The surviving process runs in a
@@ -362,14 +398,19 @@ fn tcp_initiator_survives_a_target_stalled_mid_read() {
 /// (seen once in the six full test runs of 2026-11-23, stack in the issue 17
 /// note). No caller can bound a call that never returns: the run's own
 /// watchdog (`icheck_service::wedge`, as in a manager) ends it with exit
-/// code 75 once the call has spun for 3 s of CPU, and a run still going at
-/// the bound is killed. For shm either is reported and ends the test; for
+/// code 75 once the call has spun for 3 s of CPU (its peer processes
+/// watch themselves the same way), and a run still going at the bound is
+/// killed with every peer it started. For shm either is reported and ends the test; for
 /// tcp it is a failure.
 fn survives_peers_killed_mid_transfer(provider: &str, role: &str, reachable_required: bool) {
+    // The run leads a process group of its own, so that at the bound its
+    // peers go with it: killed alone, it would leave a peer spinning on the
+    // host after the test (seen: an shm initiator for nine minutes).
     let mut child = Command::new(ICHECK)
         .args(["fabric", "churn", "--provider", provider, "--role", role, "--rounds", "20", "--seed", "2026"])
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
+        .process_group(0)
         .spawn()
         .expect("run icheck fabric churn");
     // Drained while it runs, so a chatty child never blocks on a full pipe.
@@ -384,7 +425,8 @@ fn survives_peers_killed_mid_transfer(provider: &str, role: &str, reachable_requ
     let stderr = drain(Box::new(child.stderr.take().expect("piped")));
     let finished = icheck_service::testkit::poll_until(CHURN_BOUND, || matches!(child.try_wait(), Ok(Some(_))));
     if !finished {
-        let _ = child.kill();
+        let group = nix::unistd::Pid::from_raw(child.id() as i32);
+        let _ = nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGKILL);
     }
     let status = child.wait().expect("reap icheck fabric churn");
     let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());

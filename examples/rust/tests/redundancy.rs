@@ -872,8 +872,8 @@ fn a_manager_whose_fabric_is_wedged_exits_and_the_version_is_protected_after_its
     let primary = before.agents[icheck_core::decide::agent_for_rank(0, 1, count) as usize].node.clone();
     let manager = format!("manager-{primary}");
     let dead = service.pid_of(&manager);
-    // Version 4 completes; the next progress poll of its manager sleeps
-    // inside the watched call, as a wedged one would.
+    // Version 4 completes; the next progress poll of its manager spins
+    // inside the watched call, as a wedged one does.
     restart_bit_exact_with(&service, "rwe", "rs:2+1", 6, 1);
     let restarted = poll_until(Duration::from_secs(90), || {
         let pid = service.pid_of(&manager);

@@ -74,7 +74,7 @@ pub(crate) fn watched<T>(call: impl FnOnce() -> T) -> T {
         // A plain load first: a swap on every call would write the shared
         // line from every polling thread.
         if WEDGE_NEXT.load(Ordering::Relaxed) && WEDGE_NEXT.swap(false, Ordering::AcqRel) {
-            std::thread::sleep(Duration::from_secs(60));
+            spin_for(Duration::from_secs(60));
         }
         let result = call();
         clock.store(0, Ordering::Release);
@@ -176,10 +176,21 @@ impl WedgeWatch {
 }
 
 /// For fault-injection tests: the next watched call of this process
-/// sleeps for a minute before it enters libfabric, as one spinning on a
-/// dead process's lock would.
+/// spins for a minute before it enters libfabric, burning its core as one
+/// spinning on a dead process's lock does (so a watchdog finds it by its
+/// CPU time, as it finds the real ones).
 pub fn wedge_next_call() {
     WEDGE_NEXT.store(true, Ordering::Release);
+}
+
+/// Busy-waits for `how_long` (the injected wedge of [`wedge_next_call`]).
+fn spin_for(how_long: Duration) {
+    let until = Instant::now() + how_long;
+    while Instant::now() < until {
+        for _ in 0..1024 {
+            std::hint::spin_loop();
+        }
+    }
 }
 
 #[cfg(test)]

@@ -852,6 +852,11 @@ fn run_fabric(command: FabricCommand) -> Result<()> {
         }
         FabricCommand::Target { fabric, size, seed } => {
             let size = usize::try_from(size.0).context("--size does not fit this machine")?;
+            // The halves of a churn or selftest run end themselves when a
+            // killed peer wedged their fabric, as `churn` does: spinning
+            // until a caller's bound, or for ever once that caller was
+            // killed, would take a core from everything else on the host.
+            icheck_service::wedge::exit_when_wedged("this fabric target exits with the wedge's exit code");
             let target = Target::start(&fabric.config(), size, seed)?;
             target.serve(std::io::stdin().lock(), std::io::stdout().lock())?;
             Ok(())
@@ -869,6 +874,7 @@ fn run_fabric(command: FabricCommand) -> Result<()> {
         FabricCommand::Initiator { fabric, transfer, peer, read_seed, write_seed } => {
             let announcement: TargetAnnouncement =
                 serde_json::from_str(&peer).context("--peer is not a target announcement (JSON)")?;
+            icheck_service::wedge::exit_when_wedged("this fabric initiator exits with the wedge's exit code");
             let report =
                 selftest::run_initiator(&fabric.config(), &announcement, &transfer.options()?, read_seed, write_seed)?;
             println!(
