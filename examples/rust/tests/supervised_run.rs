@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::python::Venv;
-use icheck_service::testkit::{icheck_in_target, LocalService};
+use icheck_service::testkit::{icheck_in_target, kill_process_tree, process_tree, LocalService};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
@@ -93,8 +93,9 @@ impl Supervisor {
     /// SIGKILLs one of the job's Python ranks (a descendant of this
     /// supervisor, so a process the test started), chosen by `pick`.
     fn kill_a_rank(&self, pick: usize) {
-        let ranks = descendants(self.child.id())
+        let ranks = process_tree(self.child.id())
             .into_iter()
+            .skip(1)
             .filter(|pid| {
                 std::fs::read(format!("/proc/{pid}/cmdline"))
                     .is_ok_and(|c| String::from_utf8_lossy(&c).contains("heat1d.py"))
@@ -113,7 +114,7 @@ impl Supervisor {
                 return (status.code().unwrap_or(-1), self.lines(), self.stderr());
             }
             if Instant::now() > deadline {
-                let _ = self.child.kill();
+                kill_process_tree(self.child.id());
                 panic!("icheck run did not end: {:?}\n{}", self.lines(), self.stderr());
             }
             std::thread::sleep(Duration::from_millis(100));
@@ -123,32 +124,15 @@ impl Supervisor {
 
 impl Drop for Supervisor {
     fn drop(&mut self) {
-        let _ = self.child.kill();
+        // The job too: `icheck run` starts it in a process group of its own,
+        // so killing the supervisor alone (a failed test) would leave it
+        // running against a stopped service. Only while it runs: once
+        // reaped, its pid may be another process's.
+        if matches!(self.child.try_wait(), Ok(None)) {
+            kill_process_tree(self.child.id());
+        }
         let _ = self.child.wait();
     }
-}
-
-/// Every process below `root` (by parent links in /proc).
-fn descendants(root: u32) -> Vec<u32> {
-    let mut parents = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-        // The parent is the second field after the command's closing parenthesis.
-        let Some(after) = stat.rsplit_once(')').map(|(_, rest)| rest.to_string()) else { continue };
-        if let Some(ppid) = after.split_whitespace().nth(1).and_then(|p| p.parse::<u32>().ok()) {
-            parents.push((pid, ppid));
-        }
-    }
-    let mut found = vec![root];
-    let mut i = 0;
-    while i < found.len() {
-        let parent = found[i];
-        found.extend(parents.iter().filter(|(_, pp)| *pp == parent).map(|(p, _)| *p));
-        i += 1;
-    }
-    found.remove(0);
-    found
 }
 
 fn checksum(lines: &[String]) -> Option<String> {

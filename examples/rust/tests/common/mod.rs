@@ -159,8 +159,12 @@ impl Job {
     /// SIGKILL to mpirun, its ranks and whatever else it started (each rank
     /// sits in a process group of its own), waiting until they are gone.
     pub fn kill(&mut self) {
-        icheck_service::testkit::kill_process_tree(self.child.id());
-        let _ = killpg(Pid::from_raw(self.child.id() as i32), Signal::SIGKILL);
+        // Once mpirun has been reaped its pid (and group id) may be another
+        // process's: only a job still running is killed.
+        if matches!(self.child.try_wait(), Ok(None)) {
+            icheck_service::testkit::kill_process_tree(self.child.id());
+            let _ = killpg(Pid::from_raw(self.child.id() as i32), Signal::SIGKILL);
+        }
         let _ = self.child.wait();
     }
 }
