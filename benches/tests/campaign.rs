@@ -4,12 +4,44 @@
 
 use std::process::Command;
 
-/// Runs `fault-campaign` with `args` and checks its invariants; returns its output.
+/// How long a short campaign may run (they take 40-75 s on two cores):
+/// past it the campaign is taken as hung, and killed with its service and
+/// job well before the test runner's own ten minutes (which would kill
+/// this test alone and leave the service's daemons, in sessions of their
+/// own, running).
+const CAMPAIGN_BOUND: std::time::Duration = std::time::Duration::from_secs(480);
+
+/// Runs `fault-campaign` with `args` and checks its invariants; returns its
+/// output. Whatever of its service and job is still running when this
+/// returns or fails is killed ([`Leftovers`]).
 fn campaign(args: &[&str], rounds: u32) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_fault-campaign")).args(args).output().expect("run fault-campaign");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}\n{stderr}");
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fault-campaign"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run fault-campaign");
+    let drain = |mut pipe: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = pipe.read_to_string(&mut text);
+            text
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().expect("piped")));
+    let stderr = drain(Box::new(child.stderr.take().expect("piped")));
+    let finished = icheck_service::testkit::poll_until(CAMPAIGN_BOUND, || matches!(child.try_wait(), Ok(Some(_))));
+    // Its service's directory is named after its pid (`LocalService::up`).
+    let _leftovers =
+        Leftovers::of(&std::env::temp_dir().join(format!("icheck-test-campaign-{}", child.id())), child.id());
+    if !finished {
+        let _ = child.kill();
+    }
+    let status = child.wait().expect("reap fault-campaign");
+    let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
+    assert!(finished, "still running after {CAMPAIGN_BOUND:?} (a hang):\n{stdout}\n{stderr}");
+    assert!(status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains(&format!("| rounds (one fault each) | {rounds} |")), "{stdout}");
     assert!(stdout.contains("| versions lost (must be 0) | 0 |"), "{stdout}");
     assert!(stdout.contains("| hangs (must be 0) | 0 |"), "{stdout}");
