@@ -22,15 +22,8 @@ fn campaign(args: &[&str], rounds: u32) -> String {
         .stderr(Stdio::piped())
         .spawn()
         .expect("run fault-campaign");
-    let drain = |mut pipe: Box<dyn std::io::Read + Send>| {
-        std::thread::spawn(move || {
-            let mut text = String::new();
-            let _ = pipe.read_to_string(&mut text);
-            text
-        })
-    };
-    let stdout = drain(Box::new(child.stdout.take().expect("piped")));
-    let stderr = drain(Box::new(child.stderr.take().expect("piped")));
+    let stdout = icheck_service::testkit::read_in_background(child.stdout.take().expect("piped"));
+    let stderr = icheck_service::testkit::read_in_background(child.stderr.take().expect("piped"));
     let finished = icheck_service::testkit::poll_until(CAMPAIGN_BOUND, || matches!(child.try_wait(), Ok(Some(_))));
     // Its service's directory is named after its pid (`LocalService::up`).
     let _leftovers =

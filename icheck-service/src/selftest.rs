@@ -485,13 +485,7 @@ pub fn churn(
                 .stderr(Stdio::piped())
                 .spawn()
                 .map_err(|e| process("cannot start the last initiator", e))?;
-            let stderr = last.stderr.take().map(|mut pipe| {
-                std::thread::spawn(move || {
-                    let mut text = String::new();
-                    let _ = std::io::Read::read_to_string(&mut pipe, &mut text);
-                    text
-                })
-            });
+            let stderr = last.stderr.take().map(crate::testkit::read_in_background);
             let deadline = std::time::Instant::now() + LAST_INITIATOR_BOUND;
             let status = loop {
                 match last.try_wait().map_err(|e| process("waiting for the last initiator", e))? {

@@ -371,8 +371,7 @@ fn an_initiator_wedged_inside_libfabric_ends_itself() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("run icheck fabric initiator");
-    let stderr = child.stderr.take().expect("piped");
-    let stderr = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
+    let stderr = icheck_service::testkit::read_in_background(child.stderr.take().expect("piped"));
     // The injected spin lasts a minute; the watchdog must end it first.
     let ended =
         icheck_service::testkit::poll_until(Duration::from_secs(50), || matches!(child.try_wait(), Ok(Some(_))));
@@ -413,16 +412,8 @@ fn survives_peers_killed_mid_transfer(provider: &str, role: &str, reachable_requ
         .process_group(0)
         .spawn()
         .expect("run icheck fabric churn");
-    // Drained while it runs, so a chatty child never blocks on a full pipe.
-    let drain = |mut pipe: Box<dyn std::io::Read + Send>| {
-        std::thread::spawn(move || {
-            let mut bytes = Vec::new();
-            let _ = pipe.read_to_end(&mut bytes);
-            bytes
-        })
-    };
-    let stdout = drain(Box::new(child.stdout.take().expect("piped")));
-    let stderr = drain(Box::new(child.stderr.take().expect("piped")));
+    let stdout = icheck_service::testkit::read_in_background(child.stdout.take().expect("piped"));
+    let stderr = icheck_service::testkit::read_in_background(child.stderr.take().expect("piped"));
     let finished = icheck_service::testkit::poll_until(CHURN_BOUND, || matches!(child.try_wait(), Ok(Some(_))));
     if !finished {
         let group = nix::unistd::Pid::from_raw(child.id() as i32);
@@ -430,7 +421,6 @@ fn survives_peers_killed_mid_transfer(provider: &str, role: &str, reachable_requ
     }
     let status = child.wait().expect("reap icheck fabric churn");
     let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
-    let stderr = String::from_utf8_lossy(&stderr);
     if !finished {
         assert_eq!(provider, "shm", "{provider} {role}: still running after {CHURN_BOUND:?}\n{stderr}");
         eprintln!(
@@ -453,9 +443,8 @@ fn survives_peers_killed_mid_transfer(provider: &str, role: &str, reachable_requ
         );
         return;
     }
-    let out = std::process::Output { status, stdout, stderr: stderr.as_bytes().to_vec() };
-    assert!(out.status.success(), "{provider} {role}: {} after peers were killed\n{stderr}", out.status);
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("churn prints JSON");
+    assert!(status.success(), "{provider} {role}: {status} after peers were killed\n{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).expect("churn prints JSON");
     eprintln!("{provider} {role}: {report}");
     assert_eq!(report["rounds"].as_u64(), Some(20), "{report}");
     if reachable_required {

@@ -413,6 +413,18 @@ pub fn wait_for(what: &str, timeout: Duration, done: impl FnMut() -> bool) {
     assert!(poll_until(timeout, done), "timed out after {timeout:?} waiting for {what}");
 }
 
+/// Reads all of `pipe` (a child's stdout or stderr) on a thread of its
+/// own, so that a chatty child never blocks on a full pipe while its
+/// caller waits for it to end; the handle gives the text (invalid UTF-8
+/// replaced).
+pub fn read_in_background(mut pipe: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = pipe.read_to_end(&mut bytes);
+        String::from_utf8_lossy(&bytes).into_owned()
+    })
+}
+
 /// Polls `done` every 100 ms until it holds (true) or `timeout` passes
 /// (false), for callers that explain a timeout themselves.
 pub fn poll_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
