@@ -24,16 +24,14 @@ fn campaign(args: &[&str], rounds: u32) -> String {
         .expect("run fault-campaign");
     let stdout = icheck_service::testkit::read_in_background(child.stdout.take().expect("piped"));
     let stderr = icheck_service::testkit::read_in_background(child.stderr.take().expect("piped"));
-    let finished = icheck_service::testkit::poll_until(CAMPAIGN_BOUND, || matches!(child.try_wait(), Ok(Some(_))));
-    // Its service's directory is named after its pid (`LocalService::up`).
+    let status = icheck_service::testkit::wait_or_kill(&mut child, CAMPAIGN_BOUND);
+    // Its service's directory is named after its pid (`LocalService::up`);
+    // a campaign killed at the bound left it with its configuration.
     let _leftovers =
         Leftovers::of(&std::env::temp_dir().join(format!("icheck-test-campaign-{}", child.id())), child.id());
-    if !finished {
-        let _ = child.kill();
-    }
-    let status = child.wait().expect("reap fault-campaign");
     let (stdout, stderr) = (stdout.join().unwrap_or_default(), stderr.join().unwrap_or_default());
-    assert!(finished, "still running after {CAMPAIGN_BOUND:?} (a hang):\n{stdout}\n{stderr}");
+    let status =
+        status.unwrap_or_else(|| panic!("still running after {CAMPAIGN_BOUND:?} (a hang):\n{stdout}\n{stderr}"));
     assert!(status.success(), "{stdout}\n{stderr}");
     assert!(stdout.contains(&format!("| rounds (one fault each) | {rounds} |")), "{stdout}");
     assert!(stdout.contains("| versions lost (must be 0) | 0 |"), "{stdout}");

@@ -486,17 +486,8 @@ pub fn churn(
                 .spawn()
                 .map_err(|e| process("cannot start the last initiator", e))?;
             let stderr = last.stderr.take().map(crate::testkit::read_in_background);
-            let deadline = std::time::Instant::now() + LAST_INITIATOR_BOUND;
-            let status = loop {
-                match last.try_wait().map_err(|e| process("waiting for the last initiator", e))? {
-                    Some(status) => break Some(status),
-                    None if std::time::Instant::now() >= deadline => break None,
-                    None => std::thread::sleep(std::time::Duration::from_millis(20)),
-                }
-            };
+            let status = crate::testkit::wait_or_kill(&mut last, LAST_INITIATOR_BOUND);
             if status.is_none() {
-                let _ = last.kill();
-                let _ = last.wait();
                 icheck_core::fabric::remove_shm_regions_of(last.id());
             }
             let stderr = stderr.and_then(|reader| reader.join().ok()).unwrap_or_default();

@@ -373,14 +373,9 @@ fn an_initiator_wedged_inside_libfabric_ends_itself() {
         .expect("run icheck fabric initiator");
     let stderr = icheck_service::testkit::read_in_background(child.stderr.take().expect("piped"));
     // The injected spin lasts a minute; the watchdog must end it first.
-    let ended =
-        icheck_service::testkit::poll_until(Duration::from_secs(50), || matches!(child.try_wait(), Ok(Some(_))));
-    if !ended {
-        let _ = child.kill();
-    }
-    let status = child.wait().expect("reap the initiator");
+    let status = icheck_service::testkit::wait_or_kill(&mut child, Duration::from_secs(50));
     let stderr = stderr.join().unwrap_or_default();
-    assert!(ended, "the wedged initiator was still running after 50 s\n{stderr}");
+    let status = status.unwrap_or_else(|| panic!("the wedged initiator was still running after 50 s\n{stderr}"));
     assert_eq!(status.code(), Some(icheck_service::wedge::EXIT_WEDGED), "{status}\n{stderr}");
     assert!(stderr.contains("has not returned"), "{stderr}");
     eprintln!("ended by its watchdog after {:?}", started.elapsed());

@@ -425,6 +425,20 @@ pub fn read_in_background(mut pipe: impl std::io::Read + Send + 'static) -> std:
     })
 }
 
+/// Waits up to `bound` for `child` to exit; if it is still running then,
+/// kills (SIGKILL) and reaps it and returns `None`. A child that cannot
+/// be waited for counts as still running.
+pub fn wait_or_kill(child: &mut std::process::Child, bound: Duration) -> Option<std::process::ExitStatus> {
+    if poll_until(bound, || matches!(child.try_wait(), Ok(Some(_)))) {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
 /// Polls `done` every 100 ms until it holds (true) or `timeout` passes
 /// (false), for callers that explain a timeout themselves.
 pub fn poll_until(timeout: Duration, mut done: impl FnMut() -> bool) -> bool {
