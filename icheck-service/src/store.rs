@@ -964,12 +964,17 @@ impl Store {
                     Some(at),
                     length,
                     ProtFlags::PROT_READ,
-                    MapFlags::MAP_SHARED | MapFlags::MAP_FIXED | MapFlags::MAP_POPULATE,
+                    MapFlags::MAP_SHARED | MapFlags::MAP_FIXED,
                     &files[extent.file as usize],
                     i64::try_from(extent.file_offset).unwrap_or(i64::MAX),
                 )
             }
             .map_err(failed)?;
+            // Not MAP_POPULATE: that holds the process's memory-map lock
+            // while it maps the whole extent (see `pages::populate_read`).
+            // Populating is only to save faults later; where it fails, the
+            // pages fault in when read.
+            let _ = pages::populate_read(at.get(), length.get());
         }
         Ok(MappedFile { mapping: Mapping::Composed(view), len })
     }
@@ -1634,19 +1639,19 @@ fn is_backed(file: &File, size: u64) -> bool {
 /// Maps all of `file` at `path`, its first `len` bytes being the data;
 /// with `populate`, its existing pages are mapped now.
 fn map(file: &File, path: &Path, len: u64, populate: bool) -> Result<MappedFile> {
-    let mut options = memmap2::MmapOptions::new();
-    // Populating maps the file's existing pages now instead of faulting them
-    // in one by one during the transfer.
-    if populate {
-        options.populate();
-    }
     // SAFETY: the file is private to this store (created under the agent's
     // root); nobody truncates it while mapped, which is memmap2's contract.
-    let map = unsafe { options.map_mut(file) }.map_err(io("cannot map", path))?;
-    // On a tmpfs mounted `huge=advise`, pages not yet backed come as 2 MiB
-    // huge pages, as the operator chose by mounting it so (see
-    // `pages::HugePages` for when that is cheaper).
-    if !populate {
+    let map = unsafe { memmap2::MmapOptions::new().map_mut(file) }.map_err(io("cannot map", path))?;
+    if populate {
+        // The file's existing pages are mapped now instead of faulted in one
+        // by one during the transfer; in steps, not with MAP_POPULATE, which
+        // holds every other thread's mmap (see `pages::populate_read`). A
+        // failure only leaves the pages to fault in when used.
+        let _ = pages::populate_read(map.as_ptr() as usize, map.len());
+    } else {
+        // On a tmpfs mounted `huge=advise`, pages not yet backed come as
+        // 2 MiB huge pages, as the operator chose by mounting it so (see
+        // `pages::HugePages` for when that is cheaper).
         pages::advise_huge(map.as_ptr() as usize, map.len());
     }
     let len = usize::try_from(len).unwrap_or(usize::MAX).min(map.len());
