@@ -96,20 +96,31 @@ impl Monitor {
         Monitor { started: std::time::Instant::now(), activity: NodeActivity::default(), power: PowerMeter::default() }
     }
 
+    /// The node's status now. It reads /proc and walks the store, which
+    /// took up to 3 s on a busy node: call it on a blocking thread, never
+    /// on the task that sends heartbeats. The agents' lock is held only
+    /// while their counters are read.
     fn measure(&mut self, agents: &Agents, settings: &AgentSettings) -> NodeStatus {
+        // For the tests: a measurement as slow as a busy node's.
+        icheck_core::failpoint::hit("manager.measure");
         let store = &settings.store;
         use std::sync::atomic::Ordering::Relaxed;
         let now = self.started.elapsed().as_secs_f64();
         let (mem_available, mem_total) = read_meminfo();
-        let agents = agents.lock().unwrap_or_else(|p| p.into_inner());
-        let counts: Vec<AgentCounts> = agents
-            .iter()
-            .map(|(id, a)| AgentCounts {
-                agent: *id,
-                operations: a.counters().versions_sealed.load(Relaxed),
-                bytes: a.counters().bytes_moved.load(Relaxed),
-            })
-            .collect();
+        let (counts, agent_bandwidth) = {
+            let agents = agents.lock().unwrap_or_else(|p| p.into_inner());
+            let counts: Vec<AgentCounts> = agents
+                .iter()
+                .map(|(id, a)| AgentCounts {
+                    agent: *id,
+                    operations: a.counters().versions_sealed.load(Relaxed),
+                    bytes: a.counters().bytes_moved.load(Relaxed),
+                })
+                .collect();
+            let bandwidth: Vec<(u64, f64)> =
+                agents.iter().map(|(id, a)| (*id, a.counters().last_bandwidth())).collect();
+            (counts, bandwidth)
+        };
         self.activity.sample_agents(now, &counts);
         // A counter for Prometheus: it counts agents that have ended too.
         let checkpoint_ops = self.activity.total_operations();
@@ -117,14 +128,14 @@ impl Monitor {
         NodeStatus {
             mem_available,
             mem_total,
-            agents: agents.len() as u32,
+            agents: counts.len() as u32,
             bytes_held: store.bytes_held(),
             checkpoint_ops,
             checkpoint_bytes: self.activity.total_bytes(),
             bandwidth: self.activity.bandwidth(),
             cops_per_min: self.activity.cops_per_min(),
             last_cop_interval: self.activity.cop_interval(),
-            agent_bandwidth: agents.iter().map(|(id, a)| (*id, a.counters().last_bandwidth())).collect(),
+            agent_bandwidth,
             power_watts: self.power.watts(),
             warm_bytes: store.warm_bytes(),
             files_handed_over: settings.handoff.as_ref().map_or(0, |h| h.files_taken()),
@@ -366,10 +377,16 @@ async fn session(
     }
     let running: Vec<AgentInfo> =
         agents.lock().unwrap_or_else(|p| p.into_inner()).values().map(|a| a.info().clone()).collect();
+    let status = {
+        let (agents, settings) = (agents.clone(), settings.clone());
+        tokio::task::spawn_blocking(move || Monitor::new().measure(&agents, &settings))
+            .await
+            .map_err(|err| ServiceError::Io { what: "measuring the node".into(), error: std::io::Error::other(err) })?
+    };
     let register = ManagerToController::Register {
         node: node.to_string(),
         pid: std::process::id(),
-        status: Monitor::new().measure(agents, settings),
+        status,
         agents: running,
         stored,
         pieces,
@@ -392,31 +409,48 @@ async fn session(
             }
         }
     });
-    // Heartbeats, status and the agent watchdog.
+    // Heartbeats, status and the agent watchdog. The heartbeat never waits
+    // for a measurement: one that walked a busy store held the heartbeats
+    // back for 3 s, and the controller, hearing nothing for 1.5 s, gave
+    // the node's agents up (a commit of a restarted job then failed for it).
     let timers = {
         let (tx, agents, settings) = (tx.clone(), agents.clone(), settings.clone());
         let (heartbeat, status_every) = (config.heartbeat(), config.status());
         tokio::spawn(async move {
             let mut beat = tokio::time::interval(heartbeat);
             let mut status = tokio::time::interval(status_every);
-            let mut monitor = Monitor::new();
+            let monitor = Arc::new(Mutex::new(Monitor::new()));
+            let mut last_beat = tokio::time::Instant::now();
             loop {
                 tokio::select! {
                     _ = beat.tick() => {
-                        let lost: Vec<u64> = {
-                            let mut map = agents.lock().unwrap_or_else(|p| p.into_inner());
-                            let dead: Vec<u64> = map.iter().filter(|(_, a)| !a.is_alive()).map(|(id, _)| *id).collect();
-                            for id in &dead { map.remove(id); }
-                            dead
-                        };
-                        for id in lost {
-                            let _ = tx.send(ManagerToController::AgentLost { id });
+                        let gap = last_beat.elapsed();
+                        last_beat = tokio::time::Instant::now();
+                        if gap > heartbeat * 2 {
+                            // This task did not run for that long: the runtime's threads were busy or the process starved.
+                            tracing::warn!(?gap, ?heartbeat, "heartbeat sent late: this manager did not run (stopped, or starved of CPU); the controller may have taken the node for silent");
+                        }
+                        let dead = take_dead_agents(&agents);
+                        for id in dead.keys() {
+                            let _ = tx.send(ManagerToController::AgentLost { id: *id });
+                        }
+                        if !dead.is_empty() {
+                            // Closing their endpoints happens off the async threads.
+                            tokio::task::spawn_blocking(move || drop(dead));
                         }
                         if tx.send(ManagerToController::Heartbeat).is_err() { break; }
                     }
                     _ = status.tick() => {
-                        let measured = monitor.measure(&agents, &settings);
-                        if tx.send(ManagerToController::Status(measured)).is_err() { break; }
+                        let (tx, agents, settings, monitor) = (tx.clone(), agents.clone(), settings.clone(), monitor.clone());
+                        // On a blocking thread; skipped while the last one still runs.
+                        tokio::task::spawn_blocking(move || {
+                            let mut monitor = match monitor.try_lock() {
+                                Ok(monitor) => monitor,
+                                Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+                                Err(std::sync::TryLockError::WouldBlock) => return,
+                            };
+                            let _ = tx.send(ManagerToController::Status(monitor.measure(&agents, &settings)));
+                        });
                     }
                 }
             }
@@ -619,6 +653,19 @@ fn fill_rank(
         }
         let _ = tx.send(ManagerToController::TookOver { agent, rank, request, result });
     });
+}
+
+/// The agents whose threads have ended, taken out of `agents`; none while
+/// another thread holds the map (they are looked for again at the next
+/// heartbeat, which must not wait for that thread).
+fn take_dead_agents(agents: &Agents) -> BTreeMap<u64, Agent> {
+    let mut map = match agents.try_lock() {
+        Ok(map) => map,
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        Err(std::sync::TryLockError::WouldBlock) => return BTreeMap::new(),
+    };
+    let dead: Vec<u64> = map.iter().filter(|(_, a)| !a.is_alive()).map(|(id, _)| *id).collect();
+    dead.into_iter().filter_map(|id| map.remove(&id).map(|agent| (id, agent))).collect()
 }
 
 /// Runs `each` on every agent here that serves application `app`.

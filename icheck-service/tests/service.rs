@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use icheck_core::config::StaticConfig;
 use icheck_core::control::request_blocking;
@@ -163,6 +163,39 @@ fn a_starting_agent_counts_against_the_node_limit() {
     wait_for("the manager to report its one agent", Duration::from_secs(10), || {
         service.status().nodes.iter().map(|n| n.status.agents).sum::<u32>() == 1
     });
+}
+
+/// A manager whose status measurement is slow (3 s, as a walk of a busy
+/// store took) still sends its heartbeats on time: the controller, which
+/// marks a node down after 1.5 s of silence here, keeps it alive, and the
+/// slow reports still arrive. (The measurement ran on the heartbeats'
+/// task, and a restarted job's commit failed when the node's agents were
+/// given up for it.)
+#[test]
+fn a_slow_status_measurement_does_not_hold_the_heartbeats_back() {
+    let service = Service(
+        LocalService::up_with_failpoints(
+            Path::new(ICHECK),
+            "slow-measure",
+            1,
+            &["--heartbeat", "0.5"],
+            None,
+            Some("manager.measure=sleep(3000)"),
+        ),
+        Default::default(),
+    );
+    wait_for("local-1 to register", Duration::from_secs(20), || !service.status().nodes.is_empty());
+    // Four status periods (2 s), each measurement taking 3 s.
+    let mut longest_silence: f64 = 0.0;
+    let watched = Instant::now();
+    while watched.elapsed() < Duration::from_secs(8) {
+        let nodes = service.status().nodes;
+        longest_silence = nodes.iter().map(|n| n.last_heartbeat_secs).fold(longest_silence, f64::max);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = service.log("controller.log");
+    assert!(!log.contains("marked down"), "a slow measurement held the heartbeats back:\n{log}");
+    assert!(longest_silence < 1.5, "heartbeats stopped for {longest_silence:.1} s while the manager measured");
 }
 
 fn raw_send(addr: &str, bytes: &[u8]) {
