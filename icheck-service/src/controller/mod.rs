@@ -1487,11 +1487,17 @@ async fn relaunch_until_registered(shared: &Shared, launcher: Arc<dyn Launcher>,
         let allowed =
             shared.state().nodes.relaunch_allowed(&node, Instant::now(), shared.relaunch_limit, RELAUNCH_WINDOW);
         if !allowed {
-            tracing::error!(
-                %node,
-                "manager died {} times within {RELAUNCH_WINDOW:?}; the node is given up until an operator starts it",
-                shared.relaunch_limit
-            );
+            match shared.relaunch_limit {
+                // Not a crash loop: the operator asked for no relaunches.
+                0 => tracing::warn!(
+                    %node,
+                    "manager died; ManagerRelaunches is 0, so it stays down until an operator starts it"
+                ),
+                limit => tracing::error!(
+                    %node,
+                    "manager died {limit} times within {RELAUNCH_WINDOW:?}; the node is given up until an operator starts it"
+                ),
+            }
             return;
         }
         let (start, name) = (launcher.clone(), node.clone());
