@@ -89,8 +89,8 @@ pub fn populate_write(addr: usize, len: usize) -> Result<(), PopulateError> {
 
 /// Maps the existing pages of `[addr, addr + len)`, a mapping of a file,
 /// now instead of at first access: what `MAP_POPULATE` does to a shared
-/// mapping, in [`POPULATE_READ_CHUNK`] steps so that the process's other
-/// threads are not held up meanwhile. `addr` must be page-aligned.
+/// mapping, in 8 MiB steps so that the process's other threads are not
+/// held up meanwhile. `addr` must be page-aligned.
 ///
 /// # Errors
 /// As [`populate_write`]; the pages populated before the error stay mapped.
