@@ -19,6 +19,13 @@ const SLURMD_RESTART_AFTER: Duration = Duration::from_secs(15);
 /// come first, then one slurmd per node in node order.
 const FIRST_SLURMD: usize = 2;
 
+/// Where slurmctld is in `TestSlurm::daemons`.
+const CONTROLLER: usize = 1;
+
+/// Starts of slurmctld before a test gives up on its Slurm (each on ports
+/// chosen anew).
+const CONTROLLER_TRIES: u32 = 3;
+
 /// A running test-local Slurm cluster.
 pub struct TestSlurm {
     /// Everything it writes: configuration, munge key and socket, state,
@@ -61,13 +68,10 @@ impl TestSlurm {
             _on_interrupt: on_interrupt,
         };
         slurm.start_munge();
-        slurm.write_conf();
-        let conf = slurm.conf.to_string_lossy().into_owned();
-        slurm.spawn("slurmctld", &["-D", "-f", &conf]);
         // slurmctld answering first: a node that then does not register
         // is its slurmd's doing (a slurmd started before slurmctld still
         // registered within a second of it, when tried).
-        slurm.wait_controller(Duration::from_secs(30));
+        slurm.start_controller(Duration::from_secs(30));
         for node in slurm.nodes.clone() {
             std::fs::create_dir_all(slurm.dir.join("spool").join(&node)).unwrap();
             // Each node's own temporary directory: the "nodes" share this
@@ -83,20 +87,40 @@ impl TestSlurm {
         ["-D", "-f", &self.conf.to_string_lossy(), "-N", node].map(String::from).to_vec()
     }
 
-    /// Waits until slurmctld answers `scontrol ping`.
-    fn wait_controller(&self, timeout: Duration) {
-        let answers = || {
-            self.command("scontrol")
-                .arg("ping")
-                .output()
-                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("UP"))
-        };
-        if !crate::testkit::poll_until(timeout, answers) {
-            panic!(
-                "the test Slurm's slurmctld did not answer within {timeout:?}\nslurmctld log:\n{}",
-                self.log("slurmctld.log")
-            );
+    /// Writes the configuration, starts slurmctld and waits (each try up
+    /// to `timeout`) until it answers `scontrol ping`. Its ports were free
+    /// when chosen, but another test may bind one first: slurmctld then
+    /// exits ("Address already in use", seen in CI), and it is started
+    /// again on new ports, up to [`CONTROLLER_TRIES`] times.
+    fn start_controller(&mut self, timeout: Duration) {
+        let conf = self.conf.to_string_lossy().into_owned();
+        for _ in 0..CONTROLLER_TRIES {
+            self.write_conf();
+            self.spawn("slurmctld", &["-D", "-f", &conf]);
+            let mut exited = false;
+            let settled = crate::testkit::poll_until(timeout, || {
+                if self.controller_answers() {
+                    return true;
+                }
+                exited = self.daemons()[CONTROLLER].try_wait().is_ok_and(|ended| ended.is_some());
+                exited
+            });
+            match (settled, exited) {
+                (true, false) => return,
+                // Reaped already: only its entry goes, and it starts again.
+                (_, true) => drop(self.daemons().remove(CONTROLLER)),
+                (false, false) => break,
+            }
         }
+        panic!(
+            "the test Slurm's slurmctld did not answer within {timeout:?}\nslurmctld log:\n{}",
+            self.log("slurmctld.log")
+        );
+    }
+
+    /// Whether slurmctld answers `scontrol ping`.
+    fn controller_answers(&self) -> bool {
+        self.command("scontrol").arg("ping").output().is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("UP"))
     }
 
     fn start_munge(&mut self) {
