@@ -444,11 +444,7 @@ async fn session(
                         let (tx, agents, settings, monitor) = (tx.clone(), agents.clone(), settings.clone(), monitor.clone());
                         // On a blocking thread; skipped while the last one still runs.
                         tokio::task::spawn_blocking(move || {
-                            let mut monitor = match monitor.try_lock() {
-                                Ok(monitor) => monitor,
-                                Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-                                Err(std::sync::TryLockError::WouldBlock) => return,
-                            };
+                            let Some(mut monitor) = lock_if_free(&monitor) else { return };
                             let _ = tx.send(ManagerToController::Status(monitor.measure(&agents, &settings)));
                         });
                     }
@@ -659,13 +655,19 @@ fn fill_rank(
 /// another thread holds the map (they are looked for again at the next
 /// heartbeat, which must not wait for that thread).
 fn take_dead_agents(agents: &Agents) -> BTreeMap<u64, Agent> {
-    let mut map = match agents.try_lock() {
-        Ok(map) => map,
-        Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-        Err(std::sync::TryLockError::WouldBlock) => return BTreeMap::new(),
-    };
+    let Some(mut map) = lock_if_free(agents) else { return BTreeMap::new() };
     let dead: Vec<u64> = map.iter().filter(|(_, a)| !a.is_alive()).map(|(id, _)| *id).collect();
     dead.into_iter().filter_map(|id| map.remove(&id).map(|agent| (id, agent))).collect()
+}
+
+/// `mutex` locked if no other thread holds it (a poisoned one too, as the
+/// manager's other locks are taken), `None` if one does.
+fn lock_if_free<T>(mutex: &Mutex<T>) -> Option<std::sync::MutexGuard<'_, T>> {
+    match mutex.try_lock() {
+        Ok(guard) => Some(guard),
+        Err(std::sync::TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
 }
 
 /// Runs `each` on every agent here that serves application `app`.

@@ -167,10 +167,9 @@ fn a_starting_agent_counts_against_the_node_limit() {
 
 /// A manager whose status measurement is slow (3 s, as a walk of a busy
 /// store took) still sends its heartbeats on time: the controller, which
-/// marks a node down after 1.5 s of silence here, keeps it alive, and the
-/// slow reports still arrive. (The measurement ran on the heartbeats'
-/// task, and a restarted job's commit failed when the node's agents were
-/// given up for it.)
+/// marks a node down after 1.5 s of silence here, keeps it alive. (The
+/// measurement ran on the heartbeats' task, and a restarted job's commit
+/// failed when the node's agents were given up for it.)
 #[test]
 fn a_slow_status_measurement_does_not_hold_the_heartbeats_back() {
     let service = Service(
