@@ -28,7 +28,7 @@ const MADV_POPULATE_READ: libc::c_int = 22;
 /// another thread's `mmap` of 1 MiB waited 0.9-1.15 s (a spawned thread or
 /// a large allocation waits the same way: a manager's heartbeats stopped
 /// for seconds); in 8 MiB calls it waited at most 92-117 ms, and the whole
-/// range took as long (0.91-0.98 s against 0.92-0.94 s).
+/// range took as long (0.91-0.98 s against 0.86-0.94 s).
 const POPULATE_READ_CHUNK: usize = 8 << 20;
 
 /// Below this many bytes per thread, another thread costs more than the
