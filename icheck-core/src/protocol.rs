@@ -747,7 +747,10 @@ pub enum ClientRequest {
         /// The agents that stored it (their ids, in rank-mapping order).
         /// The controller records it only if they are the application's
         /// agents: a version stored on agents it gave up (their node went
-        /// silent) may exist only where it will be deleted.
+        /// silent) may exist only where it will be deleted. Then it answers
+        /// [`ClientReply::Agents`] instead: the application's new agents,
+        /// or none while it has not placed them yet (the library asks for
+        /// them with a [`ClientRequest::Probe`]).
         #[serde(default)]
         agents: Vec<u64>,
         /// The application's capability.

@@ -212,6 +212,81 @@ fn silent_manager(name: &str, extra: &[&str], env: &[(&str, &str)]) {
     assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
 }
 
+/// A version sealed on its agents whose node goes silent before rank 0
+/// records it at the controller: the controller has given those agents
+/// up (and placed no new ones yet), answers so, and every rank asks for
+/// new agents, stores the version again there and the commit succeeds.
+/// Before, it failed ("it was stored on agents the controller gave up")
+/// and the job ended, though every byte was still in its memory: a
+/// checkpoint node busy for three heartbeats failed a job. Rank 0 waits
+/// 8 s before it records version 3 (failpoint
+/// `client.before_version_complete`), time for the test to stop the node
+/// once version 3 is sealed and for the controller to give it up (0.5 s
+/// heartbeats).
+#[test]
+fn a_version_whose_agents_are_given_up_before_it_is_recorded_is_stored_again_on_new_ones() {
+    given_up_before_recorded("given-up-unrecorded", &[], &[], &[0, 1]);
+}
+
+/// The same with asynchronous commits in SHMR mode: the node leader stores
+/// the version again from the node segment, which still holds it (the
+/// agent holds one "rank" per node).
+#[test]
+fn an_async_shmr_version_whose_agents_are_given_up_before_it_is_recorded_is_stored_again() {
+    given_up_before_recorded("given-up-unrecorded-shmr", &["--async"], &[("ICHECK_MODE", "shmr")], &[0]);
+}
+
+/// `stored_ranks`: the ranks the agents hold files of.
+fn given_up_before_recorded(name: &str, extra: &[&str], mode_env: &[(&str, &str)], stored_ranks: &[u32]) {
+    let service = service(name, 2);
+    let config = service.config_without_pfs();
+    let mut args = vec!["--app", "unrecorded", "--steps", "4", "--every", "1", "--mib", "4", "--persist"];
+    args.extend(extra);
+    let mut env = mode_env.to_vec();
+    env.push(("ICHECK_FAILPOINTS", "client.before_version_complete=2*sleep(8000) x1"));
+    let mut job = Job::start(2, &config, &args, &env);
+    job.wait_line("COMMIT_START version=3", Duration::from_secs(120));
+    let status = service.status();
+    let agents = status.apps.iter().find(|a| a.registration.name == "unrecorded").expect("registered").agents.clone();
+    let sealed = |rank: u32| {
+        status.nodes.iter().any(|n| {
+            icheck_service::store::Store::new(service.config.agent_store_dir.join(&n.node))
+                .manifest("unrecorded", rank, 3)
+                .is_ok()
+        })
+    };
+    assert!(
+        poll_until(Duration::from_secs(60), || stored_ranks.iter().all(|&rank| sealed(rank))),
+        "version 3 was not sealed on the agents\n{}",
+        job.output()
+    );
+    let silent = agents[0].node.clone();
+    let stopped = Stopped::stop(service.pid_of(&format!("manager-{silent}")));
+    let alive = || service.status().nodes.iter().any(|n| n.node == silent && n.alive);
+    assert!(poll_until(Duration::from_secs(6), || !alive()), "{silent} was not marked down");
+    assert!(
+        !job.has("COMMITTED version=3"),
+        "version 3 was recorded before the controller gave its node up: the failpoint's sleep is too short here\n{}",
+        job.output()
+    );
+
+    let lines = job.finish(Duration::from_secs(120));
+    assert_eq!(committed(&lines), vec![1, 2, 3, 4, 5], "{lines:?}");
+    let log = service.log("controller.log");
+    assert!(log.contains("missed 3 heartbeats"), "{log}");
+    let status = service.status();
+    let app = status.apps.iter().find(|a| a.registration.name == "unrecorded").expect("persisted");
+    assert_eq!(app.latest.as_ref().map(|l| l.version), Some(5), "{app:?}");
+
+    drop(stopped);
+    assert!(poll_until(Duration::from_secs(30), alive), "{silent} did not answer again after SIGCONT");
+    // In the mode of the job that wrote it, without the failpoint.
+    let mut restart = vec!["--app", "unrecorded", "--steps", "4", "--every", "1", "--mib", "4"];
+    restart.extend(extra);
+    let lines = Job::start(2, &config, &restart, mode_env).finish(Duration::from_secs(120));
+    assert_eq!(restored(&lines), Some(5), "{lines:?}");
+}
+
 /// A node silent for a few heartbeats in the middle of a commit, on a
 /// service of one node: when it answers again, the controller stops its
 /// agent and places the application's new agent on the same node, in the

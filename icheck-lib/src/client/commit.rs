@@ -130,6 +130,16 @@ impl Tracking {
     }
 }
 
+/// How [`Icheck::record_agreed`] ended when every rank stored its part.
+enum Recording {
+    /// The controller recorded the version: it is complete.
+    Recorded,
+    /// The controller had given up the agents that hold the version and
+    /// named new ones, to which every rank has moved; the error is what
+    /// the commit reports unless the version is stored there too.
+    Moved(Error),
+}
+
 /// What a background commit thread hands back.
 pub(super) struct Background {
     pub(super) link: AgentLink,
@@ -240,7 +250,7 @@ impl Icheck {
                 };
             }
             let stored = self.store_elsewhere_on_failure(stored, |me| me.store_shmr(version, started));
-            self.complete_or_fall_back(version, stored, started)?;
+            self.complete_or_fall_back(version, stored, started, |me| me.store_shmr(version, started))?;
             return Ok(version);
         }
         if self.asynchronous {
@@ -266,7 +276,7 @@ impl Icheck {
         }
         let stored = self.store_blocking(version);
         let stored = self.store_elsewhere_on_failure(stored, |me| me.store_blocking(version));
-        self.complete_or_fall_back(version, stored, started)?;
+        self.complete_or_fall_back(version, stored, started, |me| me.store_blocking(version))?;
         Ok(version)
     }
 
@@ -339,8 +349,16 @@ impl Icheck {
     /// Completes a blocking commit; when some rank's agent failed it and a
     /// PFS is configured, every rank writes the version directly to the PFS
     /// instead (§6.5.1) and keeps doing so until the service answers again
-    /// (tried every `t_wait`).
-    pub(super) fn complete_or_fall_back(&mut self, version: u64, stored: Result<u64>, started: Instant) -> Result<()> {
+    /// (tried every `t_wait`). `store_again` stores the version once more
+    /// when it reached only agents the controller has given up since
+    /// ([`Self::complete_agreed`]).
+    pub(super) fn complete_or_fall_back(
+        &mut self,
+        version: u64,
+        stored: Result<u64>,
+        started: Instant,
+        store_again: impl FnOnce(&mut Self) -> Result<u64>,
+    ) -> Result<()> {
         let all_stored = self.comm.all_true(stored.is_ok());
         if !all_stored {
             if let Some(pfs) = self.pfs.clone() {
@@ -362,8 +380,7 @@ impl Icheck {
                 return self.commit_fallback(version);
             }
         }
-        let bytes = *stored.as_ref().unwrap_or(&0);
-        self.complete_agreed(version, stored.map(|_| ()), all_stored, bytes, started)
+        self.complete_agreed(version, stored, all_stored, started, store_again)
     }
 
     pub(super) fn incomplete(&self, version: u64, detail: String) -> Error {
@@ -372,21 +389,73 @@ impl Icheck {
     }
 
     /// Agrees with all ranks, records the version at the controller and
-    /// lets agents drop older versions.
-    pub(super) fn complete(&mut self, version: u64, local: Result<()>, bytes: u64, started: Instant) -> Result<()> {
-        let all_ok = self.comm.all_true(local.is_ok());
-        self.complete_agreed(version, local, all_ok, bytes, started)
+    /// lets agents drop older versions (see [`Self::complete_agreed`]).
+    pub(super) fn complete(
+        &mut self,
+        version: u64,
+        stored: Result<u64>,
+        started: Instant,
+        store_again: impl FnOnce(&mut Self) -> Result<u64>,
+    ) -> Result<()> {
+        let all_ok = self.comm.all_true(stored.is_ok());
+        self.complete_agreed(version, stored, all_ok, started, store_again)
     }
 
-    /// [`Self::complete`] once the ranks agreed whether all stored their data.
+    /// [`Self::complete`] once the ranks agreed whether all stored their
+    /// data (`stored`: this rank's bytes). When the controller answers that
+    /// the version went to agents it has given up since (their node went
+    /// silent or died after the bytes were sealed there), every rank has
+    /// moved to the new agents it named, stores the version there with
+    /// `store_again`, and records it once more (*collective*): the
+    /// application still holds every byte, so a checkpoint node lost (or
+    /// silent for a few heartbeats) between the seal and the record costs
+    /// the commit a second transfer, not its version.
     pub(super) fn complete_agreed(
+        &mut self,
+        version: u64,
+        stored: Result<u64>,
+        all_ok: bool,
+        started: Instant,
+        store_again: impl FnOnce(&mut Self) -> Result<u64>,
+    ) -> Result<()> {
+        let bytes = *stored.as_ref().unwrap_or(&0);
+        let first = match self.record_agreed(version, stored.map(|_| ()), all_ok, bytes, started)? {
+            Recording::Recorded => return Ok(()),
+            Recording::Moved(first) => first,
+        };
+        tracing::warn!(%first, "storing the version again on the new agents");
+        // The new agents hold no version an incremental commit could
+        // build on: this one moves whole.
+        self.sealed_blocks = None;
+        let again = store_again(self);
+        let all_ok = self.comm.all_true(again.is_ok());
+        let bytes = *again.as_ref().unwrap_or(&0);
+        match self.record_agreed(version, again.map(|_| ()), all_ok, bytes, started) {
+            Ok(Recording::Recorded) => Ok(()),
+            // Given up twice within one commit: the next commit goes to the
+            // newest agents, as it did before the retry existed.
+            Ok(Recording::Moved(_)) => Err(first),
+            // The commit reports why the version was not recorded; the
+            // failed second try is in the log.
+            Err(again) => {
+                tracing::warn!(%again, "storing the version again on the new agents failed");
+                Err(first)
+            }
+        }
+    }
+
+    /// Records the version at the controller once the ranks agreed whether
+    /// all stored their data; [`Recording::Moved`] when the controller had
+    /// given the agents up and every rank moved to the new ones
+    /// (*collective*).
+    fn record_agreed(
         &mut self,
         version: u64,
         local: Result<()>,
         all_ok: bool,
         bytes: u64,
         started: Instant,
-    ) -> Result<()> {
+    ) -> Result<Recording> {
         local?;
         if !all_ok {
             return Err(self.incomplete(version, "another rank failed to store its data".into()));
@@ -409,16 +478,15 @@ impl Icheck {
                 capability: self.access.capability.clone(),
                 transfer: Some(transfer),
             };
+            icheck_core::failpoint::hit("client.before_version_complete");
             recorded = match controller.request(&request) {
                 // Stored on agents the controller gave up: not recorded;
-                // these are the application's agents now.
+                // these are the application's agents now (none: still to be placed).
                 Ok(ClientReply::Agents(agents)) => {
                     moved_to = Some(agents);
                     Err(self.incomplete(
                         version,
-                        "it was stored on agents the controller gave up (their node went silent or died); \
-                         the next commit goes to the new agents"
-                            .into(),
+                        "it was stored on agents the controller gave up (their node went silent or died)".into(),
                     ))
                 }
                 Ok(_) => Ok(()),
@@ -430,13 +498,32 @@ impl Icheck {
             // Every rank learns whether the controller named new agents, and
             // moves there (both collective), before the error returns.
             let answer = self.comm.broadcast_from_root(protocol::encode(&moved_to).unwrap_or_default());
-            if let Ok(Some(agents)) = protocol::decode::<Option<Vec<AgentInfo>>>(&answer) {
-                if let Err(err) = self.switch_agents(agents) {
-                    tracing::warn!(%err, "cannot move to the new agents; the next commit asks again");
-                }
-            }
-            recorded?;
-            return Err(self.incomplete(version, "rank 0 could not record it at the controller".into()));
+            // `switch_agents` and the probe move every rank or none, so all
+            // agree. No agents named: the controller has not placed the new
+            // ones yet, and a probe places them.
+            let moved = match protocol::decode::<Option<Vec<AgentInfo>>>(&answer) {
+                Ok(Some(agents)) if agents.is_empty() => match self.ask_for_new_agents(false) {
+                    Ok(ProbeOutcome::Reconnected { .. }) => true,
+                    Ok(ProbeOutcome::Unchanged) => false,
+                    Err(err) => {
+                        tracing::warn!(%err, "no new agents from the controller; the next commit asks again");
+                        false
+                    }
+                },
+                Ok(Some(agents)) => match self.switch_agents(agents) {
+                    Ok(()) => true,
+                    Err(err) => {
+                        tracing::warn!(%err, "cannot move to the new agents; the next commit asks again");
+                        false
+                    }
+                },
+                _ => false,
+            };
+            let error = match recorded {
+                Err(error) => error,
+                Ok(()) => self.incomplete(version, "rank 0 could not record it at the controller".into()),
+            };
+            return if moved { Ok(Recording::Moved(error)) } else { Err(error) };
         }
         let ranks = self.comm.size();
         let epoch = self.epoch;
@@ -448,7 +535,7 @@ impl Icheck {
             }
         }
         tracing::info!(bytes, total, secs, "version complete");
-        Ok(())
+        Ok(Recording::Recorded)
     }
 
     /// Feeds `transfer = "auto"` what this rank's transfers of the version
@@ -824,16 +911,28 @@ impl Icheck {
         // The staging buffer (MR) or the node segment (SHMR) still holds the
         // version; new agents can take it from there.
         let all_staged = self.comm.all_true(layout.is_some());
-        let result = match layout.filter(|_| all_staged) {
+        let layout = layout.filter(|_| all_staged);
+        let kept = layout.clone();
+        let result = match layout {
             Some(layout) => self
-                .store_elsewhere_on_failure(result.map(|_| bytes), |me| match me.mode {
-                    TransferMode::Mr => me.restore_staged(version, layout),
-                    TransferMode::Shmr => me.restore_segment(version, layout),
-                })
-                .map(|_| ()),
-            None => result,
+                .store_elsewhere_on_failure(result.map(|_| bytes), |me| me.store_staged_again(version, layout))
+                .map(|_| bytes),
+            None => result.map(|_| bytes),
         };
-        self.complete(version, result, bytes, started)
+        self.complete(version, result, started, |me| match kept {
+            Some(layout) => me.store_staged_again(version, layout).map(|_| bytes),
+            None => Err(me.incomplete(version, "its staged bytes are gone".into())),
+        })
+    }
+
+    /// Stores an async commit's version again through this rank's (new)
+    /// agent session, from where it was staged: the staging buffer (MR)
+    /// or the node segment (SHMR).
+    fn store_staged_again(&mut self, version: u64, layout: Vec<LabelLayout>) -> Result<u64> {
+        match self.mode {
+            TransferMode::Mr => self.restore_staged(version, layout),
+            TransferMode::Shmr => self.restore_segment(version, layout),
+        }
     }
 }
 

@@ -2337,16 +2337,11 @@ fn record_version(
     // is about to be dropped. (An empty list: a library that does not say.)
     let agents: Vec<u64> = app.agents.iter().map(|a| a.id).collect();
     if !stored_on.is_empty() && stored_on != agents.as_slice() {
-        if !app.agents.is_empty() && app.agents.len() == app.homes.len() {
-            // Its new agents, so that the library moves there.
-            tracing::warn!(app = name, version, ?stored_on, ?agents, "version stored on agents given up; not recorded");
-            return ClientReply::Agents(app.agents.clone());
-        }
-        return ClientReply::Error(format!(
-            "version {version} of {name:?} was stored on agents {stored_on:?}, but the application's agents are now \
-             {agents:?} (agents on a silent or dead node were given up); it is not recorded, and the next commit \
-             goes to the new agents"
-        ));
+        tracing::warn!(app = name, version, ?stored_on, ?agents, "version stored on agents given up; not recorded");
+        // Its new agents, so that the library moves there; none while some
+        // are still to be placed (a Probe places them).
+        let complete = !app.agents.is_empty() && app.agents.len() == app.homes.len();
+        return ClientReply::Agents(if complete { app.agents.clone() } else { Vec::new() });
     }
     // The library sends a request again when its controller went away
     // before answering: a version already recorded (by this controller, or
