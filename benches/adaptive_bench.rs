@@ -32,6 +32,9 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use icheck_service::testkit::netns::NetCluster;
 
+#[path = "siblings.rs"]
+mod siblings;
+
 #[derive(Parser)]
 #[command(about = "Dynamic agents and placement under contention on namespaced checkpoint nodes (needs root)")]
 struct Cli {
@@ -395,10 +398,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     // Ctrl-C stops the clusters this run started and removes their networks.
     icheck_service::testkit::interrupt::stop_on_interrupt().context("cannot wait for interrupting signals")?;
-    let icheck = out_dir()?.join("icheck");
-    if !icheck.exists() {
-        bail!("{} is missing: cargo build --release --workspace", icheck.display());
-    }
+    let icheck = siblings::sibling_binary("icheck")?;
     if cli.only.is_none_or(|p| p == 1) {
         let prefix = std::env::temp_dir().join(format!("icheck-bench-prefix-{}", std::process::id()));
         let heat2d = build_heat2d(&prefix)?;

@@ -26,6 +26,8 @@ use serde::{Deserialize, Serialize};
 
 #[path = "plots.rs"]
 mod plots;
+#[path = "siblings.rs"]
+mod siblings;
 #[path = "thread_cpu.rs"]
 mod thread_cpu;
 
@@ -922,11 +924,7 @@ fn memcpy_secs(size: usize, runs: usize) -> f64 {
 }
 
 fn icheck_binary() -> Result<PathBuf> {
-    let path = std::env::current_exe()?.with_file_name("icheck");
-    if !path.exists() {
-        bail!("{} is missing: build the workspace first (cargo build --release --workspace)", path.display());
-    }
-    Ok(path)
+    siblings::sibling_binary("icheck")
 }
 
 /// A service whose dynamic config asks for `agents` agents per application.

@@ -43,6 +43,8 @@
 //! target/release/fault-campaign --faults 40 --seed 1 --redundancy rs:2+1
 //! ```
 
+#[path = "siblings.rs"]
+mod siblings;
 #[path = "thread_cpu.rs"]
 mod thread_cpu;
 
@@ -679,10 +681,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         cli.redundancy.as_deref().unwrap_or("none")
     );
     let mut rng = Rng(seed);
-    let icheck = std::env::current_exe()?.with_file_name("icheck");
-    if !icheck.exists() {
-        bail!("{} is missing: build the workspace first (cargo build --release --workspace)", icheck.display());
-    }
+    let icheck = siblings::sibling_binary("icheck")?;
     let takeover_after = TAKEOVER_AFTER.as_secs().to_string();
     let mut args = vec![
         "--provider",

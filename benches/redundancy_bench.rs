@@ -46,6 +46,9 @@ use icheck_service::selftest::fill_pattern;
 use icheck_service::testkit::{poll_until, LocalService};
 use serde::{Deserialize, Serialize};
 
+#[path = "siblings.rs"]
+mod siblings;
+
 /// FTI L2 (partner copy) of 4 ranks × 256 MiB on this machine kind, from
 /// the issue: `--fti-l2`'s default.
 const ISSUE_FTI_L2_SECS: f64 = 2.31;
@@ -420,13 +423,7 @@ struct Row {
 }
 
 fn icheck_binary() -> Result<PathBuf> {
-    let exe = std::env::current_exe()?;
-    let dir = exe.parent().context("the benchmark's directory")?;
-    let icheck = dir.join("icheck");
-    if !icheck.exists() {
-        bail!("{} is missing: build the workspace first (cargo build --release --workspace)", icheck.display());
-    }
-    Ok(icheck)
+    siblings::sibling_binary("icheck")
 }
 
 /// One policy's service, up from before the commits until its row is

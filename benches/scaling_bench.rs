@@ -32,6 +32,9 @@ use icheck_service::testkit::interrupt;
 use icheck_service::testkit::poll_until;
 use icheck_service::testkit::slurm::TestSlurm;
 
+#[path = "siblings.rs"]
+mod siblings;
+
 #[derive(Parser)]
 #[command(about = "Scale-out, release of a drained node and icheck run's relaunch overhead, on a test-local Slurm")]
 struct Cli {
@@ -307,13 +310,8 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     // Ctrl-C stops the test-local Slurm, its jobs and the service.
     icheck_service::testkit::interrupt::stop_on_interrupt().context("cannot wait for interrupting signals")?;
-    let here = std::env::current_exe()?;
-    let programs = Programs { icheck: here.with_file_name("icheck"), example: here.with_file_name("mpi_checkpoint") };
-    for program in [&programs.icheck, &programs.example] {
-        if !program.exists() {
-            bail!("{} is missing: build the workspace first (cargo build --release --workspace)", program.display());
-        }
-    }
+    let programs =
+        Programs { icheck: siblings::sibling_binary("icheck")?, example: siblings::sibling_binary("mpi_checkpoint")? };
     let slurm = TestSlurm::start("bench", "sb", 3);
     let (to_registered, to_version) = scale_out(&slurm, &programs)?;
     let (wall, removal, moved) = release(&slurm, &programs, cli.drain_mib)?;

@@ -28,6 +28,9 @@ use icheck_service::testkit::LocalService;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+#[path = "siblings.rs"]
+mod siblings;
+
 #[derive(Parser)]
 #[command(about = "Commit latency with and without a standby controller, and takeover time")]
 struct Cli {
@@ -155,10 +158,7 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     // Ctrl-C stops the services this run started.
     icheck_service::testkit::interrupt::stop_on_interrupt().context("cannot wait for interrupting signals")?;
-    let icheck = std::env::current_exe()?.with_file_name("icheck");
-    if !icheck.exists() {
-        bail!("{} is missing: build the workspace first (cargo build --release --workspace)", icheck.display());
-    }
+    let icheck = siblings::sibling_binary("icheck")?;
     let size = usize::try_from(cli.size.0)?;
     println!("commit latency: {} commits of {} per service, one process, tcp provider", cli.commits, cli.size);
     let alone = up(&icheck, "bench-alone", None);
