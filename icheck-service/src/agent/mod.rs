@@ -1899,12 +1899,20 @@ fn handle_rest(
                     }
                     (Serve::FromPfs { replacing }, opened) => {
                         // Unmapped before the damaged version's files go.
-                        drop(opened);
-                        if let Some(damage) = replacing {
+                        let missing = opened.err();
+                        if let Some(damage) = &replacing {
                             tracing::warn!(version, rank, %damage, "stored version is damaged; using its PFS copy");
                             store.remove_version(&app, rank, version).map_err(|e| e.to_string())?;
                         }
-                        let (manifest, exposed) = expose_from_pfs(shared, &app, rank, version)?;
+                        // Not in memory either: the reader learns both
+                        // places were tried, not only the PFS path.
+                        let (manifest, exposed) =
+                            expose_from_pfs(shared, &app, rank, version).map_err(|pfs| match missing {
+                                Some(missing) if replacing.is_none() => {
+                                    format!("{missing}; nor on the PFS: {pfs}")
+                                }
+                                _ => pfs,
+                            })?;
                         (manifest, exposed, None, None)
                     }
                     (_, Err(err)) => return Err(err.to_string()),
