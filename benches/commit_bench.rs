@@ -907,11 +907,18 @@ fn raw_fabric(provider: &str, size: usize, runs: usize) -> Result<(f64, f64, f64
     Ok((read, write, fresh))
 }
 
-fn memcpy_secs(size: usize, runs: usize) -> f64 {
+/// A source of `size` patterned bytes and a touched destination of the
+/// same size, for the memcpy baselines.
+fn copy_buffers(size: usize) -> (AlignedBuffer, AlignedBuffer) {
     let mut src = AlignedBuffer::zeroed(size);
     fill_pattern(src.as_mut_slice(), 7);
     let mut dst = AlignedBuffer::zeroed(size);
     dst.as_mut_slice().fill(1);
+    (src, dst)
+}
+
+fn memcpy_secs(size: usize, runs: usize) -> f64 {
+    let (src, mut dst) = copy_buffers(size);
     median(
         (0..runs)
             .map(|_| {
@@ -1314,10 +1321,7 @@ fn mpiio_write_secs(world: &mpi::topology::SimpleCommunicator, dir: &Path, data:
 fn memcpy_together_secs(world: &mpi::topology::SimpleCommunicator, size: usize, runs: usize) -> f64 {
     use mpi::collective::SystemOperation;
     use mpi::traits::CommunicatorCollectives as _;
-    let mut src = AlignedBuffer::zeroed(size);
-    fill_pattern(src.as_mut_slice(), 7);
-    let mut dst = AlignedBuffer::zeroed(size);
-    dst.as_mut_slice().fill(1);
+    let (src, mut dst) = copy_buffers(size);
     let mut times = Vec::with_capacity(runs);
     for _ in 0..runs {
         world.barrier();
