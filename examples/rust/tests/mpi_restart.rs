@@ -949,3 +949,37 @@ fn a_warm_pool_gives_a_new_application_its_first_files_and_fills_again() {
     let lines = Job::start(2, &config, &args, &[]).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
 }
+
+/// A version is restored in the mode that wrote it: a job that switches
+/// `mode` between runs is told which mode its newest version needs, and
+/// restarts in that mode.
+#[test]
+fn a_restart_in_another_mode_than_the_version_was_written_in_names_both() {
+    let service = service("mpi-mode-switch", 1, "tcp");
+    let config = service.config_path();
+    let shmr = [("ICHECK_MODE", "shmr")];
+    let mr = [("ICHECK_MODE", "mr")];
+    let mut args = vec!["--app", "mswitch", "--steps", "4", "--every", "2", "--mib", "6", "--persist"];
+    let lines = Job::start(3, &config, &args, &shmr).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    args[3] = "6";
+    let (ok, output) = Job::start(3, &config, &args, &mr).finish_any(Duration::from_secs(120));
+    assert!(!ok, "{output}");
+    let told = "version 3 of \"mswitch\" was written in SHMR (N:M) mode and cannot be restored in MR (P:M) mode";
+    assert!(output.contains(told) && output.contains("ICHECK_MODE=shmr"), "{output}");
+    // Refused before anything was placed or dropped: the SHMR run restarts.
+    let lines = Job::start(3, &config, &args, &shmr).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
+    // And the other way: an MR version, restarted in SHMR.
+    args[1] = "mswitch-mr";
+    args[3] = "4";
+    let lines = Job::start(2, &config, &args, &mr).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    args[3] = "6";
+    let (ok, output) = Job::start(2, &config, &args, &shmr).finish_any(Duration::from_secs(120));
+    assert!(!ok, "{output}");
+    assert!(output.contains("written in MR (P:M) mode") && output.contains("ICHECK_MODE=mr"), "{output}");
+    let lines = Job::start(2, &config, &args, &mr).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+}

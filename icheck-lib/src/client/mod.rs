@@ -482,6 +482,8 @@ impl Icheck {
                         .map(|latest| ClientReply::Registered { agents: Vec::new(), latest, capability })
                         .map_err(|e| e.to_string())
                 }
+                // The controller's own words: the ranks wrap them once.
+                Ok(Err(ServiceError::Remote(message))) => Err(message),
                 Ok(Err(err)) => Err(err.to_string()),
             };
             answer = protocol::encode(&result).unwrap_or_default();

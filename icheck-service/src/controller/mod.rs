@@ -1945,6 +1945,32 @@ enum Placement {
 /// §6.1.2: pick the agent count and nodes, have managers start the agents,
 /// and return them. A restarting application whose agents all live gets
 /// them back.
+/// Why a run registering in `registration.mode` cannot restart from
+/// `latest`, which agent memory holds as written in `written_in` (the mode
+/// of the registration in force when it was recorded; `None` when the
+/// version comes from the PFS, whose record does not say): MR keeps a file
+/// per rank and SHMR one per node, and neither reads the other's.
+fn mode_mismatch(
+    registration: &protocol::AppRegistration,
+    latest: Option<&VersionRecord>,
+    written_in: Option<protocol::TransferMode>,
+) -> Option<String> {
+    let (latest, written_in) = (latest?, written_in?);
+    (written_in != registration.mode).then(|| {
+        let (name, asked) = (&registration.name, registration.mode);
+        let setting = match written_in {
+            protocol::TransferMode::Mr => "mr",
+            protocol::TransferMode::Shmr => "shmr",
+        };
+        format!(
+            "version {} of {name:?} was written in {written_in} mode and cannot be restored in {asked} mode: \
+             restart with mode = \"{setting}\" (ICHECK_MODE={setting}), or start afresh after \
+             `icheck delete {name} --yes`",
+            latest.version
+        )
+    })
+}
+
 async fn register_app(
     shared: &Shared,
     registration: protocol::AppRegistration,
@@ -2035,6 +2061,16 @@ async fn register_app(
             }
             (memory, pfs) => memory.or(pfs),
         };
+        if placement == Placement::Start {
+            let written_in = state.apps.get(&registration.name).and_then(|app| {
+                let held = app.latest.as_ref().zip(latest.as_ref()).is_some_and(|(m, l)| m.version == l.version);
+                held.then_some(app.registration.mode)
+            });
+            if let Some(why) = mode_mismatch(&registration, latest.as_ref(), written_in) {
+                tracing::warn!(app = %registration.name, %why, "refused a restart");
+                return Err(why);
+            }
+        }
         // A restart of a version held only by a silent node, with no other
         // way to it: not placed elsewhere, where every rank would fail to
         // find it. (A running job asking for new agents stores its
@@ -3080,5 +3116,43 @@ fn request_pfs_copy(nodes: &ManagerBook, app: &mut AppEntry, version: u64, max_c
     for (index, agent) in app.agents.iter().enumerate() {
         let ranks = (0..units).filter(|r| decide::agent_for_rank(*r, units, count) == index as u32).collect();
         nodes.send(&agent.node, ControllerToManager::CopyToPfs { agent: agent.id, version, compression, ranks });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mode_mismatch;
+    use icheck_core::format::VersionRecord;
+    use icheck_core::protocol::{AppRegistration, TransferMode};
+
+    fn registration(mode: TransferMode) -> AppRegistration {
+        AppRegistration {
+            name: "sim".into(),
+            ranks: 4,
+            nodes: 2,
+            ranks_per_node: 2,
+            mode,
+            pfs_interval: 0,
+            compression: icheck_core::pfs::CompressionPolicy::Never,
+            encrypted: false,
+            redundancy: None,
+        }
+    }
+
+    #[test]
+    fn a_restart_is_refused_only_in_the_other_mode_of_a_version_agent_memory_holds() {
+        let latest =
+            VersionRecord { version: 7, ranks: 4, epoch: 0, bytes: 1 << 20, commit_secs: 0.1, completed_unix_ms: 1 };
+        let (mr, shmr) = (TransferMode::Mr, TransferMode::Shmr);
+        let why = mode_mismatch(&registration(mr), Some(&latest), Some(shmr)).expect("SHMR version, MR run");
+        assert!(why.starts_with("version 7 of \"sim\" was written in SHMR (N:M) mode"), "{why}");
+        assert!(why.contains("ICHECK_MODE=shmr") && why.contains("icheck delete sim --yes"), "{why}");
+        let why = mode_mismatch(&registration(shmr), Some(&latest), Some(mr)).expect("MR version, SHMR run");
+        assert!(why.contains("mode = \"mr\" (ICHECK_MODE=mr)"), "{why}");
+        // The same mode, no version, or one the PFS holds (its record does
+        // not say the mode): registered as before.
+        assert_eq!(mode_mismatch(&registration(shmr), Some(&latest), Some(shmr)), None);
+        assert_eq!(mode_mismatch(&registration(mr), None, Some(shmr)), None);
+        assert_eq!(mode_mismatch(&registration(mr), Some(&latest), None), None);
     }
 }
