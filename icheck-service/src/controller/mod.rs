@@ -1942,9 +1942,6 @@ enum Placement {
     Replace,
 }
 
-/// §6.1.2: pick the agent count and nodes, have managers start the agents,
-/// and return them. A restarting application whose agents all live gets
-/// them back.
 /// Why a run registering in `registration.mode` cannot restart from
 /// `latest`, which agent memory holds as written in `written_in` (the mode
 /// of the registration in force when it was recorded; `None` when the
@@ -1971,6 +1968,9 @@ fn mode_mismatch(
     })
 }
 
+/// §6.1.2: pick the agent count and nodes, have managers start the agents,
+/// and return them. A restarting application whose agents all live gets
+/// them back.
 async fn register_app(
     shared: &Shared,
     registration: protocol::AppRegistration,
