@@ -967,6 +967,8 @@ fn a_restart_in_another_mode_than_the_version_was_written_in_names_both() {
     assert!(!ok, "{output}");
     let told = "version 3 of \"mswitch\" was written in SHMR (N:M) mode and cannot be restored in MR (P:M) mode";
     assert!(output.contains(told) && output.contains("ICHECK_MODE=shmr"), "{output}");
+    // The controller is named once, with its address.
+    assert!(output.contains("icheck init failed: controller at ") && !output.contains(": controller:"), "{output}");
     // Refused before anything was placed or dropped: the SHMR run restarts.
     let lines = Job::start(3, &config, &args, &shmr).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");

@@ -3,6 +3,15 @@
 
 use super::*;
 
+/// What the controller said, without the "controller: " a refusal carries
+/// on its own (the library's message names the controller already).
+fn controller_said(error: &ServiceError) -> String {
+    match error {
+        ServiceError::Remote(message) => message.clone(),
+        other => other.to_string(),
+    }
+}
+
 /// Everything a library call can report.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -10,7 +19,7 @@ pub enum Error {
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// The controller could not be reached or refused.
-    #[error("controller at {peer}: {error}")]
+    #[error("controller at {peer}: {}", controller_said(error))]
     Controller {
         /// Its address.
         peer: String,
