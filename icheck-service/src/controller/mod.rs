@@ -1942,17 +1942,17 @@ enum Placement {
     Replace,
 }
 
-/// Why a run registering in `registration.mode` cannot restart from
-/// `latest`, which agent memory holds as written in `written_in` (the mode
-/// of the registration in force when it was recorded; `None` when the
-/// version comes from the PFS, whose record does not say): MR keeps a file
-/// per rank and SHMR one per node, and neither reads the other's.
+/// Why a run registering in `registration.mode` cannot restart from the
+/// version agent memory holds, given as its number and the mode it was
+/// written in (that of the registration in force when it was recorded;
+/// `None` when there is none, or the restart reads the PFS, whose record
+/// does not say): MR keeps a file per rank and SHMR one per node, and
+/// neither reads the other's.
 fn mode_mismatch(
     registration: &protocol::AppRegistration,
-    latest: Option<&VersionRecord>,
-    written_in: Option<protocol::TransferMode>,
+    held: Option<(u64, protocol::TransferMode)>,
 ) -> Option<String> {
-    let (latest, written_in) = (latest?, written_in?);
+    let (version, written_in) = held?;
     (written_in != registration.mode).then(|| {
         let (name, asked) = (&registration.name, registration.mode);
         let setting = match written_in {
@@ -1960,10 +1960,9 @@ fn mode_mismatch(
             protocol::TransferMode::Shmr => "shmr",
         };
         format!(
-            "version {} of {name:?} was written in {written_in} mode and cannot be restored in {asked} mode: \
+            "version {version} of {name:?} was written in {written_in} mode and cannot be restored in {asked} mode: \
              restart with mode = \"{setting}\" (ICHECK_MODE={setting}), or start afresh after \
-             `icheck delete {name} --yes`",
-            latest.version
+             `icheck delete {name} --yes`"
         )
     })
 }
@@ -2062,11 +2061,13 @@ async fn register_app(
             (memory, pfs) => memory.or(pfs),
         };
         if placement == Placement::Start {
-            let written_in = state.apps.get(&registration.name).and_then(|app| {
-                let held = app.latest.as_ref().zip(latest.as_ref()).is_some_and(|(m, l)| m.version == l.version);
-                held.then_some(app.registration.mode)
+            // The version the restart reads, when agent memory holds it.
+            let held = state.apps.get(&registration.name).and_then(|app| {
+                let memory = app.latest.as_ref()?;
+                let read = latest.as_ref().filter(|l| l.version == memory.version)?;
+                Some((read.version, app.registration.mode))
             });
-            if let Some(why) = mode_mismatch(&registration, latest.as_ref(), written_in) {
+            if let Some(why) = mode_mismatch(&registration, held) {
                 tracing::warn!(app = %registration.name, %why, "refused a restart");
                 return Err(why);
             }
@@ -3122,7 +3123,6 @@ fn request_pfs_copy(nodes: &ManagerBook, app: &mut AppEntry, version: u64, max_c
 #[cfg(test)]
 mod tests {
     use super::mode_mismatch;
-    use icheck_core::format::VersionRecord;
     use icheck_core::protocol::{AppRegistration, TransferMode};
 
     fn registration(mode: TransferMode) -> AppRegistration {
@@ -3141,18 +3141,17 @@ mod tests {
 
     #[test]
     fn a_restart_is_refused_only_in_the_other_mode_of_a_version_agent_memory_holds() {
-        let latest =
-            VersionRecord { version: 7, ranks: 4, epoch: 0, bytes: 1 << 20, commit_secs: 0.1, completed_unix_ms: 1 };
         let (mr, shmr) = (TransferMode::Mr, TransferMode::Shmr);
-        let why = mode_mismatch(&registration(mr), Some(&latest), Some(shmr)).expect("SHMR version, MR run");
+        let why = mode_mismatch(&registration(mr), Some((7, shmr))).expect("SHMR version, MR run");
         assert!(why.starts_with("version 7 of \"sim\" was written in SHMR (N:M) mode"), "{why}");
         assert!(why.contains("ICHECK_MODE=shmr") && why.contains("icheck delete sim --yes"), "{why}");
-        let why = mode_mismatch(&registration(shmr), Some(&latest), Some(mr)).expect("MR version, SHMR run");
+        let why = mode_mismatch(&registration(shmr), Some((7, mr))).expect("MR version, SHMR run");
         assert!(why.contains("mode = \"mr\" (ICHECK_MODE=mr)"), "{why}");
-        // The same mode, no version, or one the PFS holds (its record does
-        // not say the mode): registered as before.
-        assert_eq!(mode_mismatch(&registration(shmr), Some(&latest), Some(shmr)), None);
-        assert_eq!(mode_mismatch(&registration(mr), None, Some(shmr)), None);
-        assert_eq!(mode_mismatch(&registration(mr), Some(&latest), None), None);
+        // The same mode, or no version in agent memory (none at all, or a
+        // restart from the PFS, whose record does not say the mode):
+        // registered as before, in either mode.
+        assert_eq!(mode_mismatch(&registration(shmr), Some((7, shmr))), None);
+        assert_eq!(mode_mismatch(&registration(mr), None), None);
+        assert_eq!(mode_mismatch(&registration(shmr), None), None);
     }
 }
