@@ -230,6 +230,55 @@ pub fn decode_stored<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, FormatError
     stored_options().deserialize(bytes).map_err(|e| FormatError::Malformed(e.to_string()))
 }
 
+/// How the application moves data (thesis §6.2.1).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransferMode {
+    /// Every process registers its memory (P:M).
+    Mr,
+    /// One shared-memory segment per node (N:M).
+    Shmr,
+}
+
+impl std::fmt::Display for TransferMode {
+    /// The thesis's names: every process registers (MR, P:M), or one
+    /// shared-memory segment per node (SHMR, N:M).
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TransferMode::Mr => "MR (P:M)",
+            TransferMode::Shmr => "SHMR (N:M)",
+        })
+    }
+}
+
+impl TransferMode {
+    /// How the configuration names it (`[client] mode`, `ICHECK_MODE`).
+    pub fn setting(self) -> &'static str {
+        match self {
+            TransferMode::Mr => "mr",
+            TransferMode::Shmr => "shmr",
+        }
+    }
+
+    /// Why `version` of `app`, whose files were written in this mode, cannot
+    /// be restored by a run in mode `asked`, and what to do: MR keeps a
+    /// file per process and SHMR one per node, and neither reads the
+    /// other's. `place` says where the version is ("agent memory", "the
+    /// PFS"). The controller and the library say the same.
+    pub fn cannot_restore_in(self, asked: TransferMode, app: &str, version: u64, place: &str) -> String {
+        let setting = self.setting();
+        let unit = match self {
+            TransferMode::Mr => "process",
+            TransferMode::Shmr => "node",
+        };
+        format!(
+            "version {version} of {app:?} was written in {self} mode and cannot be restored in {asked} mode \
+             ({place} keeps it as one file per {unit}): restart with mode = \"{setting}\" \
+             (ICHECK_MODE={setting}), or start afresh after `icheck delete {app} --yes`"
+        )
+    }
+}
+
 /// A complete version as the controller records it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct VersionRecord {

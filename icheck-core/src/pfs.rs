@@ -6,7 +6,8 @@
 //! <pfs_dir>/<app>/v<V>.partial/       a version being written (never read)
 //! <pfs_dir>/<app>/v<V>/rank<R>.data   one process's (MR) or node's (SHMR) bytes, raw or zstd,
 //!                                     then encrypted when the store has a key (see `cipher`)
-//! <pfs_dir>/<app>/v<V>/MANIFEST       PfsManifest (bincode), written last
+//! <pfs_dir>/<app>/v<V>/MANIFEST       PfsManifest (bincode, with the mode that decides the
+//!                                     files' layout), written last
 //! <pfs_dir>/<app>/OWNER               who owns the application (its capability's verifier
 //!                                     and uid, never the capability), mode 0600
 //! ```
@@ -31,6 +32,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cipher::{self, CipherError, Encryption, PfsKey, Place, Sealer};
 use crate::credentials::Owner;
+use crate::format::TransferMode;
 use crate::format::{self, check_app_name, FormatError, Manifest, VersionRecord};
 
 /// Complete versions kept per application: the newest, and the one before
@@ -116,6 +118,37 @@ pub struct PfsManifest {
     pub writer: String,
     /// One entry per file.
     pub entries: Vec<RankEntry>,
+    /// How the files divide the version: one per process (MR) or one per
+    /// node, holding its processes' labels as `<rank>/<label>` (SHMR). A
+    /// run restores only a version of its own mode. `None`: written by
+    /// agents before the manifest recorded it (2026-12-04), not known.
+    pub mode: Option<TransferMode>,
+}
+
+/// [`PfsManifest`] as written before it recorded the mode: read so that
+/// older copies still restart.
+#[derive(Deserialize)]
+struct PfsManifestWithoutMode {
+    app: String,
+    version: u64,
+    ranks: u32,
+    writer: String,
+    entries: Vec<RankEntry>,
+}
+
+impl From<PfsManifestWithoutMode> for PfsManifest {
+    fn from(old: PfsManifestWithoutMode) -> PfsManifest {
+        // The library's writer kept one file per process in either mode.
+        let mode = (old.writer == "library").then_some(TransferMode::Mr);
+        PfsManifest {
+            app: old.app,
+            version: old.version,
+            ranks: old.ranks,
+            writer: old.writer,
+            entries: old.entries,
+            mode,
+        }
+    }
 }
 
 /// What writing one rank cost.
@@ -511,15 +544,25 @@ impl PfsStore {
     /// in last, then the directory is renamed into place, then complete
     /// versions older than the newest [`KEEP_VERSIONS`] are deleted (the new
     /// one replaces them only now). A version older than the newest complete
-    /// one is dropped instead.
-    pub fn complete(&self, app: &str, version: u64, ranks: u32, writer: &str, entries: Vec<RankEntry>) -> Result<()> {
+    /// one is dropped instead. `ranks` is the process count that wrote it,
+    /// `mode` how its `entries` divide it (see [`PfsManifest::mode`]).
+    pub fn complete(
+        &self,
+        app: &str,
+        version: u64,
+        ranks: u32,
+        writer: &str,
+        mode: TransferMode,
+        entries: Vec<RankEntry>,
+    ) -> Result<()> {
         let partial = self.partial_dir(app, version)?;
         if self.latest(app)?.is_some_and(|newest| newest > version) {
             // A newer version completed first: this one is already superseded.
             let _ = fs::remove_dir_all(&partial);
             return Ok(());
         }
-        let manifest = PfsManifest { app: app.to_string(), version, ranks, writer: writer.to_string(), entries };
+        let manifest =
+            PfsManifest { app: app.to_string(), version, ranks, writer: writer.to_string(), entries, mode: Some(mode) };
         let bytes = bincode_encode(&manifest, &partial)?;
         let tmp = partial.join(format!("{MANIFEST}.tmp"));
         let mut out = File::create(&tmp).map_err(io("cannot create", &tmp))?;
@@ -591,6 +634,12 @@ impl PfsStore {
     /// the previous complete version is used, with a warning naming the
     /// damaged file; if none is readable, the first damage is the error.
     pub fn latest_record(&self, app: &str) -> Result<Option<VersionRecord>> {
+        Ok(self.latest_manifest(app)?.map(|manifest| Self::record(&manifest)))
+    }
+
+    /// The MANIFEST of the newest complete version of `app` that has a
+    /// readable one, as [`latest_record`](Self::latest_record) chooses it.
+    pub fn latest_manifest(&self, app: &str) -> Result<Option<PfsManifest>> {
         let mut damage: Option<PfsError> = None;
         for version in self.versions(app)?.into_iter().rev() {
             match self.manifest(app, version) {
@@ -598,7 +647,7 @@ impl PfsStore {
                     if let Some(err) = &damage {
                         tracing::warn!(app, version, damaged = %err, "newest PFS version unusable; using version {version}");
                     }
-                    return Ok(Some(Self::record(version, &manifest)));
+                    return Ok(Some(manifest));
                 }
                 Err(err) => {
                     tracing::warn!(app, version, %err, "PFS version unusable");
@@ -609,9 +658,10 @@ impl PfsStore {
         damage.map_or(Ok(None), Err)
     }
 
-    fn record(version: u64, manifest: &PfsManifest) -> VersionRecord {
+    /// The version record a restart from `manifest`'s version starts from.
+    pub fn record(manifest: &PfsManifest) -> VersionRecord {
         VersionRecord {
-            version,
+            version: manifest.version,
             ranks: manifest.ranks,
             epoch: manifest.entries.first().map_or(0, |e| e.manifest.epoch),
             bytes: manifest.entries.iter().map(|e| e.manifest.total_len).sum(),
@@ -625,6 +675,9 @@ impl PfsStore {
         let path = self.version_dir(app, version)?.join(MANIFEST);
         let bytes = fs::read(&path).map_err(io("cannot read", &path))?;
         let manifest: PfsManifest = format::decode_stored(&bytes)
+            .or_else(|err| {
+                format::decode_stored::<PfsManifestWithoutMode>(&bytes).map(PfsManifest::from).map_err(|_| err)
+            })
             .map_err(|e| PfsError::Damaged { path: path.clone(), reason: e.to_string() })?;
         if manifest.app != app || manifest.version != version {
             return Err(PfsError::Damaged { path, reason: "it describes another version".into() });
@@ -884,7 +937,7 @@ mod tests {
             entries.push(entry);
             stats.push(s);
         }
-        pfs.complete("app", version, data.len() as u32, "test", entries).unwrap();
+        pfs.complete("app", version, data.len() as u32, "test", TransferMode::Mr, entries).unwrap();
         stats
     }
 
@@ -928,12 +981,12 @@ mod tests {
         let data: Vec<u8> = (0..(3u32 << 20) + 11).map(|i| (i % 251) as u8).collect();
         let (a, _) = pfs.write_rank(&manifest("app", 1, 0, &data), &data, Compression::Zstd { level: 1 }).unwrap();
         let (b, _) = pfs.write_rank_parts(&manifest("app", 1, 1, &data), &[&data[..1000], &data[1000..]]).unwrap();
-        pfs.complete("app", 1, 2, "test", vec![a, b]).unwrap();
+        pfs.complete("app", 1, 2, "test", TransferMode::Mr, vec![a, b]).unwrap();
         let spill = pfs.create_spill("app", 2, 0, data.len() as u64).unwrap();
         spill.write_at(1000, &data[1000..]).unwrap();
         spill.write_at(0, &data[..1000]).unwrap();
         let spilled = spill.finish(&manifest("app", 2, 0, &data)).unwrap();
-        pfs.complete("app", 2, 1, "test", vec![spilled]).unwrap();
+        pfs.complete("app", 2, 1, "test", TransferMode::Mr, vec![spilled]).unwrap();
         for (version, ranks) in [(1, 2), (2, 1)] {
             let manifest = pfs.manifest("app", version).unwrap();
             for rank in 0..ranks {
@@ -971,7 +1024,7 @@ mod tests {
         let data = vec![1u8; 1000];
         let (old, _) = pfs.write_rank(&manifest("app", 1, 0, &data), &data, Compression::None).unwrap();
         write_version(&pfs, 2, &[&data], Compression::None);
-        pfs.complete("app", 1, 1, "test", vec![old]).unwrap();
+        pfs.complete("app", 1, 1, "test", TransferMode::Mr, vec![old]).unwrap();
         assert_eq!(pfs.versions("app").unwrap(), vec![2]);
         assert!(!pfs.partial_dir("app", 1).unwrap().exists());
     }
@@ -985,11 +1038,38 @@ mod tests {
             pfs.write_rank_parts(&manifest("app", 4, rank, &data), &[a, b]).unwrap();
         }
         let entries = pfs.partial_entries("app", 4, 3).unwrap();
-        pfs.complete("app", 4, 3, "library", entries).unwrap();
+        pfs.complete("app", 4, 3, "library", TransferMode::Mr, entries).unwrap();
         let manifest = pfs.manifest("app", 4).unwrap();
         for rank in 0..3 {
             assert_eq!(pfs.read_rank(&manifest, rank).unwrap().1, data);
         }
+    }
+
+    #[test]
+    fn the_manifest_records_the_mode_and_manifests_written_before_it_still_read() {
+        let (pfs, _dir) = scratch("mode");
+        let data = vec![7u8; 5_000];
+        let (entry, _) = pfs.write_rank(&manifest("app", 1, 0, &data), &data, Compression::None).unwrap();
+        pfs.complete("app", 1, 2, "agents", TransferMode::Shmr, vec![entry]).unwrap();
+        let written = pfs.manifest("app", 1).unwrap();
+        assert_eq!(written.mode, Some(TransferMode::Shmr));
+        assert_eq!(pfs.latest_manifest("app").unwrap().map(|m| m.mode), Some(Some(TransferMode::Shmr)));
+        assert_eq!(pfs.latest_record("app").unwrap().map(|r| (r.version, r.ranks)), Some((1, 2)));
+        // The same manifest as an older release wrote it: no mode at the end.
+        #[derive(Serialize)]
+        struct Before<'a>(&'a str, u64, u32, &'a str, &'a [RankEntry]);
+        let path = pfs.version_dir("app", 1).unwrap().join(MANIFEST);
+        for (writer, mode) in [("agents", None), ("library", Some(TransferMode::Mr))] {
+            let before = Before("app", 1, 2, writer, &written.entries);
+            fs::write(&path, format::encode_stored(&before).unwrap()).unwrap();
+            let read = pfs.manifest("app", 1).unwrap();
+            assert_eq!((read.mode, read.writer.as_str(), &read.entries), (mode, writer, &written.entries));
+            assert_eq!(pfs.read_rank(&read, 0).unwrap().1, data);
+        }
+        // Damage is still damage, named by its file.
+        fs::write(&path, b"not a manifest").unwrap();
+        let err = pfs.manifest("app", 1).unwrap_err().to_string();
+        assert!(err.contains("v1/MANIFEST"), "{err}");
     }
 
     #[test]

@@ -355,26 +355,9 @@ pub fn admit_hello(hello: &Hello, accepted: &[(Privilege, &str)]) -> Result<Priv
     }
 }
 
-/// How the application moves data (thesis §6.2.1).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TransferMode {
-    /// Every process registers its memory (P:M).
-    Mr,
-    /// One shared-memory segment per node (N:M).
-    Shmr,
-}
-
-impl fmt::Display for TransferMode {
-    /// The thesis's names: every process registers (MR, P:M), or one
-    /// shared-memory segment per node (SHMR, N:M).
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            TransferMode::Mr => "MR (P:M)",
-            TransferMode::Shmr => "SHMR (N:M)",
-        })
-    }
-}
+/// How the application moves data (thesis §6.2.1); defined with the
+/// on-disk formats, whose file layout it decides.
+pub use crate::format::TransferMode;
 
 /// An application's registration (§6.1.2 step 1).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -348,7 +348,7 @@ impl Pfs {
         let store = PfsStore::new(&dir);
         let data = vec![7u8; 128];
         let entry = store.write_rank(&manifest(), &data, Compression::Zstd { level: 1 }).expect("writes").0;
-        store.complete("app", 1, 2, "agents", vec![entry]).expect("completes");
+        store.complete("app", 1, 2, "agents", icheck_core::protocol::TransferMode::Mr, vec![entry]).expect("completes");
         Pfs { dir, store }
     }
 }

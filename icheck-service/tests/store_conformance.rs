@@ -132,7 +132,7 @@ impl Level for PfsLevel {
 
     fn finish(&self, version: u64, _data: &[u8]) {
         let entries = self.0.partial_entries(APP, version, 1).unwrap();
-        self.0.complete(APP, version, 1, "conformance", entries).unwrap();
+        self.0.complete(APP, version, 1, "conformance", icheck_core::protocol::TransferMode::Mr, entries).unwrap();
     }
 
     fn served(&self) -> Vec<u64> {

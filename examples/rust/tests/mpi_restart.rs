@@ -9,6 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{files_handed_over, without_a_controller, Job};
+use icheck_core::protocol::TransferMode;
 use icheck_service::testkit::{icheck_in_target, metric_sample as sample, LocalService};
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
@@ -984,4 +985,67 @@ fn a_restart_in_another_mode_than_the_version_was_written_in_names_both() {
     assert!(output.contains("written in MR (P:M) mode") && output.contains("ICHECK_MODE=mr"), "{output}");
     let lines = Job::start(2, &config, &args, &mr).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+}
+
+#[test]
+fn a_pfs_copy_restarts_only_in_the_mode_it_was_written_in_and_says_so() {
+    let mut service = service("mpi-pfs-mode", 1, "tcp");
+    let shmr = [("ICHECK_MODE", "shmr"), ("ICHECK_PFS_INTERVAL", "3")];
+    let mr = [("ICHECK_MODE", "mr")];
+    let mut args = vec!["--app", "pmode", "--steps", "4", "--every", "2", "--mib", "6"];
+    let lines = Job::start(3, &service.config_path(), &args, &shmr).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    let flushed = service.dir.join("pfs/pmode/v3/MANIFEST");
+    icheck_service::testkit::wait_for("the flush of version 3", Duration::from_secs(30), || flushed.exists());
+    icheck_service::testkit::wait_for("the agents to stop", Duration::from_secs(10), || {
+        service.status().apps.is_empty()
+    });
+    // Agent memory is gone with the service: the restart reads the PFS copy,
+    // one file for the node, and operators see in which mode.
+    service.relaunch();
+    let out =
+        Command::new(&service.icheck).args(["versions", "pmode", "--state-dir"]).arg(&service.dir).output().unwrap();
+    let listing = String::from_utf8_lossy(&out.stdout);
+    assert!(listing.contains("version 3, 1 file(s)") && listing.contains("in SHMR (N:M) mode"), "{listing}");
+    args[3] = "6";
+    let (ok, output) = Job::start(3, &service.config_path(), &args, &mr).finish_any(Duration::from_secs(120));
+    assert!(!ok, "{output}");
+    let told = "version 3 of \"pmode\" was written in SHMR (N:M) mode and cannot be restored in MR (P:M) mode \
+                (the PFS keeps it as one file per node)";
+    assert!(output.contains(told) && output.contains("ICHECK_MODE=shmr"), "{output}");
+    // Refused at init, before any agent read anything: in its own mode it restarts.
+    let lines = Job::start(3, &service.config_path(), &args, &shmr).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
+}
+
+#[test]
+fn an_shmr_job_without_a_controller_writes_node_files_that_it_and_the_service_restart() {
+    let service = service("mpi-shmr-fallback", 1, "tcp");
+    let unreachable = without_a_controller(&service);
+    let run = |config: &PathBuf, steps: &str, mode: &str| {
+        let args = ["--app", "sfb", "--steps", steps, "--every", "2", "--mib", "2"];
+        Job::start(3, config, &args, &[("ICHECK_MODE", mode)]).finish_any(Duration::from_secs(120))
+    };
+    let (ok, output) = run(&unreachable, "4", "shmr");
+    assert!(ok && output.contains("COMMITTED version=3 step=4"), "{output}");
+    // One file for the node, as its agent would have stored it.
+    let pfs = icheck_core::pfs::PfsStore::new(service.dir.join("pfs"));
+    let manifest = pfs.manifest("sfb", 3).unwrap();
+    assert_eq!((manifest.mode, manifest.ranks, manifest.entries.len()), (Some(TransferMode::Shmr), 3, 1));
+    // Still no controller: the library restarts from its node file.
+    let (ok, output) = run(&unreachable, "6", "shmr");
+    assert!(ok && output.contains("RESTORED version=3 step=4 verified"), "{output}");
+    assert!(output.contains("COMMITTED version=4 step=6"), "{output}");
+    // A run in the other mode is told why, with what to do.
+    let (ok, output) = run(&unreachable, "8", "mr");
+    assert!(
+        !ok && output.contains("was written in SHMR (N:M) mode and cannot be restored in MR (P:M) mode"),
+        "{output}"
+    );
+    assert!(output.contains("ICHECK_MODE=shmr"), "{output}");
+    // The service is back: the node's agent loads the node file.
+    let (ok, output) = run(&service.config_path(), "8", "shmr");
+    assert!(ok && output.contains("RESTORED version=4 step=6 verified"), "{output}");
+    assert!(output.contains("COMMITTED version=5 step=8"), "{output}");
 }

@@ -6,8 +6,8 @@ use super::*;
 
 impl Icheck {
     /// Fallback commit (*collective*): one writer per node (thesis §9.4.1.4)
-    /// writes every process's file of that node to the PFS partial version,
-    /// then rank 0 completes it from the entries.
+    /// writes that node's files to the PFS partial version, then rank 0
+    /// completes it from the entries.
     pub(super) fn commit_fallback(&mut self, version: u64) -> Result<()> {
         let pfs = self.fallback.clone().expect("fallback mode");
         let (rank, ranks) = (self.comm.rank(), self.comm.size());
@@ -20,9 +20,15 @@ impl Icheck {
             return Err(self.incomplete(version, "another rank could not write its data to the PFS".into()));
         }
         let completed = if rank == 0 {
+            // A file per process, or per node in SHMR mode (as its agents
+            // would have stored it).
+            let files = match self.mode {
+                TransferMode::Mr => ranks,
+                TransferMode::Shmr => self.comm.node_counts().0,
+            };
             let completed = pfs
-                .partial_entries(&self.app, version, ranks)
-                .and_then(|entries| pfs.complete(&self.app, version, ranks, "library", entries))
+                .partial_entries(&self.app, version, files)
+                .and_then(|entries| pfs.complete(&self.app, version, ranks, "library", self.mode, entries))
                 .map_err(fail);
             if completed.is_ok() {
                 // This job is the only writer now: older partial versions
@@ -47,8 +53,10 @@ impl Icheck {
     }
 
     /// The node's processes stage their labels in the node segment, and the
-    /// node leader writes one file per process from there: fewer writers
-    /// contend for the PFS, and the on-disk format stays per rank.
+    /// node leader writes the node's files from there (fewer writers contend
+    /// for the PFS) in the agents' format of the mode: one file per process
+    /// (MR), or the node's one file with its processes' labels named
+    /// `<rank>/<label>` (SHMR), so that the service's agents restart either.
     pub(super) fn write_node_to_pfs(&mut self, pfs: &icheck_core::pfs::PfsStore, version: u64) -> Result<()> {
         let staging = Instant::now();
         let (staged, _) = self.stage_in_segment()?;
@@ -58,6 +66,26 @@ impl Icheck {
         }
         let segment = self.segment.as_ref().expect("staged");
         let bytes = segment.as_slice();
+        let fail = |e: icheck_core::pfs::PfsError| Error::Unsupported(format!("fallback write to the PFS: {e}"));
+        if self.mode == TransferMode::Shmr {
+            let labels = node_layout(staged);
+            let parts: Vec<&[u8]> =
+                labels.iter().map(|l| &bytes[l.offset as usize..(l.offset + l.len) as usize]).collect();
+            let manifest = Manifest {
+                app: self.app.clone(),
+                rank: self.comm.node_index(),
+                ranks: self.comm.node_counts().0,
+                epoch: self.epoch,
+                version,
+                total_len: parts.iter().map(|p| p.len() as u64).sum(),
+                chunk_size: CHUNK_SIZE,
+                crcs: label_crcs(&parts),
+                labels,
+                sealed_unix_ms: 0,
+            };
+            pfs.write_rank_parts(&manifest, &parts).map_err(fail)?;
+            return Ok(());
+        }
         for (who, labels) in staged {
             let parts: Vec<&[u8]> =
                 labels.iter().map(|l| &bytes[l.offset as usize..(l.offset + l.len) as usize]).collect();
@@ -74,8 +102,7 @@ impl Icheck {
                 labels: labels.into_iter().map(|l| LabelLayout { offset: l.offset - base, ..l }).collect(),
                 sealed_unix_ms: 0,
             };
-            pfs.write_rank_parts(&manifest, &parts)
-                .map_err(|e| Error::Unsupported(format!("fallback write to the PFS: {e}")))?;
+            pfs.write_rank_parts(&manifest, &parts).map_err(fail)?;
         }
         Ok(())
     }
@@ -138,12 +165,42 @@ impl Icheck {
     }
 
     /// Fallback restart: this rank's data, verified, from the PFS.
+    /// In SHMR mode the node leader reads the node's file into the node
+    /// segment, and the node's processes restore from there.
     pub(super) fn fetch_fallback(&mut self, version: u64) -> Result<u64> {
         let pfs = self.fallback.clone().expect("fallback mode");
         let fail = |e: icheck_core::pfs::PfsError| Error::Unsupported(format!("restart from the PFS: {e}"));
         let manifest = pfs.manifest(&self.app, version).map_err(fail)?;
-        let (rank_manifest, data) = pfs.read_rank(&manifest, self.comm.rank()).map_err(fail)?;
-        self.restored = Some(Restored { manifest: rank_manifest, data: RestoredData::Local(data) });
+        if let Some(written) = manifest.mode.filter(|written| *written != self.mode) {
+            let place = format!("the PFS at {}", pfs.root().display());
+            return Err(Error::Unsupported(written.cannot_restore_in(self.mode, &self.app, version, &place)));
+        }
+        if self.mode == TransferMode::Mr {
+            let (rank_manifest, data) = pfs.read_rank(&manifest, self.comm.rank()).map_err(fail)?;
+            self.restored = Some(Restored { manifest: rank_manifest, data: RestoredData::Local(data) });
+            return Ok(version);
+        }
+        let read = (self.comm.node_rank() == 0).then(|| pfs.read_rank(&manifest, self.comm.node_index()));
+        let answer: std::result::Result<Manifest, String> = match &read {
+            Some(Ok((node_manifest, _))) => Ok(node_manifest.clone()),
+            Some(Err(err)) => Err(err.to_string()),
+            None => Err(String::new()),
+        };
+        let shared = self.comm.node_broadcast(protocol::encode(&answer).unwrap_or_default());
+        let node_manifest = protocol::decode::<std::result::Result<Manifest, String>>(&shared)
+            .map_err(|e| e.to_string())
+            .and_then(|r| r)
+            .map_err(|message| Error::Unsupported(format!("SHMR restart from the PFS, node leader: {message}")))?;
+        self.ensure_segment(node_manifest.total_len as usize)?;
+        if let Some(Ok((_, data))) = read {
+            let segment = self.segment.as_mut().expect("ensured");
+            // SAFETY: the segment maps at least `total_len` bytes, which
+            // `read_rank` checked `data` holds; the node's other processes
+            // wait at the barrier below and only read the segment after it.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), segment.as_mut_ptr(), data.len()) };
+        }
+        self.comm.node_barrier();
+        self.restored = Some(Restored { manifest: node_manifest, data: RestoredData::Segment });
         Ok(version)
     }
 }

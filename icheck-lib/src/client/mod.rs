@@ -62,6 +62,7 @@ pub use resize::Recalc;
 use resize::Resized;
 pub use resize::{Global, Recalculate, Replicated, Resize};
 use restart::{fetch_version, read_and_verify, read_files_and_verify, ReadFrom, Restored, RestoredData};
+use shmr::node_layout;
 
 /// Environment variable naming the configuration file when `init` gets none.
 pub const CONFIG_ENV: &str = "ICHECK_CONFIG";

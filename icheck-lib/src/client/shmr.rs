@@ -6,6 +6,18 @@ use super::*;
 /// One process of a node and its labels' places in the node segment.
 pub(super) type NodeProcessLabels = (u32, Vec<LabelLayout>);
 
+/// The node segment's labels as one "rank" of the node holds them (its
+/// agent's file, its PFS file): every process's labels, at their places in
+/// the segment, named `<rank>/<label>`.
+pub(super) fn node_layout(staged: Vec<NodeProcessLabels>) -> Vec<LabelLayout> {
+    staged
+        .into_iter()
+        .flat_map(|(who, labels)| {
+            labels.into_iter().map(move |l| LabelLayout { label: format!("{who}/{}", l.label), ..l })
+        })
+        .collect()
+}
+
 impl Icheck {
     /// SHMR: makes every process of this node map a segment of at least
     /// `len` bytes (collective on the node; `len` is the same on all).
@@ -77,13 +89,7 @@ impl Icheck {
     /// segment; the node leader moves the segment to the node's agent.
     pub(super) fn store_shmr(&mut self, version: u64, started: Instant) -> Result<u64> {
         let (staged, total) = self.stage_in_segment()?;
-        // The agent holds one "rank" per node: labels are named <rank>/<label>.
-        let layout: Vec<LabelLayout> = staged
-            .into_iter()
-            .flat_map(|(who, labels)| {
-                labels.into_iter().map(move |l| LabelLayout { label: format!("{who}/{}", l.label), ..l })
-            })
-            .collect();
+        let layout = node_layout(staged);
         let push = self.direction == TransferDirection::Push;
         let shape = self.shape(self.comm.node_counts().0);
         let Some(mut link) = self.link.take() else {

@@ -33,7 +33,7 @@ use icheck_core::decide;
 use icheck_core::protocol::{
     self, AgentChange, AgentInfo, AppReport, ClientReply, ClientRequest, CommitSample, ControllerToManager, Hello,
     HelloReply, ManagerToController, PfsCopyStats, Privilege, ProtocolError, Role, StatusReport, StoredPiece,
-    VersionRecord,
+    TransferMode, VersionRecord,
 };
 
 use crate::framing;
@@ -1945,26 +1945,24 @@ enum Placement {
 /// Why a run registering in `registration.mode` cannot restart from the
 /// version agent memory holds, given as its number and the mode it was
 /// written in (that of the registration in force when it was recorded;
-/// `None` when there is none, or the restart reads the PFS, whose record
-/// does not say): MR keeps a file per rank and SHMR one per node, and
-/// neither reads the other's.
+/// `None` when there is none): MR keeps a file per rank and SHMR one per
+/// node, and neither reads the other's.
 fn mode_mismatch(
     registration: &protocol::AppRegistration,
     held: Option<(u64, protocol::TransferMode)>,
 ) -> Option<String> {
+    mode_mismatch_in(registration, held, "agent memory")
+}
+
+/// [`mode_mismatch`] for the version a restart reads from `place`.
+fn mode_mismatch_in(
+    registration: &protocol::AppRegistration,
+    held: Option<(u64, protocol::TransferMode)>,
+    place: &str,
+) -> Option<String> {
     let (version, written_in) = held?;
-    (written_in != registration.mode).then(|| {
-        let (name, asked) = (&registration.name, registration.mode);
-        let setting = match written_in {
-            protocol::TransferMode::Mr => "mr",
-            protocol::TransferMode::Shmr => "shmr",
-        };
-        format!(
-            "version {version} of {name:?} was written in {written_in} mode and cannot be restored in {asked} mode: \
-             restart with mode = \"{setting}\" (ICHECK_MODE={setting}), or start afresh after \
-             `icheck delete {name} --yes`"
-        )
-    })
+    (written_in != registration.mode)
+        .then(|| written_in.cannot_restore_in(registration.mode, &registration.name, version, place))
 }
 
 /// §6.1.2: pick the agent count and nodes, have managers start the agents,
@@ -2017,7 +2015,10 @@ async fn register_app(
     let mut superseded: Vec<AgentInfo> = Vec::new();
     // Read before taking the state lock: it is file I/O.
     let pfs_record = pfs_latest(shared, &registration.name);
-    let on_pfs = pfs_record.as_ref().ok().and_then(|r| r.as_ref().map(|r| r.version));
+    let on_pfs = pfs_record.as_ref().ok().and_then(|r| r.as_ref().map(|(r, _)| r.version));
+    // The mode the PFS's newest version was written in, where recorded.
+    let pfs_mode = pfs_record.as_ref().ok().and_then(|r| r.as_ref().and_then(|(r, mode)| Some((r.version, (*mode)?))));
+    let pfs_record = pfs_record.map(|r| r.map(|(record, _)| record));
     {
         let mut state = shared.state();
         let now = Instant::now();
@@ -2067,7 +2068,15 @@ async fn register_app(
                 let read = latest.as_ref().filter(|l| l.version == memory.version)?;
                 Some((read.version, app.registration.mode))
             });
-            if let Some(why) = mode_mismatch(&registration, held) {
+            // Else the version the restart reads from the PFS.
+            let why = match held {
+                Some(_) => mode_mismatch(&registration, held),
+                None => {
+                    let read = pfs_mode.filter(|(version, _)| latest.as_ref().is_some_and(|l| l.version == *version));
+                    mode_mismatch_in(&registration, read, "the PFS")
+                }
+            };
+            if let Some(why) = why {
                 tracing::warn!(app = %registration.name, %why, "refused a restart");
                 return Err(why);
             }
@@ -2450,16 +2459,17 @@ fn record_version(
 }
 
 /// The newest version of `name` on the PFS, as a record (a fresh controller
-/// knows nothing else about an application whose agents are all gone).
+/// knows nothing else about an application whose agents are all gone), with
+/// the mode its files were written in where the PFS recorded it.
 /// An error names the damaged file: no PFS version was readable although
 /// some exist, which must not pass for a fresh start.
-fn pfs_latest(shared: &Shared, name: &str) -> Result<Option<VersionRecord>, String> {
+fn pfs_latest(shared: &Shared, name: &str) -> Result<Option<(VersionRecord, Option<TransferMode>)>, String> {
     let Some(pfs) = shared.pfs.as_ref() else { return Ok(None) };
-    let record = pfs.latest_record(name).map_err(|err| err.to_string())?;
-    if let Some(record) = &record {
-        tracing::info!(app = name, version = record.version, "complete version on the PFS");
-    }
-    Ok(record)
+    let manifest = pfs.latest_manifest(name).map_err(|err| err.to_string())?;
+    Ok(manifest.map(|manifest| {
+        tracing::info!(app = name, version = manifest.version, mode = ?manifest.mode, "complete version on the PFS");
+        (icheck_core::pfs::PfsStore::record(&manifest), manifest.mode)
+    }))
 }
 
 /// Collects the agents' parts of a PFS copy; the last one completes it.
@@ -2497,11 +2507,11 @@ fn pfs_copied(
             return;
         }
     };
-    let ranks = app.registration.ranks;
+    let (ranks, mode) = (app.registration.ranks, app.registration.mode);
     let (shared, pfs) = (shared.clone(), shared.pfs.clone());
     tokio::task::spawn_blocking(move || {
         let Some(pfs) = pfs else { return };
-        let completed = pfs.complete(&name, version, ranks, "agents", entries);
+        let completed = pfs.complete(&name, version, ranks, "agents", mode, entries);
         match &completed {
             Ok(()) => tracing::info!(
                 app = %name,
@@ -3122,7 +3132,7 @@ fn request_pfs_copy(nodes: &ManagerBook, app: &mut AppEntry, version: u64, max_c
 
 #[cfg(test)]
 mod tests {
-    use super::mode_mismatch;
+    use super::{mode_mismatch, mode_mismatch_in};
     use icheck_core::protocol::{AppRegistration, TransferMode};
 
     fn registration(mode: TransferMode) -> AppRegistration {
@@ -3153,5 +3163,15 @@ mod tests {
         assert_eq!(mode_mismatch(&registration(shmr), Some((7, shmr))), None);
         assert_eq!(mode_mismatch(&registration(mr), None), None);
         assert_eq!(mode_mismatch(&registration(shmr), None), None);
+    }
+
+    #[test]
+    fn a_restart_from_the_pfs_is_refused_in_the_other_mode_its_manifest_records() {
+        let (mr, shmr) = (TransferMode::Mr, TransferMode::Shmr);
+        let why = mode_mismatch_in(&registration(mr), Some((4, shmr)), "the PFS").expect("SHMR copy, MR run");
+        assert!(why.contains("cannot be restored in MR (P:M) mode (the PFS keeps it as one file per node)"), "{why}");
+        let why = mode_mismatch_in(&registration(shmr), Some((4, mr)), "the PFS").expect("MR copy, SHMR run");
+        assert!(why.contains("one file per process") && why.contains("ICHECK_MODE=mr"), "{why}");
+        assert_eq!(mode_mismatch_in(&registration(mr), Some((4, mr)), "the PFS"), None);
     }
 }

@@ -929,6 +929,10 @@ pub struct PfsVersion {
     pub stored_bytes: u64,
     /// Who wrote it.
     pub writer: String,
+    /// The mode its files were written in ("mr": one per process, "shmr":
+    /// one per node), which a restart must use; `null` for copies written
+    /// before the PFS recorded it.
+    pub mode: Option<icheck_core::protocol::TransferMode>,
 }
 
 /// Gathers what `icheck versions` reports.
@@ -960,6 +964,7 @@ pub fn versions(config: &StaticConfig, app: &str) -> Result<VersionsReport> {
                 raw_bytes: manifest.entries.iter().map(|e| e.manifest.total_len).sum(),
                 stored_bytes: manifest.entries.iter().map(|e| e.stored_len).sum(),
                 writer: manifest.writer.to_string(),
+                mode: manifest.mode,
             });
         }
     }
@@ -989,13 +994,14 @@ pub fn print_versions(report: &VersionsReport) {
     }
     for v in &report.pfs {
         println!(
-            "  PFS ({}): version {}, {} file(s), {} raw, {} stored, written by {}",
+            "  PFS ({}): version {}, {} file(s), {} raw, {} stored, written by {}, {}",
             dir.display(),
             v.version,
             v.files,
             human_bytes(v.raw_bytes),
             human_bytes(v.stored_bytes),
-            v.writer
+            v.writer,
+            v.mode.map_or("mode not recorded".to_string(), |mode| format!("in {mode} mode"))
         );
     }
 }
