@@ -530,6 +530,7 @@ pub(super) fn commit_incremental<'p>(
         return Ok(IncrementalCommit { moved, blocks, chunks, changed, checksummed: total, tracked: false });
     }
     link.expect_bytes(total);
+    let started = std::time::Instant::now();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(8);
     let partial = written.as_ref().zip(previous).filter(|(w, (parent, _))| w.since == *parent).and_then(
         |(written, (_, before))| {
@@ -539,6 +540,7 @@ pub(super) fn commit_incremental<'p>(
     let tracked = partial.is_some();
     let ((crcs, blocks), checksummed) = partial.unwrap_or_else(|| (icheck_core::delta::checksums(labels), total));
     let changed = fraction(&blocks);
+    let checksummed_at = started.elapsed();
     let runs = previous.and_then(|(parent, before)| Some((parent, changed_runs(before, &blocks)?)));
     let (target, runs) = match runs {
         Some((parent, runs)) => match link.begin_delta(&header, parent, runs.clone())? {
@@ -562,8 +564,18 @@ pub(super) fn commit_incremental<'p>(
         }
         None => pieces_of(0, total, 0),
     };
+    let begun_at = started.elapsed();
     let moved = if pieces.is_empty() { 0 } else { Mover { link: &mut *link, endpoint, target }.send(&pieces)? };
+    let moved_at = started.elapsed();
     link.seal(crcs.clone())?;
+    tracing::debug!(
+        checksum_ms = checksummed_at.as_secs_f64() * 1e3,
+        begin_ms = (begun_at - checksummed_at).as_secs_f64() * 1e3,
+        move_ms = (moved_at - begun_at).as_secs_f64() * 1e3,
+        seal_ms = (started.elapsed() - moved_at).as_secs_f64() * 1e3,
+        pieces = pieces.len(),
+        "incremental commit phases"
+    );
     Ok(IncrementalCommit { moved, blocks, chunks: crcs, changed, checksummed, tracked })
 }
 
