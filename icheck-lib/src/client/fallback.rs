@@ -186,11 +186,7 @@ impl Icheck {
             Some(Err(err)) => Err(err.to_string()),
             None => Err(String::new()),
         };
-        let shared = self.comm.node_broadcast(protocol::encode(&answer).unwrap_or_default());
-        let node_manifest = protocol::decode::<std::result::Result<Manifest, String>>(&shared)
-            .map_err(|e| e.to_string())
-            .and_then(|r| r)
-            .map_err(|message| Error::Unsupported(format!("SHMR restart from the PFS, node leader: {message}")))?;
+        let node_manifest = self.node_leaders_answer(answer, "SHMR restart from the PFS, node leader")?;
         self.ensure_segment(node_manifest.total_len as usize)?;
         if let Some(Ok((_, data))) = read {
             let segment = self.segment.as_mut().expect("ensured");

@@ -19,6 +19,21 @@ pub(super) fn node_layout(staged: Vec<NodeProcessLabels>) -> Vec<LabelLayout> {
 }
 
 impl Icheck {
+    /// The node leader's `answer` on every process of the node (collective
+    /// on the node; the others' answers are not used): its value, or its
+    /// error prefixed with `context`.
+    pub(super) fn node_leaders_answer<T: serde::Serialize + serde::de::DeserializeOwned>(
+        &self,
+        answer: std::result::Result<T, String>,
+        context: &str,
+    ) -> Result<T> {
+        let shared = self.comm.node_broadcast(protocol::encode(&answer).unwrap_or_default());
+        protocol::decode::<std::result::Result<T, String>>(&shared)
+            .map_err(|e| e.to_string())
+            .and_then(|r| r)
+            .map_err(|message| Error::Unsupported(format!("{context}: {message}")))
+    }
+
     /// SHMR: makes every process of this node map a segment of at least
     /// `len` bytes (collective on the node; `len` is the same on all).
     pub(super) fn ensure_segment(&mut self, len: usize) -> Result<()> {
@@ -240,11 +255,7 @@ impl Icheck {
             }
             None => Err(String::new()),
         };
-        let shared = self.comm.node_broadcast(protocol::encode(&fetched).unwrap_or_default());
-        let manifest = protocol::decode::<std::result::Result<Manifest, String>>(&shared)
-            .map_err(|e| e.to_string())
-            .and_then(|r| r)
-            .map_err(|message| Error::Unsupported(format!("SHMR restart, node leader: {message}")))?;
+        let manifest = self.node_leaders_answer(fetched, "SHMR restart, node leader")?;
         self.ensure_segment(manifest.total_len as usize)?;
         let mut verified: std::result::Result<(), String> = Ok(());
         if let (Some(link), Some(source)) = (self.link.as_mut(), source) {
@@ -294,11 +305,7 @@ impl Icheck {
                 tracing::warn!(%err, "agent did not acknowledge the end of a restart");
             }
         }
-        let shared = self.comm.node_broadcast(protocol::encode(&verified).unwrap_or_default());
-        protocol::decode::<std::result::Result<(), String>>(&shared)
-            .map_err(|e| e.to_string())
-            .and_then(|r| r)
-            .map_err(|message| Error::Unsupported(format!("SHMR restart, node leader: {message}")))?;
+        self.node_leaders_answer(verified, "SHMR restart, node leader")?;
         let version = manifest.version;
         self.restored = Some(Restored { manifest, data: RestoredData::Segment });
         Ok(version)
