@@ -26,6 +26,41 @@ const CONTROLLER: usize = 1;
 /// chosen anew).
 const CONTROLLER_TRIES: u32 = 3;
 
+/// `n` ports free now, below the kernel's ephemeral range. Slurm's daemons
+/// bind theirs a while after they are chosen; a port from the ephemeral
+/// range (as `bind(0)` gives) can be taken meanwhile by any outgoing
+/// connection of the tests running beside, which made slurmctld exit with
+/// "Address already in use" in CI. Below that range only a listener asking
+/// for that very port can take it; the search starts at a place that
+/// differs per process and call, so parallel test Slurms seldom meet.
+fn ports_below_ephemeral(n: usize) -> Vec<u16> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static CALLS: AtomicU32 = AtomicU32::new(0);
+    let ephemeral_from = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    let floor = 10_000u32.min(ephemeral_from / 2);
+    let span = ephemeral_from - floor;
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+    let seed =
+        std::process::id().wrapping_mul(7919) ^ nanos ^ CALLS.fetch_add(1, Ordering::Relaxed).wrapping_mul(104_729);
+    // Held until all are found, so the same port is not handed out twice.
+    let mut held = Vec::with_capacity(n);
+    for step in 0..span {
+        if held.len() == n {
+            break;
+        }
+        let port = u16::try_from(floor + seed.wrapping_add(step) % span).expect("below 65536");
+        // Slurm's daemons listen on every address.
+        if let Ok(listener) = std::net::TcpListener::bind(("0.0.0.0", port)) {
+            held.push(listener);
+        }
+    }
+    assert_eq!(held.len(), n, "no {n} free ports between {floor} and {ephemeral_from}");
+    held.iter().map(|listener| listener.local_addr().expect("a bound listener").port()).collect()
+}
+
 /// A running test-local Slurm cluster.
 pub struct TestSlurm {
     /// Everything it writes: configuration, munge key and socket, state,
@@ -155,7 +190,7 @@ impl TestSlurm {
         let host = nix::unistd::gethostname().expect("hostname").to_string_lossy().into_owned();
         let host = host.split('.').next().unwrap_or("localhost").to_string();
         let d = self.dir.display();
-        let ports = crate::launcher::free_ports(2 + self.nodes.len()).expect("free loopback ports");
+        let ports = ports_below_ephemeral(2 + self.nodes.len());
         let mut text = format!(
             "ClusterName=icheck-test\n\
              SlurmctldHost={host}(127.0.0.1)\n\
@@ -401,4 +436,20 @@ fn stop_cluster(conf: &Path, daemons: &mut [Child], dir: &Path) {
         let _ = child.wait();
     }
     let _ = std::fs::remove_dir_all(dir);
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn ports_are_distinct_free_and_below_the_ephemeral_range() {
+        let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap();
+        let ephemeral_from: u16 = range.split_whitespace().next().unwrap().parse().unwrap();
+        let ports = super::ports_below_ephemeral(6);
+        let distinct: std::collections::BTreeSet<u16> = ports.iter().copied().collect();
+        assert_eq!(distinct.len(), 6, "{ports:?}");
+        assert!(ports.iter().all(|p| *p < ephemeral_from), "{ports:?}");
+        for port in ports {
+            std::net::TcpListener::bind(("0.0.0.0", port)).unwrap_or_else(|e| panic!("port {port}: {e}"));
+        }
+    }
 }
