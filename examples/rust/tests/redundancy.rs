@@ -1541,3 +1541,26 @@ fn a_version_lost_with_its_node_before_its_first_protection_is_named_at_restart(
     let named = format!("version 2 of \"rfg\" is lost: ranks [0] on node {lost} held it alone");
     assert!(output.contains(&named), "{output}");
 }
+
+/// SHMR: the node's one file is what the agents protect (one "rank" per
+/// node), and a lost node's share is rebuilt so that the job restarts in
+/// SHMR, bit-exact, without the PFS.
+#[test]
+fn an_shmr_node_file_is_protected_and_rebuilt_after_a_lost_node() {
+    let service = service("red-shmr", 4);
+    let env = [("ICHECK_REDUNDANCY", "rs:2+1"), ("ICHECK_MODE", "shmr")];
+    let args = ["--app", "shp", "--steps", "4", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(3, &service.config_path(), &args, &env).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=3 step=4")), "{lines:?}");
+    let report = wait_protected(&service, "shp", 3);
+    // The node file's agent and the pieces' holders, on three nodes.
+    assert_eq!(report.agents.len(), 3, "{:?}", report.agents);
+    let first = report.agents[0].node.clone();
+    lose_node(&service, &first);
+    wait_rebuilt(&service, "shp", 3, &[&first]);
+    let args = ["--app", "shp", "--steps", "6", "--every", "2", "--mib", "2", "--persist"];
+    let lines = Job::start(3, &service.config_path(), &args, &env).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
+    pfs_untouched(&service, "shp");
+}
