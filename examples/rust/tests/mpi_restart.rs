@@ -1049,3 +1049,30 @@ fn an_shmr_job_without_a_controller_writes_node_files_that_it_and_the_service_re
     assert!(ok && output.contains("RESTORED version=4 step=6 verified"), "{output}");
     assert!(output.contains("COMMITTED version=5 step=8"), "{output}");
 }
+
+/// SHMR: a node file beyond the node's memory budget is spilled by its
+/// agent, completed on the PFS as an SHMR version, and restarts in SHMR.
+#[test]
+fn an_shmr_node_file_beyond_the_memory_budget_spills_and_restarts_bit_exact() {
+    // 12 MiB of checkpoint memory; the node file of two ranks is about 17 MiB.
+    let dynamic = format!("max_mem_node = {}\n", 12.0 / 1024.0);
+    let service =
+        LocalService::up_with_dynamic(&icheck_in_target(), "mpi-shmr-spill", 1, &["--provider", "tcp"], Some(&dynamic));
+    let config = service.config_path();
+    let env = [("ICHECK_MODE", "shmr")];
+    let args = ["--app", "sspill", "--steps", "20", "--every", "2", "--mib", "8", "--hang-after", "2"];
+    let mut job = Job::start(2, &config, &args, &env);
+    job.wait_line("HANG", Duration::from_secs(120));
+    let pfs = icheck_core::pfs::PfsStore::new(service.dir.join("pfs"));
+    let complete = icheck_service::testkit::poll_until(Duration::from_secs(60), || pfs.manifest("sspill", 2).is_ok());
+    job.kill();
+    let log = service.log("manager-local-1.log");
+    assert!(complete, "version 2 never completed on the PFS\n{log}\n{}", service.log("controller.log"));
+    assert!(log.contains("spilling this version to the PFS"), "{log}");
+    let manifest = pfs.manifest("sspill", 2).unwrap();
+    assert_eq!((manifest.mode, manifest.entries.len()), (Some(TransferMode::Shmr), 1));
+    let args = ["--app", "sspill", "--steps", "6", "--every", "2", "--mib", "8"];
+    let lines = Job::start(2, &config, &args, &env).finish(Duration::from_secs(120));
+    assert!(lines.iter().any(|l| l == "RESTORED version=2 step=2 verified"), "{lines:?}");
+    assert!(lines.iter().any(|l| l.starts_with("COMMITTED version=4 step=6")), "{lines:?}");
+}
