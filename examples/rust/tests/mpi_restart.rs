@@ -970,6 +970,10 @@ fn a_restart_in_another_mode_than_the_version_was_written_in_names_both() {
     assert!(output.contains(told) && output.contains("ICHECK_MODE=shmr"), "{output}");
     // The controller is named once, with its address.
     assert!(output.contains("icheck init failed: controller at ") && !output.contains(": controller:"), "{output}");
+    // Operators see which mode the held version needs.
+    let out = Command::new(&service.icheck).args(["versions", "mswitch", "--config"]).arg(&config).output().unwrap();
+    let listing = String::from_utf8_lossy(&out.stdout);
+    assert!(listing.contains("agent memory: version 3") && listing.contains("in SHMR (N:M) mode"), "{listing}");
     // Refused before anything was placed or dropped: the SHMR run restarts.
     let lines = Job::start(3, &config, &args, &shmr).finish(Duration::from_secs(120));
     assert!(lines.iter().any(|l| l == "RESTORED version=3 step=4 verified"), "{lines:?}");

@@ -914,6 +914,9 @@ pub struct MemoryVersion {
     pub bytes: u64,
     /// Ranks that wrote it.
     pub ranks: u32,
+    /// The mode of the registration it was recorded under, which a restart
+    /// must use ("mr" or "shmr").
+    pub mode: icheck_core::protocol::TransferMode,
 }
 
 /// A complete version on the PFS.
@@ -948,8 +951,12 @@ pub fn versions(config: &StaticConfig, app: &str) -> Result<VersionsReport> {
     match app_report(config, app) {
         Ok(Some(a)) => {
             report.agents = a.agents.iter().map(|g| format!("{}@{}", g.id, g.node)).collect();
-            report.agent_memory =
-                a.latest.as_ref().map(|v| MemoryVersion { version: v.version, bytes: v.bytes, ranks: v.ranks });
+            report.agent_memory = a.latest.as_ref().map(|v| MemoryVersion {
+                version: v.version,
+                bytes: v.bytes,
+                ranks: v.ranks,
+                mode: a.registration.mode,
+            });
         }
         Ok(None) => report.agent_memory_note = Some("not registered with the controller".into()),
         Err(why) => report.agent_memory_note = Some(why),
@@ -977,10 +984,11 @@ pub fn print_versions(report: &VersionsReport) {
     let agents = report.agents.join(", ");
     match (&report.agent_memory, &report.agent_memory_note) {
         (Some(v), _) => println!(
-            "  agent memory: version {} ({}, {} ranks) on agents [{agents}]",
+            "  agent memory: version {} ({}, {} ranks, in {} mode) on agents [{agents}]",
             v.version,
             human_bytes(v.bytes),
-            v.ranks
+            v.ranks,
+            v.mode
         ),
         (None, Some(note)) => println!("  agent memory: {note}"),
         (None, None) => println!("  agent memory: no complete version (agents [{agents}])"),
