@@ -157,7 +157,8 @@ enum Command_ {
         json: bool,
     },
     /// List an application's checkpoint versions and where each lives
-    /// (agent memory, PFS).
+    /// (agent memory, PFS), with the mode (MR or SHMR) a restart of each
+    /// must use.
     ///
     /// Example: icheck versions heat2d --state-dir /tmp/ick
     Versions {
