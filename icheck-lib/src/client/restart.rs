@@ -468,6 +468,14 @@ impl Icheck {
     /// the previous complete version on the PFS.
     pub fn restart(&mut self) -> Result<u64> {
         self.check_open()?;
+        let started = Instant::now();
+        let restarted = self.restart_newest_readable();
+        tracing::debug!(ms = started.elapsed().as_secs_f64() * 1e3, ok = restarted.is_ok(), "restart prepared");
+        restarted
+    }
+
+    /// [`restart`](Self::restart) after its check.
+    fn restart_newest_readable(&mut self) -> Result<u64> {
         self.wait()?;
         self.release_restart();
         let newest = self.restart_record()?;
