@@ -65,6 +65,8 @@ impl Supervisor {
             // The job finds the service through --state-dir alone.
             .env_remove("ICHECK_CONFIG")
             .env("OMPI_MCA_btl_vader_backing_directory", &shm)
+            // And the session directories of the jobs it kills.
+            .env("OMPI_MCA_orte_tmpdir_base", &shm)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

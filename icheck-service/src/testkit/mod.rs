@@ -322,9 +322,11 @@ fn thread_states(pid: u32) -> Option<Vec<Option<char>>> {
 
 /// An `mpirun` command for `np` ranks as the tests and benchmarks run
 /// them: as root, oversubscribed, unbound, in its own process group, with
-/// Open MPI's shared-memory files in a directory of the job's own (named
-/// after `label`, created, and returned: remove it when the job is done,
-/// and kill the job with [`kill_process_tree`]).
+/// Open MPI's shared-memory files and its session directory in a directory
+/// of the job's own (named after `label`, created, and returned: remove it
+/// when the job is done, and kill the job with [`kill_process_tree`]). A
+/// killed `mpirun` cannot remove its session directory, about 8 MB of PMIx
+/// segments, which otherwise stays in TMPDIR for good.
 pub fn mpirun(label: &str, np: u32) -> std::io::Result<(Command, PathBuf)> {
     use std::os::unix::process::CommandExt;
     // Once an interrupt's clean-up has begun this waits for good: no job
@@ -343,6 +345,7 @@ pub fn mpirun(label: &str, np: u32) -> std::io::Result<(Command, PathBuf)> {
         .args(["--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", &np.to_string()])
         .env("OMPI_MCA_btl", "self,vader")
         .env("OMPI_MCA_btl_vader_backing_directory", &shm)
+        .env("OMPI_MCA_orte_tmpdir_base", &shm)
         .process_group(0);
     Ok((command, shm))
 }
