@@ -32,8 +32,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cipher::{self, CipherError, Encryption, PfsKey, Place, Sealer};
 use crate::credentials::Owner;
-use crate::format::TransferMode;
-use crate::format::{self, check_app_name, FormatError, Manifest, VersionRecord};
+use crate::format::{self, check_app_name, FormatError, Manifest, TransferMode, VersionRecord};
 
 /// Complete versions kept per application: the newest, and the one before
 /// it, so a restart survives a newest version damaged on disk.

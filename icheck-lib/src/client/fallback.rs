@@ -66,34 +66,19 @@ impl Icheck {
         }
         let segment = self.segment.as_ref().expect("staged");
         let bytes = segment.as_slice();
-        let fail = |e: icheck_core::pfs::PfsError| Error::Unsupported(format!("fallback write to the PFS: {e}"));
-        if self.mode == TransferMode::Shmr {
-            let labels = node_layout(staged);
-            let parts: Vec<&[u8]> =
-                labels.iter().map(|l| &bytes[l.offset as usize..(l.offset + l.len) as usize]).collect();
-            let manifest = Manifest {
-                app: self.app.clone(),
-                rank: self.comm.node_index(),
-                ranks: self.comm.node_counts().0,
-                epoch: self.epoch,
-                version,
-                total_len: parts.iter().map(|p| p.len() as u64).sum(),
-                chunk_size: CHUNK_SIZE,
-                crcs: label_crcs(&parts),
-                labels,
-                sealed_unix_ms: 0,
-            };
-            pfs.write_rank_parts(&manifest, &parts).map_err(fail)?;
-            return Ok(());
-        }
-        for (who, labels) in staged {
+        // Each file as (its "rank", of how many, its labels in the segment).
+        let files: Vec<(u32, u32, Vec<LabelLayout>)> = match self.mode {
+            TransferMode::Mr => staged.into_iter().map(|(who, labels)| (who, self.comm.size(), labels)).collect(),
+            TransferMode::Shmr => vec![(self.comm.node_index(), self.comm.node_counts().0, node_layout(staged))],
+        };
+        for (rank, ranks, labels) in files {
             let parts: Vec<&[u8]> =
                 labels.iter().map(|l| &bytes[l.offset as usize..(l.offset + l.len) as usize]).collect();
             let base = labels.first().map_or(0, |l| l.offset);
             let manifest = Manifest {
                 app: self.app.clone(),
-                rank: who,
-                ranks: self.comm.size(),
+                rank,
+                ranks,
                 epoch: self.epoch,
                 version,
                 total_len: parts.iter().map(|p| p.len() as u64).sum(),
@@ -102,7 +87,8 @@ impl Icheck {
                 labels: labels.into_iter().map(|l| LabelLayout { offset: l.offset - base, ..l }).collect(),
                 sealed_unix_ms: 0,
             };
-            pfs.write_rank_parts(&manifest, &parts).map_err(fail)?;
+            pfs.write_rank_parts(&manifest, &parts)
+                .map_err(|e| Error::Unsupported(format!("fallback write to the PFS: {e}")))?;
         }
         Ok(())
     }

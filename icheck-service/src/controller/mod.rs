@@ -2014,11 +2014,13 @@ async fn register_app(
     // The agents this placement replaces (told to stop below).
     let mut superseded: Vec<AgentInfo> = Vec::new();
     // Read before taking the state lock: it is file I/O.
-    let pfs_record = pfs_latest(shared, &registration.name);
-    let on_pfs = pfs_record.as_ref().ok().and_then(|r| r.as_ref().map(|(r, _)| r.version));
-    // The mode the PFS's newest version was written in, where recorded.
-    let pfs_mode = pfs_record.as_ref().ok().and_then(|r| r.as_ref().and_then(|(r, mode)| Some((r.version, (*mode)?))));
-    let pfs_record = pfs_record.map(|r| r.map(|(record, _)| record));
+    // The PFS's newest version, and the mode it was written in where recorded.
+    let (pfs_mode, pfs_record) = match pfs_latest(shared, &registration.name) {
+        Ok(Some((record, mode))) => (mode.map(|mode| (record.version, mode)), Ok(Some(record))),
+        Ok(None) => (None, Ok(None)),
+        Err(damage) => (None, Err(damage)),
+    };
+    let on_pfs = pfs_record.as_ref().ok().and_then(|r| r.as_ref().map(|r| r.version));
     {
         let mut state = shared.state();
         let now = Instant::now();
