@@ -88,9 +88,10 @@ pub(super) fn reconcile(app: &str, versions: &[JournaledVersion], holdings: &Hol
     reconcile_or_rebuild(app, versions, holdings, |_, _| false)
 }
 
-/// [`reconcile`], where a version the stores do not hold whole still wins
-/// if `rebuildable(version, missing ranks)` says its redundancy can rebuild
-/// the missing ranks (`Reconciled::rebuild`).
+/// The newest journaled version of `app` (`versions` oldest first) that
+/// the stores in `holdings` hold whole and verified, or that
+/// `rebuildable(version, missing ranks)` says its redundancy can complete
+/// (`Reconciled::rebuild`) although the stores do not hold it whole.
 pub(super) fn reconcile_or_rebuild(
     app: &str,
     versions: &[JournaledVersion],
