@@ -24,6 +24,11 @@
 //!   "lose nodes" loses as many as it tolerates at once: a node holding
 //!   some of the job's agents and others drawn from all of them.
 //!
+//! The job commits blocking in MR mode by default, every byte changed at
+//! each step; `--async` (a version counts once `wait` returned for it),
+//! `--mode shmr` and `--change-one-block-in N` (incremental commits that
+//! move, and agents that share, only part of each version) vary it.
+//!
 //! After every fault the checker starts again what died (`icheck up`) and
 //! checks the invariants with the next round's job, which restarts:
 //! every version the library reported complete is restorable bit-exact
@@ -41,6 +46,7 @@
 //! target/release/fault-campaign --faults 200 --seed 1
 //! target/release/fault-campaign --faults 100 --seed 1 --standby
 //! target/release/fault-campaign --faults 40 --seed 1 --redundancy rs:2+1
+//! target/release/fault-campaign --faults 40 --seed 1 --async --mode shmr --change-one-block-in 4 --size 8MiB
 //! ```
 
 #[path = "siblings.rs"]
@@ -110,6 +116,21 @@ struct Cli {
     /// --redundancy: the policy's nodes and a spare to rebuild on].
     #[arg(long)]
     managers: Option<u32>,
+    /// Commit asynchronously: `commit` returns once the data is staged,
+    /// the job computes, and a version counts as reported complete only
+    /// when `wait` has returned for it.
+    #[arg(long = "async")]
+    asynchronous: bool,
+    /// The job's transfer mode (`ICHECK_MODE`): mr (each process
+    /// registers its own memory) or shmr (one segment per node).
+    #[arg(long, default_value = "mr", value_parser = ["mr", "shmr"])]
+    mode: String,
+    /// Each step rewrites one 1 MiB block in this many (1: every byte),
+    /// so that incremental commits move, and agents share, only part of
+    /// each version; a restart checks every block against the step that
+    /// last wrote it.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    change_one_block_in: u64,
     /// Internal: run as one rank of the job, with this client configuration.
     #[arg(long, hide = true)]
     rank_of: Option<PathBuf>,
@@ -144,14 +165,51 @@ struct Shape {
     provider: String,
 }
 
+/// The bytes of one block of the job's data that a step rewrites whole.
+const BLOCK: usize = 1 << 20;
+
+/// The step that last wrote block `block` by step `step`, when each step
+/// rewrites one block in `every` (block `b` at the steps `s` with
+/// `s % every == b % every`); 0 for a block no step has written yet (its
+/// bytes are still zero).
+fn last_written(block: u64, step: u64, every: u64) -> u64 {
+    let back = (step % every + every - block % every) % every;
+    step.saturating_sub(back)
+}
+
+/// Writes what step `step` writes into `data`: the blocks it rewrites get
+/// their pattern of (rank, step).
+fn write_step(data: &mut [u8], rank: u32, step: u64, every: u64) {
+    for (block, bytes) in data.chunks_mut(BLOCK).enumerate() {
+        if last_written(block as u64, step, every) == step {
+            fill_bytes(bytes, rank, step);
+        }
+    }
+}
+
+/// The first byte of `data` that differs from what the job held after
+/// step `step`: each block as the step that last wrote it left it.
+fn first_wrong_byte(data: &[u8], rank: u32, step: u64, every: u64) -> Option<usize> {
+    data.chunks(BLOCK).enumerate().find_map(|(block, bytes)| {
+        let wrong = match last_written(block as u64, step, every) {
+            0 => bytes.iter().position(|byte| *byte != 0),
+            written => first_mismatch(bytes, rank, written),
+        };
+        wrong.map(|at| block * BLOCK + at)
+    })
+}
+
 /// One rank of the job: restore and verify (when there is a version), then
-/// commit the pattern of each step until killed. Rank 0 prints what the
-/// checker reads; every rank prints its PID.
-fn rank_main(config: &Path, size: usize) -> Result<()> {
+/// commit what each step writes until killed. Rank 0 prints what the
+/// checker reads (a version as `COMMITTED` only once it is complete: after
+/// `commit` when blocking, after `wait` when asynchronous); every rank
+/// prints its PID.
+fn rank_main(config: &Path, cli: &Cli) -> Result<()> {
     use mpi::traits::*;
     let universe = mpi::initialize().context("MPI initialises")?;
     let world = universe.world();
     let rank = world.rank() as u32;
+    let every = cli.change_one_block_in;
     let say = |line: String| {
         if rank == 0 {
             let _ = std::io::stdout().write_all(format!("{line}\n").as_bytes());
@@ -165,8 +223,9 @@ fn rank_main(config: &Path, size: usize) -> Result<()> {
     let (mut ic, status) =
         Icheck::init(Some(config), APP, MpiComm::new(&world)).unwrap_or_else(|e| complain(format!("init: {e}")));
     let step = Region::<i64>::zeroed(1);
-    let data = Region::<u8>::zeroed(size + rank as usize * 4096 + 13);
+    let data = Region::<u8>::zeroed(cli.size.0 as usize + rank as usize * 4096 + 13);
     ic.add("step", &step).and_then(|_| ic.add("data", &data)).unwrap_or_else(|e| complain(format!("add: {e}")));
+    ic.set_async(cli.asynchronous);
     let mut current = 0;
     match status {
         InitStatus::Fresh => say("FRESH".into()),
@@ -174,7 +233,7 @@ fn rank_main(config: &Path, size: usize) -> Result<()> {
             let version = ic.restart().unwrap_or_else(|e| complain(format!("restart: {e}")));
             ic.restore_all().unwrap_or_else(|e| complain(format!("restore: {e}")));
             current = u64::try_from(step.read()[0]).unwrap_or_default();
-            if let Some(at) = first_mismatch(&data.read(), rank, current) {
+            if let Some(at) = first_wrong_byte(&data.read(), rank, current, every) {
                 let _ = std::io::stdout()
                     .write_all(format!("MISMATCH rank={rank} version={version} step={current} byte={at}\n").as_bytes());
                 std::process::exit(4);
@@ -183,14 +242,26 @@ fn rank_main(config: &Path, size: usize) -> Result<()> {
             say(format!("RESTORED version={version} step={current}"));
         }
     }
+    // An asynchronous commit not yet waited for: (version, step, started).
+    let mut in_flight: Option<(u64, u64, Instant)> = None;
     loop {
         current += 1;
+        // Computing, while an asynchronous commit's transfer runs.
         std::thread::sleep(Duration::from_millis(20));
-        fill_bytes(&mut data.write(), rank, current);
+        if let Some((version, at_step, started)) = in_flight.take() {
+            ic.wait().unwrap_or_else(|e| complain(format!("wait for version {version}: {e}")));
+            say(format!("COMMITTED version={version} step={at_step} secs={:.3}", started.elapsed().as_secs_f64()));
+        }
+        write_step(&mut data.write(), rank, current, every);
         step.write()[0] = i64::try_from(current).unwrap_or(i64::MAX);
         let started = Instant::now();
         let version = ic.commit().unwrap_or_else(|e| complain(format!("commit: {e}")));
-        say(format!("COMMITTED version={version} step={current} secs={:.3}", started.elapsed().as_secs_f64()));
+        match cli.asynchronous {
+            true => in_flight = Some((version, current, started)),
+            false => {
+                say(format!("COMMITTED version={version} step={current} secs={:.3}", started.elapsed().as_secs_f64()))
+            }
+        }
     }
 }
 
@@ -203,13 +274,16 @@ struct Job {
 }
 
 impl Job {
-    fn start(ranks: u32, config: &Path, size: u64, env: &[(&str, String)]) -> Result<Job> {
-        let (mut command, shm) = icheck_service::testkit::mpirun("campaign", ranks)?;
+    fn start(cli: &Cli, config: &Path, env: &[(&str, String)]) -> Result<Job> {
+        let (mut command, shm) = icheck_service::testkit::mpirun("campaign", cli.ranks)?;
         command
             .arg(std::env::current_exe()?)
             .arg("--rank-of")
             .arg(config)
-            .args(["--size", &size.to_string()])
+            .args(["--size", &cli.size.0.to_string()])
+            .args(["--change-one-block-in", &cli.change_one_block_in.to_string()])
+            .args(cli.asynchronous.then_some("--async"))
+            .env("ICHECK_MODE", &cli.mode)
             // Short bounds, so a frozen agent is given up within a round, yet
             // above the agents' 10 s transfer stall bound (an agent ending a
             // killed rank's transfer answers its other ranks after it).
@@ -672,13 +746,17 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         provider: cli.provider.clone(),
     };
     println!(
-        "fault campaign: seed {seed}, {} faults, {} ranks x {}, provider {}, {} managers, redundancy {}",
+        "fault campaign: seed {seed}, {} faults, {} ranks x {}, provider {}, {} managers, redundancy {}, \
+         mode {}, {} commits, one block in {} rewritten per step",
         cli.faults,
         cli.ranks,
         cli.size,
         cli.provider,
         shape.managers,
-        cli.redundancy.as_deref().unwrap_or("none")
+        cli.redundancy.as_deref().unwrap_or("none"),
+        cli.mode,
+        if cli.asynchronous { "async" } else { "blocking" },
+        cli.change_one_block_in,
     );
     let mut rng = Rng(seed);
     let icheck = siblings::sibling_binary("icheck")?;
@@ -773,7 +851,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
             }
             println!("round {round}: failpoint {spec} in the {place}");
         }
-        let mut job = Job::start(cli.ranks, &config, cli.size.0, &job_env)?;
+        let mut job = Job::start(cli, &config, &job_env)?;
         // Check: the restart restores the newest reported version (or newer), bit-exact.
         match job.wait_for(bound, |l| {
             l.iter().any(|l| l.starts_with("RESTORED") || l == "FRESH" || l.starts_with("MISMATCH"))
@@ -1058,7 +1136,7 @@ fn print_table(tally: &Tally) {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     if let Some(config) = &cli.rank_of {
-        return rank_main(config, cli.size.0 as usize);
+        return rank_main(config, &cli);
     }
     // Ctrl-C stops the service and the job this run started.
     interrupt::stop_on_interrupt().context("cannot wait for interrupting signals")?;
@@ -1075,6 +1153,32 @@ fn main() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Each block holds what the step that last wrote it wrote, and a
+    /// restart's check tells a block of another step, or one written
+    /// too early, from the right one.
+    #[test]
+    fn a_partly_rewritten_job_checks_each_block_against_its_own_step() {
+        assert_eq!([1, 2, 3, 4, 5].map(|step| last_written(2, step, 4)), [0, 2, 2, 2, 2]);
+        assert_eq!([5, 6, 7, 8, 9].map(|step| last_written(0, step, 4)), [4, 4, 4, 8, 8]);
+        assert_eq!(last_written(7, 9, 1), 9, "one block in one: every block at every step");
+        let mut data = vec![0u8; 3 * BLOCK + 13];
+        for step in 1..=5 {
+            write_step(&mut data, 1, step, 2);
+            assert_eq!(first_wrong_byte(&data, 1, step, 2), None, "step {step}");
+        }
+        // Blocks 1 and 3 were last written at step 5, blocks 0 and 2 at 4:
+        // as the job after step 4, block 1 is of a later step.
+        assert_eq!(first_wrong_byte(&data, 1, 4, 2).map(|at| at / BLOCK), Some(1));
+        let mut stale = data.clone();
+        fill_bytes(&mut stale[BLOCK..2 * BLOCK], 1, 2);
+        assert_eq!(first_wrong_byte(&stale, 1, 5, 2).map(|at| at / BLOCK), Some(1));
+        let mut first = vec![0u8; 2 * BLOCK];
+        write_step(&mut first, 0, 1, 2);
+        assert_eq!(first_wrong_byte(&first, 0, 1, 2), None, "block 0 is still zero after step 1");
+        first[7] = 1;
+        assert_eq!(first_wrong_byte(&first, 0, 1, 2), Some(7));
+    }
 
     #[test]
     fn a_wedged_managers_time_inside_is_read_from_its_debug_form() {

@@ -85,6 +85,32 @@ fn a_short_campaign_under_rs_2_1_loses_only_what_the_policy_allows() {
     }
 }
 
+/// The job on the other paths: asynchronous commits (a version counts once
+/// `wait` returned for it), SHMR mode (one segment per node), and steps
+/// that rewrite one 1 MiB block in four, so that incremental commits move
+/// part of each version and agents share the rest between versions. Each
+/// restart checks every block against the step that last wrote it.
+#[test]
+fn a_short_campaign_of_async_shmr_partly_changed_commits_loses_no_version() {
+    let stdout = campaign(
+        &[
+            "--faults",
+            "8",
+            "--seed",
+            "1205",
+            "--async",
+            "--mode",
+            "shmr",
+            "--change-one-block-in",
+            "4",
+            "--size",
+            "8MiB",
+        ],
+        8,
+    );
+    assert!(stdout.contains("mode shmr, async commits, one block in 4 rewritten per step"), "{stdout}");
+}
+
 /// Ctrl-C during a campaign (SIGINT to the campaign alone: its daemons
 /// left its session, as `icheck up --detach` starts them) stops the
 /// service and the job it started and removes the service's directory,
