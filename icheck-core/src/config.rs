@@ -160,10 +160,15 @@ pub struct StaticConfig {
     /// memory with it). 0: never.
     #[serde(rename = "KillSilentManagerAfter", default = "default_kill_silent")]
     pub kill_silent_manager_after: f64,
-    /// Resource manager host (horizontal scaling; unused until that lands).
+    /// The thesis's resource manager host (Listing 6.3). Read so that its
+    /// configuration files load, and not used: icheck asks Slurm for
+    /// checkpoint nodes through Slurm's own commands (`icheck up --slurm`,
+    /// `icheck controller --launcher slurm`). The controller says so at
+    /// start when it is set ([`StaticConfig::ignored_keys`]).
     #[serde(rename = "iRMNodeName", default)]
     pub rm_node: Option<String>,
-    /// Resource manager port.
+    /// The thesis's resource manager port; read and not used, as
+    /// `iRMNodeName`.
     #[serde(rename = "iRMiCheckPort", default)]
     pub rm_port: Option<u16>,
     /// Shared secret every peer presents in the handshake. `ICHECK_TOKEN`
@@ -741,6 +746,19 @@ impl StaticConfig {
         }
     }
 
+    /// The keys this file sets that icheck reads but does not act on (the
+    /// thesis's `iRMNodeName` and `iRMiCheckPort`), each with what to use
+    /// instead: an administrator who sets one expects it to do something.
+    pub fn ignored_keys(&self) -> Vec<String> {
+        let instead = "icheck asks Slurm through its own commands: `icheck up --slurm` or \
+                       `icheck controller --launcher slurm`";
+        [("iRMNodeName", self.rm_node.is_some()), ("iRMiCheckPort", self.rm_port.is_some())]
+            .into_iter()
+            .filter(|(_, set)| *set)
+            .map(|(key, _)| format!("{key} is set in the static configuration but not used: {instead}"))
+            .collect()
+    }
+
     /// How long a manager may be silent while alive before the controller
     /// kills it to start it again; `None`: never.
     pub fn kill_silent_manager_after(&self) -> Option<Duration> {
@@ -1100,6 +1118,18 @@ mod tests {
 
     fn file() -> &'static Path {
         Path::new("dynamic.toml")
+    }
+
+    #[test]
+    fn the_thesis_resource_manager_keys_load_and_are_named_as_not_used() {
+        let parsed = |text: &str| StaticConfig::from_text(Path::new("icheck.toml"), text);
+        let plain = parsed("ControllerAddress = \"host1\"").unwrap();
+        assert!(plain.ignored_keys().is_empty());
+        let thesis = parsed("ControllerAddress = \"host1\"\niRMNodeName = \"rmhost\"\niRMiCheckPort = 9999").unwrap();
+        let ignored = thesis.ignored_keys();
+        assert_eq!(ignored.len(), 2, "{ignored:?}");
+        assert!(ignored[0].starts_with("iRMNodeName is set") && ignored[0].contains("--launcher slurm"), "{ignored:?}");
+        assert!(ignored[1].starts_with("iRMiCheckPort is set"), "{ignored:?}");
     }
 
     #[test]

@@ -376,6 +376,9 @@ async fn run(
         .map_err(|error| ServiceError::Io { what: format!("cannot listen on {me}"), error })?;
     let local = listener.local_addr().map_err(|error| ServiceError::Io { what: "local_addr".into(), error })?;
     tracing::info!(address = %local, "controller listening");
+    for ignored in config.ignored_keys() {
+        tracing::warn!("{ignored}");
+    }
     let mut journal = match &journal_dir {
         Some(dir) => Some(Journal::open(dir).map_err(|err| ServiceError::Remote(err.to_string()))?),
         None => {
