@@ -242,6 +242,10 @@ fn rank_main(config: &Path, cli: &Cli) -> Result<()> {
             say(format!("RESTORED version={version} step={current}"));
         }
     }
+    // What the checker reads of a complete version.
+    let complete = |version: u64, at_step: u64, started: Instant| {
+        say(format!("COMMITTED version={version} step={at_step} secs={:.3}", started.elapsed().as_secs_f64()))
+    };
     // An asynchronous commit not yet waited for: (version, step, started).
     let mut in_flight: Option<(u64, u64, Instant)> = None;
     loop {
@@ -250,7 +254,7 @@ fn rank_main(config: &Path, cli: &Cli) -> Result<()> {
         std::thread::sleep(Duration::from_millis(20));
         if let Some((version, at_step, started)) = in_flight.take() {
             ic.wait().unwrap_or_else(|e| complain(format!("wait for version {version}: {e}")));
-            say(format!("COMMITTED version={version} step={at_step} secs={:.3}", started.elapsed().as_secs_f64()));
+            complete(version, at_step, started);
         }
         write_step(&mut data.write(), rank, current, every);
         step.write()[0] = i64::try_from(current).unwrap_or(i64::MAX);
@@ -258,9 +262,7 @@ fn rank_main(config: &Path, cli: &Cli) -> Result<()> {
         let version = ic.commit().unwrap_or_else(|e| complain(format!("commit: {e}")));
         match cli.asynchronous {
             true => in_flight = Some((version, current, started)),
-            false => {
-                say(format!("COMMITTED version={version} step={current} secs={:.3}", started.elapsed().as_secs_f64()))
-            }
+            false => complete(version, current, started),
         }
     }
 }
