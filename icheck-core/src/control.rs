@@ -303,6 +303,30 @@ impl BlockingConnection {
         let _ = self.stream.set_write_timeout(Some(timeout));
     }
 
+    /// How long requests wait for their reply.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Waits up to `within` for the peer to send something (or close the
+    /// connection), consuming nothing: whether it did. Lets a caller wait
+    /// for a reply in slices and look elsewhere between them without
+    /// cutting a frame in two.
+    pub fn wait_readable(&self, within: Duration) -> bool {
+        // A zero read timeout is refused by the standard library.
+        let _ = self.stream.set_read_timeout(Some(within.max(Duration::from_millis(1))));
+        let mut byte = [0u8; 1];
+        let readable = match self.stream.peek(&mut byte) {
+            Ok(_) => true,
+            Err(err) => !matches!(
+                err.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted
+            ),
+        };
+        let _ = self.stream.set_read_timeout(Some(self.timeout));
+        readable
+    }
+
     /// The peer's address.
     pub fn peer(&self) -> &str {
         &self.peer
@@ -394,6 +418,30 @@ mod tests {
         link.connect().expect("connected once the controller listens");
         assert_eq!(link.epoch, 3);
         controller.join().unwrap();
+    }
+
+    #[test]
+    fn waiting_for_a_reply_in_slices_leaves_its_frame_whole() {
+        let listener = TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (send_now, sent) = std::sync::mpsc::channel::<()>();
+        let peer = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            sent.recv().unwrap();
+            protocol::send_blocking(&mut stream, &HelloReply::Welcome).unwrap();
+        });
+        let connection = BlockingConnection::open(&format!("127.0.0.1:{port}"), Duration::from_secs(5)).unwrap();
+        let mut connection = connection;
+        assert!(!connection.wait_readable(Duration::from_millis(50)), "nothing was sent yet");
+        // The slice's own bound is gone again: requests wait their timeout.
+        assert_eq!(connection.timeout(), Duration::from_secs(5));
+        send_now.send(()).unwrap();
+        assert!(connection.wait_readable(Duration::from_secs(5)));
+        let reply: HelloReply = connection.receive().expect("the whole frame is still there");
+        assert!(matches!(reply, HelloReply::Welcome), "{reply:?}");
+        peer.join().unwrap();
+        // Closed by the peer: readable (the next receive reports it).
+        assert!(connection.wait_readable(Duration::from_secs(5)));
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! (Open, Begin, Pull, Seal) and `commit_version`, the one
 //! Begin → transfer while checksumming → Seal sequence every data path uses.
 
+use super::watch::{AgentWatch, Verdict};
 use super::*;
+use std::sync::Arc;
 
 /// The slowest an agent may move or check a version's bytes before it
 /// counts as unreachable: every wait is `request_timeout` plus one second
@@ -11,11 +13,23 @@ const SLOWEST_BYTES_PER_SEC: f64 = 10e6;
 
 /// How long a rank waits for its agent: to connect, and for an answer to
 /// a request that moves no data (`client.connect_timeout`,
-/// `client.request_timeout`).
-#[derive(Clone, Copy, Debug)]
+/// `client.request_timeout`); and whom it asks, during a long wait,
+/// whether the agent was given up meanwhile.
+#[derive(Clone, Debug)]
 pub(super) struct Waits {
     pub(super) connect: Duration,
     pub(super) request: Duration,
+    pub(super) watch: Option<Arc<AgentWatch>>,
+}
+
+/// How a wait for the agent's answer ended.
+enum Awaited {
+    /// Something arrived (or the connection closed): read it.
+    Arrived,
+    /// Nothing within the request's bound.
+    TimedOut(Duration),
+    /// The controller no longer lists the agent, `Duration` into the wait.
+    GivenUp(Duration),
 }
 
 /// This rank's session with its agent.
@@ -47,6 +61,12 @@ pub(super) struct AgentLink {
     /// What this session's transfers moved since the client last took it
     /// (`transfer = "auto"` measures the directions with it).
     pub(super) moved: TransferTally,
+    /// Whom to ask whether the agent was given up, during long waits.
+    watch: Option<Arc<AgentWatch>>,
+    /// The application, as the controller knows it (for those questions).
+    app: String,
+    /// Its capability, which the questions present.
+    capability: String,
 }
 
 impl AgentLink {
@@ -58,7 +78,7 @@ impl AgentLink {
         rank: u32,
         waits: Waits,
     ) -> Result<Self> {
-        let Waits { connect: timeout, request: request_timeout } = waits;
+        let Waits { connect: timeout, request: request_timeout, watch } = waits;
         let fail = |message: String| Error::Agent {
             agent: info.id,
             node: info.node.clone(),
@@ -89,6 +109,9 @@ impl AgentLink {
             reads_from: None,
             apart_asked: false,
             endpoint: endpoint.clone(),
+            watch,
+            app: app.to_string(),
+            capability: access.capability.clone(),
         };
         link.call(&open)?;
         Ok(link)
@@ -189,19 +212,69 @@ impl AgentLink {
     /// The reply to the oldest request sent and not answered yet, which was
     /// like `request` (named in a timeout's error).
     pub(super) fn receive(&self, request: &AgentRequest) -> Result<AgentReply> {
+        let name = || {
+            let what = format!("{request:?}");
+            what.chars().take_while(char::is_ascii_alphanumeric).collect::<String>()
+        };
+        let timed_out = |waited: Duration| {
+            self.error(format!(
+                "no answer to {} within {waited:.1?}: the agent or its node is stopped, hung or cut off \
+                 (the bound is client.request_timeout plus 1 s per 10 MB)",
+                name()
+            ))
+        };
+        match self.await_answer() {
+            Awaited::Arrived => {}
+            Awaited::TimedOut(waited) => return Err(timed_out(waited)),
+            Awaited::GivenUp(waited) => {
+                return Err(self.error(format!(
+                    "the controller gave this agent up while this rank waited {waited:.1?} for its answer to {} \
+                     (its node missed its heartbeats or was lost)",
+                    name()
+                )))
+            }
+        }
         let received = self.conn().receive::<AgentReply>();
         match received {
             Ok(AgentReply::Error(message)) => Err(self.error(message)),
             Ok(reply) => Ok(reply),
-            Err(ServiceError::Protocol(ProtocolError::Timeout(waited))) => {
-                let what = format!("{request:?}");
-                let name: String = what.chars().take_while(char::is_ascii_alphanumeric).collect();
-                Err(self.error(format!(
-                    "no answer to {name} within {waited:.1?}: the agent or its node is stopped, hung or cut off \
-                     (the bound is client.request_timeout plus 1 s per 10 MB)"
-                )))
-            }
+            Err(ServiceError::Protocol(ProtocolError::Timeout(waited))) => Err(timed_out(waited)),
             Err(err) => Err(self.error(err.to_string())),
+        }
+    }
+
+    /// Waits, within the request's bound, for the agent's answer to start
+    /// arriving. Once the wait has outlasted the controller's failure
+    /// detection, asks it now and then (ever less often) whether this
+    /// agent is still the application's: a version on an agent it gave up
+    /// is never recorded, so waiting on longer would only delay the move
+    /// to new agents (by up to `client.request_timeout`, 30 s).
+    fn await_answer(&self) -> Awaited {
+        let bound = self.conn().timeout();
+        let Some(watch) = self.watch.as_deref() else {
+            return Awaited::Arrived;
+        };
+        let started = Instant::now();
+        let mut ask_at = watch.first_question();
+        // Kept from one question to the next within this wait.
+        let mut controller = None;
+        loop {
+            let waited = started.elapsed();
+            if waited >= bound {
+                return Awaited::TimedOut(waited);
+            }
+            let slice = ask_at.saturating_sub(waited).min(bound - waited);
+            if self.conn().wait_readable(slice) {
+                return Awaited::Arrived;
+            }
+            if started.elapsed() < ask_at {
+                continue;
+            }
+            match watch.ask(&mut controller, &self.token, &self.app, &self.capability, self.info.id) {
+                Verdict::GivenUp => return Awaited::GivenUp(started.elapsed()),
+                Verdict::Listed | Verdict::Unknown => {}
+            }
+            ask_at = watch.next_question(started.elapsed());
         }
     }
 

@@ -49,6 +49,7 @@ mod protection;
 mod resize;
 mod restart;
 mod shmr;
+mod watch;
 
 pub use commit::CommitStats;
 use commit::{Background, InFlight, Tracking, WrittenSince};
@@ -205,6 +206,9 @@ pub struct Icheck {
     /// `client.request_timeout`: the bound of agent requests that move no
     /// data (requests that do get more by their size).
     request_timeout: Duration,
+    /// Whom agent sessions ask, during a long wait, whether their agent
+    /// was given up.
+    watch: Option<std::sync::Arc<watch::AgentWatch>>,
 }
 
 /// Saves `app`'s capability as the controller answered it, unless the
@@ -371,6 +375,7 @@ impl Icheck {
             Err(_) => client.request_timeout,
         };
         let request_timeout = Duration::from_secs_f64(request_timeout);
+        let watch = watch::AgentWatch::from_config(&config);
         // An agent's transfers share its endpoint: one stalled on a dead rank
         // holds the agent's other ranks for up to the fabric's no-progress
         // bound. A shorter wait gives up on agents that are only finishing it.
@@ -538,7 +543,7 @@ impl Icheck {
         let link = if fallback.is_some() {
             Ok(None)
         } else {
-            let waits = Waits { connect: connect_timeout, request: request_timeout };
+            let waits = Waits { connect: connect_timeout, request: request_timeout, watch: watch.clone() };
             open_link(comm.as_ref(), mode, &endpoint, &agents, &access, app_name, waits)
         };
         let all_ok = comm.all_true(link.is_ok());
@@ -601,6 +606,7 @@ impl Icheck {
             finalized: false,
             connect_timeout,
             request_timeout,
+            watch,
         };
         let mut icheck = icheck;
         if let Some(reason) = unreachable {
@@ -763,7 +769,7 @@ impl Icheck {
 
     /// How long this process waits for agents.
     fn waits(&self) -> Waits {
-        Waits { connect: self.connect_timeout, request: self.request_timeout }
+        Waits { connect: self.connect_timeout, request: self.request_timeout, watch: self.watch.clone() }
     }
 
     fn controller_error(&self, message: String) -> Error {

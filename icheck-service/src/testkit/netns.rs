@@ -316,15 +316,26 @@ impl NetCluster {
         self.keep(child);
     }
 
-    /// Takes the link of controller `label` ("c1", "c2") down: it can reach
-    /// nobody, and nobody it.
+    /// Takes the link of controller `label` ("c1", "c2") or checkpoint node
+    /// `label` ("n1", ...) down: it can reach nobody, and nobody it. Its
+    /// processes run on, and their TCP connections stay open.
     pub fn cut(&self, label: &str) {
-        run("ip", &["link", "set", &format!("ich{}-{label}", self.net), "down"]);
+        run("ip", &["link", "set", &self.host_link(label), "down"]);
     }
 
-    /// Brings the link of controller `label` back.
+    /// Brings the link of controller or node `label` back.
     pub fn mend(&self, label: &str) {
-        run("ip", &["link", "set", &format!("ich{}-{label}", self.net), "up"]);
+        run("ip", &["link", "set", &self.host_link(label), "up"]);
+    }
+
+    /// The host end of the veth of `label`: controllers' links carry their
+    /// label ("ich<net>-c1"), nodes' links their number ("ich<net>-1").
+    fn host_link(&self, label: &str) -> String {
+        let link = match label.strip_prefix('n') {
+            Some(number) if number.parse::<u32>().is_ok() => number,
+            _ => label,
+        };
+        format!("ich{}-{link}", self.net)
     }
 
     /// The PID of controller `label` as started (`ip netns exec` execs it).

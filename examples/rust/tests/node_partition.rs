@@ -1,0 +1,108 @@
+//! A checkpoint node cut off from the network while a job commits to it:
+//! the nodes are network namespaces (see `icheck_service::testkit::netns`)
+//! and the node's link goes down, so its manager and agent run on with
+//! their TCP connections open but reach nobody. Other fault tests stop or
+//! kill the manager's process; here only the network fails. In a test
+//! binary of its own, so it never runs beside other namespaced clusters.
+//! Needs root, as CI has.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use common::{committed, restored, wait_for_more_commits, Job};
+use icheck_core::protocol::StatusReport;
+use icheck_service::testkit::icheck_in_target;
+use icheck_service::testkit::netns::NetCluster;
+use icheck_service::testkit::poll_until;
+
+/// The nodes holding `app`'s agents.
+fn agent_nodes(status: &StatusReport, app: &str) -> BTreeSet<String> {
+    status
+        .apps
+        .iter()
+        .filter(|a| a.registration.name == app)
+        .flat_map(|a| a.agents.iter().map(|agent| agent.node.clone()))
+        .collect()
+}
+
+/// The `seconds=S` of a job's `COMMITTED` line.
+fn seconds(line: &str) -> Option<f64> {
+    line.strip_prefix("COMMITTED ")?.split(' ').find_map(|field| field.strip_prefix("seconds=")?.parse().ok())
+}
+
+/// Whether the controller counts `node` alive.
+fn alive(status: &StatusReport, node: &str) -> bool {
+    status.nodes.iter().any(|n| n.node == node && n.alive)
+}
+
+/// One agent on one of two nodes; that node's link goes down mid-job. The
+/// controller marks it down after its missed heartbeats; the ranks waiting
+/// on the cut-off agent learn so from the controller (their own request
+/// bound is 600 s here), get a new agent on the other node and go on
+/// committing. When the link comes back the manager answers again, its
+/// replaced agent is stopped, and a restart after the job is killed is
+/// bit-exact.
+#[test]
+fn a_node_cut_off_mid_job_is_replaced_and_rejoins_when_its_link_returns() {
+    cut_a_node_mid_job("pull", "cutn");
+}
+
+/// The same with pushed commits: a rank's own writes to the cut-off agent
+/// stall, and so does its wait for the agent's answer.
+#[test]
+fn a_node_cut_off_mid_job_under_pushed_commits_is_replaced_too() {
+    cut_a_node_mid_job("push", "cutp");
+}
+
+/// Runs the scenario above with commits moved by `transfer` for an
+/// application named `app`.
+fn cut_a_node_mid_job(transfer: &str, app: &str) {
+    let dynamic = "readInterval = 0.5\ninit_agent_count = 1\nmax_agents_node = 4\n";
+    let cluster = NetCluster::start(&icheck_in_target(), app, 2, None, dynamic);
+    let args = ["--app", app, "--steps", "100000", "--every", "1", "--mib", "2", "--step-ms", "20"];
+    // Far beyond the test's bounds: the ranks must not wait their request
+    // bound out on the cut-off agent, but learn from the controller that
+    // it was given up.
+    let env =
+        [cluster.app_env().as_slice(), &[("ICHECK_REQUEST_TIMEOUT", "600"), ("ICHECK_TRANSFER", transfer)]].concat();
+    let mut job = Job::start(4, &cluster.client_config, &args, &env);
+    job.wait_line("COMMITTED version=5", Duration::from_secs(120));
+    let before = agent_nodes(&cluster.status(), app);
+    assert_eq!(before.len(), 1, "one agent on one node: {before:?}");
+    let cut = before.into_iter().next().unwrap();
+    let other = if cut == "n1" { "n2" } else { "n1" };
+
+    cluster.cut(&cut);
+    let at_cut = committed(&job.lines()).last().copied().unwrap_or(5);
+    let marked_down = poll_until(Duration::from_secs(20), || !alive(&cluster.status(), &cut));
+    assert!(marked_down, "{cut} was not marked down:\n{}", cluster.log("controller"));
+    // The ranks waiting on the cut-off agent ask the controller, learn that
+    // it gave the agent up, and store the version on a new one.
+    let during = wait_for_more_commits(&job, at_cut, 3, Duration::from_secs(60));
+    let stalled = job.lines().iter().filter_map(|l| seconds(l)).fold(0.0, f64::max);
+    assert!(stalled < 60.0, "a commit waited {stalled} s:\n{}", job.output());
+    let moved = agent_nodes(&cluster.status(), app);
+    assert_eq!(moved, BTreeSet::from([other.to_string()]), "{}", cluster.log("controller"));
+
+    cluster.mend(&cut);
+    let back = poll_until(Duration::from_secs(30), || alive(&cluster.status(), &cut));
+    assert!(back, "{cut} did not answer again:\n{}\n{}", cluster.log("controller"), cluster.log(&cut));
+    let stopped = poll_until(Duration::from_secs(30), || {
+        cluster.log("controller").contains("stopping an agent that was replaced while its node was silent")
+            && cluster.status().nodes.iter().any(|n| n.node == cut && n.status.agents == 0)
+    });
+    assert!(stopped, "the replaced agent on {cut} still runs:\n{}", cluster.log("controller"));
+    wait_for_more_commits(&job, during, 3, Duration::from_secs(60));
+
+    job.kill();
+    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
+    // An agent pulling from a killed rank waits out the stall bound before
+    // it is replaced; a restart within it would be handed that agent.
+    std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
+    let restart = ["--app", app, "--steps", "0", "--every", "1", "--mib", "2"];
+    let lines = Job::start(4, &cluster.client_config, &restart, &cluster.app_env()).finish(Duration::from_secs(120));
+    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
+    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+}
