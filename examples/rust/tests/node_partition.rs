@@ -106,3 +106,90 @@ fn cut_a_node_mid_job(transfer: &str, app: &str) {
     let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
     assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
 }
+
+/// Both checkpoint nodes cut off at once: no agent can be reached and
+/// none can be placed. The job's versions go straight to the PFS (the
+/// library's fallback) until the links return; then commits go back to
+/// the nodes' memory, and a restart after the job is killed is bit-exact.
+#[test]
+fn every_node_cut_off_at_once_sends_the_job_to_the_pfs_until_the_links_return() {
+    let dynamic = "readInterval = 0.5\ninit_agent_count = 2\nmax_agents_node = 4\n";
+    let cluster = NetCluster::start(&icheck_in_target(), "cutall", 2, None, dynamic);
+    let args = ["--app", "cutall", "--steps", "100000", "--every", "1", "--mib", "2", "--step-ms", "20"];
+    let env = [cluster.app_env().as_slice(), &[("ICHECK_REQUEST_TIMEOUT", "600"), ("ICHECK_T_WAIT", "2")]].concat();
+    let mut job = Job::start(4, &cluster.client_config, &args, &env);
+    job.wait_line("COMMITTED version=5", Duration::from_secs(120));
+    cluster.cut("n1");
+    cluster.cut("n2");
+    let at_cut = committed(&job.lines()).last().copied().unwrap_or(5);
+    let during = wait_for_more_commits(&job, at_cut, 5, Duration::from_secs(60));
+    // Cut for a while longer: tries of the service every t_wait (2 s)
+    // find no node, and the versions keep going to the PFS meanwhile.
+    std::thread::sleep(Duration::from_secs(6));
+    let during = wait_for_more_commits(&job, during, 5, Duration::from_secs(30));
+    let pfs = job.output().matches("checkpoints go directly to the PFS").count();
+    assert!(pfs > 0, "the job did not fall back to the PFS:\n{}", job.output());
+    cluster.mend("n1");
+    cluster.mend("n2");
+    let back = poll_until(Duration::from_secs(30), || {
+        let status = cluster.status();
+        alive(&status, "n1") && alive(&status, "n2")
+    });
+    assert!(back, "the nodes did not answer again:\n{}", cluster.log("controller"));
+    let after = wait_for_more_commits(&job, during, 5, Duration::from_secs(60));
+    // Back on the nodes' memory: the application has agents again.
+    let returned = poll_until(Duration::from_secs(30), || !agent_nodes(&cluster.status(), "cutall").is_empty());
+    assert!(returned, "no agents after the links returned:\n{}", cluster.log("controller"));
+    wait_for_more_commits(&job, after, 3, Duration::from_secs(60));
+
+    job.kill();
+    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
+    std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
+    let restart = ["--app", "cutall", "--steps", "0", "--every", "1", "--mib", "2"];
+    let lines = Job::start(4, &cluster.client_config, &restart, &cluster.app_env()).finish(Duration::from_secs(120));
+    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
+    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+}
+
+/// A job killed while every checkpoint node is cut off, after its newest
+/// versions went to the PFS, restarts from there while the nodes are
+/// still unreachable (before 2026-12-05 its `init` failed: "no live
+/// checkpoint node") and goes on writing to the PFS; once the links
+/// return, its commits go back to the nodes' memory, and a restart after
+/// it is killed again is bit-exact.
+#[test]
+fn a_job_killed_while_every_node_is_cut_off_restarts_from_its_pfs_versions() {
+    let dynamic = "readInterval = 0.5\ninit_agent_count = 2\nmax_agents_node = 4\n";
+    let cluster = NetCluster::start(&icheck_in_target(), "cutkill", 2, None, dynamic);
+    let args = ["--app", "cutkill", "--steps", "100000", "--every", "1", "--mib", "2", "--step-ms", "20"];
+    let env = [cluster.app_env().as_slice(), &[("ICHECK_REQUEST_TIMEOUT", "600"), ("ICHECK_T_WAIT", "2")]].concat();
+    let mut job = Job::start(4, &cluster.client_config, &args, &env);
+    job.wait_line("COMMITTED version=5", Duration::from_secs(120));
+    cluster.cut("n1");
+    cluster.cut("n2");
+    let at_cut = committed(&job.lines()).last().copied().unwrap_or(5);
+    wait_for_more_commits(&job, at_cut, 5, Duration::from_secs(60));
+    job.kill();
+    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
+
+    let mut job = Job::start(4, &cluster.client_config, &args, &env);
+    job.wait_line("RESTORED", Duration::from_secs(60));
+    let back = restored(&job.lines()).unwrap_or_else(|| panic!("no restart after version {told}: {}", job.output()));
+    assert!(back == told || back == told + 1, "told {told}, restored {back}: {}", job.output());
+    let going_on = wait_for_more_commits(&job, back, 5, Duration::from_secs(60));
+    assert!(job.output().contains("checkpoints go directly to the PFS"), "{}", job.output());
+
+    cluster.mend("n1");
+    cluster.mend("n2");
+    let returned = poll_until(Duration::from_secs(30), || !agent_nodes(&cluster.status(), "cutkill").is_empty());
+    assert!(returned, "no agents after the links returned:\n{}", cluster.log("controller"));
+    wait_for_more_commits(&job, going_on, 3, Duration::from_secs(60));
+    assert!(job.output().contains("the service is reachable again"), "{}", job.output());
+    job.kill();
+    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
+    std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
+    let restart = ["--app", "cutkill", "--steps", "0", "--every", "1", "--mib", "2"];
+    let lines = Job::start(4, &cluster.client_config, &restart, &cluster.app_env()).finish(Duration::from_secs(120));
+    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
+    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+}

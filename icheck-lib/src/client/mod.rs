@@ -525,6 +525,18 @@ impl Icheck {
             {
                 (agents, latest, capability)
             }
+            // The controller answers with no agents when no checkpoint node
+            // can take any and the version to restart from is on the PFS.
+            Ok(ClientReply::Registered { .. }) => {
+                return Err(Error::Controller {
+                    peer: controller_peer,
+                    error: ServiceError::Remote(
+                        "no checkpoint node can take agents now, and this job's configuration names no PfsDir to \
+                         write its versions to meanwhile"
+                            .into(),
+                    ),
+                })
+            }
             Ok(other) => {
                 return Err(Error::Controller {
                     peer: controller_peer,
@@ -540,6 +552,14 @@ impl Icheck {
         let fallback = agents.is_empty().then(|| {
             icheck_core::pfs::PfsStore::new(config.pfs_dir.clone().expect("checked")).with_key(pfs_key.clone())
         });
+        if let (Some(pfs), Some(_)) = (&fallback, &controller) {
+            // Rank 0 reached the controller, which has no node for agents.
+            tracing::warn!(
+                controller = %controller_peer,
+                pfs = %pfs.root().display(),
+                "no checkpoint node can take agents now: checkpoints go directly to the PFS until one can"
+            );
+        }
         let link = if fallback.is_some() {
             Ok(None)
         } else {

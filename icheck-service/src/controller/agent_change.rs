@@ -58,6 +58,11 @@ pub(super) async fn probe(
             // restart, as a registration's would, and the same refusals hold.
             let placement = if at_init { Placement::Start } else { Placement::Replace };
             match register_app(shared, registration, &claim, placement).await {
+                // No node can take agents (the registration would send the
+                // job to the PFS): a probe has none to offer.
+                Ok((agents, ..)) if agents.is_empty() => {
+                    ClientReply::Error(decide::PlacementError::NoLiveNode.to_string())
+                }
                 Ok((agents, ..)) => ClientReply::Agents(agents),
                 Err(reason) => ClientReply::Error(reason),
             }

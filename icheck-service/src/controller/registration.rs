@@ -8,7 +8,9 @@
 //! reconciled with the managers' stores and any rebuild is done, refuses
 //! a restart whose newest version only silent or lost nodes hold (naming
 //! them), and refuses a restart in the other transfer mode before
-//! anything is placed or journaled.
+//! anything is placed or journaled. When no node can take agents it
+//! answers none (the job writes to the PFS itself) only if the version to
+//! restart from is on the PFS, or there is none.
 
 use super::*;
 
@@ -103,7 +105,9 @@ pub(super) async fn register_app(
         Err(damage) => (None, Err(damage)),
     };
     let on_pfs = pfs_record.as_ref().ok().and_then(|r| r.as_ref().map(|r| r.version));
-    {
+    // No node can take agents, and the job is sent to the PFS (below).
+    let mut pfs_only = false;
+    'placing: {
         let mut state = shared.state();
         let now = Instant::now();
         // The newest complete version wherever it is: the library may have
@@ -216,6 +220,24 @@ pub(super) async fn register_app(
         // nodes, where they exist.
         let policy = config.redundancy_for(&registration);
         let live = snapshot.iter().filter(|n| n.alive && !n.draining).count();
+        // §6.5.1, as when the controller cannot be reached: no node can take
+        // agents (all silent, dead or draining), but the version to restart
+        // from is on the PFS (or there is none yet). The job writes its
+        // versions to the PFS itself, and its library asks again every
+        // `t_wait` until nodes answer. Before, the registration failed and
+        // the job could not even restart from the versions it had written
+        // there. A newest version only agent memory holds is never passed
+        // over: that case fails below, as before, or is refused above.
+        let newest_on_pfs = latest.as_ref().is_none_or(|l| on_pfs == Some(l.version));
+        if live == 0 && placement == Placement::Start && shared.pfs.is_some() && newest_on_pfs {
+            tracing::warn!(
+                app = %registration.name,
+                version = ?latest.as_ref().map(|l| l.version),
+                "no checkpoint node can take agents: the application writes its versions to the PFS until one does"
+            );
+            (pfs_only, waiters) = (true, Vec::new());
+            break 'placing;
+        }
         // (Beyond one agent per rank: the extra agents hold pieces only.)
         let count = count.max((policy.wanted_nodes().min(live) as u32).min(config.max_agents_app));
         let mut config = config;
@@ -262,6 +284,10 @@ pub(super) async fn register_app(
             protected,
         };
         waiters = send_starts(state, &spec, nodes);
+    }
+    if pfs_only {
+        record_owner_on_pfs(shared, recorded.is_none(), &registration.name, &owner);
+        return Ok((Vec::new(), latest, capability));
     }
     let placing = Instant::now();
     let _claim = Placing::of(shared, &waiters);
@@ -314,16 +340,22 @@ pub(super) async fn register_app(
     // New agents: the version they serve is protected again on them.
     start_protection(shared, &mut state, &name);
     drop(state);
-    // A new owner is recorded beside the copies once its registration
-    // succeeded (a failed one hands out no capability to match it).
-    if recorded.is_none() {
-        if let Some(pfs) = &shared.pfs {
-            if let Err(err) = pfs.set_owner(&registration_name, &owner) {
-                tracing::warn!(%err, "cannot record the application's owner on the PFS");
-            }
+    record_owner_on_pfs(shared, recorded.is_none(), &registration_name, &owner);
+    Ok((agents, latest, capability))
+}
+
+/// A new owner (`new`: none was recorded) is recorded beside the copies
+/// once its registration succeeded (a failed one hands out no capability
+/// to match it).
+fn record_owner_on_pfs(shared: &Shared, new: bool, name: &str, owner: &icheck_core::credentials::Owner) {
+    if !new {
+        return;
+    }
+    if let Some(pfs) = &shared.pfs {
+        if let Err(err) = pfs.set_owner(name, owner) {
+            tracing::warn!(%err, "cannot record the application's owner on the PFS");
         }
     }
-    Ok((agents, latest, capability))
 }
 
 /// The owner the PFS level recorded for `name`, if any. A damaged record
