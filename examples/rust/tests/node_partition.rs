@@ -32,6 +32,16 @@ fn seconds(line: &str) -> Option<f64> {
     line.strip_prefix("COMMITTED ")?.split(' ').find_map(|field| field.strip_prefix("seconds=")?.parse().ok())
 }
 
+/// Waits until `job`, which wrote to the PFS while no node could be
+/// reached, has tried the service again (every `t_wait`) and commits to
+/// agents, which the controller lists for `app`.
+fn back_on_agents(cluster: &NetCluster, job: &Job, app: &str) {
+    let back = poll_until(Duration::from_secs(30), || job.output().contains("the service is reachable again"));
+    assert!(back, "the job stayed on the PFS:\n{}\n{}", job.output(), cluster.log("controller"));
+    let listed = agent_nodes(&cluster.status(), app);
+    assert!(!listed.is_empty(), "no agents listed for {app}:\n{}", cluster.log("controller"));
+}
+
 /// Whether the controller counts `node` alive.
 fn alive(status: &StatusReport, node: &str) -> bool {
     status.nodes.iter().any(|n| n.node == node && n.alive)
@@ -136,11 +146,9 @@ fn every_node_cut_off_at_once_sends_the_job_to_the_pfs_until_the_links_return() 
         alive(&status, "n1") && alive(&status, "n2")
     });
     assert!(back, "the nodes did not answer again:\n{}", cluster.log("controller"));
-    let after = wait_for_more_commits(&job, during, 5, Duration::from_secs(60));
-    // Back on the nodes' memory: the application has agents again.
-    let returned = poll_until(Duration::from_secs(30), || !agent_nodes(&cluster.status(), "cutall").is_empty());
-    assert!(returned, "no agents after the links returned:\n{}", cluster.log("controller"));
-    wait_for_more_commits(&job, after, 3, Duration::from_secs(60));
+    back_on_agents(&cluster, &job, "cutall");
+    let on_agents = committed(&job.lines()).last().copied().unwrap_or(during);
+    wait_for_more_commits(&job, on_agents, 3, Duration::from_secs(60));
 
     job.kill();
     let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
@@ -181,10 +189,9 @@ fn a_job_killed_while_every_node_is_cut_off_restarts_from_its_pfs_versions() {
 
     cluster.mend("n1");
     cluster.mend("n2");
-    let returned = poll_until(Duration::from_secs(30), || !agent_nodes(&cluster.status(), "cutkill").is_empty());
-    assert!(returned, "no agents after the links returned:\n{}", cluster.log("controller"));
-    wait_for_more_commits(&job, going_on, 3, Duration::from_secs(60));
-    assert!(job.output().contains("the service is reachable again"), "{}", job.output());
+    back_on_agents(&cluster, &job, "cutkill");
+    let on_agents = committed(&job.lines()).last().copied().unwrap_or(going_on);
+    wait_for_more_commits(&job, on_agents, 3, Duration::from_secs(60));
     job.kill();
     let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
     std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));

@@ -9,8 +9,8 @@
 //! a restart whose newest version only silent or lost nodes hold (naming
 //! them), and refuses a restart in the other transfer mode before
 //! anything is placed or journaled. When no node can take agents it
-//! answers none (the job writes to the PFS itself) only if the version to
-//! restart from is on the PFS, or there is none.
+//! answers none (the job writes to the PFS itself) only to a restart
+//! whose version is on the PFS.
 
 use super::*;
 
@@ -221,15 +221,17 @@ pub(super) async fn register_app(
         let policy = config.redundancy_for(&registration);
         let live = snapshot.iter().filter(|n| n.alive && !n.draining).count();
         // §6.5.1, as when the controller cannot be reached: no node can take
-        // agents (all silent, dead or draining), but the version to restart
-        // from is on the PFS (or there is none yet). The job writes its
-        // versions to the PFS itself, and its library asks again every
-        // `t_wait` until nodes answer. Before, the registration failed and
-        // the job could not even restart from the versions it had written
-        // there. A newest version only agent memory holds is never passed
-        // over: that case fails below, as before, or is refused above.
-        let newest_on_pfs = latest.as_ref().is_none_or(|l| on_pfs == Some(l.version));
-        if live == 0 && placement == Placement::Start && shared.pfs.is_some() && newest_on_pfs {
+        // agents (all silent, dead, draining or refusing agents), but the
+        // version a restart reads is on the PFS. The job restarts from there
+        // and writes its versions to the PFS itself, and its library asks
+        // again every `t_wait` until nodes answer. Before, the registration
+        // failed and the job could not even restart from the versions it had
+        // written there. A newest version only agent memory holds is never
+        // passed over: that case fails below, as before, or is refused
+        // above. A first run (no version anywhere) still fails: it has
+        // nothing to lose by waiting for the service.
+        let restart_on_pfs = latest.as_ref().is_some_and(|l| on_pfs == Some(l.version));
+        if live == 0 && placement == Placement::Start && shared.pfs.is_some() && restart_on_pfs {
             tracing::warn!(
                 app = %registration.name,
                 version = ?latest.as_ref().map(|l| l.version),
