@@ -47,6 +47,48 @@ fn alive(status: &StatusReport, node: &str) -> bool {
     status.nodes.iter().any(|n| n.node == node && n.alive)
 }
 
+/// A cluster of two nodes and a 4-rank job of `app` on it (2 MiB per rank,
+/// a commit every 20 ms, `init_agent_count` agents, `env` besides the
+/// cluster's), once the job has committed version 5.
+fn cluster_and_job(app: &str, init_agent_count: u32, env: &[(&str, &str)]) -> (NetCluster, Job) {
+    let dynamic = format!("readInterval = 0.5\ninit_agent_count = {init_agent_count}\nmax_agents_node = 4\n");
+    let cluster = NetCluster::start(&icheck_in_target(), app, 2, None, &dynamic);
+    let env = [cluster.app_env().as_slice(), env].concat();
+    let mut job = Job::start(4, &cluster.client_config, &running(app), &env);
+    job.wait_line("COMMITTED version=5", Duration::from_secs(120));
+    (cluster, job)
+}
+
+/// The arguments of a job of `app` that commits until it is killed.
+fn running(app: &str) -> [&str; 10] {
+    ["--app", app, "--steps", "100000", "--every", "1", "--mib", "2", "--step-ms", "20"]
+}
+
+/// Takes every node's link down, or brings them all back.
+fn cut_all(cluster: &NetCluster, cut: bool) {
+    for node in ["n1", "n2"] {
+        if cut {
+            cluster.cut(node);
+        } else {
+            cluster.mend(node);
+        }
+    }
+}
+
+/// Kills `job` and checks that a restart of `app` restores the last
+/// version it reported complete (or the one it was completing), verified.
+fn kill_and_restart_bit_exact(cluster: &NetCluster, mut job: Job, app: &str) {
+    job.kill();
+    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
+    // An agent pulling from a killed rank waits out the stall bound before
+    // it is replaced; a restart within it would be handed that agent.
+    std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
+    let restart = ["--app", app, "--steps", "0", "--every", "1", "--mib", "2"];
+    let lines = Job::start(4, &cluster.client_config, &restart, &cluster.app_env()).finish(Duration::from_secs(120));
+    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
+    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+}
+
 /// One agent on one of two nodes; that node's link goes down mid-job. The
 /// controller marks it down after its missed heartbeats; the ranks waiting
 /// on the cut-off agent learn so from the controller (their own request
@@ -69,16 +111,10 @@ fn a_node_cut_off_mid_job_under_pushed_commits_is_replaced_too() {
 /// Runs the scenario above with commits moved by `transfer` for an
 /// application named `app`.
 fn cut_a_node_mid_job(transfer: &str, app: &str) {
-    let dynamic = "readInterval = 0.5\ninit_agent_count = 1\nmax_agents_node = 4\n";
-    let cluster = NetCluster::start(&icheck_in_target(), app, 2, None, dynamic);
-    let args = ["--app", app, "--steps", "100000", "--every", "1", "--mib", "2", "--step-ms", "20"];
-    // Far beyond the test's bounds: the ranks must not wait their request
-    // bound out on the cut-off agent, but learn from the controller that
-    // it was given up.
-    let env =
-        [cluster.app_env().as_slice(), &[("ICHECK_REQUEST_TIMEOUT", "600"), ("ICHECK_TRANSFER", transfer)]].concat();
-    let mut job = Job::start(4, &cluster.client_config, &args, &env);
-    job.wait_line("COMMITTED version=5", Duration::from_secs(120));
+    // A request bound far beyond the test's: the ranks must not wait it out
+    // on the cut-off agent, but learn from the controller that it was
+    // given up.
+    let (cluster, job) = cluster_and_job(app, 1, &[("ICHECK_REQUEST_TIMEOUT", "600"), ("ICHECK_TRANSFER", transfer)]);
     let before = agent_nodes(&cluster.status(), app);
     assert_eq!(before.len(), 1, "one agent on one node: {before:?}");
     let cut = before.into_iter().next().unwrap();
@@ -105,16 +141,7 @@ fn cut_a_node_mid_job(transfer: &str, app: &str) {
     });
     assert!(stopped, "the replaced agent on {cut} still runs:\n{}", cluster.log("controller"));
     wait_for_more_commits(&job, during, 3, Duration::from_secs(60));
-
-    job.kill();
-    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
-    // An agent pulling from a killed rank waits out the stall bound before
-    // it is replaced; a restart within it would be handed that agent.
-    std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
-    let restart = ["--app", app, "--steps", "0", "--every", "1", "--mib", "2"];
-    let lines = Job::start(4, &cluster.client_config, &restart, &cluster.app_env()).finish(Duration::from_secs(120));
-    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
-    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+    kill_and_restart_bit_exact(&cluster, job, app);
 }
 
 /// Both checkpoint nodes cut off at once: no agent can be reached and
@@ -123,14 +150,8 @@ fn cut_a_node_mid_job(transfer: &str, app: &str) {
 /// the nodes' memory, and a restart after the job is killed is bit-exact.
 #[test]
 fn every_node_cut_off_at_once_sends_the_job_to_the_pfs_until_the_links_return() {
-    let dynamic = "readInterval = 0.5\ninit_agent_count = 2\nmax_agents_node = 4\n";
-    let cluster = NetCluster::start(&icheck_in_target(), "cutall", 2, None, dynamic);
-    let args = ["--app", "cutall", "--steps", "100000", "--every", "1", "--mib", "2", "--step-ms", "20"];
-    let env = [cluster.app_env().as_slice(), &[("ICHECK_REQUEST_TIMEOUT", "600"), ("ICHECK_T_WAIT", "2")]].concat();
-    let mut job = Job::start(4, &cluster.client_config, &args, &env);
-    job.wait_line("COMMITTED version=5", Duration::from_secs(120));
-    cluster.cut("n1");
-    cluster.cut("n2");
+    let (cluster, job) = cluster_and_job("cutall", 2, &[("ICHECK_REQUEST_TIMEOUT", "600"), ("ICHECK_T_WAIT", "2")]);
+    cut_all(&cluster, true);
     let at_cut = committed(&job.lines()).last().copied().unwrap_or(5);
     let during = wait_for_more_commits(&job, at_cut, 5, Duration::from_secs(60));
     // Cut for a while longer: tries of the service every t_wait (2 s)
@@ -139,8 +160,7 @@ fn every_node_cut_off_at_once_sends_the_job_to_the_pfs_until_the_links_return() 
     let during = wait_for_more_commits(&job, during, 5, Duration::from_secs(30));
     let pfs = job.output().matches("checkpoints go directly to the PFS").count();
     assert!(pfs > 0, "the job did not fall back to the PFS:\n{}", job.output());
-    cluster.mend("n1");
-    cluster.mend("n2");
+    cut_all(&cluster, false);
     let back = poll_until(Duration::from_secs(30), || {
         let status = cluster.status();
         alive(&status, "n1") && alive(&status, "n2")
@@ -149,14 +169,7 @@ fn every_node_cut_off_at_once_sends_the_job_to_the_pfs_until_the_links_return() 
     back_on_agents(&cluster, &job, "cutall");
     let on_agents = committed(&job.lines()).last().copied().unwrap_or(during);
     wait_for_more_commits(&job, on_agents, 3, Duration::from_secs(60));
-
-    job.kill();
-    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
-    std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
-    let restart = ["--app", "cutall", "--steps", "0", "--every", "1", "--mib", "2"];
-    let lines = Job::start(4, &cluster.client_config, &restart, &cluster.app_env()).finish(Duration::from_secs(120));
-    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
-    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+    kill_and_restart_bit_exact(&cluster, job, "cutall");
 }
 
 /// A job killed while every checkpoint node is cut off, after its newest
@@ -167,36 +180,25 @@ fn every_node_cut_off_at_once_sends_the_job_to_the_pfs_until_the_links_return() 
 /// it is killed again is bit-exact.
 #[test]
 fn a_job_killed_while_every_node_is_cut_off_restarts_from_its_pfs_versions() {
-    let dynamic = "readInterval = 0.5\ninit_agent_count = 2\nmax_agents_node = 4\n";
-    let cluster = NetCluster::start(&icheck_in_target(), "cutkill", 2, None, dynamic);
-    let args = ["--app", "cutkill", "--steps", "100000", "--every", "1", "--mib", "2", "--step-ms", "20"];
-    let env = [cluster.app_env().as_slice(), &[("ICHECK_REQUEST_TIMEOUT", "600"), ("ICHECK_T_WAIT", "2")]].concat();
-    let mut job = Job::start(4, &cluster.client_config, &args, &env);
-    job.wait_line("COMMITTED version=5", Duration::from_secs(120));
-    cluster.cut("n1");
-    cluster.cut("n2");
+    let extra = [("ICHECK_REQUEST_TIMEOUT", "600"), ("ICHECK_T_WAIT", "2")];
+    let (cluster, mut job) = cluster_and_job("cutkill", 2, &extra);
+    cut_all(&cluster, true);
     let at_cut = committed(&job.lines()).last().copied().unwrap_or(5);
     wait_for_more_commits(&job, at_cut, 5, Duration::from_secs(60));
     job.kill();
     let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
 
-    let mut job = Job::start(4, &cluster.client_config, &args, &env);
+    let env = [cluster.app_env().as_slice(), &extra].concat();
+    let mut job = Job::start(4, &cluster.client_config, &running("cutkill"), &env);
     job.wait_line("RESTORED", Duration::from_secs(60));
     let back = restored(&job.lines()).unwrap_or_else(|| panic!("no restart after version {told}: {}", job.output()));
     assert!(back == told || back == told + 1, "told {told}, restored {back}: {}", job.output());
     let going_on = wait_for_more_commits(&job, back, 5, Duration::from_secs(60));
     assert!(job.output().contains("checkpoints go directly to the PFS"), "{}", job.output());
 
-    cluster.mend("n1");
-    cluster.mend("n2");
+    cut_all(&cluster, false);
     back_on_agents(&cluster, &job, "cutkill");
     let on_agents = committed(&job.lines()).last().copied().unwrap_or(going_on);
     wait_for_more_commits(&job, on_agents, 3, Duration::from_secs(60));
-    job.kill();
-    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
-    std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
-    let restart = ["--app", "cutkill", "--steps", "0", "--every", "1", "--mib", "2"];
-    let lines = Job::start(4, &cluster.client_config, &restart, &cluster.app_env()).finish(Duration::from_secs(120));
-    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
-    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+    kill_and_restart_bit_exact(&cluster, job, "cutkill");
 }
