@@ -48,13 +48,18 @@ fn alive(status: &StatusReport, node: &str) -> bool {
 }
 
 /// A cluster of two nodes and a 4-rank job of `app` on it (2 MiB per rank,
-/// a commit every 20 ms, `init_agent_count` agents, `env` besides the
-/// cluster's), once the job has committed version 5.
-fn cluster_and_job(app: &str, init_agent_count: u32, env: &[(&str, &str)]) -> (NetCluster, Job) {
+/// a commit every 20 ms, asynchronous ones with `asynchronous`,
+/// `init_agent_count` agents, `env` besides the cluster's), once the job
+/// has committed version 5.
+fn cluster_and_job(app: &str, init_agent_count: u32, env: &[(&str, &str)], asynchronous: bool) -> (NetCluster, Job) {
     let dynamic = format!("readInterval = 0.5\ninit_agent_count = {init_agent_count}\nmax_agents_node = 4\n");
     let cluster = NetCluster::start(&icheck_in_target(), app, 2, None, &dynamic);
     let env = [cluster.app_env().as_slice(), env].concat();
-    let mut job = Job::start(4, &cluster.client_config, &running(app), &env);
+    let mut args = running(app).to_vec();
+    if asynchronous {
+        args.push("--async");
+    }
+    let mut job = Job::start(4, &cluster.client_config, &args, &env);
     job.wait_line("COMMITTED version=5", Duration::from_secs(120));
     (cluster, job)
 }
@@ -75,16 +80,18 @@ fn cut_all(cluster: &NetCluster, cut: bool) {
     }
 }
 
-/// Kills `job` and checks that a restart of `app` restores the last
-/// version it reported complete (or the one it was completing), verified.
-fn kill_and_restart_bit_exact(cluster: &NetCluster, mut job: Job, app: &str) {
+/// Kills `job` and checks that a restart of `app` (with `env` besides the
+/// cluster's) restores the last version it reported complete (or the one
+/// it was completing), verified.
+fn kill_and_restart_bit_exact(cluster: &NetCluster, mut job: Job, app: &str, env: &[(&str, &str)]) {
     job.kill();
     let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
     // An agent pulling from a killed rank waits out the stall bound before
     // it is replaced; a restart within it would be handed that agent.
     std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
     let restart = ["--app", app, "--steps", "0", "--every", "1", "--mib", "2"];
-    let lines = Job::start(4, &cluster.client_config, &restart, &cluster.app_env()).finish(Duration::from_secs(120));
+    let env = [cluster.app_env().as_slice(), env].concat();
+    let lines = Job::start(4, &cluster.client_config, &restart, &env).finish(Duration::from_secs(120));
     let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
     assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
 }
@@ -98,23 +105,31 @@ fn kill_and_restart_bit_exact(cluster: &NetCluster, mut job: Job, app: &str) {
 /// bit-exact.
 #[test]
 fn a_node_cut_off_mid_job_is_replaced_and_rejoins_when_its_link_returns() {
-    cut_a_node_mid_job("pull", "cutn");
+    cut_a_node_mid_job("cutn", &[("ICHECK_TRANSFER", "pull")], false);
 }
 
 /// The same with pushed commits: a rank's own writes to the cut-off agent
 /// stall, and so does its wait for the agent's answer.
 #[test]
 fn a_node_cut_off_mid_job_under_pushed_commits_is_replaced_too() {
-    cut_a_node_mid_job("push", "cutp");
+    cut_a_node_mid_job("cutp", &[("ICHECK_TRANSFER", "push")], false);
 }
 
-/// Runs the scenario above with commits moved by `transfer` for an
-/// application named `app`.
-fn cut_a_node_mid_job(transfer: &str, app: &str) {
+/// The same with asynchronous commits in SHMR mode: the node leader's
+/// background transfer is what waits on the cut-off agent.
+#[test]
+fn a_node_cut_off_mid_job_under_async_shmr_commits_is_replaced_too() {
+    cut_a_node_mid_job("cuts", &[("ICHECK_MODE", "shmr")], true);
+}
+
+/// Runs the scenario above for an application named `app`, with `env`
+/// (how commits move) and `asynchronous` commits.
+fn cut_a_node_mid_job(app: &str, env: &[(&str, &str)], asynchronous: bool) {
     // A request bound far beyond the test's: the ranks must not wait it out
     // on the cut-off agent, but learn from the controller that it was
     // given up.
-    let (cluster, job) = cluster_and_job(app, 1, &[("ICHECK_REQUEST_TIMEOUT", "600"), ("ICHECK_TRANSFER", transfer)]);
+    let job_env = [env, &[("ICHECK_REQUEST_TIMEOUT", "600")]].concat();
+    let (cluster, job) = cluster_and_job(app, 1, &job_env, asynchronous);
     let before = agent_nodes(&cluster.status(), app);
     assert_eq!(before.len(), 1, "one agent on one node: {before:?}");
     let cut = before.into_iter().next().unwrap();
@@ -141,7 +156,7 @@ fn cut_a_node_mid_job(transfer: &str, app: &str) {
     });
     assert!(stopped, "the replaced agent on {cut} still runs:\n{}", cluster.log("controller"));
     wait_for_more_commits(&job, during, 3, Duration::from_secs(60));
-    kill_and_restart_bit_exact(&cluster, job, app);
+    kill_and_restart_bit_exact(&cluster, job, app, env);
 }
 
 /// Both checkpoint nodes cut off at once: no agent can be reached and
@@ -150,7 +165,8 @@ fn cut_a_node_mid_job(transfer: &str, app: &str) {
 /// the nodes' memory, and a restart after the job is killed is bit-exact.
 #[test]
 fn every_node_cut_off_at_once_sends_the_job_to_the_pfs_until_the_links_return() {
-    let (cluster, job) = cluster_and_job("cutall", 2, &[("ICHECK_REQUEST_TIMEOUT", "600"), ("ICHECK_T_WAIT", "2")]);
+    let (cluster, job) =
+        cluster_and_job("cutall", 2, &[("ICHECK_REQUEST_TIMEOUT", "600"), ("ICHECK_T_WAIT", "2")], false);
     cut_all(&cluster, true);
     let at_cut = committed(&job.lines()).last().copied().unwrap_or(5);
     let during = wait_for_more_commits(&job, at_cut, 5, Duration::from_secs(60));
@@ -169,7 +185,7 @@ fn every_node_cut_off_at_once_sends_the_job_to_the_pfs_until_the_links_return() 
     back_on_agents(&cluster, &job, "cutall");
     let on_agents = committed(&job.lines()).last().copied().unwrap_or(during);
     wait_for_more_commits(&job, on_agents, 3, Duration::from_secs(60));
-    kill_and_restart_bit_exact(&cluster, job, "cutall");
+    kill_and_restart_bit_exact(&cluster, job, "cutall", &[]);
 }
 
 /// A job killed while every checkpoint node is cut off, after its newest
@@ -181,7 +197,7 @@ fn every_node_cut_off_at_once_sends_the_job_to_the_pfs_until_the_links_return() 
 #[test]
 fn a_job_killed_while_every_node_is_cut_off_restarts_from_its_pfs_versions() {
     let extra = [("ICHECK_REQUEST_TIMEOUT", "600"), ("ICHECK_T_WAIT", "2")];
-    let (cluster, mut job) = cluster_and_job("cutkill", 2, &extra);
+    let (cluster, mut job) = cluster_and_job("cutkill", 2, &extra, false);
     cut_all(&cluster, true);
     let at_cut = committed(&job.lines()).last().copied().unwrap_or(5);
     wait_for_more_commits(&job, at_cut, 5, Duration::from_secs(60));
@@ -200,5 +216,5 @@ fn a_job_killed_while_every_node_is_cut_off_restarts_from_its_pfs_versions() {
     back_on_agents(&cluster, &job, "cutkill");
     let on_agents = committed(&job.lines()).last().copied().unwrap_or(going_on);
     wait_for_more_commits(&job, on_agents, 3, Duration::from_secs(60));
-    kill_and_restart_bit_exact(&cluster, job, "cutkill");
+    kill_and_restart_bit_exact(&cluster, job, "cutkill", &[]);
 }
