@@ -27,7 +27,8 @@
 //! The job commits blocking in MR mode by default, every byte changed at
 //! each step; `--async` (a version counts once `wait` returned for it),
 //! `--mode shmr` and `--change-one-block-in N` (incremental commits that
-//! move, and agents that share, only part of each version) vary it.
+//! move, and agents that share, only part of each version, for N ≥ 3)
+//! vary it. The table prints what blocking commits moved.
 //!
 //! After every fault the checker starts again what died (`icheck up`) and
 //! checks the invariants with the next round's job, which restarts:
@@ -65,7 +66,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use icheck_core::units::ByteSize;
 use icheck_examples::{fill_bytes, first_mismatch};
-use icheck_lib::{Icheck, InitStatus, MpiComm, Region};
+use icheck_lib::{CommitStats, Icheck, InitStatus, MpiComm, Region};
 use icheck_service::launcher::is_icheck_process;
 use icheck_service::testkit::{interrupt, LocalService};
 use nix::sys::signal::{kill, Signal};
@@ -127,8 +128,9 @@ struct Cli {
     mode: String,
     /// Each step rewrites one 1 MiB block in this many (1: every byte),
     /// so that incremental commits move, and agents share, only part of
-    /// each version; a restart checks every block against the step that
-    /// last wrote it.
+    /// each version (3 or more: a commit with more than 0.4 of its blocks
+    /// changed moves whole); a restart checks every block against the step
+    /// that last wrote it.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
     change_one_block_in: u64,
     /// Internal: run as one rank of the job, with this client configuration.
@@ -224,7 +226,12 @@ fn rank_main(config: &Path, cli: &Cli) -> Result<()> {
         Icheck::init(Some(config), APP, MpiComm::new(&world)).unwrap_or_else(|e| complain(format!("init: {e}")));
     let step = Region::<i64>::zeroed(1);
     let data = Region::<u8>::zeroed(cli.size.0 as usize + rank as usize * 4096 + 13);
-    ic.add("step", &step).and_then(|_| ic.add("data", &data)).unwrap_or_else(|e| complain(format!("add: {e}")));
+    // The data first: its 1 MiB blocks are then the version's own blocks,
+    // which incremental commits compare. Behind an 8-byte label, each block
+    // the job rewrote straddled two of the version's, so one block in four
+    // changed half the version's blocks, more than the 0.4 above which a
+    // commit moves whole: every commit of `--change-one-block-in 4` did.
+    ic.add("data", &data).and_then(|_| ic.add("step", &step)).unwrap_or_else(|e| complain(format!("add: {e}")));
     ic.set_async(cli.asynchronous);
     let mut current = 0;
     match status {
@@ -242,9 +249,12 @@ fn rank_main(config: &Path, cli: &Cli) -> Result<()> {
             say(format!("RESTORED version={version} step={current}"));
         }
     }
-    // What the checker reads of a complete version.
-    let complete = |version: u64, at_step: u64, started: Instant| {
-        say(format!("COMMITTED version={version} step={at_step} secs={:.3}", started.elapsed().as_secs_f64()))
+    // What the checker reads of a complete version; `stats`, what a
+    // blocking commit moved of rank 0's bytes (before `secs=`, which the
+    // checker reads from the end of the line).
+    let complete = |version: u64, at_step: u64, started: Instant, stats: Option<CommitStats>| {
+        let moved = stats.map_or(String::new(), |s| format!(" moved={}/{}", s.moved_bytes, s.total_bytes));
+        say(format!("COMMITTED version={version} step={at_step}{moved} secs={:.3}", started.elapsed().as_secs_f64()))
     };
     // An asynchronous commit not yet waited for: (version, step, started).
     let mut in_flight: Option<(u64, u64, Instant)> = None;
@@ -254,7 +264,7 @@ fn rank_main(config: &Path, cli: &Cli) -> Result<()> {
         std::thread::sleep(Duration::from_millis(20));
         if let Some((version, at_step, started)) = in_flight.take() {
             ic.wait().unwrap_or_else(|e| complain(format!("wait for version {version}: {e}")));
-            complete(version, at_step, started);
+            complete(version, at_step, started, None);
         }
         write_step(&mut data.write(), rank, current, every);
         step.write()[0] = i64::try_from(current).unwrap_or(i64::MAX);
@@ -262,9 +272,16 @@ fn rank_main(config: &Path, cli: &Cli) -> Result<()> {
         let version = ic.commit().unwrap_or_else(|e| complain(format!("commit: {e}")));
         match cli.asynchronous {
             true => in_flight = Some((version, current, started)),
-            false => complete(version, current, started),
+            false => complete(version, current, started, ic.last_commit()),
         }
     }
+}
+
+/// The share of its bytes a `COMMITTED ... moved=M/T ...` line moved.
+fn moved_share(line: &str) -> Option<f64> {
+    let (moved, total) = line.split(' ').find_map(|field| field.strip_prefix("moved="))?.split_once('/')?;
+    let total: f64 = total.parse().ok().filter(|t| *t > 0.0)?;
+    Some(moved.parse::<f64>().ok()? / total)
 }
 
 /// A running job: `mpirun` in its own process group, its stdout lines.
@@ -451,6 +468,9 @@ struct Tally {
     /// The longest commit a rank reported (a commit during a fault waits
     /// for its bounds, then completes on new agents or fails).
     slowest_commit: f64,
+    /// Of each blocking commit rank 0 reported, the share of its bytes
+    /// that crossed the fabric (incremental commits move changed blocks).
+    moved_shares: Vec<f64>,
     max_files_per_rank: usize,
     rss: BTreeMap<String, (u64, u64)>,
     /// Fault to the job's next completed commit, per takeover, by kind.
@@ -582,6 +602,23 @@ fn status_matches_reality(service: &LocalService) -> Result<(), String> {
         std::thread::sleep(Duration::from_millis(100));
     }
     Err(last)
+}
+
+/// The retention bound on one rank's store directory for a job that
+/// rewrites one block in `every` per step. Retention keeps at most a few
+/// versions per rank (the newest complete, one in progress, one pinned by
+/// a PFS copy), each a data and a manifest file, and the spare and
+/// prepared files: 9 with some slack. Incremental commits (`every` > 1)
+/// add each kept version's block map, and the shared-blocks files of the
+/// older versions whose blocks the kept ones still use: a block is
+/// rewritten every `every` steps, so each kept version uses blocks of at
+/// most `every - 1` older ones.
+fn most_files_per_rank(every: u64) -> usize {
+    const KEPT: usize = 3;
+    match every {
+        0 | 1 => 9,
+        every => 9 + KEPT + KEPT * (every as usize - 1),
+    }
 }
 
 /// Most files in one rank's directory of the store (retention bound).
@@ -1028,6 +1065,7 @@ fn campaign(cli: &Cli) -> Result<Tally> {
         let slowest =
             job.lines().iter().filter_map(|l| l.rsplit_once("secs=")?.1.parse::<f64>().ok()).fold(0.0, f64::max);
         tally.slowest_commit = tally.slowest_commit.max(slowest);
+        tally.moved_shares.extend(job.lines().iter().filter_map(|l| moved_share(l)));
         job.kill();
         if let (false, Some(newest)) = (lost_nodes_kind, reported.iter().max()) {
             told = Some(told.map_or(*newest, |t| t.max(*newest)));
@@ -1093,7 +1131,9 @@ fn campaign(cli: &Cli) -> Result<Tally> {
     Ok(tally)
 }
 
-fn print_table(tally: &Tally) {
+/// Prints the campaign's table; `every`: the job rewrote one block in
+/// `every` per step.
+fn print_table(tally: &Tally, every: u64) {
     println!();
     println!("| what | value |");
     println!("|---|---|");
@@ -1110,7 +1150,22 @@ fn print_table(tally: &Tally) {
     println!("| newest versions left unprotected, after healing (must be 0) | {} |", tally.unprotected.len());
     println!("| slowest recovery (fault to verified restart) | {:.1} s |", tally.slowest_recovery.as_secs_f64());
     println!("| slowest commit reported complete | {:.1} s |", tally.slowest_commit);
-    println!("| most files in one rank's store directory | {} |", tally.max_files_per_rank);
+    println!(
+        "| most files in one rank's store directory (at most {}) | {} |",
+        most_files_per_rank(every),
+        tally.max_files_per_rank
+    );
+    if !tally.moved_shares.is_empty() {
+        let mut shares = tally.moved_shares.clone();
+        shares.sort_by(f64::total_cmp);
+        let whole = shares.iter().filter(|s| **s >= 0.999).count();
+        println!(
+            "| rank 0's blocking commits: share of its bytes moved, median; commits that moved everything | {:.1}%; {} of {} |",
+            shares[shares.len() / 2] * 100.0,
+            whole,
+            shares.len()
+        );
+    }
     let longest = tally.wedged_exits.iter().max().copied().unwrap_or_default();
     println!(
         "| managers that exited on a wedged fabric (shm), and the longest inside the call | {}, {:.1} s |",
@@ -1143,10 +1198,8 @@ fn main() -> Result<()> {
     // Ctrl-C stops the service and the job this run started.
     interrupt::stop_on_interrupt().context("cannot wait for interrupting signals")?;
     let tally = campaign(&cli)?;
-    print_table(&tally);
-    // Retention keeps at most a few versions per rank (the newest complete,
-    // one in progress, one pinned by a PFS copy) and the spare file.
-    if tally.findings().next().is_some() || tally.max_files_per_rank > 9 {
+    print_table(&tally, cli.change_one_block_in);
+    if tally.findings().next().is_some() || tally.max_files_per_rank > most_files_per_rank(cli.change_one_block_in) {
         bail!("the campaign broke an invariant (see above)");
     }
     Ok(())
@@ -1180,6 +1233,22 @@ mod tests {
         assert_eq!(first_wrong_byte(&first, 0, 1, 2), None, "block 0 is still zero after step 1");
         first[7] = 1;
         assert_eq!(first_wrong_byte(&first, 0, 1, 2), Some(7));
+    }
+
+    #[test]
+    fn what_a_commit_moved_is_read_from_its_line_and_the_time_still_from_the_end() {
+        let line = "COMMITTED version=7 step=7 moved=2097152/8388621 secs=0.031";
+        assert_eq!(moved_share(line), Some(2097152.0 / 8388621.0));
+        assert_eq!(line.rsplit_once("secs=").map(|(_, s)| s), Some("0.031"));
+        assert_eq!(moved_share("COMMITTED version=7 step=7 secs=0.031"), None, "async commits say nothing");
+        assert_eq!(moved_share("COMMITTED version=7 step=7 moved=5/0 secs=0.031"), None);
+    }
+
+    #[test]
+    fn incremental_jobs_may_keep_block_maps_and_shared_blocks_but_no_more() {
+        assert_eq!(most_files_per_rank(1), 9, "whole commits: versions, the spare and the prepared file");
+        assert_eq!(most_files_per_rank(2), 15);
+        assert_eq!(most_files_per_rank(4), 21);
     }
 
     #[test]

@@ -87,9 +87,11 @@ fn a_short_campaign_under_rs_2_1_loses_only_what_the_policy_allows() {
 
 /// The job on the other paths: asynchronous commits (a version counts once
 /// `wait` returned for it), SHMR mode (one segment per node), and steps
-/// that rewrite one 1 MiB block in four, so that incremental commits move
-/// part of each version and agents share the rest between versions. Each
-/// restart checks every block against the step that last wrote it.
+/// that rewrite one 1 MiB block in four. Each restart checks every block
+/// against the step that last wrote it. Whether these commits move only
+/// part of each version is not checked here: the campaign measures that
+/// for blocking commits (the test below), and in the SHMR node segment the
+/// second rank's data does not start on a block boundary.
 #[test]
 fn a_short_campaign_of_async_shmr_partly_changed_commits_loses_no_version() {
     let stdout = campaign(
@@ -109,6 +111,23 @@ fn a_short_campaign_of_async_shmr_partly_changed_commits_loses_no_version() {
         8,
     );
     assert!(stdout.contains("mode shmr, async commits, one block in 4 rewritten per step"), "{stdout}");
+}
+
+/// Blocking commits that rewrite one 1 MiB block in four: the campaign's
+/// table must show that they moved part of each version (incremental
+/// commits), not whole ones. Until 2026-12-05 the job's data sat behind
+/// an 8-byte label, every rewritten block straddled two of the version's,
+/// and every such commit moved everything; nothing noticed.
+#[test]
+fn a_short_campaign_of_partly_changed_blocking_commits_moves_part_of_each_version() {
+    let stdout = campaign(&["--faults", "6", "--seed", "1206", "--change-one-block-in", "4", "--size", "8MiB"], 6);
+    let row = "| rank 0's blocking commits: share of its bytes moved, median; commits that moved everything | ";
+    let median: f64 = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(row)?.split('%').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("the table says what commits moved:\n{stdout}"));
+    // One block in four, and the small step label: a quarter and a little.
+    assert!(median < 40.0, "blocking commits moved {median}% of each version:\n{stdout}");
 }
 
 /// Ctrl-C during a campaign (SIGINT to the campaign alone: its daemons
