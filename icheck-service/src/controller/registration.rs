@@ -93,6 +93,8 @@ pub(super) async fn register_app(
     }
     await_reconciled(shared, &registration.name).await;
     let config = shared.dynamic();
+    // The agent starts sent; `None`: no node can take agents, and the job
+    // is sent to the PFS (below).
     let waiters;
     let latest;
     // The agents this placement replaces (told to stop below).
@@ -105,8 +107,6 @@ pub(super) async fn register_app(
         Err(damage) => (None, Err(damage)),
     };
     let on_pfs = pfs_record.as_ref().ok().and_then(|r| r.as_ref().map(|r| r.version));
-    // No node can take agents, and the job is sent to the PFS (below).
-    let mut pfs_only = false;
     'placing: {
         let mut state = shared.state();
         let now = Instant::now();
@@ -237,7 +237,7 @@ pub(super) async fn register_app(
                 version = ?latest.as_ref().map(|l| l.version),
                 "no checkpoint node can take agents: the application writes its versions to the PFS until one does"
             );
-            (pfs_only, waiters) = (true, Vec::new());
+            waiters = None;
             break 'placing;
         }
         // (Beyond one agent per rank: the extra agents hold pieces only.)
@@ -285,12 +285,12 @@ pub(super) async fn register_app(
             encrypted: registration.encrypted,
             protected,
         };
-        waiters = send_starts(state, &spec, nodes);
+        waiters = Some(send_starts(state, &spec, nodes));
     }
-    if pfs_only {
+    let Some(waiters) = waiters else {
         record_owner_on_pfs(shared, recorded.is_none(), &registration.name, &owner);
         return Ok((Vec::new(), latest, capability));
-    }
+    };
     let placing = Instant::now();
     let _claim = Placing::of(shared, &waiters);
     let agents = await_starts(shared, &registration.name, waiters).await?;
