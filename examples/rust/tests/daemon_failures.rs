@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{committed, lose_node, managers_run_what_is_listed, restored, Job};
+use common::{assert_restarts_from, committed, lose_node, managers_run_what_is_listed, restored, Job};
 use icheck_service::testkit::{icheck_in_target, poll_until, process_running, LocalService};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -72,10 +72,7 @@ fn a_controller_killed_during_commits_forgets_no_version_in_agent_memory() {
     assert!(output.contains("commit failed"), "{output}");
 
     service.up_again();
-    let restart = ["--app", "during", "--steps", "0", "--every", "1", "--mib", "4"];
-    let lines = Job::start(4, &config, &restart, &[]).finish(Duration::from_secs(120));
-    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
-    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+    assert_restarts_from(told, 4, &config, &[], "during", "4");
 }
 
 /// A journal whose tail is damaged (here: its last record cut short, as a
@@ -206,10 +203,7 @@ fn silent_manager(name: &str, extra: &[&str], env: &[(&str, &str)]) {
         job.kill();
         committed(&job.lines()).last().copied().expect("COMMITTED lines")
     };
-    let restart = ["--app", "silent", "--steps", "0", "--every", "1", "--mib", "4"];
-    let lines = Job::start(2, &config, &restart, &env).finish(Duration::from_secs(120));
-    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
-    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+    assert_restarts_from(told, 2, &config, &env, "silent", "4");
 }
 
 /// A version sealed on its agents whose node goes silent before rank 0
@@ -332,10 +326,7 @@ fn an_agent_replaced_on_its_own_node_leaves_the_new_agents_files_alone() {
         latest(),
         service.log("manager-local-1.log")
     );
-    let restart = ["--app", "renewed", "--steps", "0", "--every", "1", "--mib", "48"];
-    let lines = Job::start(4, &config, &restart, &env).finish(Duration::from_secs(120));
-    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
-    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+    assert_restarts_from(told, 4, &config, &env, "renewed", "48");
 }
 
 /// A SIGKILLed manager is started again by the controller's local

@@ -11,7 +11,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use common::{committed, restored, wait_for_more_commits, Job};
+use common::{assert_restarts_from, committed, restored, wait_for_more_commits, Job};
 use icheck_core::protocol::StatusReport;
 use icheck_service::testkit::icheck_in_target;
 use icheck_service::testkit::netns::NetCluster;
@@ -89,11 +89,8 @@ fn kill_and_restart_bit_exact(cluster: &NetCluster, mut job: Job, app: &str, env
     // An agent pulling from a killed rank waits out the stall bound before
     // it is replaced; a restart within it would be handed that agent.
     std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
-    let restart = ["--app", app, "--steps", "0", "--every", "1", "--mib", "2"];
     let env = [cluster.app_env().as_slice(), env].concat();
-    let lines = Job::start(4, &cluster.client_config, &restart, &env).finish(Duration::from_secs(120));
-    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
-    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+    assert_restarts_from(told, 4, &cluster.client_config, &env, app, "2");
 }
 
 /// One agent on one of two nodes; that node's link goes down mid-job. The

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{committed, primaries, records, restored, wait_for_more_commits, Job};
+use common::{assert_restarts_from, committed, primaries, records, wait_for_more_commits, Job};
 use icheck_core::config::StaticConfig;
 use icheck_service::testkit::netns::NetCluster;
 use icheck_service::testkit::{icheck_in_target, poll_until};
@@ -54,8 +54,5 @@ fn a_partitioned_primary_is_replaced_and_steps_down_when_its_link_returns() {
     // An agent pulling from a killed rank waits out the stall bound before
     // it is replaced; a restart within it would be handed that agent.
     std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
-    let restart = ["--app", "cutp", "--steps", "0", "--every", "1", "--mib", "2"];
-    let lines = Job::start(4, &cluster.client_config, &restart, &cluster.app_env()).finish(Duration::from_secs(120));
-    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
-    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+    assert_restarts_from(told, 4, &cluster.client_config, &cluster.app_env(), "cutp", "2");
 }

@@ -207,6 +207,16 @@ pub fn restored(lines: &[String]) -> Option<u64> {
     lines.iter().find_map(|l| l.strip_prefix("RESTORED version=")?.split(' ').next()?.parse().ok())
 }
 
+/// Restarts `app` (`np` ranks of `mib` MiB, with `config` and `env`) and
+/// checks that it restores, verified, the last version its killed run
+/// reported complete (`told`) or the one that run was completing.
+pub fn assert_restarts_from(told: u64, np: u32, config: &Path, env: &[(&str, &str)], app: &str, mib: &str) {
+    let restart = ["--app", app, "--steps", "0", "--every", "1", "--mib", mib];
+    let lines = Job::start(np, config, &restart, env).finish(Duration::from_secs(120));
+    let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
+    assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+}
+
 /// Waits until the job has committed `count` more versions than `after`.
 pub fn wait_for_more_commits(job: &Job, after: u64, count: u64, timeout: Duration) -> u64 {
     let ok = poll_until(timeout, || committed(&job.lines()).last().is_some_and(|v| *v >= after + count));
