@@ -93,9 +93,38 @@ impl Icheck {
         Ok(())
     }
 
-    /// Opens this process's session with its agent among `agents`.
-    pub(super) fn open_own_link(&self, agents: &[AgentInfo]) -> Result<Option<AgentLink>> {
+    /// Opens this process's session with its agent among `agents`, on a
+    /// new endpoint if a stalled transfer gave the old one up.
+    pub(super) fn open_own_link(&mut self, agents: &[AgentInfo]) -> Result<Option<AgentLink>> {
+        self.renew_endpoint_if_closed();
         open_link(self.comm.as_ref(), self.mode, &self.endpoint, agents, &self.access, &self.app, self.waits())
+    }
+
+    /// A transfer that had no completion within its stall bound (a pushed
+    /// version's writes to an agent behind a cut) closes this process's
+    /// endpoint, so that no late completion can touch memory reused since.
+    /// Sessions with new agents need a live one: a new endpoint opens on
+    /// the same domain, where registrations stay valid (they are
+    /// domain-wide on tcp and shm; where a provider binds them to an
+    /// endpoint, the closed one stays, and sessions fail naming it).
+    /// Before, every later session of the process failed ("the fabric
+    /// endpoint was closed after an earlier timeout") and the job wrote to
+    /// the PFS for the rest of its run.
+    fn renew_endpoint_if_closed(&mut self) {
+        if !self.endpoint.is_closed() {
+            return;
+        }
+        if !self.endpoint.registrations_are_domain_wide() {
+            tracing::warn!("the fabric endpoint was closed after a stalled transfer, and this provider binds registrations to it: not opening another");
+            return;
+        }
+        match self.endpoint.sibling() {
+            Ok(endpoint) => {
+                tracing::warn!("the fabric endpoint was closed after a stalled transfer; opened a new one");
+                self.endpoint = endpoint;
+            }
+            Err(err) => tracing::warn!(%err, "cannot open a new fabric endpoint after a stalled transfer"),
+        }
     }
 
     /// Fallback (*collective*): tries to register with the service again;
