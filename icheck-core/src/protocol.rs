@@ -25,8 +25,9 @@ pub use crate::format::{DataKind, LabelLayout, Manifest, VersionRecord};
 /// (6: `Probe` says whether it comes from `init`; 7: `Protect` and
 /// `Protected` carry the protection's attempt; 8: `TakeOver`, `Rebuild`
 /// and `TookOver` carry the controller's request number; 9: `NodeStatus`
-/// carries the manager's own memory.)
-pub const PROTOCOL_VERSION: u32 = 9;
+/// carries the manager's own memory; 10: `Probe` names the agents the job
+/// could not reach.)
+pub const PROTOCOL_VERSION: u32 = 10;
 /// First bytes of every Hello.
 pub const MAGIC: [u8; 4] = *b"ICHK";
 /// Largest frame accepted, in bytes.
@@ -762,6 +763,14 @@ pub enum ClientRequest {
         /// version only a silent node holds is refused, naming it.
         #[serde(default)]
         at_init: bool,
+        /// Agents (ids) some rank could not reach, or that did not answer
+        /// it in time. Where their node still heartbeats to the controller,
+        /// the path between the job and that node is cut (a partition only
+        /// the job sees): the controller moves those agents to nodes the
+        /// job has not reported, taking their newest versions over between
+        /// the nodes, and keeps the job's agents off the node for a while.
+        #[serde(default)]
+        unreachable: Vec<u64>,
     },
     /// The application is done. Without `persist` its agents stop and
     /// delete its checkpoints; with it (IC_PERSIST) both stay for the next run.

@@ -91,6 +91,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
                 remaining_commits: 3,
                 capability: cap.clone(),
                 at_init: true,
+                unreachable: vec![2],
             })),
         ),
         ("client-reply", enc(protocol::encode(&ClientReply::Agents(vec![agent()])))),

@@ -314,7 +314,8 @@ impl Icheck {
         if let Err(err) = &stored {
             tracing::warn!(%err, "this rank's agent failed; asking the controller for new agents");
         }
-        match self.ask_for_new_agents(false) {
+        let unreached = stored.as_ref().err().and_then(|err| self.unreached_in_store(err));
+        match self.ask_for_new_agents(false, unreached) {
             Ok(ProbeOutcome::Reconnected { agents }) => {
                 tracing::warn!(agents, "the controller replaced the application's agents; storing the version there");
                 store(self)
@@ -324,6 +325,19 @@ impl Icheck {
                 tracing::warn!(%err, "no new agents from the controller");
                 stored
             }
+        }
+    }
+
+    /// The agent a failed store of this rank says it could not reach: one
+    /// named so by the session ([`Error::unreached_agent`]), or this rank's
+    /// own agent when the store's RMA with it stalled or broke (a pushed
+    /// version's writes go nowhere else).
+    fn unreached_in_store(&self, err: &Error) -> Option<u64> {
+        use icheck_core::fabric::FabricError;
+        let own = || self.link.as_ref().map(|link| link.info.id);
+        match err {
+            Error::Fabric(FabricError::Timeout { .. } | FabricError::Completion { .. } | FabricError::Closed) => own(),
+            other => other.unreached_agent(),
         }
     }
 
@@ -502,7 +516,7 @@ impl Icheck {
             // agree. No agents named: the controller has not placed the new
             // ones yet, and a probe places them.
             let moved = match protocol::decode::<Option<Vec<AgentInfo>>>(&answer) {
-                Ok(Some(agents)) if agents.is_empty() => match self.ask_for_new_agents(false) {
+                Ok(Some(agents)) if agents.is_empty() => match self.ask_for_new_agents(false, None) {
                     Ok(ProbeOutcome::Reconnected { .. }) => true,
                     Ok(ProbeOutcome::Unchanged) => false,
                     Err(err) => {

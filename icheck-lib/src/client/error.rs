@@ -37,6 +37,11 @@ pub enum Error {
         peer: String,
         /// What happened.
         message: String,
+        /// The agent could not be reached, its connection broke, or it did
+        /// not answer in time (rather than answering with an error): the
+        /// controller hears of it with the next probe, and moves the
+        /// agent if its node still heartbeats.
+        unreachable: bool,
     },
     /// The application's capability could not be read or kept.
     #[error("capability store: {0}")]
@@ -136,6 +141,17 @@ pub enum Error {
         /// Why.
         error: icheck_core::distribution::DistributionError,
     },
+}
+
+impl Error {
+    /// The agent this error says could not be reached or did not answer in
+    /// time, if it says so.
+    pub fn unreached_agent(&self) -> Option<u64> {
+        match self {
+            Error::Agent { agent, unreachable: true, .. } => Some(*agent),
+            _ => None,
+        }
+    }
 }
 
 /// The result of a library call.

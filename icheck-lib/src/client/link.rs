@@ -84,6 +84,7 @@ impl AgentLink {
             node: info.node.clone(),
             peer: info.control.clone(),
             message,
+            unreachable: true,
         };
         let mut conn =
             BlockingConnection::connect(&info.control, &access.token, timeout).map_err(|e| fail(e.to_string()))?;
@@ -127,7 +128,7 @@ impl AgentLink {
         }
         tracing::info!(agent = self.info.id, peer = %self.info.control, "the agent closed this idle session; opening a new one");
         let mut conn = BlockingConnection::connect(&self.info.control, &self.token, self.connect_timeout)
-            .map_err(|e| self.error(e.to_string()))?;
+            .map_err(|e| self.unreached(e.to_string()))?;
         conn.set_timeout(self.request_timeout);
         *self.conn() = conn;
         // The new session is served from the agent's own endpoint until it
@@ -181,8 +182,20 @@ impl AgentLink {
         self.call(&AgentRequest::FetchDone).map(|_| ())
     }
 
+    /// An error the agent answered, or found in what it answered.
     pub(super) fn error(&self, message: String) -> Error {
-        Error::Agent { agent: self.info.id, node: self.info.node.clone(), peer: self.info.control.clone(), message }
+        self.agent_error(message, false)
+    }
+
+    /// The agent could not be reached, its connection broke, or it did not
+    /// answer in time.
+    pub(super) fn unreached(&self, message: String) -> Error {
+        self.agent_error(message, true)
+    }
+
+    fn agent_error(&self, message: String, unreachable: bool) -> Error {
+        let (agent, node, peer) = (self.info.id, self.info.node.clone(), self.info.control.clone());
+        Error::Agent { agent, node, peer, message, unreachable }
     }
 
     /// Bounds the following requests' waits for requests covering `bytes`
@@ -206,7 +219,7 @@ impl AgentLink {
 
     /// Sends `request` without waiting for its reply ([`receive`](Self::receive)).
     pub(super) fn send(&self, request: &AgentRequest) -> Result<()> {
-        self.conn().send(request).map_err(|err| self.error(err.to_string()))
+        self.conn().send(request).map_err(|err| self.unreached(err.to_string()))
     }
 
     /// The reply to the oldest request sent and not answered yet, which was
@@ -217,7 +230,7 @@ impl AgentLink {
             what.chars().take_while(char::is_ascii_alphanumeric).collect::<String>()
         };
         let timed_out = |waited: Duration| {
-            self.error(format!(
+            self.unreached(format!(
                 "no answer to {} within {waited:.1?}: the agent or its node is stopped, hung or cut off \
                  (the bound is client.request_timeout plus 1 s per 10 MB)",
                 name()
@@ -227,7 +240,7 @@ impl AgentLink {
             Awaited::Arrived => {}
             Awaited::TimedOut(waited) => return Err(timed_out(waited)),
             Awaited::GivenUp(waited) => {
-                return Err(self.error(format!(
+                return Err(self.unreached(format!(
                     "the controller gave this agent up while this rank waited {waited:.1?} for its answer to {} \
                      (its node missed its heartbeats or was lost)",
                     name()
@@ -239,7 +252,7 @@ impl AgentLink {
             Ok(AgentReply::Error(message)) => Err(self.error(message)),
             Ok(reply) => Ok(reply),
             Err(ServiceError::Protocol(ProtocolError::Timeout(waited))) => Err(timed_out(waited)),
-            Err(err) => Err(self.error(err.to_string())),
+            Err(err) => Err(self.unreached(err.to_string())),
         }
     }
 

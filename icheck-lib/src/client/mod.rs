@@ -567,6 +567,7 @@ impl Icheck {
             open_link(comm.as_ref(), mode, &endpoint, &agents, &access, app_name, waits)
         };
         let all_ok = comm.all_true(link.is_ok());
+        let unreached = link.as_ref().err().and_then(Error::unreached_agent);
         let unreachable = match &link {
             Err(err) => Some(err.to_string()),
             Ok(_) if !all_ok => Some("another rank could not reach its agent during init".to_string()),
@@ -634,7 +635,7 @@ impl Icheck {
             // (the controller gives up agents whose node went silent).
             let _entered = span.enter();
             tracing::warn!(%reason, "an agent is unreachable at init; asking the controller for new agents");
-            match icheck.ask_for_new_agents(true) {
+            match icheck.ask_for_new_agents(true, unreached) {
                 Ok(ProbeOutcome::Reconnected { agents }) => tracing::warn!(agents, "init continues with new agents"),
                 Ok(ProbeOutcome::Unchanged) => {
                     return Err(Error::Incomplete {
@@ -802,7 +803,7 @@ impl Icheck {
         self.check_open()?;
         self.wait()?;
         self.release_restart();
-        self.ask_for_agents(hints.remaining_commits, false)
+        self.ask_for_agents(hints.remaining_commits, false, &[])
     }
 
     /// After an agent failed: asks the controller for new agents, again
@@ -810,10 +811,17 @@ impl Icheck {
     /// learns of an agent thread that died at its manager's next heartbeat,
     /// so the first answer may come too early. `at_init`: asked by `init`,
     /// before this job stored anything (see [`ClientRequest::Probe`]).
-    fn ask_for_new_agents(&mut self, at_init: bool) -> Result<ProbeOutcome> {
+    /// `unreached`: the agent this rank could not reach, if that is how
+    /// its failure came (the controller moves agents the job cannot reach
+    /// off nodes that still heartbeat).
+    pub(super) fn ask_for_new_agents(&mut self, at_init: bool, unreached: Option<u64>) -> Result<ProbeOutcome> {
         const ATTEMPTS: u32 = 5;
+        let unreachable = self.unreached_by_any(unreached);
+        if !unreachable.is_empty() && self.comm.rank() == 0 {
+            tracing::warn!(agents = ?unreachable, "ranks could not reach these agents; telling the controller");
+        }
         for attempt in 1..=ATTEMPTS {
-            match self.ask_for_agents(0, at_init)? {
+            match self.ask_for_agents(0, at_init, &unreachable)? {
                 ProbeOutcome::Unchanged if attempt < ATTEMPTS => std::thread::sleep(Duration::from_millis(500)),
                 outcome => return Ok(outcome),
             }
@@ -821,9 +829,22 @@ impl Icheck {
         Ok(ProbeOutcome::Unchanged)
     }
 
+    /// The application's agents that some rank could not reach
+    /// (*collective*): each rank names its own, `unreached`, if any.
+    fn unreached_by_any(&self, unreached: Option<u64>) -> Vec<u64> {
+        let mut reported = Vec::new();
+        // The same agents in the same order on every rank: one sum each.
+        for agent in self.agents.iter().map(|a| a.id) {
+            if self.comm.sum(u64::from(unreached == Some(agent))) > 0 {
+                reported.push(agent);
+            }
+        }
+        reported
+    }
+
     /// The probe itself (*collective*): rank 0 asks the controller, every
     /// rank opens its session with its new agent when there are new ones.
-    fn ask_for_agents(&mut self, remaining_commits: u32, at_init: bool) -> Result<ProbeOutcome> {
+    fn ask_for_agents(&mut self, remaining_commits: u32, at_init: bool, unreachable: &[u64]) -> Result<ProbeOutcome> {
         let mut answer = Vec::new();
         if let Some(controller) = self.controller.as_mut() {
             let request = ClientRequest::Probe {
@@ -832,6 +853,7 @@ impl Icheck {
                 remaining_commits,
                 capability: self.access.capability.clone(),
                 at_init,
+                unreachable: unreachable.to_vec(),
             };
             let result = controller.request(&request).map_err(|e| e.to_string());
             answer = protocol::encode(&result).unwrap_or_default();

@@ -533,8 +533,9 @@ impl Icheck {
             Ok((_, _, Some(damage))) => return Err(link.error(damage)),
             Ok((manifest, from, None)) => (manifest, from),
             // Which old rank, beside the agent's own words.
-            Err(Error::Agent { agent, node, peer, message }) => {
-                return Err(Error::Agent { agent, node, peer, message: format!("old rank {rank}: {message}") })
+            Err(Error::Agent { agent, node, peer, message, unreachable }) => {
+                let message = format!("old rank {rank}: {message}");
+                return Err(Error::Agent { agent, node, peer, message, unreachable });
             }
             Err(err) => return Err(err),
         };

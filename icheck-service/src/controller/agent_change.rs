@@ -13,21 +13,28 @@
 
 use super::*;
 
+/// What a probe asks (§6.4.2), as the job sent it.
+pub(super) struct ProbeAsked<'a> {
+    /// The agents the job uses now.
+    pub(super) known: &'a [u64],
+    /// Commits it still expects (0: unknown).
+    pub(super) remaining: u32,
+    /// Asked by a job's `init`, before it stored anything.
+    pub(super) at_init: bool,
+    /// Agents some rank could not reach, or that did not answer it in time.
+    pub(super) unreachable: &'a [u64],
+}
+
 /// §6.4.2, a probe. Agents lost with their manager are replaced first (on
 /// the nodes holding the application's files when those are alive, else
-/// where the placement rules say); agents on draining nodes move next (new
-/// locations). Otherwise Algorithm 5 and eq. 6.11/6.12 decide whether the
-/// agent count changes. The answer is `Unchanged` or the new agents, which
-/// already hold every rank's newest complete version.
-/// `at_init`: asked by a job's `init`, before it stored anything.
-pub(super) async fn probe(
-    shared: &Shared,
-    name: &str,
-    known: &[u64],
-    remaining: u32,
-    capability: &str,
-    at_init: bool,
-) -> ClientReply {
+/// where the placement rules say); agents the job cannot reach on nodes
+/// that still heartbeat (a partition only the job sees) and agents on
+/// draining nodes move next (new locations, never a node the job reported
+/// unreachable lately). Otherwise Algorithm 5 and eq. 6.11/6.12 decide
+/// whether the agent count changes. The answer is `Unchanged` or the new
+/// agents, which already hold every rank's newest complete version.
+pub(super) async fn probe(shared: &Shared, name: &str, capability: &str, asked: ProbeAsked<'_>) -> ClientReply {
+    let ProbeAsked { known, remaining, at_init, unreachable } = asked;
     if at_init {
         wait_out_doubt(shared, name).await;
     }
@@ -35,16 +42,29 @@ pub(super) async fn probe(
     let plan = {
         let mut state = shared.state();
         let state = &mut *state;
+        let now = Instant::now();
+        let snapshot = state.nodes.snapshot(now);
         let Some(app) = state.apps.get_mut(name) else {
             return ClientReply::Error(format!("no application named {name:?} is registered"));
         };
+        let heartbeating = |node: &str| snapshot.iter().any(|n| n.node == node && n.alive);
+        let cut_off = app.cut_off_slots(unreachable, heartbeating, now);
+        if !cut_off.is_empty() {
+            let nodes: BTreeSet<&str> = cut_off.iter().map(|slot| app.agents[*slot].node.as_str()).collect();
+            tracing::warn!(
+                ?nodes,
+                agents = ?cut_off.iter().map(|slot| app.agents[*slot].id).collect::<Vec<_>>(),
+                "the job cannot reach these agents, whose nodes still heartbeat: moving them to other nodes"
+            );
+        }
         let draining: Vec<usize> =
             (app.agents.iter().enumerate()).filter(|(_, a)| state.nodes.is_draining(&a.node)).map(|(i, _)| i).collect();
         // Algorithm 5 does not shrink below the nodes redundancy spreads over.
-        let live = state.nodes.snapshot(Instant::now()).iter().filter(|n| n.alive && !n.draining).count();
+        let live = snapshot.iter().filter(|n| n.alive && !n.draining).count();
         let wanted = config.redundancy_for(&app.registration).wanted_nodes().min(live);
         let floor = (wanted as u32).min(config.max_agents_app);
-        match app.probe_plan(known, draining, remaining, floor, &config, at_init) {
+        let moving = apps::Moving { cut_off, draining };
+        match app.probe_plan(known, moving, remaining, floor, &config, at_init) {
             Ok(plan) => plan,
             Err(answer) => return answer,
         }
@@ -68,11 +88,11 @@ pub(super) async fn probe(
             }
         }
         ProbePlan::Relocate { current, replace } => {
-            tracing::info!(agents = replace.len(), "moving agents off draining nodes");
+            tracing::info!(agents = replace.len(), "moving agents off draining nodes or nodes the job cannot reach");
             match change_agents(shared, name, current, &replace, &config).await {
                 Ok(agents) => ClientReply::Agents(agents),
                 Err(reason) => {
-                    tracing::warn!(%reason, "cannot move agents off draining nodes; the application keeps them");
+                    tracing::warn!(%reason, "cannot move agents off draining nodes or nodes the job cannot reach; the application keeps them");
                     ClientReply::Unchanged
                 }
             }
@@ -132,7 +152,8 @@ pub(super) async fn change_agents(
         let mut state = shared.state();
         let now = Instant::now();
         let snapshot = state.nodes.snapshot(now);
-        let app = state.apps.get(name).ok_or("the application went away")?;
+        let app = state.apps.get_mut(name).ok_or("the application went away")?;
+        let avoided = app.avoided_nodes(now);
         let (old, units, latest) =
             (app.agents.clone(), decide::mapping_units(&app.registration), app.latest.as_ref().map(|l| l.version));
         let owner = app.owner.ok_or("the application has no recorded owner")?;
@@ -144,7 +165,9 @@ pub(super) async fn change_agents(
         let waiters = match to - kept {
             0 => Vec::new(),
             missing => {
-                let nodes = decide::choose_nodes(&snapshot, missing, config).map_err(|e| e.to_string())?;
+                let leaving: BTreeSet<String> =
+                    replace.iter().filter_map(|i| old.get(*i)).map(|a| a.node.clone()).collect();
+                let nodes = nodes_for_new_agents(&snapshot, missing, config, &avoided, &leaving)?;
                 let mem_budget = config.max_mem_node_bytes();
                 let spec = nodes::StartSpec { app: name, mem_budget, owner, complete: latest, encrypted, protected };
                 send_starts(&mut state, &spec, nodes)
@@ -227,6 +250,34 @@ pub(super) async fn change_agents(
     Ok(new)
 }
 
+/// Nodes for `missing` new agents of an application: none it reported
+/// unreachable lately (`avoided`) while other nodes can take them. Agents
+/// that leave nodes (`leaving`: a cut the job reported now, a draining
+/// node) may fall back on a node reported earlier, whose path may have
+/// come back, but never on one they leave; new agents of a bigger count
+/// never go behind a reported cut.
+fn nodes_for_new_agents(
+    snapshot: &[decide::NodeSnapshot],
+    missing: u32,
+    config: &DynamicConfig,
+    avoided: &BTreeSet<String>,
+    leaving: &BTreeSet<String>,
+) -> Result<Vec<String>, String> {
+    let without = |excluded: &BTreeSet<String>| -> Vec<decide::NodeSnapshot> {
+        snapshot.iter().filter(|n| !excluded.contains(&n.node)).cloned().collect()
+    };
+    let first = decide::choose_nodes(&without(avoided), missing, config);
+    match first {
+        Ok(nodes) => Ok(nodes),
+        Err(_) if !leaving.is_empty() && avoided.iter().any(|n| !leaving.contains(n)) => {
+            decide::choose_nodes(&without(leaving), missing, config)
+                .map_err(|e| format!("{e} (other than {leaving:?}, which the agents leave)"))
+        }
+        Err(e) if avoided.is_empty() => Err(e.to_string()),
+        Err(e) => Err(format!("{e} (other than {avoided:?}, which the job could not reach lately)")),
+    }
+}
+
 /// Undoes an agent change that will not be carried out: its new agents
 /// stop and the ranks moved to them leave their new nodes (the old agents
 /// kept serving them all along).
@@ -289,4 +340,36 @@ pub(super) async fn await_ranks(shared: &Shared, waiters: Vec<RankWaiter>) -> Ra
         }
     }
     awaited
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(list: &[&str]) -> BTreeSet<String> {
+        list.iter().map(|n| n.to_string()).collect()
+    }
+
+    #[test]
+    fn new_agents_avoid_reported_nodes_and_never_return_to_the_one_they_leave() {
+        let config = DynamicConfig::default();
+        let snapshot: Vec<decide::NodeSnapshot> =
+            ["n1", "n2", "n3"].iter().map(|n| decide::NodeSnapshot::idle(n, 1 << 34)).collect();
+        // Nodes enough beside the reported ones: never a reported one.
+        let placed = nodes_for_new_agents(&snapshot, 1, &config, &names(&["n1", "n2"]), &names(&["n2"])).unwrap();
+        assert_eq!(placed, vec!["n3".to_string()]);
+        // Only reported nodes: agents leaving n2 fall back on n1, reported
+        // earlier, never on n2.
+        let two = &snapshot[..2];
+        let placed = nodes_for_new_agents(two, 1, &config, &names(&["n1", "n2"]), &names(&["n2"])).unwrap();
+        assert_eq!(placed, vec!["n1".to_string()]);
+        // New agents of a bigger count (leaving nothing) never go behind a
+        // reported cut, and the error says why.
+        let refused = nodes_for_new_agents(two, 1, &config, &names(&["n1", "n2"]), &names(&[])).unwrap_err();
+        assert!(refused.contains("which the job could not reach lately"), "{refused}");
+        // The only node is the one left: nowhere to go.
+        let alone = &snapshot[1..2];
+        let refused = nodes_for_new_agents(alone, 1, &config, &names(&["n2"]), &names(&["n2"])).unwrap_err();
+        assert!(refused.contains("\"n2\""), "{refused}");
+    }
 }

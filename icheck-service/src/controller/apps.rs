@@ -9,7 +9,8 @@
 
 #![forbid(unsafe_code)]
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
 
 use icheck_core::config::DynamicConfig;
 use icheck_core::decide;
@@ -120,7 +121,19 @@ pub(super) struct AppEntry {
     /// newest version (status only: not journaled, the next version
     /// reports it again).
     pub(super) transfer: Option<protocol::TransferReport>,
+    /// Nodes the job reported it could not reach although they heartbeat
+    /// to the controller (a partition only the job sees), with when: its
+    /// agents are placed elsewhere until [`UNREACHED_NODE_AVOIDED_FOR`]
+    /// has passed. Not journaled: a controller that restarts forgets them,
+    /// and the job reports them again.
+    pub(super) unreached: BTreeMap<String, Instant>,
 }
+
+/// How long a node the job could not reach stays out of its placements.
+/// Long enough that an agent change or a scale-up of the same run does not
+/// put its agents back behind the cut (each try costs the job a stalled
+/// request); short enough that a mended path is used again.
+pub(super) const UNREACHED_NODE_AVOIDED_FOR: Duration = Duration::from_secs(600);
 
 /// Files of ranks left behind on a node whose agents were lost (the node
 /// went silent, or its manager's connection closed). They hold the
@@ -227,6 +240,34 @@ impl AppEntry {
 }
 
 impl AppEntry {
+    /// The agent slots the job reported unreachable (`unreachable`: agent
+    /// ids) whose node is in `heartbeating`: their nodes are avoided from
+    /// `now` on. An agent the controller lost already (its node is silent)
+    /// is not among them: a probe replaces lost agents anyway.
+    pub(super) fn cut_off_slots(
+        &mut self,
+        unreachable: &[u64],
+        heartbeating: impl Fn(&str) -> bool,
+        now: Instant,
+    ) -> Vec<usize> {
+        let slots: Vec<usize> = (self.agents.iter().enumerate())
+            .filter(|(_, a)| unreachable.contains(&a.id) && heartbeating(&a.node))
+            .map(|(slot, _)| slot)
+            .collect();
+        for slot in &slots {
+            self.unreached.insert(self.agents[*slot].node.clone(), now);
+        }
+        slots
+    }
+
+    /// Nodes its agents must not be placed on at `now` (those it reported
+    /// unreachable within [`UNREACHED_NODE_AVOIDED_FOR`]); older reports
+    /// are forgotten.
+    pub(super) fn avoided_nodes(&mut self, now: Instant) -> BTreeSet<String> {
+        self.unreached.retain(|_, reported| now.saturating_duration_since(*reported) < UNREACHED_NODE_AVOIDED_FOR);
+        self.unreached.keys().cloned().collect()
+    }
+
     /// Each rank's (mapping unit's) home: the node of its slot in `homes`,
     /// where its files are whatever agents were lost since. None without
     /// slots.
@@ -291,7 +332,7 @@ impl AppEntry {
     pub(super) fn probe_plan(
         &mut self,
         known: &[u64],
-        draining: Vec<usize>,
+        moving: Moving,
         remaining: u32,
         floor: u32,
         config: &DynamicConfig,
@@ -304,6 +345,13 @@ impl AppEntry {
         }
         if !self.agents.iter().map(|a| a.id).eq(known.iter().copied()) {
             return Err(ClientReply::Agents(self.agents.clone()));
+        }
+        let Moving { cut_off, draining } = moving;
+        if !cut_off.is_empty() {
+            // At init too: the new agents take the restart's version over
+            // from the cut-off ones, which their nodes can still reach.
+            let replace: BTreeSet<usize> = cut_off.into_iter().chain(draining).collect();
+            return Ok(ProbePlan::Relocate { current, replace: replace.into_iter().collect() });
         }
         if at_init {
             return Err(ClientReply::Unchanged);
@@ -361,11 +409,21 @@ impl AppEntry {
     }
 }
 
+/// Agent slots (indices) a probe finds on nodes they must leave.
+#[derive(Debug, Default)]
+pub(super) struct Moving {
+    /// Slots the job cannot reach, on nodes that still heartbeat.
+    pub(super) cut_off: Vec<usize>,
+    /// Slots on draining nodes.
+    pub(super) draining: Vec<usize>,
+}
+
 /// What a probe does, decided under the state lock.
 pub(super) enum ProbePlan {
     /// Agents were lost: place the application again.
     Replace(protocol::AppRegistration),
-    /// Agents on draining nodes (these indices) move elsewhere.
+    /// Agents on draining nodes or cut off from the job (these indices)
+    /// move elsewhere.
     Relocate { current: u32, replace: Vec<usize> },
     /// Algorithm 5 wants `to` agents.
     Scale { current: u32, to: u32, scaling: decide::ScalingState },
@@ -483,6 +541,7 @@ pub(super) mod tests {
             abandoned: Vec::new(),
             protection: Default::default(),
             transfer: None,
+            unreached: BTreeMap::new(),
         }
     }
 
@@ -578,22 +637,59 @@ pub(super) mod tests {
         let config = DynamicConfig::default();
         let mut app = app(4, &["n1", "n2"], 0);
         // The application knows agents 0 and 1; nothing to do without a dynamic agent count.
-        assert!(matches!(app.probe_plan(&[0, 1], Vec::new(), 10, 1, &config, false), Err(ClientReply::Unchanged)));
+        assert!(matches!(
+            app.probe_plan(&[0, 1], Moving::default(), 10, 1, &config, false),
+            Err(ClientReply::Unchanged)
+        ));
         // Its list is stale: it gets the current one.
-        let Err(ClientReply::Agents(agents)) = app.probe_plan(&[0, 7], Vec::new(), 10, 1, &config, false) else {
+        let Err(ClientReply::Agents(agents)) = app.probe_plan(&[0, 7], Moving::default(), 10, 1, &config, false) else {
             panic!()
         };
         assert_eq!(agents.len(), 2);
         // n2 drains: its agent moves.
-        let plan = app.probe_plan(&[0, 1], vec![1], 10, 1, &config, false);
+        let plan = app.probe_plan(&[0, 1], draining(1), 10, 1, &config, false);
         assert!(matches!(plan, Ok(ProbePlan::Relocate { current: 2, ref replace }) if replace == &[1]));
         // An init that cannot reach an agent: only lost agents count.
-        let at_init = app.probe_plan(&[0, 1], vec![1], 10, 1, &config, true);
+        let at_init = app.probe_plan(&[0, 1], draining(1), 10, 1, &config, true);
         assert!(matches!(at_init, Err(ClientReply::Unchanged)));
         // An agent is lost: replacing comes before everything else.
         app.agents.pop();
-        assert!(matches!(app.probe_plan(&[0, 1], vec![0], 10, 1, &config, false), Ok(ProbePlan::Replace(_))));
-        assert!(matches!(app.probe_plan(&[0, 1], vec![0], 10, 1, &config, true), Ok(ProbePlan::Replace(_))));
+        assert!(matches!(app.probe_plan(&[0, 1], draining(0), 10, 1, &config, false), Ok(ProbePlan::Replace(_))));
+        assert!(matches!(app.probe_plan(&[0, 1], draining(0), 10, 1, &config, true), Ok(ProbePlan::Replace(_))));
+    }
+
+    fn draining(slot: usize) -> Moving {
+        Moving { draining: vec![slot], ..Moving::default() }
+    }
+
+    #[test]
+    fn agents_the_job_cannot_reach_on_heartbeating_nodes_move_and_their_nodes_are_avoided_a_while() {
+        let config = DynamicConfig::default();
+        let mut app = app(4, &["n1", "n2", "n3"], 0);
+        let t0 = Instant::now();
+        // Agent 1 (n2) and agent 2 (n3) were not reached; n3 is silent, so
+        // only n2 is a cut the job alone sees (a probe replaces n3's agent
+        // once the controller gives it up). Unknown ids are ignored.
+        let cut_off = app.cut_off_slots(&[1, 2, 99], |node| node != "n3", t0);
+        assert_eq!(cut_off, vec![1]);
+        assert_eq!(app.avoided_nodes(t0), BTreeSet::from(["n2".to_string()]));
+        // They move, with draining ones, in a probe and at init alike.
+        let moving = || Moving { cut_off: vec![1], draining: vec![0, 1] };
+        let plan = app.probe_plan(&[0, 1, 2], moving(), 10, 1, &config, false);
+        assert!(
+            matches!(plan, Ok(ProbePlan::Relocate { current: 3, ref replace }) if replace == &[0, 1]),
+            "{:?}",
+            plan.is_ok()
+        );
+        let at_init = app.probe_plan(&[0, 1, 2], moving(), 10, 1, &config, true);
+        assert!(matches!(at_init, Ok(ProbePlan::Relocate { current: 3, ref replace }) if replace == &[0, 1]));
+        // A job with a stale list first gets the current one.
+        assert!(matches!(app.probe_plan(&[0, 1], moving(), 10, 1, &config, false), Err(ClientReply::Agents(_))));
+        // The node is avoided until the report is old, then used again.
+        let later = t0 + UNREACHED_NODE_AVOIDED_FOR - Duration::from_secs(1);
+        assert_eq!(app.avoided_nodes(later).len(), 1);
+        assert!(app.avoided_nodes(t0 + UNREACHED_NODE_AVOIDED_FOR).is_empty());
+        assert!(app.unreached.is_empty(), "old reports are forgotten");
     }
 
     #[test]
@@ -601,7 +697,7 @@ pub(super) mod tests {
         let config = DynamicConfig { is_dynamic_as: true, ..DynamicConfig::default() };
         let mut app = app(4, &["n1"], 0);
         assert!(
-            matches!(app.probe_plan(&[0], Vec::new(), 10, 1, &config, false), Err(ClientReply::Unchanged)),
+            matches!(app.probe_plan(&[0], Moving::default(), 10, 1, &config, false), Err(ClientReply::Unchanged)),
             "no commits"
         );
         for version in 1..=(decide::WARM_UP_COMMITS as u64 + 2) {
@@ -609,11 +705,12 @@ pub(super) mod tests {
         }
         // A change that costs 1,000 s cannot pay back within 2 commits of 0.5 s.
         app.adaptation.reconfigure_secs = 1000.0;
-        assert!(matches!(app.probe_plan(&[0], Vec::new(), 2, 1, &config, false), Err(ClientReply::Unchanged)));
+        assert!(matches!(app.probe_plan(&[0], Moving::default(), 2, 1, &config, false), Err(ClientReply::Unchanged)));
         // With no end in sight (0: unknown), Algorithm 5 grows the agents,
         // but not for an init that cannot reach an agent.
-        assert!(matches!(app.probe_plan(&[0], Vec::new(), 0, 1, &config, true), Err(ClientReply::Unchanged)));
-        let Ok(ProbePlan::Scale { current, to, .. }) = app.probe_plan(&[0], Vec::new(), 0, 1, &config, false) else {
+        assert!(matches!(app.probe_plan(&[0], Moving::default(), 0, 1, &config, true), Err(ClientReply::Unchanged)));
+        let Ok(ProbePlan::Scale { current, to, .. }) = app.probe_plan(&[0], Moving::default(), 0, 1, &config, false)
+        else {
             panic!("no growth")
         };
         assert_eq!(current, 1);
@@ -635,16 +732,18 @@ pub(super) mod tests {
             app
         };
         let ids = [0, 1, 2, 3];
-        let Ok(ProbePlan::Scale { current: 4, to: 2, .. }) = grown().probe_plan(&ids, Vec::new(), 0, 1, &config, false)
+        let Ok(ProbePlan::Scale { current: 4, to: 2, .. }) =
+            grown().probe_plan(&ids, Moving::default(), 0, 1, &config, false)
         else {
             panic!("without a floor the growth is undone")
         };
-        let Ok(ProbePlan::Scale { current: 4, to: 3, .. }) = grown().probe_plan(&ids, Vec::new(), 0, 3, &config, false)
+        let Ok(ProbePlan::Scale { current: 4, to: 3, .. }) =
+            grown().probe_plan(&ids, Moving::default(), 0, 3, &config, false)
         else {
             panic!("rs:2+1 keeps three agents")
         };
         let mut app = grown();
-        assert!(matches!(app.probe_plan(&ids, Vec::new(), 0, 4, &config, false), Err(ClientReply::Unchanged)));
+        assert!(matches!(app.probe_plan(&ids, Moving::default(), 0, 4, &config, false), Err(ClientReply::Unchanged)));
         assert!(app.adaptation.scaling.settled, "and the count settles, as an undone change does");
     }
 }

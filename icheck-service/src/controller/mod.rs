@@ -46,7 +46,7 @@ use crate::framing;
 use crate::launcher::Launcher;
 use crate::store::FileIdentity;
 use crate::ServiceError;
-use agent_change::{ask_rank, await_ranks, change_agents, probe, RankWaiter};
+use agent_change::{ask_rank, await_ranks, change_agents, probe, ProbeAsked, RankWaiter};
 use apps::{AppEntry, ProbePlan, Recorded};
 use awaiting::{Answer, Awaiting, RankRequest, RankRequests};
 use copies::{Answered, CopyBook, OnRecorded};
@@ -568,6 +568,7 @@ fn journaled_apps(
                 abandoned: Vec::new(),
                 protection: app.protected.as_ref().map(ProtectionBook::from_journal).unwrap_or_default(),
                 transfer: None,
+                unreached: BTreeMap::new(),
             };
             Some((name.clone(), entry))
         })
@@ -755,10 +756,12 @@ async fn serve_client(
                 }
                 reply
             }
-            ClientRequest::Probe { name, agents, remaining_commits, capability, at_init } => {
+            ClientRequest::Probe { name, agents, remaining_commits, capability, at_init, unreachable } => {
                 let span = tracing::info_span!("probe", app = %name);
                 await_reconciled(&shared, &name).await;
-                probe(&shared, &name, &agents, remaining_commits, &capability, at_init).instrument(span).await
+                let asked =
+                    ProbeAsked { known: &agents, remaining: remaining_commits, at_init, unreachable: &unreachable };
+                probe(&shared, &name, &capability, asked).instrument(span).await
             }
             ClientRequest::FinishApp { name, persist, .. } => finish_app(&shared, &name, persist),
             ClientRequest::DeleteApp { name } => delete_app(&shared, &name).await,

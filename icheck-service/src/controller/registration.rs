@@ -337,6 +337,9 @@ pub(super) async fn register_app(
         abandoned: state.apps.get(&name).map(|a| a.abandoned.clone()).unwrap_or_default(),
         protection: Default::default(),
         transfer: None,
+        // Still cut off from this job's hosts, most likely: a new run of
+        // the same job is placed by the same reports.
+        unreached: state.apps.get(&name).map(|a| a.unreached.clone()).unwrap_or_default(),
     };
     state.apps.insert(name.clone(), entry);
     // New agents: the version they serve is protected again on them.

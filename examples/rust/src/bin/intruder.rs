@@ -101,6 +101,7 @@ fn main() {
         remaining_commits: 0,
         capability: capability.clone(),
         at_init: false,
+        unreachable: Vec::new(),
     };
     report("probe", answered(request_blocking(&config, &probe)));
     let record = ClientRequest::VersionComplete {
