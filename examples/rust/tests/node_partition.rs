@@ -215,3 +215,82 @@ fn a_job_killed_while_every_node_is_cut_off_restarts_from_its_pfs_versions() {
     wait_for_more_commits(&job, on_agents, 3, Duration::from_secs(60));
     kill_and_restart_bit_exact(&cluster, job, "cutkill", &[]);
 }
+
+/// A partition only the job sees: the node holding its agent still
+/// heartbeats to the controllers (each in a namespace of its own) and
+/// reaches the other node, but nothing it sends reaches the job's hosts.
+/// The controller cannot tell, so the job tells it: the ranks' requests to
+/// the agent time out (`client.request_timeout`, 5 s here), the next probe
+/// names the agent, and the controller moves it to the other node, taking
+/// the newest version over between the nodes. Before 2026-12-05 the
+/// controller saw a live node and kept the agent, and the job wrote every
+/// version to the PFS until the path came back.
+///
+/// Then the other way round, at restart: the job is killed, its new node
+/// is cut off from the job's hosts, and a restart, handed the agent that
+/// holds its files there, cannot reach it; `init` names it, and the
+/// restart reads its version from an agent on the first node, bit-exact.
+#[test]
+fn a_node_only_the_job_cannot_reach_loses_the_jobs_agents_mid_run_and_at_restart() {
+    cut_only_from_the_job("cutjob", "pull");
+}
+
+/// The same with pushed commits: a rank's writes to the agent may stall on
+/// the cut as well as its wait for the agent's answer; either names the
+/// agent.
+#[test]
+fn a_node_only_the_job_cannot_reach_under_pushed_commits_loses_the_jobs_agents_too() {
+    cut_only_from_the_job("cutjobp", "push");
+}
+
+/// Runs the scenario above for an application named `app` whose commits
+/// move their bytes by `transfer` ("pull" or "push").
+fn cut_only_from_the_job(app: &str, transfer: &str) {
+    let dynamic = "readInterval = 0.5\ninit_agent_count = 1\nmax_agents_node = 4\n";
+    let cluster = NetCluster::start_with_standby(&icheck_in_target(), app, 2, dynamic);
+    let env = [("ICHECK_TRANSFER", transfer), ("ICHECK_REQUEST_TIMEOUT", "5")];
+    let job_env = [cluster.app_env().as_slice(), &env].concat();
+    let mut job = Job::start(4, &cluster.client_config, &running(app), &job_env);
+    job.wait_line("COMMITTED version=5", Duration::from_secs(120));
+    let before = agent_nodes(&cluster.status(), app);
+    assert_eq!(before.len(), 1, "one agent on one node: {before:?}");
+    let first = before.into_iter().next().unwrap();
+    let second = if first == "n1" { "n2" } else { "n1" };
+
+    cluster.cut_from_jobs(&first);
+    let at_cut = committed(&job.lines()).last().copied().unwrap_or(5);
+    let during = wait_for_more_commits(&job, at_cut, 3, Duration::from_secs(90));
+    let moved = agent_nodes(&cluster.status(), app);
+    assert_eq!(moved, BTreeSet::from([second.to_string()]), "{}", cluster.log("c1"));
+    let status = cluster.status();
+    assert!(alive(&status, &first), "{first} should still heartbeat: the cut is only the job's");
+    let job_said = job.output().contains("ranks could not reach these agents; telling the controller");
+    assert!(job_said, "the job did not name the agent it could not reach:\n{}", job.output());
+    assert!(
+        !job.output().contains("checkpoints go directly to the PFS"),
+        "the job fell back to the PFS instead of moving:\n{}\n{}",
+        job.output(),
+        cluster.log("c1")
+    );
+    // The stall is the request bound plus the move, not a PFS detour.
+    let stalled = job.lines().iter().filter_map(|l| seconds(l)).fold(0.0, f64::max);
+    assert!(stalled < 30.0, "a commit waited {stalled} s:\n{}", job.output());
+    eprintln!("the longest commit across the cut took {stalled:.2} s");
+    cluster.mend_from_jobs(&first);
+    wait_for_more_commits(&job, during, 3, Duration::from_secs(60));
+
+    // The restart's side: its agent's node cut off from the job's hosts.
+    job.kill();
+    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
+    std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
+    cluster.cut_from_jobs(second);
+    let restart = assert_restarts_from(told, 4, &cluster.client_config, &job_env, app, "2");
+    assert!(
+        restart.contains("an agent is unreachable at init"),
+        "the restart did not meet the cut:\n{restart}\n{}",
+        cluster.log("c1")
+    );
+    let placed = agent_nodes(&cluster.status(), app);
+    assert!(!placed.contains(second), "the job's agents stayed behind the cut: {placed:?}");
+    cluster.mend_from_jobs(second);
+}

@@ -328,6 +328,28 @@ impl NetCluster {
         run("ip", &["link", "set", &self.host_link(label), "up"]);
     }
 
+    /// Cuts checkpoint node `label` ("n1", ...) off from this namespace,
+    /// where jobs run, and from nothing else: a `prohibit` route in the
+    /// node's namespace refuses everything it sends to this namespace's
+    /// address. The controllers, each in a namespace of its own (only with
+    /// [`start_with_standby`](Self::start_with_standby)), still hear its
+    /// heartbeats, and other nodes still reach it: a partition only the
+    /// jobs see.
+    pub fn cut_from_jobs(&self, label: &str) {
+        self.route_to_jobs(label, "add");
+    }
+
+    /// Undoes [`cut_from_jobs`](Self::cut_from_jobs).
+    pub fn mend_from_jobs(&self, label: &str) {
+        self.route_to_jobs(label, "del");
+    }
+
+    fn route_to_jobs(&self, label: &str, action: &str) {
+        assert!(!self.controllers.is_empty(), "a cut only jobs see needs controllers in namespaces of their own");
+        let jobs = format!("10.213.{}.1/32", self.net);
+        run("ip", &["netns", "exec", &self.namespace(label), "ip", "route", action, "prohibit", &jobs]);
+    }
+
     /// The host end of the veth of `label`: controllers' links carry their
     /// label ("ich<net>-c1"), nodes' links their number ("ich<net>-1").
     fn host_link(&self, label: &str) -> String {

@@ -209,12 +209,14 @@ pub fn restored(lines: &[String]) -> Option<u64> {
 
 /// Restarts `app` (`np` ranks of `mib` MiB, with `config` and `env`) and
 /// checks that it restores, verified, the last version its killed run
-/// reported complete (`told`) or the one that run was completing.
-pub fn assert_restarts_from(told: u64, np: u32, config: &Path, env: &[(&str, &str)], app: &str, mib: &str) {
+/// reported complete (`told`) or the one that run was completing. Returns
+/// the restart's stderr (its warnings).
+pub fn assert_restarts_from(told: u64, np: u32, config: &Path, env: &[(&str, &str)], app: &str, mib: &str) -> String {
     let restart = ["--app", app, "--steps", "0", "--every", "1", "--mib", mib];
-    let lines = Job::start(np, config, &restart, env).finish(Duration::from_secs(120));
+    let (lines, stderr) = Job::start(np, config, &restart, env).finish_with_stderr(Duration::from_secs(120));
     let back = restored(&lines).unwrap_or_else(|| panic!("no restart after version {told}: {lines:?}"));
     assert!(back == told || back == told + 1, "told {told}, restored {back}: {lines:?}");
+    stderr
 }
 
 /// Waits until the job has committed `count` more versions than `after`.
