@@ -959,6 +959,11 @@ pub struct AppReport {
     /// newest version).
     #[serde(default)]
     pub transfer: Option<TransferReport>,
+    /// Nodes its job reported it could not reach although they heartbeat
+    /// to the controller, and seconds since the newest report: its agents
+    /// are placed elsewhere until 10 minutes after it.
+    #[serde(default)]
+    pub unreached_nodes: Vec<(String, f64)>,
 }
 
 /// What went wrong with an application's agent copies to the PFS: every

@@ -264,6 +264,9 @@ fn cut_only_from_the_job(app: &str, transfer: &str) {
     assert_eq!(moved, BTreeSet::from([second.to_string()]), "{}", cluster.log("c1"));
     let status = cluster.status();
     assert!(alive(&status, &first), "{first} should still heartbeat: the cut is only the job's");
+    let report = status.apps.iter().find(|a| a.registration.name == app).expect("the application in the status");
+    let unreached: Vec<&str> = report.unreached_nodes.iter().map(|(node, _)| node.as_str()).collect();
+    assert_eq!(unreached, [first.as_str()], "the status names the node the job cannot reach");
     let job_said = job.output().contains("ranks could not reach these agents; telling the controller");
     assert!(job_said, "the job did not name the agent it could not reach:\n{}", job.output());
     assert!(

@@ -268,6 +268,15 @@ impl AppEntry {
         self.unreached.keys().cloned().collect()
     }
 
+    /// The nodes [`avoided_nodes`](Self::avoided_nodes) names at `now`,
+    /// each with the time since its newest report (for the status).
+    pub(super) fn avoided_since(&self, now: Instant) -> Vec<(String, Duration)> {
+        (self.unreached.iter())
+            .map(|(node, reported)| (node.clone(), now.saturating_duration_since(*reported)))
+            .filter(|(_, since)| *since < UNREACHED_NODE_AVOIDED_FOR)
+            .collect()
+    }
+
     /// Each rank's (mapping unit's) home: the node of its slot in `homes`,
     /// where its files are whatever agents were lost since. None without
     /// slots.
@@ -687,6 +696,11 @@ pub(super) mod tests {
         assert!(matches!(app.probe_plan(&[0, 1], moving(), 10, 1, &config, false), Err(ClientReply::Agents(_))));
         // The node is avoided until the report is old, then used again.
         let later = t0 + UNREACHED_NODE_AVOIDED_FOR - Duration::from_secs(1);
+        assert_eq!(
+            app.avoided_since(later),
+            vec![("n2".to_string(), UNREACHED_NODE_AVOIDED_FOR - Duration::from_secs(1))]
+        );
+        assert!(app.avoided_since(t0 + UNREACHED_NODE_AVOIDED_FOR).is_empty(), "the status shows only avoided nodes");
         assert_eq!(app.avoided_nodes(later).len(), 1);
         assert!(app.avoided_nodes(t0 + UNREACHED_NODE_AVOIDED_FOR).is_empty());
         assert!(app.unreached.is_empty(), "old reports are forgotten");

@@ -719,7 +719,10 @@ async fn serve_client(
                 let node_failure = shared.dynamic().node_failure_probability;
                 let state = shared.state();
                 ClientReply::AppStatus(
-                    state.apps.get(&name).map(|a| Box::new(app_report(&name, a, &state.nodes, node_failure))),
+                    state
+                        .apps
+                        .get(&name)
+                        .map(|a| Box::new(app_report(&name, a, &state.nodes, node_failure, Instant::now()))),
                 )
             }
             ClientRequest::RegisterApp { registration, capability, uid } => {

@@ -24,7 +24,7 @@ pub(super) fn status_report(shared: &Shared, privilege: Privilege) -> StatusRepo
         nodes: state.nodes.report(now, FORECAST_HORIZON_SECS),
         apps: {
             let node_failure = shared.dynamic().node_failure_probability;
-            state.apps.iter().map(|(name, a)| app_report(name, a, &state.nodes, node_failure)).collect()
+            state.apps.iter().map(|(name, a)| app_report(name, a, &state.nodes, node_failure, now)).collect()
         },
         init_agent_count: format!("{:?}", shared.dynamic().init_agent_count),
         journal: state.journal.as_ref().map(|j| Box::new(j.report())),
@@ -35,7 +35,7 @@ pub(super) fn status_report(shared: &Shared, privilege: Privilege) -> StatusRepo
 /// One application, as the status shows it: a newest version lost with a
 /// given-up node is listed with the dropped ones, since its restart will
 /// not find it.
-pub(super) fn app_report(name: &str, a: &AppEntry, nodes: &ManagerBook, node_failure: f64) -> AppReport {
+pub(super) fn app_report(name: &str, a: &AppEntry, nodes: &ManagerBook, node_failure: f64, now: Instant) -> AppReport {
     let units = decide::mapping_units(&a.registration);
     let latest = a.latest.as_ref().map(|l| l.version);
     let mut dropped = a.dropped.clone();
@@ -61,6 +61,7 @@ pub(super) fn app_report(name: &str, a: &AppEntry, nodes: &ManagerBook, node_fai
         pfs_health: a.copies.health.clone(),
         dropped,
         transfer: a.transfer,
+        unreached_nodes: a.avoided_since(now).into_iter().map(|(node, since)| (node, since.as_secs_f64())).collect(),
     }
 }
 

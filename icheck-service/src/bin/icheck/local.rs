@@ -798,6 +798,12 @@ pub fn print_status(report: &StatusReport) {
         for reason in &a.dropped {
             println!("  {:<16} dropped: {reason}", "");
         }
+        for (node, since) in &a.unreached_nodes {
+            println!(
+                "  {:<16} the job cannot reach node {node} (reported {since:.0} s ago): its agents go elsewhere",
+                ""
+            );
+        }
     }
     println!("init_agent_count in force: {}", init_agent_count_text(&report.init_agent_count));
     if let Some(c) = &report.controller {
