@@ -42,6 +42,15 @@ fn back_on_agents(cluster: &NetCluster, job: &Job, app: &str) {
     assert!(!listed.is_empty(), "no agents listed for {app}:\n{}", cluster.log("controller"));
 }
 
+/// The node of `app`'s one agent on a two-node cluster, and the other node.
+fn the_agents_node_and_the_other(cluster: &NetCluster, app: &str) -> (String, &'static str) {
+    let nodes = agent_nodes(&cluster.status(), app);
+    assert_eq!(nodes.len(), 1, "one agent on one node: {nodes:?}");
+    let node = nodes.into_iter().next().unwrap();
+    let other = if node == "n1" { "n2" } else { "n1" };
+    (node, other)
+}
+
 /// Whether the controller counts `node` alive.
 fn alive(status: &StatusReport, node: &str) -> bool {
     status.nodes.iter().any(|n| n.node == node && n.alive)
@@ -127,10 +136,7 @@ fn cut_a_node_mid_job(app: &str, env: &[(&str, &str)], asynchronous: bool) {
     // given up.
     let job_env = [env, &[("ICHECK_REQUEST_TIMEOUT", "600")]].concat();
     let (cluster, job) = cluster_and_job(app, 1, &job_env, asynchronous);
-    let before = agent_nodes(&cluster.status(), app);
-    assert_eq!(before.len(), 1, "one agent on one node: {before:?}");
-    let cut = before.into_iter().next().unwrap();
-    let other = if cut == "n1" { "n2" } else { "n1" };
+    let (cut, other) = the_agents_node_and_the_other(&cluster, app);
 
     cluster.cut(&cut);
     let at_cut = committed(&job.lines()).last().copied().unwrap_or(5);
@@ -252,10 +258,7 @@ fn cut_only_from_the_job(app: &str, transfer: &str) {
     let job_env = [cluster.app_env().as_slice(), &env].concat();
     let mut job = Job::start(4, &cluster.client_config, &running(app), &job_env);
     job.wait_line("COMMITTED version=5", Duration::from_secs(120));
-    let before = agent_nodes(&cluster.status(), app);
-    assert_eq!(before.len(), 1, "one agent on one node: {before:?}");
-    let first = before.into_iter().next().unwrap();
-    let second = if first == "n1" { "n2" } else { "n1" };
+    let (first, second) = the_agents_node_and_the_other(&cluster, app);
 
     cluster.cut_from_jobs(&first);
     let at_cut = committed(&job.lines()).last().copied().unwrap_or(5);
