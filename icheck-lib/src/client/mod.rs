@@ -814,7 +814,7 @@ impl Icheck {
     /// `unreached`: the agent this rank could not reach, if that is how
     /// its failure came (the controller moves agents the job cannot reach
     /// off nodes that still heartbeat).
-    pub(super) fn ask_for_new_agents(&mut self, at_init: bool, unreached: Option<u64>) -> Result<ProbeOutcome> {
+    fn ask_for_new_agents(&mut self, at_init: bool, unreached: Option<u64>) -> Result<ProbeOutcome> {
         const ATTEMPTS: u32 = 5;
         let unreachable = self.unreached_by_any(unreached);
         if !unreachable.is_empty() && self.comm.rank() == 0 {

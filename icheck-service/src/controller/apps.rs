@@ -135,6 +135,11 @@ pub(super) struct AppEntry {
 /// request); short enough that a mended path is used again.
 pub(super) const UNREACHED_NODE_AVOIDED_FOR: Duration = Duration::from_secs(600);
 
+/// Whether a node reported unreachable `since` ago is still avoided.
+fn avoided_after(since: Duration) -> bool {
+    since < UNREACHED_NODE_AVOIDED_FOR
+}
+
 /// Files of ranks left behind on a node whose agents were lost (the node
 /// went silent, or its manager's connection closed). They hold the
 /// newest complete version at the time; once a newer one completes on
@@ -264,7 +269,7 @@ impl AppEntry {
     /// unreachable within [`UNREACHED_NODE_AVOIDED_FOR`]); older reports
     /// are forgotten.
     pub(super) fn avoided_nodes(&mut self, now: Instant) -> BTreeSet<String> {
-        self.unreached.retain(|_, reported| now.saturating_duration_since(*reported) < UNREACHED_NODE_AVOIDED_FOR);
+        self.unreached.retain(|_, reported| avoided_after(now.saturating_duration_since(*reported)));
         self.unreached.keys().cloned().collect()
     }
 
@@ -273,7 +278,7 @@ impl AppEntry {
     pub(super) fn avoided_since(&self, now: Instant) -> Vec<(String, Duration)> {
         (self.unreached.iter())
             .map(|(node, reported)| (node.clone(), now.saturating_duration_since(*reported)))
-            .filter(|(_, since)| *since < UNREACHED_NODE_AVOIDED_FOR)
+            .filter(|(_, since)| avoided_after(*since))
             .collect()
     }
 
