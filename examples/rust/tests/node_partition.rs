@@ -92,14 +92,23 @@ fn cut_all(cluster: &NetCluster, cut: bool) {
 /// Kills `job` and checks that a restart of `app` (with `env` besides the
 /// cluster's) restores the last version it reported complete (or the one
 /// it was completing), verified.
-fn kill_and_restart_bit_exact(cluster: &NetCluster, mut job: Job, app: &str, env: &[(&str, &str)]) {
-    job.kill();
-    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
-    // An agent pulling from a killed rank waits out the stall bound before
-    // it is replaced; a restart within it would be handed that agent.
-    std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
+fn kill_and_restart_bit_exact(cluster: &NetCluster, job: Job, app: &str, env: &[(&str, &str)]) {
+    let told = kill_for_a_restart(job);
     let env = [cluster.app_env().as_slice(), env].concat();
     assert_restarts_from(told, 4, &cluster.client_config, &env, app, "2");
+}
+
+/// Kills `job` and returns the last version it reported complete, once a
+/// restart would no longer be handed an agent still busy with the job: an
+/// agent pulling from a killed rank waits out the stall bound before it is
+/// replaced. The ranks are stopped first, so that every version they
+/// reported is read (a restart may find one more, the one in flight).
+fn kill_for_a_restart(mut job: Job) -> u64 {
+    job.freeze_ranks();
+    job.kill();
+    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
+    std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
+    told
 }
 
 /// One agent on one of two nodes; that node's link goes down mid-job. The
@@ -263,9 +272,9 @@ fn cut_only_from_the_job(app: &str, transfer: &str) {
     cluster.cut_from_jobs(&first);
     let at_cut = committed(&job.lines()).last().copied().unwrap_or(5);
     let during = wait_for_more_commits(&job, at_cut, 3, Duration::from_secs(90));
-    let moved = agent_nodes(&cluster.status(), app);
-    assert_eq!(moved, BTreeSet::from([second.to_string()]), "{}", cluster.log("c1"));
     let status = cluster.status();
+    let moved = agent_nodes(&status, app);
+    assert_eq!(moved, BTreeSet::from([second.to_string()]), "{}", cluster.log("c1"));
     assert!(alive(&status, &first), "{first} should still heartbeat: the cut is only the job's");
     let report = status.apps.iter().find(|a| a.registration.name == app).expect("the application in the status");
     let unreached: Vec<&str> = report.unreached_nodes.iter().map(|(node, _)| node.as_str()).collect();
@@ -286,9 +295,7 @@ fn cut_only_from_the_job(app: &str, transfer: &str) {
     wait_for_more_commits(&job, during, 3, Duration::from_secs(60));
 
     // The restart's side: its agent's node cut off from the job's hosts.
-    job.kill();
-    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
-    std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
+    let told = kill_for_a_restart(job);
     cluster.cut_from_jobs(second);
     let restart = assert_restarts_from(told, 4, &cluster.client_config, &job_env, app, "2");
     assert!(

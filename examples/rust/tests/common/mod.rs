@@ -156,6 +156,28 @@ impl Job {
         icheck_service::testkit::process_tree(self.child.id())
     }
 
+    /// Stops (SIGSTOP) every process of the job but mpirun, then waits
+    /// until mpirun has forwarded what they printed (no new stdout line
+    /// for 300 ms, at most 5 s): the lines read afterwards are all the job
+    /// says before it is killed. Killed at once instead, a job committing
+    /// every few milliseconds may have completed versions whose lines
+    /// mpirun never forwarded.
+    pub fn freeze_ranks(&self) {
+        for pid in self.processes().into_iter().skip(1) {
+            let _ = nix::sys::signal::kill(Pid::from_raw(pid as i32), Signal::SIGSTOP);
+        }
+        let started = Instant::now();
+        let mut seen = self.lines.lock().unwrap().len();
+        while started.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(300));
+            let now = self.lines.lock().unwrap().len();
+            if now == seen {
+                break;
+            }
+            seen = now;
+        }
+    }
+
     /// SIGKILL to mpirun, its ranks and whatever else it started (each rank
     /// sits in a process group of its own), waiting until they are gone.
     pub fn kill(&mut self) {
