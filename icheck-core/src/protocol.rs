@@ -26,8 +26,8 @@ pub use crate::format::{DataKind, LabelLayout, Manifest, VersionRecord};
 /// `Protected` carry the protection's attempt; 8: `TakeOver`, `Rebuild`
 /// and `TookOver` carry the controller's request number; 9: `NodeStatus`
 /// carries the manager's own memory; 10: `Probe` names the agents the job
-/// could not reach.)
-pub const PROTOCOL_VERSION: u32 = 10;
+/// could not reach; 11: `NoRoom` answers a probe no node can serve yet.)
+pub const PROTOCOL_VERSION: u32 = 11;
 /// First bytes of every Hello.
 pub const MAGIC: [u8; 4] = *b"ICHK";
 /// Largest frame accepted, in bytes.
@@ -858,6 +858,10 @@ pub enum ClientReply {
     NotPrimary(String),
     /// These nodes are being released (their agents move away first).
     Releasing(Vec<String>),
+    /// Answer to a probe that needs new agents when no checkpoint node can
+    /// take them now (none is live, or none has room): nothing changed,
+    /// and asking again later may succeed (a silent node comes back).
+    NoRoom(String),
 }
 
 /// A node as `icheck status` shows it.

@@ -7,7 +7,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{assert_restarts_from, committed, lose_node, managers_run_what_is_listed, restored, Job};
+use common::{
+    assert_restarts_from, committed, kill_for_a_restart, lose_node, managers_run_what_is_listed, restored, Job,
+};
 use icheck_service::testkit::{icheck_in_target, poll_until, process_running, LocalService};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -327,6 +329,35 @@ fn an_agent_replaced_on_its_own_node_leaves_the_new_agents_files_alone() {
         service.log("manager-local-1.log")
     );
     assert_restarts_from(told, 4, &config, &env, "renewed", "48");
+}
+
+/// A job without a PFS whose only checkpoint node is silent long enough
+/// to be marked down, and then comes back: the job's probe hears that no
+/// node can take agents, asks again while the node is away, and goes on
+/// with new agents once it is back. (A run in CI, where a loaded host held
+/// a manager back for 1.9 s, failed the job's commit at the first "no
+/// live checkpoint node" answer.)
+#[test]
+fn a_job_without_a_pfs_waits_for_its_only_node_to_come_back() {
+    let service = LocalService::up(&icheck_in_target(), "only-node", 1, &["--provider", "tcp", "--heartbeat", "0.5"]);
+    let config = service.config_without_pfs();
+    let args = ["--app", "waits", "--steps", "100000", "--every", "1", "--mib", "8"];
+    let env = [("ICHECK_REQUEST_TIMEOUT", "12")];
+    let mut job = Job::start(2, &config, &args, &env);
+    job.wait_line("COMMITTED version=2", Duration::from_secs(120));
+    let asks_again = "no checkpoint node can take new agents now";
+    {
+        let _stopped = Stopped::stop(service.pid_of("manager-local-1"));
+        let waiting = poll_until(Duration::from_secs(30), || job.output().contains(asks_again));
+        assert!(waiting, "{}\n{}", job.output(), service.log("controller.log"));
+        // Still away for a few of the job's questions.
+        std::thread::sleep(Duration::from_secs(2));
+    }
+    let told = committed(&job.lines()).last().copied().unwrap_or(0);
+    job.wait_line(&format!("COMMITTED version={}", told + 2), Duration::from_secs(60));
+    assert!(job.output().contains("the controller replaced the application's agents"), "{}", job.output());
+    let told = kill_for_a_restart(job);
+    assert_restarts_from(told, 2, &config, &env, "waits", "8");
 }
 
 /// A SIGKILLed manager is started again by the controller's local

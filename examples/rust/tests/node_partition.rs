@@ -11,7 +11,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use common::{assert_restarts_from, committed, restored, wait_for_more_commits, Job};
+use common::{assert_restarts_from, committed, kill_for_a_restart, restored, wait_for_more_commits, Job};
 use icheck_core::protocol::StatusReport;
 use icheck_service::testkit::icheck_in_target;
 use icheck_service::testkit::netns::NetCluster;
@@ -96,19 +96,6 @@ fn kill_and_restart_bit_exact(cluster: &NetCluster, job: Job, app: &str, env: &[
     let told = kill_for_a_restart(job);
     let env = [cluster.app_env().as_slice(), env].concat();
     assert_restarts_from(told, 4, &cluster.client_config, &env, app, "2");
-}
-
-/// Kills `job` and returns the last version it reported complete, once a
-/// restart would no longer be handed an agent still busy with the job: an
-/// agent pulling from a killed rank waits out the stall bound before it is
-/// replaced. The ranks are stopped first, so that every version they
-/// reported is read (a restart may find one more, the one in flight).
-fn kill_for_a_restart(mut job: Job) -> u64 {
-    job.freeze_ranks();
-    job.kill();
-    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
-    std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
-    told
 }
 
 /// One agent on one of two nodes; that node's link goes down mid-job. The

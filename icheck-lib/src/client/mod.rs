@@ -108,6 +108,14 @@ pub enum ProbeOutcome {
     },
 }
 
+/// What one probe brought ([`Icheck::ask_for_agents`]).
+enum Asked {
+    /// The controller's answer.
+    Outcome(ProbeOutcome),
+    /// No node can take new agents yet; nothing changed.
+    NoRoomYet,
+}
+
 struct Label {
     name: String,
     source: Box<dyn Source>,
@@ -803,7 +811,11 @@ impl Icheck {
         self.check_open()?;
         self.wait()?;
         self.release_restart();
-        self.ask_for_agents(hints.remaining_commits, false, &[])
+        match self.ask_for_agents(hints.remaining_commits, false, &[], None)? {
+            Asked::Outcome(outcome) => Ok(outcome),
+            // Not sent without a deadline (rank 0 answers `NoRoom` as an error).
+            Asked::NoRoomYet => Err(self.controller_error("no checkpoint node can take agents now".into())),
+        }
     }
 
     /// After an agent failed: asks the controller for new agents, again
@@ -816,17 +828,35 @@ impl Icheck {
     /// off nodes that still heartbeat).
     fn ask_for_new_agents(&mut self, at_init: bool, unreached: Option<u64>) -> Result<ProbeOutcome> {
         const ATTEMPTS: u32 = 5;
+        const PAUSE: Duration = Duration::from_millis(500);
         let unreachable = self.unreached_by_any(unreached);
         if !unreachable.is_empty() && self.comm.rank() == 0 {
             tracing::warn!(agents = ?unreachable, "ranks could not reach these agents; telling the controller");
         }
-        for attempt in 1..=ATTEMPTS {
-            match self.ask_for_agents(0, at_init, &unreachable)? {
-                ProbeOutcome::Unchanged if attempt < ATTEMPTS => std::thread::sleep(Duration::from_millis(500)),
-                outcome => return Ok(outcome),
+        // While no node can take agents (the only node missed a few
+        // heartbeats and is coming back), a job with a PFS waits as long as
+        // for an agent thread's death to be known, then writes there; one
+        // without waits as long as for an agent's answer, since its commit
+        // fails otherwise. Only rank 0 asks, so its clock decides.
+        let room_wait = if self.pfs.is_some() { PAUSE * (ATTEMPTS - 1) } else { self.request_timeout };
+        let room_deadline = Instant::now() + room_wait;
+        let (mut unchanged, mut told) = (0, false);
+        loop {
+            match self.ask_for_agents(0, at_init, &unreachable, Some(room_deadline))? {
+                Asked::Outcome(ProbeOutcome::Unchanged) if unchanged + 1 < ATTEMPTS => unchanged += 1,
+                Asked::Outcome(outcome) => return Ok(outcome),
+                Asked::NoRoomYet => {
+                    if !told && self.comm.rank() == 0 {
+                        tracing::warn!(
+                            ?room_wait,
+                            "no checkpoint node can take new agents now; asking again meanwhile"
+                        );
+                    }
+                    told = true;
+                }
             }
+            std::thread::sleep(PAUSE);
         }
-        Ok(ProbeOutcome::Unchanged)
     }
 
     /// The application's agents that some rank could not reach
@@ -844,7 +874,16 @@ impl Icheck {
 
     /// The probe itself (*collective*): rank 0 asks the controller, every
     /// rank opens its session with its new agent when there are new ones.
-    fn ask_for_agents(&mut self, remaining_commits: u32, at_init: bool, unreachable: &[u64]) -> Result<ProbeOutcome> {
+    /// Until `room_deadline` passes on rank 0, a controller with no node
+    /// for new agents answers [`Asked::NoRoomYet`]; after it (or without
+    /// one), that answer is the controller's error.
+    fn ask_for_agents(
+        &mut self,
+        remaining_commits: u32,
+        at_init: bool,
+        unreachable: &[u64],
+        room_deadline: Option<Instant>,
+    ) -> Result<Asked> {
         let mut answer = Vec::new();
         if let Some(controller) = self.controller.as_mut() {
             let request = ClientRequest::Probe {
@@ -855,20 +894,24 @@ impl Icheck {
                 at_init,
                 unreachable: unreachable.to_vec(),
             };
-            let result = controller.request(&request).map_err(|e| e.to_string());
+            let result = match controller.request(&request) {
+                Ok(ClientReply::NoRoom(reason)) if room_deadline.is_none_or(|d| Instant::now() >= d) => Err(reason),
+                result => result.map_err(|e| e.to_string()),
+            };
             answer = protocol::encode(&result).unwrap_or_default();
         }
         let answer = self.comm.broadcast_from_root(answer);
         let result: std::result::Result<ClientReply, String> =
             protocol::decode(&answer).unwrap_or_else(|e| Err(format!("undecodable probe answer: {e}")));
         let agents = match result {
-            Ok(ClientReply::Unchanged) => return Ok(ProbeOutcome::Unchanged),
+            Ok(ClientReply::Unchanged) => return Ok(Asked::Outcome(ProbeOutcome::Unchanged)),
+            Ok(ClientReply::NoRoom(_)) => return Ok(Asked::NoRoomYet),
             Ok(ClientReply::Agents(agents)) if !agents.is_empty() => agents,
             Ok(other) => return Err(self.controller_error(format!("unexpected answer to Probe: {other:?}"))),
             Err(message) => return Err(self.controller_error(message)),
         };
         self.switch_agents(agents)?;
-        Ok(ProbeOutcome::Reconnected { agents: self.agents.len() })
+        Ok(Asked::Outcome(ProbeOutcome::Reconnected { agents: self.agents.len() }))
     }
 
     /// Opens every rank's session with its agent among `agents` and makes

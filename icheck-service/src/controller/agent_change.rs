@@ -79,12 +79,14 @@ pub(super) async fn probe(shared: &Shared, name: &str, capability: &str, asked: 
             let placement = if at_init { Placement::Start } else { Placement::Replace };
             match register_app(shared, registration, &claim, placement).await {
                 // No node can take agents (the registration would send the
-                // job to the PFS): a probe has none to offer.
+                // job to the PFS): a probe has none to offer yet; the job
+                // may ask again while a silent node comes back.
                 Ok((agents, ..)) if agents.is_empty() => {
-                    ClientReply::Error(decide::PlacementError::NoLiveNode.to_string())
+                    ClientReply::NoRoom(decide::PlacementError::NoLiveNode.to_string())
                 }
                 Ok((agents, ..)) => ClientReply::Agents(agents),
-                Err(reason) => ClientReply::Error(reason),
+                Err(Refused::NoRoom(reason)) => ClientReply::NoRoom(reason.to_string()),
+                Err(reason) => ClientReply::Error(reason.to_string()),
             }
         }
         ProbePlan::Relocate { current, replace } => {

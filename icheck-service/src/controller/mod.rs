@@ -62,6 +62,7 @@ use protection::ProtectionBook;
 use reconcile::Holdings;
 use registration::{
     await_reconciled, await_starts, manager_answer, register_app, send_starts, wait_out_doubt, Placement, Placing,
+    Refused,
 };
 use replica::{Lease, ToPrimary, ToStandby};
 use replication::{follow, replica_stream, watch_partners};
@@ -734,7 +735,7 @@ async fn serve_client(
                     }
                     Err(reason) => {
                         tracing::warn!(%peer, %reason, "registration refused");
-                        ClientReply::Error(reason)
+                        ClientReply::Error(reason.to_string())
                     }
                 }
             }

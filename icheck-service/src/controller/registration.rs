@@ -49,6 +49,24 @@ pub(super) fn mode_mismatch_in(
         .then(|| written_in.cannot_restore_in(registration.mode, &registration.name, version, place))
 }
 
+/// Why a registration gave no agents.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum Refused {
+    /// No node can take the agents now (none is live, or none has room):
+    /// asking again later may succeed.
+    #[error(transparent)]
+    NoRoom(#[from] decide::PlacementError),
+    /// Any other refusal, worded for the application.
+    #[error("{0}")]
+    Other(String),
+}
+
+impl From<String> for Refused {
+    fn from(reason: String) -> Self {
+        Refused::Other(reason)
+    }
+}
+
 /// §6.1.2: pick the agent count and nodes, have managers start the agents,
 /// and return them. A restarting application whose agents all live gets
 /// them back.
@@ -57,10 +75,10 @@ pub(super) async fn register_app(
     registration: protocol::AppRegistration,
     claim: &apps::Claim<'_>,
     placement: Placement,
-) -> Result<(Vec<AgentInfo>, Option<VersionRecord>, Capability), String> {
+) -> Result<(Vec<AgentInfo>, Option<VersionRecord>, Capability), Refused> {
     icheck_core::format::check_app_name(&registration.name).map_err(|e| e.to_string())?;
     if registration.ranks == 0 || registration.nodes == 0 {
-        return Err(format!("application {:?} registered with 0 ranks or 0 nodes", registration.name));
+        return Err(format!("application {:?} registered with 0 ranks or 0 nodes", registration.name).into());
     }
     // Before anything else: only its owner may register a known application.
     let known_owner = shared.state().apps.get(&registration.name).and_then(|a| a.owner);
@@ -76,7 +94,9 @@ pub(super) async fn register_app(
     let flushing_since = Instant::now();
     while shared.state().apps.get(&registration.name).is_some_and(|a| a.finishing) {
         if flushing_since.elapsed() > AGENT_START_TIMEOUT {
-            return Err(format!("application {:?} is still being flushed to the PFS; try again", registration.name));
+            return Err(
+                format!("application {:?} is still being flushed to the PFS; try again", registration.name).into()
+            );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -124,7 +144,8 @@ pub(super) async fn register_app(
                 return Err(format!(
                     "application {:?} has versions on the PFS but none is readable, so it cannot restart: {damage}",
                     registration.name
-                ))
+                )
+                .into())
             }
         };
         let lost = state.apps.get(&registration.name).and_then(|app| {
@@ -144,7 +165,7 @@ pub(super) async fn register_app(
                         tracing::warn!(%why, pfs = pfs.version, "restarting from the PFS copy");
                         Some(pfs)
                     }
-                    None => return Err(format!("{why}; no PFS copy of {:?} exists", registration.name)),
+                    None => return Err(format!("{why}; no PFS copy of {:?} exists", registration.name).into()),
                 }
             }
             (memory, pfs) => memory.or(pfs),
@@ -166,7 +187,7 @@ pub(super) async fn register_app(
             };
             if let Some(why) = why {
                 tracing::warn!(app = %registration.name, %why, "refused a restart");
-                return Err(why);
+                return Err(why.into());
             }
         }
         // A restart of a version held only by a silent node, with no other
@@ -181,7 +202,7 @@ pub(super) async fn register_app(
         });
         if let Some(why) = silent {
             tracing::warn!(app = %registration.name, %why, "refused a restart");
-            return Err(why);
+            return Err(why.into());
         }
         let state = &mut *state;
         if let Some(app) = state.apps.get_mut(&registration.name) {
@@ -272,7 +293,7 @@ pub(super) async fn register_app(
             }
             nodes
         } else {
-            decide::choose_nodes(&snapshot, count, &config).map_err(|e| e.to_string())?
+            decide::choose_nodes(&snapshot, count, &config)?
         };
         let complete = latest.as_ref().map(|l| l.version);
         let protected =
@@ -309,7 +330,7 @@ pub(super) async fn register_app(
     let placed = Event::Placed { registration: registration.clone(), agents: agents.clone(), owner: Some(owner) };
     if let Err(reason) = journal(&mut state, &placed) {
         tell_agents(&state.nodes, &agents, |id| ControllerToManager::StopAgent { id, discard: false });
-        return Err(reason);
+        return Err(reason.into());
     }
     tracing::info!(agents = agents.len(), "application registered");
     let mut adaptation = state.apps.get(&registration.name).map(|a| a.adaptation.clone()).unwrap_or_default();

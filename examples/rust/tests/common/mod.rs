@@ -229,6 +229,19 @@ pub fn restored(lines: &[String]) -> Option<u64> {
     lines.iter().find_map(|l| l.strip_prefix("RESTORED version=")?.split(' ').next()?.parse().ok())
 }
 
+/// Kills `job` and returns the last version it reported complete, once a
+/// restart would no longer be handed an agent still busy with the job: an
+/// agent pulling from a killed rank waits out the stall bound before it is
+/// replaced. The ranks are stopped first, so that every version they
+/// reported is read (a restart may find one more, the one in flight).
+pub fn kill_for_a_restart(mut job: Job) -> u64 {
+    job.freeze_ranks();
+    job.kill();
+    let told = committed(&job.lines()).last().copied().expect("COMMITTED lines");
+    std::thread::sleep(icheck_core::fabric::TransferOptions::default().timeout + Duration::from_secs(2));
+    told
+}
+
 /// Restarts `app` (`np` ranks of `mib` MiB, with `config` and `env`) and
 /// checks that it restores, verified, the last version its killed run
 /// reported complete (`told`) or the one that run was completing. Returns
