@@ -566,6 +566,8 @@ fn heal(service: &LocalService, shape: &Shape, bound: Duration, standby: bool) -
 fn status_matches_reality(service: &LocalService) -> Result<(), String> {
     let pids = icheck_service::launcher::read_pids(&service.dir);
     let mut last = String::new();
+    // Agents running that no application listed, at the last look.
+    let mut unlisted: Vec<u64> = Vec::new();
     for _ in 0..50 {
         let status = match service.try_status() {
             Ok(status) => status,
@@ -575,8 +577,8 @@ fn status_matches_reality(service: &LocalService) -> Result<(), String> {
                 continue;
             }
         };
-        let agents_on =
-            |node: &str| status.apps.iter().flat_map(|a| &a.agents).filter(|agent| agent.node == node).count() as u32;
+        let listed = || status.apps.iter().flat_map(|a| &a.agents);
+        let agents_on = |node: &str| listed().filter(|agent| agent.node == node).count() as u32;
         let wrong: Vec<String> = status
             .nodes
             .iter()
@@ -599,9 +601,35 @@ fn status_matches_reality(service: &LocalService) -> Result<(), String> {
             return Ok(());
         }
         last = wrong.join("; ");
+        unlisted = (status.nodes.iter().flat_map(|n| &n.status.agent_bandwidth))
+            .map(|(id, _)| *id)
+            .filter(|id| !listed().any(|a| a.id == *id))
+            .collect();
         std::thread::sleep(Duration::from_millis(100));
     }
-    Err(last)
+    Err(last + &agent_history(service, &unlisted))
+}
+
+/// What the controller's log says about each of `agents` (running, listed
+/// by no application): its last lines naming the agent, so that a
+/// mismatch in CI shows how the agent was left over.
+fn agent_history(service: &LocalService, agents: &[u64]) -> String {
+    let log = service.log("controller.log");
+    let mut history = String::new();
+    for id in agents {
+        let lines: Vec<&str> = log.lines().filter(|l| names_number(l, *id)).collect();
+        history.push_str(&format!("\n    agent {id}, unlisted; the controller's last lines naming it:"));
+        for line in &lines[lines.len().saturating_sub(6)..] {
+            history.push_str(&format!("\n      {line}"));
+        }
+    }
+    history
+}
+
+/// Whether `line` holds `number` as a whole number (agent ids are
+/// logged as `agent=N`, `agent N` and in lists).
+fn names_number(line: &str, number: u64) -> bool {
+    line.split(|c: char| !c.is_ascii_digit()).any(|word| word == number.to_string())
 }
 
 /// The retention bound on one rank's store directory for a job that

@@ -165,6 +165,45 @@ fn a_starting_agent_counts_against_the_node_limit() {
     });
 }
 
+/// An agent whose start is answered after the controller gave up on it
+/// (the start's 15 s bound ran out, so its registration failed) is listed
+/// by no application: the controller stops it, and the manager frees it.
+/// Before, it ran on unseen until the manager registered again, holding
+/// its memory (the fault campaign's seed 11 found one still running three
+/// rounds later).
+#[test]
+fn an_agent_that_starts_after_its_placement_gave_up_is_stopped() {
+    let service = Service(
+        LocalService::up_with_failpoints(
+            Path::new(ICHECK),
+            "late-start",
+            1,
+            &[],
+            None,
+            Some("manager.before_agent_start=sleep(17000) x1"),
+        ),
+        Default::default(),
+    );
+    // The client's own 10 s bound may end its wait first; the controller
+    // gives up on the start at 15 s either way.
+    service.register("late", 1, 1).expect_err("the only start outlives the bounds");
+    wait_for("the controller to give up on the start", Duration::from_secs(20), || {
+        service.log("controller.log").contains("did not start agent")
+    });
+    wait_for("the late agent to start", Duration::from_secs(20), || {
+        service.log("manager-local-1.log").contains("agent started")
+    });
+    wait_for("the manager to stop the late agent", Duration::from_secs(10), || {
+        service.log("manager-local-1.log").contains("stopping agent")
+    });
+    wait_for("the manager to report no agent", Duration::from_secs(10), || {
+        service.status().nodes.iter().all(|n| n.status.agents == 0)
+    });
+    let log = service.log("controller.log");
+    assert!(log.contains("stopping an agent that started after its placement gave up on it"), "{log}");
+    assert!(service.status().apps.iter().all(|a| a.agents.is_empty()));
+}
+
 /// A manager whose status measurement is slow (3 s, as a walk of a busy
 /// store took) still sends its heartbeats on time: the controller, which
 /// marks a node down after 1.5 s of silence here, keeps it alive. (The

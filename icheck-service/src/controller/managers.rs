@@ -149,19 +149,25 @@ pub(super) async fn serve_manager(shared: Arc<Shared>, stream: TcpStream) -> Res
             }
             ManagerToController::Status(status) => {
                 state.nodes.status(&node, connection, status, Instant::now(), shared.clock());
-                let returned = state.returning.get(&node).copied();
-                match returned {
-                    Some(until) if Instant::now() < until => stop_stale_agents(&mut state, &node),
-                    Some(_) => {
-                        state.returning.remove(&node);
-                    }
-                    None => {}
-                }
+                stop_stale_agents(
+                    &mut state,
+                    &node,
+                    STALE_AGENT_GRACE,
+                    "no application lists (left over by a placement or a replacement)",
+                );
             }
             ManagerToController::AgentReady(info) => {
                 let id = info.id;
                 if state.pending.answer(&id, Ok(info)) {
                     state.nodes.start_answered(&node, true);
+                } else {
+                    // Its placement gave up on it (the start's bound ran
+                    // out, or the node was taken for lost) and lists it
+                    // nowhere: left running, it would hold its memory
+                    // unseen.
+                    tracing::info!(%node, agent = id, "stopping an agent that started after its placement gave up on it");
+                    state.nodes.note_stopping(&node, id);
+                    state.nodes.send(&node, ControllerToManager::StopAgent { id, discard: false });
                 }
             }
             ManagerToController::AgentFailed { id, reason } => {

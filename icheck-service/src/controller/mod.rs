@@ -24,7 +24,7 @@ mod replication;
 mod scaler;
 mod status;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -55,7 +55,7 @@ use managers::{serve_manager, watch_liveness};
 use node_events::{
     adopt_agents, check_returning_node, drop_obsolete_files, drop_pieces_on_returned_nodes, drop_stale_pieces_on,
     node_back, node_lost, ranks_lost_with_given_up_nodes, ranks_on_silent_nodes, recheck_homed_on, reconcile_pending,
-    stop_stale_agents,
+    stop_stale_agents, STALE_AGENT_GRACE,
 };
 use nodes::NodeBook;
 use protection::ProtectionBook;
@@ -118,11 +118,6 @@ struct State {
     reconcile_by: Instant,
     /// Journaled agents on nodes that never registered were dropped.
     startup_settled: bool,
-    /// Nodes that answered again after being given up, and until when
-    /// their reports are searched for stale agents (the report stored when
-    /// a node comes back may predate agents it started just before it fell
-    /// silent).
-    returning: HashMap<String, Instant>,
     /// The fencing epoch of this primary.
     epoch: u64,
     /// This primary's lease and its standby's progress.
@@ -130,9 +125,6 @@ struct State {
     /// The attached standby's stream: every journaled event goes there.
     standby: Option<mpsc::UnboundedSender<ToStandby>>,
 }
-
-/// How long a returned node's reports are searched for stale agents.
-const RETURN_WINDOW: Duration = Duration::from_secs(10);
 
 /// Ids of agents of controller incarnation `n` start here, so an agent
 /// started by an earlier controller process never shares an id with one
@@ -455,7 +447,6 @@ async fn run(
             holdings: Holdings::new(),
             piece_holdings: BTreeMap::new(),
             reconcile_by: Instant::now() + reconcile_window,
-            returning: HashMap::new(),
             epoch,
             lease: {
                 let mut lease = Lease::new(config.takeover_after(), controllers.len() > 1);

@@ -23,7 +23,7 @@ use icheck_core::protocol::{self, AgentInfo, ControllerToManager, StoredPiece};
 use super::apps::AppEntry;
 use super::awaiting::RankRequest;
 use super::journal::JournaledVersion;
-use super::{protection, reconcile, ManagerBook, State, RETURN_WINDOW};
+use super::{protection, reconcile, ManagerBook, State};
 
 /// Reconciles the journaled applications whose nodes have all registered
 /// (or all of them, once `reconcile_by` passed) with what the stores hold;
@@ -255,8 +255,7 @@ pub(super) fn node_lost(state: &mut State, node: &str, why: &str) -> Vec<String>
 /// belong to no application any more (they were replaced) and stop, and
 /// files obsolete since are dropped.
 pub(super) fn node_back(state: &mut State, node: &str) {
-    state.returning.insert(node.to_string(), Instant::now() + RETURN_WINDOW);
-    stop_stale_agents(state, node);
+    stop_stale_agents(state, node, Duration::ZERO, "that was replaced while its node was silent");
     let names: Vec<String> = state.apps.keys().cloned().collect();
     for name in names {
         if let Some(app) = state.apps.get_mut(&name) {
@@ -385,14 +384,29 @@ fn being_placed(state: &State, id: u64) -> bool {
     state.pending.contains(&id) || state.placing.contains(&id)
 }
 
+/// How long an agent a manager reports running may stay claimed by no
+/// application and no placement before the controller stops it: two status
+/// periods would do; the point is only that a report measured just before
+/// the controller's own stop does not draw a second one.
+pub(super) const STALE_AGENT_GRACE: Duration = Duration::from_secs(2);
+
 /// Stops the agents `node` reports running that no application claims and
-/// no placement under way started (each is asked once).
-pub(super) fn stop_stale_agents(state: &mut State, node: &str) {
-    for id in state.nodes.running_agents(node) {
-        if !claims_agent(state, id) && !being_placed(state, id) && state.nodes.note_stopping(node, id) {
-            tracing::info!(%node, agent = id, "stopping an agent that was replaced while its node was silent");
-            state.nodes.send(node, ControllerToManager::StopAgent { id, discard: false });
-        }
+/// no placement under way started, once they have been so for `grace`
+/// (each is asked once), logging `why` they are stale. Run on every status
+/// report with [`STALE_AGENT_GRACE`], and with zero when a node answers
+/// again after it was given up (its agents were replaced meanwhile). Before, the reports
+/// were searched only for ten seconds after such a return, and an agent
+/// left over any other way (its start answered after the placement gave
+/// up on it, the fault campaign's seed 11) ran on, unseen by `icheck
+/// status`, with its memory, until the manager registered again.
+pub(super) fn stop_stale_agents(state: &mut State, node: &str, grace: Duration, why: &str) {
+    let claimed: BTreeSet<u64> = (state.nodes.running_agents(node).into_iter())
+        .filter(|id| claims_agent(state, *id) || being_placed(state, *id))
+        .collect();
+    let stale = state.nodes.stale_agents(node, Instant::now(), grace, |id| claimed.contains(&id));
+    for id in stale {
+        tracing::info!(%node, agent = id, "stopping an agent {why}");
+        state.nodes.send(node, ControllerToManager::StopAgent { id, discard: false });
     }
 }
 

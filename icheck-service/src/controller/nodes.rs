@@ -87,8 +87,11 @@ pub(crate) struct NodeEntry<L> {
     /// The controller asked the launcher to kill this manager, silent too
     /// long while its connection stayed open (once per silence).
     kill_asked: bool,
-    /// Stale agents the controller asked this manager to stop.
+    /// Stale agents the controller asked this manager to stop (each once).
     stopping: std::collections::BTreeSet<u64>,
+    /// Agents the manager reports running that no application claimed at
+    /// the last report, and since when ([`NodeBook::stale_agents`]).
+    unclaimed_since: BTreeMap<u64, Instant>,
     /// Its manager failed to start an agent: why, and until when no
     /// agents are placed there.
     start_failure: Option<(String, Instant)>,
@@ -148,6 +151,7 @@ impl<L: ManagerLink> NodeBook<L> {
             relaunching: false,
             kill_asked: false,
             stopping: Default::default(),
+            unclaimed_since: BTreeMap::new(),
             start_failure: None,
             pid,
             connected: true,
@@ -316,10 +320,44 @@ impl<L: ManagerLink> NodeBook<L> {
         self.nodes.get(node).is_some_and(|entry| entry.given_up)
     }
 
-    /// Records that agent `id` on `node` is being stopped; false if it
-    /// already was (so each stale agent is asked to stop once).
-    pub(crate) fn note_stopping(&mut self, node: &str, id: u64) -> bool {
-        self.nodes.get_mut(node).is_some_and(|entry| entry.stopping.insert(id))
+    /// The agents `node`'s last report lists that `claimed` has not
+    /// accounted for (no application lists them, no placement is starting
+    /// them) in any report for at least `grace`: each is returned once, for
+    /// the caller to stop. The grace keeps a report measured just before a
+    /// stop the controller sent from asking for a second one; `ZERO` stops
+    /// at once what is unclaimed now. Forgets the agents the report no
+    /// longer lists (agent ids are never reused).
+    pub(crate) fn stale_agents(
+        &mut self,
+        node: &str,
+        now: Instant,
+        grace: Duration,
+        claimed: impl Fn(u64) -> bool,
+    ) -> Vec<u64> {
+        let Some(entry) = self.nodes.get_mut(node) else { return Vec::new() };
+        let running: Vec<u64> = entry.status.agent_bandwidth.iter().map(|(id, _)| *id).collect();
+        entry.unclaimed_since.retain(|id, _| running.contains(id));
+        entry.stopping.retain(|id| running.contains(id));
+        let mut stale = Vec::new();
+        for id in running {
+            if claimed(id) {
+                entry.unclaimed_since.remove(&id);
+                continue;
+            }
+            let since = *entry.unclaimed_since.entry(id).or_insert(now);
+            if now.saturating_duration_since(since) >= grace && entry.stopping.insert(id) {
+                stale.push(id);
+            }
+        }
+        stale
+    }
+
+    /// Records that agent `id` on `node` is being stopped, so that
+    /// [`stale_agents`](Self::stale_agents) does not ask again.
+    pub(crate) fn note_stopping(&mut self, node: &str, id: u64) {
+        if let Some(entry) = self.nodes.get_mut(node) {
+            entry.stopping.insert(id);
+        }
     }
 
     /// Marks `node`'s manager as being started again (or no longer).
@@ -552,6 +590,45 @@ mod tests {
         assert!(decide::choose_nodes(&book.snapshot(t0 + 2 * BEAT), 1, &config).is_err());
         let starts = links.iter().map(|l| l.sent.borrow().len()).sum::<usize>();
         assert_eq!(starts, 2, "one StartAgent per placed agent");
+    }
+
+    /// A report listing `agents` (by id).
+    fn running(agents: &[u64]) -> NodeStatus {
+        let count = u32::try_from(agents.len()).expect("a handful of agents");
+        NodeStatus { agent_bandwidth: agents.iter().map(|id| (*id, 0.0)).collect(), ..status(count) }
+    }
+
+    #[test]
+    fn an_unclaimed_agent_is_stale_once_its_grace_ran_out_and_named_once() {
+        let t0 = Instant::now();
+        let (mut book, _) = book(t0, &["a"]);
+        let grace = 2 * BEAT;
+        let claimed = |id| id == 1;
+        // Agent 2 is claimed by no one: first seen now, not stale yet.
+        book.status("a", 1, running(&[1, 2]), t0, 0.0);
+        assert!(book.stale_agents("a", t0, grace, claimed).is_empty());
+        book.status("a", 1, running(&[1, 2]), t0 + BEAT, 1.0);
+        assert!(book.stale_agents("a", t0 + BEAT, grace, claimed).is_empty());
+        // Unclaimed through the whole grace: stale, and named once only.
+        book.status("a", 1, running(&[1, 2]), t0 + grace, 2.0);
+        assert_eq!(book.stale_agents("a", t0 + grace, grace, claimed), vec![2]);
+        assert!(book.stale_agents("a", t0 + 3 * BEAT, grace, claimed).is_empty());
+        // An agent claimed again in between starts its grace afresh: a
+        // placement that listed it is not undone by an earlier report.
+        book.status("a", 1, running(&[1, 3]), t0 + 3 * BEAT, 3.0);
+        assert!(book.stale_agents("a", t0 + 3 * BEAT, grace, |_| false).is_empty());
+        assert!(book.stale_agents("a", t0 + 4 * BEAT, grace, |_| true).is_empty());
+        assert!(book.stale_agents("a", t0 + 5 * BEAT, grace, |_| false).is_empty());
+        assert_eq!(book.stale_agents("a", t0 + 7 * BEAT, grace, |_| false), vec![1, 3]);
+        // A zero grace stops at once what is unclaimed now; one already
+        // asked to stop is not asked again.
+        book.status("a", 1, running(&[3, 4]), t0 + 8 * BEAT, 8.0);
+        book.note_stopping("a", 4);
+        assert!(book.stale_agents("a", t0 + 8 * BEAT, Duration::ZERO, |_| false).is_empty());
+        book.status("a", 1, running(&[5]), t0 + 9 * BEAT, 9.0);
+        assert_eq!(book.stale_agents("a", t0 + 9 * BEAT, Duration::ZERO, |_| false), vec![5]);
+        // An unknown node has none.
+        assert!(book.stale_agents("b", t0, Duration::ZERO, |_| false).is_empty());
     }
 
     #[test]
