@@ -112,8 +112,9 @@ pub enum ProbeOutcome {
 enum Asked {
     /// The controller's answer.
     Outcome(ProbeOutcome),
-    /// No node can take new agents yet; nothing changed.
-    NoRoomYet,
+    /// No node can take new agents now (the controller's reason); nothing
+    /// changed, and asking again later may bring some.
+    NoRoom(String),
 }
 
 struct Label {
@@ -811,10 +812,9 @@ impl Icheck {
         self.check_open()?;
         self.wait()?;
         self.release_restart();
-        match self.ask_for_agents(hints.remaining_commits, false, &[], None)? {
+        match self.ask_for_agents(hints.remaining_commits, false, &[])? {
             Asked::Outcome(outcome) => Ok(outcome),
-            // Not sent without a deadline (rank 0 answers `NoRoom` as an error).
-            Asked::NoRoomYet => Err(self.controller_error("no checkpoint node can take agents now".into())),
+            Asked::NoRoom(reason) => Err(self.controller_error(reason)),
         }
     }
 
@@ -837,15 +837,19 @@ impl Icheck {
         // heartbeats and is coming back), a job with a PFS waits as long as
         // for an agent thread's death to be known, then writes there; one
         // without waits as long as for an agent's answer, since its commit
-        // fails otherwise. Only rank 0 asks, so its clock decides.
+        // fails otherwise.
         let room_wait = if self.pfs.is_some() { PAUSE * (ATTEMPTS - 1) } else { self.request_timeout };
         let room_deadline = Instant::now() + room_wait;
         let (mut unchanged, mut told) = (0, false);
         loop {
-            match self.ask_for_agents(0, at_init, &unreachable, Some(room_deadline))? {
+            match self.ask_for_agents(0, at_init, &unreachable)? {
                 Asked::Outcome(ProbeOutcome::Unchanged) if unchanged + 1 < ATTEMPTS => unchanged += 1,
                 Asked::Outcome(outcome) => return Ok(outcome),
-                Asked::NoRoomYet => {
+                // Every rank leaves the loop together, whichever clock ran out.
+                Asked::NoRoom(reason) if !self.comm.all_true(Instant::now() < room_deadline) => {
+                    return Err(self.controller_error(reason))
+                }
+                Asked::NoRoom(_) => {
                     if !told && self.comm.rank() == 0 {
                         tracing::warn!(
                             ?room_wait,
@@ -874,16 +878,7 @@ impl Icheck {
 
     /// The probe itself (*collective*): rank 0 asks the controller, every
     /// rank opens its session with its new agent when there are new ones.
-    /// Until `room_deadline` passes on rank 0, a controller with no node
-    /// for new agents answers [`Asked::NoRoomYet`]; after it (or without
-    /// one), that answer is the controller's error.
-    fn ask_for_agents(
-        &mut self,
-        remaining_commits: u32,
-        at_init: bool,
-        unreachable: &[u64],
-        room_deadline: Option<Instant>,
-    ) -> Result<Asked> {
+    fn ask_for_agents(&mut self, remaining_commits: u32, at_init: bool, unreachable: &[u64]) -> Result<Asked> {
         let mut answer = Vec::new();
         if let Some(controller) = self.controller.as_mut() {
             let request = ClientRequest::Probe {
@@ -894,10 +889,7 @@ impl Icheck {
                 at_init,
                 unreachable: unreachable.to_vec(),
             };
-            let result = match controller.request(&request) {
-                Ok(ClientReply::NoRoom(reason)) if room_deadline.is_none_or(|d| Instant::now() >= d) => Err(reason),
-                result => result.map_err(|e| e.to_string()),
-            };
+            let result = controller.request(&request).map_err(|e| e.to_string());
             answer = protocol::encode(&result).unwrap_or_default();
         }
         let answer = self.comm.broadcast_from_root(answer);
@@ -905,7 +897,7 @@ impl Icheck {
             protocol::decode(&answer).unwrap_or_else(|e| Err(format!("undecodable probe answer: {e}")));
         let agents = match result {
             Ok(ClientReply::Unchanged) => return Ok(Asked::Outcome(ProbeOutcome::Unchanged)),
-            Ok(ClientReply::NoRoom(_)) => return Ok(Asked::NoRoomYet),
+            Ok(ClientReply::NoRoom(reason)) => return Ok(Asked::NoRoom(reason)),
             Ok(ClientReply::Agents(agents)) if !agents.is_empty() => agents,
             Ok(other) => return Err(self.controller_error(format!("unexpected answer to Probe: {other:?}"))),
             Err(message) => return Err(self.controller_error(message)),
