@@ -6,6 +6,7 @@
 //! messages; they never touch checkpoint bytes. Agent threads own their
 //! fabric endpoints and drive their own progress.
 
+mod accept;
 pub mod agent;
 pub mod controller;
 pub mod framing;

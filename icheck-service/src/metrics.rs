@@ -424,13 +424,9 @@ pub async fn serve(
     let tokens = std::sync::Arc::new(tokens);
     // Scrapers are few: a flood of connections holds at most this many
     // descriptors, each for REQUEST_TIMEOUT at most; more are closed at once.
-    let open = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut listener = crate::accept::BoundedListener::new(listener, MAX_CONNECTIONS, "metrics", "a complete request");
     loop {
-        let Ok((stream, peer)) = listener.accept().await else {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
-        let Ok(permit) = open.clone().try_acquire_owned() else { continue };
+        let (stream, peer, permit) = listener.accept().await;
         let (report, tokens) = (report.clone(), tokens.clone());
         tokio::spawn(async move {
             let _permit = permit;

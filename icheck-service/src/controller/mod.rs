@@ -493,30 +493,14 @@ async fn run(
     if shared.controllers.len() > 1 {
         tokio::spawn(watch_partners(shared.clone()));
     }
-    let waiting = Arc::new(tokio::sync::Semaphore::new(MAX_UNAUTHENTICATED));
-    let mut turned_away = 0u64;
+    // A flood of connections that never authenticate holds at most
+    // MAX_UNAUTHENTICATED descriptors, each for HELLO_TIMEOUT at most;
+    // beyond that, new ones are closed at once.
+    let mut listener = crate::accept::BoundedListener::new(listener, MAX_UNAUTHENTICATED, "controller", "a Hello");
     loop {
-        let accepted = tokio::select! {
+        let (stream, peer, permit) = tokio::select! {
             accepted = listener.accept() => accepted,
             _ = shared.step_down.notified() => return Ok(()),
-        };
-        let (stream, peer) = match accepted {
-            Ok(accepted) => accepted,
-            Err(err) => {
-                tracing::warn!(%err, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        // A flood of connections that never authenticate holds at most
-        // MAX_UNAUTHENTICATED descriptors, each for HELLO_TIMEOUT at most;
-        // beyond that, new ones are closed at once.
-        let Ok(permit) = waiting.clone().try_acquire_owned() else {
-            turned_away += 1;
-            if turned_away.is_power_of_two() {
-                tracing::warn!(turned_away, %peer, "too many connections without a Hello; closing new ones at once");
-            }
-            continue;
         };
         stream.set_nodelay(true).ok();
         let shared = shared.clone();

@@ -70,15 +70,11 @@ pub(super) async fn answer_as_standby(
     tokens: DaemonTokens,
     synced: Arc<std::sync::atomic::AtomicBool>,
 ) {
-    let waiting = Arc::new(tokio::sync::Semaphore::new(MAX_UNAUTHENTICATED));
+    // As the primary's accept loop: a bounded number of waiting peers.
+    let mut listener =
+        crate::accept::BoundedListener::new(listener, MAX_UNAUTHENTICATED, "standby controller", "a Hello");
     loop {
-        let Ok((mut stream, _)) = listener.accept().await else {
-            // As the primary's accept loop: no spin on a lasting error.
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            continue;
-        };
-        // As the primary's accept loop: a bounded number of waiting peers.
-        let Ok(permit) = waiting.clone().try_acquire_owned() else { continue };
+        let (mut stream, _, permit) = listener.accept().await;
         let (tokens, synced) = (tokens.clone(), synced.clone());
         tokio::spawn(async move {
             let _permit = permit;
