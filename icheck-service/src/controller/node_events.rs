@@ -394,11 +394,12 @@ pub(super) const STALE_AGENT_GRACE: Duration = Duration::from_secs(2);
 /// no placement under way started, once they have been so for `grace`
 /// (each is asked once), logging `why` they are stale. Run on every status
 /// report with [`STALE_AGENT_GRACE`], and with zero when a node answers
-/// again after it was given up (its agents were replaced meanwhile). Before, the reports
-/// were searched only for ten seconds after such a return, and an agent
-/// left over any other way (its start answered after the placement gave
-/// up on it, the fault campaign's seed 11) ran on, unseen by `icheck
-/// status`, with its memory, until the manager registered again.
+/// again after it was given up (its agents were replaced meanwhile).
+/// Before, the reports were searched only for ten seconds after such a
+/// return, and an agent left over any other way (its start answered after
+/// the placement gave up on it, the fault campaign's seed 11) ran on,
+/// unseen by `icheck status`, with its memory, until the manager
+/// registered again.
 pub(super) fn stop_stale_agents(state: &mut State, node: &str, grace: Duration, why: &str) {
     let claimed: BTreeSet<u64> = (state.nodes.running_agents(node).into_iter())
         .filter(|id| claims_agent(state, *id) || being_placed(state, *id))
