@@ -617,7 +617,8 @@ fn agent_history(service: &LocalService, agents: &[u64]) -> String {
     let log = service.log("controller.log");
     let mut history = String::new();
     for id in agents {
-        let lines: Vec<&str> = log.lines().filter(|l| names_number(l, *id)).collect();
+        let number = id.to_string();
+        let lines: Vec<&str> = log.lines().filter(|l| names_number(l, &number)).collect();
         history.push_str(&format!("\n    agent {id}, unlisted; the controller's last lines naming it:"));
         for line in &lines[lines.len().saturating_sub(6)..] {
             history.push_str(&format!("\n      {line}"));
@@ -628,8 +629,8 @@ fn agent_history(service: &LocalService, agents: &[u64]) -> String {
 
 /// Whether `line` holds `number` as a whole number (agent ids are
 /// logged as `agent=N`, `agent N` and in lists).
-fn names_number(line: &str, number: u64) -> bool {
-    line.split(|c: char| !c.is_ascii_digit()).any(|word| word == number.to_string())
+fn names_number(line: &str, number: &str) -> bool {
+    line.split(|c: char| !c.is_ascii_digit()).any(|word| word == number)
 }
 
 /// The retention bound on one rank's store directory for a job that

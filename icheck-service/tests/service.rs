@@ -34,6 +34,13 @@ impl Service {
         Service(LocalService::up(Path::new(ICHECK), name, managers, &[]), Default::default())
     }
 
+    /// One manager started with `args`, the `dynamic` configuration and
+    /// the daemons' `failpoints`.
+    fn one_node_with_failpoints(name: &str, args: &[&str], dynamic: Option<&str>, failpoints: &str) -> Service {
+        let service = LocalService::up_with_failpoints(Path::new(ICHECK), name, 1, args, dynamic, Some(failpoints));
+        Service(service, Default::default())
+    }
+
     fn register(&self, name: &str, ranks: u32, nodes: u32) -> Result<Vec<protocol::AgentInfo>, String> {
         let app = AppRegistration {
             name: name.into(),
@@ -137,17 +144,8 @@ fn killed_manager_is_marked_down() {
 #[test]
 fn a_starting_agent_counts_against_the_node_limit() {
     let dynamic = "max_agents_node = 1\n";
-    let service = Service(
-        LocalService::up_with_failpoints(
-            Path::new(ICHECK),
-            "starting",
-            1,
-            &[],
-            Some(dynamic),
-            Some("manager.before_agent_start=sleep(5000)"),
-        ),
-        Default::default(),
-    );
+    let service =
+        Service::one_node_with_failpoints("starting", &[], Some(dynamic), "manager.before_agent_start=sleep(5000)");
     let first = std::thread::scope(|scope| {
         let first = scope.spawn(|| service.register("first", 1, 1));
         // Long enough for at least one status report from the manager
@@ -173,17 +171,8 @@ fn a_starting_agent_counts_against_the_node_limit() {
 /// rounds later).
 #[test]
 fn an_agent_that_starts_after_its_placement_gave_up_is_stopped() {
-    let service = Service(
-        LocalService::up_with_failpoints(
-            Path::new(ICHECK),
-            "late-start",
-            1,
-            &[],
-            None,
-            Some("manager.before_agent_start=sleep(17000) x1"),
-        ),
-        Default::default(),
-    );
+    let service =
+        Service::one_node_with_failpoints("late-start", &[], None, "manager.before_agent_start=sleep(17000) x1");
     // The client's own 10 s bound may end its wait first; the controller
     // gives up on the start at 15 s either way.
     service.register("late", 1, 1).expect_err("the only start outlives the bounds");
@@ -211,17 +200,8 @@ fn an_agent_that_starts_after_its_placement_gave_up_is_stopped() {
 /// failed when the node's agents were given up for it.)
 #[test]
 fn a_slow_status_measurement_does_not_hold_the_heartbeats_back() {
-    let service = Service(
-        LocalService::up_with_failpoints(
-            Path::new(ICHECK),
-            "slow-measure",
-            1,
-            &["--heartbeat", "0.5"],
-            None,
-            Some("manager.measure=sleep(3000)"),
-        ),
-        Default::default(),
-    );
+    let service =
+        Service::one_node_with_failpoints("slow-measure", &["--heartbeat", "0.5"], None, "manager.measure=sleep(3000)");
     wait_for("local-1 to register", Duration::from_secs(20), || !service.status().nodes.is_empty());
     // Four status periods (2 s), each measurement taking 3 s.
     let mut longest_silence: f64 = 0.0;
@@ -545,17 +525,7 @@ fn a_manager_started_with_sigterm_blocked_still_stops_on_sigterm() {
 /// registration; the controller then places nothing there and says why.
 #[test]
 fn a_node_that_fails_to_start_agents_takes_no_more_and_status_says_why() {
-    let service = Service(
-        LocalService::up_with_failpoints(
-            Path::new(ICHECK),
-            "quarantine",
-            1,
-            &[],
-            None,
-            Some("manager.agent_start=error"),
-        ),
-        Default::default(),
-    );
+    let service = Service::one_node_with_failpoints("quarantine", &[], None, "manager.agent_start=error");
     let err = service.register("first", 1, 1).unwrap_err();
     assert!(err.contains("failed to start agent"), "{err}");
     let status = service.status();
